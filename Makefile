@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.zephon-installed
+
+.PHONY: demo test build lint bench docs clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall only when the packaging metadata changes; `build` recompiles changed .pyx files.
+$(STAMP): $(BIN)/python pyproject.toml setup.py
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel "Cython>=3.0" "numpy>=2.0"
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test]"
+	touch $(STAMP)
+
+build: $(STAMP)
+	$(BIN)/python setup.py -q build_ext --inplace --parallel 2
+
+lint: build
+	$(BIN)/ruff check zephon tests asv_bench
+	$(BIN)/ruff format --check zephon tests asv_bench
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -p no:cacheprovider
+
+demo: build
+	$(BIN)/zephon demo
+
+bench: build
+	$(BIN)/zephon bench
+
+clean:
+	rm -rf build zephon/_core/*.c zephon/_core/*.so zephon.egg-info

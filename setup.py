@@ -1,0 +1,50 @@
+"""Build the compiled core. Everything else (metadata, extras, tools) lives in pyproject.toml.
+
+Environment switches:
+  ZEPHON_CYTHON_DEBUG=1  bounds/wraparound/initialized checks on, -O0 -g
+  ZEPHON_SANITIZE=1      build with AddressSanitizer and UBSan
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+HERE = Path(__file__).parent
+DEBUG = os.environ.get("ZEPHON_CYTHON_DEBUG") == "1"
+SANITIZE = os.environ.get("ZEPHON_SANITIZE") == "1"
+
+directives = {
+    "language_level": 3,
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": True,
+    "binding": True,
+    "embedsignature": True,
+}
+
+compile_args: list[str] = []
+link_args: list[str] = []
+if sys.platform != "win32":
+    compile_args += ["-O0", "-g"] if DEBUG else ["-O3"]
+    if SANITIZE:
+        compile_args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+        link_args += ["-fsanitize=address,undefined"]
+
+extensions = [
+    Extension(
+        f"zephon._core.{pyx.stem}",
+        [str(pyx.relative_to(HERE))],
+        include_dirs=[numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+    )
+    for pyx in sorted((HERE / "zephon" / "_core").glob("*.pyx"))
+]
+
+setup(ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=0))
