@@ -3,6 +3,7 @@
 Environment switches:
   ZEPHON_CYTHON_DEBUG=1  bounds/wraparound/initialized checks on, -O0 -g
   ZEPHON_SANITIZE=1      build with AddressSanitizer and UBSan
+  ZEPHON_ONLY=a,b        build only these kernel modules (faster edit-compile loops)
 """
 
 import os
@@ -16,6 +17,7 @@ from setuptools import Extension, setup
 HERE = Path(__file__).parent
 DEBUG = os.environ.get("ZEPHON_CYTHON_DEBUG") == "1"
 SANITIZE = os.environ.get("ZEPHON_SANITIZE") == "1"
+ONLY = {name for name in os.environ.get("ZEPHON_ONLY", "").split(",") if name}
 
 directives = {
     "language_level": 3,
@@ -45,6 +47,7 @@ extensions = [
         extra_link_args=link_args,
     )
     for pyx in sorted((HERE / "zephon" / "_core").glob("*.pyx"))
+    if not ONLY or pyx.stem in ONLY
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=0))

@@ -9,7 +9,7 @@ import importlib
 _MODULES = ("cursor", "records", "chunk_table", "binfill")
 
 
-def _check_build() -> None:
+def check_build() -> None:
     for name in _MODULES:
         try:
             importlib.import_module(f"{__name__}.{name}")
@@ -21,4 +21,4 @@ def _check_build() -> None:
             ) from exc
 
 
-_check_build()
+
