@@ -1,0 +1,1 @@
+"""Zephon: deterministic, checkpointable data pipelines for ML training loops."""

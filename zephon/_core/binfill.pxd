@@ -1,0 +1,42 @@
+# Layouts of the bin-fill packers, published for cimport by the packing operators.
+from zephon._core._types cimport offset_t
+
+# Strategy codes of BinPacker._strategy.
+cdef enum:
+    BEST_FIT = 0
+    FIRST_FIT = 1
+
+# Columns of one placement row: (item, frag_start, frag_len, bin_id, bin_offset).
+cdef enum:
+    PLACEMENT_COLUMNS = 5
+
+
+cdef class BinPacker:
+    cdef offset_t _capacity
+    cdef Py_ssize_t _max_open      # open-bin limit; the size of _ids and _room
+    cdef int _strategy             # BEST_FIT or FIRST_FIT
+    cdef offset_t _next_id         # id the next opened bin gets
+    cdef Py_ssize_t _n_open
+    # Open bins as a compact array in ascending bin-id order (a new bin always has the highest id),
+    # so "lowest bin id" tie-breaks are "lowest index" and a scan can stop at the first exact fit.
+    cdef offset_t* _ids
+    cdef offset_t* _room           # remaining space of each open bin; always >= 1 while open
+    cdef bint _busy                # add() is editing the arrays with the GIL released
+
+    cdef int _enter(self) except -1
+    cdef void _close_at(self, Py_ssize_t k) noexcept nogil
+    cdef Py_ssize_t _place(self, const offset_t[:] lengths, offset_t* rows,
+                           offset_t* closed) noexcept nogil
+
+
+cdef class FlatPacker:
+    cdef offset_t _capacity
+    cdef offset_t _next_id         # id the next opened bin gets
+    cdef offset_t _bin_id          # the open bin, or -1 when none is open
+    cdef offset_t _used            # tokens in the open bin (0 when none is open)
+    cdef bint _busy                # add() is editing the state with the GIL released
+
+    cdef int _enter(self) except -1
+
+    cdef Py_ssize_t _place(self, const offset_t[:] lengths, offset_t* rows,
+                           offset_t* closed) noexcept nogil

@@ -1,0 +1,255 @@
+"""The record model (SPEC §1.1): contributors, sample metadata, records and batches.
+
+Compiled because one of each is made per record on the hot path. All four classes are
+immutable: their attributes are read-only, and "changing" one means building a new one.
+"""
+
+from zephon._core.cursor cimport SampleCursor, make_cursor
+
+import operator
+
+_NO_TAGS = frozenset()
+
+
+cdef class ContributorRef:
+    """A base offset a record stands for, and whether this record is the last one that will."""
+
+    def __init__(self, cursor, is_last_child):
+        if not isinstance(cursor, SampleCursor):
+            raise TypeError(f"ContributorRef cursor must be a SampleCursor, got {cursor!r}")
+        self.cursor = cursor
+        self.is_last_child = bool(is_last_child)
+
+    @property
+    def base_offset(self):
+        """``(chunk_id, chunk_offset)`` of the contributor's cursor."""
+        return self.cursor.base_offset
+
+    def __eq__(self, other):
+        if not isinstance(other, ContributorRef):
+            return NotImplemented
+        cdef ContributorRef o = <ContributorRef>other
+        return self.is_last_child == o.is_last_child and self.cursor == o.cursor
+
+    def __hash__(self):
+        return hash((self.cursor, self.is_last_child))
+
+    def __reduce__(self):
+        return (ContributorRef, (self.cursor, self.is_last_child))
+
+    def __repr__(self):
+        return f"ContributorRef({self.cursor!r}, is_last_child={bool(self.is_last_child)})"
+
+
+cdef tuple _as_contributors(object contributors):
+    cdef tuple refs = tuple(contributors)
+    for i, ref in enumerate(refs):
+        if not isinstance(ref, ContributorRef):
+            raise TypeError(f"SampleMeta contributors[{i}] must be a ContributorRef, got {ref!r}")
+    return refs
+
+
+cdef class SampleMeta:
+    """The tracking half of a record: cursor, lane, contributors, tags and mixture heritage.
+
+    ``contributors`` is ``None`` when the record implicitly stands for its own cursor and closes it.
+    """
+
+    def __init__(self, cursor, *, lane_id=0, contributors=None, tags=_NO_TAGS,
+                 is_tombstone=False, component=None, component_sample_counts=None,
+                 component_token_counts=None):
+        if not isinstance(cursor, SampleCursor):
+            raise TypeError(f"SampleMeta cursor must be a SampleCursor, got {cursor!r}")
+        self.cursor = cursor
+        lane = operator.index(lane_id)
+        if lane < 0:
+            raise ValueError(f"SampleMeta lane_id must be >= 0, got {lane}")
+        self.lane_id = lane
+        self.contributors = None if contributors is None else _as_contributors(contributors)
+        self.tags = tags if type(tags) is frozenset else frozenset(tags)
+        self.is_tombstone = bool(is_tombstone)
+        self.component = component
+        self.component_sample_counts = component_sample_counts
+        self.component_token_counts = component_token_counts
+
+    cpdef tuple contribution_refs(self):
+        """The explicit contributors, or ``(ContributorRef(cursor, True),)`` when implicit."""
+        if self.contributors is not None:
+            return <tuple>self.contributors
+        cdef ContributorRef ref = ContributorRef.__new__(ContributorRef)
+        ref.cursor = self.cursor
+        ref.is_last_child = True
+        return (ref,)
+
+    def replace(self, **changes):
+        """A copy with some fields changed (keyword names as in the constructor)."""
+        fields = self._fields()
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"SampleMeta has no field(s) {sorted(unknown)}")
+        fields.update(changes)
+        cursor = fields.pop("cursor")
+        return SampleMeta(cursor, **fields)
+
+    def _fields(self):
+        return {
+            "cursor": self.cursor,
+            "lane_id": self.lane_id,
+            "contributors": self.contributors,
+            "tags": self.tags,
+            "is_tombstone": bool(self.is_tombstone),
+            "component": self.component,
+            "component_sample_counts": self.component_sample_counts,
+            "component_token_counts": self.component_token_counts,
+        }
+
+    def __eq__(self, other):
+        if not isinstance(other, SampleMeta):
+            return NotImplemented
+        return self._fields() == (<SampleMeta>other)._fields()
+
+    __hash__ = None  # the component count dicts are mutable
+
+    def __reduce__(self):
+        fields = self._fields()
+        return (_rebuild_meta, (fields.pop("cursor"), fields))
+
+    def __repr__(self):
+        extra = "".join(
+            f", {k}={v!r}" for k, v in self._fields().items()
+            if k != "cursor" and v not in (None, _NO_TAGS, False, 0)
+        )
+        return f"SampleMeta({self.cursor!r}{extra})"
+
+
+def _rebuild_meta(cursor, fields):
+    return SampleMeta(cursor, **fields)
+
+
+cdef SampleMeta make_meta(SampleCursor cursor, offset_t lane_id, object component):
+    """A plain meta (implicit contributor, no tags) without keyword parsing."""
+    cdef SampleMeta m = SampleMeta.__new__(SampleMeta)
+    m.cursor = cursor
+    m.lane_id = lane_id
+    m.contributors = None
+    m.tags = _NO_TAGS
+    m.is_tombstone = False
+    m.component = component
+    m.component_sample_counts = None
+    m.component_token_counts = None
+    return m
+
+
+cdef class SampleRecord:
+    """A payload (usually a dict of fields) with its tracking metadata; a tombstone's payload is None."""
+
+    def __init__(self, meta, payload):
+        if not isinstance(meta, SampleMeta):
+            raise TypeError(f"SampleRecord meta must be a SampleMeta, got {meta!r}")
+        self.meta = meta
+        self.payload = payload
+
+    @property
+    def cursor(self):
+        return self.meta.cursor
+
+    @property
+    def is_tombstone(self):
+        return self.meta.is_tombstone
+
+    def contribution_refs(self):
+        return self.meta.contribution_refs()
+
+    def with_payload(self, payload):
+        """The same record identity carrying a new payload."""
+        cdef SampleRecord r = SampleRecord.__new__(SampleRecord)
+        r.meta = self.meta
+        r.payload = payload
+        return r
+
+    def __reduce__(self):
+        return (SampleRecord, (self.meta, self.payload))
+
+    def __repr__(self):
+        if self.meta.is_tombstone:
+            return f"SampleRecord(tombstone {self.meta.cursor!r})"
+        return f"SampleRecord({self.meta!r}, payload={_short(self.payload)})"
+
+
+def _short(payload):
+    if isinstance(payload, dict):
+        return "{" + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in payload.items()) + "}"
+    return type(payload).__name__
+
+
+cdef class SampleBatch:
+    """Consecutive records grouped for the training loop; each keeps its own cursor and meta."""
+
+    def __init__(self, records, payload):
+        self.records = tuple(records)
+        for i, r in enumerate(self.records):
+            if not isinstance(r, SampleRecord):
+                raise TypeError(f"SampleBatch records[{i}] must be a SampleRecord, got {r!r}")
+        self.payload = payload
+
+    def __len__(self):
+        return len(self.records)
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def __getitem__(self, i):
+        return self.records[i]
+
+    def __reduce__(self):
+        return (SampleBatch, (self.records, self.payload))
+
+    def __repr__(self):
+        return f"SampleBatch({len(self.records)} records, payload={_short(self.payload)})"
+
+
+def records_for_chunk(chunk_id, const offset_t[:, :] pointers, list payloads, lane_id,
+                      list components, first_offset=0):
+    """Root records for rows of a chunk: cursor ``(chunk_id, first_offset + i, pointers[i])``.
+
+    This is what ``fetch`` builds per sample, so it is done here without per-record parsing.
+    """
+    cdef Py_ssize_t i, n = pointers.shape[0]
+    if pointers.shape[1] != 3:
+        raise ValueError(f"pointers must have shape (n, 3), got (n, {pointers.shape[1]})")
+    if len(payloads) != n or len(components) != n:
+        raise ValueError(
+            f"{n} pointers but {len(payloads)} payloads and {len(components)} components"
+        )
+    cdef offset_t cid = chunk_id, first = first_offset, lane = lane_id
+    if cid < 0 or first < 0 or lane < 0:
+        raise ValueError("chunk_id, first_offset and lane_id must be >= 0")
+    cdef list out = [None] * n
+    cdef SampleRecord rec
+    for i in range(n):
+        if pointers[i, 0] < 0 or pointers[i, 1] < 0 or pointers[i, 2] < 0:
+            raise ValueError(f"pointer row {i} of chunk {cid} has a negative field")
+        rec = SampleRecord.__new__(SampleRecord)
+        rec.meta = make_meta(
+            make_cursor(cid, first + i, pointers[i, 0], pointers[i, 1], pointers[i, 2]),
+            lane, components[i],
+        )
+        rec.payload = payloads[i]
+        out[i] = rec
+    return out
+
+
+def count_closing(records):
+    """How many closing contributors a list of records (tombstones included) carries."""
+    cdef Py_ssize_t total = 0
+    cdef SampleRecord rec
+    cdef ContributorRef ref
+    for obj in records:
+        rec = <SampleRecord?>obj
+        if rec.meta.contributors is None:
+            total += 1
+        else:
+            for r in <tuple>rec.meta.contributors:
+                ref = <ContributorRef>r
+                total += ref.is_last_child
+    return total

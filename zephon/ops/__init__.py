@@ -1,0 +1,13 @@
+"""Operators: the API for writing them, the children helpers, and the built-in factories."""
+
+from zephon.ops.base import OpTraits, Operator
+from zephon.ops.children import pack_meta, spawn_child, tombstone_meta, tombstones_for_record
+
+__all__ = [
+    "OpTraits",
+    "Operator",
+    "pack_meta",
+    "spawn_child",
+    "tombstone_meta",
+    "tombstones_for_record",
+]

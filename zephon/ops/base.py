@@ -1,0 +1,118 @@
+"""The operator API (SPEC §1.3): what the planner and the lane runner know about an operator."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from zephon.types import SampleRecord
+
+__all__ = ["OpTraits", "Operator", "describe_value", "epoch_rng"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OpTraits:
+    """What an operator promises; the planner chooses the eviction path and parallelism from it.
+
+    ``preserves_cursor_order`` has no default on purpose: claiming it falsely loses data.
+    """
+
+    preserves_cursor_order: bool
+    stateful: bool = False
+    batch_sensitive: bool = False
+    preserves_indexability: bool = False
+    workers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"OpTraits workers must be >= 1 or None, got {self.workers}")
+
+
+class Operator:
+    """Base class of pipeline operators.
+
+    The lane runner calls ``start_epoch`` before each epoch, ``process_many`` on micro-batches of
+    real records (never tombstones), and ``flush`` at each epoch marker and at the end of a lane.
+    An operator that drops a record must emit that record's tombstones (``tombstones_for_record``).
+    """
+
+    name: str = ""
+    traits: OpTraits
+    #: True only for ``fetch``: it turns pointers into records and must come first.
+    consumes_pointers: ClassVar[bool] = False
+    #: True only for ``batch``: it groups records at delivery and must come last.
+    groups_at_delivery: ClassVar[bool] = False
+
+    lane_id: int = 0
+    epoch: int = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.__dict__.get("name"):
+            cls.name = cls.__name__
+
+    def start_epoch(self, lane_id: int, epoch: int) -> None:
+        """Called before each epoch of a lane; seeded operators reseed from (seed, lane, epoch)."""
+        self.lane_id = lane_id
+        self.epoch = epoch
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        raise NotImplementedError(f"{type(self).__name__} must implement process_many (abstract)")
+
+    def flush(self) -> list[SampleRecord]:
+        """Emit whatever the operator still holds; called at every epoch marker and lane end."""
+        return []
+
+    def carry_state(self) -> dict | None:
+        """Small JSON-able state that survives epochs (and is stored in checkpoints)."""
+        return None
+
+    def restore_carry(self, state: dict) -> None:
+        """Restore what ``carry_state`` returned; called on fresh operators at restore."""
+
+    def describe(self) -> dict[str, Any]:
+        """The operator's identity for the pipeline fingerprint: class, name and parameters."""
+        params = {
+            k: describe_value(v)
+            for k, v in sorted(vars(self).items())
+            if not k.startswith("_") and k not in ("lane_id", "epoch", "name", "traits")
+        }
+        return {
+            "class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "name": self.name,
+            "traits": dataclasses.asdict(self.traits),
+            "params": params,
+        }
+
+    def __repr__(self) -> str:
+        return f"<{self.name} operator>"
+
+
+def describe_value(value: Any) -> Any:
+    """A JSON-able, process-independent description of a parameter (callables by qualified name)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [describe_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): describe_value(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, np.ndarray):
+        return {"ndarray": list(value.shape), "dtype": str(value.dtype)}
+    if isinstance(value, Operator):
+        return value.describe()
+    if callable(value):
+        module = getattr(value, "__module__", None) or type(value).__module__
+        qualname = getattr(value, "__qualname__", None) or type(value).__qualname__
+        return f"{module}.{qualname}"
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def epoch_rng(seed: int, lane_id: int, epoch: int) -> np.random.Generator:
+    """The random generator of a seeded operator for one lane and epoch (never time or id based)."""
+    return np.random.default_rng(np.random.SeedSequence([seed, lane_id, epoch]))
+
+
+Callback = Callable[[Any], Any]

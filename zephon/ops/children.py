@@ -1,0 +1,94 @@
+"""Helpers that build the metadata of derived records: children, packed records, tombstones.
+
+They keep the one invariant fan-out depends on: for each base offset of a lane, exactly one record
+or tombstone eventually carries its closing contributor, and never before its siblings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from zephon.types import ContributorRef, SampleCursor, SampleMeta, SampleRecord
+
+__all__ = ["pack_meta", "spawn_child", "tombstone_meta", "tombstones_for_record"]
+
+
+def spawn_child(
+    parent: SampleMeta,
+    child_idx: int,
+    *,
+    is_last_child: bool = False,
+    tags: Iterable[str] | None = None,
+) -> SampleMeta:
+    """Metadata for child ``child_idx`` of ``parent`` (lineage extended by ``child_idx``).
+
+    Only the child marked ``is_last_child`` may close anything: for a parent with explicit
+    contributors (a split or packed record) it keeps their flags, every other child gets
+    non-closing copies, so splitting again can never close a source early.
+    """
+    cursor = parent.cursor.child(child_idx)
+    if parent.contributors is None:
+        contributors: tuple[ContributorRef, ...] = (ContributorRef(cursor, is_last_child),)
+    elif is_last_child:
+        contributors = parent.contributors
+    else:
+        contributors = tuple(
+            ref if not ref.is_last_child else ContributorRef(ref.cursor, False)
+            for ref in parent.contributors
+        )
+    return SampleMeta(
+        cursor,
+        lane_id=parent.lane_id,
+        contributors=contributors,
+        tags=parent.tags if not tags else parent.tags | frozenset(tags),
+        component=parent.component,
+        component_sample_counts=parent.component_sample_counts,
+        component_token_counts=parent.component_token_counts,
+    )
+
+
+def pack_meta(
+    primary_cursor: SampleCursor,
+    contributors: Iterable[ContributorRef],
+    *,
+    lane_id: int,
+    component_sample_counts: Mapping[Any, int] | None = None,
+    component_token_counts: Mapping[Any, int] | None = None,
+    tags: Iterable[str] | None = None,
+) -> SampleMeta:
+    """Metadata for a record made of several inputs (packing).
+
+    ``primary_cursor`` is the packed record's replay identity and must be unique in the lane;
+    ``contributors`` are every input's ``contribution_refs()``, kept in input order.
+    """
+    return SampleMeta(
+        primary_cursor,
+        lane_id=lane_id,
+        contributors=tuple(contributors),
+        tags=frozenset(tags) if tags else frozenset(),
+        component_sample_counts=(
+            None if component_sample_counts is None else dict(component_sample_counts)
+        ),
+        component_token_counts=(
+            None if component_token_counts is None else dict(component_token_counts)
+        ),
+    )
+
+
+def tombstone_meta(ref: ContributorRef, lane_id: int) -> SampleMeta:
+    """Metadata of a tombstone: a payload-less record carrying one contributor a dropped record owed."""
+    return SampleMeta(ref.cursor, lane_id=lane_id, contributors=(ref,), is_tombstone=True)
+
+
+def tombstones_for_record(record: SampleRecord) -> list[SampleRecord]:
+    """One tombstone per closing contributor of ``record`` (``[]`` when it owes none).
+
+    Emit these whenever an operator drops a record, whatever eviction path the pipeline is on.
+    """
+    lane = record.meta.lane_id
+    return [
+        SampleRecord(tombstone_meta(ref, lane), None)
+        for ref in record.contribution_refs()
+        if ref.is_last_child
+    ]
