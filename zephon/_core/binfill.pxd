@@ -11,16 +11,22 @@ cdef enum:
     PLACEMENT_COLUMNS = 5
 
 
+# One open bin of a BinPacker.
+ctypedef struct OpenBin:
+    offset_t room                  # remaining space; always >= 1 while the bin is open
+    offset_t bin_id
+
+
 cdef class BinPacker:
     cdef offset_t _capacity
-    cdef Py_ssize_t _max_open      # open-bin limit; the size of _ids and _room
+    cdef Py_ssize_t _max_open      # open-bin limit; the length of _bins
     cdef int _strategy             # BEST_FIT or FIRST_FIT
     cdef offset_t _next_id         # id the next opened bin gets
     cdef Py_ssize_t _n_open
-    # Open bins as a compact array in ascending bin-id order (a new bin always has the highest id),
-    # so "lowest bin id" tie-breaks are "lowest index" and a scan can stop at the first exact fit.
-    cdef offset_t* _ids
-    cdef offset_t* _room           # remaining space of each open bin; always >= 1 while open
+    # Open bins as a compact array. best_fit keeps it sorted by (room, bin_id): the tightest fit is
+    # a binary search and the fullest bin is first. first_fit keeps it in bin-id order: the first
+    # bin with room is the lowest id. Either way a new bin (most room, highest id) goes at the end.
+    cdef OpenBin* _bins
     cdef bint _busy                # add() is editing the arrays with the GIL released
 
     cdef int _enter(self) except -1

@@ -7,16 +7,19 @@ open across ``add`` calls until they are full, are pushed out to make room, or a
 """
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.stdint cimport INT64_MAX, uint64_t
+from libc.stdint cimport INT64_MAX
 from libc.string cimport memmove
 
 import operator
 
 import numpy as np
 
+cdef extern from "Python.h":
+    const Py_ssize_t PY_SSIZE_T_MAX
+
 # Placement rows of one call may not exceed this many; keeps the row-count arithmetic and the
 # (rows, 5) int64 allocation size clear of overflow. Far beyond any memory a machine has.
-cdef Py_ssize_t _MAX_ROWS = (<Py_ssize_t>1 << 58)
+cdef Py_ssize_t _MAX_ROWS = PY_SSIZE_T_MAX // 64
 
 
 cdef offset_t _as_count(object value, str owner, str name) except? -1:
@@ -108,12 +111,42 @@ cdef _raise_bad(Py_ssize_t code, Py_ssize_t index, const offset_t[:] lengths, st
     raise MemoryError(f"{owner}.add: lengths up to index {index} make too many fragments to place")
 
 
+cdef inline Py_ssize_t _first_with_room(const OpenBin* bins, Py_ssize_t n,
+                                        offset_t r) noexcept nogil:
+    # Bins sorted by (room, bin_id): the first with room >= r is the tightest fit, lowest id on ties.
+    cdef Py_ssize_t lo = 0, hi = n, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if bins[mid].room < r:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+cdef inline void _sift_down(OpenBin* bins, Py_ssize_t p) noexcept nogil:
+    # bins[p].room just shrank: move it left to keep the (room, bin_id) order.
+    cdef OpenBin moved = bins[p]
+    cdef Py_ssize_t lo = 0, hi = p, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if bins[mid].room < moved.room or (
+            bins[mid].room == moved.room and bins[mid].bin_id < moved.bin_id
+        ):
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo < p:
+        memmove(bins + lo + 1, bins + lo, (p - lo) * sizeof(OpenBin))
+        bins[lo] = moved
+
+
 cdef class BinPacker:
     """Online best-fit or first-fit packing of sequences into at most ``max_open_bins`` open bins.
 
-    A sequence longer than ``capacity`` first fills whole bins of its own with ``capacity``-token
-    fragments; the rest goes to the tightest open bin that fits (``"best_fit"``) or the lowest-id one
-    (``"first_fit"``). When nothing fits and the limit is reached, the fullest open bin leaves. A bin
+    A sequence longer than ``capacity`` first fills whole bins of its own with all its whole
+    ``capacity``-token fragments; the rest (if any) goes to the tightest open bin that fits
+    (``"best_fit"``) or the lowest-id one that fits (``"first_fit"``). When nothing fits and the limit is reached, the fullest open bin leaves. A bin
     that becomes exactly full leaves at once. Invariant: no bin ever holds more than ``capacity``
     tokens, every bin id (0, 1, 2, ... in opening order) leaves exactly once, and fragments in a bin
     sit back to back from offset 0.
@@ -131,17 +164,15 @@ cdef class BinPacker:
         if max_open > _MAX_ROWS:
             raise MemoryError(f"BinPacker max_open_bins={max_open} is too large to allocate")
         self._max_open = <Py_ssize_t>max_open
-        self._ids = <offset_t*>PyMem_Malloc(self._max_open * sizeof(offset_t))
-        self._room = <offset_t*>PyMem_Malloc(self._max_open * sizeof(offset_t))
-        if self._ids == NULL or self._room == NULL:
+        self._bins = <OpenBin*>PyMem_Malloc(self._max_open * sizeof(OpenBin))
+        if self._bins == NULL:
             raise MemoryError(f"BinPacker cannot allocate {self._max_open} open bins")
         self._n_open = 0
         self._next_id = 0
         self._busy = False
 
     def __dealloc__(self):
-        PyMem_Free(self._ids)
-        PyMem_Free(self._room)
+        PyMem_Free(self._bins)
 
     def __repr__(self):
         return (
@@ -175,7 +206,9 @@ cdef class BinPacker:
         cdef offset_t[::1] view = out
         cdef Py_ssize_t k
         for k in range(self._n_open):
-            view[k] = self._ids[k]
+            view[k] = self._bins[k].bin_id
+        if self._strategy == BEST_FIT:
+            out.sort()
         return out
 
     def used(self, bin_id):
@@ -183,16 +216,15 @@ cdef class BinPacker:
         cdef offset_t b = operator.index(bin_id)
         cdef Py_ssize_t k
         for k in range(self._n_open):
-            if self._ids[k] == b:
-                return self._capacity - self._room[k]
+            if self._bins[k].bin_id == b:
+                return self._capacity - self._bins[k].room
         raise KeyError(f"bin {bin_id} is not open in this BinPacker")
 
     cdef void _close_at(self, Py_ssize_t k) noexcept nogil:
-        # Shift the tail down so the open bins stay compact and in ascending id order.
+        # Shift the tail down so the open bins stay compact and in order.
         cdef Py_ssize_t tail = self._n_open - k - 1
         if tail > 0:
-            memmove(self._ids + k, self._ids + k + 1, tail * sizeof(offset_t))
-            memmove(self._room + k, self._room + k + 1, tail * sizeof(offset_t))
+            memmove(self._bins + k, self._bins + k + 1, tail * sizeof(OpenBin))
         self._n_open -= 1
 
     cdef Py_ssize_t _place(self, const offset_t[:] lengths, offset_t* rows,
@@ -200,67 +232,61 @@ cdef class BinPacker:
         """Place every item of ``lengths``; write its rows and closed bin ids; return the count of
         closed ids. ``rows`` must hold exactly ``_bin_rows(lengths)`` rows (lengths checked >= 0)."""
         cdef offset_t cap = self._capacity
-        cdef offset_t* ids = self._ids
-        cdef offset_t* room = self._room
+        cdef OpenBin* bins = self._bins
         cdef bint best_fit = self._strategy == BEST_FIT
-        cdef Py_ssize_t i, k, best, n_closed = 0
+        cdef Py_ssize_t i, k, p, n_closed = 0
         cdef offset_t length, start, r, bin_id
-        cdef uint64_t slack, best_slack
         for i in range(lengths.shape[0]):
             length = lengths[i]
             start = 0
-            while length - start > cap:  # whole-bin fragments of a long item, full at once
-                bin_id = self._next_id
-                self._next_id += 1
-                _put(rows, i, start, cap, bin_id, 0)
-                rows += PLACEMENT_COLUMNS
-                closed[n_closed] = bin_id
-                n_closed += 1
-                start += cap
-            r = length - start
-            if r == 0 and start > 0:
-                continue
-            best = -1
-            if best_fit:
-                # Slack room - r as unsigned: a bin too small wraps to >= 2**63, above any fit,
-                # so one min-scan finds the tightest fit; ties keep the lower index (= lower id).
-                best_slack = <uint64_t>-1
-                for k in range(self._n_open):
-                    slack = <uint64_t>(room[k] - r)
-                    if slack < best_slack:
-                        best_slack = slack
-                        best = k
-                        if slack == 0:
-                            break
-                if best >= 0 and best_slack > <uint64_t>INT64_MAX:
-                    best = -1
-            else:
-                for k in range(self._n_open):
-                    if room[k] >= r:
-                        best = k
-                        break
-            if best < 0:
-                if self._n_open == self._max_open:
-                    # Nothing fits and no bin may open: the fullest bin (lowest id on ties) leaves.
-                    best = 0
-                    for k in range(1, self._n_open):
-                        if room[k] < room[best]:
-                            best = k
-                    closed[n_closed] = ids[best]
+            if length > cap:
+                # A long item: every whole capacity-sized fragment fills a new bin of its own,
+                # which is full at once; only the remainder (if any) is placed like any item.
+                while length - start >= cap:
+                    bin_id = self._next_id
+                    self._next_id += 1
+                    _put(rows, i, start, cap, bin_id, 0)
+                    rows += PLACEMENT_COLUMNS
+                    closed[n_closed] = bin_id
                     n_closed += 1
-                    self._close_at(best)
-                best = self._n_open
-                ids[best] = self._next_id
-                room[best] = cap
+                    start += cap
+                if start == length:
+                    continue
+            r = length - start
+            if best_fit:
+                p = _first_with_room(bins, self._n_open, r)
+            else:
+                p = 0
+                while p < self._n_open and bins[p].room < r:
+                    p += 1
+            if p == self._n_open:  # nothing fits
+                if self._n_open == self._max_open:
+                    # The fullest bin (lowest id on ties) leaves to make room. Best-fit keeps it
+                    # first; first-fit keeps id order, so find it.
+                    k = 0
+                    if not best_fit:
+                        for p in range(1, self._n_open):
+                            if bins[p].room < bins[k].room:
+                                k = p
+                    closed[n_closed] = bins[k].bin_id
+                    n_closed += 1
+                    self._close_at(k)
+                # A new bin has the largest room and the largest id: its place is the end in
+                # either order.
+                p = self._n_open
+                bins[p].bin_id = self._next_id
+                bins[p].room = cap
                 self._next_id += 1
                 self._n_open += 1
-            _put(rows, i, start, r, ids[best], cap - room[best])
+            _put(rows, i, start, r, bins[p].bin_id, cap - bins[p].room)
             rows += PLACEMENT_COLUMNS
-            room[best] -= r
-            if room[best] == 0:
-                closed[n_closed] = ids[best]
+            bins[p].room -= r
+            if bins[p].room == 0:
+                closed[n_closed] = bins[p].bin_id
                 n_closed += 1
-                self._close_at(best)
+                self._close_at(p)
+            elif best_fit and r > 0:
+                _sift_down(bins, p)
         return n_closed
 
     def add(self, const offset_t[:] lengths not None):
@@ -307,8 +333,8 @@ cdef class BinPacker:
         self._busy = False
 
     cdef int _enter(self) except -1:
-        # add() releases the GIL while it edits the open-bin arrays; a second thread must not
-        # edit them at the same time.
+        # add() releases the GIL while it edits the open bins; a second thread must not edit them
+        # at the same time.
         if self._busy:
             raise RuntimeError("BinPacker is in use by another thread; give each lane its own packer")
         self._busy = True
