@@ -1,1 +1,45 @@
-"""Zephon: deterministic, checkpointable data pipelines for ML training loops."""
+"""Zephon: deterministic, checkpointable data pipelines for ML training loops.
+
+Build a ``Pipeline`` from a source and operators, iterate it, save ``loader.state_dict()`` with
+your model, and resume with ``pipeline.iter(state=...)``: the stream continues exactly.
+"""
+
+from zephon._core import check_build as _check_build
+
+_check_build()
+
+from zephon.errors import (  # noqa: E402
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    ContractViolation,
+    ContractWarning,
+    FetchError,
+    OperatorError,
+    PlanError,
+    ReplayDivergenceError,
+    ZephonError,
+)
+from zephon.planner import Pipeline, Plan  # noqa: E402
+from zephon.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from zephon.runtime.loader import Loader  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "ContractViolation",
+    "ContractWarning",
+    "FetchError",
+    "Loader",
+    "OperatorError",
+    "Pipeline",
+    "Plan",
+    "PlanError",
+    "ReplayDivergenceError",
+    "ZephonError",
+    "load_checkpoint",
+    "save_checkpoint",
+]

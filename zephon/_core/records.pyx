@@ -42,7 +42,13 @@ cdef class ContributorRef:
 
 
 cdef tuple _as_contributors(object contributors):
-    cdef tuple refs = tuple(contributors)
+    try:
+        refs = tuple(contributors)
+    except TypeError:
+        raise TypeError(
+            f"SampleMeta contributors must be None or an iterable of ContributorRef, "
+            f"got {contributors!r}"
+        ) from None
     for i, ref in enumerate(refs):
         if not isinstance(ref, ContributorRef):
             raise TypeError(f"SampleMeta contributors[{i}] must be a ContributorRef, got {ref!r}")
@@ -61,9 +67,14 @@ cdef class SampleMeta:
         if not isinstance(cursor, SampleCursor):
             raise TypeError(f"SampleMeta cursor must be a SampleCursor, got {cursor!r}")
         self.cursor = cursor
-        lane = operator.index(lane_id)
-        if lane < 0:
-            raise ValueError(f"SampleMeta lane_id must be >= 0, got {lane}")
+        if isinstance(lane_id, bool):
+            raise TypeError(f"SampleMeta lane_id must be an int, got {lane_id!r}")
+        try:
+            lane = operator.index(lane_id)
+        except TypeError:
+            raise TypeError(f"SampleMeta lane_id must be an int, got {lane_id!r}") from None
+        if lane < 0 or lane > 0x7FFFFFFFFFFFFFFF:
+            raise ValueError(f"SampleMeta lane_id must be in [0, 2**63), got {lane}")
         self.lane_id = lane
         self.contributors = None if contributors is None else _as_contributors(contributors)
         self.tags = tags if type(tags) is frozenset else frozenset(tags)
@@ -253,3 +264,14 @@ def count_closing(records):
                 ref = <ContributorRef>r
                 total += ref.is_last_child
     return total
+
+
+def next_control(list items, Py_ssize_t start=0):
+    """Index of the first item at or after ``start`` that is not a real record (a tombstone or a
+    control item), or ``len(items)``: how the lane runner finds runs of records for an operator."""
+    cdef Py_ssize_t i, n = len(items)
+    for i in range(start, n):
+        obj = items[i]
+        if type(obj) is not SampleRecord or (<SampleRecord>obj).meta.is_tombstone:
+            return i
+    return n

@@ -1,0 +1,130 @@
+"""User-defined operators and helpers for the engine's tests: the operators split, drop, reorder
+and hold state the way real ones do, through the public operator API only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zephon.ops.base import OpTraits, Operator, epoch_rng
+from zephon.ops.children import pack_meta, spawn_child, tombstones_for_record
+from zephon.types import SampleBatch, SampleRecord
+
+
+class SplitInChildren(Operator):
+    """1 -> N: record idx becomes (idx % fanout) + 1 children; only the last child closes."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def __init__(self, fanout: int = 3):
+        self.fanout = fanout
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        out = []
+        for rec in records:
+            n = rec.payload["idx"] % self.fanout + 1
+            for i in range(n):
+                meta = spawn_child(rec.meta, i, is_last_child=i == n - 1)
+                out.append(SampleRecord(meta, {**rec.payload, "part": i}))
+        return out
+
+
+class DropMultiples(Operator):
+    """1 -> 0/1: drops records whose idx is a multiple of ``every``, emitting their tombstones."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def __init__(self, every: int = 4):
+        self.every = every
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        out: list[SampleRecord] = []
+        for rec in records:
+            if rec.payload["idx"] % self.every == 0:
+                out.extend(tombstones_for_record(rec))
+            else:
+                out.append(rec)
+        return out
+
+
+class WindowShuffle(Operator):
+    """Reorders through a seeded window; randomness from (seed, lane, epoch) only."""
+
+    traits = OpTraits(preserves_cursor_order=False, stateful=True)
+
+    def __init__(self, window: int = 5, seed: int = 0):
+        self.window = window
+        self.seed = seed
+        self._buf: list[SampleRecord] = []
+
+    def start_epoch(self, lane_id: int, epoch: int) -> None:
+        super().start_epoch(lane_id, epoch)
+        self._rng = epoch_rng(self.seed, lane_id, epoch)
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        out = []
+        for rec in records:
+            self._buf.append(rec)
+            if len(self._buf) >= self.window:
+                out.append(self._buf.pop(int(self._rng.integers(len(self._buf)))))
+        return out
+
+    def flush(self) -> list[SampleRecord]:
+        out = [self._buf.pop(int(self._rng.integers(len(self._buf)))) for _ in range(len(self._buf))]
+        return out
+
+
+class RunningTotal(Operator):
+    """Stateful, in order: adds a running total of idx that survives epochs through carry_state."""
+
+    traits = OpTraits(preserves_cursor_order=True, stateful=True)
+
+    def __init__(self) -> None:
+        self._total = 0
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        out = []
+        for rec in records:
+            self._total += rec.payload["idx"]
+            out.append(rec.with_payload({**rec.payload, "total": self._total}))
+        return out
+
+    def carry_state(self) -> dict:
+        return {"total": self._total}
+
+    def restore_carry(self, state: dict) -> None:
+        self._total = state["total"]
+
+
+class PackPairs(Operator):
+    """N -> 1: packs consecutive pairs into one record with both contributors (pack_meta)."""
+
+    traits = OpTraits(preserves_cursor_order=False, stateful=True)
+
+    def __init__(self) -> None:
+        self._held: SampleRecord | None = None
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        out = []
+        for rec in records:
+            if self._held is None:
+                self._held = rec
+                continue
+            first, self._held = self._held, None
+            meta = pack_meta(
+                first.meta.cursor.child(0),
+                [*first.meta.contribution_refs(), *rec.meta.contribution_refs()],
+                lane_id=self.lane_id,
+            )
+            out.append(SampleRecord(meta, {"pair": [first.payload["idx"], rec.payload["idx"]]}))
+        return out
+
+    def flush(self) -> list[SampleRecord]:
+        held, self._held = self._held, None
+        return [held] if held is not None else []
+
+
+def fingerprint_item(item: Any) -> tuple:
+    """What the training loop saw, cursors and payload bytes, as a comparable value."""
+    if isinstance(item, SampleBatch):
+        return ("batch", tuple(r.meta.cursor for r in item), repr(item.payload))
+    return ("record", item.meta.cursor, repr(item.payload))

@@ -1,0 +1,111 @@
+"""Damaged or foreign checkpoints raise the documented errors and never start the stream elsewhere."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from pipeline_kit import WindowShuffle
+
+import zephon
+from zephon.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from zephon.ops.basic import fetch
+from zephon.sources.memory import RangeSource
+
+
+def make(n=100, lanes=2, **kw):
+    return zephon.Pipeline(RangeSource(n, chunk_size=8), [fetch(), WindowShuffle(3)], lanes=lanes,
+                           **kw)
+
+
+@pytest.fixture
+def state():
+    loader = iter(make())
+    for _ in range(17):
+        next(loader)
+    return loader.state_dict()
+
+
+def test_state_is_small_json(state):
+    assert json.loads(json.dumps(state)) == state
+    assert len(json.dumps(state)) < 16 * 1024
+
+
+def test_altered_state_is_corrupt(state):
+    bad = copy.deepcopy(state)
+    bad["lane_states"][0]["start"] += 1
+    with pytest.raises(CheckpointCorruptError, match="checksum"):
+        make().iter(state=bad)
+
+
+def test_unknown_version_is_corrupt(state):
+    bad = dict(state, version=99)
+    with pytest.raises(CheckpointCorruptError, match="version 99"):
+        make().iter(state=bad)
+
+
+def test_not_a_state_is_corrupt():
+    with pytest.raises(CheckpointCorruptError):
+        make().iter(state={"hello": 1})
+    with pytest.raises(CheckpointCorruptError):
+        make().iter(state=[1, 2])  # type: ignore[arg-type]
+
+
+def test_state_from_another_source_is_a_mismatch(state):
+    with pytest.raises(CheckpointMismatchError, match="source"):
+        make(n=101).iter(state=state)
+
+
+def test_state_with_other_lanes_is_a_mismatch_naming_lanes(state):
+    with pytest.raises(CheckpointMismatchError, match="lanes"):
+        make(lanes=3).iter(state=state)
+
+
+def test_state_from_another_rank_or_world_size_is_a_mismatch(state):
+    with pytest.raises(CheckpointMismatchError, match="world_size"):
+        make(rank=0, world_size=2).iter(state=state)
+    other = make(rank=1, world_size=2)
+    loader = iter(other)
+    next(loader)
+    with pytest.raises(CheckpointMismatchError, match="rank"):
+        make(rank=0, world_size=2).iter(state=loader.state_dict())
+
+
+def test_state_from_other_operators_is_a_mismatch(state):
+    p = zephon.Pipeline(RangeSource(100, chunk_size=8), [fetch(), WindowShuffle(4)], lanes=2)
+    with pytest.raises(CheckpointMismatchError, match="operators"):
+        p.iter(state=state)
+
+
+def test_load_after_iteration_started_is_refused(state):
+    loader = iter(make())
+    next(loader)
+    with pytest.raises(CheckpointError, match="before the first next"):
+        loader.load_state_dict(state)
+
+
+def test_save_and_load_checkpoint_roundtrip(tmp_path, state):
+    path = tmp_path / "ckpt" / "loader.json"
+    zephon.save_checkpoint(path, state)
+    assert zephon.load_checkpoint(path) == state
+    assert not [p for p in path.parent.iterdir() if p.name != "loader.json"]  # no temp files left
+
+
+def test_truncated_checkpoint_file_is_corrupt(tmp_path, state):
+    path = tmp_path / "loader.json"
+    zephon.save_checkpoint(path, state)
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(CheckpointCorruptError):
+        zephon.load_checkpoint(path)
+
+
+def test_flipped_byte_in_checkpoint_file_is_corrupt(tmp_path, state):
+    path = tmp_path / "loader.json"
+    zephon.save_checkpoint(path, state)
+    raw = bytearray(path.read_bytes())
+    i = raw.index(b'"start":') + 8
+    raw[i] = ord("7") if raw[i] != ord("7") else ord("3")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorruptError):
+        zephon.load_checkpoint(path)

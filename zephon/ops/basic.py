@@ -1,0 +1,157 @@
+"""The record-level built-ins: ``fetch`` (pointers to records), ``map_transform``, ``filter_records``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from zephon._core.records import records_for_chunk
+from zephon.errors import FetchError, OperatorError
+from zephon.ops.base import OpTraits, Operator
+from zephon.ops.children import tombstones_for_record
+from zephon.types import SampleRecord
+
+__all__ = ["Fetch", "MapTransform", "FilterRecords", "fetch", "filter_records", "map_transform"]
+
+
+def record_error(op: Operator, record: SampleRecord, exc: BaseException) -> OperatorError:
+    """An ``OperatorError`` naming the operator, the record's cursor and its sample id."""
+    cursor = record.meta.cursor
+    return OperatorError(
+        f"operator {op.name!r} failed on record {cursor!r} (sample_id={cursor.sample_id}): "
+        f"{type(exc).__name__}: {exc}",
+        operator=op.name,
+        cursor=cursor,
+    )
+
+
+class Fetch(Operator):
+    """Turns a chunk's pointers into records: cursor ``(chunk_id, i, pointer, ())`` for row i."""
+
+    name = "fetch"
+    consumes_pointers = True
+    traits = OpTraits(preserves_cursor_order=True, preserves_indexability=True)
+
+    def __init__(self, reader: Callable[[np.ndarray], list] | None = None, *, retries: int = 3):
+        if retries < 0:
+            raise ValueError(f"fetch retries must be >= 0, got {retries}")
+        self.reader = reader
+        self.retries = retries
+        self._source: Any = None
+
+    def bind(self, source: Any) -> None:
+        """Attach the pipeline's source (its reader is the default, its components are used)."""
+        self._source = source
+
+    def fetch(self, chunk_id: int, pointers: np.ndarray, first_offset: int) -> list[SampleRecord]:
+        """Records for rows ``first_offset ..`` of chunk ``chunk_id``."""
+        read = self.reader or self._source.read
+        payloads = self._read_with_retries(read, pointers)
+        if len(payloads) != len(pointers):
+            raise FetchError(
+                f"reader returned {len(payloads)} payloads for {len(pointers)} pointers "
+                f"(chunk {chunk_id}, first pointer {pointers[0].tolist()})"
+            )
+        components = self._source.components(pointers)
+        return records_for_chunk(
+            chunk_id, pointers, list(payloads), self.lane_id, list(components), first_offset
+        )
+
+    def _read_with_retries(self, read: Callable[[np.ndarray], list], pointers: np.ndarray) -> list:
+        delay = 0.05
+        for attempt in range(self.retries + 1):
+            try:
+                return read(pointers)
+            except FetchError:
+                raise
+            except OSError as exc:
+                if attempt == self.retries:
+                    raise FetchError(
+                        f"could not read pointers {pointers[0].tolist()}..{pointers[-1].tolist()} "
+                        f"after {self.retries + 1} attempts: {exc}"
+                    ) from exc
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        raise TypeError("fetch consumes pointers; the lane runner calls fetch() instead")
+
+
+def fetch(reader: Callable[[np.ndarray], list] | None = None, *, retries: int = 3) -> Fetch:
+    """The first operator of every pipeline: reads payloads for pointers (retrying ``OSError``)."""
+    return Fetch(reader, retries=retries)
+
+
+class MapTransform(Operator):
+    """``payload -> fn(payload)``; with ``drop_none`` a ``None`` result drops the record (tombstoned)."""
+
+    def __init__(self, fn: Callable[[Any], Any], *, drop_none: bool = False,
+                 workers: int | None = None, name: str | None = None):
+        if not callable(fn):
+            raise TypeError(f"map_transform needs a callable, got {fn!r}")
+        self.fn = fn
+        self.drop_none = drop_none
+        self.name = name or f"map_transform({getattr(fn, '__qualname__', type(fn).__name__)})"
+        self.traits = OpTraits(
+            preserves_cursor_order=True, preserves_indexability=not drop_none, workers=workers
+        )
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        fn = self.fn
+        out: list[SampleRecord] = []
+        for rec in records:
+            try:
+                payload = fn(rec.payload)
+            except Exception as exc:
+                raise record_error(self, rec, exc) from exc
+            if payload is None:
+                if not self.drop_none:
+                    raise record_error(
+                        self, rec, ValueError("returned None (pass drop_none=True to drop records)")
+                    )
+                out.extend(tombstones_for_record(rec))
+            else:
+                out.append(rec.with_payload(payload))
+        return out
+
+
+def map_transform(fn: Callable[[Any], Any], *, drop_none: bool = False,
+                  workers: int | None = None, name: str | None = None) -> MapTransform:
+    """Apply ``fn`` to every payload; 1 -> 1, or 1 -> 0/1 with ``drop_none=True``."""
+    return MapTransform(fn, drop_none=drop_none, workers=workers, name=name)
+
+
+class FilterRecords(Operator):
+    """Keeps records whose payload satisfies ``predicate``; dropped ones leave their tombstones."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def __init__(self, predicate: Callable[[Any], bool], *, name: str | None = None):
+        if not callable(predicate):
+            raise TypeError(f"filter_records needs a callable, got {predicate!r}")
+        self.predicate = predicate
+        qual = getattr(predicate, "__qualname__", type(predicate).__name__)
+        self.name = name or f"filter_records({qual})"
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        keep = self.predicate
+        out: list[SampleRecord] = []
+        for rec in records:
+            try:
+                kept = keep(rec.payload)
+            except Exception as exc:
+                raise record_error(self, rec, exc) from exc
+            if kept:
+                out.append(rec)
+            else:
+                out.extend(tombstones_for_record(rec))
+        return out
+
+
+def filter_records(predicate: Callable[[Any], bool], *, name: str | None = None) -> FilterRecords:
+    """Keep a record when ``predicate(payload)`` is true; 1 -> 0/1 with automatic tombstones."""
+    return FilterRecords(predicate, name=name)

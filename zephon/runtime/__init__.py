@@ -1,0 +1,1 @@
+"""Running plans: lane runners, delivery bookkeeping, the replay filter and checkpoint state."""

@@ -1,0 +1,130 @@
+"""Checkpoint state: the versioned, self-checking dict a loader saves, and files that hold one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from zephon.errors import CheckpointCorruptError, CheckpointMismatchError
+from zephon.types import SampleCursor
+
+STATE_FORMAT = "zephon-loader-state"
+STATE_VERSION = 1
+FILE_FORMAT = "zephon-checkpoint"
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def seal(state: dict[str, Any]) -> dict[str, Any]:
+    """The state with a checksum over everything else in it."""
+    body = {k: v for k, v in state.items() if k != "checksum"}
+    return {**body, "checksum": hashlib.sha256(_canonical(body)).hexdigest()}
+
+
+def unseal(state: Any) -> dict[str, Any]:
+    """Check format, version and checksum; ``CheckpointCorruptError`` for anything else."""
+    if not isinstance(state, dict):
+        raise CheckpointCorruptError(f"a loader state is a dict, got {type(state).__name__}")
+    if state.get("format") != STATE_FORMAT:
+        raise CheckpointCorruptError(f"not a Zephon loader state (format={state.get('format')!r})")
+    if state.get("version") != STATE_VERSION:
+        raise CheckpointCorruptError(
+            f"loader state version {state.get('version')!r} is not known to this Zephon "
+            f"(it reads version {STATE_VERSION})"
+        )
+    body = {k: v for k, v in state.items() if k != "checksum"}
+    try:
+        expected = hashlib.sha256(_canonical(body)).hexdigest()
+    except (TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"loader state is not plain JSON data: {exc}") from None
+    if state.get("checksum") != expected:
+        raise CheckpointCorruptError("loader state checksum does not match: it was altered or damaged")
+    return body
+
+
+def check_identity(state: dict[str, Any], parts: dict[str, Any], rank: int) -> None:
+    """``CheckpointMismatchError`` naming what differs between the state and this pipeline."""
+    saved = state.get("pipeline", {})
+    differs = [
+        f"{key} (checkpoint {saved.get(key)!r}, pipeline {value!r})"
+        if key in ("lanes", "epoch_chunks", "micro_batch", "world_size")
+        else key
+        for key, value in parts.items()
+        if saved.get(key) != value
+    ]
+    if state.get("rank") != rank:
+        differs.append(f"rank (checkpoint {state.get('rank')!r}, pipeline {rank!r})")
+    if differs:
+        raise CheckpointMismatchError(
+            "checkpoint was taken from a different pipeline: " + "; ".join(differs) + " differ"
+        )
+
+
+def encode_cursor(cursor: SampleCursor | None) -> list | None:
+    if cursor is None:
+        return None
+    return [cursor.chunk_id, cursor.chunk_offset, list(cursor.sample_id), list(cursor.lineage)]
+
+
+def decode_cursor(value: Any) -> SampleCursor | None:
+    if value is None:
+        return None
+    try:
+        chunk_id, offset, sample_id, lineage = value
+        return SampleCursor(chunk_id, offset, tuple(sample_id), tuple(lineage))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"bad replay cursor {value!r} in loader state: {exc}") from None
+
+
+def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically (temp file, fsync, rename) with a checksum."""
+    target = Path(path)
+    payload = _canonical(state)
+    envelope = {
+        "format": FILE_FORMAT,
+        "version": 1,
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "state": state,
+    }
+    data = _canonical(envelope)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and verify a file written by ``save_checkpoint``; ``CheckpointCorruptError`` if damaged."""
+    raw = Path(path).read_bytes()
+    try:
+        envelope = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointCorruptError(f"checkpoint {path} is not readable JSON: {exc}") from None
+    if not isinstance(envelope, dict) or envelope.get("format") != FILE_FORMAT:
+        raise CheckpointCorruptError(f"{path} is not a Zephon checkpoint file")
+    if envelope.get("version") != 1:
+        raise CheckpointCorruptError(
+            f"checkpoint {path} has file version {envelope.get('version')!r}; this Zephon reads 1"
+        )
+    state = envelope.get("state")
+    if hashlib.sha256(_canonical(state)).hexdigest() != envelope.get("sha256"):
+        raise CheckpointCorruptError(f"checkpoint {path} fails its checksum: it is damaged")
+    return state

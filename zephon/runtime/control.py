@@ -1,0 +1,68 @@
+"""Control items: what travels down a lane besides records, keeping its place in the stream.
+
+Tombstones are records (``SampleRecord`` with ``is_tombstone``); the classes here are the rest.
+Operators never see control items: the lane runner passes them around the operator chain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ChunkOpened:
+    """A chunk starts: delivery enters it in the lane's chunk table before any record of it."""
+
+    __slots__ = ("chunk_id", "epoch", "local_index", "n_offsets", "skip_below")
+
+    def __init__(
+        self, chunk_id: int, local_index: int, n_offsets: int, epoch: int, skip_below: int = 0
+    ):
+        self.chunk_id = chunk_id
+        self.local_index = local_index
+        self.n_offsets = n_offsets
+        self.epoch = epoch
+        # Offsets below this were skipped at the source on restore (consumed before the checkpoint).
+        self.skip_below = skip_below
+
+    def __repr__(self) -> str:
+        return f"ChunkOpened({self.chunk_id}, local={self.local_index}, n={self.n_offsets})"
+
+
+class EpochEnd:
+    """Every operator has flushed epoch ``epoch``; carries their carry state for the next epoch and
+    each operator's closing-contributor balance (received minus emitted) over the epoch."""
+
+    __slots__ = ("carry", "deficits", "epoch")
+
+    def __init__(self, epoch: int, carry: list[Any], deficits: dict[str, int]):
+        self.epoch = epoch
+        self.carry = carry
+        self.deficits = deficits
+
+    def __repr__(self) -> str:
+        return f"EpochEnd({self.epoch})"
+
+
+class OverClose:
+    """Operator ``op`` emitted more closing contributors than it received this epoch: it closes
+    offsets too early. Sent ahead of that output so delivery can name the operator."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def __repr__(self) -> str:
+        return f"OverClose({self.op!r})"
+
+
+class LaneEnd:
+    """The lane has no more chunks; everything before it has been emitted."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "LaneEnd()"
+
+
+LANE_END = LaneEnd()

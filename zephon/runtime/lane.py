@@ -1,0 +1,210 @@
+"""The lane runner: one lane's chunks through its operator chain, as a stream of item lists.
+
+A lane takes the chunk positions dealt to it (SPEC §2), announces each chunk, fetches it in
+count-based micro-batches, and pushes them through the operators. Control items and tombstones
+travel with the records and keep their place: an operator only ever sees runs of real records.
+On the epoch path every ``epoch_chunks`` chunks end an epoch: each operator processes what it
+has, flushes, and the marker (with carry state) passes on. Where the runner runs (inline, thread,
+process) is not its concern.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+from zephon._core.records import count_closing, next_control
+from zephon.errors import OperatorError, ZephonError
+from zephon.ops.base import Operator
+from zephon.planner import Plan
+from zephon.runtime.control import LANE_END, ChunkOpened, EpochEnd, OverClose
+from zephon.types import SampleRecord
+
+
+def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
+    """Names that tell operators apart even when two share a name."""
+    names = [op.name for op in ops]
+    return [n if names.count(n) == 1 else f"{n}[#{i}]" for i, n in enumerate(names)]
+
+
+def chunk_position(plan: Plan, lane_id: int, local_index: int) -> int:
+    """The global chunk position (and chunk id) of a lane's ``local_index``-th chunk (SPEC §2)."""
+    stride = plan.world_size * plan.lanes
+    return plan.rank * plan.lanes + lane_id + local_index * stride
+
+
+class LaneRunner:
+    """Runs lane ``lane_id`` from lane-local chunk ``start_local`` with fresh operators.
+
+    ``carry`` restores each chain operator's carry state; ``skip_offset`` starts the first chunk at
+    that offset (source-level skip on restore of an indexable plan).
+    """
+
+    def __init__(self, plan: Plan, lane_id: int, *, start_local: int = 0,
+                 carry: list[Any] | None = None, skip_offset: int = 0):
+        self.plan = plan
+        self.lane_id = lane_id
+        self.fetch: Any = copy.deepcopy(plan.fetch)
+        self.fetch.bind(plan.source)
+        self.ops: list[Operator] = [copy.deepcopy(op) for op in plan.chain]
+        if carry is not None:
+            for op, state in zip(self.ops, carry):
+                if state is not None:
+                    op.restore_carry(state)
+        self.labels = operator_labels(self.ops)
+        self.start_local = start_local
+        self.skip_offset = skip_offset
+        self.epoch_path = plan.eviction_path == "epoch"
+        n = len(self.ops)
+        self._closing_in = [0] * n
+        self._closing_out = [0] * n
+        self._over_reported = [False] * n
+
+    def run(self) -> Iterator[list]:
+        """Yield lists of items (records, tombstones, control items) in lane order."""
+        plan = self.plan
+        source = plan.source
+        total = source.total_chunks()
+        per_epoch = plan.epoch_chunks
+        mb = plan.micro_batch
+        k = self.start_local
+        epoch = k // per_epoch
+        self._start_epoch(epoch)
+        while True:
+            position = chunk_position(plan, self.lane_id, k)
+            if total is not None and position >= total:
+                break
+            chunk = source.chunk(position)
+            n = len(chunk)
+            first = self.skip_offset if k == self.start_local else 0
+            yield [ChunkOpened(position, k, n, epoch, first)]
+            start = first
+            while start < n:
+                stop = min(n, (start // mb + 1) * mb)  # boundaries stay aligned after a skip
+                records = self.fetch.fetch(position, chunk.pointers[start:stop], start)
+                out = self._push(0, records)
+                if out:
+                    yield out
+                start = stop
+            k += 1
+            if self.epoch_path and k % per_epoch == 0:
+                yield self._end_epoch(epoch)
+                epoch += 1
+                self._start_epoch(epoch)
+        if self.epoch_path:
+            if k % per_epoch:  # a last, partial epoch
+                yield self._end_epoch(epoch)
+        else:
+            out = self._flush_all()
+            if out:
+                yield out
+        yield [LANE_END]
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.fetch.start_epoch(self.lane_id, epoch)
+        for op in self.ops:
+            op.start_epoch(self.lane_id, epoch)
+
+    def _push(self, first_op: int, items: list) -> list:
+        for j in range(first_op, len(self.ops)):
+            if not items:
+                break
+            items = self._apply(j, items)
+        return items
+
+    def _apply(self, j: int, items: list) -> list:
+        """Operator ``j`` over runs of real records; everything else keeps its place."""
+        n = len(items)
+        stop = next_control(items, 0)
+        if stop == n:
+            return self._call(j, items)
+        out: list = []
+        start = 0
+        while start < n:
+            if stop > start:
+                out.extend(self._call(j, items[start:stop]))
+            if stop < n:
+                out.append(items[stop])
+                start = stop + 1
+                stop = next_control(items, start) if start < n else n
+            else:
+                break
+        return out
+
+    def _call(self, j: int, records: list[SampleRecord]) -> list:
+        op = self.ops[j]
+        try:
+            out = op.process_many(records)
+        except ZephonError:
+            raise
+        except Exception as exc:
+            raise self._locate_error(op, records, exc) from exc
+        return self._audit(j, records, out)
+
+    def _audit(self, j: int, received: list[SampleRecord], emitted: list) -> list:
+        # A correct operator never emits more closing contributors than it received; one that does
+        # closes offsets early, so a marker goes ahead of its output to name it at delivery.
+        try:
+            self._closing_in[j] += count_closing(received)
+            self._closing_out[j] += count_closing(emitted)
+        except TypeError as exc:
+            raise OperatorError(
+                f"operator {self.labels[j]!r} returned something that is not a SampleRecord: {exc}",
+                operator=self.labels[j],
+            ) from None
+        if self._closing_out[j] > self._closing_in[j] and not self._over_reported[j]:
+            self._over_reported[j] = True
+            return [OverClose(self.labels[j]), *emitted]
+        return emitted
+
+    def _locate_error(self, op: Operator, records: list[SampleRecord], exc: Exception) -> Exception:
+        culprit = records[0]
+        if not op.traits.stateful:  # safe to rerun: find the record that fails
+            for rec in records:
+                try:
+                    copy.deepcopy(op).process_many([rec])
+                except Exception:
+                    culprit = rec
+                    break
+        cursor = culprit.meta.cursor
+        return OperatorError(
+            f"operator {op.name!r} failed on record {cursor!r} (sample_id={cursor.sample_id}): "
+            f"{type(exc).__name__}: {exc}",
+            operator=op.name,
+            cursor=cursor,
+        )
+
+    def _flush_from(self, j: int) -> list:
+        op = self.ops[j]
+        try:
+            flushed = op.flush()
+        except ZephonError:
+            raise
+        except Exception as exc:
+            raise OperatorError(
+                f"operator {op.name!r} failed in flush(): {type(exc).__name__}: {exc}",
+                operator=op.name,
+            ) from exc
+        return self._push(j + 1, self._audit(j, [], flushed))
+
+    def _flush_all(self) -> list:
+        out: list = []
+        for j in range(len(self.ops)):
+            out.extend(self._flush_from(j))
+        return out
+
+    def _end_epoch(self, epoch: int) -> list:
+        out = self._flush_all()
+        deficits = {
+            label: cin - cout
+            for label, cin, cout in zip(self.labels, self._closing_in, self._closing_out)
+            if cin != cout
+        }
+        carry = [op.carry_state() for op in self.ops]
+        n = len(self.ops)
+        self._closing_in = [0] * n
+        self._closing_out = [0] * n
+        self._over_reported = [False] * n
+        out.append(EpochEnd(epoch, carry, deficits))
+        return out

@@ -1,0 +1,175 @@
+"""The loader: round-robin delivery over lanes, stats, and the checkpoint state (SPEC §1.5, §2)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Hashable
+from typing import Any
+
+from zephon.errors import CheckpointCorruptError, CheckpointError, ContractWarning
+from zephon.planner import Plan
+from zephon.runtime.checkpoint import STATE_FORMAT, STATE_VERSION, check_identity, seal, unseal
+from zephon.runtime.delivery import LaneDelivery
+from zephon.types import SampleBatch, SampleMeta, SampleRecord
+
+MIXTURE_DROP_TAG = "mixture_dropped"
+_COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "mixture_dropped")
+
+
+class Loader:
+    """An iterator over what the training loop consumes: ``SampleBatch``es when the pipeline ends
+    in ``batch``, else ``SampleRecord``s. Tombstones are never delivered.
+
+    ``state_dict()`` is valid between any two ``next()`` calls; a loader built with it continues
+    exactly where it was taken.
+    """
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.delivered = 0
+        self.tombstones = 0
+        self.replayed = 0
+        self.evicted = 0
+        self.violations = 0
+        self.max_inflight = 0
+        self.mixture_dropped = 0
+        self.mix_samples: dict[Hashable, int] = {}
+        self.mix_tokens: dict[Hashable, int] = {}
+        self._warned: set[tuple] = set()
+        self._started = False
+        self._closed = False
+        self.next_lane = 0
+        self.lanes = [LaneDelivery(self, lane) for lane in range(plan.lanes)]
+
+    # ----------------------------------------------------------------------------- iteration
+    def __iter__(self) -> Loader:
+        return self
+
+    def __next__(self) -> SampleRecord | SampleBatch:
+        if self._closed:
+            raise StopIteration
+        self._started = True
+        lanes = self.lanes
+        n = len(lanes)
+        try:
+            for _ in range(n):  # one full round at most: each lane delivers or has ended
+                lane = lanes[self.next_lane]
+                self.next_lane = (self.next_lane + 1) % n
+                out = lane.next_delivery()
+                if out is not None:
+                    return out
+        except BaseException:
+            self.close()
+            raise
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop every lane; the loader delivers nothing afterwards."""
+        self._closed = True
+        for lane in self.lanes:
+            lane.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- counters
+    def count_delivered(self, meta: SampleMeta) -> None:
+        self.delivered += 1
+        tokens = meta.component_token_counts
+        if tokens:
+            totals = self.mix_tokens
+            for comp, n in tokens.items():
+                totals[comp] = totals.get(comp, 0) + n
+        samples = meta.component_sample_counts
+        totals = self.mix_samples
+        if samples:
+            for comp, n in samples.items():
+                totals[comp] = totals.get(comp, 0) + n
+        else:
+            comp = meta.component
+            totals[comp] = totals.get(comp, 0) + 1
+
+    def count_tombstone(self, meta: SampleMeta) -> None:
+        self.tombstones += 1
+        if MIXTURE_DROP_TAG in meta.tags:
+            self.mixture_dropped += 1
+
+    def count_violation(self, key: tuple, text: str) -> None:
+        self.violations += 1
+        warn_key = (key[0], key[1], key[3])  # one warning per kind, operator and epoch
+        if warn_key not in self._warned:
+            self._warned.add(warn_key)
+            warnings.warn(text, ContractWarning, stacklevel=5)
+
+    def note_inflight(self) -> None:
+        inflight = sum(lane.table.n_inflight for lane in self.lanes)
+        if inflight > self.max_inflight:
+            self.max_inflight = inflight
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the run (SPEC §1.5); ``mixture`` is the realized share per component of
+        delivered tokens, or of delivered samples when nothing carries token counts."""
+        basis = self.mix_tokens if self.mix_tokens else self.mix_samples
+        total = sum(basis.values())
+        return {
+            "delivered": self.delivered,
+            "tombstones": self.tombstones,
+            "replayed": self.replayed,
+            "inflight_chunks": sum(lane.table.n_inflight for lane in self.lanes),
+            "max_inflight_chunks": self.max_inflight,
+            "evicted_chunks": self.evicted,
+            "violations": self.violations,
+            "mixture": {k: v / total for k, v in basis.items()} if total else {},
+            "mixture_dropped": self.mixture_dropped,
+            "bytes_held": sum(lane.table.bytes_held for lane in self.lanes),
+            "eviction_path": self.plan.eviction_path,
+        }
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """A small JSON-serializable state; ``load_state_dict`` continues exactly from here."""
+        plan = self.plan
+        return seal({
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "fingerprint": plan.fingerprint,
+            "pipeline": plan.fingerprint_parts,
+            "rank": plan.rank,
+            "world_size": plan.world_size,
+            "lanes": plan.lanes,
+            "next_lane": self.next_lane,
+            "lane_states": [lane.state() for lane in self.lanes],
+            "counters": {name: getattr(self, name) for name in _COUNTERS},
+            "mixture": {
+                "samples": [[k, v] for k, v in self.mix_samples.items()],
+                "tokens": [[k, v] for k, v in self.mix_tokens.items()],
+            },
+        })
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; only before the first ``next()``."""
+        if self._started:
+            raise CheckpointError("load_state_dict must be called before the first next()")
+        body = unseal(state)
+        plan = self.plan
+        check_identity(body, plan.fingerprint_parts, plan.rank)
+        try:
+            lane_states = body["lane_states"]
+            if len(lane_states) != plan.lanes:
+                raise ValueError(f"{len(lane_states)} lane states for {plan.lanes} lanes")
+            for lane, lane_state in zip(self.lanes, lane_states):
+                lane.restore(lane_state)
+            self.next_lane = int(body["next_lane"]) % plan.lanes
+            for name in _COUNTERS:
+                setattr(self, name, int(body["counters"][name]))
+            self.mix_samples = {_key(k): int(v) for k, v in body["mixture"]["samples"]}
+            self.mix_tokens = {_key(k): int(v) for k, v in body["mixture"]["tokens"]}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"loader state is malformed: {exc!r}") from None
+
+
+def _key(value: Any) -> Hashable:
+    return tuple(value) if isinstance(value, list) else value
