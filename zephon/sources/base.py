@@ -1,0 +1,210 @@
+"""The source protocol (SPEC §1.4): what the runtime asks of a source, and a base for indexed ones.
+
+A source is a deterministic, random-access sequence of chunks. Chunk positions run across passes:
+position ``p`` is chunk ``p % num_chunks()`` of pass ``p // num_chunks()``, and the lanes of §2 deal
+positions out by ``p % (world_size * lanes)``, so ``chunk(p)`` must cost O(chunk) whatever ``p`` is.
+"""
+
+from __future__ import annotations
+
+import operator
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from zephon.errors import FetchError
+from zephon.sources.permutation import derive_key, permute
+from zephon.types import WorkChunk
+
+__all__ = ["IndexedSource", "WorkSource", "check_int", "check_pointers"]
+
+
+def _qualified_name(obj: object) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_pointers(pointers: np.ndarray, source: object) -> np.ndarray:
+    """Pointer rows as an int64 ``(n, 3)`` array; raises ValueError naming ``source`` otherwise.
+    Every ``read``/``components`` implementation starts here so bad input fails the same way."""
+    arr = np.asarray(pointers)
+    if arr.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    if arr.ndim != 2 or arr.shape[1] != 3 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(
+            f"{source!r}: pointers must be an integer array of shape (n, 3) "
+            f"(dataset_id, shard_id, sample_idx), got {arr.dtype} {arr.shape}"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+class WorkSource(ABC):
+    """A deterministic, random-access sequence of chunks of sample pointers, and their reader.
+
+    Invariant: ``chunk(p)`` is a pure function of the source and ``p`` (same chunk every time, in
+    every process), and ``read`` turns any pointer row the source produced into its payload.
+    """
+
+    @abstractmethod
+    def num_chunks(self) -> int | None:
+        """Chunks per pass, or None when a pass is unbounded."""
+
+    def total_chunks(self) -> int | None:
+        """Chunk positions over all passes, or None when unbounded; a single-pass source (this
+        default) has ``num_chunks()``."""
+        return self.num_chunks()
+
+    @abstractmethod
+    def chunk(self, position: int) -> WorkChunk:
+        """The chunk at ``position`` (``chunk.position == position``) in O(chunk) work and memory.
+        Raises ValueError for a negative position and IndexError for one ``>= total_chunks()``."""
+
+    @abstractmethod
+    def read(self, pointers: np.ndarray) -> list[Any]:
+        """Payloads for a batch of ``(dataset_id, shard_id, sample_idx)`` rows, in row order; what
+        the ``fetch`` operator calls. A row the source cannot read raises FetchError."""
+
+    def components(self, pointers: np.ndarray) -> list[Any]:
+        """The mixture component of each pointer row: by default the row's ``dataset_id``."""
+        return check_pointers(pointers, self)[:, 0].tolist()
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """JSON-able identity for the pipeline fingerprint: equal across processes for the same
+        source, different when its parameters or data differ."""
+
+    def _check_position(self, position: int) -> int:
+        p = operator.index(position)
+        if p < 0:
+            raise ValueError(f"{self!r}: chunk position must be >= 0, got {p}")
+        total = self.total_chunks()
+        if total is not None and p >= total:
+            raise IndexError(f"{self!r}: chunk position {p} is past the end ({total} chunks)")
+        return p
+
+
+class IndexedSource(WorkSource):
+    """A source with a known number of samples per pass and random access to each sample.
+
+    Chunk ``c`` of pass ``q`` holds the pass-order positions ``[k*chunk_size, (k+1)*chunk_size)``
+    (clipped to ``num_samples()``), where ``k = c`` unshuffled, or a (seed, pass)-keyed permutation
+    of the chunk indices when ``shuffle=True``; pass-order position ``j`` holds sample ``j``, or its
+    image under a (seed, pass)-keyed permutation of ``[0, num_samples())`` when shuffled. So every
+    pass holds every sample exactly once, and nothing larger than a chunk is ever materialized.
+    """
+
+    def __init__(
+        self,
+        *,
+        dataset_id: int = 0,
+        chunk_size: int = 1024,
+        shuffle: bool = False,
+        seed: int = 0,
+        passes: int | None = 1,
+    ) -> None:
+        name = type(self).__name__
+        self.dataset_id = check_int(dataset_id, "dataset_id", name, minimum=0)
+        self.chunk_size = check_int(chunk_size, "chunk_size", name, minimum=1)
+        self.passes = None if passes is None else check_int(passes, "passes", name, minimum=1)
+        if not isinstance(shuffle, (bool, np.bool_)):
+            raise TypeError(f"{name}: shuffle must be a bool, got {shuffle!r}")
+        self.shuffle = bool(shuffle)
+        self.seed = check_int(seed, "seed", name)
+
+    @abstractmethod
+    def num_samples(self) -> int:
+        """Samples per pass."""
+
+    def num_chunks(self) -> int:
+        """Chunks per pass: ``ceil(num_samples() / chunk_size)``."""
+        return -(-self.num_samples() // self.chunk_size)
+
+    def total_chunks(self) -> int | None:
+        """``num_chunks() * passes``; None when ``passes=None`` (an empty source has 0 chunks)."""
+        per_pass = self.num_chunks()
+        if per_pass == 0:
+            return 0
+        return None if self.passes is None else per_pass * self.passes
+
+    def chunk(self, position: int) -> WorkChunk:
+        """Chunk ``position % num_chunks()`` of pass ``position // num_chunks()``."""
+        p = self._check_position(position)
+        per_pass = self.num_chunks()
+        pass_idx, c = divmod(p, per_pass)
+        k = c
+        if self.shuffle:
+            key = derive_key(self.seed, pass_idx, "chunks")
+            k = int(permute(np.array([c], dtype=np.int64), per_pass, key)[0])
+        start = k * self.chunk_size
+        stop = min(start + self.chunk_size, self.num_samples())
+        return WorkChunk(p, self.pointer_rows(self.samples(pass_idx, start, stop)))
+
+    def samples(self, pass_idx: int, start: int, stop: int) -> np.ndarray:
+        """The sample indices (int64) at pass-order positions ``[start, stop)`` of pass
+        ``pass_idx``; a pass is a permutation of ``[0, num_samples())``."""
+        n = self.num_samples()
+        q = operator.index(pass_idx)
+        if q < 0 or (self.passes is not None and q >= self.passes):
+            raise IndexError(f"{self!r}: pass {q} does not exist (passes={self.passes})")
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"{self!r}: sample range [{start}, {stop}) is outside [0, {n})")
+        positions = np.arange(start, stop, dtype=np.int64)
+        if not self.shuffle:
+            return positions
+        return permute(positions, n, derive_key(self.seed, q, "samples"))
+
+    def pointer_rows(self, sample_indices: np.ndarray) -> np.ndarray:
+        """Pointer rows (int64 ``(n, 3)``) of the given sample indices: ``(dataset_id, 0, idx)``
+        unless the source has shards."""
+        idx = np.asarray(sample_indices, dtype=np.int64).ravel()
+        rows = np.zeros((idx.size, 3), dtype=np.int64)
+        rows[:, 0] = self.dataset_id
+        rows[:, 2] = idx
+        return rows
+
+    def _sample_indices(self, pointers: np.ndarray) -> np.ndarray:
+        # The sample_idx column of rows this source produced; anything else is a FetchError.
+        rows = check_pointers(pointers, self)
+        n = self.num_samples()
+        bad = (rows[:, 0] != self.dataset_id) | (rows[:, 2] < 0) | (rows[:, 2] >= n)
+        if bad.any():
+            row = rows[np.flatnonzero(bad)[0]].tolist()
+            raise FetchError(
+                f"{self!r} cannot read pointer {tuple(row)}: it holds dataset_id "
+                f"{self.dataset_id}, sample_idx in [0, {n}); route pointers to the source that "
+                "produced them"
+            )
+        return rows[:, 2]
+
+    def _describe_base(self) -> dict[str, Any]:
+        return {
+            "class": _qualified_name(self),
+            "dataset_id": self.dataset_id,
+            "num_samples": self.num_samples(),
+            "chunk_size": self.chunk_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "passes": self.passes,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(n={self.num_samples()}, dataset_id={self.dataset_id}, "
+            f"chunk_size={self.chunk_size}, shuffle={self.shuffle}, seed={self.seed}, "
+            f"passes={self.passes})"
+        )
+
+
+def check_int(value: Any, what: str, owner: str, *, minimum: int | None = None) -> int:
+    """``value`` as a Python int (bools refused) that is ``>= minimum``; TypeError or ValueError
+    naming ``owner`` and the parameter otherwise. Shared constructor validation of sources."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{owner}: {what} must be an int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{owner}: {what} must be an int, got {value!r}") from None
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{owner}: {what} must be >= {minimum}, got {v}")
+    return v

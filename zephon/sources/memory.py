@@ -1,0 +1,151 @@
+"""In-memory sources: a range of integers and a Python sequence (SPEC §1.4)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from zephon.ops.base import describe_value
+from zephon.sources.base import IndexedSource
+
+__all__ = ["ListSource", "RangeSource"]
+
+#: How many items from each end of a ListSource enter its content fingerprint.
+FINGERPRINT_EDGE = 8
+
+
+class RangeSource(IndexedSource):
+    """The samples ``0..n-1``; the payload of sample ``idx`` is ``make(idx)``, or ``{"idx": idx}``.
+
+    Holds no data, so any ``n`` (up to 2**62) costs nothing until chunks are read.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        dataset_id: int = 0,
+        make: Callable[[int], Any] | None = None,
+        chunk_size: int = 1024,
+        shuffle: bool = False,
+        seed: int = 0,
+        passes: int | None = 1,
+    ) -> None:
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"RangeSource: n must be an int, got {n!r}")
+        if n < 0:
+            raise ValueError(f"RangeSource: n must be >= 0, got {n}")
+        if make is not None and not callable(make):
+            raise TypeError(f"RangeSource: make must be callable or None, got {make!r}")
+        self._n = int(n)
+        self.make = make
+        super().__init__(
+            dataset_id=dataset_id, chunk_size=chunk_size, shuffle=shuffle, seed=seed, passes=passes
+        )
+
+    def num_samples(self) -> int:
+        """``n``: the samples per pass."""
+        return self._n
+
+    def read(self, pointers: np.ndarray) -> list[Any]:
+        """``make(idx)`` (or ``{"idx": idx}``) for each row's sample_idx, in row order."""
+        indices = self._sample_indices(pointers).tolist()
+        if self.make is None:
+            return [{"idx": i} for i in indices]
+        make = self.make
+        return [make(i) for i in indices]
+
+    def describe(self) -> dict[str, Any]:
+        """Class, size, chunking/shuffle parameters and the ``make`` callable by qualified name."""
+        out = self._describe_base()
+        out["make"] = describe_value(self.make)
+        return out
+
+
+class ListSource(IndexedSource):
+    """An in-memory sequence; the payload of sample ``idx`` is ``items[idx]``.
+
+    The sequence is held by reference (not copied) and must not change while the source is in use:
+    its fingerprint is taken once, at construction.
+    """
+
+    def __init__(
+        self,
+        items: Iterable[Any],
+        *,
+        dataset_id: int = 0,
+        chunk_size: int = 1024,
+        shuffle: bool = False,
+        seed: int = 0,
+        passes: int | None = 1,
+    ) -> None:
+        seq: Any = items
+        if isinstance(seq, (str, bytes)) or not (
+            hasattr(seq, "__len__") and hasattr(seq, "__getitem__")
+        ):
+            seq = list(seq)
+        self.items: Any = seq
+        self._n = len(seq)
+        super().__init__(
+            dataset_id=dataset_id, chunk_size=chunk_size, shuffle=shuffle, seed=seed, passes=passes
+        )
+        self._fingerprint = content_fingerprint(seq)
+
+    def num_samples(self) -> int:
+        """``len(items)``: the samples per pass."""
+        return self._n
+
+    def read(self, pointers: np.ndarray) -> list[Any]:
+        """``items[idx]`` for each row's sample_idx, in row order."""
+        items = self.items
+        return [items[i] for i in self._sample_indices(pointers).tolist()]
+
+    def describe(self) -> dict[str, Any]:
+        """Class, length, chunking/shuffle parameters and a content fingerprint (see
+        ``content_fingerprint``)."""
+        out = self._describe_base()
+        out["len"] = self._n
+        out["fingerprint"] = self._fingerprint
+        return out
+
+
+def content_fingerprint(items: Sequence[Any], edge: int = FINGERPRINT_EDGE) -> str:
+    """A cheap, process-independent sha256 of a sequence: its length and a stable rendering of its
+    first and last ``edge`` items. Changes in the middle of a long sequence are not seen — cheapness
+    over completeness; a different length or different ends always give a different fingerprint."""
+    n = len(items)
+    picked = range(n) if n <= 2 * edge else [*range(edge), *range(n - edge, n)]
+    h = hashlib.sha256(f"len={n}".encode())
+    for i in picked:
+        h.update(b"\x00")
+        h.update(_stable_repr(items[i]).encode("utf-8", "backslashreplace"))
+    return h.hexdigest()
+
+
+def _stable_repr(value: Any) -> str:
+    # A rendering equal in every process: containers recursively, arrays by content, and an object
+    # whose repr carries its memory address ("at 0x...") by its type only.
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return repr(value)
+    if isinstance(value, np.generic):
+        return f"{type(value).__name__}({value.item()!r})"
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            return f"ndarray[{_stable_repr(value.tolist())}]"
+        digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+        return f"ndarray({value.dtype.str},{value.shape},{digest})"
+    if isinstance(value, (list, tuple)):
+        inner = ",".join(_stable_repr(v) for v in value)
+        return f"{type(value).__name__}[{inner}]"
+    if isinstance(value, (set, frozenset)):
+        return f"{type(value).__name__}{{{','.join(sorted(_stable_repr(v) for v in value))}}}"
+    if isinstance(value, Mapping):
+        pairs = sorted((_stable_repr(k), _stable_repr(v)) for k, v in value.items())
+        return "{" + ",".join(f"{k}:{v}" for k, v in pairs) + "}"
+    text = repr(value)
+    if " at 0x" in text:
+        return f"<{type(value).__module__}.{type(value).__qualname__}>"
+    return text
