@@ -1,6 +1,8 @@
-"""The record model (SPEC §1.1). The classes are compiled (``zephon._core``); this module is their home."""
+"""The record model (SPEC §1.1): classes compiled in ``zephon._core``; this module is their home."""
 
 from __future__ import annotations
+
+import operator
 
 import numpy as np
 
@@ -31,9 +33,15 @@ class WorkChunk:
             if not np.issubdtype(arr.dtype, np.integer) and arr.size:
                 raise TypeError(f"WorkChunk pointers must be integers, got {arr.dtype}")
             arr = arr.astype(np.int64)
-        if position < 0:
-            raise ValueError(f"WorkChunk position must be >= 0, got {position}")
-        self.position = int(position)
+        if isinstance(position, bool):
+            raise TypeError(f"WorkChunk position must be an int, got {position!r}")
+        try:
+            index = operator.index(position)
+        except TypeError:
+            raise TypeError(f"WorkChunk position must be an int, got {position!r}") from None
+        if index < 0:
+            raise ValueError(f"WorkChunk position must be >= 0, got {index}")
+        self.position = index
         self.pointers = arr
 
     def __len__(self) -> int:

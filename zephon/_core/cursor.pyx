@@ -88,9 +88,15 @@ cdef class SampleCursor:
             raise TypeError(
                 f"SampleCursor sample_id must be (dataset_id, shard_id, sample_idx), got {sample_id!r}"
             )
-        self.sid[0] = _as_field(sample_id[0], "sample_id[0] (dataset_id)")
-        self.sid[1] = _as_field(sample_id[1], "sample_id[1] (shard_id)")
-        self.sid[2] = _as_field(sample_id[2], "sample_id[2] (sample_idx)")
+        try:
+            s0, s1, s2 = sample_id[0], sample_id[1], sample_id[2]
+        except (TypeError, KeyError, IndexError):  # a set or mapping: sized but not a sequence
+            raise TypeError(
+                f"SampleCursor sample_id must be a tuple of 3 ints, got {sample_id!r}"
+            ) from None
+        self.sid[0] = _as_field(s0, "sample_id[0] (dataset_id)")
+        self.sid[1] = _as_field(s1, "sample_id[1] (shard_id)")
+        self.sid[2] = _as_field(s2, "sample_id[2] (sample_idx)")
         if isinstance(lineage, (str, bytes)) or not hasattr(lineage, "__len__"):
             raise TypeError(f"SampleCursor lineage must be a tuple of ints, got {lineage!r}")
         cdef Py_ssize_t n = len(lineage), i
@@ -103,7 +109,13 @@ cdef class SampleCursor:
                 raise MemoryError()
             self.nlin = n
             for i in range(n):
-                self.lin[i] = _as_field(lineage[i], f"lineage[{i}]")
+                try:
+                    item = lineage[i]
+                except (TypeError, KeyError, IndexError):  # a set or mapping: sized, not a sequence
+                    raise TypeError(
+                        f"SampleCursor lineage must be a tuple of ints, got {lineage!r}"
+                    ) from None
+                self.lin[i] = _as_field(item, f"lineage[{i}]")
         else:
             self.nlin = 0
         self._rehash()
@@ -210,17 +222,20 @@ cdef SampleCursor make_cursor(offset_t chunk_id, offset_t chunk_offset,
     return c
 
 
-def cursors_for_chunk(chunk_id, const offset_t[:, :] pointers, offset_t first_offset=0):
+def cursors_for_chunk(chunk_id, const offset_t[:, :] pointers, first_offset=0):
     """Root cursors for rows ``first_offset..`` of a chunk's ``(n, 3)`` int64 pointer array."""
     cdef offset_t cid = _as_field(chunk_id, "chunk_id")
+    cdef offset_t first = _as_field(first_offset, "first_offset")
     if pointers.shape[1] != 3:
         raise ValueError(f"pointers must have shape (n, 3), got (n, {pointers.shape[1]})")
     cdef Py_ssize_t i, n = pointers.shape[0]
+    if n and first > <offset_t>0x7FFFFFFFFFFFFFFF - (n - 1):
+        raise ValueError(f"first_offset {first} + {n} rows overflows signed 64-bit chunk offsets")
     cdef list out = [None] * n
     for i in range(n):
         if pointers[i, 0] < 0 or pointers[i, 1] < 0 or pointers[i, 2] < 0:
             raise ValueError(f"pointer row {i} of chunk {cid} has a negative field")
-        out[i] = make_cursor(cid, first_offset + i, pointers[i, 0], pointers[i, 1], pointers[i, 2])
+        out[i] = make_cursor(cid, first + i, pointers[i, 0], pointers[i, 1], pointers[i, 2])
     return out
 
 
@@ -276,8 +291,12 @@ def argsort_cursors(cursors):
 def sort_cursors(cursors):
     """A new list of the cursors in sort-key order; same result as ``sorted`` but done in C."""
     cdef list items = list(cursors)
-    order = argsort_cursors(items)
-    return [items[i] for i in order]
+    cdef const cnp.int64_t[:] order = argsort_cursors(items)
+    cdef Py_ssize_t i, n = len(items)
+    cdef list out = [None] * n
+    for i in range(n):  # a typed gather: iterating the numpy array would box every index
+        out[i] = items[order[i]]
+    return out
 
 
 def digest_cursors(cursors):

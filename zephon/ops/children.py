@@ -77,7 +77,7 @@ def pack_meta(
 
 
 def tombstone_meta(ref: ContributorRef, lane_id: int) -> SampleMeta:
-    """Metadata of a tombstone: a payload-less record carrying one contributor a dropped record owed."""
+    """Metadata of a tombstone: a payload-less record carrying one ref a dropped record owed."""
     return SampleMeta(ref.cursor, lane_id=lane_id, contributors=(ref,), is_tombstone=True)
 
 

@@ -1,0 +1,385 @@
+"""The compiled record model (SPEC §1.1): ContributorRef, SampleMeta, SampleRecord, SampleBatch."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zephon._core.cursor import cursors_for_chunk
+from zephon._core.records import count_closing, records_for_chunk
+from zephon.types import ContributorRef, SampleBatch, SampleCursor, SampleMeta, SampleRecord
+
+CURSOR = SampleCursor(7, 2, (0, 5, 42))
+OTHER = SampleCursor(7, 3, (0, 5, 43))
+
+
+def roundtrip(obj: Any) -> Any:
+    return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+# --- ContributorRef ---------------------------------------------------------------------------
+
+
+def test_contributor_refs_are_equal_when_cursor_and_flag_are_equal():
+    assert ContributorRef(CURSOR, True) == ContributorRef(SampleCursor(7, 2, (0, 5, 42)), True)
+    assert ContributorRef(CURSOR, True) != ContributorRef(CURSOR, False)
+    assert ContributorRef(CURSOR, True) != ContributorRef(OTHER, True)
+    assert ContributorRef(CURSOR, True) != CURSOR
+    assert (ContributorRef(CURSOR, True) == None) is False  # noqa: E711
+
+
+def test_equal_contributor_refs_hash_equal_and_deduplicate_in_a_set():
+    refs = {
+        ContributorRef(CURSOR, True),
+        ContributorRef(SampleCursor(7, 2, (0, 5, 42)), 1),  # type: ignore[arg-type]
+        ContributorRef(CURSOR, False),
+    }
+    assert len(refs) == 2
+    assert hash(ContributorRef(CURSOR, True)) == hash(ContributorRef(CURSOR, True))
+
+
+def test_contributor_flag_is_stored_as_a_bool():
+    ref = ContributorRef(CURSOR, 1)  # type: ignore[arg-type]
+    assert ref.is_last_child is True
+    assert ContributorRef(CURSOR, 0).is_last_child is False  # type: ignore[arg-type]
+
+
+def test_contributor_ref_attributes_cannot_be_assigned():
+    ref = ContributorRef(CURSOR, True)
+    for name, value in (("cursor", OTHER), ("is_last_child", False), ("base_offset", (0, 0))):
+        with pytest.raises(AttributeError):
+            setattr(ref, name, value)
+    assert ref.cursor == CURSOR and ref.is_last_child is True
+
+
+def test_contributor_ref_base_offset_is_its_cursors():
+    assert ContributorRef(CURSOR.child(3), False).base_offset == (7, 2)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_contributor_ref_survives_pickle(flag: bool):
+    ref = ContributorRef(CURSOR.child(1), flag)
+    back = roundtrip(ref)
+    assert back == ref and back.is_last_child is flag and back.cursor == CURSOR.child(1)
+
+
+def test_contributor_ref_needs_a_cursor():
+    with pytest.raises(TypeError, match="cursor"):
+        ContributorRef((7, 2, (0, 5, 42)), True)  # type: ignore[arg-type]
+
+
+# --- SampleMeta -------------------------------------------------------------------------------
+
+
+def test_meta_defaults_are_an_implicit_contributor_on_lane_zero():
+    meta = SampleMeta(CURSOR)
+    assert meta.cursor == CURSOR
+    assert meta.lane_id == 0
+    assert meta.contributors is None
+    assert meta.tags == frozenset()
+    assert meta.is_tombstone is False
+    assert meta.component is None
+    assert meta.component_sample_counts is None
+    assert meta.component_token_counts is None
+
+
+def test_implicit_contributors_mean_the_record_closes_its_own_cursor():
+    assert SampleMeta(CURSOR).contribution_refs() == (ContributorRef(CURSOR, True),)
+
+
+def test_explicit_contributors_are_returned_as_given_in_a_tuple():
+    refs = [ContributorRef(CURSOR, False), ContributorRef(OTHER, True)]
+    meta = SampleMeta(CURSOR.child(0), contributors=refs)
+    assert meta.contributors == tuple(refs)
+    assert meta.contribution_refs() == tuple(refs)
+
+
+def test_explicit_empty_contributors_close_nothing():
+    meta = SampleMeta(CURSOR, contributors=())
+    assert meta.contributors == ()
+    assert meta.contribution_refs() == ()
+
+
+def test_tags_are_stored_as_a_frozenset():
+    meta = SampleMeta(CURSOR, tags=["split", "long"])
+    assert meta.tags == frozenset({"split", "long"})
+    assert isinstance(meta.tags, frozenset)
+
+
+META_FIELDS = [
+    "cursor",
+    "lane_id",
+    "contributors",
+    "tags",
+    "is_tombstone",
+    "component",
+    "component_sample_counts",
+    "component_token_counts",
+]
+
+
+@pytest.mark.parametrize("name", META_FIELDS)
+def test_assigning_a_meta_attribute_raises_attribute_error(name: str):
+    meta = SampleMeta(CURSOR, lane_id=1)
+    before = getattr(meta, name)
+    with pytest.raises(AttributeError):
+        setattr(meta, name, None)
+    assert getattr(meta, name) == before
+
+
+def test_meta_has_no_instance_dict_to_hide_extra_attributes_in():
+    with pytest.raises(AttributeError):
+        SampleMeta(CURSOR).note = "x"  # type: ignore[attr-defined]
+
+
+def full_meta() -> SampleMeta:
+    return SampleMeta(
+        CURSOR.child(0),
+        lane_id=3,
+        contributors=(ContributorRef(CURSOR, False), ContributorRef(OTHER, True)),
+        tags={"packed"},
+        is_tombstone=False,
+        component="web",
+        component_sample_counts={"web": 2},
+        component_token_counts={"web": 100},
+    )
+
+
+def test_replace_returns_a_changed_copy_and_leaves_the_original_alone():
+    meta = full_meta()
+    changed = meta.replace(lane_id=5, tags={"x"}, cursor=OTHER)
+    assert (changed.lane_id, changed.tags, changed.cursor) == (5, frozenset({"x"}), OTHER)
+    assert changed.contributors == meta.contributors
+    assert changed.component == "web" and changed.component_token_counts == {"web": 100}
+    assert (meta.lane_id, meta.tags, meta.cursor) == (3, frozenset({"packed"}), CURSOR.child(0))
+
+
+def test_replace_with_nothing_gives_an_equal_meta():
+    assert full_meta().replace() == full_meta()
+
+
+def test_replace_rejects_unknown_fields():
+    with pytest.raises(TypeError, match="colour"):
+        full_meta().replace(colour="red")
+
+
+def test_replace_validates_like_the_constructor():
+    with pytest.raises(ValueError, match="lane_id"):
+        full_meta().replace(lane_id=-1)
+
+
+def test_meta_equality_compares_every_field():
+    assert full_meta() == full_meta()
+    assert full_meta() != full_meta().replace(component="books")
+    assert full_meta() != full_meta().replace(is_tombstone=True)
+    assert SampleMeta(CURSOR) != SampleMeta(CURSOR, contributors=(ContributorRef(CURSOR, True),))
+    assert SampleMeta(CURSOR) != CURSOR
+
+
+def test_meta_survives_pickle_with_every_field():
+    meta = full_meta()
+    back = roundtrip(meta)
+    assert back == meta
+    assert back.contributors == meta.contributors
+    assert back.tags == frozenset({"packed"})
+    assert back.component_sample_counts == {"web": 2}
+
+
+def test_implicit_meta_survives_pickle_still_implicit():
+    back = roundtrip(SampleMeta(CURSOR, lane_id=2, component=0))
+    assert back.contributors is None and back.lane_id == 2 and back.component == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "named"),
+    [
+        ({"lane_id": -1}, ValueError, "lane_id"),
+        ({"lane_id": 2**63}, ValueError, "lane_id"),
+        ({"lane_id": 1.5}, TypeError, "lane_id"),
+        ({"lane_id": "0"}, TypeError, "lane_id"),
+        ({"contributors": [CURSOR]}, TypeError, "contributors"),
+        ({"contributors": [ContributorRef(CURSOR, True), None]}, TypeError, r"contributors\[1\]"),
+        ({"contributors": ContributorRef(CURSOR, True)}, TypeError, "contributors"),
+    ],
+)
+def test_bad_meta_fields_raise_errors_naming_them(kwargs: dict[str, Any], error: type, named: str):
+    with pytest.raises(error, match=named):
+        SampleMeta(CURSOR, **kwargs)
+
+
+def test_meta_needs_a_cursor_and_keyword_fields():
+    with pytest.raises(TypeError, match="cursor"):
+        SampleMeta((7, 2, (0, 5, 42)))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        SampleMeta(CURSOR, 1)  # type: ignore[call-arg]
+
+
+# --- SampleRecord and SampleBatch -------------------------------------------------------------
+
+
+def test_record_delegates_cursor_tombstone_flag_and_contributors_to_its_meta():
+    meta = full_meta()
+    record = SampleRecord(meta, {"text": "hi"})
+    assert record.meta is meta
+    assert record.cursor == meta.cursor
+    assert record.is_tombstone is False
+    assert record.contribution_refs() == meta.contribution_refs()
+    assert SampleRecord(SampleMeta(CURSOR), None).contribution_refs() == (
+        ContributorRef(CURSOR, True),
+    )
+
+
+def test_a_tombstone_record_has_no_payload_and_says_so():
+    ref = ContributorRef(CURSOR, True)
+    tomb = SampleRecord(SampleMeta(CURSOR, contributors=(ref,), is_tombstone=True), None)
+    assert tomb.is_tombstone is True
+    assert tomb.payload is None
+    assert tomb.contribution_refs() == (ref,)
+
+
+def test_with_payload_keeps_the_identity():
+    record = SampleRecord(full_meta(), {"a": 1})
+    other = record.with_payload({"b": 2})
+    assert other.meta is record.meta and other.payload == {"b": 2}
+    assert record.payload == {"a": 1}
+
+
+def test_record_attributes_cannot_be_assigned():
+    record = SampleRecord(SampleMeta(CURSOR), 1)
+    for name in ("meta", "payload", "cursor", "is_tombstone"):
+        with pytest.raises(AttributeError):
+            setattr(record, name, None)
+
+
+def test_record_needs_a_meta():
+    with pytest.raises(TypeError, match="meta"):
+        SampleRecord(CURSOR, {})  # type: ignore[arg-type]
+
+
+def test_record_survives_pickle_with_an_array_payload():
+    record = SampleRecord(full_meta(), {"tokens": np.arange(5, dtype=np.int32), "text": "x"})
+    back = roundtrip(record)
+    assert back.meta == record.meta
+    assert back.payload["text"] == "x"
+    np.testing.assert_array_equal(back.payload["tokens"], record.payload["tokens"])
+    assert back.payload["tokens"].dtype == np.int32
+
+
+def make_batch() -> SampleBatch:
+    records = [SampleRecord(SampleMeta(SampleCursor(1, i, (0, 0, i))), {"i": i}) for i in range(3)]
+    return SampleBatch(iter(records), {"i": [0, 1, 2]})
+
+
+def test_batch_holds_a_tuple_of_records_each_with_its_own_cursor():
+    batch = make_batch()
+    assert isinstance(batch.records, tuple)
+    assert len(batch) == 3
+    assert [r.cursor.chunk_offset for r in batch] == [0, 1, 2]
+    assert batch[2].payload == {"i": 2}
+    assert batch.payload == {"i": [0, 1, 2]}
+
+
+def test_an_empty_batch_has_length_zero():
+    batch = SampleBatch([], None)
+    assert len(batch) == 0 and list(batch) == []
+
+
+def test_batch_rejects_non_records_naming_the_position():
+    with pytest.raises(TypeError, match=r"records\[1\]"):
+        SampleBatch([SampleRecord(SampleMeta(CURSOR), 1), SampleMeta(CURSOR)], None)  # type: ignore[list-item]
+
+
+def test_batch_attributes_cannot_be_assigned():
+    batch = make_batch()
+    for name in ("records", "payload"):
+        with pytest.raises(AttributeError):
+            setattr(batch, name, None)
+
+
+def test_batch_survives_pickle():
+    batch = make_batch()
+    back = roundtrip(batch)
+    assert len(back) == 3
+    assert [r.meta for r in back] == [r.meta for r in batch]
+    assert [r.payload for r in back] == [r.payload for r in batch]
+    assert back.payload == batch.payload
+
+
+# --- records_for_chunk ------------------------------------------------------------------------
+
+
+def test_records_for_chunk_builds_root_records_for_a_chunk():
+    pointers = np.array([[0, 5, 42], [1, 0, 7], [0, 5, 43]], dtype=np.int64)
+    payloads = [{"i": 0}, {"i": 1}, {"i": 2}]
+    records = records_for_chunk(7, pointers, payloads, 2, ["web", "books", "web"], 10)
+    assert [r.cursor for r in records] == cursors_for_chunk(7, pointers, 10)
+    assert [r.cursor.base_offset for r in records] == [(7, 10), (7, 11), (7, 12)]
+    assert [r.meta.component for r in records] == ["web", "books", "web"]
+    assert [r.payload for r in records] == payloads
+    for r in records:
+        assert r.meta.lane_id == 2
+        assert r.meta.contributors is None and r.meta.tags == frozenset()
+        assert r.is_tombstone is False
+        assert r.contribution_refs() == (ContributorRef(r.cursor, True),)
+
+
+def test_records_for_chunk_of_an_empty_chunk_is_empty():
+    assert records_for_chunk(0, np.zeros((0, 3), dtype=np.int64), [], 0, []) == []
+
+
+@pytest.mark.parametrize(("payloads", "components"), [([1], [None, None]), ([1, 2, 3], [0, 0])])
+def test_records_for_chunk_rejects_lists_of_the_wrong_length(
+    payloads: list[Any], components: list[Any]
+):
+    with pytest.raises(ValueError, match="2 pointers"):
+        records_for_chunk(0, np.zeros((2, 3), dtype=np.int64), payloads, 0, components)
+
+
+def test_records_for_chunk_rejects_negative_numbers():
+    pointers = np.zeros((1, 3), dtype=np.int64)
+    for args in ((-1, 0, 0), (0, -1, 0), (0, 0, -1)):
+        chunk_id, lane, first = args
+        with pytest.raises(ValueError):
+            records_for_chunk(chunk_id, pointers, [None], lane, [None], first)
+    with pytest.raises(ValueError, match="row 0"):
+        records_for_chunk(0, np.array([[0, -1, 0]], dtype=np.int64), [None], 0, [None])
+    with pytest.raises(ValueError, match="shape"):
+        records_for_chunk(0, np.zeros((1, 2), dtype=np.int64), [None], 0, [None])
+
+
+# --- count_closing ----------------------------------------------------------------------------
+
+cursors = st.builds(
+    SampleCursor,
+    st.integers(0, 3),
+    st.integers(0, 3),
+    st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 2)),
+    st.lists(st.integers(0, 2), max_size=2).map(tuple),
+)
+refs = st.builds(ContributorRef, cursors, st.booleans())
+metas = st.builds(
+    SampleMeta,
+    cursors,
+    contributors=st.none() | st.lists(refs, max_size=4),
+    is_tombstone=st.booleans(),
+)
+records = st.builds(SampleRecord, metas, st.none() | st.integers())
+
+
+@given(st.lists(records, max_size=20))
+def test_count_closing_counts_every_closing_contributor_like_the_reference(
+    batch: list[SampleRecord],
+):
+    expected = sum(ref.is_last_child for r in batch for ref in r.contribution_refs())
+    assert count_closing(batch) == expected
+    assert count_closing(iter(batch)) == expected
+
+
+def test_count_closing_rejects_things_that_are_not_records():
+    with pytest.raises(TypeError):
+        count_closing([SampleMeta(CURSOR)])  # type: ignore[list-item]
