@@ -115,7 +115,8 @@ class PackPairs(Operator):
                 [*first.meta.contribution_refs(), *rec.meta.contribution_refs()],
                 lane_id=self.lane_id,
             )
-            out.append(SampleRecord(meta, {"pair": [first.payload["idx"], rec.payload["idx"]]}))
+            pair = [first.payload["idx"], rec.payload["idx"]]
+            out.append(SampleRecord(meta, {"idx": sum(pair), "pair": pair}))
         return out
 
     def flush(self) -> list[SampleRecord]:

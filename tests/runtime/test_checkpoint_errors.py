@@ -49,7 +49,7 @@ def test_not_a_state_is_corrupt():
     with pytest.raises(CheckpointCorruptError):
         make().iter(state={"hello": 1})
     with pytest.raises(CheckpointCorruptError):
-        make().iter(state=[1, 2])  # type: ignore[arg-type]
+        make().iter(state=[1, 2])
 
 
 def test_state_from_another_source_is_a_mismatch(state):

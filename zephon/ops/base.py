@@ -54,6 +54,9 @@ class Operator:
         if not cls.__dict__.get("name"):
             cls.name = cls.__name__
 
+    def bind(self, source: Any) -> None:
+        """Called on a lane's copy of a pointer-consuming operator with the pipeline's source."""
+
     def start_epoch(self, lane_id: int, epoch: int) -> None:
         """Called before each epoch of a lane; seeded operators reseed from (seed, lane, epoch)."""
         self.lane_id = lane_id

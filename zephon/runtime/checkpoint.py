@@ -125,6 +125,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"checkpoint {path} has file version {envelope.get('version')!r}; this Zephon reads 1"
         )
     state = envelope.get("state")
+    if not isinstance(state, dict):
+        raise CheckpointCorruptError(f"checkpoint {path} holds no state")
     if hashlib.sha256(_canonical(state)).hexdigest() != envelope.get("sha256"):
         raise CheckpointCorruptError(f"checkpoint {path} fails its checksum: it is damaged")
     return state

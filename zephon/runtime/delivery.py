@@ -235,6 +235,15 @@ class LaneDelivery:
                     self._early_close(rec, c, state)
                 if low_chunk < 0 or (c.chunk_id, c.chunk_offset) < (low_chunk, low_offset):
                     low_chunk, low_offset = c.chunk_id, c.chunk_offset
+        # The window entry goes in before eviction can drop the chunk it belongs to.
+        unit = cursor.chunk_id if self.monotone else self.epochs_done
+        window = self.window
+        if window and window[-1][0] == unit:
+            entry = window[-1]
+            entry[1] += 1
+            entry[2] = (entry[2] + cursor.stable_hash) & MASK64
+        else:
+            window.append([unit, 1, cursor.stable_hash])
         if self.monotone and low_chunk >= 0:
             last = self.last_cursor
             if last is not None and cursor < last:
@@ -247,14 +256,6 @@ class LaneDelivery:
             if low_chunk != self._low_chunk:
                 self._low_chunk = low_chunk
                 self._evicted(table.evict_complete_prefix())
-        unit = cursor.chunk_id if self.monotone else self.epochs_done
-        window = self.window
-        if window and window[-1][0] == unit:
-            entry = window[-1]
-            entry[1] += 1
-            entry[2] = (entry[2] + cursor.stable_hash) & MASK64
-        else:
-            window.append([unit, 1, cursor.stable_hash])
         self.last_cursor = cursor
         if count:
             self.loader.count_delivered(meta)

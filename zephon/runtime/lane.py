@@ -46,7 +46,7 @@ class LaneRunner:
         self.plan = plan
         self.lane_id = lane_id
         self.fetch: Any = copy.deepcopy(plan.fetch)
-        self.fetch.bind(plan.source)
+        self.fetch.bind(plan.source)  # the pointer-consuming operator reads from the plan's source
         self.ops: list[Operator] = [copy.deepcopy(op) for op in plan.chain]
         if carry is not None:
             for op, state in zip(self.ops, carry):
