@@ -4,16 +4,33 @@ from zephon.ops.base import OpTraits, Operator
 from zephon.ops.basic import fetch, filter_records, map_transform
 from zephon.ops.batching import batch
 from zephon.ops.children import pack_meta, spawn_child, tombstone_meta, tombstones_for_record
+from zephon.ops.mixture import MIXTURE_DROP_TAG, EnsureMixture, ensure_mixture
+from zephon.ops.packing import PackFlat, PackSequences, pack_flat, pack_sequences
+from zephon.ops.shuffle import HeldOffsets, Shuffle, shuffle
+from zephon.ops.tokenize import ByteTokenizer, Tokenize, tokenize
 
 __all__ = [
+    "MIXTURE_DROP_TAG",
+    "ByteTokenizer",
+    "EnsureMixture",
+    "HeldOffsets",
     "OpTraits",
     "Operator",
+    "PackFlat",
+    "PackSequences",
+    "Shuffle",
+    "Tokenize",
     "batch",
+    "ensure_mixture",
     "fetch",
     "filter_records",
     "map_transform",
+    "pack_flat",
     "pack_meta",
+    "pack_sequences",
+    "shuffle",
     "spawn_child",
+    "tokenize",
     "tombstone_meta",
     "tombstones_for_record",
 ]

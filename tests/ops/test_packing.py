@@ -1,0 +1,326 @@
+"""``pack_sequences`` and ``pack_flat`` (SPEC §1.3): nothing lost or invented, unique primary
+cursors, closing contributors only at the end of an input, component heritage, and fill."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import zephon
+from zephon.ops import fetch, pack_flat, pack_sequences, tokenize
+from zephon.ops.packing import PackFlat, PackSequences
+from zephon.sources.memory import ListSource
+from zephon.testing import check_operator
+from zephon.types import ContributorRef, SampleCursor, SampleMeta, SampleRecord
+
+STRIDE = 1 << 16  # token value = input index * STRIDE + position in the input
+
+
+def token_records(
+    lengths: list[int],
+    *,
+    components: list[Any] | None = None,
+    counts: bool = True,
+    chunk_size: int = 1000,
+) -> list[SampleRecord]:
+    """Tokenized-looking records whose tokens say which input and which position they are."""
+    out = []
+    for i, n in enumerate(lengths):
+        comp = components[i] if components else "web"
+        meta = SampleMeta(
+            SampleCursor(i // chunk_size, i % chunk_size, (0, 0, i)),
+            component=comp,
+            component_sample_counts={comp: 1} if counts else None,
+            component_token_counts={comp: n} if counts else None,
+        )
+        tokens = (i * STRIDE + np.arange(n)).astype(np.int32)
+        out.append(SampleRecord(meta, {"tokens": tokens, "text": f"doc {i}"}))
+    return out
+
+
+def run(op: Any, records: list[SampleRecord], micro: int = 7, flush_every: int | None = None):
+    """The operator as the lane runner drives it: micro-batches, a flush per epoch."""
+    op = copy.deepcopy(op)
+    op.start_epoch(0, 0)
+    out: list[SampleRecord] = []
+    epoch = flush_every or max(len(records), 1)
+    for e, lo in enumerate(range(0, len(records), epoch)):
+        part = records[lo : lo + epoch]
+        if e:
+            op.start_epoch(0, e)
+        for m in range(0, len(part), micro):
+            out += op.process_many(part[m : m + micro])
+        out += op.flush()
+    return out
+
+
+def fragments(out: list[SampleRecord]) -> list[tuple[int, int, list[int]]]:
+    """(input index, start in the input, tokens) of every non-empty fragment, from the payload."""
+    frags = []
+    for rec in out:
+        p = rec.payload
+        tokens, seg, pos = p["tokens"], p["segment_ids"], p["positions"]
+        assert tokens.dtype == seg.dtype == pos.dtype == np.int32
+        n_seg = int(seg.max()) if len(seg) else 0
+        assert sorted(set(seg.tolist()) - {0}) == list(range(1, n_seg + 1))
+        for s in range(1, n_seg + 1):
+            where = np.flatnonzero(seg == s)
+            assert (np.diff(where) == 1).all(), "a segment is contiguous"
+            assert pos[where].tolist() == list(range(len(where))), "positions restart per fragment"
+            values = tokens[where]
+            item = int(values[0]) // STRIDE
+            start = int(values[0]) % STRIDE
+            assert (values // STRIDE == item).all()
+            frags.append((item, start, (values % STRIDE).tolist()))
+    return frags
+
+
+def assert_every_input_recovered_once(lengths: list[int], out: list[SampleRecord]) -> None:
+    by_input: dict[int, list[tuple[int, list[int]]]] = {}
+    for item, start, values in fragments(out):
+        by_input.setdefault(item, []).append((start, values))
+    for i, n in enumerate(lengths):
+        pieces = sorted(by_input.pop(i, []))
+        joined = [v for _, values in pieces for v in values]
+        assert joined == list(range(n)), f"input {i} ({n} tokens) not recovered exactly once"
+    assert not by_input, "tokens that belong to no input"
+    # Every input's closing contributor reaches the output exactly once (empty ones too).
+    closing = Counter(
+        ref.cursor for rec in out for ref in rec.contribution_refs() if ref.is_last_child
+    )
+    assert sorted(closing.values()) == [1] * len(lengths)
+
+
+# ------------------------------------------------------------------------------------ properties
+@settings(max_examples=80)
+@given(
+    seq_len=st.integers(1, 24),
+    lengths=st.lists(st.integers(0, 70), max_size=40),
+    open_bins=st.integers(1, 5),
+    strategy=st.sampled_from(["best_fit", "first_fit"]),
+    micro=st.integers(1, 9),
+    flush_every=st.sampled_from([None, 3, 10]),
+)
+def test_pack_sequences_loses_and_invents_no_token(
+    seq_len, lengths, open_bins, strategy, micro, flush_every
+):
+    op = pack_sequences(seq_len, open_bins=open_bins, strategy=strategy)
+    out = run(op, token_records(lengths), micro, flush_every)
+    assert_every_input_recovered_once(lengths, out)
+    assert all(len(r.payload["tokens"]) == seq_len for r in out)
+    assert len({r.meta.cursor for r in out}) == len(out), "primary cursors are unique"
+
+
+@settings(max_examples=80)
+@given(
+    seq_len=st.integers(1, 24),
+    lengths=st.lists(st.integers(0, 70), max_size=40),
+    micro=st.integers(1, 9),
+    flush_every=st.sampled_from([None, 4]),
+)
+def test_pack_flat_is_the_concatenated_stream_cut_every_seq_len(
+    seq_len, lengths, micro, flush_every
+):
+    records = token_records(lengths)
+    out = run(pack_flat(seq_len), records, micro, flush_every)
+    assert_every_input_recovered_once(lengths, out)
+    packed = [t for r in out for t in r.payload["tokens"][r.payload["segment_ids"] > 0].tolist()]
+    assert packed == [t for r in records for t in r.payload["tokens"].tolist()]
+    assert len({r.meta.cursor for r in out}) == len(out)
+    cursors = [r.meta.cursor for r in out]
+    assert cursors == sorted(cursors), "pack_flat preserves cursor order"
+
+
+# ------------------------------------------------------------------------------------ cursors
+@pytest.mark.parametrize("op", [pack_sequences(8, open_bins=2), pack_flat(8)], ids=["seq", "flat"])
+def test_one_long_input_leads_several_bins_with_distinct_primary_cursors(op):
+    records = token_records([3, 43, 5])
+    out = run(op, records)
+    long_cursor = records[1].meta.cursor
+    led = [r.meta.cursor for r in out if r.meta.cursor.base_offset == long_cursor.base_offset]
+    assert len(led) == 5
+    assert len(set(led)) == len(led)
+    assert all(c in {long_cursor.child(s) for s in range(43)} for c in led)
+    check_operator(op, records)
+
+
+def test_the_primary_cursor_is_the_first_fragments_input_cursor_child_of_its_start():
+    records = token_records([20])
+    out = run(pack_sequences(8), records)
+    assert [r.meta.cursor for r in out] == [records[0].meta.cursor.child(s) for s in (0, 8, 16)]
+
+
+@pytest.mark.parametrize("op", [pack_sequences(8), pack_flat(8)], ids=["seq", "flat"])
+def test_only_the_fragment_that_ends_an_input_closes_it(op):
+    records = token_records([20, 3])
+    out = run(op, records)
+    refs = [ref for r in out for ref in r.contribution_refs() if ref.base_offset == (0, 0)]
+    assert [ref.is_last_child for ref in refs] == [False, False, True]
+    assert all(ref.cursor == records[0].meta.cursor for ref in refs)
+
+
+def test_split_children_in_different_bins_close_their_base_offset_with_the_last_bin():
+    # Children of one sample, the last one closing, that land in bins which leave out of order.
+    parent = SampleCursor(4, 1, (0, 0, 9))
+    recs = []
+    for i, n in enumerate([6, 8]):
+        child = parent.child(i)
+        meta = SampleMeta(child, contributors=(ContributorRef(child, i == 1),), component="web")
+        recs.append(SampleRecord(meta, {"tokens": np.arange(n, dtype=np.int32)}))
+    op = pack_sequences(8, open_bins=4)
+    op.start_epoch(0, 0)
+    first = op.process_many(recs)  # child 1 fills a bin of its own at once; child 0's bin stays
+    assert len(first) == 1
+    assert first[0].contribution_refs() == (ContributorRef(parent.child(1), False),)
+    (last,) = op.flush()
+    assert last.contribution_refs() == (ContributorRef(parent.child(0), True),)
+    check_operator(pack_sequences(8, open_bins=4), recs)
+
+
+# ------------------------------------------------------------------------------------ heritage
+def test_component_counts_count_fragments_and_tokens_per_component():
+    lengths = [5, 12, 3, 7, 9, 0]
+    comps = ["a", "b", "a", "b", "a", "b"]
+    out = run(pack_sequences(8, open_bins=3), token_records(lengths, components=comps))
+    tokens: Counter = Counter()
+    samples: Counter = Counter()
+    for rec in out:
+        assert rec.meta.component_token_counts is not None
+        tokens.update(rec.meta.component_token_counts)
+        samples.update(rec.meta.component_sample_counts)
+        seg = rec.payload["segment_ids"]
+        assert sum(rec.meta.component_token_counts.values()) == int((seg > 0).sum())
+    assert tokens == {"a": 5 + 3 + 9, "b": 12 + 7}
+    n_fragments = Counter(comps[item] for item, _, _ in fragments(out))
+    n_fragments["b"] += 1  # the empty input is a fragment without tokens
+    assert samples == n_fragments
+
+
+def test_packing_before_tokenization_has_no_token_counts():
+    out = run(pack_sequences(8), token_records([5, 6], counts=False))
+    assert all(r.meta.component_token_counts is None for r in out)
+    assert sum((Counter(r.meta.component_sample_counts) for r in out), Counter()) == {"web": 2}
+
+
+def test_repacking_a_packed_record_splits_its_counts_by_its_layout():
+    meta = SampleMeta(
+        SampleCursor(0, 0, (0, 0, 0)),
+        component_sample_counts={"a": 1, "b": 2},
+        component_token_counts={"a": 6, "b": 4},
+    )
+    rec = SampleRecord(meta, {"tokens": np.arange(10, dtype=np.int32)})
+    out = run(pack_flat(4), [rec])
+    assert [r.meta.component_token_counts for r in out] == [{"a": 4}, {"a": 2, "b": 2}, {"b": 2}]
+    assert [r.meta.component_sample_counts for r in out] == [{"a": 1}, {"a": 1, "b": 1}, {"b": 1}]
+
+
+# ------------------------------------------------------------------------------------ payload
+def test_padding_uses_pad_id_and_segment_zero():
+    out = run(pack_sequences(6, pad_id=-1), token_records([2, 1]))
+    (rec,) = out
+    assert rec.payload["tokens"].tolist() == [0, 1, STRIDE, -1, -1, -1]
+    assert rec.payload["segment_ids"].tolist() == [1, 1, 2, 0, 0, 0]
+    assert rec.payload["positions"].tolist() == [0, 1, 0, 0, 0, 0]
+
+
+def test_a_missing_field_names_the_record():
+    rec = token_records([3])[0]
+    with pytest.raises(zephon.OperatorError, match=r"no field 'ids'"):
+        pack_sequences(4, field="ids").process_many([rec])
+
+
+def test_bins_never_cross_a_flush_and_a_packer_with_open_bins_cannot_be_copied():
+    op = pack_sequences(8)
+    op.start_epoch(0, 0)
+    assert op.process_many(token_records([3])) == []
+    with pytest.raises(RuntimeError, match="open bins"):
+        copy.deepcopy(op)
+    assert len(op.flush()) == 1
+    assert op.flush() == []
+    copy.deepcopy(op)
+
+
+def test_traits_and_parameters():
+    seq = pack_sequences(16, open_bins=3, strategy="first_fit", pad_id=5)
+    assert isinstance(seq, PackSequences)
+    assert not seq.traits.preserves_cursor_order and seq.traits.stateful
+    assert seq.describe()["params"] == {
+        "field": "tokens",
+        "open_bins": 3,
+        "pad_id": 5,
+        "seq_len": 16,
+        "strategy": "first_fit",
+    }
+    flat = pack_flat(16)
+    assert isinstance(flat, PackFlat)
+    assert flat.traits.preserves_cursor_order and flat.traits.stateful
+    with pytest.raises(ValueError, match="strategy"):
+        pack_sequences(8, strategy="worst_fit")
+    with pytest.raises(ValueError, match="seq_len"):
+        pack_flat(0)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [pack_sequences(8), pack_sequences(8, open_bins=1, strategy="first_fit"), pack_flat(8)],
+    ids=["best_fit", "first_fit-1", "flat"],
+)
+def test_check_operator_passes(op):
+    # Tokenized and split records: children of one sample in several bins, empty inputs.
+    texts = ["", "abc", "a" * 30, "hello world", "b" * 17, ""]
+    source_records = [
+        SampleRecord(SampleMeta(SampleCursor(2, i, (0, 0, i)), component="web"), {"text": t})
+        for i, t in enumerate(texts)
+    ]
+    records = tokenize(max_len=6, split_long_samples=True).process_many(source_records)
+    check_operator(op, records)
+    check_operator(op, token_records([0, 9, 17, 2, 8, 0]))
+
+
+# ------------------------------------------------------------------------------------ fill
+def fill(strategy: str) -> float:
+    lengths = np.random.default_rng(0).integers(1, 512, size=20_000)
+    records = token_records(lengths.tolist(), chunk_size=1024)
+    op = pack_sequences(1024, open_bins=64, strategy=strategy)
+    out = run(op, records, micro=256, flush_every=4096)
+    return float(lengths.sum()) / (len(out) * 1024)
+
+
+def test_best_fit_fills_at_least_98_5_percent():
+    assert fill("best_fit") >= 0.985
+
+
+def test_first_fit_fills_at_least_97_5_percent():
+    assert fill("first_fit") >= 0.975
+
+
+# ------------------------------------------------------------------------------------ pipeline
+def test_through_a_pipeline_the_delivered_fragments_are_the_tokenized_children():
+    texts = [("x" * (i * 7 % 40)) + str(i) for i in range(60)]
+    pipeline = zephon.Pipeline(
+        ListSource([{"text": t} for t in texts], chunk_size=8),
+        [fetch(), tokenize(max_len=16, split_long_samples=True), pack_sequences(32, open_bins=4)],
+        epoch_chunks=2,
+        strict=True,
+    )
+    loader = iter(pipeline)
+    got = sorted(
+        tuple(rec.payload["tokens"][rec.payload["segment_ids"] == s].tolist())
+        for rec in loader
+        for s in range(1, int(rec.payload["segment_ids"].max()) + 1)
+    )
+    children = []
+    for t in texts:
+        ids = [*t.encode(), 256]
+        children += [tuple(ids[i : i + 16]) for i in range(0, len(ids), 16)]
+    assert got == sorted(children)
+    stats = loader.stats()
+    assert stats["violations"] == 0
+    assert stats["mixture"] == {0: 1.0}
+    assert stats["inflight_chunks"] == 0

@@ -1,0 +1,285 @@
+"""``tokenize`` (SPEC §1.3): every supported tokenizer shape, splitting, truncation, heritage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from zephon.errors import OperatorError
+from zephon.ops import ByteTokenizer, tokenize
+from zephon.testing import check_operator
+from zephon.types import ContributorRef, SampleCursor, SampleMeta, SampleRecord
+
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "a lazy dog sleeps in the sun",
+    "the fox and the dog are friends",
+    "packing sequences keeps the accelerator busy",
+]
+
+
+def text_records(
+    texts: list[str], *, chunk_id: int = 0, component: Any = "web"
+) -> list[SampleRecord]:
+    """Fetched-looking records (implicit contributors) with a text field and an extra field."""
+    return [
+        SampleRecord(
+            SampleMeta(SampleCursor(chunk_id, i, (0, 0, i)), lane_id=0, component=component),
+            {"text": t, "id": i},
+        )
+        for i, t in enumerate(texts)
+    ]
+
+
+def word_lengths(text: str) -> list[int]:
+    """A plain callable tokenizer: one id per word, the word's length."""
+    return [len(w) for w in text.split()]
+
+
+def word_level_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[EOS]"]))
+    return tok
+
+
+def bpe_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "[EOS]"])
+    tok.train_from_iterator(SENTENCES, trainer)
+    return tok
+
+
+# ------------------------------------------------------------------------------------ ByteTokenizer
+def test_byte_tokenizer_maps_utf8_bytes_to_ids_and_has_eos_256():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo ☃")
+    assert ids.dtype == np.int32
+    assert ids.tolist() == list("héllo ☃".encode())
+    assert tok.eos_id == 256 and tok.vocab_size == 257
+    assert tok.decode([*ids.tolist(), 256]) == "héllo ☃"
+    assert [a.tolist() for a in tok.encode_batch(["ab", ""])] == [[97, 98], []]
+
+
+def test_default_tokenizer_appends_eos_and_keeps_other_fields():
+    recs = text_records(["hi", "héllo"])
+    out = tokenize().process_many(recs)
+    assert [r.payload["tokens"].tolist() for r in out] == [
+        [104, 105, 256],
+        [*"héllo".encode(), 256],
+    ]
+    assert all(r.payload["tokens"].dtype == np.int32 for r in out)
+    assert [r.payload["text"] for r in out] == ["hi", "héllo"]
+    assert [r.payload["id"] for r in out] == [0, 1]
+    assert [r.meta.cursor for r in out] == [r.meta.cursor for r in recs]
+
+
+def test_every_output_carries_its_token_and_sample_counts():
+    out = tokenize().process_many(text_records(["abc", "de"], component="books"))
+    assert [r.meta.component_token_counts for r in out] == [{"books": 4}, {"books": 3}]
+    assert [r.meta.component_sample_counts for r in out] == [{"books": 1}, {"books": 1}]
+    assert all(r.meta.component == "books" for r in out)
+
+
+def test_output_field_and_no_eos():
+    out = tokenize(field="body", output_field="ids", append_eos=False).process_many(
+        [
+            SampleRecord(
+                SampleMeta(SampleCursor(0, 0, (0, 0, 0)), component=3), {"body": "ab", "x": 1}
+            )
+        ]
+    )
+    assert out[0].payload == {"body": "ab", "x": 1, "ids": out[0].payload["ids"]}
+    assert out[0].payload["ids"].tolist() == [97, 98]
+    assert out[0].meta.component_token_counts == {3: 2}
+
+
+# ------------------------------------------------------------------------------------ tokenizers
+def test_a_plain_callable_is_a_tokenizer():
+    out = tokenize(word_lengths).process_many(text_records(["aa bbb c"]))
+    assert out[0].payload["tokens"].tolist() == [2, 3, 1, ByteTokenizer.eos_id]
+
+
+class EncodeOnly:
+    """``.encode(str)`` returning ints, with an ``eos_id``."""
+
+    eos_id = 99
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.calls += 1
+        return [ord(c) % 50 for c in text]
+
+
+class EncodingObject:
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+
+class EncodeWithIds:
+    """``.encode(str)`` returning an object with ``.ids``, and ``encode_batch``."""
+
+    def __init__(self) -> None:
+        self.single = 0
+        self.batches: list[int] = []
+
+    def encode(self, text: str) -> EncodingObject:
+        self.single += 1
+        return EncodingObject([len(text)])
+
+    def encode_batch(self, texts: list[str]) -> list[EncodingObject]:
+        self.batches.append(len(texts))
+        return [EncodingObject([len(t)]) for t in texts]
+
+
+class TransformersLike:
+    """The ``transformers`` shape: ``encode``, ``batch_encode_plus`` and ``eos_token_id``."""
+
+    eos_token_id = 7
+
+    def encode(self, text: str) -> list[int]:
+        return [1, len(text)]
+
+    def batch_encode_plus(self, texts: list[str]) -> dict[str, list[list[int]]]:
+        return {"input_ids": [[1, len(t)] for t in texts]}
+
+
+def test_an_encode_method_is_used_and_its_eos_id_wins():
+    tok = EncodeOnly()
+    out = tokenize(tok).process_many(text_records(["ab", "c"]))
+    assert tok.calls == 2
+    assert [r.payload["tokens"].tolist() for r in out] == [[47, 48, 99], [49, 99]]
+
+
+def test_encode_batch_runs_once_per_micro_batch():
+    tok = EncodeWithIds()
+    op = tokenize(tok)
+    out = op.process_many(text_records(["a", "bb", "ccc"]))
+    assert op.tokenizer.batches == [3] and op.tokenizer.single == 0
+    assert [r.payload["tokens"].tolist() for r in out] == [[1, 256], [2, 256], [3, 256]]
+
+
+def test_transformers_style_tokenizers_use_batch_encode_plus_and_eos_token_id():
+    out = tokenize(TransformersLike()).process_many(text_records(["abc", ""]))
+    assert [r.payload["tokens"].tolist() for r in out] == [[1, 3, 7], [1, 0, 7]]
+
+
+@pytest.mark.parametrize("build", [word_level_tokenizer, bpe_tokenizer])
+def test_a_hugging_face_tokenizer_works_as_is(build):
+    tok = build()
+    eos = tok.token_to_id("[EOS]")
+    texts = ["the lazy fox", "dog friends sun", "unseen words here"]
+    out = tokenize(tok, eos_id=eos).process_many(text_records(texts))
+    for rec, text in zip(out, texts, strict=True):
+        assert rec.payload["tokens"].tolist() == [*tok.encode(text).ids, eos]
+        assert rec.meta.component_token_counts == {"web": len(tok.encode(text).ids) + 1}
+
+
+def test_the_fingerprint_follows_the_vocabulary_of_a_hugging_face_tokenizer():
+    a, b = word_level_tokenizer(), bpe_tokenizer()
+    assert tokenize(a).describe() == tokenize(word_level_tokenizer()).describe()
+    assert tokenize(a).describe() != tokenize(b).describe()
+
+
+def test_a_tokenizer_returning_non_integers_is_an_error():
+    with pytest.raises(OperatorError, match="not integer token ids"):
+        tokenize(lambda s: [0.5]).process_many(text_records(["x"]))
+
+
+def test_a_missing_text_field_names_the_record():
+    recs = text_records(["x"])
+    with pytest.raises(OperatorError, match=r"SampleCursor\(0, 0"):
+        tokenize(field="body").process_many(recs)
+
+
+def test_an_object_that_cannot_tokenize_is_rejected():
+    with pytest.raises(TypeError, match="callable"):
+        tokenize(object())
+
+
+# ------------------------------------------------------------------------------------ splitting
+def seed_page_record(n_bytes: int) -> SampleRecord:
+    """The seed page's input: chunk 7, offset 2, sample (ds0, sh5, 42)."""
+    meta = SampleMeta(SampleCursor(7, 2, (0, 5, 42)), lane_id=1, component="web")
+    return SampleRecord(meta, {"text": "x" * n_bytes})
+
+
+def test_splitting_matches_the_seed_page_diagram():
+    # 11 bytes + eos = 12 tokens with max_len 4: three children (0,), (1,), (2,).
+    out = tokenize(max_len=4, split_long_samples=True).process_many([seed_page_record(11)])
+    assert [r.meta.cursor for r in out] == [
+        SampleCursor(7, 2, (0, 5, 42), (0,)),
+        SampleCursor(7, 2, (0, 5, 42), (1,)),
+        SampleCursor(7, 2, (0, 5, 42), (2,)),
+    ]
+    assert [r.meta.cursor.base_offset for r in out] == [(7, 2)] * 3
+    assert [r.contribution_refs() for r in out] == [
+        (ContributorRef(r.meta.cursor, i == 2),) for i, r in enumerate(out)
+    ]
+    assert [r.payload["tokens"].tolist() for r in out] == [
+        [120] * 4,
+        [120] * 4,
+        [120, 120, 120, 256],
+    ]
+    assert all(r.meta.lane_id == 1 for r in out)
+
+
+def test_child_i_holds_tokens_i_times_max_len_onwards_and_counts_its_own_tokens():
+    out = tokenize(max_len=5, split_long_samples=True).process_many([seed_page_record(11)])
+    assert [len(r.payload["tokens"]) for r in out] == [5, 5, 2]  # ceil(12 / 5) children
+    assert [r.meta.component_token_counts for r in out] == [{"web": 5}, {"web": 5}, {"web": 2}]
+    assert [r.meta.component_sample_counts for r in out] == [{"web": 1}] * 3
+    assert np.concatenate([r.payload["tokens"] for r in out]).tolist() == [120] * 11 + [256]
+
+
+def test_a_record_that_fits_is_not_split():
+    rec = seed_page_record(3)
+    (out,) = tokenize(max_len=4, split_long_samples=True).process_many([rec])
+    assert out.meta.cursor == rec.meta.cursor
+    assert out.meta.contributors is None
+
+
+def test_without_splitting_long_sequences_are_truncated():
+    rec = seed_page_record(11)
+    (out,) = tokenize(max_len=4).process_many([rec])
+    assert out.payload["tokens"].tolist() == [120] * 4
+    assert out.meta.cursor == rec.meta.cursor
+    assert out.meta.component_token_counts == {"web": 4}
+
+
+def test_splitting_needs_max_len():
+    with pytest.raises(ValueError, match="max_len"):
+        tokenize(split_long_samples=True)
+    with pytest.raises(ValueError, match="max_len"):
+        tokenize(max_len=0)
+
+
+def test_traits_order_preserving_stateless_and_indexable_only_when_1_to_1():
+    for op in (tokenize(), tokenize(max_len=3)):
+        assert op.traits.preserves_cursor_order and not op.traits.stateful
+        assert op.traits.preserves_indexability
+    split = tokenize(max_len=3, split_long_samples=True, workers=2)
+    assert split.traits.preserves_cursor_order and not split.traits.stateful
+    assert not split.traits.preserves_indexability
+    assert split.traits.workers == 2
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        tokenize(),
+        tokenize(max_len=3),
+        tokenize(max_len=3, split_long_samples=True),
+        tokenize(word_lengths, max_len=2, split_long_samples=True, append_eos=False),
+    ],
+    ids=["plain", "truncate", "split", "callable-split"],
+)
+def test_check_operator_passes(op):
+    texts = ["", "a", "abcdefgh", "the quick brown fox", "héllo wörld"]
+    check_operator(op, text_records(texts, chunk_id=3), lane_id=0)

@@ -1,0 +1,368 @@
+"""``ensure_mixture``: keeps the realized mixture of a lane's stream on its target weights by
+choosing what to emit from a buffer, and dropping (with tombstones) what would overshoot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+from zephon.ops.base import Operator, OpTraits
+from zephon.ops.basic import record_error
+from zephon.ops.children import tombstone_meta
+from zephon.ops.shuffle import HeldOffsets
+from zephon.types import ContributorRef, SampleRecord
+
+__all__ = ["MIXTURE_DROP_TAG", "EnsureMixture", "ensure_mixture"]
+
+#: The tag on the first tombstone of every record ``ensure_mixture`` drops; delivery counts these
+#: in ``stats()["mixture_dropped"]``.
+MIXTURE_DROP_TAG = "mixture_dropped"
+
+_BY = ("tokens", "samples")
+_MANY = object()
+
+
+class _Entry:
+    """A buffered record with its measure: ``amounts`` per component, ``total``, and ``comp``
+    (its only component, or ``_MANY``). ``seq`` is its arrival number, the tie-breaker."""
+
+    __slots__ = ("amounts", "comp", "rec", "seq", "total")
+
+    def __init__(self, seq: int, rec: SampleRecord, amounts: dict[Hashable, int]):
+        self.seq = seq
+        self.rec = rec
+        self.amounts = amounts
+        self.total = sum(amounts.values())
+        self.comp: Any = next(iter(amounts)) if len(amounts) == 1 else _MANY
+
+
+class EnsureMixture(Operator):
+    """Corrects the mixture of the stream towards ``weights`` (by tokens or by samples).
+
+    The rule, with ``t_c`` the measure emitted so far of component ``c`` (carried across epochs),
+    ``T = sum(t_c)``, ``w_c`` the normalized weight and ``d_c = w_c * T - t_c`` its deficit:
+
+    - A record's score is the deficit of its component (for a record spanning several components,
+      e.g. a packed one, the measure-weighted mean of their deficits).
+    - A record of weight-0 components only is dropped on arrival.
+    - Once ``buffer_size`` records are buffered, each new record triggers one decision: the
+      buffered record with the highest score is emitted if that score is >= 0 (its component is
+      not above target); otherwise (buffer full, every buffered record above target) the record
+      with the lowest score, i.e. of the most over-represented component, is dropped. Ties go to
+      the earliest arrival.
+    - At a flush: repeatedly emit the highest-scoring record if its score is >= 0, else the
+      highest-scoring record whose emission keeps each of its components' shares within
+      ``w_c + tolerance``; when none is left that fits, drop the rest (in arrival order).
+
+    Dropped records leave their tombstones; the first of each is tagged ``"mixture_dropped"`` (a
+    record that owes no closing tombstone still leaves one non-closing tagged tombstone), so
+    ``stats()["mixture_dropped"]`` counts dropped records. A record's measure is its
+    ``component_token_counts`` (``by="tokens"``) or ``component_sample_counts`` (``by="samples"``),
+    else one sample of ``meta.component`` with ``len(payload[field])`` tokens; a record with sample
+    counts but no token counts has its tokens split in proportion to its sample counts.
+    """
+
+    name = "ensure_mixture"
+    traits = OpTraits(preserves_cursor_order=False, stateful=True)
+
+    def __init__(
+        self,
+        weights: Mapping[Any, float],
+        *,
+        by: str = "tokens",
+        buffer_size: int = 256,
+        tolerance: float = 0.01,
+        field: str = "tokens",
+    ):
+        if not isinstance(weights, Mapping) or not weights:
+            raise ValueError(
+                "ensure_mixture: weights must be a non-empty mapping component -> weight"
+            )
+        clean: dict[Any, float] = {}
+        for comp, w in weights.items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)):
+                raise TypeError(f"ensure_mixture: weight of {comp!r} must be a number, got {w!r}")
+            if not math.isfinite(w) or w < 0:
+                raise ValueError(f"ensure_mixture: weight of {comp!r} must be >= 0, got {w}")
+            clean[comp] = float(w)
+        total = sum(clean.values())
+        if total <= 0:
+            raise ValueError("ensure_mixture: at least one weight must be > 0")
+        if by not in _BY:
+            raise ValueError(f"ensure_mixture: by must be one of {_BY}, got {by!r}")
+        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+            raise ValueError(
+                f"ensure_mixture: buffer_size must be an int >= 1, got {buffer_size!r}"
+            )
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0:
+            raise ValueError(f"ensure_mixture: tolerance must be a number >= 0, got {tolerance!r}")
+        self.weights = clean
+        self.by = by
+        self.buffer_size = buffer_size
+        self.tolerance = float(tolerance)
+        self.field = field
+        self._share = {c: w / total for c, w in clean.items()}
+        self._totals: dict[Any, int] = dict.fromkeys(clean, 0)
+        self._grand = 0
+        self._queues: dict[Any, deque[_Entry]] = {c: deque() for c in clean}
+        self._multi: list[_Entry] = []
+        self._count = 0
+        self._seq = 0
+        self._offsets = HeldOffsets()
+
+    # ----------------------------------------------------------------------------- measure
+    def _measure(self, rec: SampleRecord) -> dict[Hashable, int]:
+        meta = rec.meta
+        if self.by == "samples":
+            counts = meta.component_sample_counts
+            amounts = dict(counts) if counts else {meta.component: 1}
+        else:
+            tokens = meta.component_token_counts
+            if tokens is not None:
+                amounts = dict(tokens)
+            else:
+                n = self._length(rec)
+                samples = meta.component_sample_counts
+                if samples and len(samples) > 1:
+                    amounts = _split(n, samples)
+                elif samples:
+                    amounts = {next(iter(samples)): n}
+                else:
+                    amounts = {meta.component: n}
+        share = self._share
+        for comp in amounts:
+            if comp not in share:
+                raise record_error(
+                    self,
+                    rec,
+                    ValueError(
+                        f"component {comp!r} has no weight (weights: {list(share)}); give every "
+                        "component a weight (0 to drop it)"
+                    ),
+                )
+        return amounts
+
+    def _length(self, rec: SampleRecord) -> int:
+        try:
+            return len(rec.payload[self.field])
+        except (KeyError, TypeError, IndexError):
+            payload = rec.payload
+            fields = list(payload) if isinstance(payload, dict) else type(payload).__name__
+            raise record_error(
+                self,
+                rec,
+                KeyError(
+                    f"by='tokens' needs component_token_counts (set by tokenize) or a field "
+                    f"{self.field!r} to count; the payload has {fields}"
+                ),
+            ) from None
+
+    # ----------------------------------------------------------------------------- scores
+    def _deficits(self) -> dict[Any, float]:
+        grand = self._grand
+        totals = self._totals
+        return {c: w * grand - totals[c] for c, w in self._share.items()}
+
+    @staticmethod
+    def _score(entry: _Entry, deficits: dict[Any, float]) -> float:
+        if entry.comp is not _MANY:
+            return deficits[entry.comp]
+        if entry.total:
+            return sum(a * deficits[c] for c, a in entry.amounts.items()) / entry.total
+        return sum(deficits[c] for c in entry.amounts) / len(entry.amounts)
+
+    def _candidates(self) -> list[_Entry]:
+        """The head of each component's queue (the earliest of equal scores) and every record that
+        spans several components."""
+        heads = [q[0] for q in self._queues.values() if q]
+        return heads + self._multi if self._multi else heads
+
+    def _best(self, deficits: dict[Any, float]) -> tuple[_Entry, float]:
+        best: _Entry | None = None
+        best_score = 0.0
+        for e in self._candidates():
+            s = self._score(e, deficits)
+            if best is None or s > best_score or (s == best_score and e.seq < best.seq):
+                best, best_score = e, s
+        assert best is not None
+        return best, best_score
+
+    def _worst(self, deficits: dict[Any, float]) -> _Entry:
+        worst: _Entry | None = None
+        worst_score = 0.0
+        for e in self._candidates():
+            s = self._score(e, deficits)
+            if worst is None or s < worst_score or (s == worst_score and e.seq < worst.seq):
+                worst, worst_score = e, s
+        assert worst is not None
+        return worst
+
+    # ----------------------------------------------------------------------------- leaving
+    def _remove(self, entry: _Entry) -> None:
+        if entry.comp is _MANY:
+            self._multi.remove(entry)
+        else:
+            queue = self._queues[entry.comp]
+            if queue[0] is entry:
+                queue.popleft()
+            else:
+                queue.remove(entry)
+        self._count -= 1
+
+    def _emit(self, entry: _Entry) -> SampleRecord:
+        totals = self._totals
+        for comp, amount in entry.amounts.items():
+            totals[comp] += amount
+        self._grand += entry.total
+        return self._offsets.release_record(entry.rec)
+
+    def _drop(self, rec: SampleRecord) -> list[SampleRecord]:
+        """The tombstones of a dropped record, the first tagged ``MIXTURE_DROP_TAG``."""
+        refs = self._offsets.release(rec.meta.contribution_refs()) or rec.meta.contribution_refs()
+        lane = rec.meta.lane_id
+        closing = [ref for ref in refs if ref.is_last_child] or [
+            ContributorRef(rec.meta.cursor, False)
+        ]
+        out = []
+        for i, ref in enumerate(closing):
+            meta = tombstone_meta(ref, lane)
+            if i == 0:
+                meta = meta.replace(tags=meta.tags | {MIXTURE_DROP_TAG})
+            out.append(SampleRecord(meta, None))
+        return out
+
+    # ----------------------------------------------------------------------------- operator
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        out: list[SampleRecord] = []
+        share = self._share
+        for rec in records:
+            amounts = self._measure(rec)
+            if not amounts:  # measures nothing (e.g. empty counts): nothing to balance
+                out.append(rec)
+                continue
+            self._offsets.hold(rec.meta.contribution_refs())
+            if not any(share[c] for c in amounts):
+                out.extend(self._drop(rec))
+                continue
+            entry = _Entry(self._seq, rec, amounts)
+            self._seq += 1
+            if entry.comp is _MANY:
+                self._multi.append(entry)
+            else:
+                self._queues[entry.comp].append(entry)
+            self._count += 1
+            if self._count >= self.buffer_size:
+                deficits = self._deficits()
+                best, score = self._best(deficits)
+                if score >= 0:
+                    self._remove(best)
+                    out.append(self._emit(best))
+                else:
+                    worst = self._worst(deficits)
+                    self._remove(worst)
+                    out.extend(self._drop(worst.rec))
+        return out
+
+    def flush(self) -> list[SampleRecord]:
+        out: list[SampleRecord] = []
+        limit = {c: w + self.tolerance for c, w in self._share.items()}
+        while self._count:
+            deficits = self._deficits()
+            best, score = self._best(deficits)
+            if score < 0:
+                best = self._fitting(deficits, limit)  # type: ignore[assignment]
+                if best is None:
+                    break
+            self._remove(best)
+            out.append(self._emit(best))
+        rest = sorted(
+            [e for q in self._queues.values() for e in q] + self._multi, key=lambda e: e.seq
+        )
+        for entry in rest:
+            out.extend(self._drop(entry.rec))
+        for queue in self._queues.values():
+            queue.clear()
+        self._multi.clear()
+        self._count = 0
+        return out
+
+    def _fitting(self, deficits: dict[Any, float], limit: dict[Any, float]) -> _Entry | None:
+        """The highest-scoring buffered record whose emission keeps each of its components' share
+        within ``w_c + tolerance`` (earliest on ties), or None."""
+        totals = self._totals
+        grand = self._grand
+        found: _Entry | None = None
+        found_score = 0.0
+        for comp, queue in self._queues.items():
+            if not queue:
+                continue
+            # (t + a) / (T + a) <= L  <=>  a <= (L*T - t) / (1 - L): the largest record that fits.
+            cap = limit[comp]
+            room = math.inf if cap >= 1 else (cap * grand - totals[comp]) / (1 - cap)
+            entry = next((e for e in queue if e.total <= room and grand + e.total > 0), None)
+            if entry is None:
+                continue
+            s = deficits[comp]
+            if found is None or s > found_score or (s == found_score and entry.seq < found.seq):
+                found, found_score = entry, s
+        for e in self._multi:
+            after = grand + e.total
+            if after <= 0 or any((totals[c] + a) / after > limit[c] for c, a in e.amounts.items()):
+                continue
+            s = self._score(e, deficits)
+            if found is None or s > found_score or (s == found_score and e.seq < found.seq):
+                found, found_score = e, s
+        return found
+
+    # ----------------------------------------------------------------------------- carry
+    def carry_state(self) -> dict:
+        """The running totals per component, as ``[component, total]`` pairs in weights order."""
+        return {"totals": [[c, t] for c, t in self._totals.items()]}
+
+    def restore_carry(self, state: dict) -> None:
+        totals = dict.fromkeys(self.weights, 0)
+        for comp, total in state["totals"]:
+            key = tuple(comp) if isinstance(comp, list) else comp
+            if key not in totals:
+                raise ValueError(f"ensure_mixture: carried component {key!r} has no weight")
+            totals[key] = int(total)
+        self._totals = totals
+        self._grand = sum(totals.values())
+
+    def realized(self) -> dict[Any, float]:
+        """The share of each component in what this operator has emitted so far (all 0 before)."""
+        grand = self._grand
+        return {c: (t / grand if grand else 0.0) for c, t in self._totals.items()}
+
+
+def _split(n: int, counts: Mapping[Hashable, int]) -> dict[Hashable, int]:
+    """``n`` tokens split over components in proportion to ``counts`` (cumulative floor)."""
+    total = sum(counts.values())
+    if total <= 0:
+        return {next(iter(counts)): n}
+    out: dict[Hashable, int] = {}
+    acc = prev = 0
+    for comp, c in counts.items():
+        acc += c
+        bound = n * acc // total
+        out[comp] = out.get(comp, 0) + bound - prev
+        prev = bound
+    return out
+
+
+def ensure_mixture(
+    weights: Mapping[Any, float],
+    *,
+    by: str = "tokens",
+    buffer_size: int = 256,
+    tolerance: float = 0.01,
+    field: str = "tokens",
+) -> EnsureMixture:
+    """Keep each lane's realized mixture on ``weights`` (by ``"tokens"`` or ``"samples"``): emit
+    from a ``buffer_size`` buffer the record of the component furthest below target, drop (with
+    tagged tombstones) what stays above it; totals survive epochs through ``carry_state``. 1 -> 0/1,
+    reorders, stateful. See ``EnsureMixture`` for the exact rule."""
+    return EnsureMixture(weights, by=by, buffer_size=buffer_size, tolerance=tolerance, field=field)

@@ -1,0 +1,332 @@
+"""The packers: ``pack_sequences`` (online best-fit / first-fit bins) and ``pack_flat`` (cut a
+concatenated stream), on the compiled placement kernels of ``zephon._core.binfill``.
+
+Both emit records with payload ``{"tokens", "segment_ids", "positions"}`` (``int32[seq_len]``):
+segment ids number a bin's fragments 1, 2, 3 ... and are 0 on padding; positions restart at 0 for
+each fragment. A packed record's primary cursor is ``first_input.cursor.child(frag_start)``; its
+contributors are every fragment's refs, closing only for the fragment that ends its input.
+
+Mixture heritage of a packed record: ``component_sample_counts`` counts fragments per component and
+``component_token_counts`` counts tokens per component (``None`` when some input carries no token
+counts, i.e. was not produced by ``tokenize``). An input's tokens are attributed to components by
+laying its counts out in order (``component_token_counts``, else ``component_sample_counts`` scaled
+to its length, else all of ``meta.component``): a fragment counts the tokens of each component its
+token range overlaps, and one sample of each such component.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from zephon._core.binfill import BinPacker, FlatPacker
+from zephon.ops.base import Operator, OpTraits
+from zephon.ops.basic import record_error
+from zephon.ops.children import pack_meta
+from zephon.ops.shuffle import HeldOffsets
+from zephon.types import ContributorRef, SampleMeta, SampleRecord
+
+__all__ = ["PackFlat", "PackSequences", "pack_flat", "pack_sequences"]
+
+_STRATEGIES = ("best_fit", "first_fit")
+
+
+class _Bin:
+    """One open bin: its three payload arrays (one zeroed block) and its fragments, in bin order."""
+
+    __slots__ = ("frags", "n_segments", "positions", "segment_ids", "tokens", "used")
+
+    def __init__(self, seq_len: int):
+        block = np.zeros((3, seq_len), dtype=np.int32)
+        self.tokens = block[0]
+        self.segment_ids = block[1]
+        self.positions = block[2]
+        # (input record, input length, frag_start, frag_len)
+        self.frags: list[tuple[SampleRecord, int, int, int]] = []
+        self.n_segments = 0  # non-empty fragments: an empty one takes no segment id
+        self.used = 0
+
+
+def _layout(meta: SampleMeta, n: int) -> list[tuple[Hashable, int]]:
+    """How an input's ``n`` tokens split over components: consecutive (component, tokens) runs."""
+    tokens = meta.component_token_counts
+    if tokens is not None and sum(tokens.values()) == n:
+        return list(tokens.items())
+    weights = tokens if tokens is not None else meta.component_sample_counts
+    if not weights:
+        return [(meta.component, n)]
+    total = sum(weights.values())
+    if total <= 0:
+        return [(next(iter(weights)), n)]
+    runs: list[tuple[Hashable, int]] = []
+    acc = 0
+    prev = 0
+    for comp, w in weights.items():
+        acc += w
+        bound = n * acc // total
+        runs.append((comp, bound - prev))
+        prev = bound
+    return runs
+
+
+def _count_spread(
+    meta: SampleMeta,
+    n: int,
+    start: int,
+    size: int,
+    samples: dict[Hashable, int],
+    tokens: dict[Hashable, int] | None,
+) -> None:
+    """Add the counts of fragment ``[start, start+size)`` of an input spanning several components:
+    the tokens of each component run it overlaps, and one sample of each such component."""
+    runs = _layout(meta, n)
+    if size == 0:  # an empty fragment still counts as a sample of the input's first component
+        comp = runs[0][0]
+        samples[comp] = samples.get(comp, 0) + 1
+        if tokens is not None:
+            tokens[comp] = tokens.get(comp, 0)
+        return
+    lo = 0
+    for comp, run in runs:
+        hi = lo + run
+        overlap = min(hi, start + size) - max(lo, start)
+        if overlap > 0:
+            samples[comp] = samples.get(comp, 0) + 1
+            if tokens is not None:
+                tokens[comp] = tokens.get(comp, 0) + overlap
+        lo = hi
+
+
+class _Packer(Operator):
+    """What both packers share: copying tokens by placement rows, and building packed records."""
+
+    seq_len: int
+    field: str
+    pad_id: int
+    _kernel: Any
+
+    def _setup(self, seq_len: int, field: str, pad_id: int) -> None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"{self.name}: seq_len must be an int >= 1, got {seq_len!r}")
+        if (
+            isinstance(pad_id, bool)
+            or not isinstance(pad_id, int)
+            or not -(2**31) <= pad_id < 2**31
+        ):
+            raise ValueError(f"{self.name}: pad_id must be an int32, got {pad_id!r}")
+        self.seq_len = seq_len
+        self.field = field
+        self.pad_id = pad_id
+        self._bins: dict[int, _Bin] = {}
+        self._arange = np.arange(seq_len, dtype=np.int32)
+        # A reordering packer tracks the base offsets its open bins hold (see HeldOffsets).
+        self._offsets: HeldOffsets | None = None
+
+    def _tokens_of(self, rec: SampleRecord) -> np.ndarray:
+        try:
+            value = rec.payload[self.field]
+        except (KeyError, TypeError, IndexError):
+            payload = rec.payload
+            fields = list(payload) if isinstance(payload, dict) else type(payload).__name__
+            raise record_error(
+                self, rec, KeyError(f"the payload has no field {self.field!r} (it has {fields})")
+            ) from None
+        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        if arr.dtype != np.int32:
+            if arr.size == 0:
+                arr = np.empty(0, dtype=np.int32)
+            elif arr.dtype.kind not in "iu":
+                raise record_error(
+                    self, rec, TypeError(f"field {self.field!r} holds {arr.dtype}, not token ids")
+                )
+            else:
+                arr = arr.astype(np.int32)
+        if arr.ndim != 1:
+            raise record_error(
+                self, rec, ValueError(f"field {self.field!r} has shape {arr.shape}, not 1-D")
+            )
+        return arr
+
+    def _place(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        """Hand the records to the kernel, copy their tokens into the bins, emit the closed bins."""
+        arrays = [self._tokens_of(rec) for rec in records]
+        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+        placements, closed = self._kernel.add(lengths)
+        bins = self._bins
+        seq_len = self.seq_len
+        arange = self._arange
+        offsets = self._offsets
+        # One numpy slice copy per array and fragment; the rest is bookkeeping.
+        for item, start, size, bin_id, offset in placements.tolist():
+            b = bins.get(bin_id)
+            if b is None:
+                b = bins[bin_id] = _Bin(seq_len)
+            rec = records[item]
+            arr = arrays[item]
+            if size:
+                stop = offset + size
+                b.tokens[offset:stop] = arr[start : start + size]
+                b.n_segments += 1
+                b.segment_ids[offset:stop] = b.n_segments
+                b.positions[offset:stop] = arange[:size]
+                b.used = stop
+            b.frags.append((rec, len(arr), start, size))
+            if offsets is not None:
+                offsets.hold(rec.meta.contribution_refs())
+        return [self._emit(bins.pop(bin_id)) for bin_id in closed.tolist()]
+
+    def _contributors(self, b: _Bin) -> list[ContributorRef]:
+        refs: list[ContributorRef] = []
+        for rec, n, start, size in b.frags:
+            if start + size == n:  # the fragment that ends its input keeps the closing flags
+                refs.extend(rec.meta.contribution_refs())
+            else:
+                refs.extend(ContributorRef(r.cursor, False) for r in rec.meta.contribution_refs())
+        return refs
+
+    def _emit(self, b: _Bin) -> SampleRecord:
+        samples: dict[Hashable, int] = {}
+        tokens: dict[Hashable, int] | None = {}
+        for rec, n, start, size in b.frags:
+            meta = rec.meta
+            sc = meta.component_sample_counts
+            tc = meta.component_token_counts
+            if tc is None:
+                tokens = None
+            if (sc is None or len(sc) == 1) and (tc is None or len(tc) == 1):
+                # One component (the common case): a fragment is one sample of it.
+                comp = next(iter(sc)) if sc else next(iter(tc)) if tc else meta.component
+                samples[comp] = samples.get(comp, 0) + 1
+                if tokens is not None:
+                    tokens[comp] = tokens.get(comp, 0) + size
+            else:
+                _count_spread(meta, n, start, size, samples, tokens)
+        first, _, first_start, _ = b.frags[0]
+        meta = pack_meta(
+            first.meta.cursor.child(first_start),
+            self._contributors(b),
+            lane_id=self.lane_id,
+            component_sample_counts=samples,
+            component_token_counts=tokens,
+        )
+        return SampleRecord(meta, self._payload(b))
+
+    def _payload(self, b: _Bin) -> dict[str, np.ndarray]:
+        """The bin's ``tokens`` (padded with ``pad_id``), ``segment_ids`` and ``positions``."""
+        if self.pad_id and b.used < self.seq_len:
+            b.tokens[b.used :] = self.pad_id
+        return {"tokens": b.tokens, "segment_ids": b.segment_ids, "positions": b.positions}
+
+    def _new_kernel(self) -> Any:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The compiled kernel does not pickle; it is rebuilt empty. Copies (the lane runner's
+        # fresh operators, check_operator) are taken between epochs, when no bin is open.
+        if self._bins:
+            raise RuntimeError(f"{self.name}: cannot copy or pickle a packer that holds open bins")
+        state = dict(vars(self))
+        del state["_kernel"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        self._kernel = self._new_kernel()
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        return self._place(records)
+
+    def flush(self) -> list[SampleRecord]:
+        closed = self._kernel.flush().tolist()
+        bins = self._bins
+        out = [self._emit(bins.pop(bin_id)) for bin_id in closed]
+        # Bin ids restart at 0: bins never cross an epoch boundary.
+        self._kernel.reset()
+        bins.clear()
+        return out
+
+
+class PackSequences(_Packer):
+    """Packs token sequences into bins of ``seq_len`` with at most ``open_bins`` open bins
+    (``BinPacker``), emitting a bin when it is full, when it must make room, or at a flush.
+
+    Reorders: bins leave in the order they close. A base offset closes only with the last bin that
+    carries it (``HeldOffsets``), even when split children of one sample land in several bins.
+    """
+
+    name = "pack_sequences"
+    traits = OpTraits(preserves_cursor_order=False, stateful=True)
+
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        field: str = "tokens",
+        open_bins: int = 64,
+        strategy: str = "best_fit",
+        pad_id: int = 0,
+    ):
+        if strategy not in _STRATEGIES:
+            raise ValueError(
+                f"pack_sequences: strategy must be one of {_STRATEGIES}, got {strategy!r}"
+            )
+        if isinstance(open_bins, bool) or not isinstance(open_bins, int) or open_bins < 1:
+            raise ValueError(f"pack_sequences: open_bins must be an int >= 1, got {open_bins!r}")
+        self._setup(seq_len, field, pad_id)
+        self.open_bins = open_bins
+        self.strategy = strategy
+        self._offsets = HeldOffsets()
+        self._kernel = self._new_kernel()
+
+    def _new_kernel(self) -> BinPacker:
+        return BinPacker(self.seq_len, self.open_bins, self.strategy)  # type: ignore[arg-type]
+
+    def _contributors(self, b: _Bin) -> list[ContributorRef]:
+        refs = super()._contributors(b)
+        assert self._offsets is not None
+        moved = self._offsets.release(refs)
+        return refs if moved is None else list(moved)
+
+
+class PackFlat(_Packer):
+    """Concatenates token sequences in arrival order and cuts the stream every ``seq_len`` tokens
+    (``FlatPacker``); an input may wrap across several bins. A flush emits the partial last bin.
+
+    Order-preserving: bins leave in stream order, so each base offset closes with its last record.
+    """
+
+    name = "pack_flat"
+    traits = OpTraits(preserves_cursor_order=True, stateful=True)
+
+    def __init__(self, seq_len: int, *, field: str = "tokens", pad_id: int = 0):
+        self._setup(seq_len, field, pad_id)
+        self._kernel = self._new_kernel()
+
+    def _new_kernel(self) -> FlatPacker:
+        return FlatPacker(self.seq_len)
+
+
+def pack_sequences(
+    seq_len: int,
+    *,
+    field: str = "tokens",
+    open_bins: int = 64,
+    strategy: str = "best_fit",
+    pad_id: int = 0,
+) -> PackSequences:
+    """Pack ``payload[field]`` sequences into ``seq_len``-token bins, holding at most ``open_bins``
+    open; ``strategy`` ``"best_fit"`` (tightest bin that fits) or ``"first_fit"``. A sequence
+    longer than ``seq_len`` is cut into ``seq_len`` fragments that fill bins of their own, and its
+    remainder is placed like any sequence. N -> 1, reorders, stateful; nothing is dropped."""
+    return PackSequences(
+        seq_len, field=field, open_bins=open_bins, strategy=strategy, pad_id=pad_id
+    )
+
+
+def pack_flat(seq_len: int, *, field: str = "tokens", pad_id: int = 0) -> PackFlat:
+    """Concatenate ``payload[field]`` sequences in arrival order and cut every ``seq_len`` tokens;
+    the partial last bin of an epoch is padded with ``pad_id``. N -> 1, order-preserving,
+    stateful."""
+    return PackFlat(seq_len, field=field, pad_id=pad_id)
