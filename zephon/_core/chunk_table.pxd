@@ -34,6 +34,9 @@ cdef class ChunkTable:
     cdef Py_ssize_t _count
     # Physical ring index of the entry found last (the fast path of lookups), or -1.
     cdef Py_ssize_t _cached
+    # A small direct-mapped cache chunk_id -> physical ring index (-1: empty), so inputs that
+    # alternate between chunks skip the binary search. Only ever points at inflight entries.
+    cdef Py_ssize_t _slots[64]
     cdef offset_t _first_chunk_id     # first id ever opened, -1 before any
     cdef offset_t _last_chunk_id      # largest id ever opened, -1 before any
     cdef offset_t _last_local_index
@@ -52,8 +55,13 @@ cdef class ChunkTable:
     cdef bint _resize(self, Py_ssize_t new_cap) noexcept nogil
     cdef void _shrink(self) noexcept nogil
     cdef void _evict_head(self) noexcept nogil
-    cdef Py_ssize_t _first_bad(self, const offset_t[:] chunk_ids, const offset_t[:] offsets) noexcept nogil
-    cdef offset_t _apply_many(self, const offset_t[:] chunk_ids, const offset_t[:] offsets) noexcept nogil
+    cdef void _forget_slots(self) noexcept nogil
+    cdef Py_ssize_t _first_bad(
+        self, const offset_t[:] chunk_ids, const offset_t[:] offsets
+    ) noexcept nogil
+    cdef offset_t _apply_many(
+        self, const offset_t[:] chunk_ids, const offset_t[:] offsets
+    ) noexcept nogil
     cdef int _check_idle(self) except -1
     cdef Py_ssize_t _require(self, offset_t chunk_id) except -3
     cdef str _describe_missing(self, offset_t chunk_id)
