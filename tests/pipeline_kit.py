@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zephon.ops.base import OpTraits, Operator, epoch_rng
+from zephon.ops.base import Operator, OpTraits, epoch_rng
 from zephon.ops.children import pack_meta, spawn_child, tombstones_for_record
 from zephon.types import SampleBatch, SampleRecord
 
@@ -69,7 +69,9 @@ class WindowShuffle(Operator):
         return out
 
     def flush(self) -> list[SampleRecord]:
-        out = [self._buf.pop(int(self._rng.integers(len(self._buf)))) for _ in range(len(self._buf))]
+        out = [
+            self._buf.pop(int(self._rng.integers(len(self._buf)))) for _ in range(len(self._buf))
+        ]
         return out
 
 

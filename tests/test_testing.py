@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pipeline_kit import DropMultiples, PackPairs, SplitInChildren, WindowShuffle
 
-from zephon.ops.base import OpTraits, Operator
+from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import filter_records, map_transform
 from zephon.ops.children import spawn_child
 from zephon.testing import check_operator
@@ -13,15 +13,19 @@ from zephon.types import SampleCursor, SampleMeta, SampleRecord
 
 
 def records(n=12):
-    return [
-        SampleRecord(SampleMeta(SampleCursor(3, i, (0, 0, i))), {"idx": i}) for i in range(n)
-    ]
+    return [SampleRecord(SampleMeta(SampleCursor(3, i, (0, 0, i))), {"idx": i}) for i in range(n)]
 
 
 @pytest.mark.parametrize(
     "op",
-    [SplitInChildren(), DropMultiples(3), WindowShuffle(4), PackPairs(),
-     filter_records(lambda p: p["idx"] % 2), map_transform(lambda p: {"y": p["idx"]})],
+    [
+        SplitInChildren(),
+        DropMultiples(3),
+        WindowShuffle(4),
+        PackPairs(),
+        filter_records(lambda p: p["idx"] % 2),
+        map_transform(lambda p: {"y": p["idx"]}),
+    ],
     ids=lambda op: op.name,
 )
 def test_correct_operators_pass(op):
@@ -39,8 +43,11 @@ class BothClose(Operator):
     traits = OpTraits(preserves_cursor_order=True)
 
     def process_many(self, recs):
-        return [SampleRecord(spawn_child(r.meta, i, is_last_child=True), None)
-                for r in recs for i in range(2)]
+        return [
+            SampleRecord(spawn_child(r.meta, i, is_last_child=True), None)
+            for r in recs
+            for i in range(2)
+        ]
 
 
 class Duplicates(Operator):

@@ -46,8 +46,10 @@ def run_demo(n: int = 200_000, out: Any = sys.stdout) -> int:
     reference = [_ids(b) for b in iter(pipeline)]
     elapsed = time.perf_counter() - start
     records = sum(len(b) for b in reference)
-    say(f"uninterrupted: {len(reference)} batches, {records} records "
-        f"in {elapsed:.2f} s ({records / elapsed:,.0f} records/s)")
+    say(
+        f"uninterrupted: {len(reference)} batches, {records} records "
+        f"in {elapsed:.2f} s ({records / elapsed:,.0f} records/s)"
+    )
 
     stop_at = len(reference) // 2 + 17
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,14 +77,19 @@ def inspect_checkpoint(path: str, out: Any = sys.stdout) -> int:
     """Print what a checkpoint holds, readably."""
     state = zephon.load_checkpoint(path)
     print(f"{path}: Zephon loader state v{state['version']}", file=out)
-    print(f"  pipeline fingerprint {state['fingerprint'][:16]}…, rank {state['rank']}"
-          f"/{state['world_size']}, {state['lanes']} lane(s), next lane {state['next_lane']}",
-          file=out)
+    print(
+        f"  pipeline fingerprint {state['fingerprint'][:16]}…, rank {state['rank']}"
+        f"/{state['world_size']}, {state['lanes']} lane(s), next lane {state['next_lane']}",
+        file=out,
+    )
     for lane in state["lane_states"]:
         where = "finished" if lane["finished"] else f"restarts at lane chunk {lane['start']}"
         cursor = lane["cursor"]
-        replay = (f"replays {lane['count']} record(s) up to cursor {cursor}" if cursor
-                  else "nothing to replay")
+        replay = (
+            f"replays {lane['count']} record(s) up to cursor {cursor}"
+            if cursor
+            else "nothing to replay"
+        )
         print(f"  lane {lane['lane']}: {where}, {replay}", file=out)
     print(f"  counters: {json.dumps(state['counters'])}", file=out)
     return 0

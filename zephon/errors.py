@@ -12,7 +12,7 @@ class PlanError(ZephonError):
 
 
 class ContractViolation(ZephonError):
-    """An operator broke the bookkeeping contract (early close, missing tombstone, false order claim)."""
+    """An operator broke the bookkeeping contract: early close, missing tombstone, false order."""
 
 
 class CheckpointError(ZephonError):
@@ -20,7 +20,7 @@ class CheckpointError(ZephonError):
 
 
 class CheckpointMismatchError(CheckpointError):
-    """The checkpoint belongs to another pipeline, rank or world size; the message says what differs."""
+    """A checkpoint from another pipeline, rank or world size; the message says what differs."""
 
 
 class CheckpointCorruptError(CheckpointError):
@@ -36,7 +36,7 @@ class FetchError(ZephonError):
 
 
 class OperatorError(ZephonError):
-    """An exception raised inside an operator, naming the operator, the record's cursor and sample id."""
+    """An exception raised inside an operator, naming the operator, the cursor and the sample id."""
 
     def __init__(self, message: str, *, operator: str | None = None, cursor: object = None):
         super().__init__(message)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from zephon.errors import PlanError
-from zephon.ops.base import OpTraits, Operator
+from zephon.ops.base import Operator, OpTraits
 
 if TYPE_CHECKING:
     from zephon.runtime.loader import Loader
@@ -33,7 +33,9 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
         rank = r if rank is None else rank
         world_size = w if world_size is None else world_size
     if world_size < 1 or not 0 <= rank < world_size:
-        raise PlanError(f"rank must be in [0, world_size): got rank={rank}, world_size={world_size}")
+        raise PlanError(
+            f"rank must be in [0, world_size): got rank={rank}, world_size={world_size}"
+        )
     return rank, world_size
 
 
@@ -63,7 +65,9 @@ def _rank_from_env() -> tuple[int, int] | None:
         try:
             return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         except ValueError as exc:
-            raise PlanError(f"RANK/WORLD_SIZE environment variables are not integers: {exc}") from None
+            raise PlanError(
+                f"RANK/WORLD_SIZE environment variables are not integers: {exc}"
+            ) from None
     return None
 
 
@@ -113,7 +117,9 @@ class Plan:
         if self.eviction_path == "epoch":
             lines.append(f"  epochs of {self.epoch_chunks} chunks per lane")
         if self.indexable:
-            lines.append("  restore skips consumed samples at the source (every operator indexable)")
+            lines.append(
+                "  restore skips consumed samples at the source (every operator indexable)"
+            )
         return "\n".join(lines)
 
 
@@ -152,18 +158,17 @@ class Pipeline:
         self.micro_batch = micro_batch
 
     def compile(self) -> Plan:
-        """Validate and plan without running anything; errors are ``PlanError`` naming the operator."""
-        for name, value in (("lanes", self.lanes), ("epoch_chunks", self.epoch_chunks),
-                            ("prefetch", self.prefetch), ("micro_batch", self.micro_batch)):
+        """Plan without running anything; errors are ``PlanError`` naming the operator."""
+        for name, value in (
+            ("lanes", self.lanes),
+            ("epoch_chunks", self.epoch_chunks),
+            ("prefetch", self.prefetch),
+            ("micro_batch", self.micro_batch),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise PlanError(f"Pipeline {name} must be an int >= 1, got {value!r}")
         if self.workers not in WORKER_KINDS:
             raise PlanError(f"Pipeline workers must be one of {WORKER_KINDS}, got {self.workers!r}")
-        if self.workers != "inline":
-            raise PlanError(
-                f"workers={self.workers!r} lanes are not available in this version; "
-                "use workers='inline'"
-            )
         ops = self.ops
         if not ops:
             raise PlanError("a pipeline needs at least the fetch operator")
@@ -173,12 +178,15 @@ class Pipeline:
                 raise PlanError(f"{label} is not a zephon.ops.Operator: {op!r}")
             if not isinstance(getattr(op, "traits", None), OpTraits):
                 raise PlanError(
-                    f"{label} declares no OpTraits: set `traits = OpTraits(preserves_cursor_order=...)`"
+                    f"{label} declares no OpTraits: "
+                    "set `traits = OpTraits(preserves_cursor_order=...)`"
                 )
             if op.consumes_pointers and i != 0:
                 raise PlanError(f"{label} reads pointers and must be the first operator")
             if op.groups_at_delivery and i != len(ops) - 1:
-                raise PlanError(f"{label} groups records into batches and must be the last operator")
+                raise PlanError(
+                    f"{label} groups records into batches and must be the last operator"
+                )
             workers = op.traits.workers or 1
             if self.deterministic and op.traits.stateful and workers > 1:
                 raise PlanError(
@@ -196,10 +204,12 @@ class Pipeline:
         if reorder or stateful:
             path = "epoch"
             why = "; ".join(
-                part for part in (
+                part
+                for part in (
                     f"reorders: {', '.join(reorder)}" if reorder else "",
                     f"keeps state: {', '.join(stateful)}" if stateful else "",
-                ) if part
+                )
+                if part
             )
         else:
             path = "monotone"
@@ -209,11 +219,24 @@ class Pipeline:
         rank, world_size = resolve_rank(self.rank, self.world_size)
         parts = self._fingerprint_parts(world_size)
         return Plan(
-            source=self.source, fetch=fetch_op, chain=chain, batcher=batcher,
-            eviction_path=path, path_reason=why, indexable=indexable, lanes=self.lanes,
-            workers=self.workers, epoch_chunks=self.epoch_chunks, micro_batch=self.micro_batch,
-            prefetch=self.prefetch, deterministic=self.deterministic, strict=self.strict,
-            rank=rank, world_size=world_size, fingerprint=_digest(parts), fingerprint_parts=parts,
+            source=self.source,
+            fetch=fetch_op,
+            chain=chain,
+            batcher=batcher,
+            eviction_path=path,
+            path_reason=why,
+            indexable=indexable,
+            lanes=self.lanes,
+            workers=self.workers,
+            epoch_chunks=self.epoch_chunks,
+            micro_batch=self.micro_batch,
+            prefetch=self.prefetch,
+            deterministic=self.deterministic,
+            strict=self.strict,
+            rank=rank,
+            world_size=world_size,
+            fingerprint=_digest(parts),
+            fingerprint_parts=parts,
         )
 
     def _fingerprint_parts(self, world_size: int) -> dict[str, Any]:
@@ -228,7 +251,7 @@ class Pipeline:
 
     @property
     def fingerprint(self) -> str:
-        """A stable hex digest of the source, operators and parameters, and lanes/epochs/world size."""
+        """A stable hex digest of source, operators, parameters, lanes, epochs and world size."""
         return _digest(self._fingerprint_parts(resolve_rank(self.rank, self.world_size)[1]))
 
     def iter(self, state: dict | None = None) -> Loader:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Sequence
 
 from zephon.ops.base import Operator
@@ -36,8 +37,11 @@ def check_operator(op: Operator, records: Sequence[SampleRecord], *, lane_id: in
         return [(r.meta.is_tombstone, r.meta.cursor) for r in out]
 
     if cursors(first) != cursors(second):
-        diff = next(i for i, (a, b) in enumerate(zip(cursors(first), cursors(second))) if a != b) \
-            if len(first) == len(second) else min(len(first), len(second))
+        diff = (
+            next(i for i, (a, b) in enumerate(zip(cursors(first), cursors(second))) if a != b)
+            if len(first) == len(second)
+            else min(len(first), len(second))
+        )
         raise AssertionError(
             f"{name}: cursors are not deterministic: two runs on the same records differ at "
             f"output {diff} ({len(first)} vs {len(second)} outputs). Derive randomness from "
@@ -68,10 +72,7 @@ def check_operator(op: Operator, records: Sequence[SampleRecord], *, lane_id: in
                 closed.setdefault(base, i)
 
     owed = {
-        ref.base_offset
-        for r in records
-        for ref in r.meta.contribution_refs()
-        if ref.is_last_child
+        ref.base_offset for r in records for ref in r.meta.contribution_refs() if ref.is_last_child
     }
     missing = sorted(owed - set(closed))
     if missing:
@@ -81,7 +82,7 @@ def check_operator(op: Operator, records: Sequence[SampleRecord], *, lane_id: in
         )
 
     if op.traits.preserves_cursor_order:
-        for prev, rec in zip(real, real[1:]):
+        for prev, rec in itertools.pairwise(real):
             if rec.meta.cursor < prev.meta.cursor:
                 raise AssertionError(
                     f"{name}: claims preserves_cursor_order=True but emits {rec.meta.cursor!r} "

@@ -1,4 +1,4 @@
-"""Memory and recovery stay bounded: inflight chunks and replayed records do not grow with the run."""
+"""Memory and recovery stay bounded: inflight chunks and replayed records don't grow with a run."""
 
 from __future__ import annotations
 
@@ -17,15 +17,18 @@ def _double(payload):
 
 def monotone(n):
     return zephon.Pipeline(
-        RangeSource(n, chunk_size=512), [fetch(), SplitInChildren(2), DropMultiples(7), batch(32)],
+        RangeSource(n, chunk_size=512),
+        [fetch(), SplitInChildren(2), DropMultiples(7), batch(32)],
         lanes=2,
     )
 
 
 def epoch_path(n):
     return zephon.Pipeline(
-        RangeSource(n, chunk_size=512), [fetch(), DropMultiples(7), WindowShuffle(64), batch(32)],
-        lanes=2, epoch_chunks=4,
+        RangeSource(n, chunk_size=512),
+        [fetch(), DropMultiples(7), WindowShuffle(64), batch(32)],
+        lanes=2,
+        epoch_chunks=4,
     )
 
 

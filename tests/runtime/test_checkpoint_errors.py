@@ -1,4 +1,4 @@
-"""Damaged or foreign checkpoints raise the documented errors and never start the stream elsewhere."""
+"""Damaged or foreign checkpoints raise the documented errors, never a stream from elsewhere."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from zephon.sources.memory import RangeSource
 
 
 def make(n=100, lanes=2, **kw):
-    return zephon.Pipeline(RangeSource(n, chunk_size=8), [fetch(), WindowShuffle(3)], lanes=lanes,
-                           **kw)
+    return zephon.Pipeline(
+        RangeSource(n, chunk_size=8), [fetch(), WindowShuffle(3)], lanes=lanes, **kw
+    )
 
 
 @pytest.fixture

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from pipeline_kit import DropMultiples, WindowShuffle
+from pipeline_kit import DropMultiples, SplitInChildren, WindowShuffle
 
 import zephon
 from zephon.errors import ContractViolation, ContractWarning, ReplayDivergenceError
-from zephon.ops.base import OpTraits, Operator
+from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import fetch
 from zephon.ops.children import spawn_child
 from zephon.sources.memory import RangeSource
@@ -96,6 +96,23 @@ def test_early_close_is_a_counted_warning_otherwise():
     assert loader.stats()["violations"] == 60
 
 
+def test_two_closing_records_for_one_offset_are_reported_on_the_epoch_path_too():
+    p = zephon.Pipeline(
+        RangeSource(60, chunk_size=8), [fetch(), ClosesEveryChild(), WindowShuffle(4)], strict=True
+    )
+    with pytest.raises(ContractViolation, match="ClosesEveryChild"):
+        list(p)
+
+
+def test_siblings_reordered_after_their_closing_record_are_fine_on_the_epoch_path():
+    p = zephon.Pipeline(
+        RangeSource(200, chunk_size=8),
+        [fetch(), SplitInChildren(3), WindowShuffle(9)],
+        strict=True,
+    )
+    assert len(list(p)) == sum(i % 3 + 1 for i in range(200))
+
+
 def test_missing_tombstone_is_found_when_the_epoch_marker_arrives():
     with pytest.raises(ContractViolation, match=r"DropsWithoutTombstones.*\(0, 0\)"):
         list(pipeline(DropsWithoutTombstones(), strict=True))
@@ -122,7 +139,7 @@ def test_a_correct_dropping_operator_raises_nothing_on_the_epoch_path():
 
 
 def test_false_order_claim_raises_in_strict_mode():
-    with pytest.raises(ContractViolation, match="ReversesButClaimsOrder.*preserves_cursor_order"):
+    with pytest.raises(ContractViolation, match=r"ReversesButClaimsOrder.*preserves_cursor_order"):
         list(pipeline(ReversesButClaimsOrder(), strict=True, micro_batch=4))
 
 

@@ -19,6 +19,3 @@ def check_build() -> None:
                 "From a source checkout run `make build` (or `pip install -e .`); "
                 "installed wheels ship it compiled."
             ) from exc
-
-
-

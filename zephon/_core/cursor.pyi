@@ -4,7 +4,7 @@ import numpy as np
 import numpy.typing as npt
 
 class SampleCursor:
-    """Where a record was born and the path it took; sorts by (chunk, offset, lineage, sample_id)."""
+    """Where a record was born and its path; sorts by (chunk, offset, lineage, sample_id)."""
 
     chunk_id: int
     chunk_offset: int

@@ -101,7 +101,9 @@ def describe_value(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [describe_value(v) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): describe_value(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        return {
+            str(k): describe_value(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
+        }
     if isinstance(value, np.ndarray):
         return {"ndarray": list(value.shape), "dtype": str(value.dtype)}
     if isinstance(value, Operator):

@@ -1,4 +1,4 @@
-"""The record-level built-ins: ``fetch`` (pointers to records), ``map_transform``, ``filter_records``."""
+"""Record-level built-ins: ``fetch`` (pointers -> records), ``map_transform``, ``filter_records``."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import numpy as np
 
 from zephon._core.records import records_for_chunk
 from zephon.errors import FetchError, OperatorError
-from zephon.ops.base import OpTraits, Operator
+from zephon.ops.base import Operator, OpTraits
 from zephon.ops.children import tombstones_for_record
 from zephon.types import SampleRecord
 
-__all__ = ["Fetch", "MapTransform", "FilterRecords", "fetch", "filter_records", "map_transform"]
+__all__ = ["Fetch", "FilterRecords", "MapTransform", "fetch", "filter_records", "map_transform"]
 
 
 def record_error(op: Operator, record: SampleRecord, exc: BaseException) -> OperatorError:
@@ -87,10 +87,16 @@ def fetch(reader: Callable[[np.ndarray], list] | None = None, *, retries: int = 
 
 
 class MapTransform(Operator):
-    """``payload -> fn(payload)``; with ``drop_none`` a ``None`` result drops the record (tombstoned)."""
+    """``payload -> fn(payload)``; with ``drop_none`` a ``None`` result drops the record."""
 
-    def __init__(self, fn: Callable[[Any], Any], *, drop_none: bool = False,
-                 workers: int | None = None, name: str | None = None):
+    def __init__(
+        self,
+        fn: Callable[[Any], Any],
+        *,
+        drop_none: bool = False,
+        workers: int | None = None,
+        name: str | None = None,
+    ):
         if not callable(fn):
             raise TypeError(f"map_transform needs a callable, got {fn!r}")
         self.fn = fn
@@ -119,8 +125,13 @@ class MapTransform(Operator):
         return out
 
 
-def map_transform(fn: Callable[[Any], Any], *, drop_none: bool = False,
-                  workers: int | None = None, name: str | None = None) -> MapTransform:
+def map_transform(
+    fn: Callable[[Any], Any],
+    *,
+    drop_none: bool = False,
+    workers: int | None = None,
+    name: str | None = None,
+) -> MapTransform:
     """Apply ``fn`` to every payload; 1 -> 1, or 1 -> 0/1 with ``drop_none=True``."""
     return MapTransform(fn, drop_none=drop_none, workers=workers, name=name)
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import PlanError
-from zephon.ops.base import OpTraits, Operator
+from zephon.ops.base import Operator, OpTraits
 from zephon.types import SampleRecord
 
 __all__ = ["Batch", "batch", "default_collate"]
@@ -48,8 +48,13 @@ class Batch(Operator):
     groups_at_delivery = True
     traits = OpTraits(preserves_cursor_order=True)
 
-    def __init__(self, batch_size: int, *, drop_remainder: bool = False,
-                 collate: Callable[[Sequence[SampleRecord]], Any] | None = None):
+    def __init__(
+        self,
+        batch_size: int,
+        *,
+        drop_remainder: bool = False,
+        collate: Callable[[Sequence[SampleRecord]], Any] | None = None,
+    ):
         if int(batch_size) < 1:
             raise PlanError(f"batch: batch_size must be >= 1, got {batch_size}")
         self.batch_size = int(batch_size)
@@ -60,7 +65,11 @@ class Batch(Operator):
         raise TypeError("batch groups records at delivery; it never runs inside a lane")
 
 
-def batch(batch_size: int, *, drop_remainder: bool = False,
-          collate: Callable[[Sequence[SampleRecord]], Any] | None = None) -> Batch:
+def batch(
+    batch_size: int,
+    *,
+    drop_remainder: bool = False,
+    collate: Callable[[Sequence[SampleRecord]], Any] | None = None,
+) -> Batch:
     """The last operator: ``batch_size`` records per ``SampleBatch``, collated by ``collate``."""
     return Batch(batch_size, drop_remainder=drop_remainder, collate=collate)

@@ -44,7 +44,9 @@ def unseal(state: Any) -> dict[str, Any]:
     except (TypeError, ValueError) as exc:
         raise CheckpointCorruptError(f"loader state is not plain JSON data: {exc}") from None
     if state.get("checksum") != expected:
-        raise CheckpointCorruptError("loader state checksum does not match: it was altered or damaged")
+        raise CheckpointCorruptError(
+            "loader state checksum does not match: it was altered or damaged"
+        )
     return body
 
 
@@ -79,7 +81,9 @@ def decode_cursor(value: Any) -> SampleCursor | None:
         chunk_id, offset, sample_id, lineage = value
         return SampleCursor(chunk_id, offset, tuple(sample_id), tuple(lineage))
     except (TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(f"bad replay cursor {value!r} in loader state: {exc}") from None
+        raise CheckpointCorruptError(
+            f"bad replay cursor {value!r} in loader state: {exc}"
+        ) from None
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
@@ -112,7 +116,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and verify a file written by ``save_checkpoint``; ``CheckpointCorruptError`` if damaged."""
+    """Read and verify a ``save_checkpoint`` file; ``CheckpointCorruptError`` if damaged."""
     raw = Path(path).read_bytes()
     try:
         envelope = json.loads(raw)

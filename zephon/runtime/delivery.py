@@ -8,7 +8,6 @@ compiled chunk table, the monotone watermark, eviction, and the contract checks.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from zephon._core.chunk_table import CLOSED, EVICTED, ChunkTable
@@ -16,7 +15,8 @@ from zephon.errors import ContractViolation, OperatorError, ReplayDivergenceErro
 from zephon.ops.children import tombstones_for_record
 from zephon.runtime.checkpoint import decode_cursor, encode_cursor
 from zephon.runtime.control import ChunkOpened, EpochEnd, LaneEnd, OverClose
-from zephon.runtime.lane import LaneRunner, chunk_position, operator_labels
+from zephon.runtime.lane import chunk_position, operator_labels
+from zephon.runtime.workers import open_lane
 from zephon.types import SampleBatch, SampleCursor, SampleRecord
 
 if TYPE_CHECKING:
@@ -59,8 +59,7 @@ class LaneDelivery:
         self.replay_expect = (0, 0)
         self.replay_seen = [0, 0]
         self.restored_state: dict[str, Any] | None = None
-        self._runner = LaneRunner(plan, lane_id)
-        self._items: Iterator[list] = self._runner.run()
+        self._items: Any = None  # the lane's item lists; started on first use or by restore
         self._buf: list = []
         self._pos = 0
 
@@ -70,7 +69,6 @@ class LaneDelivery:
         self.restored_state = state
         if state["finished"]:
             self.finished = True
-            self._items = iter(())
             return
         start = state["start"]
         self.next_local = start
@@ -80,7 +78,9 @@ class LaneDelivery:
         count, digest = state["count"], int(state["digest"], 16)
         skip = 0
         if cursor is not None:
-            if self.plan.indexable and cursor.chunk_id == chunk_position(self.plan, self.lane_id, start):
+            if self.plan.indexable and cursor.chunk_id == chunk_position(
+                self.plan, self.lane_id, start
+            ):
                 # Every operator is 1 -> 1 and in order: skip consumed samples before fetch.
                 skip = cursor.chunk_offset + 1
                 self.last_cursor = cursor
@@ -88,10 +88,9 @@ class LaneDelivery:
             else:
                 self.replay_target = cursor
                 self.replay_expect = (count, digest)
-        self._runner = LaneRunner(
+        self._items = open_lane(
             self.plan, self.lane_id, start_local=start, carry=self.carry, skip_offset=skip
         )
-        self._items = self._runner.run()
 
     def state(self) -> dict[str, Any]:
         """This lane's part of a checkpoint (SPEC §3.3); small and independent of run length."""
@@ -116,16 +115,21 @@ class LaneDelivery:
             "carry": self.carry,
         }
 
+    def start(self) -> None:
+        """Start the lane's runner (worker thread or process) unless it runs already or is done."""
+        if self._items is None and not self.finished:
+            self._items = open_lane(self.plan, self.lane_id)
+
     def close(self) -> None:
         """Stop the lane runner (its generator and anything it holds)."""
-        close = getattr(self._items, "close", None)
-        if close is not None:
-            close()
+        if self._items is not None:
+            self._items.close()
         self.finished = True
 
     # ----------------------------------------------------------------------------- delivery
     def _next_item(self) -> Any:
         if self._pos >= len(self._buf):
+            self.start()
             self._buf = next(self._items)
             self._pos = 0
         item = self._buf[self._pos]
@@ -207,7 +211,7 @@ class LaneDelivery:
         if self.monotone:
             self.table.close_below(END_OF_LANE, 0)
             self._evicted(self.table.evict_complete_prefix())
-        self.finished = True
+        self.close()  # releases the lane's worker as soon as it is done
         self.restored_state = None
         return out
 
@@ -220,7 +224,7 @@ class LaneDelivery:
         contributors = meta.contributors
         if contributors is None:
             state = table.close(cursor.chunk_id, cursor.chunk_offset)
-            if state == CLOSED or state == EVICTED:
+            if state in (CLOSED, EVICTED):
                 self._early_close(rec, cursor, state)
             low_chunk, low_offset = cursor.chunk_id, cursor.chunk_offset
         else:
@@ -229,9 +233,13 @@ class LaneDelivery:
                 c = ref.cursor
                 if ref.is_last_child:
                     state = table.close(c.chunk_id, c.chunk_offset)
-                else:
+                elif self.monotone:
                     state = table.offset_state(c.chunk_id, c.chunk_offset)
-                if state == CLOSED or state == EVICTED:
+                else:
+                    # Behind a reordering operator siblings legitimately arrive after the closing
+                    # record; eviction waits for the epoch marker, so only evicted chunks matter.
+                    state = EVICTED if table.is_evicted(c.chunk_id) else 0
+                if state in (CLOSED, EVICTED):
                     self._early_close(rec, c, state)
                 if low_chunk < 0 or (c.chunk_id, c.chunk_offset) < (low_chunk, low_offset):
                     low_chunk, low_offset = c.chunk_id, c.chunk_offset
@@ -248,7 +256,8 @@ class LaneDelivery:
             last = self.last_cursor
             if last is not None and cursor < last:
                 self._violation(
-                    "order", self.labels,
+                    "order",
+                    self.labels,
                     f"record {cursor!r} reached delivery after {last!r}: an operator that claims "
                     "preserves_cursor_order=True reorders records",
                 )
@@ -295,7 +304,8 @@ class LaneDelivery:
             shown = ", ".join(f"({c}, {o})" for c, o in zip(chunk_ids.tolist(), offsets.tolist()))
             more = f" and {n_open - len(offsets)} more" if n_open > len(offsets) else ""
             self._violation(
-                "missing-tombstone", culprits or self.labels,
+                "missing-tombstone",
+                culprits or self.labels,
                 f"lane {self.lane_id}, epoch {epoch}: base offsets {shown}{more} were never "
                 "closed: a record was dropped without emitting its tombstones "
                 "(use tombstones_for_record)",
@@ -349,7 +359,8 @@ class LaneDelivery:
         what = "an evicted chunk" if state == EVICTED else "an offset already closed"
         culprits = sorted(self.suspects) or self.labels
         self._violation(
-            "early-close", culprits,
+            "early-close",
+            culprits,
             f"record {rec.meta.cursor!r} (sample_id={rec.meta.cursor.sample_id}) carries a "
             f"contributor for base offset {ref_cursor.base_offset} of {what}: an operator closed "
             "that offset before its last record (only the last child may set is_last_child)",

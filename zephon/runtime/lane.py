@@ -11,7 +11,7 @@ process) is not its concern.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 from zephon._core.records import count_closing, next_control
@@ -41,8 +41,15 @@ class LaneRunner:
     that offset (source-level skip on restore of an indexable plan).
     """
 
-    def __init__(self, plan: Plan, lane_id: int, *, start_local: int = 0,
-                 carry: list[Any] | None = None, skip_offset: int = 0):
+    def __init__(
+        self,
+        plan: Plan,
+        lane_id: int,
+        *,
+        start_local: int = 0,
+        carry: list[Any] | None = None,
+        skip_offset: int = 0,
+    ):
         self.plan = plan
         self.lane_id = lane_id
         self.fetch: Any = copy.deepcopy(plan.fetch)
@@ -61,7 +68,7 @@ class LaneRunner:
         self._closing_out = [0] * n
         self._over_reported = [False] * n
 
-    def run(self) -> Iterator[list]:
+    def run(self) -> Generator[list, None, None]:
         """Yield lists of items (records, tombstones, control items) in lane order."""
         plan = self.plan
         source = plan.source

@@ -7,12 +7,12 @@ from collections.abc import Hashable
 from typing import Any
 
 from zephon.errors import CheckpointCorruptError, CheckpointError, ContractWarning
+from zephon.ops.mixture import MIXTURE_DROP_TAG
 from zephon.planner import Plan
 from zephon.runtime.checkpoint import STATE_FORMAT, STATE_VERSION, check_identity, seal, unseal
 from zephon.runtime.delivery import LaneDelivery
 from zephon.types import SampleBatch, SampleMeta, SampleRecord
 
-MIXTURE_DROP_TAG = "mixture_dropped"
 _COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "mixture_dropped")
 
 
@@ -48,8 +48,11 @@ class Loader:
     def __next__(self) -> SampleRecord | SampleBatch:
         if self._closed:
             raise StopIteration
-        self._started = True
         lanes = self.lanes
+        if not self._started:
+            self._started = True
+            for lane in lanes:  # every lane's worker starts working at once
+                lane.start()
         n = len(lanes)
         try:
             for _ in range(n):  # one full round at most: each lane delivers or has ended
@@ -132,22 +135,24 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """A small JSON-serializable state; ``load_state_dict`` continues exactly from here."""
         plan = self.plan
-        return seal({
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "fingerprint": plan.fingerprint,
-            "pipeline": plan.fingerprint_parts,
-            "rank": plan.rank,
-            "world_size": plan.world_size,
-            "lanes": plan.lanes,
-            "next_lane": self.next_lane,
-            "lane_states": [lane.state() for lane in self.lanes],
-            "counters": {name: getattr(self, name) for name in _COUNTERS},
-            "mixture": {
-                "samples": [[k, v] for k, v in self.mix_samples.items()],
-                "tokens": [[k, v] for k, v in self.mix_tokens.items()],
-            },
-        })
+        return seal(
+            {
+                "format": STATE_FORMAT,
+                "version": STATE_VERSION,
+                "fingerprint": plan.fingerprint,
+                "pipeline": plan.fingerprint_parts,
+                "rank": plan.rank,
+                "world_size": plan.world_size,
+                "lanes": plan.lanes,
+                "next_lane": self.next_lane,
+                "lane_states": [lane.state() for lane in self.lanes],
+                "counters": {name: getattr(self, name) for name in _COUNTERS},
+                "mixture": {
+                    "samples": [[k, v] for k, v in self.mix_samples.items()],
+                    "tokens": [[k, v] for k, v in self.mix_tokens.items()],
+                },
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; only before the first ``next()``."""

@@ -1,0 +1,513 @@
+"""Specification of ArrowSource over real Parquet and Arrow IPC files written by pyarrow."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.feather as feather
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+import pytest
+
+import zephon
+from zephon.errors import FetchError
+from zephon.ops import batch, fetch
+from zephon.sources import ArrowSource
+
+FORMATS = ("parquet", "arrow_file", "feather", "arrow_stream")
+
+
+def make_table(start: int, n: int) -> pa.Table:
+    """Rows ``start .. start+n-1``: every column is a function of the global row number."""
+    idx = np.arange(start, start + n, dtype=np.int64)
+    return pa.table(
+        {
+            "idx": idx,
+            "text": [f"row {i}" for i in idx.tolist()],
+            "vec": pa.array([np.full(i % 4, i, dtype=np.float32) for i in idx.tolist()]),
+        }
+    )
+
+
+def write(path: Path, table: pa.Table, fmt: str, group: int) -> Path:
+    """Write ``table`` in ``fmt`` with groups (row groups / record batches) of ``group`` rows."""
+    if fmt == "parquet":
+        pq.write_table(table, path, row_group_size=group)
+    elif fmt == "feather":
+        feather.write_feather(table, str(path), chunksize=group)  # lz4-compressed Feather v2
+    else:
+        new = ipc.new_file if fmt == "arrow_file" else ipc.new_stream
+        with new(str(path), table.schema) as writer:
+            for b in table.to_batches(max_chunksize=group):
+                writer.write_batch(b)
+    return path
+
+
+def dataset(tmp_path: Path, sizes: list[int], fmts: tuple[str, ...], group: int = 7) -> list[Path]:
+    paths = []
+    start = 0
+    for k, (n, fmt) in enumerate(zip(sizes, fmts, strict=True)):
+        paths.append(write(tmp_path / f"part{k}.{fmt}", make_table(start, n), fmt, group))
+        start += n
+    return paths
+
+
+def read_all(src: ArrowSource) -> list[list[dict[str, Any]]]:
+    """Payloads chunk by chunk over every pass."""
+    total = src.total_chunks()
+    assert total is not None
+    return [src.read(src.chunk(p).pointers) for p in range(total)]
+
+
+def expected_row(i: int) -> dict[str, Any]:
+    return {"idx": i, "text": f"row {i}", "vec": np.full(i % 4, i, dtype=np.float32)}
+
+
+def assert_payload(payload: dict[str, Any], i: int) -> None:
+    want = expected_row(i)
+    assert list(payload) == list(want)
+    assert payload["idx"] == i and payload["text"] == want["text"]
+    assert isinstance(payload["vec"], np.ndarray) and payload["vec"].dtype == np.float32
+    np.testing.assert_array_equal(payload["vec"], want["vec"])
+
+
+# --------------------------------------------------------------------------- coverage
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_row_of_every_file_is_read_exactly_once_per_pass(tmp_path, shuffle):
+    sizes = [23, 0, 40, 9]
+    paths = dataset(tmp_path, sizes, ("parquet", "arrow_file", "feather", "arrow_stream"))
+    src = ArrowSource(paths, chunk_size=6, shuffle=shuffle, seed=5, passes=2)
+    assert src.num_samples() == sum(sizes)
+    chunks = read_all(src)
+    per_pass = src.num_chunks()
+    orders = []
+    for q in range(2):
+        rows = [p for chunk in chunks[q * per_pass : (q + 1) * per_pass] for p in chunk]
+        for payload in rows:
+            assert_payload(payload, payload["idx"])
+        orders.append([p["idx"] for p in rows])
+        assert sorted(orders[-1]) == list(range(sum(sizes)))
+    if shuffle:
+        assert orders[0] != orders[1] and orders[0] != sorted(orders[0])
+    else:
+        assert orders[0] == orders[1] == list(range(sum(sizes)))
+
+
+def test_pointers_carry_the_file_index_and_the_global_row(tmp_path):
+    paths = dataset(tmp_path, [5, 0, 4], ("parquet", "parquet", "arrow_file"), group=2)
+    src = ArrowSource(paths, dataset_id=3, chunk_size=100)
+    rows = src.chunk(0).pointers
+    assert rows.tolist() == [[3, 0, i] for i in range(5)] + [[3, 2, i] for i in range(5, 9)]
+    assert [src.file_format(i) for i in range(3)] == ["parquet", "parquet", "arrow_file"]
+    assert src.file_groups(0) == [2, 2, 1] and sum(src.file_groups(1)) == 0
+
+
+def test_a_pointer_naming_the_wrong_file_or_an_unknown_row_is_a_fetch_error(tmp_path):
+    paths = dataset(tmp_path, [5, 4], ("parquet", "parquet"))
+    src = ArrowSource(paths)
+    with pytest.raises(FetchError, match=r"\(0, 0, 6\).*file #1"):
+        src.read(np.array([[0, 0, 6]]))
+    with pytest.raises(FetchError, match=r"\(0, 1, 9\)"):
+        src.read(np.array([[0, 1, 9]]))
+    with pytest.raises(FetchError, match=r"dataset_id"):
+        src.read(np.array([[1, 0, 0]]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_come_back_in_pointer_order_with_duplicates(tmp_path, fmt):
+    path = write(tmp_path / f"t.{fmt}", make_table(0, 50), fmt, group=8)
+    src = ArrowSource(path)
+    want = [49, 0, 17, 17, 8, 3]
+    out = src.read(np.array([[0, 0, i] for i in want]))
+    for payload, i in zip(out, want, strict=True):
+        assert_payload(payload, i)
+    assert src.read(np.zeros((0, 3), dtype=np.int64)) == []
+
+
+# --------------------------------------------------------------------------- payloads
+
+
+def test_payload_rule_numeric_lists_become_arrays_everything_else_python(tmp_path):
+    table = pa.table(
+        {
+            "ints": pa.array([[1, 2], None, [3, None], []], type=pa.list_(pa.int16())),
+            "fixed": pa.array(
+                [[1.0, 2.0], [3.0, 4.0], None, [5.0, 6.0]], type=pa.list_(pa.float64(), 2)
+            ),
+            "flags": pa.array([[True], [False, True], [], None], type=pa.large_list(pa.bool_())),
+            "words": [["a"], ["b", "c"], [], None],
+            "name": ["x", None, "z", "w"],
+            "blob": [b"\x00", b"", None, b"q"],
+            "nested": [{"k": 1}, {"k": 2}, None, {"k": 4}],
+        }
+    )
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path)
+    out = ArrowSource(path).read(np.array([[0, 0, i] for i in range(4)]))
+    assert out[0]["ints"].dtype == np.int16 and out[0]["ints"].tolist() == [1, 2]
+    assert out[1]["ints"] is None
+    assert out[2]["ints"] == [3, None]  # a list holding nulls stays a Python list
+    assert isinstance(out[3]["ints"], np.ndarray) and out[3]["ints"].size == 0
+    assert out[1]["fixed"].tolist() == [3.0, 4.0] and out[2]["fixed"] is None
+    assert out[1]["flags"].dtype == np.bool_ and out[1]["flags"].tolist() == [False, True]
+    assert out[1]["words"] == ["b", "c"]
+    assert [p["name"] for p in out] == ["x", None, "z", "w"]
+    assert [p["blob"] for p in out] == [b"\x00", b"", None, b"q"]
+    assert out[0]["nested"] == {"k": 1} and out[2]["nested"] is None
+
+
+def test_list_arrays_are_copies_that_do_not_pin_the_decoded_group(tmp_path):
+    path = write(tmp_path / "t.parquet", make_table(0, 20), "parquet", group=20)
+    payload = ArrowSource(path).read(np.array([[0, 0, 7]]))[0]
+    assert payload["vec"].base is None and payload["vec"].flags.writeable
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_columns_projects_and_orders_the_payload(tmp_path, fmt):
+    path = write(tmp_path / f"t.{fmt}", make_table(0, 30), fmt, group=8)
+    src = ArrowSource(path, columns=["text", "idx"])
+    out = src.read(np.array([[0, 0, 11], [0, 0, 29]]))
+    assert out == [{"text": "row 11", "idx": 11}, {"text": "row 29", "idx": 29}]
+    assert src.describe()["columns"] == ["text", "idx"]
+    assert ArrowSource(path, columns=[]).read(np.array([[0, 0, 1]])) == [{}]
+
+
+def test_a_column_missing_from_a_file_is_a_fetch_error_naming_it(tmp_path):
+    paths = dataset(tmp_path, [3, 3], ("parquet", "parquet"))
+    pq.write_table(pa.table({"other": [1, 2]}), paths[1])
+    with pytest.raises(FetchError, match=r"part1\.parquet.*no column\(s\) \['idx'\]"):
+        ArrowSource(paths, columns=["idx"]).num_samples()
+
+
+def test_bad_constructor_arguments_are_refused():
+    with pytest.raises(ValueError, match="paths is empty"):
+        ArrowSource([])
+    with pytest.raises(TypeError, match="columns"):
+        ArrowSource("x.parquet", columns="idx")
+    with pytest.raises(ValueError, match="duplicates"):
+        ArrowSource("x.parquet", columns=["a", "a"])
+    with pytest.raises(ValueError, match="chunk_size"):
+        ArrowSource("x.parquet", chunk_size=0)
+
+
+# --------------------------------------------------------------------------- I/O
+
+
+class CountingFile(io.FileIO):
+    """A file that counts the bytes read through it."""
+
+    def __init__(self, path: str, counter: list[int]):
+        super().__init__(path, "r")
+        self.counter = counter
+
+    def read(self, size: int | None = -1) -> bytes:
+        data = super().read(size)
+        self.counter[0] += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        n = super().readinto(buffer)
+        self.counter[0] += n
+        return n
+
+
+class CountingArrowSource(ArrowSource):
+    """Counts every byte the source reads (it reads only through ``open_file``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.bytes_read = [0]
+        self.opened = 0
+
+    def open_file(self, path: str) -> pa.NativeFile:
+        self.opened += 1
+        return pa.PythonFile(CountingFile(path, self.bytes_read), mode="r")
+
+
+def random_table(n: int) -> pa.Table:
+    # Incompressible values, so bytes on disk track the rows stored.
+    rng = np.random.default_rng(0)
+    return pa.table({f"c{k}": rng.random(n) for k in range(4)})
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow_file"])
+def test_reads_only_the_groups_the_pointers_need(tmp_path, fmt):
+    path = write(tmp_path / f"big.{fmt}", random_table(20_000), fmt, group=2_000)
+    size = path.stat().st_size
+    group_bytes = size / 10
+    src = CountingArrowSource(path)
+    src.GROUP_CACHE = 0
+    src.num_samples()
+    footer = src.bytes_read[0]
+    assert footer < group_bytes / 4  # metadata comes from the footer (and batch headers) only
+    for group in (7, 2, 9):
+        before = src.bytes_read[0]
+        rows = np.array([[0, 0, group * 2000 + k] for k in (5, 1999, 700)])
+        assert [p["c0"] for p in src.read(rows)] != []
+        spent = src.bytes_read[0] - before
+        assert group_bytes * 0.9 < spent < group_bytes * 1.5
+    before = src.bytes_read[0]
+    src.read(np.array([[0, 0, g * 2000] for g in range(10)]))
+    assert src.bytes_read[0] - before > size * 0.9  # the measure sees a read of every group
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow_file"])
+def test_column_projection_reads_only_the_projected_columns(tmp_path, fmt):
+    path = write(tmp_path / f"big.{fmt}", random_table(20_000), fmt, group=20_000)
+    src = CountingArrowSource(path, columns=["c2"])
+    src.num_samples()
+    before = src.bytes_read[0]
+    assert set(src.read(np.array([[0, 0, 3]]))[0]) == {"c2"}
+    assert src.bytes_read[0] - before < path.stat().st_size * 0.35
+
+
+def test_chunks_smaller_than_a_row_group_decode_it_once(tmp_path):
+    path = write(tmp_path / "big.parquet", random_table(4_000), "parquet", group=1_000)
+    src = CountingArrowSource(path, chunk_size=100)
+    src.num_samples()
+    before = src.bytes_read[0]
+    assert sum(len(chunk) for chunk in read_all(src)) == 4_000
+    assert src.bytes_read[0] - before < path.stat().st_size * 1.1  # not 10x
+    assert src.opened == 1 + 4  # the metadata scan, then once per row group
+
+
+def test_a_transient_os_error_is_left_to_fetch_to_retry(tmp_path):
+    path = write(tmp_path / "t.parquet", make_table(0, 10), "parquet", group=4)
+
+    class Flaky(ArrowSource):
+        failures = 0
+
+        def open_file(self, path: str) -> pa.NativeFile:
+            if self.failures:
+                self.failures -= 1
+                raise OSError(errno.EIO, "Input/output error")
+            return super().open_file(path)
+
+    src = Flaky(path, chunk_size=4)
+    src.num_samples()
+    src.failures = 1
+    with pytest.raises(OSError, match=r"t\.parquet") as info:
+        src.read(src.chunk(0).pointers)
+    assert not isinstance(info.value, FetchError) and info.value.errno == errno.EIO
+    src.failures = 2  # fewer than fetch's 3 retries: the stream is complete
+    got = [i for b in zephon.Pipeline(src, [fetch(), batch(4)]) for i in b.payload["idx"]]
+    assert got == list(range(10))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_a_missing_file_is_a_fetch_error_naming_it(tmp_path):
+    paths = dataset(tmp_path, [4], ("parquet",))
+    with pytest.raises(FetchError, match=r"nope\.parquet.*FileNotFoundError"):
+        ArrowSource([paths[0], tmp_path / "nope.parquet"]).num_samples()
+    src = ArrowSource(paths)
+    src.num_samples()
+    os.unlink(paths[0])
+    with pytest.raises(FetchError, match=r"pointer \(0, 0, 2\) from '.*part0\.parquet'"):
+        src.read(np.array([[0, 0, 2]]))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "cut", "message"),
+    [
+        ("parquet", 20, "no PAR1 magic at its end"),
+        ("arrow_file", 3, "no ARROW1 magic at its end"),
+        ("feather", 3, "no ARROW1 magic at its end"),
+        ("arrow_stream", 8, "no end-of-stream marker"),
+        ("arrow_stream", 100, "runs past the end"),
+    ],
+)
+def test_a_truncated_file_is_a_fetch_error_naming_it(tmp_path, fmt, cut, message):
+    path = write(tmp_path / f"t.{fmt}", make_table(0, 40), fmt, group=8)
+    path.write_bytes(path.read_bytes()[:-cut])
+    with pytest.raises(FetchError, match=rf"t\.{fmt}.*{message}"):
+        ArrowSource(path).num_samples()
+
+
+def test_a_file_that_is_not_parquet_or_arrow_is_a_fetch_error(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}\n')
+    with pytest.raises(FetchError, match=r"rows\.jsonl.*not a Parquet or Arrow IPC file"):
+        ArrowSource(path).num_samples()
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(FetchError, match=r"empty\.parquet"):
+        ArrowSource(tmp_path / "empty.parquet").num_samples()
+
+
+def test_a_corrupt_parquet_footer_is_a_fetch_error(tmp_path):
+    path = write(tmp_path / "t.parquet", make_table(0, 40), "parquet", group=8)
+    data = bytearray(path.read_bytes())
+    data[-40:-8] = b"\xff" * 32  # inside the thrift footer, magic intact
+    path.write_bytes(bytes(data))
+    with pytest.raises(FetchError, match=r"t\.parquet"):
+        ArrowSource(path).num_samples()
+
+
+def test_a_corrupt_page_with_a_checksum_is_a_fetch_error_not_wrong_data(tmp_path):
+    path = tmp_path / "t.parquet"
+    pq.write_table(random_table(4000), path, row_group_size=1000, write_page_checksum=True)
+    src = ArrowSource(path)
+    src.num_samples()
+    data = bytearray(path.read_bytes())
+    data[1000:1400] = bytes(b ^ 0xFF for b in data[1000:1400])  # first row group's pages
+    path.write_bytes(bytes(data))
+    with pytest.raises(FetchError, match=r"pointer \(0, 0, 5\).*t\.parquet.*CRC"):
+        src.read(np.array([[0, 0, 5]]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_file_rewritten_with_other_rows_after_the_metadata_read_is_a_fetch_error(tmp_path, fmt):
+    path = write(tmp_path / f"t.{fmt}", make_table(0, 40), fmt, group=8)
+    src = ArrowSource(path)
+    src.num_samples()
+    write(path, make_table(0, 33), fmt, group=8)
+    with pytest.raises(FetchError, match=r"changed since its metadata was read"):
+        src.read(np.array([[0, 0, 1]]))
+
+
+def test_a_touched_but_identical_file_still_reads(tmp_path):
+    path = write(tmp_path / "t.parquet", make_table(0, 10), "parquet", group=4)
+    src = ArrowSource(path)
+    src.num_samples()
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert src.read(np.array([[0, 0, 9]]))[0]["idx"] == 9
+
+
+def test_a_stream_with_dictionary_columns_reads_every_batch(tmp_path):
+    table = pa.table({"d": pa.array(["a", "b", "a", "c"] * 3).dictionary_encode(), "i": range(12)})
+    path = tmp_path / "d.arrows"
+    with ipc.new_stream(str(path), table.schema) as writer:
+        for b in table.to_batches(max_chunksize=5):
+            writer.write_batch(b)
+    src = ArrowSource(path)
+    out = src.read(np.array([[0, 0, 11], [0, 0, 0], [0, 0, 6]]))
+    assert out == [{"d": "c", "i": 11}, {"d": "a", "i": 0}, {"d": "a", "i": 6}]
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def test_describe_names_paths_sizes_footers_and_parameters(tmp_path):
+    paths = dataset(tmp_path, [5, 6], ("parquet", "arrow_stream"))
+    desc = ArrowSource(paths, columns=["idx"], chunk_size=3, shuffle=True, seed=9).describe()
+    json.dumps(desc)
+    assert desc["paths"] == [str(p) for p in paths]
+    assert [f["size"] for f in desc["files"]] == [p.stat().st_size for p in paths]
+    assert [f["rows"] for f in desc["files"]] == [5, 6]
+    assert (desc["columns"], desc["chunk_size"], desc["shuffle"], desc["seed"]) == (
+        ["idx"],
+        3,
+        True,
+        9,
+    )
+    assert desc["passes"] == 1 and desc["dataset_id"] == 0
+    assert (
+        desc == ArrowSource(paths, columns=["idx"], chunk_size=3, shuffle=True, seed=9).describe()
+    )
+    write(paths[0], make_table(100, 5), "parquet", group=7)  # same rows count, other data
+    assert desc["files"] != ArrowSource(paths, columns=["idx"]).describe()["files"]
+
+
+def test_metadata_is_read_lazily_and_once(tmp_path):
+    paths = dataset(tmp_path, [5, 6], ("parquet", "arrow_file"))
+    src = CountingArrowSource(paths)
+    assert src.opened == 0 and "part0" in repr(src)
+    src.num_samples()
+    src.describe()
+    src.chunk(0)
+    assert src.opened == 2
+
+
+def test_a_pickled_source_reads_the_same_rows(tmp_path):
+    paths = dataset(tmp_path, [9, 6], ("parquet", "feather"))
+    src = ArrowSource(paths, chunk_size=4, shuffle=True, seed=2)
+    first = read_all(src)
+    clone = pickle.loads(pickle.dumps(src))
+    assert clone.describe() == src.describe()
+    again = read_all(clone)
+    assert [[p["idx"] for p in c] for c in again] == [[p["idx"] for p in c] for c in first]
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+def run_with_timeout(fn: Any, seconds: float = 30.0) -> Any:
+    """Run ``fn`` in a thread; fail (instead of hanging the suite) when it does not finish."""
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:
+            error.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"did not finish within {seconds}s"
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def batch_rows(item: Any) -> list[tuple[int, str, list[float]]]:
+    p = item.payload
+    return [(int(i), t, v.tolist()) for i, t, v in zip(p["idx"], p["text"], p["vec"], strict=True)]
+
+
+@pytest.mark.parametrize(("shuffle", "lanes"), [(False, 1), (True, 2)])
+def test_pipeline_checkpoint_and_resume_reproduce_the_stream(tmp_path, shuffle, lanes):
+    paths = dataset(tmp_path, [30, 25, 14], ("parquet", "arrow_file", "arrow_stream"), group=6)
+
+    def pipeline() -> zephon.Pipeline:
+        src = ArrowSource(paths, chunk_size=8, shuffle=shuffle, seed=4, passes=2)
+        return zephon.Pipeline(src, [fetch(), batch(4)], lanes=lanes)
+
+    def scenario() -> tuple[list[Any], list[Any], list[Any]]:
+        full = [batch_rows(b) for b in pipeline()]
+        loader = pipeline().iter()
+        head = [batch_rows(next(loader)) for _ in range(13)]
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        tail = [batch_rows(b) for b in pipeline().iter(state=state)]
+        return full, head, tail
+
+    full, head, tail = run_with_timeout(scenario)
+    assert head + tail == full
+    delivered = sorted(i for b in full for i, _, _ in b)
+    assert delivered == sorted(list(range(69)) * 2)
+    for b in full:
+        for i, text, vec in b:
+            assert text == f"row {i}" and vec == [float(i)] * (i % 4)
+
+
+def test_a_file_deleted_mid_run_stops_the_pipeline_with_a_fetch_error(tmp_path):
+    paths = dataset(tmp_path, [8, 8], ("parquet", "parquet"), group=4)
+    src = ArrowSource(paths, chunk_size=4)
+
+    def scenario() -> list[Any]:
+        got = []
+        loader = zephon.Pipeline(src, [fetch(), batch(4)]).iter()
+        got.append(next(loader))
+        os.unlink(paths[1])
+        with pytest.raises(FetchError, match=r"part1\.parquet"):
+            for b in loader:
+                got.append(b)
+        return got
+
+    got = run_with_timeout(scenario)
+    assert [list(b.payload["idx"]) for b in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]
