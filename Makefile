@@ -23,8 +23,17 @@ lint: build
 	$(BIN)/ruff format --check zephon tests asv_bench
 	$(BIN)/mypy
 
-test: lint
+test: lint docs
 	$(BIN)/python -m pytest -p no:cacheprovider
+
+# The docs extra (sphinx, myst-parser) goes into the same venv; autodoc imports the built package.
+DOCS_STAMP := $(VENV)/.zephon-docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test,docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP) build
+	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 demo: build
 	$(BIN)/zephon demo

@@ -1,4 +1,4 @@
-"""Record-level built-ins: ``fetch`` (pointers -> records), ``map_transform``, ``filter_records``."""
+"""Built-ins: ``fetch`` (pointers to records), ``map_transform``, ``filter_records``."""
 
 from __future__ import annotations
 

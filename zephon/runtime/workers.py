@@ -16,8 +16,8 @@ import signal
 import sys
 import threading
 import weakref
-from multiprocessing.connection import Connection
 from collections.abc import Generator
+from multiprocessing.connection import Connection
 from typing import Any
 
 from zephon.errors import PlanError, ZephonError
