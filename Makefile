@@ -23,13 +23,21 @@ lint: build
 	$(BIN)/ruff format --check zephon tests asv_bench
 	$(BIN)/mypy
 
-test: lint docs
+# The test-only extras: torch pinned to the CPU build this machine kind keeps on disk (an
+# unpinned torch would pull a multi-GB CUDA build), then torchdata and the docs tools.
+TEST_STAMP := $(VENV)/.zephon-test-extras
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test,torch,docs]"
+	touch $(TEST_STAMP)
+
+test: $(TEST_STAMP) lint docs
 	$(BIN)/python -m pytest -p no:cacheprovider
 
 # The docs extra (sphinx, myst-parser) goes into the same venv; autodoc imports the built package.
 DOCS_STAMP := $(VENV)/.zephon-docs-installed
 $(DOCS_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test,docs]"
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[docs]"
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP) build

@@ -11,6 +11,7 @@ process) is not its concern.
 from __future__ import annotations
 
 import copy
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Generator
 from typing import Any
 
@@ -63,6 +64,14 @@ class LaneRunner:
         self.start_local = start_local
         self.skip_offset = skip_offset
         self.epoch_path = plan.eviction_path == "epoch"
+        self._pools = [
+            ThreadPoolExecutor(op.traits.workers, thread_name_prefix=f"zephon-{op.name}")
+            if (op.traits.workers or 1) > 1
+            and not op.traits.stateful
+            and not op.traits.batch_sensitive
+            else None
+            for op in self.ops
+        ]
         n = len(self.ops)
         self._closing_in = [0] * n
         self._closing_out = [0] * n
@@ -70,6 +79,12 @@ class LaneRunner:
 
     def run(self) -> Generator[list, None, None]:
         """Yield lists of items (records, tombstones, control items) in lane order."""
+        try:
+            yield from self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> Generator[list, None, None]:
         plan = self.plan
         source = plan.source
         total = source.total_chunks()
@@ -142,12 +157,30 @@ class LaneRunner:
     def _call(self, j: int, records: list[SampleRecord]) -> list:
         op = self.ops[j]
         try:
-            out = op.process_many(records)
+            if self._pools[j] is not None and len(records) > 1:
+                out = self._pooled(j, records)
+            else:
+                out = op.process_many(records)
         except ZephonError:
             raise
         except Exception as exc:
             raise self._locate_error(op, records, exc) from exc
         return self._audit(j, records, out)
+
+    def _pooled(self, j: int, records: list[SampleRecord]) -> list:
+        # Contiguous slices on worker threads, results re-emitted in input order. Only for
+        # stateless operators that are not batch-sensitive, so the output cannot differ.
+        pool = self._pools[j]
+        assert pool is not None
+        size = -(-len(records) // (self.ops[j].traits.workers or 1))
+        parts = [records[i : i + size] for i in range(0, len(records), size)]
+        return [rec for out in pool.map(self.ops[j].process_many, parts) for rec in out]
+
+    def close(self) -> None:
+        """Shut down the operator thread pools."""
+        for pool in self._pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def _audit(self, j: int, received: list[SampleRecord], emitted: list) -> list:
         # A correct operator never emits more closing contributors than it received; one that does
@@ -209,6 +242,14 @@ class LaneRunner:
             if cin != cout
         }
         carry = [op.carry_state() for op in self.ops]
+        self._pools = [
+            ThreadPoolExecutor(op.traits.workers, thread_name_prefix=f"zephon-{op.name}")
+            if (op.traits.workers or 1) > 1
+            and not op.traits.stateful
+            and not op.traits.batch_sensitive
+            else None
+            for op in self.ops
+        ]
         n = len(self.ops)
         self._closing_in = [0] * n
         self._closing_out = [0] * n

@@ -1,0 +1,60 @@
+"""Two ranks as real processes under torch.distributed (gloo, CPU): each takes its rank from the
+initialized process group, and together they cover the dataset exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch.distributed as dist
+    import zephon
+    from zephon.ops import batch, fetch
+    from zephon.sources import RangeSource
+
+    dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+    pipeline = zephon.Pipeline(RangeSource(500, chunk_size=16, shuffle=True, seed=2),
+                               [fetch(), batch(8)], lanes=2)
+    plan = pipeline.compile()
+    seen = [r.payload["idx"] for b in pipeline for r in b]
+    print(json.dumps({"rank": plan.rank, "world": plan.world_size, "seen": seen}))
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torch_ranks_split_the_dataset_disjointly_and_completely(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(WORKER)
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), url, str(r)], stdout=subprocess.PIPE, env=env, text=True
+        )
+        for r in range(2)
+    ]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted((r["rank"], r["world"]) for r in results) == [(0, 2), (1, 2)]
+    a, b = (set(r["seen"]) for r in results)
+    assert not a & b
+    assert sorted(results[0]["seen"] + results[1]["seen"]) == list(range(500))
