@@ -7,7 +7,7 @@ from pipeline_kit import DropMultiples, RunningTotal, SplitInChildren, WindowShu
 
 import zephon
 from zephon.errors import PlanError
-from zephon.ops.base import OpTraits, Operator
+from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import fetch, filter_records, map_transform
 from zephon.ops.batching import batch
 from zephon.planner import resolve_rank
@@ -52,7 +52,7 @@ def test_stateful_operator_with_several_workers_is_refused_in_deterministic_mode
     class Parallel(RunningTotal):
         traits = OpTraits(preserves_cursor_order=True, stateful=True, workers=4)
 
-    with pytest.raises(PlanError, match="Parallel.*stateful.*4 workers"):
+    with pytest.raises(PlanError, match=r"Parallel.*stateful.*4 workers"):
         plan([fetch(), Parallel()])
     assert plan([fetch(), Parallel()], deterministic=False).eviction_path == "epoch"
 
@@ -115,7 +115,7 @@ def test_rank_comes_from_arguments_then_environment(monkeypatch):
 
 
 def test_three_ranks_cover_a_shuffled_dataset_exactly_once():
-    seen = []
+    seen: list[int] = []
     for rank in range(3):
         p = zephon.Pipeline(
             RangeSource(1000, chunk_size=16, shuffle=True, seed=5),

@@ -29,7 +29,7 @@ def test_pooled_operator_output_equals_single_worker_output():
 
     THREADS.clear()
     single = run(None)
-    assert THREADS == {threading.current_thread().name}
+    assert {threading.current_thread().name} == THREADS
     pooled = run(4)
     assert pooled == single
     assert any(name.startswith("zephon-") for name in THREADS)

@@ -11,8 +11,8 @@ process) is not its concern.
 from __future__ import annotations
 
 import copy
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from zephon._core.records import count_closing, next_control

@@ -11,7 +11,7 @@ from zephon.ops.mixture import MIXTURE_DROP_TAG
 from zephon.planner import Plan
 from zephon.runtime.checkpoint import STATE_FORMAT, STATE_VERSION, check_identity, seal, unseal
 from zephon.runtime.delivery import LaneDelivery
-from zephon.types import SampleBatch, SampleMeta, SampleRecord
+from zephon.types import SampleMeta
 
 _COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "mixture_dropped")
 
@@ -45,7 +45,7 @@ class Loader:
     def __iter__(self) -> Loader:
         return self
 
-    def __next__(self) -> SampleRecord | SampleBatch:
+    def __next__(self) -> Any:  # SampleBatch when the pipeline ends in batch, else SampleRecord
         if self._closed:
             raise StopIteration
         lanes = self.lanes
