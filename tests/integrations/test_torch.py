@@ -1,0 +1,246 @@
+"""Specification of zephon.integrations.torch: tensors out, exact resume through the
+StatefulDataLoader protocol, and torch never imported by ``import zephon``."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import zephon
+from zephon.errors import CheckpointMismatchError, PlanError
+from zephon.ops import batch, fetch, shuffle
+from zephon.sources import RangeSource
+
+
+def test_import_zephon_never_imports_torch():
+    code = (
+        "import sys, zephon, zephon.sources, zephon.ops, zephon.integrations; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def make_sample(idx: int) -> dict[str, Any]:
+    return {
+        "idx": idx,
+        "tokens": np.arange(idx, idx + 3, dtype=np.int32),
+        "weight": np.float32(idx) / 2,
+        "name": f"s{idx}",
+    }
+
+
+def pipeline(n: int = 45, *, shuffled: bool = False, batch_size: int | None = 4) -> zephon.Pipeline:
+    src = RangeSource(n, make=make_sample, chunk_size=7, shuffle=shuffled, seed=3, passes=2)
+    ops: list[Any] = [fetch()]
+    if shuffled:
+        ops.append(shuffle(5, seed=1))
+    if batch_size:
+        ops.append(batch(batch_size))
+    return zephon.Pipeline(src, ops, lanes=2, epoch_chunks=2)
+
+
+def plain(value: Any) -> Any:
+    """Tensors and arrays as (dtype, nested lists) so streams compare with ``==``."""
+    if hasattr(value, "numpy"):
+        return ("tensor", str(value.dtype), value.tolist())
+    if isinstance(value, np.ndarray):
+        return ("ndarray", str(value.dtype), value.tolist())
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def contains(tree: Any, part: Any) -> bool:
+    """True when ``part`` equals ``tree`` or a value nested in it."""
+    if tree == part:
+        return True
+    if isinstance(tree, dict):
+        return any(contains(v, part) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(contains(v, part) for v in tree)
+    return False
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def test_to_tensors_converts_numeric_arrays_recursively_and_leaves_the_rest():
+    torch = pytest.importorskip("torch")
+    from zephon.integrations.torch import to_tensors
+
+    Pair = collections.namedtuple("Pair", "a b")
+    shared = np.arange(4, dtype=np.int64)
+    frozen = np.arange(3, dtype=np.float32)
+    frozen.flags.writeable = False
+    out = to_tensors(
+        {
+            "shared": shared,
+            "frozen": frozen,
+            "reversed": np.arange(5, dtype=np.int16)[::-1],
+            "flags": np.array([True, False]),
+            "big_endian": np.arange(3, dtype=">i4"),
+            "scalar": np.float64(2.5),
+            "words": np.array(["a", "b"]),
+            "nested": [np.zeros(2, dtype=np.uint8), (np.ones(1), "x"), Pair(np.ones(2), 7)],
+            "py": 3,
+            "text": "hi",
+        }
+    )
+    assert isinstance(out["shared"], torch.Tensor) and out["shared"].dtype == torch.int64
+    shared[0] = 99
+    assert out["shared"][0].item() == 99  # from_numpy shares memory
+    assert out["frozen"].tolist() == [0.0, 1.0, 2.0]
+    assert out["reversed"].tolist() == [4, 3, 2, 1, 0]
+    assert out["flags"].dtype == torch.bool
+    assert out["big_endian"].tolist() == [0, 1, 2]
+    assert out["scalar"].dim() == 0 and out["scalar"].item() == 2.5
+    assert isinstance(out["words"], np.ndarray)
+    assert isinstance(out["nested"][0], torch.Tensor)
+    assert isinstance(out["nested"][1], tuple) and out["nested"][1][1] == "x"
+    assert type(out["nested"][2]) is Pair and isinstance(out["nested"][2].a, torch.Tensor)
+    assert (out["py"], out["text"]) == (3, "hi")
+
+
+def test_a_plain_dataloader_yields_the_pipeline_payloads_as_tensors():
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from zephon.integrations.torch import as_torch_dataset
+
+    expected = [b.payload for b in pipeline()]
+    got = list(DataLoader(as_torch_dataset(pipeline()), batch_size=None, num_workers=0))
+    assert len(got) == len(expected) > 0
+    for tensors, payload in zip(got, expected, strict=True):
+        assert isinstance(tensors["tokens"], torch.Tensor)
+        assert tensors["tokens"].dtype == torch.int32 and tensors["tokens"].shape == (
+            len(payload["idx"]),
+            3,
+        )
+        assert tensors["tokens"].tolist() == payload["tokens"].tolist()
+        assert tensors["idx"] == payload["idx"] and tensors["name"] == payload["name"]
+        assert [w.item() for w in tensors["weight"]] == [float(w) for w in payload["weight"]]
+
+
+def test_records_without_batch_yield_their_payloads():
+    torch = pytest.importorskip("torch")
+    from zephon.integrations.torch import as_torch_dataset
+
+    got = list(as_torch_dataset(pipeline(10, batch_size=None)))
+    assert sorted(p["idx"] for p in got) == sorted(list(range(10)) * 2)
+    assert all(isinstance(p["tokens"], torch.Tensor) for p in got)
+
+
+# --------------------------------------------------------------------------- state
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("k", [0, 1, 9, -1])
+def test_the_state_protocol_resumes_exactly(shuffled, k):
+    pytest.importorskip("torch")
+    from zephon.integrations.torch import as_torch_dataset
+
+    full = [plain(p) for p in as_torch_dataset(pipeline(shuffled=shuffled))]
+    assert len(full) == 24
+    k = len(full) if k < 0 else k
+    ds = as_torch_dataset(pipeline(shuffled=shuffled))
+    it = iter(ds)
+    head = [plain(next(it)) for _ in range(k)]
+    state = json.loads(json.dumps(ds.state_dict()))
+    resumed = as_torch_dataset(pipeline(shuffled=shuffled))
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state  # loaded, not yet iterated
+    assert head + [plain(p) for p in resumed] == full
+    assert [plain(p) for p in resumed] == full  # the loaded state is used once
+
+
+def test_a_second_iter_starts_a_fresh_loader():
+    pytest.importorskip("torch")
+    from zephon.integrations.torch import as_torch_dataset
+
+    ds = as_torch_dataset(pipeline())
+    it = iter(ds)
+    first = [plain(next(it)) for _ in range(5)]
+    full = [plain(p) for p in ds]
+    assert full[:5] == first and len(full) == 24
+    assert [plain(p) for p in ds] == full
+
+
+def test_state_before_iterating_and_after_the_end():
+    pytest.importorskip("torch")
+    from zephon.integrations.torch import as_torch_dataset
+
+    ds = as_torch_dataset(pipeline())
+    start = ds.state_dict()
+    again = as_torch_dataset(pipeline())
+    again.load_state_dict(start)
+    full = [plain(p) for p in again]
+    assert len(full) == 24
+    end = again.state_dict()
+    done = as_torch_dataset(pipeline())
+    done.load_state_dict(end)
+    assert list(done) == []
+
+
+def test_a_state_from_another_pipeline_is_refused():
+    pytest.importorskip("torch")
+    from zephon.integrations.torch import as_torch_dataset
+
+    state = as_torch_dataset(pipeline(45)).state_dict()
+    other = as_torch_dataset(pipeline(46))
+    other.load_state_dict(state)
+    with pytest.raises(CheckpointMismatchError):
+        iter(other)
+
+
+# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_stateful_dataloader_restores_in_a_new_loader():
+    pytest.importorskip("torch")
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from zephon.integrations.torch import as_torch_dataset
+
+    def make_loader() -> Any:
+        ds = as_torch_dataset(pipeline(shuffled=True))
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=0)
+
+    full = [plain(p) for p in make_loader()]
+    assert len(full) == 24
+    for k in (0, 6, 24):
+        loader = make_loader()
+        it = iter(loader)
+        head = [plain(next(it)) for _ in range(k)]
+        state = loader.state_dict()
+        # the dataset's own state travels in the loader's (no naive fast-forward on restore)
+        assert contains(state, loader.dataset.state_dict())
+        restored = make_loader()
+        restored.load_state_dict(state)
+        assert head + [plain(p) for p in restored] == full
+        assert [plain(p) for p in restored] == full  # the next epoch starts over
+
+
+def test_torch_dataloader_workers_are_refused(monkeypatch):
+    pytest.importorskip("torch")
+    import zephon.integrations.torch as zt
+
+    class Info:
+        num_workers = 2
+
+    monkeypatch.setattr(zt, "get_worker_info", lambda: Info())
+    with pytest.raises(PlanError, match="num_workers=0"):
+        iter(zt.as_torch_dataset(pipeline()))
+
+
+def test_as_torch_dataset_needs_a_pipeline():
+    pytest.importorskip("torch")
+    from zephon.integrations.torch import as_torch_dataset
+
+    with pytest.raises(TypeError, match="Pipeline"):
+        as_torch_dataset([1, 2, 3])  # type: ignore[arg-type]

@@ -1,0 +1,156 @@
+"""PyTorch integration (SPEC §4): a pipeline as a checkpointable ``IterableDataset``.
+
+This module imports torch; nothing else in Zephon does, so ``import zephon`` stays torch-free.
+
+Use the dataset with ``torch.utils.data.DataLoader`` or
+``torchdata.stateful_dataloader.StatefulDataLoader`` with ``batch_size=None`` (batching happens in
+the pipeline) and ``num_workers=0`` (lanes already parallelize; torch workers would each run a
+copy of the whole pipeline)::
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from zephon.integrations.torch import as_torch_dataset
+
+    loader = StatefulDataLoader(as_torch_dataset(pipeline), batch_size=None, num_workers=0)
+    state = loader.state_dict()        # with the model checkpoint
+    ...
+    loader.load_state_dict(state)      # before iterating: continues exactly after that step
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from zephon.errors import PlanError
+from zephon.planner import Pipeline
+from zephon.runtime.loader import Loader
+
+__all__ = ["ZephonIterableDataset", "as_torch_dataset", "to_tensors"]
+
+_TENSOR_KINDS = "biufc"  # bool, signed, unsigned, float, complex: what torch.from_numpy takes
+
+
+def to_tensors(value: Any) -> Any:
+    """``value`` with numpy arrays turned into tensors, recursively through dicts, lists and
+    tuples (named tuples keep their type).
+
+    A numeric or bool array becomes ``torch.from_numpy(array)``, sharing its memory; an array torch
+    cannot share (read-only, or with negative strides) is copied first. A numpy scalar becomes a
+    0-d tensor. Arrays of strings or objects, Python scalars, ``str`` and anything else are
+    returned unchanged.
+    """
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in _TENSOR_KINDS:
+            return value
+        if not value.flags.writeable or any(s < 0 for s in value.strides):
+            value = np.array(value)
+        if not value.dtype.isnative:
+            value = value.astype(value.dtype.newbyteorder("="))
+        return torch.from_numpy(value)
+    if isinstance(value, np.generic):
+        return torch.from_numpy(np.array(value)) if value.dtype.kind in _TENSOR_KINDS else value
+    if isinstance(value, dict):
+        return {k: to_tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_tensors(v) for v in value]
+    if isinstance(value, tuple):
+        items = [to_tensors(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
+
+
+class ZephonIterableDataset(IterableDataset[Any]):
+    """A ``Pipeline`` as a torch ``IterableDataset`` with ``state_dict()`` / ``load_state_dict()``
+    (the protocol ``StatefulDataLoader`` uses): it yields the payload of each delivered item — the
+    collated batch payload of a ``SampleBatch``, or a ``SampleRecord``'s payload — through
+    ``to_tensors``.
+
+    Each ``iter()`` closes the previous loader and starts a new one: from the state given to
+    ``load_state_dict`` when there is one (used once), else from the start of the pipeline.
+    ``state_dict()`` is the loader's state (the same small JSON-able dict as
+    ``Loader.state_dict()``) after the last item yielded; before any iteration it is the loaded
+    state, or the state of a fresh start. Invariant: a dataset restored from ``state_dict()`` taken
+    after ``k`` items yields exactly the items a single run would have yielded after those ``k``.
+    """
+
+    def __init__(self, pipeline: Pipeline):
+        super().__init__()
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"as_torch_dataset needs a zephon.Pipeline, got {pipeline!r}")
+        self.pipeline = pipeline
+        self._loader: Loader | None = None
+        self._pending: dict[str, Any] | None = None  # from load_state_dict, for the next iter()
+        self._final: dict[str, Any] | None = None  # state of the last loader once it ended
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        if info is not None and info.num_workers > 1:
+            raise PlanError(
+                f"a Zephon dataset cannot be split over {info.num_workers} torch DataLoader "
+                "workers (each would run the whole pipeline): use num_workers=0 and the "
+                "pipeline's lanes for parallelism"
+            )
+        self.close()
+        state, self._pending = self._pending, None
+        loader = self.pipeline.iter(state=state)
+        self._loader = loader
+        self._final = None
+        return self._generate(loader)
+
+    def _generate(self, loader: Loader) -> Iterator[Any]:
+        try:
+            for item in loader:
+                yield to_tensors(item.payload)
+        except GeneratorExit:
+            self._retire(loader)
+            raise
+        else:
+            self._retire(loader)
+
+    def _retire(self, loader: Loader) -> None:
+        # Keep the state of a loader that ended or was abandoned, then free its lanes.
+        if self._loader is loader:
+            self._final = loader.state_dict()
+            self._loader = None
+        loader.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last item yielded (see the class docstring)."""
+        if self._pending is not None:
+            return self._pending
+        if self._loader is not None:
+            return self._loader.state_dict()
+        if self._final is not None:
+            return self._final
+        with self.pipeline.iter() as fresh:
+            return fresh.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``iter()`` continue from ``state`` (checked against the pipeline then:
+        ``CheckpointMismatchError`` / ``CheckpointCorruptError`` when it does not fit)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"load_state_dict needs the dict state_dict() returned, got {state!r}")
+        self._pending = state
+        self._final = None
+
+    def close(self) -> None:
+        """Close the running loader, if any (its worker processes stop); ``state_dict()`` keeps
+        returning its position."""
+        loader = self._loader
+        if loader is not None:
+            self._retire(loader)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_loader"] = None  # a running loader does not cross processes
+        return state
+
+
+def as_torch_dataset(pipeline: Pipeline) -> ZephonIterableDataset:
+    """Wrap ``pipeline`` as a checkpointable torch ``IterableDataset`` yielding tensors; use it
+    with ``batch_size=None, num_workers=0`` (see ``ZephonIterableDataset``)."""
+    return ZephonIterableDataset(pipeline)
