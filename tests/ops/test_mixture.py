@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from epoch_kit import check_epoch_operator
 
 import zephon
 from zephon.errors import OperatorError
@@ -133,7 +134,9 @@ def test_a_dropped_child_that_owes_no_closing_tombstone_still_leaves_a_tagged_on
     assert tomb.contribution_refs() == (ContributorRef(child, False),)
 
 
-def test_a_closing_child_dropped_while_its_sibling_is_buffered_does_not_close_early():
+def test_a_closing_child_dropped_while_its_sibling_is_buffered_leaves_its_closing_tombstone():
+    # On the epoch path a tombstone may close an offset before a sibling leaves; the sibling keeps
+    # its (non-closing) ref, so the offset is closed exactly once.
     parent = SampleCursor(0, 0, (0, 0, 0))
     children = []
     for i, comp in enumerate(["a", "z"]):
@@ -147,11 +150,11 @@ def test_a_closing_child_dropped_while_its_sibling_is_buffered_does_not_close_ea
         )
         children.append(SampleRecord(meta, {"tokens": [0, 0]}))
     op = ensure_mixture({"a": 1, "z": 0}, buffer_size=4)
-    check_operator(op, children)
+    check_epoch_operator(op, children)
     out = run(op, children)
     assert [(r.is_tombstone, r.contribution_refs()) for r in out] == [
-        (True, (ContributorRef(parent.child(1), False),)),
-        (False, (ContributorRef(parent.child(0), True),)),
+        (True, (ContributorRef(parent.child(1), True),)),
+        (False, (ContributorRef(parent.child(0), False),)),
     ]
 
 

@@ -4,7 +4,6 @@ tokenize (splitting), shuffle, pack_sequences, pack_flat, ensure_mixture and bat
 from __future__ import annotations
 
 import json
-import warnings
 from typing import Any
 
 import numpy as np
@@ -12,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zephon
-from zephon.errors import ContractWarning
 from zephon.ops import (
     batch,
     ensure_mixture,
@@ -55,11 +53,13 @@ def fingerprint(item: Any) -> tuple:
 
 
 def run(loader: zephon.Loader, limit: int | None = None) -> list[tuple]:
+    """What ``loader`` delivers (up to ``limit`` items); it must report no contract violation."""
     out = []
     for item in loader:
         out.append(fingerprint(item))
         if limit is not None and len(out) == limit:
             break
+    assert loader.stats()["violations"] == 0
     return out
 
 
@@ -67,9 +67,9 @@ STATEFUL = ("shuffle", "pack_sequences", "pack_flat", "ensure_mixture")
 
 
 @st.composite
-def pipelines(draw: Any) -> tuple[zephon.Pipeline, bool]:
-    """A random pipeline, and whether it may see the engine's early-close false positive (a
-    mixture tombstone overtaking a sibling held by a later stateful operator; see the report)."""
+def pipelines(draw: Any) -> zephon.Pipeline:
+    """A random strict pipeline: any contract violation (an early close, a missing tombstone)
+    raises at delivery."""
     source = MixtureSource(
         {
             "a": RangeSource(draw(st.integers(8, 40)), dataset_id=0, make=_doc_a),
@@ -120,16 +120,9 @@ def pipelines(draw: Any) -> tuple[zephon.Pipeline, bool]:
         lanes=draw(st.integers(1, 3)),
         epoch_chunks=draw(st.integers(1, 4)),
         micro_batch=draw(st.integers(1, 8)),
+        strict=True,
     )
-    return pipeline, _may_overtake(names, split)
-
-
-def _may_overtake(names: list[str], split: bool) -> bool:
-    if "ensure_mixture" not in names:
-        return False
-    first_mix = names.index("ensure_mixture")
-    several_per_offset = split or any(n.startswith("pack") for n in names[:first_mix])
-    return several_per_offset and len(names) > first_mix + 1
+    return pipeline
 
 
 def streams_agree(pipeline: zephon.Pipeline, steps: list[int], full: list[tuple]) -> None:
@@ -142,36 +135,25 @@ def streams_agree(pipeline: zephon.Pipeline, steps: list[int], full: list[tuple]
 
 
 @settings(max_examples=100)
-@given(case=pipelines(), data=st.data())
-def test_resume_at_any_step_continues_the_uninterrupted_stream(case, data):
-    pipeline, may_overtake = case
-    with warnings.catch_warnings():
-        if may_overtake:
-            warnings.simplefilter("ignore", ContractWarning)
-        loader = iter(pipeline)
-        full = run(loader)
-        if not may_overtake:
-            assert loader.stats()["violations"] == 0
-        steps = sorted(set(data.draw(st.lists(st.integers(0, len(full)), min_size=1, max_size=3))))
-        streams_agree(pipeline, steps, full)
+@given(pipeline=pipelines(), data=st.data())
+def test_resume_at_any_step_continues_the_uninterrupted_stream(pipeline, data):
+    full = run(iter(pipeline))
+    steps = sorted(set(data.draw(st.lists(st.integers(0, len(full)), min_size=1, max_size=3))))
+    streams_agree(pipeline, steps, full)
 
 
 @settings(max_examples=40)
-@given(case=pipelines(), data=st.data())
-def test_resuming_twice_in_a_row_continues_the_stream(case, data):
-    pipeline, may_overtake = case
-    with warnings.catch_warnings():
-        if may_overtake:
-            warnings.simplefilter("ignore", ContractWarning)
-        full = run(iter(pipeline))
-        first = data.draw(st.integers(0, len(full)))
-        second = data.draw(st.integers(0, len(full) - first))
-        loader = iter(pipeline)
-        head = run(loader, first) if first else []
-        resumed = pipeline.iter(state=loader.state_dict())
-        middle = run(resumed, second) if second else []
-        tail = run(pipeline.iter(state=resumed.state_dict()))
-        assert head + middle + tail == full
+@given(pipeline=pipelines(), data=st.data())
+def test_resuming_twice_in_a_row_continues_the_stream(pipeline, data):
+    full = run(iter(pipeline))
+    first = data.draw(st.integers(0, len(full)))
+    second = data.draw(st.integers(0, len(full) - first))
+    loader = iter(pipeline)
+    head = run(loader, first) if first else []
+    resumed = pipeline.iter(state=loader.state_dict())
+    middle = run(resumed, second) if second else []
+    tail = run(pipeline.iter(state=resumed.state_dict()))
+    assert head + middle + tail == full
 
 
 def test_the_full_chain_resumes_at_every_step():
@@ -196,9 +178,8 @@ def test_the_full_chain_resumes_at_every_step():
         lanes=2,
         epoch_chunks=2,
         micro_batch=4,
+        strict=True,
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ContractWarning)
-        full = run(iter(pipeline))
-        assert len(full) > 10
-        streams_agree(pipeline, list(range(len(full) + 1)), full)
+    full = run(iter(pipeline))
+    assert len(full) > 10
+    streams_agree(pipeline, list(range(len(full) + 1)), full)

@@ -6,14 +6,13 @@ from zephon.ops.batching import batch
 from zephon.ops.children import pack_meta, spawn_child, tombstone_meta, tombstones_for_record
 from zephon.ops.mixture import MIXTURE_DROP_TAG, EnsureMixture, ensure_mixture
 from zephon.ops.packing import PackFlat, PackSequences, pack_flat, pack_sequences
-from zephon.ops.shuffle import HeldOffsets, Shuffle, shuffle
+from zephon.ops.shuffle import Shuffle, shuffle
 from zephon.ops.tokenize import ByteTokenizer, Tokenize, tokenize
 
 __all__ = [
     "MIXTURE_DROP_TAG",
     "ByteTokenizer",
     "EnsureMixture",
-    "HeldOffsets",
     "OpTraits",
     "Operator",
     "PackFlat",

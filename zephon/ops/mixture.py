@@ -12,7 +12,6 @@ from typing import Any
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
 from zephon.ops.children import tombstone_meta
-from zephon.ops.shuffle import HeldOffsets
 from zephon.types import ContributorRef, SampleRecord
 
 __all__ = ["MIXTURE_DROP_TAG", "EnsureMixture", "ensure_mixture"]
@@ -111,7 +110,6 @@ class EnsureMixture(Operator):
         self._multi: list[_Entry] = []
         self._count = 0
         self._seq = 0
-        self._offsets = HeldOffsets()
 
     # ----------------------------------------------------------------------------- measure
     def _measure(self, rec: SampleRecord) -> dict[Hashable, int]:
@@ -217,11 +215,11 @@ class EnsureMixture(Operator):
         for comp, amount in entry.amounts.items():
             totals[comp] += amount
         self._grand += entry.total
-        return self._offsets.release_record(entry.rec)
+        return entry.rec
 
     def _drop(self, rec: SampleRecord) -> list[SampleRecord]:
         """The tombstones of a dropped record, the first tagged ``MIXTURE_DROP_TAG``."""
-        refs = self._offsets.release(rec.meta.contribution_refs()) or rec.meta.contribution_refs()
+        refs = rec.meta.contribution_refs()
         lane = rec.meta.lane_id
         closing = [ref for ref in refs if ref.is_last_child] or [
             ContributorRef(rec.meta.cursor, False)
@@ -243,7 +241,6 @@ class EnsureMixture(Operator):
             if not amounts:  # measures nothing (e.g. empty counts): nothing to balance
                 out.append(rec)
                 continue
-            self._offsets.hold(rec.meta.contribution_refs())
             if not any(share[c] for c in amounts):
                 out.extend(self._drop(rec))
                 continue

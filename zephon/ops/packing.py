@@ -25,7 +25,6 @@ from zephon._core.binfill import BinPacker, FlatPacker
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
 from zephon.ops.children import pack_meta
-from zephon.ops.shuffle import HeldOffsets
 from zephon.types import ContributorRef, SampleMeta, SampleRecord
 
 __all__ = ["PackFlat", "PackSequences", "pack_flat", "pack_sequences"]
@@ -121,8 +120,6 @@ class _Packer(Operator):
         self.pad_id = pad_id
         self._bins: dict[int, _Bin] = {}
         self._arange = np.arange(seq_len, dtype=np.int32)
-        # A reordering packer tracks the base offsets its open bins hold (see HeldOffsets).
-        self._offsets: HeldOffsets | None = None
 
     def _tokens_of(self, rec: SampleRecord) -> np.ndarray:
         try:
@@ -157,7 +154,6 @@ class _Packer(Operator):
         bins = self._bins
         seq_len = self.seq_len
         arange = self._arange
-        offsets = self._offsets
         # One numpy slice copy per array and fragment; the rest is bookkeeping.
         for item, start, size, bin_id, offset in placements.tolist():
             b = bins.get(bin_id)
@@ -173,8 +169,6 @@ class _Packer(Operator):
                 b.positions[offset:stop] = arange[:size]
                 b.used = stop
             b.frags.append((rec, len(arr), start, size))
-            if offsets is not None:
-                offsets.hold(rec.meta.contribution_refs())
         return [self._emit(bins.pop(bin_id)) for bin_id in closed.tolist()]
 
     def _contributors(self, b: _Bin) -> list[ContributorRef]:
@@ -252,8 +246,8 @@ class PackSequences(_Packer):
     """Packs token sequences into bins of ``seq_len`` with at most ``open_bins`` open bins
     (``BinPacker``), emitting a bin when it is full, when it must make room, or at a flush.
 
-    Reorders: bins leave in the order they close. A base offset closes only with the last bin that
-    carries it (``HeldOffsets``), even when split children of one sample land in several bins.
+    Reorders: bins leave in the order they close, so the bin that closes a base offset may leave
+    before a sibling's bin (fine on the epoch path, where eviction waits for the epoch marker).
     """
 
     name = "pack_sequences"
@@ -277,17 +271,10 @@ class PackSequences(_Packer):
         self._setup(seq_len, field, pad_id)
         self.open_bins = open_bins
         self.strategy = strategy
-        self._offsets = HeldOffsets()
         self._kernel = self._new_kernel()
 
     def _new_kernel(self) -> BinPacker:
         return BinPacker(self.seq_len, self.open_bins, self.strategy)  # type: ignore[arg-type]
-
-    def _contributors(self, b: _Bin) -> list[ContributorRef]:
-        refs = super()._contributors(b)
-        assert self._offsets is not None
-        moved = self._offsets.release(refs)
-        return refs if moved is None else list(moved)
 
 
 class PackFlat(_Packer):
