@@ -1,0 +1,156 @@
+"""The distribution: the sdist carries the sources and nothing generated, a wheel builds from that
+sdist alone, and the wheel installs into a fresh virtual environment, ships its type information,
+imports, and runs the documentation's quick start.
+
+Builds use ``python -m build`` with build isolation, so the build dependencies come from the
+package index (network access needed). The whole module takes a few minutes; the builds are shared
+between its tests through module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+import venv
+import zipfile
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CORE = REPO / "zephon" / "_core"
+KERNELS = sorted(p.stem for p in CORE.glob("*.pyx"))
+GENERATED = (".c", ".cpp", ".so", ".pyd", ".o", ".html")
+
+
+def _run(*args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(
+        [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, check=False
+    )
+    if result.returncode:
+        raise AssertionError(
+            f"{' '.join(map(str, args))} failed ({result.returncode}) in {cwd}:\n"
+            f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        )
+    return result.stdout
+
+
+def _build(*args: str | Path, cwd: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEPHON_")}  # a plain build
+    _run(sys.executable, "-m", "build", *args, cwd=cwd, env=env)
+
+
+@pytest.fixture(scope="module")
+def build_frontend() -> None:
+    """``python -m build``: installed into the running environment once if it is missing."""
+    if importlib.util.find_spec("build") is None:
+        _run(sys.executable, "-m", "pip", "install", "-q", "build", cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def sdist(build_frontend: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sdist")
+    _build("--sdist", "--outdir", out, REPO, cwd=REPO)
+    (path,) = out.glob("zephon-*.tar.gz")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sdist_names(sdist: Path) -> set[str]:
+    """The sdist's member paths, relative to its top directory."""
+    with tarfile.open(sdist) as tar:
+        return {str(PurePosixPath(*PurePosixPath(m.name).parts[1:])) for m in tar.getmembers()}
+
+
+@pytest.fixture(scope="module")
+def wheel(sdist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from the unpacked sdist alone, as cibuildwheel does."""
+    src = tmp_path_factory.mktemp("unpacked")
+    with tarfile.open(sdist) as tar:
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4
+            tar.extractall(src, filter="data")
+        else:
+            tar.extractall(src)
+    (project,) = src.iterdir()
+    out = tmp_path_factory.mktemp("wheel")
+    _build("--wheel", "--outdir", out, project, cwd=project)
+    (path,) = out.glob("zephon-*.whl")
+    return path
+
+
+def test_the_sdist_holds_the_build_files_and_every_kernel_source(sdist_names: set[str]):
+    expected = {
+        "setup.py",
+        "pyproject.toml",
+        "README.md",
+        "zephon/py.typed",
+        "zephon/_core/_types.pxd",
+    }
+    for stem in KERNELS:
+        expected |= {f"zephon/_core/{stem}.{ext}" for ext in ("pyx", "pxd", "pyi")}
+    missing = sorted(expected - sdist_names)
+    assert not missing, f"missing from the sdist: {missing}"
+
+
+def test_the_sdist_holds_no_generated_files(sdist_names: set[str]):
+    generated = sorted(n for n in sdist_names if n.endswith(GENERATED))
+    assert not generated, (
+        f"generated files in the sdist: {generated}; exclude them in MANIFEST.in "
+        "(wheels must cythonize the .pyx sources)"
+    )
+
+
+def test_the_wheel_ships_compiled_kernels_stubs_and_py_typed(wheel: Path):
+    with zipfile.ZipFile(wheel) as zf:
+        names = sorted(zf.namelist())
+    listing = "\n  ".join(names)
+    assert "zephon/py.typed" in names, f"no py.typed in the wheel:\n  {listing}"
+    for stem in KERNELS:
+        assert f"zephon/_core/{stem}.pyi" in names, f"no stub for {stem}:\n  {listing}"
+        compiled = [
+            n
+            for n in names
+            if n.startswith(f"zephon/_core/{stem}.") and n.endswith((".so", ".pyd"))
+        ]
+        assert len(compiled) == 1, f"no compiled module for {stem}:\n  {listing}"
+    generated_c = [n for n in names if n.endswith((".c", ".cpp"))]
+    assert not generated_c, f"generated C sources in the wheel: {generated_c}"
+
+
+SMOKE = textwrap.dedent(
+    """
+    import sys
+
+    import zephon
+    import zephon._core.cursor
+    from zephon.types import SampleCursor
+
+    assert zephon.__file__.startswith(sys.prefix), zephon.__file__  # the wheel, not the checkout
+    assert "torch" not in sys.modules, "import zephon must not import torch"
+    cursor = SampleCursor(7, 2, (0, 5, 42)).child(1)
+    assert repr(cursor) == "SampleCursor(7, 2, (0, 5, 42), lineage=(1,))", repr(cursor)
+    assert cursor.sort_key == (7, 2, (1,), (0, 5, 42))
+    print("zephon", zephon.__version__, "from", zephon.__file__)
+    """
+)
+
+
+def test_the_wheel_installs_imports_and_runs_the_quick_start_in_a_fresh_venv(
+    wheel: Path, tmp_path: Path
+):
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / ("Scripts" if os.name == "nt" else "bin") / "python"
+    _run(python, "-m", "pip", "install", "-q", wheel, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    work = tmp_path / "work"  # outside the checkout, so only the installed wheel can be imported
+    work.mkdir()
+    (work / "smoke.py").write_text(SMOKE)
+    assert "from" in _run(python, "-I", "smoke.py", cwd=work, env=env)
+    quick_start = REPO / "docs" / "examples" / "quickstart.py"
+    _run(python, "-I", quick_start, cwd=work, env=env)
+    assert (work / "loader.json").is_file(), "the quick start saves its checkpoint in the cwd"
