@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zephon._core.cursor import cursors_for_chunk
-from zephon._core.records import count_closing, records_for_chunk
+from zephon._core.records import count_closing, map_payloads, records_for_chunk
+from zephon._core.records import make_batch as make_batch_unchecked
 from zephon.types import ContributorRef, SampleBatch, SampleCursor, SampleMeta, SampleRecord
 
 CURSOR = SampleCursor(7, 2, (0, 5, 42))
@@ -383,3 +384,52 @@ def test_count_closing_counts_every_closing_contributor_like_the_reference(
 def test_count_closing_rejects_things_that_are_not_records():
     with pytest.raises(TypeError):
         count_closing([SampleMeta(CURSOR)])  # type: ignore[list-item]
+
+
+# --- map_payloads and make_batch (the hot paths of map_transform and delivery) ----------------
+
+
+def _roots(n: int) -> list[SampleRecord]:
+    pointers = np.array([[0, 0, i] for i in range(n)], dtype=np.int64)
+    return records_for_chunk(3, pointers, [{"idx": i} for i in range(n)], 0, [0] * n)
+
+
+def test_map_payloads_keeps_each_meta_and_replaces_the_payload():
+    records = _roots(5)
+    out: list[SampleRecord] = []
+    assert map_payloads(lambda p: {"y": p["idx"] * 2}, records, 0, out) == (5, None)
+    assert [r.payload for r in out] == [{"y": 2 * i} for i in range(5)]
+    assert all(new.meta is old.meta for new, old in zip(out, records))
+
+
+def test_map_payloads_stops_at_the_first_none_and_resumes_after_it():
+    records = _roots(6)
+    out: list[SampleRecord] = []
+    fn = lambda p: None if p["idx"] % 3 == 1 else p  # noqa: E731
+    assert map_payloads(fn, records, 0, out) == (1, None)
+    assert map_payloads(fn, records, 2, out) == (4, None)
+    assert [r.payload["idx"] for r in out] == [0, 2, 3]
+
+
+def test_map_payloads_returns_the_exception_and_the_index_of_the_failing_record():
+    records = _roots(4)
+    out: list[SampleRecord] = []
+
+    def fn(payload: dict) -> dict:
+        if payload["idx"] == 2:
+            raise KeyError("boom")
+        return payload
+
+    i, exc = map_payloads(fn, records, 0, out)
+    assert i == 2
+    assert isinstance(exc, KeyError)
+    assert exc.__traceback__ is not None  # the caller chains it, with fn's frames
+    assert len(out) == 2
+
+
+def test_make_batch_is_a_sample_batch_of_the_records():
+    records = _roots(3)
+    batch = make_batch_unchecked(records, {"idx": [0, 1, 2]})
+    assert type(batch) is SampleBatch
+    assert batch.records == tuple(records)
+    assert batch.payload == {"idx": [0, 1, 2]}

@@ -444,6 +444,20 @@ cdef class ChunkTable:
             i -= 1
         return 0
 
+    cdef Py_ssize_t c_evict_complete_prefix(self) except -1:
+        cdef Py_ssize_t k = 0
+        cdef ChunkEntry* e
+        self._check_idle()
+        while self._count:
+            e = &self._ring[self._head]
+            if e.n_closed != e.n:
+                break
+            self._evict_head()
+            k += 1
+        if k:
+            self._shrink()
+        return k
+
     # ---- opening ---------------------------------------------------------------------------------
 
     def open_chunk(

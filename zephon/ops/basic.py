@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.records import records_for_chunk
+from zephon._core.records import map_payloads, records_for_chunk
 from zephon.errors import FetchError, OperatorError
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.children import tombstones_for_record
@@ -107,21 +107,20 @@ class MapTransform(Operator):
         )
 
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        # The per-record loop runs in C; it stops at a record that fails or maps to None.
         fn = self.fn
         out: list[SampleRecord] = []
-        for rec in records:
-            try:
-                payload = fn(rec.payload)
-            except Exception as exc:
+        i, exc = map_payloads(fn, records, 0, out)
+        while i < len(records):
+            rec = records[i]
+            if exc is not None:
                 raise record_error(self, rec, exc) from exc
-            if payload is None:
-                if not self.drop_none:
-                    raise record_error(
-                        self, rec, ValueError("returned None (pass drop_none=True to drop records)")
-                    )
-                out.extend(tombstones_for_record(rec))
-            else:
-                out.append(rec.with_payload(payload))
+            if not self.drop_none:
+                raise record_error(
+                    self, rec, ValueError("returned None (pass drop_none=True to drop records)")
+                )
+            out.extend(tombstones_for_record(rec))
+            i, exc = map_payloads(fn, records, i + 1, out)
         return out
 
 

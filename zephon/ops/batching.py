@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -11,21 +12,29 @@ from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits
 from zephon.types import SampleRecord
 
-__all__ = ["Batch", "batch", "default_collate"]
+__all__ = ["Batch", "batch", "collate_payloads", "default_collate"]
 
 
 def default_collate(records: Sequence[SampleRecord]) -> Any:
     """Dict payloads become a dict of stacked arrays (array fields of one shape) or lists
     (everything else); other payloads become a list."""
-    payloads = [r.payload for r in records]
-    if not payloads or not all(isinstance(p, dict) for p in payloads):
+    return collate_payloads([r.payload for r in records])
+
+
+def collate_payloads(payloads: list[Any]) -> Any:
+    """``default_collate`` on the payloads themselves: dicts with the same keys in the same order
+    become a dict of stacked arrays (array fields of one shape and dtype) or lists; anything else
+    stays the list it was."""
+    if not payloads:
         return payloads
-    keys = list(payloads[0])
-    if any(list(p) != keys for p in payloads[1:]):
+    kinds = set(map(type, payloads))
+    if not all(issubclass(kind, dict) for kind in kinds):
+        return payloads
+    if len(set(map(tuple, payloads))) != 1:  # not one key order shared by all
         return payloads
     out: dict[str, Any] = {}
-    for key in keys:
-        values = [p[key] for p in payloads]
+    for key in payloads[0]:
+        values = list(map(itemgetter(key), payloads))
         first = values[0]
         if isinstance(first, np.ndarray) and all(
             isinstance(v, np.ndarray) and v.shape == first.shape and v.dtype == first.dtype

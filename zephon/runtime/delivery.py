@@ -2,15 +2,18 @@
 
 Everything that decides what has been consumed happens here, in the loader's process, at the
 moment an item is handed to the training loop: closing contributors and tombstones in the lane's
-compiled chunk table, the monotone watermark, eviction, and the contract checks.
+compiled chunk table, the monotone watermark, eviction, and the contract checks. The per-record
+part runs in the compiled ``DeliveryBook`` (a whole batch per call); this module keeps what is
+rare or per chunk: control items, epoch markers, the replay filter and the violation reports.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from zephon._core.chunk_table import CLOSED, EVICTED, ChunkTable
+from zephon._core.chunk_table import EVICTED, ChunkTable
+from zephon._core.delivery import DeliveryBook, gather
+from zephon._core.records import make_batch
 from zephon.errors import ContractViolation, OperatorError, ReplayDivergenceError
 from zephon.ops.children import tombstones_for_record
 from zephon.runtime.checkpoint import decode_cursor, encode_cursor
@@ -31,7 +34,8 @@ class LaneDelivery:
 
     The replay window is what the lane delivered since its first retained chunk (monotone) or
     epoch (epoch path): a count and an order-independent digest of cursors, kept per chunk or per
-    epoch so that it shrinks when chunks are evicted and never grows with the run.
+    epoch (in the compiled ``DeliveryBook``) so that it shrinks when chunks are evicted and never
+    grows with the run.
     """
 
     def __init__(self, loader: Loader, lane_id: int):
@@ -41,19 +45,18 @@ class LaneDelivery:
         self.lane_id = lane_id
         self.table = ChunkTable()
         self.monotone = plan.eviction_path == "monotone"
+        self.book = DeliveryBook(
+            self.table, self.monotone, loader.counts, self._early_close, self._order_violation
+        )
         self.per_epoch = plan.epoch_chunks
         self.batch_size = plan.batcher.batch_size if plan.batcher else 0  # type: ignore[attr-defined]
         self.labels = operator_labels(plan.chain)
         self.finished = False
         self.next_local = 0  # lane-local index of the next chunk to be announced
-        self.epochs_done = 0  # epoch path: epochs whose marker has been processed
         self.carry: list[Any] | None = None  # carry state at the start of the retained epoch
-        self.last_cursor: SampleCursor | None = None
-        self.window: deque[list[int]] = deque()  # [chunk_id or epoch, count, digest]
         self.suspects: set[str] = set()  # operators seen emitting too many closing contributors
         self.pending: list = []
         self.n_pending = 0
-        self._low_chunk = -1  # monotone: chunk of the watermark, to evict when it moves on
         # Replay filter: set on restore until the record at the replay cursor is met again.
         self.replay_target: SampleCursor | None = None
         self.replay_expect = (0, 0)
@@ -62,6 +65,16 @@ class LaneDelivery:
         self._items: Any = None  # the lane's item lists; started on first use or by restore
         self._buf: list = []
         self._pos = 0
+
+    @property
+    def epochs_done(self) -> int:
+        """Epoch path: epochs whose marker has been processed at delivery."""
+        return self.book.epochs_done
+
+    @property
+    def last_cursor(self) -> SampleCursor | None:
+        """The replay cursor: the last real record delivered (or swallowed) from this lane."""
+        return self.book.last_cursor
 
     # ----------------------------------------------------------------------------- restore/state
     def restore(self, state: dict[str, Any]) -> None:
@@ -72,7 +85,7 @@ class LaneDelivery:
             return
         start = state["start"]
         self.next_local = start
-        self.epochs_done = start // self.per_epoch
+        self.book.epochs_done = start // self.per_epoch
         self.carry = state["carry"]
         cursor = decode_cursor(state["cursor"])
         count, digest = state["count"], int(state["digest"], 16)
@@ -83,8 +96,8 @@ class LaneDelivery:
             ):
                 # Every operator is 1 -> 1 and in order: skip consumed samples before fetch.
                 skip = cursor.chunk_offset + 1
-                self.last_cursor = cursor
-                self.window.append([cursor.chunk_id, count, digest])
+                self.book.last_cursor = cursor
+                self.book.window_push(cursor.chunk_id, count, digest)
             else:
                 self.replay_target = cursor
                 self.replay_expect = (count, digest)
@@ -101,10 +114,9 @@ class LaneDelivery:
         else:
             start = self.epochs_done * self.per_epoch
         cursor = self.last_cursor
-        if cursor is not None and self.monotone and not self.window:
+        if cursor is not None and self.monotone and not self.book.window_len:
             cursor = None  # its chunk was evicted: nothing to replay
-        count = sum(w[1] for w in self.window)
-        digest = sum(w[2] for w in self.window) & MASK64
+        count, digest = self.book.window_totals()
         return {
             "lane": self.lane_id,
             "finished": self.finished,
@@ -140,20 +152,35 @@ class LaneDelivery:
         """The lane's next record or batch for the training loop, or None when the lane is done."""
         if self.finished:
             return None
+        batch_size = self.batch_size
         while True:
+            if batch_size and self.replay_target is None:
+                # The common case in one C loop: records into the pending batch.
+                if self._pos >= len(self._buf):
+                    self.start()
+                    self._buf = next(self._items)
+                    self._pos = 0
+                self._pos, self.n_pending = gather(
+                    self._buf, self._pos, self.pending, self.n_pending, batch_size, LaneEnd
+                )
+                if self.n_pending == batch_size:
+                    return self._hand_over()
+                if self._pos == len(self._buf):
+                    continue
+                # An item the loop leaves to us (a control item, a tombstone, the lane's end).
             item = self._next_item()
             if type(item) is SampleRecord:
                 if item.meta.is_tombstone:
                     if self.n_pending:
                         self.pending.append(item)
                     else:
-                        self._tombstone(item)
+                        self.book.tombstone(item, self.replay_target is None)
                     continue
                 if self.replay_target is not None:
                     self._swallow(item)
                     continue
-                if not self.batch_size:
-                    self._record(item, count=True)
+                if not batch_size:
+                    self.book.record(item, True)
                     self.restored_state = None
                     return item
                 self.pending.append(item)
@@ -169,8 +196,12 @@ class LaneDelivery:
                 self._control(item)
 
     def _hand_over(self) -> SampleBatch:
-        pending, self.pending, self.n_pending = self.pending, [], 0
-        records = [r for r in pending if type(r) is SampleRecord and not r.meta.is_tombstone]
+        pending, self.pending = self.pending, []
+        if len(pending) == self.n_pending:  # records only, the usual case
+            records = pending
+        else:
+            records = [r for r in pending if type(r) is SampleRecord and not r.meta.is_tombstone]
+        self.n_pending = 0
         batcher: Any = self.plan.batcher
         try:
             payload = batcher.collate(records)
@@ -182,16 +213,9 @@ class LaneDelivery:
                 operator=batcher.name,
                 cursor=first,
             ) from exc
-        for item in pending:
-            if type(item) is SampleRecord:
-                if item.meta.is_tombstone:
-                    self._tombstone(item)
-                else:
-                    self._record(item, count=True)
-            else:
-                self._control(item)
+        self.book.deliver(pending, self._control)
         self.restored_state = None
-        return SampleBatch(records, payload)
+        return make_batch(records, payload)
 
     def _lane_end(self) -> SampleBatch | None:
         out = None
@@ -203,81 +227,19 @@ class LaneDelivery:
                         self._control(item)
                         continue
                     for tomb in [item] if item.meta.is_tombstone else tombstones_for_record(item):
-                        self._tombstone(tomb)
+                        self.book.tombstone(tomb, True)
             else:
                 out = self._hand_over()
         if self.replay_target is not None:
             self._diverged("the lane ended before the replay cursor was met again")
         if self.monotone:
             self.table.close_below(END_OF_LANE, 0)
-            self._evicted(self.table.evict_complete_prefix())
+            self.book.note_evicted(self.table.evict_complete_prefix())
         self.close()  # releases the lane's worker as soon as it is done
         self.restored_state = None
         return out
 
     # ----------------------------------------------------------------------------- bookkeeping
-    def _record(self, rec: SampleRecord, *, count: bool) -> None:
-        """Bookkeeping for a real record handed to the training loop (or swallowed on replay)."""
-        meta = rec.meta
-        cursor = meta.cursor
-        table = self.table
-        contributors = meta.contributors
-        if contributors is None:
-            state = table.close(cursor.chunk_id, cursor.chunk_offset)
-            if state in (CLOSED, EVICTED):
-                self._early_close(rec, cursor, state)
-            low_chunk, low_offset = cursor.chunk_id, cursor.chunk_offset
-        else:
-            low_chunk = low_offset = -1
-            for ref in contributors:
-                c = ref.cursor
-                if ref.is_last_child:
-                    state = table.close(c.chunk_id, c.chunk_offset)
-                elif self.monotone:
-                    state = table.offset_state(c.chunk_id, c.chunk_offset)
-                else:
-                    # Behind a reordering operator siblings legitimately arrive after the closing
-                    # record; eviction waits for the epoch marker, so only evicted chunks matter.
-                    state = EVICTED if table.is_evicted(c.chunk_id) else 0
-                if state in (CLOSED, EVICTED):
-                    self._early_close(rec, c, state)
-                if low_chunk < 0 or (c.chunk_id, c.chunk_offset) < (low_chunk, low_offset):
-                    low_chunk, low_offset = c.chunk_id, c.chunk_offset
-        # The window entry goes in before eviction can drop the chunk it belongs to.
-        unit = cursor.chunk_id if self.monotone else self.epochs_done
-        window = self.window
-        if window and window[-1][0] == unit:
-            entry = window[-1]
-            entry[1] += 1
-            entry[2] = (entry[2] + cursor.stable_hash) & MASK64
-        else:
-            window.append([unit, 1, cursor.stable_hash])
-        if self.monotone and low_chunk >= 0:
-            last = self.last_cursor
-            if last is not None and cursor < last:
-                self._violation(
-                    "order",
-                    self.labels,
-                    f"record {cursor!r} reached delivery after {last!r}: an operator that claims "
-                    "preserves_cursor_order=True reorders records",
-                )
-            table.close_below(low_chunk, low_offset)
-            if low_chunk != self._low_chunk:
-                self._low_chunk = low_chunk
-                self._evicted(table.evict_complete_prefix())
-        self.last_cursor = cursor
-        if count:
-            self.loader.count_delivered(meta)
-
-    def _tombstone(self, tomb: SampleRecord) -> None:
-        # A tombstone only closes offsets: it never moves the replay cursor or evicts by itself.
-        table = self.table
-        for ref in tomb.meta.contribution_refs():
-            if ref.is_last_child:
-                table.close(ref.cursor.chunk_id, ref.cursor.chunk_offset)
-        if self.replay_target is None:
-            self.loader.count_tombstone(tomb.meta)
-
     def _control(self, item: Any) -> None:
         kind = type(item)
         if kind is ChunkOpened:
@@ -311,21 +273,11 @@ class LaneDelivery:
                 "(use tombstones_for_record)",
                 epoch=epoch,
             )
-        self._evicted(self.table.evict_complete_epochs(epoch))
-        self.epochs_done = epoch + 1
+        self.book.note_evicted(self.table.evict_complete_epochs(epoch))
+        self.book.epochs_done = epoch + 1
         self.carry = marker.carry
-        self.window.clear()
-        self.last_cursor = None
-
-    def _evicted(self, chunk_ids: Any) -> None:
-        if not len(chunk_ids):
-            return
-        self.loader.evicted += len(chunk_ids)
-        if self.monotone:
-            newest = int(chunk_ids[-1])
-            window = self.window
-            while window and window[0][0] <= newest:
-                window.popleft()
+        self.book.window_clear()
+        self.book.last_cursor = None
 
     # ----------------------------------------------------------------------------- replay filter
     def _swallow(self, rec: SampleRecord) -> None:
@@ -334,7 +286,7 @@ class LaneDelivery:
         cursor = rec.meta.cursor
         if self.monotone and cursor > target:
             self._diverged(f"record {cursor!r} came where the replay cursor should have been")
-        self._record(rec, count=False)
+        self.book.record(rec, False)
         seen = self.replay_seen
         seen[0] += 1
         seen[1] = (seen[1] + cursor.stable_hash) & MASK64
@@ -364,6 +316,14 @@ class LaneDelivery:
             f"record {rec.meta.cursor!r} (sample_id={rec.meta.cursor.sample_id}) carries a "
             f"contributor for base offset {ref_cursor.base_offset} of {what}: an operator closed "
             "that offset before its last record (only the last child may set is_last_child)",
+        )
+
+    def _order_violation(self, cursor: SampleCursor, last: SampleCursor) -> None:
+        self._violation(
+            "order",
+            self.labels,
+            f"record {cursor!r} reached delivery after {last!r}: an operator that claims "
+            "preserves_cursor_order=True reorders records",
         )
 
     def _violation(self, kind: str, operators: list[str], message: str, epoch: int = -1) -> None:

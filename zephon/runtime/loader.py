@@ -6,6 +6,7 @@ import warnings
 from collections.abc import Hashable
 from typing import Any
 
+from zephon._core.delivery import DeliveryCounters
 from zephon.errors import CheckpointCorruptError, CheckpointError, ContractWarning
 from zephon.ops.mixture import MIXTURE_DROP_TAG
 from zephon.planner import Plan
@@ -16,6 +17,18 @@ from zephon.types import SampleMeta
 _COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "mixture_dropped")
 
 
+def _counter(name: str) -> property:
+    """A loader counter kept in the compiled ``DeliveryCounters`` the lanes' bookkeeping updates."""
+
+    def get(self: Loader) -> int:
+        return getattr(self.counts, name)
+
+    def set_(self: Loader, value: int) -> None:
+        setattr(self.counts, name, value)
+
+    return property(get, set_, doc=f"The run's ``{name}`` counter.")
+
+
 class Loader:
     """An iterator over what the training loop consumes: ``SampleBatch``es when the pipeline ends
     in ``batch``, else ``SampleRecord``s. Tombstones are never delivered.
@@ -24,17 +37,18 @@ class Loader:
     exactly where it was taken.
     """
 
+    delivered = _counter("delivered")
+    tombstones = _counter("tombstones")
+    evicted = _counter("evicted")
+    mixture_dropped = _counter("mixture_dropped")
+
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.delivered = 0
-        self.tombstones = 0
+        self.counts = DeliveryCounters()
+        self.counts.drop_tag = MIXTURE_DROP_TAG
         self.replayed = 0
-        self.evicted = 0
         self.violations = 0
         self.max_inflight = 0
-        self.mixture_dropped = 0
-        self.mix_samples: dict[Hashable, int] = {}
-        self.mix_tokens: dict[Hashable, int] = {}
         self._warned: set[tuple] = set()
         self._started = False
         self._closed = False
@@ -79,26 +93,22 @@ class Loader:
         self.close()
 
     # ----------------------------------------------------------------------------- counters
+    @property
+    def mix_samples(self) -> dict[Hashable, int]:
+        """Delivered samples per mixture component."""
+        self.counts.flush()
+        return self.counts.mix_samples
+
+    @property
+    def mix_tokens(self) -> dict[Hashable, int]:
+        """Delivered tokens per mixture component (records that carry token counts)."""
+        return self.counts.mix_tokens
+
     def count_delivered(self, meta: SampleMeta) -> None:
-        self.delivered += 1
-        tokens = meta.component_token_counts
-        if tokens:
-            totals = self.mix_tokens
-            for comp, n in tokens.items():
-                totals[comp] = totals.get(comp, 0) + n
-        samples = meta.component_sample_counts
-        totals = self.mix_samples
-        if samples:
-            for comp, n in samples.items():
-                totals[comp] = totals.get(comp, 0) + n
-        else:
-            comp = meta.component
-            totals[comp] = totals.get(comp, 0) + 1
+        self.counts.count_delivered(meta)
 
     def count_tombstone(self, meta: SampleMeta) -> None:
-        self.tombstones += 1
-        if MIXTURE_DROP_TAG in meta.tags:
-            self.mixture_dropped += 1
+        self.counts.count_tombstone(meta)
 
     def count_violation(self, key: tuple, text: str) -> None:
         self.violations += 1
@@ -170,8 +180,9 @@ class Loader:
             self.next_lane = int(body["next_lane"]) % plan.lanes
             for name in _COUNTERS:
                 setattr(self, name, int(body["counters"][name]))
-            self.mix_samples = {_key(k): int(v) for k, v in body["mixture"]["samples"]}
-            self.mix_tokens = {_key(k): int(v) for k, v in body["mixture"]["tokens"]}
+            self.counts.flush()
+            self.counts.mix_samples = {_key(k): int(v) for k, v in body["mixture"]["samples"]}
+            self.counts.mix_tokens = {_key(k): int(v) for k, v in body["mixture"]["tokens"]}
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptError(f"loader state is malformed: {exc!r}") from None
 

@@ -1,0 +1,186 @@
+"""The compiled delivery bookkeeping (zephon/_core/delivery.pyx): counters, the replay window,
+the batch gatherer, and the callbacks through which contract violations reach Python."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zephon._core.chunk_table import CLOSED, ChunkTable
+from zephon._core.delivery import DeliveryBook, DeliveryCounters, gather
+from zephon._core.records import records_for_chunk
+from zephon.ops.children import tombstones_for_record
+from zephon.runtime.control import LANE_END, ChunkOpened, LaneEnd
+from zephon.types import SampleCursor, SampleMeta, SampleRecord
+
+
+def roots(chunk_id: int, n: int, components: list[Any] | None = None) -> list[SampleRecord]:
+    pointers = np.array([[0, 0, chunk_id * 100 + i] for i in range(n)], dtype=np.int64)
+    comps = components if components is not None else [0] * n
+    return records_for_chunk(chunk_id, pointers, [{"i": i} for i in range(n)], 0, comps)
+
+
+class Calls:
+    """Records what the book hands back to Python."""
+
+    def __init__(self) -> None:
+        self.early: list[tuple[SampleCursor, int]] = []
+        self.order: list[tuple[SampleCursor, SampleCursor]] = []
+        self.controls: list[Any] = []
+
+    def book(self, table: ChunkTable, monotone: bool = True) -> DeliveryBook:
+        return DeliveryBook(
+            table,
+            monotone,
+            DeliveryCounters(),
+            lambda rec, cursor, state: self.early.append((cursor, state)),
+            lambda cursor, last: self.order.append((cursor, last)),
+        )
+
+
+def naive_mixture(metas: list[SampleMeta]) -> tuple[dict, dict]:
+    samples: dict = {}
+    tokens: dict = {}
+    for meta in metas:
+        for comp, n in (meta.component_token_counts or {}).items():
+            tokens[comp] = tokens.get(comp, 0) + n
+        if meta.component_sample_counts:
+            for comp, n in meta.component_sample_counts.items():
+                samples[comp] = samples.get(comp, 0) + n
+        else:
+            samples[meta.component] = samples.get(meta.component, 0) + 1
+    return samples, tokens
+
+
+metas = st.lists(
+    st.tuples(
+        st.sampled_from(["a", "b", 3]),
+        st.none() | st.dictionaries(st.sampled_from(["a", "b", "c"]), st.integers(1, 5)),
+        st.none() | st.dictionaries(st.sampled_from(["a", "b", "c"]), st.integers(1, 50)),
+    ),
+    max_size=40,
+)
+
+
+@given(metas)
+def test_mixture_counters_equal_counting_record_by_record_in_insertion_order(specs):
+    cursor = SampleCursor(0, 0, (0, 0, 0))
+    metas_ = [
+        SampleMeta(cursor, component=c, component_sample_counts=s, component_token_counts=t)
+        for c, s, t in specs
+    ]
+    counters = DeliveryCounters()
+    for meta in metas_:
+        counters.count_delivered(meta)
+    counters.flush()
+    samples, tokens = naive_mixture(metas_)
+    assert list(counters.mix_samples.items()) == list(samples.items())
+    assert list(counters.mix_tokens.items()) == list(tokens.items())
+    assert counters.delivered == len(metas_)
+
+
+def test_tombstones_tagged_for_the_mixture_are_counted_apart():
+    counters = DeliveryCounters()
+    counters.drop_tag = "mixture_dropped"
+    cursor = SampleCursor(0, 0, (0, 0, 0))
+    counters.count_tombstone(SampleMeta(cursor, is_tombstone=True))
+    counters.count_tombstone(SampleMeta(cursor, is_tombstone=True, tags={"mixture_dropped"}))
+    assert (counters.tombstones, counters.mixture_dropped) == (2, 1)
+
+
+def test_a_delivered_batch_closes_its_offsets_and_fills_the_window_per_chunk():
+    calls = Calls()
+    table = ChunkTable()
+    book = calls.book(table)
+    table.open_chunk(0, 0, 4, 0)
+    records = roots(0, 4)
+    assert book.deliver(records[:3], calls.controls.append) == 3
+    assert table.open_offsets(0).tolist() == [3]
+    count, digest = book.window_totals()
+    assert count == 3
+    assert digest == sum(r.meta.cursor.stable_hash for r in records[:3]) % (1 << 64)
+    assert book.last_cursor == records[2].meta.cursor
+    assert book.counters.delivered == 3
+
+
+def test_the_window_forgets_a_chunk_when_the_watermark_evicts_it():
+    calls = Calls()
+    table = ChunkTable()
+    book = calls.book(table)
+    table.open_chunk(0, 0, 2, 0)
+    table.open_chunk(1, 1, 2, 0)
+    book.deliver([*roots(0, 2), *roots(1, 1)], calls.controls.append)
+    assert table.inflight_chunk_ids().tolist() == [1]
+    assert book.window_len == 1
+    assert book.window_totals()[0] == 1
+    assert book.counters.evicted == 1
+
+
+def test_control_items_are_handed_back_in_their_place():
+    calls = Calls()
+    table = ChunkTable()
+    book = calls.book(table)
+    seen: list[Any] = []
+
+    def on_control(item: Any) -> None:
+        seen.append((item, table.n_inflight, book.counters.delivered))
+        table.open_chunk(item.chunk_id, item.local_index, item.n_offsets, item.epoch)
+
+    table.open_chunk(0, 0, 2, 0)
+    opened = ChunkOpened(1, 1, 2, 0)
+    book.deliver([*roots(0, 2), opened, *roots(1, 2)], on_control)
+    assert seen == [(opened, 1, 2)]
+
+
+def test_a_tombstone_closes_without_moving_the_replay_cursor():
+    calls = Calls()
+    table = ChunkTable()
+    book = calls.book(table, monotone=False)
+    table.open_chunk(0, 0, 3, 0)
+    first, dropped, last = roots(0, 3)
+    book.deliver([first, *tombstones_for_record(dropped), last], calls.controls.append)
+    assert table.is_complete(0)
+    assert book.last_cursor == last.meta.cursor
+    assert (book.counters.delivered, book.counters.tombstones) == (2, 1)
+
+
+def test_closing_an_offset_twice_is_reported_through_the_callback():
+    calls = Calls()
+    table = ChunkTable()
+    book = calls.book(table, monotone=False)
+    table.open_chunk(0, 0, 2, 0)
+    rec = roots(0, 1)[0]
+    book.record(rec)
+    book.record(rec)
+    assert calls.early == [(rec.meta.cursor, CLOSED)]
+
+
+def test_a_record_behind_the_previous_one_is_reported_on_the_monotone_path():
+    calls = Calls()
+    table = ChunkTable()
+    book = calls.book(table)
+    table.open_chunk(0, 0, 3, 0)
+    a, b, c = roots(0, 3)
+    book.deliver([a, c, b], calls.controls.append)
+    assert calls.order == [(b.meta.cursor, c.meta.cursor)]
+
+
+def test_gather_fills_a_batch_and_keeps_trailing_control_items_with_it():
+    records = roots(0, 5)
+    tomb = tombstones_for_record(records[4])[0]
+    buf: list[Any] = [records[0], tomb, records[1], records[2], records[3]]
+    pending: list[Any] = []
+    assert gather(buf, 0, pending, 0, 3, LaneEnd) == (4, 3)
+    assert pending == buf[:4]
+
+
+def test_gather_leaves_a_leading_control_item_and_the_lane_end_to_the_caller():
+    records = roots(0, 2)
+    opened = ChunkOpened(0, 0, 2, 0)
+    pending: list[Any] = []
+    assert gather([opened, *records], 0, pending, 0, 4, LaneEnd) == (0, 0)
+    assert gather([*records, LANE_END], 0, pending, 0, 4, LaneEnd) == (2, 2)
+    assert pending == records

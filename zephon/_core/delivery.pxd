@@ -1,0 +1,48 @@
+# Layouts of the compiled delivery bookkeeping, published for cimport.
+from zephon._core._types cimport offset_t, uint64_t
+from zephon._core.chunk_table cimport ChunkTable
+from zephon._core.cursor cimport SampleCursor
+from zephon._core.records cimport SampleMeta, SampleRecord
+
+
+# One entry of a lane's replay window: what it delivered from one chunk (monotone) or epoch.
+cdef struct WindowEntry:
+    offset_t unit          # chunk id (monotone path) or epoch (epoch path)
+    offset_t count         # real records delivered
+    uint64_t digest        # sum of their cursors' stable hashes, modulo 2**64
+
+
+cdef class DeliveryCounters:
+    cdef public offset_t delivered
+    cdef public offset_t tombstones
+    cdef public offset_t mixture_dropped
+    cdef public offset_t evicted
+    cdef public dict mix_samples        # component -> delivered samples
+    cdef public dict mix_tokens         # component -> delivered tokens
+    cdef public object drop_tag         # the tag of tombstones dropped for the mixture
+    cdef object _run_component          # plain records counted but not yet in mix_samples
+    cdef offset_t _run_n
+
+    cdef int _flush(self) except -1
+    cpdef count_delivered(self, SampleMeta meta)
+    cpdef count_tombstone(self, SampleMeta meta)
+
+
+cdef class DeliveryBook:
+    cdef readonly ChunkTable table
+    cdef readonly bint monotone
+    cdef readonly DeliveryCounters counters
+    cdef public SampleCursor last_cursor     # the replay cursor: last real record delivered
+    cdef public offset_t epochs_done         # epoch path: epochs whose marker was processed
+    cdef object on_early_close
+    cdef object on_order
+    cdef offset_t _low_chunk                 # monotone: chunk of the watermark
+    cdef WindowEntry* _window
+    cdef Py_ssize_t _wlen
+    cdef Py_ssize_t _wcap
+
+    cdef int _window_add(self, offset_t unit, offset_t count, uint64_t digest) except -1
+    cdef void _window_drop_through(self, offset_t unit) noexcept
+    cdef int _evict_prefix(self) except -1
+    cdef int _record(self, SampleRecord rec, bint count) except -1
+    cdef int _tombstone(self, SampleRecord tomb, bint count) except -1

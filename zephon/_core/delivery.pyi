@@ -1,0 +1,61 @@
+"""Typed stub of the compiled delivery bookkeeping (zephon/_core/delivery.pyx)."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from zephon._core.chunk_table import ChunkTable
+from zephon._core.cursor import SampleCursor
+from zephon._core.records import SampleMeta, SampleRecord
+
+class DeliveryCounters:
+    """The run's delivery counters, shared by the lanes of one loader."""
+
+    delivered: int
+    tombstones: int
+    mixture_dropped: int
+    evicted: int
+    mix_samples: dict[Any, int]
+    mix_tokens: dict[Any, int]
+    drop_tag: str | None
+    def __init__(self) -> None: ...
+    def flush(self) -> None: ...
+    def count_delivered(self, meta: SampleMeta) -> None: ...
+    def count_tombstone(self, meta: SampleMeta) -> None: ...
+
+class DeliveryBook:
+    """The bookkeeping of one lane's delivery: chunk table, watermark, replay window, counters."""
+
+    table: ChunkTable
+    monotone: bool
+    counters: DeliveryCounters
+    last_cursor: SampleCursor | None
+    epochs_done: int
+    def __init__(
+        self,
+        table: ChunkTable,
+        monotone: bool,
+        counters: DeliveryCounters,
+        on_early_close: Callable[[SampleRecord, SampleCursor, int], None],
+        on_order: Callable[[SampleCursor, SampleCursor], None],
+    ) -> None: ...
+    def window_push(self, unit: int, count: int, digest: int) -> None: ...
+    def window_clear(self) -> None: ...
+    def window_totals(self) -> tuple[int, int]: ...
+    @property
+    def window_len(self) -> int: ...
+    def note_evicted(self, chunk_ids: npt.NDArray[np.int64] | Sequence[int]) -> None: ...
+    def record(self, rec: SampleRecord, count: bool = True) -> None: ...
+    def tombstone(self, tomb: SampleRecord, count: bool = True) -> None: ...
+    def deliver(self, items: list[Any], on_control: Callable[[Any], None]) -> int: ...
+
+def gather(
+    buf: list[Any],
+    pos: int,
+    pending: list[Any],
+    n_pending: int,
+    batch_size: int,
+    lane_end: type,
+) -> tuple[int, int]: ...

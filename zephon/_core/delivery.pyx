@@ -1,0 +1,298 @@
+"""Delivery bookkeeping, compiled (SPEC §3.1–3.3): what every record handed to the training loop
+does to its lane's chunk table, replay window and counters.
+
+This runs once per delivered record, so it lives in C: closing contributors in the chunk table,
+the monotone watermark and eviction, the replay window (count and digest of delivered cursors)
+and the run's counters. Whole batches go through at once (`DeliveryBook.deliver`). What needs
+Python (contract violations, control items) is handed back through callbacks at the exact point
+in the stream where it happens, so the order of effects is the same as one record at a time.
+"""
+
+from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.ref cimport PyObject
+from libc.stdlib cimport free, realloc
+
+from zephon._core._types cimport offset_t, uint64_t
+from zephon._core.chunk_table cimport OFFSET_CLOSED, OFFSET_EVICTED, ChunkTable
+from zephon._core.cursor cimport SampleCursor
+from zephon._core.records cimport ContributorRef, SampleMeta, SampleRecord
+
+
+cdef inline int _add_count(dict totals, object key, object n) except -1:
+    """``totals[key] = totals.get(key, 0) + n`` without the method lookups."""
+    cdef PyObject* old = PyDict_GetItem(totals, key)
+    if old == NULL:
+        PyDict_SetItem(totals, key, n)
+    else:
+        PyDict_SetItem(totals, key, <object>old + n)
+    return 0
+
+
+cdef class DeliveryCounters:
+    """The run's delivery counters, shared by the lanes of one loader (SPEC §1.5 ``stats()``).
+
+    Per-component sample counts of plain records are gathered in runs of one component and added
+    to ``mix_samples`` when the component changes; ``flush()`` adds the open run, and readers of
+    ``mix_samples`` call it first. Insertion order of components is kept.
+    """
+
+    def __cinit__(self):
+        self.mix_samples = {}
+        self.mix_tokens = {}
+        self.drop_tag = None
+        self._run_component = None
+        self._run_n = 0
+
+    cdef int _flush(self) except -1:
+        if self._run_n:
+            _add_count(self.mix_samples, self._run_component, self._run_n)
+            self._run_n = 0
+            self._run_component = None
+        return 0
+
+    def flush(self):
+        """Add the open run of plain records to ``mix_samples``."""
+        self._flush()
+
+    cpdef count_delivered(self, SampleMeta meta):
+        """A real record reached the training loop: the delivered count and mixture totals."""
+        self.delivered += 1
+        tokens = meta.component_token_counts
+        if tokens:
+            for comp, n in tokens.items():
+                _add_count(self.mix_tokens, comp, n)
+        samples = meta.component_sample_counts
+        if samples:
+            self._flush()
+            for comp, n in samples.items():
+                _add_count(self.mix_samples, comp, n)
+        else:
+            comp = meta.component
+            if self._run_n and comp is not self._run_component:
+                self._flush()
+            self._run_component = comp
+            self._run_n += 1
+
+    cpdef count_tombstone(self, SampleMeta meta):
+        """A tombstone was delivered; those dropped for the mixture are counted apart."""
+        self.tombstones += 1
+        if self.drop_tag is not None and self.drop_tag in meta.tags:
+            self.mixture_dropped += 1
+
+
+cdef class DeliveryBook:
+    """The bookkeeping of one lane's delivery: its chunk table, watermark, replay window, counters.
+
+    Invariants: offsets close only through delivered records and tombstones (and the watermark on
+    the monotone path); the window holds one ``(unit, count, digest)`` entry per chunk (monotone)
+    or epoch (epoch path) with delivered records that is still retained, so it never grows with
+    the length of the run. ``on_early_close(record, contributor_cursor, state)`` and
+    ``on_order(cursor, previous_cursor)`` are called where a contract is broken.
+    """
+
+    def __cinit__(self):
+        self._window = NULL
+        self._wlen = 0
+        self._wcap = 0
+
+    def __init__(self, ChunkTable table not None, bint monotone, DeliveryCounters counters not None,
+                 on_early_close, on_order):
+        self.table = table
+        self.monotone = monotone
+        self.counters = counters
+        self.on_early_close = on_early_close
+        self.on_order = on_order
+        self.last_cursor = None
+        self.epochs_done = 0
+        self._low_chunk = -1
+
+    def __dealloc__(self):
+        free(self._window)
+        self._window = NULL
+
+    # ---- the replay window ----------------------------------------------------------------------
+
+    cdef int _window_add(self, offset_t unit, offset_t count, uint64_t digest) except -1:
+        cdef WindowEntry* w
+        if self._wlen and self._window[self._wlen - 1].unit == unit:
+            w = &self._window[self._wlen - 1]
+            w.count += count
+            w.digest += digest  # modulo 2**64, like the checkpoint's digest
+            return 0
+        if self._wlen == self._wcap:
+            w = <WindowEntry*>realloc(self._window, (self._wcap * 2 + 4) * sizeof(WindowEntry))
+            if w == NULL:
+                raise MemoryError("cannot grow the replay window")
+            self._window = w
+            self._wcap = self._wcap * 2 + 4
+        w = &self._window[self._wlen]
+        w.unit = unit
+        w.count = count
+        w.digest = digest
+        self._wlen += 1
+        return 0
+
+    cdef void _window_drop_through(self, offset_t unit) noexcept:
+        cdef Py_ssize_t k = 0, i
+        while k < self._wlen and self._window[k].unit <= unit:
+            k += 1
+        if k:
+            for i in range(k, self._wlen):
+                self._window[i - k] = self._window[i]
+            self._wlen -= k
+
+    def window_push(self, offset_t unit, offset_t count, uint64_t digest):
+        """Add ``count`` deliveries with cursor digest ``digest`` to the window entry of ``unit``
+        (what a restore re-enters for records skipped at the source)."""
+        self._window_add(unit, count, digest)
+
+    def window_clear(self):
+        """Empty the window (a new epoch starts the retained window afresh)."""
+        self._wlen = 0
+
+    def window_totals(self):
+        """``(count, digest)`` of what the lane delivered in its retained window."""
+        cdef offset_t count = 0
+        cdef uint64_t digest = 0
+        cdef Py_ssize_t i
+        for i in range(self._wlen):
+            count += self._window[i].count
+            digest += self._window[i].digest
+        return count, digest
+
+    @property
+    def window_len(self):
+        """Entries in the window (chunks or epochs with delivered records still retained)."""
+        return self._wlen
+
+    # ---- eviction --------------------------------------------------------------------------------
+
+    def note_evicted(self, chunk_ids):
+        """Chunks left the table (evicted by the caller): count them and, on the monotone path,
+        drop their window entries."""
+        cdef Py_ssize_t n = len(chunk_ids)
+        if n:
+            self.counters.evicted += n
+            if self.monotone:
+                self._window_drop_through(chunk_ids[n - 1])
+
+    cdef int _evict_prefix(self) except -1:
+        cdef Py_ssize_t k = self.table.c_evict_complete_prefix()
+        if k:
+            self.counters.evicted += k
+            self._window_drop_through(self.table._last_evicted_id)
+        return 0
+
+    # ---- records and tombstones ------------------------------------------------------------------
+
+    cdef int _record(self, SampleRecord rec, bint count) except -1:
+        cdef SampleMeta meta = rec.meta
+        cdef SampleCursor cursor = meta.cursor, c
+        cdef SampleCursor last
+        cdef ChunkTable table = self.table
+        cdef ContributorRef ref
+        cdef offset_t low_chunk, low_offset
+        cdef int state
+        if meta.contributors is None:
+            state = table.c_close(cursor.chunk_id, cursor.chunk_offset)
+            if state == OFFSET_CLOSED or state == OFFSET_EVICTED:
+                self.on_early_close(rec, cursor, state)
+            low_chunk = cursor.chunk_id
+            low_offset = cursor.chunk_offset
+        else:
+            low_chunk = low_offset = -1
+            for obj in <tuple>meta.contributors:
+                ref = <ContributorRef>obj
+                c = ref.cursor
+                if ref.is_last_child:
+                    state = table.c_close(c.chunk_id, c.chunk_offset)
+                elif self.monotone:
+                    state = table.c_offset_state(c.chunk_id, c.chunk_offset)
+                else:
+                    # Behind a reordering operator siblings legitimately arrive after the closing
+                    # record; eviction waits for the epoch marker, so only evicted chunks matter.
+                    state = OFFSET_EVICTED if table._find(c.chunk_id) == -1 else 0
+                if state == OFFSET_CLOSED or state == OFFSET_EVICTED:
+                    self.on_early_close(rec, c, state)
+                if low_chunk < 0 or c.chunk_id < low_chunk or (
+                    c.chunk_id == low_chunk and c.chunk_offset < low_offset
+                ):
+                    low_chunk = c.chunk_id
+                    low_offset = c.chunk_offset
+        # The window entry goes in before eviction can drop the chunk it belongs to.
+        self._window_add(cursor.chunk_id if self.monotone else self.epochs_done, 1, cursor.hashval)
+        if self.monotone and low_chunk >= 0:
+            last = self.last_cursor
+            if last is not None and cursor.cmp(last) < 0:
+                self.on_order(cursor, last)
+            table.c_close_below(low_chunk, low_offset)
+            if low_chunk != self._low_chunk:
+                self._low_chunk = low_chunk
+                self._evict_prefix()
+        self.last_cursor = cursor
+        if count:
+            self.counters.count_delivered(meta)
+        return 0
+
+    cdef int _tombstone(self, SampleRecord tomb, bint count) except -1:
+        # A tombstone only closes offsets: it never moves the replay cursor or evicts by itself.
+        cdef SampleMeta meta = tomb.meta
+        cdef ContributorRef ref
+        if meta.contributors is None:
+            self.table.c_close(meta.cursor.chunk_id, meta.cursor.chunk_offset)
+        else:
+            for obj in <tuple>meta.contributors:
+                ref = <ContributorRef>obj
+                if ref.is_last_child:
+                    self.table.c_close(ref.cursor.chunk_id, ref.cursor.chunk_offset)
+        if count:
+            self.counters.count_tombstone(meta)
+        return 0
+
+    def record(self, SampleRecord rec not None, bint count=True):
+        """Bookkeeping for a real record handed to the training loop (``count``) or swallowed by
+        the replay filter (not counted)."""
+        self._record(rec, count)
+
+    def tombstone(self, SampleRecord tomb not None, bint count=True):
+        """Close the closing contributors of a delivered (``count``) or swallowed tombstone."""
+        self._tombstone(tomb, count)
+
+    def deliver(self, list items not None, on_control):
+        """Bookkeeping for everything a batch hands over, in stream order: real records and
+        tombstones here, anything else through ``on_control(item)``. Returns the real records."""
+        cdef Py_ssize_t n = 0
+        cdef SampleRecord rec
+        for item in items:
+            if type(item) is SampleRecord:
+                rec = <SampleRecord>item
+                if rec.meta.is_tombstone:
+                    self._tombstone(rec, True)
+                else:
+                    self._record(rec, True)
+                    n += 1
+            else:
+                on_control(item)
+        return n
+
+
+def gather(list buf not None, Py_ssize_t pos, list pending not None, Py_ssize_t n_pending,
+           Py_ssize_t batch_size, type lane_end not None):
+    """Move items from ``buf[pos:]`` into ``pending`` until it holds ``batch_size`` real records.
+
+    Stops before an item it leaves to the caller: a tombstone or control item while ``pending``
+    holds no record (those are booked at once, not held), and ``lane_end``. Returns the new
+    ``(pos, n_pending)``; nothing is booked here.
+    """
+    cdef Py_ssize_t n = len(buf)
+    while pos < n and n_pending < batch_size:
+        item = buf[pos]
+        if type(item) is SampleRecord and not (<SampleRecord>item).meta.is_tombstone:
+            pending.append(item)
+            n_pending += 1
+        elif n_pending and type(item) is not lane_end:
+            pending.append(item)
+        else:
+            break
+        pos += 1
+    return pos, n_pending
