@@ -73,6 +73,31 @@ class Moody(Operator):
         return recs[::-1] if Moody.calls % 2 else recs
 
 
+class ReorderedSiblings(Operator):
+    """Splits in two, closing child first, and emits the non-closing sibling after it."""
+
+    traits = OpTraits(preserves_cursor_order=False, stateful=True)
+
+    def process_many(self, recs):
+        out = []
+        for r in recs:
+            out.append(SampleRecord(spawn_child(r.meta, 1, is_last_child=True), None))
+            out.append(SampleRecord(spawn_child(r.meta, 0), None))
+        return out
+
+
+def test_a_reordering_operator_may_emit_siblings_after_the_closing_record():
+    check_operator(ReorderedSiblings(), records())
+
+
+def test_an_order_preserving_operator_may_not():
+    class Claims(ReorderedSiblings):
+        traits = OpTraits(preserves_cursor_order=True)
+
+    with pytest.raises(AssertionError, match="closed by output"):
+        check_operator(Claims(), records())
+
+
 @pytest.mark.parametrize(
     ("op", "message"),
     [
