@@ -1,4 +1,6 @@
 # Layouts of the compiled delivery bookkeeping, published for cimport.
+cimport cython
+
 from zephon._core._types cimport offset_t, uint64_t
 from zephon._core.chunk_table cimport ChunkTable
 from zephon._core.cursor cimport SampleCursor
@@ -12,6 +14,7 @@ cdef struct WindowEntry:
     uint64_t digest        # sum of their cursors' stable hashes, modulo 2**64
 
 
+@cython.final
 cdef class DeliveryCounters:
     cdef public offset_t delivered
     cdef public offset_t tombstones
@@ -28,6 +31,7 @@ cdef class DeliveryCounters:
     cpdef count_tombstone(self, SampleMeta meta)
 
 
+@cython.final
 cdef class DeliveryBook:
     cdef readonly ChunkTable table
     cdef readonly bint monotone

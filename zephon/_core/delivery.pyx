@@ -8,6 +8,7 @@ Python (contract violations, control items) is handed back through callbacks at 
 in the stream where it happens, so the order of effects is the same as one record at a time.
 """
 
+cimport cython
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.ref cimport PyObject
 from libc.stdlib cimport free, realloc
@@ -28,6 +29,7 @@ cdef inline int _add_count(dict totals, object key, object n) except -1:
     return 0
 
 
+@cython.final
 cdef class DeliveryCounters:
     """The run's delivery counters, shared by the lanes of one loader (SPEC §1.5 ``stats()``).
 
@@ -80,6 +82,7 @@ cdef class DeliveryCounters:
             self.mixture_dropped += 1
 
 
+@cython.final
 cdef class DeliveryBook:
     """The bookkeeping of one lane's delivery: its chunk table, watermark, replay window, counters.
 

@@ -4,6 +4,8 @@ Compiled because one of each is made per record on the hot path. All four classe
 immutable: their attributes are read-only, and "changing" one means building a new one.
 """
 
+cimport cython
+
 from zephon._core.cursor cimport SampleCursor, make_cursor
 
 import operator
@@ -55,6 +57,7 @@ cdef tuple _as_contributors(object contributors):
     return refs
 
 
+@cython.freelist(1024)
 cdef class SampleMeta:
     """The tracking half of a record: cursor, lane, contributors, tags and mixture heritage.
 
@@ -151,6 +154,7 @@ cdef SampleMeta make_meta(SampleCursor cursor, offset_t lane_id, object componen
     return m
 
 
+@cython.freelist(1024)
 cdef class SampleRecord:
     """A payload (usually a dict of fields) with its tracking metadata; a tombstone's payload is None."""
 
