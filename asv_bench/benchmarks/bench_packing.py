@@ -1,116 +1,30 @@
-"""Packing end to end (SPEC §5): tokens/s of ``pack_sequences`` / ``pack_flat`` through a Pipeline,
-source iteration and bookkeeping included, and their fill, against a pure-Python streaming
-first-fit packer that builds the same payload (tokens, segment ids, positions) in the same process.
+"""Packing end to end (SPEC §5): tokens/s and fill of ``pack_sequences`` / ``pack_flat`` through a
+Pipeline (source iteration, fetch, packing and delivery), against Grain's packers and a pure-Python
+streaming first-fit on the same input, in the same process.
 
-Input: 20,000 pre-tokenized sequences of uniform 1..511 tokens into bins of 1024, 64 open bins,
-an epoch (flush) every 4,096 sequences. Run this file directly to print the numbers.
+The workload is ``zephon.benchmarks.packing``'s: 20,000 pre-tokenized sequences of uniform 1..511
+tokens (``default_rng(0)``) into bins of 1024, 64 open bins, an epoch (flush) every 4,096 sequences.
+Run this file directly to print the comparison table.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
-import numpy as np
-
 import zephon
-from zephon.ops import fetch, pack_flat, pack_sequences
-from zephon.sources.memory import ListSource
-
-SEQ_LEN = 1024
-OPEN_BINS = 64
-N_DOCS = 20_000
-CHUNK = 1024
-EPOCH_DOCS = 4096
-
-
-def uniform_documents(n: int = N_DOCS, seed: int = 0) -> list[dict[str, Any]]:
-    """Pre-tokenized payloads: ``{"tokens": int32[1..511]}``."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 512, size=n)
-    return [{"tokens": rng.integers(0, 50_000, size=k, dtype=np.int32)} for k in lengths]
+from zephon.benchmarks.packing import (
+    SEQ_LEN,
+    packing_comparison,
+    python_first_fit,
+    run_grain_pack,
+    run_zephon_pack,
+    token_payloads,
+    uniform_lengths,
+    zephon_pipeline,
+)
 
 
-def make_pipeline(docs: list[dict[str, Any]], packer: str) -> zephon.Pipeline:
-    op = (
-        pack_flat(SEQ_LEN)
-        if packer == "flat"
-        else pack_sequences(SEQ_LEN, open_bins=OPEN_BINS, strategy=packer)
-    )
-    return zephon.Pipeline(
-        ListSource(docs, chunk_size=CHUNK),
-        [fetch(), op],
-        epoch_chunks=EPOCH_DOCS // CHUNK,
-        micro_batch=256,
-    )
-
-
-def run_pipeline(pipeline: zephon.Pipeline) -> int:
-    """Deliver everything; return the number of packed records."""
-    n = 0
-    for _ in pipeline:
-        n += 1
-    return n
-
-
-class _Bin:
-    __slots__ = ("positions", "room", "segment_ids", "segments", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens = np.zeros(SEQ_LEN, dtype=np.int32)
-        self.segment_ids = np.zeros(SEQ_LEN, dtype=np.int32)
-        self.positions = np.zeros(SEQ_LEN, dtype=np.int32)
-        self.room = SEQ_LEN
-        self.segments = 0
-
-
-def python_first_fit(docs: list[dict[str, Any]]) -> list[dict[str, np.ndarray]]:
-    """A pure-Python streaming first-fit packer (the shape of Grain's), with the same rules and
-    payload as ``pack_sequences``: long sequences fill bins of their own, the fullest bin leaves
-    when nothing fits, every bin is flushed each ``EPOCH_DOCS`` sequences."""
-    out: list[dict[str, np.ndarray]] = []
-    open_bins: list[_Bin] = []
-    arange = np.arange(SEQ_LEN, dtype=np.int32)
-
-    def emit(b: _Bin) -> None:
-        out.append({"tokens": b.tokens, "segment_ids": b.segment_ids, "positions": b.positions})
-
-    def place(b: _Bin, piece: np.ndarray) -> None:
-        at = SEQ_LEN - b.room
-        n = len(piece)
-        b.segments += 1
-        b.tokens[at : at + n] = piece
-        b.segment_ids[at : at + n] = b.segments
-        b.positions[at : at + n] = arange[:n]
-        b.room -= n
-
-    for i, doc in enumerate(docs):
-        tokens = doc["tokens"]
-        while len(tokens) >= SEQ_LEN:
-            full = _Bin()
-            place(full, tokens[:SEQ_LEN])
-            emit(full)
-            tokens = tokens[SEQ_LEN:]
-        if len(tokens):
-            target = next((b for b in open_bins if b.room >= len(tokens)), None)
-            if target is None:
-                if len(open_bins) == OPEN_BINS:
-                    fullest = min(open_bins, key=lambda b: b.room)
-                    open_bins.remove(fullest)
-                    emit(fullest)
-                target = _Bin()
-                open_bins.append(target)
-            place(target, tokens)
-            if target.room == 0:
-                open_bins.remove(target)
-                emit(target)
-        if (i + 1) % EPOCH_DOCS == 0:
-            for b in open_bins:
-                emit(b)
-            open_bins = []
-    for b in open_bins:
-        emit(b)
-    return out
+def _deliver_all(pipeline: zephon.Pipeline) -> int:
+    with pipeline.iter() as loader:
+        return sum(1 for _ in loader)
 
 
 class PackEndToEnd:
@@ -121,85 +35,89 @@ class PackEndToEnd:
     timeout = 300
 
     def setup(self, packer: str) -> None:
-        self.docs = uniform_documents()
-        self.n_tokens = sum(len(d["tokens"]) for d in self.docs)
-        self.pipeline = make_pipeline(self.docs, packer)
+        self.lengths = uniform_lengths()
+        self.payloads = token_payloads(self.lengths)
+        self.pipeline = zephon_pipeline(packer, self.payloads)
 
     def time_pipeline(self, packer: str) -> None:
-        run_pipeline(self.pipeline)
+        _deliver_all(self.pipeline)
 
     def track_tokens_per_second(self, packer: str) -> float:
-        start = time.perf_counter()
-        run_pipeline(self.pipeline)
-        return self.n_tokens / (time.perf_counter() - start)
+        return run_zephon_pack(packer, self.lengths, payloads=self.payloads)["tokens_per_s"]
 
     track_tokens_per_second.unit = "tokens/s"  # type: ignore[attr-defined]
 
     def track_fill(self, packer: str) -> float:
-        return self.n_tokens / (run_pipeline(self.pipeline) * SEQ_LEN)
+        return run_zephon_pack(packer, self.lengths, payloads=self.payloads)["fill"]
 
     track_fill.unit = "fill"  # type: ignore[attr-defined]
 
-    def track_speedup_over_python_first_fit(self, packer: str) -> float:
-        start = time.perf_counter()
-        python_first_fit(self.docs)
-        python_s = time.perf_counter() - start
-        start = time.perf_counter()
-        run_pipeline(self.pipeline)
-        return python_s / (time.perf_counter() - start)
 
-    track_speedup_over_python_first_fit.unit = "x"  # type: ignore[attr-defined]
+class PackVersusGrain:
+    """``pack_sequences`` tokens/s over Grain's packer of the same strategy, measured back to back
+    (SPEC §5 target: >= 10x, with better fill). Skipped when grain is not installed."""
+
+    params = (["best_fit", "first_fit"],)
+    param_names = ["strategy"]
+    timeout = 600
+    number = 1
+    repeat = 3
+
+    def setup(self, strategy: str) -> None:
+        self.lengths = uniform_lengths()
+        self.payloads = token_payloads(self.lengths)
+        if run_grain_pack(strategy, self.lengths[:8], payloads=self.payloads[:8]) is None:
+            raise NotImplementedError("grain is not installed (pip install grain)")
+
+    def track_speedup_over_grain(self, strategy: str) -> float:
+        ours = run_zephon_pack(strategy, self.lengths, payloads=self.payloads)
+        grain = run_grain_pack(strategy, self.lengths, payloads=self.payloads)
+        assert grain is not None
+        return ours["tokens_per_s"] / grain["tokens_per_s"]
+
+    track_speedup_over_grain.unit = "x"  # type: ignore[attr-defined]
+
+    def track_fill_over_grain(self, strategy: str) -> float:
+        ours = run_zephon_pack(strategy, self.lengths, payloads=self.payloads)
+        grain = run_grain_pack(strategy, self.lengths, payloads=self.payloads)
+        assert grain is not None
+        return ours["fill"] - grain["fill"]
+
+    track_fill_over_grain.unit = "fill difference"  # type: ignore[attr-defined]
 
 
 class PythonFirstFit:
-    """The in-process baseline: pure-Python streaming first-fit on the same documents."""
+    """The in-process baseline: pure-Python streaming first-fit on the same payloads."""
 
     timeout = 300
 
     def setup(self) -> None:
-        self.docs = uniform_documents()
-        self.n_tokens = sum(len(d["tokens"]) for d in self.docs)
+        self.payloads = token_payloads(uniform_lengths())
 
     def time_python_first_fit(self) -> None:
-        python_first_fit(self.docs)
-
-    def track_tokens_per_second(self) -> float:
-        start = time.perf_counter()
-        python_first_fit(self.docs)
-        return self.n_tokens / (time.perf_counter() - start)
-
-    track_tokens_per_second.unit = "tokens/s"  # type: ignore[attr-defined]
+        python_first_fit(self.payloads)
 
     def track_fill(self) -> float:
-        return self.n_tokens / (len(python_first_fit(self.docs)) * SEQ_LEN)
+        n_tokens = sum(len(p["tokens"]) for p in self.payloads)
+        return n_tokens / (len(python_first_fit(self.payloads)) * SEQ_LEN)
 
     track_fill.unit = "fill"  # type: ignore[attr-defined]
 
 
-def main(repeats: int = 3) -> None:
-    """Print tokens/s and fill of each packer and of the Python baseline (best of ``repeats``)."""
-    docs = uniform_documents()
-    n_tokens = sum(len(d["tokens"]) for d in docs)
-
-    def best(fn: Any) -> tuple[float, Any]:
-        times, result = [], None
-        for _ in range(repeats):
-            start = time.perf_counter()
-            result = fn()
-            times.append(time.perf_counter() - start)
-        return min(times), result
-
-    base_s, bins = best(lambda: python_first_fit(docs))
-    print(
-        f"python first-fit      {n_tokens / base_s / 1e6:7.2f} Mtok/s  "
-        f"fill {n_tokens / (len(bins) * SEQ_LEN):.4f}"
-    )
-    for packer in ("best_fit", "first_fit", "flat"):
-        pipeline = make_pipeline(docs, packer)
-        secs, n_bins = best(lambda p=pipeline: run_pipeline(p))
+def main(repeat: int = 5) -> None:
+    """Print the comparison table of ``zephon.benchmarks.packing.packing_comparison``."""
+    for row in packing_comparison(repeat=repeat):
+        grain = row["grain_tokens_per_s"]
+        grain_text = (
+            f"grain {grain / 1e6:6.2f} Mtok/s fill {row['grain_fill']:.4f}  "
+            f"x{row['speedup_vs_grain']:.1f}"
+            if grain
+            else "grain not installed"
+        )
         print(
-            f"pipeline {packer:<12} {n_tokens / secs / 1e6:7.2f} Mtok/s  "
-            f"fill {n_tokens / (n_bins * SEQ_LEN):.4f}  x{base_s / secs:.1f} vs python first-fit"
+            f"{row['strategy']:<10} zephon {row['zephon_tokens_per_s'] / 1e6:6.2f} Mtok/s "
+            f"fill {row['zephon_fill']:.4f} | {grain_text} | python first-fit "
+            f"{row['python_tokens_per_s'] / 1e6:6.2f} Mtok/s x{row['speedup_vs_python']:.1f}"
         )
 
 

@@ -2,7 +2,7 @@
 
 The packers do placement only; they never see tokens. Each ``add`` returns placement rows
 ``(item, frag_start, frag_len, bin_id, bin_offset)`` and the ids of the bins that left the packer,
-and the packing operators copy tokens with numpy from those rows. Both packers stream: bins stay
+and ``zephon._core.packfill.BinFill`` copies tokens by those rows. Both packers stream: bins stay
 open across ``add`` calls until they are full, are pushed out to make room, or are flushed.
 """
 

@@ -1,5 +1,7 @@
 """The packers: ``pack_sequences`` (online best-fit / first-fit bins) and ``pack_flat`` (cut a
-concatenated stream), on the compiled placement kernels of ``zephon._core.binfill``.
+concatenated stream), on the compiled placement kernels of ``zephon._core.binfill`` and the
+compiled token fill of ``zephon._core.packfill``: per micro-batch, Python makes one kernel call and
+one fill call, and per emitted bin it builds the packed record's metadata.
 
 Both emit records with payload ``{"tokens", "segment_ids", "positions"}`` (``int32[seq_len]``):
 segment ids number a bin's fragments 1, 2, 3 ... and are 0 on padding; positions restart at 0 for
@@ -22,30 +24,14 @@ from typing import Any
 import numpy as np
 
 from zephon._core.binfill import BinPacker, FlatPacker
+from zephon._core.packfill import BinFill, token_lengths
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
-from zephon.ops.children import pack_meta
 from zephon.types import ContributorRef, SampleMeta, SampleRecord
 
 __all__ = ["PackFlat", "PackSequences", "pack_flat", "pack_sequences"]
 
 _STRATEGIES = ("best_fit", "first_fit")
-
-
-class _Bin:
-    """One open bin: its three payload arrays (one zeroed block) and its fragments, in bin order."""
-
-    __slots__ = ("frags", "n_segments", "positions", "segment_ids", "tokens", "used")
-
-    def __init__(self, seq_len: int):
-        block = np.zeros((3, seq_len), dtype=np.int32)
-        self.tokens = block[0]
-        self.segment_ids = block[1]
-        self.positions = block[2]
-        # (input record, input length, frag_start, frag_len)
-        self.frags: list[tuple[SampleRecord, int, int, int]] = []
-        self.n_segments = 0  # non-empty fragments: an empty one takes no segment id
-        self.used = 0
 
 
 def _layout(meta: SampleMeta, n: int) -> list[tuple[Hashable, int]]:
@@ -99,16 +85,18 @@ def _count_spread(
 
 
 class _Packer(Operator):
-    """What both packers share: copying tokens by placement rows, and building packed records."""
+    """What both packers share: the token fill of their bins (``BinFill``, compiled) driven by the
+    placement rows of their kernel, and the metadata of the packed records they emit."""
 
     seq_len: int
     field: str
     pad_id: int
     _kernel: Any
+    _fill: BinFill
 
     def _setup(self, seq_len: int, field: str, pad_id: int) -> None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"{self.name}: seq_len must be an int >= 1, got {seq_len!r}")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len < 2**31:
+            raise ValueError(f"{self.name}: seq_len must be an int in [1, 2**31), got {seq_len!r}")
         if (
             isinstance(pad_id, bool)
             or not isinstance(pad_id, int)
@@ -118,10 +106,10 @@ class _Packer(Operator):
         self.seq_len = seq_len
         self.field = field
         self.pad_id = pad_id
-        self._bins: dict[int, _Bin] = {}
-        self._arange = np.arange(seq_len, dtype=np.int32)
+        self._fill = BinFill(seq_len, pad_id)
 
     def _tokens_of(self, rec: SampleRecord) -> np.ndarray:
+        """``rec``'s token field as a 1-D int32 array, or an ``OperatorError`` naming the record."""
         try:
             value = rec.payload[self.field]
         except (KeyError, TypeError, IndexError):
@@ -146,99 +134,110 @@ class _Packer(Operator):
             )
         return arr
 
+    def _gather(self, records: list[SampleRecord]) -> tuple[list[np.ndarray], np.ndarray]:
+        """The records' token arrays (1-D, contiguous int32, read in place by the fill) and their
+        lengths."""
+        field = self.field
+        try:
+            # The common case, checked in C: every field already a contiguous int32 array.
+            arrays = [rec.payload[field] for rec in records]
+            return arrays, token_lengths(arrays)
+        except (KeyError, TypeError, IndexError):
+            arrays = [np.ascontiguousarray(self._tokens_of(rec)) for rec in records]
+            return arrays, token_lengths(arrays)
+
     def _place(self, records: list[SampleRecord]) -> list[SampleRecord]:
-        """Hand the records to the kernel, copy their tokens into the bins, emit the closed bins."""
-        arrays = [self._tokens_of(rec) for rec in records]
-        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+        """Hand the records to the kernel, fill their tokens into the bins, emit the closed bins."""
+        if not records:
+            return []
+        arrays, lengths = self._gather(records)
         placements, closed = self._kernel.add(lengths)
-        bins = self._bins
-        seq_len = self.seq_len
-        arange = self._arange
-        # One numpy slice copy per array and fragment; the rest is bookkeeping.
-        for item, start, size, bin_id, offset in placements.tolist():
-            b = bins.get(bin_id)
-            if b is None:
-                b = bins[bin_id] = _Bin(seq_len)
-            rec = records[item]
-            arr = arrays[item]
-            if size:
-                stop = offset + size
-                b.tokens[offset:stop] = arr[start : start + size]
-                b.n_segments += 1
-                b.segment_ids[offset:stop] = b.n_segments
-                b.positions[offset:stop] = arange[:size]
-                b.used = stop
-            b.frags.append((rec, len(arr), start, size))
-        return [self._emit(bins.pop(bin_id)) for bin_id in closed.tolist()]
+        self._fill.write(placements, arrays, records)
+        return self._emit(closed) if len(closed) else []
 
-    def _contributors(self, b: _Bin) -> list[ContributorRef]:
-        refs: list[ContributorRef] = []
-        for rec, n, start, size in b.frags:
-            if start + size == n:  # the fragment that ends its input keeps the closing flags
-                refs.extend(rec.meta.contribution_refs())
-            else:
-                refs.extend(ContributorRef(r.cursor, False) for r in rec.meta.contribution_refs())
-        return refs
-
-    def _emit(self, b: _Bin) -> SampleRecord:
-        samples: dict[Hashable, int] = {}
-        tokens: dict[Hashable, int] | None = {}
-        for rec, n, start, size in b.frags:
-            meta = rec.meta
-            sc = meta.component_sample_counts
-            tc = meta.component_token_counts
-            if tc is None:
-                tokens = None
-            if (sc is None or len(sc) == 1) and (tc is None or len(tc) == 1):
-                # One component (the common case): a fragment is one sample of it.
-                comp = next(iter(sc)) if sc else next(iter(tc)) if tc else meta.component
-                samples[comp] = samples.get(comp, 0) + 1
-                if tokens is not None:
-                    tokens[comp] = tokens.get(comp, 0) + size
-            else:
-                _count_spread(meta, n, start, size, samples, tokens)
-        first, _, first_start, _ = b.frags[0]
-        meta = pack_meta(
-            first.meta.cursor.child(first_start),
-            self._contributors(b),
-            lane_id=self.lane_id,
-            component_sample_counts=samples,
-            component_token_counts=tokens,
-        )
-        return SampleRecord(meta, self._payload(b))
-
-    def _payload(self, b: _Bin) -> dict[str, np.ndarray]:
-        """The bin's ``tokens`` (padded with ``pad_id``), ``segment_ids`` and ``positions``."""
-        if self.pad_id and b.used < self.seq_len:
-            b.tokens[b.used :] = self.pad_id
-        return {"tokens": b.tokens, "segment_ids": b.segment_ids, "positions": b.positions}
+    def _emit(self, bin_ids: np.ndarray) -> list[SampleRecord]:
+        """The packed records of the bins ``bin_ids``, in that order (their payload blocks are
+        handed over by the fill, not copied)."""
+        blocks, bin_records, frags = self._fill.take(bin_ids)
+        rows = frags.tolist()
+        lane_id = self.lane_id
+        out = []
+        at = 0
+        for block, recs in zip(blocks, bin_records):
+            refs: list[ContributorRef] = []
+            samples: dict[Hashable, int] = {}
+            tokens: dict[Hashable, int] | None = {}
+            primary = recs[0].meta.cursor.child(rows[at][0])
+            for rec in recs:
+                start, size, n = rows[at]
+                at += 1
+                meta = rec.meta
+                if start + size == n:  # the fragment that ends its input keeps the closing flags
+                    refs += meta.contribution_refs()
+                else:
+                    refs += [
+                        ContributorRef(r.cursor, False) if r.is_last_child else r
+                        for r in meta.contribution_refs()
+                    ]
+                sc = meta.component_sample_counts
+                tc = meta.component_token_counts
+                if sc is None and tc is None:  # untokenized input of one component
+                    comp = meta.component
+                    samples[comp] = samples.get(comp, 0) + 1
+                    tokens = None
+                elif (sc is None or len(sc) == 1) and (tc is None or len(tc) == 1):
+                    # One component (the common case): a fragment is one sample of it.
+                    comp = next(iter(sc)) if sc else next(iter(tc))
+                    samples[comp] = samples.get(comp, 0) + 1
+                    if tc is None:
+                        tokens = None
+                    elif tokens is not None:
+                        tokens[comp] = tokens.get(comp, 0) + size
+                else:
+                    if tc is None:
+                        tokens = None
+                    _count_spread(meta, n, start, size, samples, tokens)
+            token_row, segment_row, position_row = block
+            out.append(
+                SampleRecord(
+                    SampleMeta(
+                        primary,
+                        lane_id=lane_id,
+                        contributors=refs,
+                        component_sample_counts=samples,
+                        component_token_counts=tokens,
+                    ),
+                    {"tokens": token_row, "segment_ids": segment_row, "positions": position_row},
+                )
+            )
+        return out
 
     def _new_kernel(self) -> Any:
         raise NotImplementedError
 
     def __getstate__(self) -> dict[str, Any]:
-        # The compiled kernel does not pickle; it is rebuilt empty. Copies (the lane runner's
-        # fresh operators, check_operator) are taken between epochs, when no bin is open.
-        if self._bins:
+        # The compiled kernel and fill do not pickle; they are rebuilt empty. Copies (the lane
+        # runner's fresh operators, check_operator) are taken between epochs, when no bin is open.
+        if self._fill.n_open:
             raise RuntimeError(f"{self.name}: cannot copy or pickle a packer that holds open bins")
         state = dict(vars(self))
-        del state["_kernel"]
+        del state["_kernel"], state["_fill"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         vars(self).update(state)
         self._kernel = self._new_kernel()
+        self._fill = BinFill(self.seq_len, self.pad_id)
 
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
         return self._place(records)
 
     def flush(self) -> list[SampleRecord]:
-        closed = self._kernel.flush().tolist()
-        bins = self._bins
-        out = [self._emit(bins.pop(bin_id)) for bin_id in closed]
+        closed = self._kernel.flush()
+        out = self._emit(closed) if len(closed) else []
         # Bin ids restart at 0: bins never cross an epoch boundary.
         self._kernel.reset()
-        bins.clear()
+        self._fill.clear()
         return out
 
 

@@ -1,0 +1,423 @@
+"""Specification of the token fill of packed bins (zephon/_core/packfill.pyx).
+
+A plain-Python reference fill below states the rules as literally as possible; hypothesis drives it
+and the compiled ``BinFill`` with the same placement rows (from the real placement kernels, some
+of them corrupted) and the outputs must match exactly: the same calls fail, and what succeeds
+leaves the same bins, blocks, fragments and items. Bad input is also checked case by case.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zephon._core.binfill import BinPacker, FlatPacker
+from zephon._core.packfill import BinFill, token_lengths
+
+Row = tuple[int, int, int, int, int]  # (item, frag_start, frag_len, bin_id, bin_offset)
+
+
+def token_arrays(lengths: Sequence[int], base: int = 0) -> list[npt.NDArray[np.int32]]:
+    """Item i holds tokens (base + i) * 1000 + position: every token says where it came from."""
+    return [((base + i) * 1000 + np.arange(n)).astype(np.int32) for i, n in enumerate(lengths)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference fill: bins as Python lists, every rule checked on a copy before anything changes.
+
+
+class RefBinFill:
+    def __init__(self, seq_len: int, pad_id: int = 0) -> None:
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+        self.clear()
+
+    def clear(self) -> None:
+        # bin_id -> {"tokens", "segments", "positions", "frags": [(start, size, n)], "items"}
+        self.bins: dict[int, dict[str, list[Any]]] = {}
+        self.max_id = -1
+
+    def write(self, rows: list[Row], arrays: list[np.ndarray], items: list[Any]) -> None:
+        if len(arrays) != len(items):
+            raise ValueError("one array per item")
+        for a in arrays:
+            if not (
+                isinstance(a, np.ndarray)
+                and a.dtype == np.int32
+                and a.dtype.isnative
+                and a.ndim == 1
+                and a.flags.c_contiguous
+            ):
+                raise TypeError("not a token array")
+        bins = copy.deepcopy(self.bins)
+        max_id = self.max_id
+        for item, start, size, bin_id, offset in rows:
+            if not 0 <= item < len(items):
+                raise ValueError("item")
+            n = len(arrays[item])
+            if start < 0 or size < 0 or start + size > n:
+                raise ValueError("range")
+            if bin_id not in bins:
+                if bin_id <= max_id:
+                    raise ValueError("bin")
+                max_id = bin_id
+                bins[bin_id] = {k: [] for k in ("tokens", "segments", "positions", "frags")}
+                bins[bin_id]["items"] = []
+            b = bins[bin_id]
+            if offset != len(b["tokens"]) or offset + size > self.seq_len:
+                raise ValueError("offset")
+            piece = arrays[item][start : start + size].tolist()
+            if size:
+                segment = (max(b["segments"]) if b["segments"] else 0) + 1
+                b["tokens"] += piece
+                b["segments"] += [segment] * size
+                b["positions"] += list(range(size))
+            b["frags"].append((start, size, n))
+        # Items are attached after the copy so that they stay the same objects.
+        for bin_id, b in bins.items():
+            if bin_id in self.bins:
+                b["items"] = self.bins[bin_id]["items"]
+        for item, _, _, bin_id, _ in rows:
+            bins[bin_id]["items"].append(items[item])
+        self.bins = bins
+        self.max_id = max_id
+
+    def take(self, bin_ids: list[int]) -> tuple[list[np.ndarray], list[list[Any]], list[tuple]]:
+        missing = [b for b in bin_ids if b not in self.bins]
+        if missing:
+            raise KeyError(missing[0])
+        if len(set(bin_ids)) != len(bin_ids):
+            raise ValueError("twice")
+        blocks, items, frags = [], [], []
+        for bin_id in bin_ids:
+            b = self.bins.pop(bin_id)
+            pad = self.seq_len - len(b["tokens"])
+            blocks.append(
+                np.array(
+                    [
+                        b["tokens"] + [self.pad_id] * pad,
+                        b["segments"] + [0] * pad,
+                        b["positions"] + [0] * pad,
+                    ],
+                    dtype=np.int32,
+                )
+            )
+            items.append(b["items"])
+            frags += b["frags"]
+        return blocks, items, frags
+
+    def open_bin_ids(self) -> list[int]:
+        return sorted(self.bins)
+
+    def used(self, bin_id: int) -> int:
+        return len(self.bins[bin_id]["tokens"])
+
+
+def assert_same_state(fill: BinFill, ref: RefBinFill) -> None:
+    assert fill.open_bin_ids().tolist() == ref.open_bin_ids()
+    assert fill.n_open == len(ref.bins)
+    for bin_id in ref.open_bin_ids():
+        assert fill.used(bin_id) == ref.used(bin_id)
+
+
+def same_outcome(call_fill: Any, call_ref: Any) -> Any:
+    """Both calls succeed with equal results, or both raise the same exception type."""
+    try:
+        expected = call_ref()
+    except (ValueError, TypeError, KeyError) as exc:
+        with pytest.raises(type(exc)):
+            call_fill()
+        return None
+    return call_fill(), expected
+
+
+def assert_same_take(got: Any, expected: Any) -> None:
+    blocks, items, frags = got
+    ref_blocks, ref_items, ref_frags = expected
+    assert len(blocks) == len(ref_blocks)
+    for block, ref_block in zip(blocks, ref_blocks):
+        assert block.dtype == np.int32 and block.shape == ref_block.shape
+        assert block.tolist() == ref_block.tolist()
+        assert block.flags.owndata or block.base is not None
+    assert [[id(x) for x in xs] for xs in items] == [[id(x) for x in xs] for xs in ref_items]
+    assert frags.dtype == np.int64 and frags.shape == (len(ref_frags), 3)
+    assert [tuple(r) for r in frags.tolist()] == ref_frags
+
+
+# --------------------------------------------------------------------------------------------------
+# Streams: micro-batches placed by a real kernel, sometimes with one placement value corrupted.
+
+corruptions = st.one_of(
+    st.none(),
+    st.tuples(st.integers(0, 1000), st.integers(0, 4), st.sampled_from([-3, -1, 1, 2, 1 << 40])),
+)
+micro_batches = st.lists(st.integers(0, 40), max_size=12)
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), micro_batches, corruptions),
+        st.tuples(st.just("flush"), st.just([]), st.none()),
+    ),
+    max_size=14,
+)
+
+
+def corrupt(rows: list[Row], how: tuple[int, int, int] | None) -> list[Row]:
+    if how is None or not rows:
+        return rows
+    at, column, delta = how
+    at %= len(rows)
+    row = list(rows[at])
+    row[column] += delta
+    return [*rows[:at], tuple(row), *rows[at + 1 :]]  # type: ignore[list-item]
+
+
+def run_stream(kernel: BinPacker | FlatPacker, seq_len: int, pad_id: int, ops: list) -> None:
+    fill = BinFill(seq_len, pad_id)
+    ref = RefBinFill(seq_len, pad_id)
+    base = 0
+    for op, lengths, how in ops:
+        if op == "flush":
+            ids = kernel.flush()
+            kernel.reset()
+            outcome = same_outcome(
+                lambda ids=ids: fill.take(ids), lambda ids=ids: ref.take(ids.tolist())
+            )
+            if outcome is not None:
+                assert_same_take(*outcome)
+            fill.clear()
+            ref.clear()
+            assert fill.n_open == 0
+            continue
+        arrays = token_arrays(lengths, base)
+        items = [object() for _ in lengths]
+        base += len(lengths)
+        placements, closed = kernel.add(np.asarray(lengths, dtype=np.int64))
+        rows = corrupt([tuple(r) for r in placements.tolist()], how)
+        placed = np.array(rows, dtype=np.int64).reshape(-1, 5)
+        same_outcome(
+            lambda: fill.write(placed, arrays, items), lambda: ref.write(rows, arrays, items)
+        )
+        assert_same_state(fill, ref)
+        ids = closed.tolist()
+        outcome = same_outcome(lambda: fill.take(closed), lambda: ref.take(ids))
+        if outcome is not None:
+            assert_same_take(*outcome)
+        assert_same_state(fill, ref)
+
+
+@settings(max_examples=150)
+@given(
+    seq_len=st.integers(1, 24),
+    open_bins=st.integers(1, 5),
+    strategy=st.sampled_from(["best_fit", "first_fit"]),
+    pad_id=st.sampled_from([0, -1, 7]),
+    ops=operations,
+)
+def test_bin_fill_matches_the_reference_behind_a_bin_packer(
+    seq_len: int, open_bins: int, strategy: str, pad_id: int, ops: list
+) -> None:
+    run_stream(BinPacker(seq_len, open_bins, strategy), seq_len, pad_id, ops)  # type: ignore[arg-type]
+
+
+@settings(max_examples=100)
+@given(seq_len=st.integers(1, 24), pad_id=st.sampled_from([0, 5]), ops=operations)
+def test_bin_fill_matches_the_reference_behind_a_flat_packer(
+    seq_len: int, pad_id: int, ops: list
+) -> None:
+    run_stream(FlatPacker(seq_len), seq_len, pad_id, ops)
+
+
+# --------------------------------------------------------------------------------------------------
+# The rules one by one.
+
+
+def test_fragments_sit_back_to_back_with_segments_and_positions_and_padding() -> None:
+    fill = BinFill(8, pad_id=-1)
+    arrays = token_arrays([3, 0, 2])
+    items = ["a", "b", "c"]
+    rows = [(0, 0, 3, 0, 0), (1, 0, 0, 0, 3), (2, 0, 2, 0, 3)]
+    fill.write(np.array(rows, dtype=np.int64), arrays, items)
+    assert fill.used(0) == 5
+    (block,), (got_items,), frags = fill.take(np.array([0], dtype=np.int64))
+    assert block.tolist() == [
+        [0, 1, 2, 2000, 2001, -1, -1, -1],
+        [1, 1, 1, 2, 2, 0, 0, 0],  # the empty fragment takes no segment id
+        [0, 1, 2, 0, 1, 0, 0, 0],
+    ]
+    assert got_items == ["a", "b", "c"]
+    assert frags.tolist() == [[0, 3, 3], [0, 0, 0], [0, 2, 2]]
+    assert fill.n_open == 0
+
+
+def test_a_bin_stays_open_across_writes_and_blocks_are_never_shared() -> None:
+    fill = BinFill(4)
+    fill.write(np.array([[0, 0, 2, 0, 0]], dtype=np.int64), token_arrays([2]), ["x"])
+    fill.write(np.array([[0, 0, 2, 0, 2]], dtype=np.int64), token_arrays([2], base=5), ["y"])
+    fill.write(np.array([[0, 0, 1, 1, 0]], dtype=np.int64), token_arrays([1], base=9), ["z"])
+    blocks, items, _ = fill.take(np.array([1, 0], dtype=np.int64))
+    assert items == [["z"], ["x", "y"]]
+    assert blocks[1][0].tolist() == [0, 1, 5000, 5001]
+    assert blocks[1][1].tolist() == [1, 1, 2, 2]
+    assert not np.shares_memory(blocks[0], blocks[1])
+
+
+def test_slots_are_recycled_without_stale_tokens() -> None:
+    fill = BinFill(4, pad_id=9)
+    for base in range(50):
+        fill.write(np.array([[0, 0, 3, base, 0]], dtype=np.int64), token_arrays([3], base), [base])
+        (block,), _, _ = fill.take(np.array([base], dtype=np.int64))
+        assert block.tolist() == [[base * 1000, base * 1000 + 1, base * 1000 + 2, 9],
+                                  [1, 1, 1, 0], [0, 1, 2, 0]]  # fmt: skip
+
+
+def test_many_bins_opened_by_one_write() -> None:
+    # A long item fills thousands of bins in one call: lookups stay correct as _live grows.
+    kernel = BinPacker(3, 2)
+    lengths = np.array([10_000, 4, 1], dtype=np.int64)
+    placements, closed = kernel.add(lengths)
+    arrays = token_arrays(lengths.tolist())
+    fill = BinFill(3)
+    fill.write(placements, arrays, [0, 1, 2])
+    blocks, _, _ = fill.take(closed)
+    blocks += fill.take(kernel.flush())[0]
+    tokens = sorted(t for b in blocks for t, s in zip(b[0].tolist(), b[1].tolist()) if s)
+    assert tokens == sorted(np.concatenate(arrays).tolist())
+
+
+def test_after_clear_bin_ids_start_again() -> None:
+    fill = BinFill(4)
+    fill.write(np.array([[0, 0, 1, 3, 0]], dtype=np.int64), token_arrays([1]), [0])
+    fill.clear()
+    assert fill.n_open == 0 and fill.open_bin_ids().tolist() == []
+    fill.write(np.array([[0, 0, 1, 0, 0]], dtype=np.int64), token_arrays([1]), [0])
+    assert fill.open_bin_ids().tolist() == [0]
+
+
+def test_token_lengths_reads_the_arrays_in_place() -> None:
+    assert token_lengths(token_arrays([0, 5, 2])).tolist() == [0, 5, 2]
+    assert token_lengths([]).dtype == np.int64
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: a clear error, and nothing changes.
+
+BAD_ARRAYS = {
+    "int64": np.arange(3, dtype=np.int64),
+    "uint32": np.arange(3, dtype=np.uint32),
+    "float32": np.arange(3, dtype=np.float32),
+    "strided": np.arange(6, dtype=np.int32)[::2],
+    "2-D": np.arange(6, dtype=np.int32).reshape(2, 3),
+    "big-endian": np.arange(3, dtype=">i4"),
+    "list": [1, 2, 3],
+    "None": None,
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_ARRAYS.values()), ids=list(BAD_ARRAYS))
+def test_an_array_that_is_not_contiguous_native_int32_is_a_type_error_naming_it(bad: Any) -> None:
+    arrays: list[Any] = [*token_arrays([3]), bad]
+    with pytest.raises(TypeError, match=r"arrays\[1\]"):
+        token_lengths(arrays)
+    fill = BinFill(8)
+    with pytest.raises(TypeError, match=r"arrays\[1\]"):
+        fill.write(np.array([[0, 0, 3, 0, 0]], dtype=np.int64), arrays, [0, 1])
+    assert fill.n_open == 0
+
+
+def test_placements_must_be_an_int64_table_of_five_columns() -> None:
+    fill = BinFill(8)
+    arrays = token_arrays([3])
+    with pytest.raises(ValueError, match="dtype"):
+        fill.write(np.array([[0, 0, 3, 0, 0]], dtype=np.int32), arrays, [0])
+    with pytest.raises(ValueError, match="5 columns"):
+        fill.write(np.array([[0, 0, 3, 0]], dtype=np.int64), arrays, [0])
+    with pytest.raises(ValueError, match="one per item"):
+        fill.write(np.array([[0, 0, 3, 0, 0]], dtype=np.int64), arrays, [0, 1])
+    with pytest.raises(TypeError):
+        fill.write(np.array([[0, 0, 3, 0, 0]], dtype=np.int64), tuple(arrays), [0])  # type: ignore[arg-type]
+    assert fill.n_open == 0
+
+
+@pytest.mark.parametrize(
+    ("row", "why"),
+    [
+        ((1, 0, 3, 0, 0), "not one of the 1 items"),
+        ((-1, 0, 3, 0, 0), "not one of the 1 items"),
+        ((0, 1, 3, 0, 0), "outside its item"),
+        ((0, -1, 1, 0, 0), "outside its item"),
+        ((0, 0, -1, 0, 0), "outside its item"),
+        ((0, 0, 1, 1, 1), "filled to 2, not to bin_offset 1"),
+        ((0, 0, 1, 8, 1), "filled to 0, not to bin_offset 1"),
+        ((0, 0, 3, 1, 2), "past seq_len 4"),
+        ((0, 0, 1, 3, 0), "bin 3 is not open"),
+        ((0, 0, 1, -5, 0), "bin -5 is not open"),
+    ],
+)
+def test_an_out_of_range_placement_is_a_value_error_naming_the_row(row: Row, why: str) -> None:
+    fill = BinFill(4)
+    fill.write(np.array([[0, 0, 2, 1, 0]], dtype=np.int64), token_arrays([2]), ["first"])
+    rows = np.array([(0, 0, 0, 7, 0), row], dtype=np.int64)  # a good row first: not applied either
+    with pytest.raises(ValueError, match=rf"placement row 1 .*{why}"):
+        fill.write(rows, token_arrays([3]), ["second"])
+    assert fill.open_bin_ids().tolist() == [1]
+    assert fill.used(1) == 2
+    (_,), (items,), _ = fill.take(np.array([1], dtype=np.int64))
+    assert items == ["first"]
+
+
+def test_a_bin_that_left_cannot_be_written_again() -> None:
+    fill = BinFill(4)
+    fill.write(np.array([[0, 0, 1, 0, 0]], dtype=np.int64), token_arrays([1]), [0])
+    fill.take(np.array([0], dtype=np.int64))
+    with pytest.raises(ValueError, match="bin 0 is not open"):
+        fill.write(np.array([[0, 0, 1, 0, 1]], dtype=np.int64), token_arrays([1]), [0])
+
+
+def test_take_of_a_bin_not_open_or_given_twice_changes_nothing() -> None:
+    fill = BinFill(4)
+    fill.write(np.array([[0, 0, 1, 0, 0], [1, 0, 1, 1, 0]], dtype=np.int64),
+               token_arrays([1, 1]), ["a", "b"])  # fmt: skip
+    with pytest.raises(KeyError, match="bin 5"):
+        fill.take(np.array([0, 5], dtype=np.int64))
+    with pytest.raises(ValueError, match="bin 0 is given twice"):
+        fill.take(np.array([0, 1, 0], dtype=np.int64))
+    with pytest.raises(ValueError, match="dtype"):
+        fill.take(np.array([0], dtype=np.int32))
+    assert fill.open_bin_ids().tolist() == [0, 1]
+    _, items, _ = fill.take(np.array([1, 0], dtype=np.int64))
+    assert items == [["b"], ["a"]]
+    with pytest.raises(KeyError):
+        fill.used(0)
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ((0,), ValueError),
+        ((2**31,), ValueError),
+        ((8, 2**31), ValueError),
+        ((8, -(2**31) - 1), ValueError),
+        ((True,), TypeError),
+        ((8, False), TypeError),
+        ((8.0,), TypeError),
+    ],
+)
+def test_bad_construction_arguments_are_rejected(args: tuple, error: type) -> None:
+    with pytest.raises(error):
+        BinFill(*args)
+
+
+def test_a_bin_fill_does_not_pickle() -> None:
+    fill = BinFill(4, pad_id=3)
+    assert (fill.seq_len, fill.pad_id) == (4, 3)
+    assert "seq_len=4" in repr(fill)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(fill)

@@ -1,0 +1,68 @@
+# Layout of the token fill of packed bins, published for cimport.
+from zephon._core._types cimport offset_t, token_t
+
+# Rows of a bin's block: tokens, then segment ids, then positions.
+cdef enum:
+    BLOCK_ROWS = 3
+
+# Columns of a placement row, as zephon._core.binfill writes them.
+cdef enum:
+    ROW_ITEM = 0
+    ROW_START = 1
+    ROW_SIZE = 2
+    ROW_BIN = 3
+    ROW_OFFSET = 4
+    ROW_COLUMNS = 5
+
+# Columns of a fragment row returned by take(): (frag_start, frag_len, item_len).
+cdef enum:
+    FRAG_COLUMNS = 3
+
+
+# An open bin, in BinFill._live (sorted by bin_id, since bins open in id order).
+ctypedef struct LiveBin:
+    offset_t bin_id
+    Py_ssize_t slot
+
+
+# One fragment of a bin: where it starts in its item, its length, the item's length.
+ctypedef struct Frag:
+    offset_t start
+    offset_t size
+    offset_t item_len
+
+
+# The state of one slot. A slot holds an open bin or is free; slots are recycled.
+ctypedef struct Slot:
+    token_t* data          # the bin's (3, seq_len) block, owned by BinFill._blocks[slot]
+    offset_t used          # tokens written so far; fragments sit back to back from 0
+    token_t n_segments     # non-empty fragments so far: the last segment id given out
+    Frag* frags            # the bin's fragments in bin order (a buffer kept across reuses)
+    Py_ssize_t n_frags
+    Py_ssize_t cap_frags
+    bint taken             # scratch flag of take()
+
+
+cdef class BinFill:
+    cdef offset_t _seq_len
+    cdef token_t _pad_id
+    cdef offset_t _max_id          # highest bin id opened since the last clear (-1: none)
+    cdef LiveBin* _live            # the open bins, ascending bin id
+    cdef Py_ssize_t _n_live
+    cdef Py_ssize_t _cap_live
+    cdef Slot* _slots
+    cdef Py_ssize_t _n_slots       # slots allocated (open + free)
+    cdef Py_ssize_t* _free         # stack of free slots
+    cdef Py_ssize_t _n_free
+    cdef list _blocks              # per slot: its bin's ndarray block, or None when free
+    cdef list _records             # per slot: the item of each fragment, in bin order
+    cdef bint _busy                # write() or take() is editing the state with the GIL released
+
+    cdef int _enter(self) except -1
+    cdef int _reserve(self, Py_ssize_t n_live, Py_ssize_t n_free) except -1
+    cdef int _reserve_frags(self, Slot* slot, Py_ssize_t n) except -1
+    cdef Py_ssize_t _find(self, offset_t bin_id) noexcept nogil
+    cdef void _copy(self, const offset_t[:, ::1] placements, const offset_t[::1] lengths,
+                    const size_t[::1] data, const Py_ssize_t[::1] target,
+                    const Py_ssize_t[::1] slot_of) noexcept nogil
+    cdef tuple _take(self, const offset_t[::1] bin_ids, Py_ssize_t[::1] idx)

@@ -1,0 +1,35 @@
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+_Int64Array = npt.NDArray[np.int64]
+_Int32Array = npt.NDArray[np.int32]
+
+def token_lengths(arrays: list[_Int32Array]) -> _Int64Array:
+    """Lengths of 1-D, C-contiguous, native-order int32 arrays; TypeError naming a bad one."""
+
+class BinFill:
+    """Payload blocks and fragment lists of a packer's open bins, filled from placement rows.
+
+    ``write`` copies the tokens of a micro-batch's placement rows into ``(3, seq_len)`` int32 blocks
+    (tokens, segment_ids, positions) without the GIL; ``take`` hands finished bins over, padded.
+    """
+
+    def __init__(self, seq_len: int, pad_id: int = 0) -> None: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def pad_id(self) -> int: ...
+    @property
+    def n_open(self) -> int: ...
+    def open_bin_ids(self) -> _Int64Array: ...
+    def used(self, bin_id: int) -> int: ...
+    def write(
+        self,
+        placements: _Int64Array,
+        arrays: list[_Int32Array],
+        items: list[Any],
+    ) -> None: ...
+    def take(self, bin_ids: _Int64Array) -> tuple[list[_Int32Array], list[list[Any]], _Int64Array]: ...
+    def clear(self) -> None: ...
