@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from epoch_kit import check_epoch_operator
 
 import zephon
 from zephon.errors import OperatorError
@@ -150,7 +149,7 @@ def test_a_closing_child_dropped_while_its_sibling_is_buffered_leaves_its_closin
         )
         children.append(SampleRecord(meta, {"tokens": [0, 0]}))
     op = ensure_mixture({"a": 1, "z": 0}, buffer_size=4)
-    check_epoch_operator(op, children)
+    check_operator(op, children)
     out = run(op, children)
     assert [(r.is_tombstone, r.contribution_refs()) for r in out] == [
         (True, (ContributorRef(parent.child(1), True),)),

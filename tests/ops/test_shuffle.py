@@ -11,7 +11,6 @@ from itertools import islice
 from typing import Any
 
 import pytest
-from epoch_kit import check_epoch_operator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,7 +84,7 @@ def test_split_children_pass_through_unchanged_and_close_each_offset_once():
     ]
     children = tokenize(max_len=4, split_long_samples=True).process_many(recs)
     for seed in range(5):
-        check_epoch_operator(shuffle(6, seed=seed), children)
+        check_operator(shuffle(6, seed=seed), children)
         out = run(shuffle(6, seed=seed), children)
         assert sorted(map(id, out)) == sorted(map(id, children)), "the same record objects"
     check_operator(shuffle(3), records(25))
