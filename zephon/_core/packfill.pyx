@@ -265,8 +265,10 @@ cdef class BinFill:
             raise ValueError(
                 f"BinFill.write: {len(arrays)} arrays for {n_items} items; give one per item"
             )
-        # A tuple keeps the arrays alive while their data is read without the GIL.
+        # Tuples keep the arrays alive while their data is read without the GIL, and the items as
+        # they were validated, whatever another thread does to the caller's lists meanwhile.
         cdef tuple held = tuple(arrays)
+        cdef tuple held_items = tuple(items)
         lengths_arr = np.empty(n_items, dtype=np.int64)
         data_arr = np.empty(n_items, dtype=np.uintp)
         cdef offset_t[::1] lengths = lengths_arr
@@ -389,7 +391,7 @@ cdef class BinFill:
             # The items of the fragments, in row order (so in bin order within each bin).
             records = self._records
             for r in range(n_rows):
-                (<list>records[slot_of[target[r]]]).append(items[placements[r, ROW_ITEM]])
+                (<list>records[slot_of[target[r]]]).append(held_items[placements[r, ROW_ITEM]])
         finally:
             self._busy = False
 
