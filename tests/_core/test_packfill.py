@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import pickle
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -187,9 +188,7 @@ def run_stream(kernel: BinPacker | FlatPacker, seq_len: int, pad_id: int, ops: l
         if op == "flush":
             ids = kernel.flush()
             kernel.reset()
-            outcome = same_outcome(
-                lambda ids=ids: fill.take(ids), lambda ids=ids: ref.take(ids.tolist())
-            )
+            outcome = same_outcome(partial(fill.take, ids), partial(ref.take, ids.tolist()))
             if outcome is not None:
                 assert_same_take(*outcome)
             fill.clear()
@@ -203,11 +202,11 @@ def run_stream(kernel: BinPacker | FlatPacker, seq_len: int, pad_id: int, ops: l
         rows = corrupt([tuple(r) for r in placements.tolist()], how)
         placed = np.array(rows, dtype=np.int64).reshape(-1, 5)
         same_outcome(
-            lambda: fill.write(placed, arrays, items), lambda: ref.write(rows, arrays, items)
+            partial(fill.write, placed, arrays, items), partial(ref.write, rows, arrays, items)
         )
         assert_same_state(fill, ref)
         ids = closed.tolist()
-        outcome = same_outcome(lambda: fill.take(closed), lambda: ref.take(ids))
+        outcome = same_outcome(partial(fill.take, closed), partial(ref.take, ids))
         if outcome is not None:
             assert_same_take(*outcome)
         assert_same_state(fill, ref)
