@@ -40,7 +40,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("demo", help="run, checkpoint, kill, restore, and prove the stream exact")
     insp = sub.add_parser("inspect", help="show what a checkpoint file holds")
     insp.add_argument("checkpoint")
+    bench = sub.add_parser("bench", help="SPEC §5 benchmarks against same-process baselines")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes, a minute or two")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from zephon.bench import run_bench
+
+        return run_bench(quick=args.quick)
     if args.command == "demo":
         from zephon.demo import run_demo
 

@@ -314,3 +314,12 @@ def make_batch(list records, payload):
     b.records = tuple(records)
     b.payload = payload
     return b
+
+
+def payloads_of(list records):
+    """``[record.payload for record in records]`` in one C loop (what collation starts with)."""
+    cdef Py_ssize_t i, n = len(records)
+    cdef list out = [None] * n
+    for i in range(n):
+        out[i] = (<SampleRecord?>records[i]).payload
+    return out

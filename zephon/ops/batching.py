@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from zephon._core.records import payloads_of
 from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits
 from zephon.types import SampleRecord
@@ -18,6 +19,8 @@ __all__ = ["Batch", "batch", "collate_payloads", "default_collate"]
 def default_collate(records: Sequence[SampleRecord]) -> Any:
     """Dict payloads become a dict of stacked arrays (array fields of one shape) or lists
     (everything else); other payloads become a list."""
+    if type(records) is list:
+        return collate_payloads(payloads_of(records))
     return collate_payloads([r.payload for r in records])
 
 

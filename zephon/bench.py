@@ -1,0 +1,551 @@
+"""``zephon bench``: the SPEC §5 headline benchmarks, each against its baseline run in the same
+process, printed as one table of medians and ratios with the target and pass/fail.
+
+A ratio measured in one process hardly depends on the machine; absolute targets (marks per
+second, nanoseconds, seconds) do. ``--quick`` uses smaller sizes (a minute or two instead of
+several); ratios that depend on the size (restore step, RSS growth) say which sizes they used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import numpy as np
+
+from zephon.benchmarks import pipeline as pb
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the table: what was measured, ours and the baseline (medians, formatted),
+    their ratio, the SPEC §5 target and whether it held (None: nothing to judge)."""
+
+    what: str
+    ours: str
+    baseline: str
+    ratio: str
+    target: str
+    passed: bool | None
+    note: str = ""
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    return pb.median_time(fn, repeats)
+
+
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.3g} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.3g} ms"
+    if value >= 1e-6:
+        return f"{value * 1e6:.3g} µs"
+    return f"{value * 1e9:.3g} ns"
+
+
+# ------------------------------------------------------------------------------ cursor sort
+
+
+@dataclasses.dataclass(order=True, frozen=True)
+class _DataclassCursor:
+    chunk_id: int
+    chunk_offset: int
+    lineage: tuple[int, ...]
+    sample_id: tuple[int, int, int]
+
+
+def cursor_rows(quick: bool) -> list[Row]:
+    """Sorting shuffled cursors: ``sort_cursors`` vs numpy ``lexsort`` on the same four columns
+    (lineage padded to two levels) and vs ``sorted`` on a ``dataclass(order=True)``."""
+    from zephon._core.cursor import sort_cursors
+    from zephon.types import SampleCursor
+
+    n = 200_000 if quick else 1_000_000
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, n // 2, n)
+    depth = rng.integers(0, 3, n)
+    lineage = rng.integers(0, 4, (n, 2))
+    lineage[np.arange(2)[None, :] >= depth[:, None]] = -1
+    sample_id = np.stack(
+        [rng.integers(0, 4, n), rng.integers(0, 64, n), rng.integers(0, 1 << 20, n)], axis=1
+    )
+    chunk_id, offset = base // 1024, base % 1024
+    lineages = [tuple(row[:d]) for row, d in zip(lineage.tolist(), depth.tolist())]
+    sids = [tuple(row) for row in sample_id.tolist()]
+    rows = list(zip(chunk_id.tolist(), offset.tolist(), lineages, sids))
+    cursors = [SampleCursor(c, o, s, lin) for c, o, lin, s in rows]
+    plain = [_DataclassCursor(c, o, lin, s) for c, o, lin, s in rows]
+    keys = (
+        *(sample_id[:, i] for i in (2, 1, 0)),
+        lineage[:, 1],
+        lineage[:, 0],
+        offset,
+        chunk_id,
+    )
+    ours = _median_time(lambda: sort_cursors(cursors), 5)
+    lexsort = _median_time(lambda: np.lexsort(keys), 5)
+    dataclass = _median_time(lambda: sorted(plain), 1 if quick else 3)
+    label = f"{n // 1000}k" if n < 1_000_000 else f"{n // 1_000_000}M"
+    return [
+        Row(
+            f"cursor sort, {label} cursors: sort_cursors vs numpy lexsort",
+            _seconds(ours),
+            _seconds(lexsort),
+            f"{ours / lexsort:.2f}×",
+            "≤ 2× lexsort",
+            ours / lexsort <= 2,
+        ),
+        Row(
+            f"cursor sort, {label} cursors: vs sorted(dataclass(order=True))",
+            _seconds(ours),
+            _seconds(dataclass),
+            f"{dataclass / ours:.1f}× faster",
+            "≥ 5× faster",
+            dataclass / ours >= 5,
+        ),
+    ]
+
+
+# ------------------------------------------------------------------------------ bitmap engine
+
+
+def bitmap_rows(quick: bool) -> list[Row]:
+    """Bulk ``close_many`` marks/s vs a Python set and numpy ``bincount``; one ``close()`` per
+    record from Python and the compiled delivery bookkeeping per record, vs ``set.add``."""
+    from zephon._core.chunk_table import ChunkTable
+    from zephon._core.delivery import DeliveryBook, DeliveryCounters
+    from zephon._core.records import records_for_chunk
+
+    n_marks = 2_000_000 if quick else 10_000_000
+    n_chunks = 4
+    size = n_marks // n_chunks
+    chunk_ids = np.repeat(np.arange(n_chunks, dtype=np.int64), size)
+    offsets = np.tile(np.arange(size, dtype=np.int64), n_chunks)
+    flat = (chunk_ids * size + offsets).tolist()
+    table = ChunkTable()
+    for c in range(n_chunks):
+        table.open_chunk(c, c, size, 0)
+    # Re-marking closed offsets costs what marking open ones does (no branch on the bit).
+    bulk = _median_time(lambda: table.close_many(chunk_ids, offsets), 7)
+    py_set = _median_time(lambda: set().update(flat), 3)
+    counts = np.asarray(flat, dtype=np.int64)
+    bincount = _median_time(lambda: np.bincount(counts, minlength=n_marks), 5)
+
+    calls = 200_000 if quick else 1_000_000
+    pairs = [(i % 8, i % 4096) for i in range(calls)]
+    small = ChunkTable()
+    for c in range(8):
+        small.open_chunk(c, c, 4096, 0)
+
+    def close_each() -> None:
+        close = small.close
+        for c, o in pairs:
+            close(c, o)
+
+    def add_each() -> None:
+        seen: set[tuple[int, int]] = set()
+        add = seen.add
+        for pair in pairs:
+            add(pair)
+
+    per_close = _median_time(close_each, 5) / calls
+    per_add = _median_time(add_each, 5) / calls
+
+    # What delivery does per record: close, watermark, eviction, window digest, counters.
+    chunk, n_per_chunk = 64, 4096
+    pointers = np.zeros((n_per_chunk, 3), dtype=np.int64)
+    pointers[:, 2] = np.arange(n_per_chunk)
+    records = [
+        records_for_chunk(c, pointers, [None] * n_per_chunk, 0, [0] * n_per_chunk)
+        for c in range(chunk)
+    ]
+    batches = [r[i : i + pb.BATCH_SIZE] for r in records for i in range(0, n_per_chunk, 32)]
+
+    def unexpected(*args: object) -> None:
+        raise AssertionError(f"the delivery benchmark broke a contract: {args}")
+
+    def deliver_all() -> None:
+        book_table = ChunkTable()
+        book = DeliveryBook(book_table, True, DeliveryCounters(), unexpected, unexpected)
+        for c in range(chunk):
+            book_table.open_chunk(c, c, n_per_chunk, 0)
+        for b in batches:
+            book.deliver(b, unexpected)
+
+    per_delivered = _median_time(deliver_all, 5) / (chunk * n_per_chunk)
+    return [
+        Row(
+            f"bitmap bulk close_many, {n_marks // 1_000_000}M marks: marks/s",
+            _si(n_marks / bulk, "marks/s"),
+            _si(n_marks / py_set, "marks/s"),
+            f"{py_set / bulk:.0f}× a Python set",
+            "≥ 200M marks/s",
+            n_marks / bulk >= 200e6,
+            f"numpy bincount: {_si(n_marks / bincount, 'marks/s')}",
+        ),
+        Row(
+            "bitmap: one ChunkTable.close() per record from Python",
+            _seconds(per_close),
+            _seconds(per_add),
+            f"{per_close / per_add:.2f}× set.add",
+            "≤ 100 ns",
+            per_close <= 100e-9,
+        ),
+        Row(
+            "delivery bookkeeping per record (DeliveryBook, batches of 32)",
+            _seconds(per_delivered),
+            _seconds(per_close),
+            f"{per_delivered / per_close:.2f}× close()",
+            "≤ 100 ns",
+            per_delivered <= 100e-9,
+            "close + watermark + eviction + window digest + counters",
+        ),
+    ]
+
+
+# ------------------------------------------------------------------------------ packing kernel
+
+CAPACITY = 4096
+OPEN_BINS = 64
+
+
+def lognormal_lengths(n: int, seed: int = 0) -> np.ndarray:
+    """Lengths with mean ~600 (lognormal, sigma 1), at least 1."""
+    values = np.random.default_rng(seed).lognormal(math.log(600) - 0.5, 1.0, n)
+    return np.maximum(values, 1).astype(np.int64)
+
+
+def kernel_bins(lengths: np.ndarray, capacity: int = CAPACITY, open_bins: int = OPEN_BINS) -> int:
+    """Bins the compiled best-fit uses for ``lengths`` in one call (then a flush)."""
+    from zephon._core.binfill import BinPacker
+
+    packer = BinPacker(capacity, open_bins, "best_fit")
+    _, closed = packer.add(lengths)
+    return len(closed) + len(packer.flush())
+
+
+def python_best_fit(
+    lengths: list[int], capacity: int = CAPACITY, open_bins: int = OPEN_BINS
+) -> int:
+    """A pure-Python streaming best-fit with the kernel's rules; returns the bins used."""
+    rooms: list[int] = []
+    n_bins = 0
+    for length in lengths:
+        if length > capacity:
+            n_bins += length // capacity
+            length %= capacity
+            if length == 0:
+                continue
+        best = -1
+        for k, room in enumerate(rooms):
+            if room >= length and (best < 0 or room < rooms[best]):
+                best = k
+        if best < 0:
+            if len(rooms) == open_bins:
+                rooms.pop(rooms.index(min(rooms)))
+            rooms.append(capacity)
+            n_bins += 1
+            best = len(rooms) - 1
+        rooms[best] -= length
+        if rooms[best] == 0:
+            rooms.pop(best)
+    return n_bins
+
+
+def kernel_rows(quick: bool) -> list[Row]:
+    """best_fit with 64 open bins on 1M lognormal lengths: time and waste over the lower bound,
+    against a pure-Python streaming best-fit on a smaller sample, scaled to 1M."""
+    n = 1_000_000
+    lengths = lognormal_lengths(n)
+    lower = -(-int(lengths.sum()) // CAPACITY)
+    seconds = _median_time(lambda: kernel_bins(lengths), 5)
+    waste = (kernel_bins(lengths) - lower) / lower
+    m = 20_000 if quick else 100_000
+    sample = lognormal_lengths(m, seed=1)
+    as_list = sample.tolist()
+    py_seconds = _median_time(lambda: python_best_fit(as_list), 1 if quick else 3) * (n / m)
+    py_lower = -(-int(sample.sum()) // CAPACITY)
+    py_waste = (python_best_fit(as_list) - py_lower) / py_lower
+    return [
+        Row(
+            "best_fit kernel, 1M lognormal lengths into 4096, 64 bins: time",
+            _seconds(seconds),
+            _seconds(py_seconds),
+            f"{py_seconds / seconds:.0f}× faster",
+            "< 0.1 s",
+            seconds < 0.1,
+            f"Python best-fit on {m // 1000}k lengths, scaled to 1M",
+        ),
+        Row(
+            "best_fit kernel: waste over ceil(total / capacity)",
+            f"{waste * 100:.3f} %",
+            f"{py_waste * 100:.3f} %",
+            "",
+            "≤ 0.5 %",
+            waste <= 0.005,
+        ),
+    ]
+
+
+# ------------------------------------------------------------------------------ packing e2e
+
+
+def packing_rows(quick: bool, out: TextIO) -> list[Row]:
+    """``pack_sequences`` end to end vs Grain's packers, from ``zephon.benchmarks.packing``."""
+    try:
+        from zephon.benchmarks.packing import packing_comparison
+    except ImportError as exc:
+        print(
+            f"  (packing end to end skipped: zephon.benchmarks.packing unavailable: {exc})",
+            file=out,
+        )
+        return []
+    rows = []
+    for r in packing_comparison(repeat=2 if quick else 5):
+        grain_tps, grain_fill = r.get("grain_tokens_per_s"), r.get("grain_fill")
+        speedup = r.get("speedup_vs_grain")
+        what = f"packing e2e, {r['strategy']}: tokens/s ({r['sequences']:,} seqs)"
+        if grain_tps is None or grain_fill is None or speedup is None:
+            rows.append(
+                Row(
+                    what,
+                    _si(r["zephon_tokens_per_s"], "tok/s"),
+                    "grain missing",
+                    "",
+                    "≥ 10× Grain",
+                    None,
+                )
+            )
+            continue
+        better_fill = r["zephon_fill"] > grain_fill
+        rows.append(
+            Row(
+                what,
+                _si(r["zephon_tokens_per_s"], "tok/s"),
+                _si(grain_tps, "tok/s"),
+                f"{speedup:.1f}× Grain",
+                "≥ 10× Grain",
+                speedup >= 10,
+            )
+        )
+        rows.append(
+            Row(
+                f"packing e2e, {r['strategy']}: fill",
+                f"{r['zephon_fill']:.4f}",
+                f"{grain_fill:.4f}",
+                f"{r['zephon_fill'] - grain_fill:+.4f}",
+                "better than Grain",
+                better_fill,
+            )
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------ pipeline
+
+
+def pipeline_rows(quick: bool) -> list[Row]:
+    """Overhead per record over a bare generator chain, and records/s against Grain."""
+    n = 200_000 if quick else 1_000_000
+    o = pb.measure_overhead(n, repeats=5 if quick else 7)
+    rows = [
+        Row(
+            f"pipeline overhead per record: fetch→map→batch(32), 1 inline lane, {n:,} records",
+            f"{o['ours'] * 1e6:.3f} µs",
+            f"{o['bare'] * 1e6:.3f} µs",
+            f"+{o['overhead'] * 1e6:.3f} µs",
+            "≤ +1 µs over bare",
+            o["overhead"] <= 1e-6,
+            "baseline: bare generator chain (same reads, map, batching, collate)",
+        )
+    ]
+    g = pb.measure_grain(50_000 if quick else 200_000, repeats=3 if quick else 5)
+    if g is None:
+        rows.append(Row("records/s vs Grain map+batch", "", "grain missing", "", "≥ 5×", None))
+    else:
+        rows.append(
+            Row(
+                "records/s vs Grain checkpointable map(...).batch(32)",
+                _si(1 / g["ours"], "rec/s"),
+                _si(1 / g["grain"], "rec/s"),
+                f"{g['grain'] / g['ours']:.1f}× Grain",
+                "≥ 5× Grain",
+                g["grain"] / g["ours"] >= 5,
+                "Grain: MapDataset.range.map → to_iter_dataset(num_threads=0) .map .batch",
+            )
+        )
+    return rows
+
+
+def restore_rows(quick: bool) -> list[Row]:
+    """Restore time at an early and a late step (monotone and epoch path), and checkpoint size.
+
+    What a restore costs depends on where the step falls in its chunk and epoch (that is what is
+    replayed), so the late step is the one nearest 1M (100k with ``--quick``) at the same place
+    in its epoch as the early one: the comparison isolates the effect of the step itself.
+    """
+    early = 1_000
+    per_epoch = pb.CHUNK_SIZE * pb.restore_pipeline("epoch").epoch_chunks
+    goal = 100_000 if quick else 1_000_000
+    late = early + round((goal - early) / per_epoch) * per_epoch
+    rows = []
+    for kind in ("monotone", "epoch"):
+        pipeline = pb.restore_pipeline(kind)
+        first = pb.measure_restore(pipeline, pb.checkpoint_at(pipeline, early), repeats=9)
+        last = pb.measure_restore(pipeline, pb.checkpoint_at(pipeline, late), repeats=9)
+        ratio = last["seconds"] / first["seconds"]
+        rows.append(
+            Row(
+                f"restore ({kind}): iter(state)+next() at step {late:,} vs {early:,}",
+                _seconds(last["seconds"]),
+                _seconds(first["seconds"]),
+                f"{ratio:.2f}×",
+                "≤ 1.2×",
+                ratio <= 1.2,
+                f"records replayed: {last['replayed']} vs {first['replayed']}",
+            )
+        )
+        size = max(first["bytes_per_lane"], last["bytes_per_lane"])
+        rows.append(
+            Row(
+                f"checkpoint size per lane ({kind}) at step {late:,} vs {early:,}",
+                f"{last['bytes_per_lane']:.0f} B",
+                f"{first['bytes_per_lane']:.0f} B",
+                f"{last['bytes_per_lane'] / first['bytes_per_lane']:.2f}×",
+                "≤ 16 KiB",
+                size <= 16 * 1024,
+            )
+        )
+    return rows
+
+
+def memory_rows(quick: bool) -> list[Row]:
+    """Peak RSS of fresh processes delivering n and 5n records (monotone and epoch path)."""
+    small, large = (200_000, 1_000_000) if quick else (1_000_000, 5_000_000)
+    rows = []
+    for kind in ("monotone", "epoch"):
+        a = pb.peak_rss(small, kind)
+        b = pb.peak_rss(large, kind)
+        ratio = b["peak_rss"] / a["peak_rss"]
+        rows.append(
+            Row(
+                f"peak RSS ({kind}): {large:,} vs {small:,} delivered records",
+                f"{b['peak_rss'] / 2**20:.1f} MiB",
+                f"{a['peak_rss'] / 2**20:.1f} MiB",
+                f"{(ratio - 1) * 100:+.1f} %",
+                "≤ +10 %",
+                ratio <= 1.10,
+                f"max inflight chunks: {b['max_inflight_chunks']} vs {a['max_inflight_chunks']}",
+            )
+        )
+    return rows
+
+
+def lanes_rows(quick: bool) -> list[Row]:
+    """Records/s of two process lanes against one on a CPU-heavy pure-Python map, and the
+    machine's own ceiling: the same map in two plain processes against one."""
+    n = 4096 if quick else 12_288
+    pb.lane_throughput(256, 1)  # start the fork server before anything is timed
+    ones, twos = [], []
+    for _ in range(1 if quick else 3):
+        ones.append(pb.lane_throughput(n, 1))
+        twos.append(pb.lane_throughput(n, 2))
+    one, two = statistics.median(ones), statistics.median(twos)
+    ceiling = pb.process_ceiling(n // 2)
+    return [
+        Row(
+            f"lanes: 2 process lanes vs 1, CPU-heavy Python map, {n:,} records",
+            _si(two, "rec/s"),
+            _si(one, "rec/s"),
+            f"{two / one:.2f}×",
+            "≥ 1.6× (2 cores)",
+            two / one >= 1.6,
+            f"{os.cpu_count()} CPUs visible; the same map in 2 plain processes vs 1: "
+            f"{ceiling:.2f}× (the machine's ceiling)",
+        )
+    ]
+
+
+# ------------------------------------------------------------------------------ the table
+
+SECTIONS: dict[str, Callable[..., list[Row]]] = {
+    "cursor sort": cursor_rows,
+    "bitmap engine": bitmap_rows,
+    "packing kernel": kernel_rows,
+    "packing end to end": packing_rows,
+    "pipeline overhead": pipeline_rows,
+    "restore and checkpoint size": restore_rows,
+    "memory": memory_rows,
+    "lanes": lanes_rows,
+}
+
+
+def format_table(rows: list[Row]) -> str:
+    """The rows as an aligned text table, with notes under the rows that have one."""
+    header = ("what", "ours (median)", "baseline (median)", "ratio", "target", "result")
+    cells = [
+        (
+            r.what,
+            r.ours,
+            r.baseline,
+            r.ratio,
+            r.target,
+            "PASS" if r.passed else ("FAIL" if r.passed is False else "—"),
+        )
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [line.format(*header), line.format(*("-" * w for w in widths))]
+    for row, cell in zip(rows, cells):
+        out.append(line.format(*cell))
+        if row.note:
+            out.append(f"    {row.note}")
+    return "\n".join(out)
+
+
+def run_bench(
+    out: TextIO = sys.stdout, *, quick: bool = False, only: list[str] | None = None
+) -> int:
+    """Run every section (or those whose name contains one of ``only``), print the table."""
+    rows: list[Row] = []
+    start = time.perf_counter()
+    print(
+        f"zephon bench{' --quick' if quick else ''}: {os.cpu_count()} CPUs, Python "
+        f"{sys.version.split()[0]}, numpy {np.__version__}",
+        file=out,
+        flush=True,
+    )
+    for name, section in SECTIONS.items():
+        if only and not any(word in name for word in only):
+            continue
+        print(f"  measuring {name} ...", file=out, flush=True)
+        t0 = time.perf_counter()
+        args: tuple[Any, ...] = (quick, out) if section is packing_rows else (quick,)
+        rows.extend(section(*args))
+        print(f"    done in {time.perf_counter() - t0:.1f} s", file=out, flush=True)
+    print("", file=out)
+    print(format_table(rows), file=out)
+    judged = [r for r in rows if r.passed is not None]
+    passed = sum(1 for r in judged if r.passed)
+    print(
+        f"\n{passed} of {len(judged)} targets met in {time.perf_counter() - start:.0f} s "
+        "(same-process baselines; absolute targets depend on the machine)",
+        file=out,
+        flush=True,
+    )
+    return 0
