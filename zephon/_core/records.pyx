@@ -125,8 +125,16 @@ cdef class SampleMeta:
     __hash__ = None  # the component count dicts are mutable
 
     def __reduce__(self):
-        fields = self._fields()
-        return (_rebuild_meta, (fields.pop("cursor"), fields))
+        # Positional state and a rebuild without re-validation: records cross the pipe of every
+        # process lane, so this runs once per record there. A root cursor (the usual case) goes
+        # as five ints, which pickle far faster than a nested cursor object.
+        cdef SampleCursor c = self.cursor
+        state = (self.lane_id, self.contributors, self.tags, self.is_tombstone, self.component,
+                 self.component_sample_counts, self.component_token_counts)
+        if c.nlin == 0:
+            return (_root_meta_from_state,
+                    (c.chunk_id, c.chunk_offset, c.sid[0], c.sid[1], c.sid[2], *state))
+        return (_meta_from_state, (c, *state))
 
     def __repr__(self):
         extra = "".join(
@@ -138,6 +146,55 @@ cdef class SampleMeta:
 
 def _rebuild_meta(cursor, fields):
     return SampleMeta(cursor, **fields)
+
+
+def _meta_from_state(SampleCursor cursor, offset_t lane_id, contributors, frozenset tags,
+                     bint is_tombstone, component, component_sample_counts,
+                     component_token_counts):
+    """Unpickle a SampleMeta from what ``__reduce__`` saved (a valid meta: no re-validation)."""
+    cdef SampleMeta m = SampleMeta.__new__(SampleMeta)
+    m.cursor = cursor
+    m.lane_id = lane_id
+    m.contributors = contributors
+    m.tags = tags
+    m.is_tombstone = is_tombstone
+    m.component = component
+    m.component_sample_counts = component_sample_counts
+    m.component_token_counts = component_token_counts
+    return m
+
+
+def _root_meta_from_state(offset_t chunk_id, offset_t chunk_offset, offset_t dataset_id,
+                          offset_t shard_id, offset_t sample_idx, offset_t lane_id, contributors,
+                          frozenset tags, bint is_tombstone, component, component_sample_counts,
+                          component_token_counts):
+    """Unpickle a SampleMeta whose cursor has no lineage (saved as its five fields)."""
+    return _meta_from_state(
+        make_cursor(chunk_id, chunk_offset, dataset_id, shard_id, sample_idx), lane_id,
+        contributors, tags, is_tombstone, component, component_sample_counts,
+        component_token_counts,
+    )
+
+
+def _root_record_from_state(offset_t chunk_id, offset_t chunk_offset, offset_t dataset_id,
+                            offset_t shard_id, offset_t sample_idx, offset_t lane_id,
+                            contributors, frozenset tags, bint is_tombstone, component,
+                            component_sample_counts, component_token_counts, payload):
+    """Unpickle a SampleRecord whose cursor has no lineage (meta state saved inline)."""
+    return _record_from_state(
+        _root_meta_from_state(chunk_id, chunk_offset, dataset_id, shard_id, sample_idx, lane_id,
+                              contributors, tags, is_tombstone, component,
+                              component_sample_counts, component_token_counts),
+        payload,
+    )
+
+
+def _record_from_state(SampleMeta meta, payload):
+    """Unpickle a SampleRecord (its meta is already a SampleMeta: no re-validation)."""
+    cdef SampleRecord r = SampleRecord.__new__(SampleRecord)
+    r.meta = meta
+    r.payload = payload
+    return r
 
 
 cdef SampleMeta make_meta(SampleCursor cursor, offset_t lane_id, object component):
@@ -183,7 +240,16 @@ cdef class SampleRecord:
         return r
 
     def __reduce__(self):
-        return (SampleRecord, (self.meta, self.payload))
+        # One flat reduce per record (meta state inlined) for the pipes of process lanes.
+        cdef SampleMeta m = self.meta
+        cdef SampleCursor c = m.cursor
+        if c.nlin == 0:
+            return (_root_record_from_state, (
+                c.chunk_id, c.chunk_offset, c.sid[0], c.sid[1], c.sid[2], m.lane_id,
+                m.contributors, m.tags, m.is_tombstone, m.component, m.component_sample_counts,
+                m.component_token_counts, self.payload,
+            ))
+        return (_record_from_state, (m, self.payload))
 
     def __repr__(self):
         if self.meta.is_tombstone:

@@ -42,9 +42,11 @@ __all__ = [
     "grain_map_batch",
     "lane_throughput",
     "lanes_pipeline",
+    "make_text",
     "measure_overhead",
     "measure_restore",
     "overhead_pipeline",
+    "pack_pipeline",
     "peak_rss",
     "process_ceiling",
     "restore_pipeline",
@@ -200,6 +202,27 @@ def measure_grain(
         drain(iter(dataset))
         theirs.append((time.perf_counter() - start) / n)
     return {"ours": statistics.median(ours), "grain": statistics.median(theirs)}
+
+
+WORDS = ("zephon", "packs", "tokens", "into", "bins", "and", "restores", "exactly")
+
+
+def make_text(idx: int) -> dict:
+    """A deterministic document of 1..96 words (about 300 bytes on average)."""
+    n = 1 + (idx * 2654435761) % 96
+    return {"text": " ".join(WORDS[(idx + k) % len(WORDS)] for k in range(n))}
+
+
+def pack_pipeline(n: int, *, lanes: int = 1, workers: str = "inline") -> zephon.Pipeline:
+    """``fetch -> tokenize (bytes) -> pack_sequences(1024) -> batch(8)`` over ``n`` documents."""
+    from zephon.ops import pack_sequences, tokenize
+
+    return zephon.Pipeline(
+        RangeSource(n, make=make_text, chunk_size=CHUNK_SIZE),
+        [fetch(), tokenize(), pack_sequences(1024), batch(8)],
+        lanes=lanes,
+        workers=workers,
+    )
 
 
 # ------------------------------------------------------------------------------ restore

@@ -1,0 +1,153 @@
+"""Whole pipelines (SPEC §5): throughput, the engine's overhead per record, restore and memory.
+
+- ``Throughput``: ``fetch -> map_transform -> batch`` and ``fetch -> tokenize -> pack_sequences ->
+  batch`` with 1 and 2 process lanes (and one inline lane);
+- ``Overhead``: the map pipeline on one inline lane against a bare generator chain doing the same
+  work; SPEC §5 wants at most 1 µs per record more (``track_overhead_per_record``);
+- ``Restore``: ``pipeline.iter(state=...)`` + the first ``next()`` at different steps, on the
+  monotone and the epoch path; ``state_dict()`` and its size (SPEC: ≤ 16 KiB per lane);
+- ``PeakMemory``: peak RSS of long runs (SPEC: flat, ≤ 10 % more at 5M records than at 1M).
+
+The workloads are ``zephon.benchmarks.pipeline``'s, the ones ``zephon bench`` prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zephon
+from zephon.benchmarks import pipeline as pb
+from zephon.ops import batch, fetch
+from zephon.sources.memory import RangeSource
+
+
+class Throughput:
+    """Deliver every batch of the map pipeline (200k records) or the packing pipeline (20k
+    documents) on one inline lane, one process lane or two process lanes."""
+
+    params = (["map", "pack"], ["inline-1", "process-1", "process-2"])
+    param_names = ["pipeline", "lanes"]
+    number = 1
+    repeat = (1, 5, 60.0)
+    timeout = 300
+
+    def setup(self, pipeline: str, lanes: str) -> None:
+        workers, count = lanes.split("-")
+        if pipeline == "map":
+            self.pipeline = pb.overhead_pipeline(200_000, lanes=int(count), workers=workers)
+        else:
+            self.pipeline = pb.pack_pipeline(20_000, lanes=int(count), workers=workers)
+        if workers == "process":  # the fork server starts once, before anything is timed
+            pb.drain(iter(pb.overhead_pipeline(16, workers="process")))
+
+    def time_deliver_all(self, pipeline: str, lanes: str) -> None:
+        pb.drain(iter(self.pipeline))
+
+
+class Overhead:
+    """The map pipeline (1M records, one inline lane) against the bare generator chain."""
+
+    n = 1_000_000
+    number = 1
+    repeat = (1, 5, 60.0)
+    timeout = 300
+
+    def time_pipeline(self) -> None:
+        pb.drain(iter(pb.overhead_pipeline(self.n)))
+
+    def time_bare_chain(self) -> None:
+        pb.drain(pb.bare_chain(self.n))
+
+    def track_overhead_per_record(self) -> float:
+        """Microseconds per record over the bare chain (median of paired runs); SPEC: ≤ 1."""
+        return pb.measure_overhead(200_000, repeats=5)["overhead"] * 1e6
+
+    track_overhead_per_record.unit = "µs"  # type: ignore[attr-defined]
+
+    def track_speedup_over_grain(self) -> float:
+        """Records/s over Grain's checkpointable map-and-batch; SPEC: ≥ 5 (0 without grain)."""
+        result = pb.measure_grain(50_000, repeats=3)
+        return result["grain"] / result["ours"] if result else 0.0
+
+    track_speedup_over_grain.unit = "x"  # type: ignore[attr-defined]
+
+
+class Restore:
+    """Restore at step 1,000 and at the step nearest 100k and 1M at the same place in its epoch
+    (so the same records are replayed): the time must not grow with the step."""
+
+    params = (["monotone", "epoch"], ["1k", "100k", "1M"])
+    param_names = ["path", "step"]
+    timeout = 600
+
+    def setup_cache(self) -> dict[str, Any]:
+        per_epoch = pb.CHUNK_SIZE * 8
+        steps = {"1k": 1_000}
+        for label, goal in (("100k", 100_000), ("1M", 1_000_000)):
+            steps[label] = 1_000 + round((goal - 1_000) / per_epoch) * per_epoch
+        return {
+            f"{kind}/{label}": pb.checkpoint_at(pb.restore_pipeline(kind), step)
+            for kind in ("monotone", "epoch")
+            for label, step in steps.items()
+        }
+
+    def setup(self, states: dict[str, Any], path: str, step: str) -> None:
+        self.pipeline = pb.restore_pipeline(path)
+        self.state = states[f"{path}/{step}"]
+        self.loader = self.pipeline.iter(state=self.state)
+        next(self.loader)  # a live loader one step past the restore, for state_dict()
+
+    def teardown(self, states: dict[str, Any], path: str, step: str) -> None:
+        self.loader.close()
+
+    def time_restore_and_first_next(self, states: dict[str, Any], path: str, step: str) -> None:
+        loader = self.pipeline.iter(state=self.state)
+        next(loader)
+        loader.close()
+
+    def time_state_dict(self, states: dict[str, Any], path: str, step: str) -> None:
+        self.loader.state_dict()
+
+    def track_state_bytes_per_lane(self, states: dict[str, Any], path: str, step: str) -> float:
+        return pb.measure_restore(self.pipeline, self.state, repeats=1)["bytes_per_lane"]
+
+    track_state_bytes_per_lane.unit = "bytes"  # type: ignore[attr-defined]
+
+
+class PeakMemory:
+    """Peak RSS of delivering 1M and 5M records (the map pipeline, and the epoch path with a
+    shuffle); asv measures this process, setup included."""
+
+    params = (["monotone", "epoch"], [1_000_000, 5_000_000])
+    param_names = ["path", "records"]
+    timeout = 600
+
+    def peakmem_deliver(self, path: str, records: int) -> None:
+        if path == "monotone":
+            pb.drain(iter(pb.overhead_pipeline(records)))
+        else:
+            from zephon.ops.shuffle import shuffle
+
+            pipeline = zephon.Pipeline(
+                RangeSource(records, chunk_size=pb.CHUNK_SIZE),
+                [fetch(), shuffle(256, seed=1), batch(pb.BATCH_SIZE)],
+            )
+            pb.drain(iter(pipeline))
+
+
+class Lanes:
+    """Two process lanes against one on a CPU-heavy pure-Python map; SPEC: ≥ 1.6 on 2 cores.
+    ``track_machine_ceiling`` is the same map in two plain processes against one."""
+
+    timeout = 300
+
+    def track_two_lanes_over_one(self) -> float:
+        pb.lane_throughput(256, 1)
+        return pb.lane_throughput(4096, 2) / pb.lane_throughput(4096, 1)
+
+    track_two_lanes_over_one.unit = "x"  # type: ignore[attr-defined]
+
+    def track_machine_ceiling(self) -> float:
+        return pb.process_ceiling(2048)
+
+    track_machine_ceiling.unit = "x"  # type: ignore[attr-defined]
