@@ -433,3 +433,22 @@ def test_make_batch_is_a_sample_batch_of_the_records():
     assert type(batch) is SampleBatch
     assert batch.records == tuple(records)
     assert batch.payload == {"idx": [0, 1, 2]}
+
+
+@pytest.mark.parametrize("lineage", [(), (2, 0)])
+def test_a_pickled_record_comes_back_equal_whether_or_not_its_cursor_has_a_lineage(lineage):
+    cursor = SampleCursor(7, 2, (0, 5, 42), lineage)
+    meta = SampleMeta(
+        cursor,
+        lane_id=3,
+        contributors=[ContributorRef(cursor, True), ContributorRef(OTHER, False)],
+        tags={"split"},
+        component="web",
+        component_sample_counts={"web": 2},
+        component_token_counts={"web": 17},
+    )
+    for original in (SampleRecord(meta, {"x": np.arange(3)}), SampleRecord(meta.replace(), None)):
+        back = roundtrip(original)
+        assert back.meta == original.meta
+        assert back.meta.cursor.stable_hash == cursor.stable_hash
+        assert repr(back.payload) == repr(original.payload)
