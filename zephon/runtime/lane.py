@@ -18,6 +18,7 @@ from typing import Any
 from zephon._core.records import count_closing, next_control
 from zephon.errors import OperatorError, ZephonError
 from zephon.ops.base import Operator
+from zephon.ops.basic import record_error
 from zephon.planner import Plan
 from zephon.runtime.control import LANE_END, ChunkOpened, EpochEnd, OverClose
 from zephon.types import SampleRecord
@@ -72,6 +73,10 @@ class LaneRunner:
             else None
             for op in self.ops
         ]
+        self._reset_audit()
+
+    def _reset_audit(self) -> None:
+        # Closing contributors each operator received and emitted in the current epoch.
         n = len(self.ops)
         self._closing_in = [0] * n
         self._closing_out = [0] * n
@@ -207,13 +212,7 @@ class LaneRunner:
                 except Exception:
                     culprit = rec
                     break
-        cursor = culprit.meta.cursor
-        return OperatorError(
-            f"operator {op.name!r} failed on record {cursor!r} (sample_id={cursor.sample_id}): "
-            f"{type(exc).__name__}: {exc}",
-            operator=op.name,
-            cursor=cursor,
-        )
+        return record_error(op, culprit, exc)
 
     def _flush_from(self, j: int) -> list:
         op = self.ops[j]
@@ -242,17 +241,6 @@ class LaneRunner:
             if cin != cout
         }
         carry = [op.carry_state() for op in self.ops]
-        self._pools = [
-            ThreadPoolExecutor(op.traits.workers, thread_name_prefix=f"zephon-{op.name}")
-            if (op.traits.workers or 1) > 1
-            and not op.traits.stateful
-            and not op.traits.batch_sensitive
-            else None
-            for op in self.ops
-        ]
-        n = len(self.ops)
-        self._closing_in = [0] * n
-        self._closing_out = [0] * n
-        self._over_reported = [False] * n
+        self._reset_audit()
         out.append(EpochEnd(epoch, carry, deficits))
         return out
