@@ -405,8 +405,8 @@ def restore_rows(quick: bool) -> list[Row]:
     rows = []
     for kind in ("monotone", "epoch"):
         pipeline = pb.restore_pipeline(kind)
-        first = pb.measure_restore(pipeline, pb.checkpoint_at(pipeline, early), repeats=9)
-        last = pb.measure_restore(pipeline, pb.checkpoint_at(pipeline, late), repeats=9)
+        states = [pb.checkpoint_at(pipeline, early), pb.checkpoint_at(pipeline, late)]
+        first, last = pb.measure_restores(pipeline, states, repeats=15)
         ratio = last["seconds"] / first["seconds"]
         rows.append(
             Row(

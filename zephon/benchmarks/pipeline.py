@@ -45,6 +45,7 @@ __all__ = [
     "make_text",
     "measure_overhead",
     "measure_restore",
+    "measure_restores",
     "overhead_pipeline",
     "pack_pipeline",
     "peak_rss",
@@ -260,17 +261,33 @@ def measure_restore(
 ) -> dict[str, float]:
     """Median seconds of ``pipeline.iter(state=state)`` plus the first ``next()``; the records
     replayed to get there; the state's JSON size per lane in bytes."""
-    times = []
-    replayed = 0
+    return measure_restores(pipeline, [state], repeats=repeats)[0]
+
+
+def measure_restores(
+    pipeline: zephon.Pipeline, states: list[dict[str, Any]], *, repeats: int = 7
+) -> list[dict[str, float]]:
+    """``measure_restore`` for several states, their runs alternating so that machine noise
+    and allocator state hit all of them alike."""
+    times: list[list[float]] = [[] for _ in states]
+    replayed = [0] * len(states)
     for _ in range(repeats):
-        start = time.perf_counter()
-        loader = pipeline.iter(state=state)
-        next(loader)
-        times.append(time.perf_counter() - start)
-        replayed = loader.stats()["replayed"]
-        loader.close()
-    size = len(json.dumps(state).encode()) / len(state["lane_states"])
-    return {"seconds": statistics.median(times), "replayed": replayed, "bytes_per_lane": size}
+        for k, state in enumerate(states):
+            gc.collect()
+            start = time.perf_counter()
+            loader = pipeline.iter(state=state)
+            next(loader)
+            times[k].append(time.perf_counter() - start)
+            replayed[k] = loader.stats()["replayed"]
+            loader.close()
+    return [
+        {
+            "seconds": statistics.median(times[k]),
+            "replayed": replayed[k],
+            "bytes_per_lane": len(json.dumps(state).encode()) / len(state["lane_states"]),
+        }
+        for k, state in enumerate(states)
+    ]
 
 
 # ------------------------------------------------------------------------------ memory
