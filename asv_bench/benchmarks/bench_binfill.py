@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zephon._core.binfill import BinPacker, FlatPacker
+from zephon.bench import python_best_fit
 
 CAPACITY = 4096
 OPEN_BINS = 64
@@ -61,32 +62,6 @@ def pack_count_bins(
             n_bins += len(packer.flush())
             since_flush = 0
     return n_bins + len(packer.flush())
-
-
-def python_best_fit(lengths: list[int], capacity: int, open_bins: int) -> int:
-    """Pure-Python streaming best-fit with the kernel's rules; returns the number of bins used."""
-    rooms: list[int] = []  # remaining space of the open bins, in opening order
-    n_bins = 0
-    for length in lengths:
-        if length > capacity:  # whole fragments fill bins of their own
-            n_bins += length // capacity
-            length %= capacity
-            if length == 0:
-                continue
-        best = -1
-        for k, room in enumerate(rooms):
-            if room >= length and (best < 0 or room < rooms[best]):
-                best = k
-        if best < 0:
-            if len(rooms) == open_bins:
-                rooms.pop(rooms.index(min(rooms)))
-            rooms.append(capacity)
-            n_bins += 1
-            best = len(rooms) - 1
-        rooms[best] -= length
-        if rooms[best] == 0:
-            rooms.pop(best)
-    return n_bins
 
 
 class PackLognormal:

@@ -253,18 +253,6 @@ class ArrowSource(FileSource):
                 self._parquet_meta.popitem(last=False)
 
     # --------------------------------------------------------------------- reading
-    def read(self, pointers: np.ndarray) -> list[Any]:
-        """Payload dicts of the pointer rows, in row order (see the module docstring's rule);
-        only the groups holding the rows are read, one at a time."""
-        rows, files, local = self.locate(pointers)
-        out: list[Any] = [None] * len(rows)
-        order = np.lexsort((local, files))
-        bounds = np.flatnonzero(np.diff(files[order])) + 1
-        for group in np.split(order, bounds):
-            if group.size:
-                self._read_file(int(files[group[0]]), group, rows, local, out)
-        return out
-
     def _read_file(
         self,
         i: int,

@@ -83,7 +83,7 @@ class FileSource(IndexedSource):
     Invariant: after ``load_metadata()`` the per-file sample counts are fixed for the life of the
     source; a read that finds a file changed since then raises ``FetchError`` rather than returning
     different or fewer samples. Subclasses implement ``load_metadata`` (returning the sample count
-    of each file) and ``read``.
+    of each file) and ``_read_file``.
     """
 
     def __init__(
@@ -133,6 +133,29 @@ class FileSource(IndexedSource):
         rows[:, 1] = np.searchsorted(self.file_ends(), idx, side="right")
         rows[:, 2] = idx
         return rows
+
+    def read(self, pointers: np.ndarray) -> list[Any]:
+        """Payloads of the pointer rows, in row order; each file is visited once, its rows in
+        order, through the subclass's ``_read_file``."""
+        rows, files, local = self.locate(pointers)
+        out: list[Any] = [None] * len(rows)
+        order = np.lexsort((local, files))
+        bounds = np.flatnonzero(np.diff(files[order])) + 1
+        for group in np.split(order, bounds):
+            if group.size:
+                self._read_file(int(files[group[0]]), group, rows, local, out)
+        return out
+
+    def _read_file(
+        self,
+        i: int,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        local: np.ndarray,
+        out: list[Any],
+    ) -> None:
+        """Fill ``out[positions]`` from file ``i`` (rows ``local[positions]`` within it)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _read_file (abstract)")
 
     def locate(self, pointers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Validated ``(rows, file_index, index_within_file)`` of pointer rows; a row this source
@@ -366,18 +389,6 @@ class JsonlSource(FileSource):
         return _LineIndex(starts, st.st_size, st.st_mtime_ns, fingerprint, location)
 
     # --------------------------------------------------------------------- reading
-    def read(self, pointers: np.ndarray) -> list[Any]:
-        """The parsed JSON line of each pointer row, in row order; lines of one file are read in
-        offset order through one open file."""
-        rows, files, local = self.locate(pointers)
-        out: list[Any] = [None] * len(rows)
-        order = np.lexsort((local, files))
-        bounds = np.flatnonzero(np.diff(files[order])) + 1
-        for group in np.split(order, bounds):
-            if group.size:
-                self._read_file(int(files[group[0]]), group, rows, local, out)
-        return out
-
     def _read_file(
         self,
         i: int,
