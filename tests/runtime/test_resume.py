@@ -63,6 +63,9 @@ def pipelines(draw: Any) -> zephon.Pipeline:
     )
 
 
+WORKER_KINDS = ["inline", "thread", "process"]
+
+
 def run(loader: zephon.Loader, limit: int | None = None) -> list[tuple]:
     out = []
     for item in loader:
@@ -97,6 +100,26 @@ def test_resuming_twice_in_a_row_continues_the_stream(pipeline, data):
     middle = run(resumed, second) if second else []
     tail = run(pipeline.iter(state=resumed.state_dict()))
     assert head + middle + tail == full
+
+
+@settings(max_examples=8)
+@given(
+    pipeline=pipelines(),
+    data=st.data(),
+    kinds=st.tuples(st.sampled_from(["thread", "process"]), st.sampled_from(WORKER_KINDS)),
+)
+def test_resume_with_thread_and_process_lanes_and_across_kinds(pipeline, data, kinds):
+    full = run(iter(pipeline))
+    saved_with, resumed_with = kinds
+    step = data.draw(st.integers(0, len(full)))
+    pipeline.workers = saved_with
+    with iter(pipeline) as loader:
+        head = run(loader, step) if step else []
+        assert head == full[:step]
+        state = loader.state_dict()
+    pipeline.workers = resumed_with
+    with pipeline.iter(state=state) as resumed:
+        assert head + run(resumed) == full
 
 
 def test_state_taken_before_any_delivery_after_restore_is_the_restored_state():
