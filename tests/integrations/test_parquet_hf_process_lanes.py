@@ -12,7 +12,21 @@ import zephon
 from zephon.ops import batch, fetch, pack_sequences, tokenize
 from zephon.sources import ArrowSource
 
-WORDS = ("the loader resumes exactly where training stopped and packs every token it reads").split()
+WORDS = [
+    "the",
+    "loader",
+    "resumes",
+    "exactly",
+    "where",
+    "training",
+    "stopped",
+    "and",
+    "packs",
+    "every",
+    "token",
+    "it",
+    "reads",
+]
 
 
 def corpus(n: int, seed: int) -> list[str]:
