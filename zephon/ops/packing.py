@@ -213,7 +213,8 @@ class _Packer(Operator):
         return out
 
     def _new_kernel(self) -> Any:
-        raise NotImplementedError
+        """The placement kernel of this packer (abstract: each packer class provides its own)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _new_kernel (abstract)")
 
     def __getstate__(self) -> dict[str, Any]:
         # The compiled kernel and fill do not pickle; they are rebuilt empty. Copies (the lane
