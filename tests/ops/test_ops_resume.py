@@ -3,12 +3,11 @@ tokenize (splitting), shuffle, pack_sequences, pack_flat, ensure_mixture and bat
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pipeline_kit import assert_resumes_at, assert_resumes_twice, run
 
 import zephon
 from zephon.ops import (
@@ -22,7 +21,6 @@ from zephon.ops import (
 )
 from zephon.sources.memory import RangeSource
 from zephon.sources.mixture import MixtureSource
-from zephon.types import SampleBatch
 
 
 def _doc_a(idx: int) -> dict:
@@ -31,36 +29,6 @@ def _doc_a(idx: int) -> dict:
 
 def _doc_b(idx: int) -> dict:
     return {"text": "b" * (idx * 5 % 29), "idx": idx}
-
-
-def canonical(value: Any) -> Any:
-    """A comparable value of a payload: numpy arrays by dtype, shape and bytes (``repr`` would
-    elide the middle of long arrays)."""
-    if isinstance(value, np.ndarray):
-        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
-    if isinstance(value, dict):
-        return tuple(sorted((k, canonical(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(canonical(v) for v in value)
-    return value
-
-
-def fingerprint(item: Any) -> tuple:
-    """What the training loop saw: cursors and payload bytes."""
-    if isinstance(item, SampleBatch):
-        return ("batch", tuple(r.meta.cursor for r in item), canonical(item.payload))
-    return ("record", item.meta.cursor, canonical(item.payload))
-
-
-def run(loader: zephon.Loader, limit: int | None = None) -> list[tuple]:
-    """What ``loader`` delivers (up to ``limit`` items); it must report no contract violation."""
-    out = []
-    for item in loader:
-        out.append(fingerprint(item))
-        if limit is not None and len(out) == limit:
-            break
-    assert loader.stats()["violations"] == 0
-    return out
 
 
 STATEFUL = ("shuffle", "pack_sequences", "pack_flat", "ensure_mixture")
@@ -125,21 +93,12 @@ def pipelines(draw: Any) -> zephon.Pipeline:
     return pipeline
 
 
-def streams_agree(pipeline: zephon.Pipeline, steps: list[int], full: list[tuple]) -> None:
-    for step in steps:
-        loader = iter(pipeline)
-        head = run(loader, step) if step else []
-        state = json.loads(json.dumps(loader.state_dict()))  # it must survive JSON
-        tail = run(pipeline.iter(state=state))
-        assert head + tail == full, f"resume at step {step} of {len(full)}"
-
-
 @settings(max_examples=100)
 @given(pipeline=pipelines(), data=st.data())
 def test_resume_at_any_step_continues_the_uninterrupted_stream(pipeline, data):
     full = run(iter(pipeline))
     steps = sorted(set(data.draw(st.lists(st.integers(0, len(full)), min_size=1, max_size=3))))
-    streams_agree(pipeline, steps, full)
+    assert_resumes_at(pipeline, steps, full)
 
 
 @settings(max_examples=40)
@@ -148,12 +107,7 @@ def test_resuming_twice_in_a_row_continues_the_stream(pipeline, data):
     full = run(iter(pipeline))
     first = data.draw(st.integers(0, len(full)))
     second = data.draw(st.integers(0, len(full) - first))
-    loader = iter(pipeline)
-    head = run(loader, first) if first else []
-    resumed = pipeline.iter(state=loader.state_dict())
-    middle = run(resumed, second) if second else []
-    tail = run(pipeline.iter(state=resumed.state_dict()))
-    assert head + middle + tail == full
+    assert_resumes_twice(pipeline, first, second, full)
 
 
 def test_the_full_chain_resumes_at_every_step():
@@ -182,4 +136,4 @@ def test_the_full_chain_resumes_at_every_step():
     )
     full = run(iter(pipeline))
     assert len(full) > 10
-    streams_agree(pipeline, list(range(len(full) + 1)), full)
+    assert_resumes_at(pipeline, list(range(len(full) + 1)), full)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from hypothesis import given, settings
@@ -13,7 +12,9 @@ from pipeline_kit import (
     RunningTotal,
     SplitInChildren,
     WindowShuffle,
-    fingerprint_item,
+    assert_resumes_at,
+    assert_resumes_twice,
+    run,
 )
 
 import zephon
@@ -66,26 +67,12 @@ def pipelines(draw: Any) -> zephon.Pipeline:
 WORKER_KINDS = ["inline", "thread", "process"]
 
 
-def run(loader: zephon.Loader, limit: int | None = None) -> list[tuple]:
-    out = []
-    for item in loader:
-        out.append(fingerprint_item(item))
-        if limit is not None and len(out) == limit:
-            break
-    return out
-
-
 @settings(max_examples=60)
 @given(pipeline=pipelines(), data=st.data())
 def test_resume_at_any_step_continues_the_uninterrupted_stream(pipeline, data):
     full = run(iter(pipeline))
     steps = sorted(set(data.draw(st.lists(st.integers(0, len(full)), min_size=1, max_size=4))))
-    for step in steps:
-        loader = iter(pipeline)
-        head = run(loader, step) if step else []
-        state = json.loads(json.dumps(loader.state_dict()))  # it must survive JSON
-        tail = run(pipeline.iter(state=state))
-        assert head + tail == full, f"resume at step {step} of {len(full)}"
+    assert_resumes_at(pipeline, steps, full)
 
 
 @settings(max_examples=40)
@@ -94,12 +81,7 @@ def test_resuming_twice_in_a_row_continues_the_stream(pipeline, data):
     full = run(iter(pipeline))
     first = data.draw(st.integers(0, len(full)))
     second = data.draw(st.integers(0, len(full) - first))
-    loader = iter(pipeline)
-    head = run(loader, first) if first else []
-    resumed = pipeline.iter(state=loader.state_dict())
-    middle = run(resumed, second) if second else []
-    tail = run(pipeline.iter(state=resumed.state_dict()))
-    assert head + middle + tail == full
+    assert_resumes_twice(pipeline, first, second, full)
 
 
 @settings(max_examples=8)
