@@ -4,6 +4,7 @@ and hold state the way real ones do, through the public operator API only."""
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import numpy as np
@@ -177,3 +178,23 @@ def assert_resumes_twice(pipeline: Any, first: int, second: int, full: list[tupl
     middle = run(resumed, second) if second else []
     tail = run(pipeline.iter(state=resumed.state_dict()))
     assert head + middle + tail == full
+
+
+def run_with_timeout(fn: Any, seconds: float = 30.0) -> Any:
+    """Run ``fn`` in a thread; fail (instead of hanging the suite) when it does not finish."""
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:
+            error.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"did not finish within {seconds}s"
+    if error:
+        raise error[0]
+    return result[0]

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import pickle
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pyarrow.feather as feather
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
+from pipeline_kit import run_with_timeout
 
 import zephon
 from zephon.errors import FetchError
@@ -442,26 +442,6 @@ def test_a_pickled_source_reads_the_same_rows(tmp_path):
 
 
 # --------------------------------------------------------------------------- pipelines
-
-
-def run_with_timeout(fn: Any, seconds: float = 30.0) -> Any:
-    """Run ``fn`` in a thread; fail (instead of hanging the suite) when it does not finish."""
-    result: list[Any] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn())
-        except BaseException as exc:
-            error.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"did not finish within {seconds}s"
-    if error:
-        raise error[0]
-    return result[0]
 
 
 def batch_rows(item: Any) -> list[tuple[int, str, list[float]]]:

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import pickle
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pipeline_kit import run_with_timeout
 
 import zephon
 import zephon.sources.jsonl as jsonl_module
@@ -279,26 +279,6 @@ def test_a_pickled_source_reads_the_same_lines(tmp_path):
 
 
 # --------------------------------------------------------------------------- pipelines
-
-
-def run_with_timeout(fn: Any, seconds: float = 30.0) -> Any:
-    """Run ``fn`` in a thread; fail (instead of hanging the suite) when it does not finish."""
-    result: list[Any] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn())
-        except BaseException as exc:
-            error.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"did not finish within {seconds}s"
-    if error:
-        raise error[0]
-    return result[0]
 
 
 @pytest.mark.parametrize(("shuffle", "lanes"), [(False, 1), (True, 2)])
