@@ -65,6 +65,7 @@ cdef class ChunkTable:
     cdef int _check_idle(self) except -1
     cdef Py_ssize_t _require(self, offset_t chunk_id) except -3
     cdef str _describe_missing(self, offset_t chunk_id)
+    cdef Py_ssize_t _slot_of(self, offset_t chunk_id, offset_t offset) except -2
 
     # Fast paths for Cython callers; same semantics and return codes as the Python methods.
     cdef int c_close(self, offset_t chunk_id, offset_t offset) except -1

@@ -374,48 +374,47 @@ cdef class ChunkTable:
         cdef word_t w, m
         if self._busy:
             self._check_idle()
-        p = self._find(chunk_id)
-        if p >= 0:
-            e = &self._ring[p]
-            if <uint64_t>offset >= <uint64_t>e.n:
-                raise ValueError(
-                    f"offset {offset} is outside [0, {e.n}) of chunk {chunk_id}"
-                )
-            m = (<word_t>1) << (offset & 63)
-            w = e.bits[offset >> 6]
-            if w & m:
-                return OFFSET_CLOSED
-            e.bits[offset >> 6] = w | m
-            if offset < e.wm:
-                return OFFSET_BELOW_WATERMARK
-            e.n_closed += 1
-            self._n_open -= 1
-            return OFFSET_OPEN
-        if p == -1 and offset >= 0:
+        p = self._slot_of(chunk_id, offset)
+        if p < 0:
             return OFFSET_EVICTED
+        e = &self._ring[p]
+        m = (<word_t>1) << (offset & 63)
+        w = e.bits[offset >> 6]
+        if w & m:
+            return OFFSET_CLOSED
+        e.bits[offset >> 6] = w | m
+        if offset < e.wm:
+            return OFFSET_BELOW_WATERMARK
+        e.n_closed += 1
+        self._n_open -= 1
+        return OFFSET_OPEN
+
+    cdef Py_ssize_t _slot_of(self, offset_t chunk_id, offset_t offset) except -2:
+        """Ring slot of an inflight chunk with ``offset`` in range, -1 for an evicted chunk;
+        ValueError for an offset out of range or a chunk this table never held."""
+        cdef Py_ssize_t p = self._find(chunk_id)
+        if p >= 0:
+            if <uint64_t>offset >= <uint64_t>self._ring[p].n:
+                raise ValueError(
+                    f"offset {offset} is outside [0, {self._ring[p].n}) of chunk {chunk_id}"
+                )
+            return p
+        if p == -1 and offset >= 0:
+            return -1
         if p == -1:
             raise ValueError(f"offset {offset} of chunk {chunk_id} is negative")
         raise ValueError(self._describe_missing(chunk_id))
 
     cdef int c_offset_state(self, offset_t chunk_id, offset_t offset) except -1:
-        cdef Py_ssize_t p = self._find(chunk_id)
-        cdef ChunkEntry* e
-        if p >= 0:
-            e = &self._ring[p]
-            if <uint64_t>offset >= <uint64_t>e.n:
-                raise ValueError(
-                    f"offset {offset} is outside [0, {e.n}) of chunk {chunk_id}"
-                )
-            if (e.bits[offset >> 6] >> (offset & 63)) & 1:
-                return OFFSET_CLOSED
-            if offset < e.wm:
-                return OFFSET_BELOW_WATERMARK
-            return OFFSET_OPEN
-        if p == -1 and offset >= 0:
+        cdef Py_ssize_t p = self._slot_of(chunk_id, offset)
+        if p < 0:
             return OFFSET_EVICTED
-        if p == -1:
-            raise ValueError(f"offset {offset} of chunk {chunk_id} is negative")
-        raise ValueError(self._describe_missing(chunk_id))
+        cdef ChunkEntry* e = &self._ring[p]
+        if (e.bits[offset >> 6] >> (offset & 63)) & 1:
+            return OFFSET_CLOSED
+        if offset < e.wm:
+            return OFFSET_BELOW_WATERMARK
+        return OFFSET_OPEN
 
     cdef int c_close_below(self, offset_t chunk_id, offset_t offset) except -1:
         cdef Py_ssize_t pos, i, mask = self._cap - 1
