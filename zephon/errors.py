@@ -1,10 +1,35 @@
-"""The exception hierarchy of Zephon (SPEC §1.6): every error the library raises on purpose."""
+"""The exception hierarchy of Zephon: every error the library raises on purpose.
+
+Every Zephon error can carry where it happened (lane, operator, cursor, pointer, file, ...). The
+runtime adds what it knows as an error crosses it (``add_context``), once, so messages name the
+culprit without each raise site formatting it by hand.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class ZephonError(Exception):
     """Base class of every error Zephon raises on purpose."""
+
+    context: dict[str, Any]
+
+    def add_context(self, **where: Any) -> ZephonError:
+        """Record where the error happened; a field already known is kept, ``None`` is ignored.
+        Returns the error itself, for ``raise err.add_context(lane=3)``."""
+        context = self.__dict__.setdefault("context", {})
+        for key, value in where.items():
+            if value is not None:
+                context.setdefault(key, value)
+        return self
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        context = self.__dict__.get("context")
+        if not context:
+            return text
+        return f"{text}\n  - at " + ", ".join(f"{k} {v!r}" for k, v in context.items())
 
 
 class PlanError(ZephonError):
@@ -44,12 +69,15 @@ class OperatorError(ZephonError):
         self.cursor = cursor
 
     def __reduce__(self):  # keep the named fields when the error crosses a process boundary
-        return (_rebuild_operator_error, (type(self), self.args, self.operator, self.cursor))
+        return (
+            _rebuild_operator_error,
+            (type(self), self.args, self.operator, self.cursor),
+            {"context": dict(self.__dict__.get("context", {}))},
+        )
 
 
 def _rebuild_operator_error(cls, args, operator, cursor):
-    err = cls(*args, operator=operator, cursor=cursor)
-    return err
+    return cls(*args, operator=operator, cursor=cursor)
 
 
 class ContractWarning(UserWarning):

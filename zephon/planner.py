@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -11,13 +10,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from zephon.errors import PlanError
-from zephon.ops.base import Operator, OpTraits
+from zephon.ops.base import Grouper, Operator, OpTraits, PointerReader
+from zephon.plan import WORKER_KINDS, Plan
 
 if TYPE_CHECKING:
     from zephon.runtime.loader import Loader
     from zephon.sources.base import WorkSource
-
-WORKER_KINDS = ("inline", "thread", "process")
 
 
 def _digest(obj: Any) -> str:
@@ -69,58 +67,6 @@ def _rank_from_env() -> tuple[int, int] | None:
                 f"RANK/WORLD_SIZE environment variables are not integers: {exc}"
             ) from None
     return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A validated pipeline: which operator does what, the eviction path, and the fingerprint."""
-
-    source: WorkSource
-    fetch: Operator
-    chain: tuple[Operator, ...]
-    batcher: Operator | None
-    eviction_path: str
-    path_reason: str
-    indexable: bool
-    lanes: int
-    workers: str
-    epoch_chunks: int
-    micro_batch: int
-    prefetch: int
-    deterministic: bool
-    strict: bool
-    rank: int
-    world_size: int
-    fingerprint: str
-    fingerprint_parts: dict[str, Any]
-
-    def describe(self) -> str:
-        """A readable summary: operators, traits, workers, eviction path and why."""
-        lines = [
-            f"Plan {self.fingerprint[:12]}: {self.lanes} lane(s) x workers={self.workers!r}, "
-            f"rank {self.rank}/{self.world_size}, micro-batches of {self.micro_batch}",
-            f"  source: {type(self.source).__name__}",
-        ]
-        for op in (self.fetch, *self.chain, *((self.batcher,) if self.batcher else ())):
-            t = op.traits
-            flags = [
-                "order-preserving" if t.preserves_cursor_order else "reorders",
-                "stateful" if t.stateful else "stateless",
-            ]
-            if t.batch_sensitive:
-                flags.append("batch-sensitive")
-            if t.preserves_indexability:
-                flags.append("indexable")
-            where = " (at delivery)" if op.groups_at_delivery else ""
-            lines.append(f"  - {op.name}{where}: {', '.join(flags)}, workers={t.workers or 1}")
-        lines.append(f"  eviction path: {self.eviction_path} ({self.path_reason})")
-        if self.eviction_path == "epoch":
-            lines.append(f"  epochs of {self.epoch_chunks} chunks per lane")
-        if self.indexable:
-            lines.append(
-                "  restore skips consumed samples at the source (every operator indexable)"
-            )
-        return "\n".join(lines)
 
 
 class Pipeline:
@@ -183,9 +129,15 @@ class Pipeline:
                 )
             if op.consumes_pointers and i != 0:
                 raise PlanError(f"{label} reads pointers and must be the first operator")
+            if op.consumes_pointers and not isinstance(op, PointerReader):
+                raise PlanError(f"{label} reads pointers but lacks bind()/fetch() (PointerReader)")
             if op.groups_at_delivery and i != len(ops) - 1:
                 raise PlanError(
                     f"{label} groups records into batches and must be the last operator"
+                )
+            if op.groups_at_delivery and not isinstance(op, Grouper):
+                raise PlanError(
+                    f"{label} groups records but lacks batch_size/drop_remainder/collate (Grouper)"
                 )
             workers = op.traits.workers or 1
             if self.deterministic and op.traits.stateful and workers > 1:
@@ -195,8 +147,8 @@ class Pipeline:
                 )
         if not ops[0].consumes_pointers:
             raise PlanError(f"the first operator must be fetch, got {ops[0].name!r}")
-        fetch_op = ops[0]
-        batcher = ops[-1] if len(ops) > 1 and ops[-1].groups_at_delivery else None
+        fetch_op: Any = ops[0]
+        batcher: Any = ops[-1] if len(ops) > 1 and ops[-1].groups_at_delivery else None
         chain = tuple(ops[1 : len(ops) - (1 if batcher else 0)])
 
         reorder = [op.name for op in chain if not op.traits.preserves_cursor_order]
@@ -237,6 +189,8 @@ class Pipeline:
             world_size=world_size,
             fingerprint=_digest(parts),
             fingerprint_parts=parts,
+            batch_sensitive=any(op.traits.batch_sensitive for op in chain),
+            counted_tags=tuple(dict.fromkeys(tag for op in ops for tag in op.counted_tags)),
         )
 
     def _fingerprint_parts(self, world_size: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The compiled delivery bookkeeping (zephon/_core/delivery.pyx): counters, the replay window,
-the batch gatherer, and the callbacks through which contract violations reach Python."""
+the batch gatherer, and the violations it returns as values instead of calling back."""
 
 from __future__ import annotations
 
@@ -23,22 +23,16 @@ def roots(chunk_id: int, n: int, components: list[Any] | None = None) -> list[Sa
     return records_for_chunk(chunk_id, pointers, [{"i": i} for i in range(n)], 0, comps)
 
 
-class Calls:
-    """Records what the book hands back to Python."""
+def make_book(table: ChunkTable, monotone: bool = True) -> DeliveryBook:
+    return DeliveryBook(table, monotone, DeliveryCounters())
 
-    def __init__(self) -> None:
-        self.early: list[tuple[SampleCursor, int]] = []
-        self.order: list[tuple[SampleCursor, SampleCursor]] = []
-        self.controls: list[Any] = []
 
-    def book(self, table: ChunkTable, monotone: bool = True) -> DeliveryBook:
-        return DeliveryBook(
-            table,
-            monotone,
-            DeliveryCounters(),
-            lambda rec, cursor, state: self.early.append((cursor, state)),
-            lambda cursor, last: self.order.append((cursor, last)),
-        )
+def early_closes(book: DeliveryBook) -> list[tuple[SampleCursor, int]]:
+    return [(v[2], v[3]) for v in book.violations if v[0] == "early-close"]
+
+
+def order_reports(book: DeliveryBook) -> list[tuple[SampleCursor, SampleCursor]]:
+    return [(v[1], v[2]) for v in book.violations if v[0] == "order"]
 
 
 def naive_mixture(metas: list[SampleMeta]) -> tuple[dict, dict]:
@@ -82,22 +76,23 @@ def test_mixture_counters_equal_counting_record_by_record_in_insertion_order(spe
     assert counters.delivered == len(metas_)
 
 
-def test_tombstones_tagged_for_the_mixture_are_counted_apart():
+def test_tombstones_with_a_counted_tag_are_counted_per_tag():
     counters = DeliveryCounters()
-    counters.drop_tag = "mixture_dropped"
+    counters.counted_tags = frozenset({"mixture_dropped"})
     cursor = SampleCursor(0, 0, (0, 0, 0))
     counters.count_tombstone(SampleMeta(cursor, is_tombstone=True))
     counters.count_tombstone(SampleMeta(cursor, is_tombstone=True, tags={"mixture_dropped"}))
-    assert (counters.tombstones, counters.mixture_dropped) == (2, 1)
+    counters.count_tombstone(SampleMeta(cursor, is_tombstone=True, tags={"other"}))
+    assert counters.tombstones == 3
+    assert counters.tag_counts == {"mixture_dropped": 1}
 
 
 def test_a_delivered_batch_closes_its_offsets_and_fills_the_window_per_chunk():
-    calls = Calls()
     table = ChunkTable()
-    book = calls.book(table)
+    book = make_book(table)
     table.open_chunk(0, 0, 4, 0)
     records = roots(0, 4)
-    assert book.deliver(records[:3], calls.controls.append) == 3
+    assert book.deliver(records[:3]) == 3
     assert table.open_offsets(0).tolist() == [3]
     count, digest = book.window_totals()
     assert count == 3
@@ -107,65 +102,58 @@ def test_a_delivered_batch_closes_its_offsets_and_fills_the_window_per_chunk():
 
 
 def test_the_window_forgets_a_chunk_when_the_watermark_evicts_it():
-    calls = Calls()
     table = ChunkTable()
-    book = calls.book(table)
+    book = make_book(table)
     table.open_chunk(0, 0, 2, 0)
     table.open_chunk(1, 1, 2, 0)
-    book.deliver([*roots(0, 2), *roots(1, 1)], calls.controls.append)
+    book.deliver([*roots(0, 2), *roots(1, 1)])
     assert table.inflight_chunk_ids().tolist() == [1]
     assert book.window_len == 1
     assert book.window_totals()[0] == 1
     assert book.counters.evicted == 1
 
 
-def test_control_items_are_handed_back_in_their_place():
-    calls = Calls()
+def test_delivery_stops_before_a_control_item_and_goes_on_from_there():
     table = ChunkTable()
-    book = calls.book(table)
-    seen: list[Any] = []
-
-    def on_control(item: Any) -> None:
-        seen.append((item, table.n_inflight, book.counters.delivered))
-        table.open_chunk(item.chunk_id, item.local_index, item.n_offsets, item.epoch)
-
+    book = make_book(table)
     table.open_chunk(0, 0, 2, 0)
     opened = ChunkOpened(1, 1, 2, 0)
-    book.deliver([*roots(0, 2), opened, *roots(1, 2)], on_control)
-    assert seen == [(opened, 1, 2)]
+    items = [*roots(0, 2), opened, *roots(1, 2)]
+    assert book.deliver(items) == 2
+    assert (table.n_inflight, book.counters.delivered) == (1, 2)
+    table.open_chunk(opened.chunk_id, opened.local_index, opened.n_offsets, opened.epoch)
+    assert book.deliver(items, 3) == len(items)
+    assert book.counters.delivered == 4
 
 
 def test_a_tombstone_closes_without_moving_the_replay_cursor():
-    calls = Calls()
     table = ChunkTable()
-    book = calls.book(table, monotone=False)
+    book = make_book(table, monotone=False)
     table.open_chunk(0, 0, 3, 0)
     first, dropped, last = roots(0, 3)
-    book.deliver([first, *tombstones_for_record(dropped), last], calls.controls.append)
+    book.deliver([first, *tombstones_for_record(dropped), last])
     assert table.is_complete(0)
     assert book.last_cursor == last.meta.cursor
     assert (book.counters.delivered, book.counters.tombstones) == (2, 1)
 
 
-def test_closing_an_offset_twice_is_reported_through_the_callback():
-    calls = Calls()
+def test_closing_an_offset_twice_is_returned_as_a_violation():
     table = ChunkTable()
-    book = calls.book(table, monotone=False)
+    book = make_book(table, monotone=False)
     table.open_chunk(0, 0, 2, 0)
     rec = roots(0, 1)[0]
     book.record(rec)
     book.record(rec)
-    assert calls.early == [(rec.meta.cursor, CLOSED)]
+    assert early_closes(book) == [(rec.meta.cursor, CLOSED)]
 
 
 def test_a_record_behind_the_previous_one_is_reported_on_the_monotone_path():
-    calls = Calls()
     table = ChunkTable()
-    book = calls.book(table)
+    book = make_book(table)
     table.open_chunk(0, 0, 3, 0)
     a, b, c = roots(0, 3)
-    book.deliver([a, c, b], calls.controls.append)
-    assert calls.order == [(b.meta.cursor, c.meta.cursor)]
+    book.deliver([a, c, b])
+    assert order_reports(book) == [(b.meta.cursor, c.meta.cursor)]
 
 
 def test_gather_fills_a_batch_and_keeps_trailing_control_items_with_it():

@@ -18,11 +18,11 @@ cdef struct WindowEntry:
 cdef class DeliveryCounters:
     cdef public offset_t delivered
     cdef public offset_t tombstones
-    cdef public offset_t mixture_dropped
     cdef public offset_t evicted
     cdef public dict mix_samples        # component -> delivered samples
     cdef public dict mix_tokens         # component -> delivered tokens
-    cdef public object drop_tag         # the tag of tombstones dropped for the mixture
+    cdef public frozenset counted_tags  # tombstone tags operators want counted
+    cdef public dict tag_counts         # tag -> delivered tombstones carrying it
     cdef object _run_component          # plain records counted but not yet in mix_samples
     cdef offset_t _run_n
 
@@ -38,8 +38,7 @@ cdef class DeliveryBook:
     cdef readonly DeliveryCounters counters
     cdef public SampleCursor last_cursor     # the replay cursor: last real record delivered
     cdef public offset_t epochs_done         # epoch path: epochs whose marker was processed
-    cdef object on_early_close
-    cdef object on_order
+    cdef readonly list violations            # broken contracts, as plain tuples, in order
     cdef offset_t _low_chunk                 # monotone: chunk of the watermark
     cdef WindowEntry* _window
     cdef Py_ssize_t _wlen

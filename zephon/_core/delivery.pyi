@@ -1,6 +1,6 @@
 """Typed stub of the compiled delivery bookkeeping (zephon/_core/delivery.pyx)."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -15,11 +15,11 @@ class DeliveryCounters:
 
     delivered: int
     tombstones: int
-    mixture_dropped: int
     evicted: int
     mix_samples: dict[Any, int]
     mix_tokens: dict[Any, int]
-    drop_tag: str | None
+    counted_tags: frozenset[Any]
+    tag_counts: dict[Any, int]
     def __init__(self) -> None: ...
     def flush(self) -> None: ...
     def count_delivered(self, meta: SampleMeta) -> None: ...
@@ -33,14 +33,8 @@ class DeliveryBook:
     counters: DeliveryCounters
     last_cursor: SampleCursor | None
     epochs_done: int
-    def __init__(
-        self,
-        table: ChunkTable,
-        monotone: bool,
-        counters: DeliveryCounters,
-        on_early_close: Callable[[SampleRecord, SampleCursor, int], None],
-        on_order: Callable[[SampleCursor, SampleCursor], None],
-    ) -> None: ...
+    violations: list[tuple[Any, ...]]
+    def __init__(self, table: ChunkTable, monotone: bool, counters: DeliveryCounters) -> None: ...
     def window_push(self, unit: int, count: int, digest: int) -> None: ...
     def window_clear(self) -> None: ...
     def window_totals(self) -> tuple[int, int]: ...
@@ -49,7 +43,7 @@ class DeliveryBook:
     def note_evicted(self, chunk_ids: npt.NDArray[np.int64] | Sequence[int]) -> None: ...
     def record(self, rec: SampleRecord, count: bool = True) -> None: ...
     def tombstone(self, tomb: SampleRecord, count: bool = True) -> None: ...
-    def deliver(self, items: list[Any], on_control: Callable[[Any], None]) -> int: ...
+    def deliver(self, items: list[Any], start: int = 0, stop: int = -1) -> int: ...
 
 def gather(
     buf: list[Any],

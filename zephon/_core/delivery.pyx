@@ -1,11 +1,11 @@
-"""Delivery bookkeeping, compiled (SPEC §3.1–3.3): what every record handed to the training loop
-does to its lane's chunk table, replay window and counters.
+"""Delivery bookkeeping, compiled: what every record handed to the training loop does to its
+lane's chunk table, replay window and counters.
 
 This runs once per delivered record, so it lives in C: closing contributors in the chunk table,
 the monotone watermark and eviction, the replay window (count and digest of delivered cursors)
-and the run's counters. Whole batches go through at once (`DeliveryBook.deliver`). What needs
-Python (contract violations, control items) is handed back through callbacks at the exact point
-in the stream where it happens, so the order of effects is the same as one record at a time.
+and the run's counters. Whole runs of records go through at once (`DeliveryBook.deliver`).
+Nothing here calls back into Python: broken contracts are appended to `DeliveryBook.violations`
+as plain tuples, in stream order, for the caller to report after the call.
 """
 
 cimport cython
@@ -31,7 +31,7 @@ cdef inline int _add_count(dict totals, object key, object n) except -1:
 
 @cython.final
 cdef class DeliveryCounters:
-    """The run's delivery counters, shared by the lanes of one loader (SPEC §1.5 ``stats()``).
+    """The run's delivery counters, shared by the lanes of one loader (what ``stats()`` reports).
 
     Per-component sample counts of plain records are gathered in runs of one component and added
     to ``mix_samples`` when the component changes; ``flush()`` adds the open run, and readers of
@@ -41,7 +41,8 @@ cdef class DeliveryCounters:
     def __cinit__(self):
         self.mix_samples = {}
         self.mix_tokens = {}
-        self.drop_tag = None
+        self.counted_tags = frozenset()
+        self.tag_counts = {}
         self._run_component = None
         self._run_n = 0
 
@@ -76,10 +77,12 @@ cdef class DeliveryCounters:
             self._run_n += 1
 
     cpdef count_tombstone(self, SampleMeta meta):
-        """A tombstone was delivered; those dropped for the mixture are counted apart."""
+        """A tombstone was delivered; its counted tags are counted per tag."""
         self.tombstones += 1
-        if self.drop_tag is not None and self.drop_tag in meta.tags:
-            self.mixture_dropped += 1
+        if self.counted_tags and meta.tags:
+            for tag in meta.tags:
+                if tag in self.counted_tags:
+                    _add_count(self.tag_counts, tag, 1)
 
 
 @cython.final
@@ -89,8 +92,8 @@ cdef class DeliveryBook:
     Invariants: offsets close only through delivered records and tombstones (and the watermark on
     the monotone path); the window holds one ``(unit, count, digest)`` entry per chunk (monotone)
     or epoch (epoch path) with delivered records that is still retained, so it never grows with
-    the length of the run. ``on_early_close(record, contributor_cursor, state)`` and
-    ``on_order(cursor, previous_cursor)`` are called where a contract is broken.
+    the length of the run. A broken contract appends ``("early-close", record, contributor_cursor,
+    state)`` or ``("order", cursor, previous_cursor)`` to ``violations``.
     """
 
     def __cinit__(self):
@@ -98,13 +101,11 @@ cdef class DeliveryBook:
         self._wlen = 0
         self._wcap = 0
 
-    def __init__(self, ChunkTable table not None, bint monotone, DeliveryCounters counters not None,
-                 on_early_close, on_order):
+    def __init__(self, ChunkTable table not None, bint monotone, DeliveryCounters counters not None):
         self.table = table
         self.monotone = monotone
         self.counters = counters
-        self.on_early_close = on_early_close
-        self.on_order = on_order
+        self.violations = []
         self.last_cursor = None
         self.epochs_done = 0
         self._low_chunk = -1
@@ -199,7 +200,7 @@ cdef class DeliveryBook:
         if meta.contributors is None:
             state = table.c_close(cursor.chunk_id, cursor.chunk_offset)
             if state == OFFSET_CLOSED or state == OFFSET_EVICTED:
-                self.on_early_close(rec, cursor, state)
+                self.violations.append(("early-close", rec, cursor, state))
             low_chunk = cursor.chunk_id
             low_offset = cursor.chunk_offset
         else:
@@ -216,7 +217,7 @@ cdef class DeliveryBook:
                     # record; eviction waits for the epoch marker, so only evicted chunks matter.
                     state = OFFSET_EVICTED if table._find(c.chunk_id) == -1 else 0
                 if state == OFFSET_CLOSED or state == OFFSET_EVICTED:
-                    self.on_early_close(rec, c, state)
+                    self.violations.append(("early-close", rec, c, state))
                 if low_chunk < 0 or c.chunk_id < low_chunk or (
                     c.chunk_id == low_chunk and c.chunk_offset < low_offset
                 ):
@@ -227,7 +228,7 @@ cdef class DeliveryBook:
         if self.monotone and low_chunk >= 0:
             last = self.last_cursor
             if last is not None and cursor.cmp(last) < 0:
-                self.on_order(cursor, last)
+                self.violations.append(("order", cursor, last))
             table.c_close_below(low_chunk, low_offset)
             if low_chunk != self._low_chunk:
                 self._low_chunk = low_chunk
@@ -261,22 +262,24 @@ cdef class DeliveryBook:
         """Close the closing contributors of a delivered (``count``) or swallowed tombstone."""
         self._tombstone(tomb, count)
 
-    def deliver(self, list items not None, on_control):
-        """Bookkeeping for everything a batch hands over, in stream order: real records and
-        tombstones here, anything else through ``on_control(item)``. Returns the real records."""
-        cdef Py_ssize_t n = 0
+    def deliver(self, list items not None, Py_ssize_t start=0, Py_ssize_t stop=-1):
+        """Bookkeeping for ``items[start:stop]`` handed over, in stream order: real records and
+        tombstones. Stops before the first item that is neither and returns its index (``stop``
+        when there is none), so the caller handles control items where they are."""
+        cdef Py_ssize_t i, n = len(items)
         cdef SampleRecord rec
-        for item in items:
-            if type(item) is SampleRecord:
-                rec = <SampleRecord>item
-                if rec.meta.is_tombstone:
-                    self._tombstone(rec, True)
-                else:
-                    self._record(rec, True)
-                    n += 1
+        if stop < 0 or stop > n:
+            stop = n
+        for i in range(start, stop):
+            item = items[i]
+            if type(item) is not SampleRecord:
+                return i
+            rec = <SampleRecord>item
+            if rec.meta.is_tombstone:
+                self._tombstone(rec, True)
             else:
-                on_control(item)
-        return n
+                self._record(rec, True)
+        return stop
 
 
 def gather(list buf not None, Py_ssize_t pos, list pending not None, Py_ssize_t n_pending,

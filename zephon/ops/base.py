@@ -1,16 +1,27 @@
-"""The operator API (SPEC §1.3): what the planner and the lane runner know about an operator."""
+"""The operator API: what the planner and the lane runner know about an operator, and the two
+roles the runtime asks of special operators (the pointer reader in front, the grouper at the
+end)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
+from zephon.errors import OperatorError
 from zephon.types import SampleRecord
 
-__all__ = ["OpTraits", "Operator", "describe_value", "epoch_rng"]
+__all__ = [
+    "Grouper",
+    "OpTraits",
+    "Operator",
+    "PointerReader",
+    "describe_value",
+    "epoch_rng",
+    "record_error",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +56,8 @@ class Operator:
     consumes_pointers: ClassVar[bool] = False
     #: True only for ``batch``: it groups records at delivery and must come last.
     groups_at_delivery: ClassVar[bool] = False
+    #: Tombstone tags whose delivered count ``Loader.stats()`` reports under the tag's name.
+    counted_tags: ClassVar[tuple[str, ...]] = ()
 
     lane_id: int = 0
     epoch: int = 0
@@ -113,6 +126,46 @@ def describe_value(value: Any) -> Any:
         qualname = getattr(value, "__qualname__", None) or type(value).__qualname__
         return f"{module}.{qualname}"
     return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def record_error(op: Operator, record: SampleRecord, exc: BaseException) -> OperatorError:
+    """An ``OperatorError`` naming the operator, the record's cursor and its sample id."""
+    cursor = record.meta.cursor
+    return OperatorError(
+        f"operator {op.name!r} failed on record {cursor!r} (sample_id={cursor.sample_id}): "
+        f"{type(exc).__name__}: {exc}",
+        operator=op.name,
+        cursor=cursor,
+    )
+
+
+@runtime_checkable
+class PointerReader(Protocol):
+    """The role of the first operator (``consumes_pointers = True``): it turns a chunk's pointer
+    rows into records. Each lane works on its own copy, bound to the pipeline's source."""
+
+    def bind(self, source: Any) -> None:
+        """Attach the pipeline's source before the lane's first chunk."""
+
+    def fetch(self, chunk_id: int, pointers: np.ndarray, first_offset: int) -> list[SampleRecord]:
+        """Records for rows ``first_offset ..`` of chunk ``chunk_id``: the i-th record's cursor is
+        ``SampleCursor(chunk_id, first_offset + i, pointer_i, ())``."""
+        ...
+
+
+@runtime_checkable
+class Grouper(Protocol):
+    """The role of the last operator (``groups_at_delivery = True``): delivery groups each lane's
+    records into batches of ``batch_size`` and hands them over with ``collate``'s payload.
+    With ``drop_remainder`` a lane's last short batch is dropped (its records' tombstones close
+    their offsets) instead of delivered."""
+
+    batch_size: int
+    drop_remainder: bool
+
+    def collate(self, records: list[SampleRecord]) -> Any:
+        """The payload of a batch of records."""
+        ...
 
 
 def epoch_rng(seed: int, lane_id: int, epoch: int) -> np.random.Generator:

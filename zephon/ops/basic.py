@@ -9,23 +9,20 @@ from typing import Any
 import numpy as np
 
 from zephon._core.records import map_payloads, records_for_chunk
-from zephon.errors import FetchError, OperatorError
-from zephon.ops.base import Operator, OpTraits
+from zephon.errors import FetchError
+from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import tombstones_for_record
 from zephon.types import SampleRecord
 
-__all__ = ["Fetch", "FilterRecords", "MapTransform", "fetch", "filter_records", "map_transform"]
-
-
-def record_error(op: Operator, record: SampleRecord, exc: BaseException) -> OperatorError:
-    """An ``OperatorError`` naming the operator, the record's cursor and its sample id."""
-    cursor = record.meta.cursor
-    return OperatorError(
-        f"operator {op.name!r} failed on record {cursor!r} (sample_id={cursor.sample_id}): "
-        f"{type(exc).__name__}: {exc}",
-        operator=op.name,
-        cursor=cursor,
-    )
+__all__ = [
+    "Fetch",
+    "FilterRecords",
+    "MapTransform",
+    "fetch",
+    "filter_records",
+    "map_transform",
+    "record_error",
+]
 
 
 class Fetch(Operator):

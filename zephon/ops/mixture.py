@@ -66,6 +66,7 @@ class EnsureMixture(Operator):
 
     name = "ensure_mixture"
     traits = OpTraits(preserves_cursor_order=False, stateful=True)
+    counted_tags = (MIXTURE_DROP_TAG,)
 
     def __init__(
         self,

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from zephon.errors import CheckpointCorruptError, CheckpointMismatchError
-from zephon.types import SampleCursor
 
 STATE_FORMAT = "zephon-loader-state"
 STATE_VERSION = 1
@@ -50,9 +49,12 @@ def unseal(state: Any) -> dict[str, Any]:
     return body
 
 
-def check_identity(state: dict[str, Any], parts: dict[str, Any], rank: int) -> None:
-    """``CheckpointMismatchError`` naming what differs between the state and this pipeline."""
-    saved = state.get("pipeline", {})
+def check_identity(state: dict[str, Any], plan: Any) -> None:
+    """``CheckpointMismatchError`` naming each field in which ``state`` and ``plan`` differ."""
+    saved = state.get("pipeline")
+    if not isinstance(saved, dict):
+        raise CheckpointCorruptError("loader state field pipeline must be an object")
+    parts = plan.fingerprint_parts
     differs = [
         f"{key} (checkpoint {saved.get(key)!r}, pipeline {value!r})"
         if key in ("lanes", "epoch_chunks", "micro_batch", "world_size")
@@ -60,30 +62,19 @@ def check_identity(state: dict[str, Any], parts: dict[str, Any], rank: int) -> N
         for key, value in parts.items()
         if saved.get(key) != value
     ]
-    if state.get("rank") != rank:
-        differs.append(f"rank (checkpoint {state.get('rank')!r}, pipeline {rank!r})")
+    differs += [f"{key} (checkpoint only)" for key in saved if key not in parts]
+    for key in ("rank", "world_size", "lanes"):
+        value = state.get(key)
+        if type(value) is not int or value != getattr(plan, key):
+            differs.append(f"{key} (checkpoint {value!r}, pipeline {getattr(plan, key)!r})")
     if differs:
         raise CheckpointMismatchError(
             "checkpoint was taken from a different pipeline: " + "; ".join(differs) + " differ"
         )
-
-
-def encode_cursor(cursor: SampleCursor | None) -> list | None:
-    if cursor is None:
-        return None
-    return [cursor.chunk_id, cursor.chunk_offset, list(cursor.sample_id), list(cursor.lineage)]
-
-
-def decode_cursor(value: Any) -> SampleCursor | None:
-    if value is None:
-        return None
-    try:
-        chunk_id, offset, sample_id, lineage = value
-        return SampleCursor(chunk_id, offset, tuple(sample_id), tuple(lineage))
-    except (TypeError, ValueError) as exc:
+    if state.get("fingerprint") != plan.fingerprint:
         raise CheckpointCorruptError(
-            f"bad replay cursor {value!r} in loader state: {exc}"
-        ) from None
+            "loader state fingerprint does not match its own pipeline description: it was edited"
+        )
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:

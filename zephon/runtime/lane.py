@@ -1,6 +1,6 @@
 """The lane runner: one lane's chunks through its operator chain, as a stream of item lists.
 
-A lane takes the chunk positions dealt to it (SPEC §2), announces each chunk, fetches it in
+A lane takes the chunk positions dealt to it, announces each chunk, fetches it in
 count-based micro-batches, and pushes them through the operators. Control items and tombstones
 travel with the records and keep their place: an operator only ever sees runs of real records.
 On the epoch path every ``epoch_chunks`` chunks end an epoch: each operator processes what it
@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from zephon._core.records import count_closing, next_control
-from zephon.errors import OperatorError, ZephonError
-from zephon.ops.base import Operator
-from zephon.ops.basic import record_error
-from zephon.planner import Plan
+from zephon.errors import FetchError, OperatorError, ZephonError
+from zephon.ops.base import Operator, record_error
+from zephon.plan import Plan
 from zephon.runtime.control import LANE_END, ChunkOpened, EpochEnd, OverClose
+from zephon.runtime.state import LaneGeometry
 from zephon.types import SampleRecord
 
 
@@ -30,10 +30,17 @@ def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}[#{i}]" for i, n in enumerate(names)]
 
 
+def lane_geometry(plan: Plan, lane_id: int) -> LaneGeometry:
+    """The chunk positions (and chunk ids) lane ``lane_id`` of this rank takes: every
+    ``world_size * lanes``-th position, starting from the lane's place among all ranks' lanes."""
+    return LaneGeometry(
+        plan.rank * plan.lanes + lane_id, plan.world_size * plan.lanes, plan.source.total_chunks()
+    )
+
+
 def chunk_position(plan: Plan, lane_id: int, local_index: int) -> int:
-    """The global chunk position (and chunk id) of a lane's ``local_index``-th chunk (SPEC §2)."""
-    stride = plan.world_size * plan.lanes
-    return plan.rank * plan.lanes + lane_id + local_index * stride
+    """The global chunk position (and chunk id) of a lane's ``local_index``-th chunk."""
+    return plan.rank * plan.lanes + lane_id + local_index * plan.world_size * plan.lanes
 
 
 class LaneRunner:
@@ -109,7 +116,7 @@ class LaneRunner:
             start = first
             while start < n:
                 stop = min(n, (start // mb + 1) * mb)  # boundaries stay aligned after a skip
-                records = self.fetch.fetch(position, chunk.pointers[start:stop], start)
+                records = self._fetch(position, chunk.pointers[start:stop], start)
                 out = self._push(0, records)
                 if out:
                     yield out
@@ -127,6 +134,18 @@ class LaneRunner:
             if out:
                 yield out
         yield [LANE_END]
+
+    def _fetch(self, position: int, pointers: Any, start: int) -> list[SampleRecord]:
+        try:
+            return self.fetch.fetch(position, pointers, start)
+        except ZephonError as exc:
+            raise exc.add_context(lane=self.lane_id, chunk=position) from exc.__cause__
+        except Exception as exc:
+            first = pointers[0].tolist() if len(pointers) else None
+            raise FetchError(
+                f"reading {len(pointers)} samples of chunk {position} failed: "
+                f"{type(exc).__name__}: {exc}"
+            ).add_context(lane=self.lane_id, chunk=position, pointer=first) from exc
 
     def _start_epoch(self, epoch: int) -> None:
         self.fetch.start_epoch(self.lane_id, epoch)
@@ -166,10 +185,10 @@ class LaneRunner:
                 out = self._pooled(j, records)
             else:
                 out = op.process_many(records)
-        except ZephonError:
-            raise
+        except ZephonError as exc:
+            raise exc.add_context(lane=self.lane_id, operator=self.labels[j]) from exc.__cause__
         except Exception as exc:
-            raise self._locate_error(op, records, exc) from exc
+            raise self._locate_error(op, records, exc).add_context(lane=self.lane_id) from exc
         return self._audit(j, records, out)
 
     def _pooled(self, j: int, records: list[SampleRecord]) -> list:
@@ -203,7 +222,9 @@ class LaneRunner:
             return [OverClose(self.labels[j]), *emitted]
         return emitted
 
-    def _locate_error(self, op: Operator, records: list[SampleRecord], exc: Exception) -> Exception:
+    def _locate_error(
+        self, op: Operator, records: list[SampleRecord], exc: Exception
+    ) -> OperatorError:
         culprit = records[0]
         if not op.traits.stateful:  # safe to rerun: find the record that fails
             for rec in records:

@@ -1,90 +1,127 @@
-"""The loader: round-robin delivery over lanes, stats, and the checkpoint state (SPEC §1.5, §2)."""
+"""The loader: round-robin delivery over the lanes, stats, and the checkpoint state.
+
+A loader owns one ``LaneDelivery`` per lane and hands the training loop one item per lane in turn,
+skipping lanes that ended. A state always describes the position after the last item handed
+over, whatever happened since (an error, ``close()``, an interrupt): ``state_dict()`` may be
+called at any time, from any thread, and waits for a ``next()`` in progress to finish.
+"""
 
 from __future__ import annotations
 
-import warnings
+import threading
 from collections.abc import Hashable
 from typing import Any
 
 from zephon._core.delivery import DeliveryCounters
-from zephon.errors import CheckpointCorruptError, CheckpointError, ContractWarning
-from zephon.ops.mixture import MIXTURE_DROP_TAG
-from zephon.planner import Plan
+from zephon.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ContractViolation,
+    ZephonError,
+)
+from zephon.plan import Plan
 from zephon.runtime.checkpoint import STATE_FORMAT, STATE_VERSION, check_identity, seal, unseal
+from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
-from zephon.types import SampleMeta
+from zephon.runtime.state import COUNTERS, check_int, check_pairs, corrupt
 
-_COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "mixture_dropped")
-
-
-def _counter(name: str) -> property:
-    """A loader counter kept in the compiled ``DeliveryCounters`` the lanes' bookkeeping updates."""
-
-    def get(self: Loader) -> int:
-        return getattr(self.counts, name)
-
-    def set_(self: Loader, value: int) -> None:
-        setattr(self.counts, name, value)
-
-    return property(get, set_, doc=f"The run's ``{name}`` counter.")
+_STATE_KEYS = frozenset(
+    {
+        "format",
+        "version",
+        "fingerprint",
+        "pipeline",
+        "rank",
+        "world_size",
+        "lanes",
+        "next_lane",
+        "lane_states",
+        "counters",
+        "tag_counts",
+        "mixture",
+    }
+)
 
 
 class Loader:
     """An iterator over what the training loop consumes: ``SampleBatch``es when the pipeline ends
-    in ``batch``, else ``SampleRecord``s. Tombstones are never delivered.
+    in a grouper (``batch``), else ``SampleRecord``s. Tombstones are never delivered.
 
-    ``state_dict()`` is valid between any two ``next()`` calls; a loader built with it continues
-    exactly where it was taken.
+    After an error, ``next()`` keeps raising (the loader does not pretend the stream ended) until
+    it is closed; a closed loader raises ``ZephonError`` rather than ending quietly.
     """
-
-    delivered = _counter("delivered")
-    tombstones = _counter("tombstones")
-    evicted = _counter("evicted")
-    mixture_dropped = _counter("mixture_dropped")
 
     def __init__(self, plan: Plan):
         self.plan = plan
         self.counts = DeliveryCounters()
-        self.counts.drop_tag = MIXTURE_DROP_TAG
-        self.replayed = 0
-        self.violations = 0
+        self.counts.counted_tags = frozenset(plan.counted_tags)
+        self.policy = ContractPolicy(plan.strict)
+        self.restored_replayed = 0
         self.max_inflight = 0
-        self._warned: set[tuple] = set()
+        self.next_lane = 0
+        self.lanes = [LaneDelivery(plan, lane, self.counts) for lane in range(plan.lanes)]
+        self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
         self._closed = False
-        self.next_lane = 0
-        self.lanes = [LaneDelivery(self, lane) for lane in range(plan.lanes)]
+        self._failure: BaseException | None = None
+        self._untrusted: BaseException | None = None  # bookkeeping stopped half-way
 
     # ----------------------------------------------------------------------------- iteration
     def __iter__(self) -> Loader:
         return self
 
     def __next__(self) -> Any:  # SampleBatch when the pipeline ends in batch, else SampleRecord
-        if self._closed:
+        with self._lock:
+            if self._failure is not None:
+                raise ZephonError(
+                    f"this loader failed earlier ({type(self._failure).__name__}: "
+                    f"{self._failure}); its state_dict() still says where it was"
+                ) from self._failure
+            if self._closed:
+                if all(lane.ended for lane in self.lanes):
+                    raise StopIteration
+                raise ZephonError(
+                    "this loader was closed; resume from its state_dict() with pipeline.iter()"
+                )
+            lanes = self.lanes
+            if not self._started:
+                self._started = True
+                for lane in lanes:  # every lane's worker starts working at once
+                    if not lane.ended:
+                        lane.feed.start()
+            n = len(lanes)
+            try:
+                for _ in range(n):  # one full round at most: each lane delivers or has ended
+                    lane = lanes[self.next_lane]
+                    out = lane.next_delivery()
+                    self.next_lane = (self.next_lane + 1) % n
+                    if lane.book.found:
+                        self.policy.report(lane.book.take_violations())
+                    if out is not None:
+                        inflight = sum(lane.book.table.n_inflight for lane in lanes)
+                        if inflight > self.max_inflight:
+                            self.max_inflight = inflight
+                        return out
+            except BaseException as exc:
+                self._fail(exc)
+                raise
             raise StopIteration
-        lanes = self.lanes
-        if not self._started:
-            self._started = True
-            for lane in lanes:  # every lane's worker starts working at once
-                lane.start()
-        n = len(lanes)
-        try:
-            for _ in range(n):  # one full round at most: each lane delivers or has ended
-                lane = lanes[self.next_lane]
-                self.next_lane = (self.next_lane + 1) % n
-                out = lane.next_delivery()
-                if out is not None:
-                    return out
-        except BaseException:
-            self.close()
-            raise
-        raise StopIteration
 
-    def close(self) -> None:
-        """Stop every lane; the loader delivers nothing afterwards."""
-        self._closed = True
+    def _fail(self, exc: BaseException) -> None:
+        if isinstance(exc, ContractViolation):
+            self._untrusted = exc
+        self._failure = exc
+        self._stop_lanes()
+
+    def _stop_lanes(self) -> None:
         for lane in self.lanes:
             lane.close()
+
+    def close(self) -> None:
+        """Stop every lane's worker. The state still describes the last item handed over."""
+        with self._lock:
+            self._closed = True
+            self._stop_lanes()
 
     def __enter__(self) -> Loader:
         return self
@@ -104,88 +141,115 @@ class Loader:
         """Delivered tokens per mixture component (records that carry token counts)."""
         return self.counts.mix_tokens
 
-    def count_delivered(self, meta: SampleMeta) -> None:
-        self.counts.count_delivered(meta)
-
-    def count_tombstone(self, meta: SampleMeta) -> None:
-        self.counts.count_tombstone(meta)
-
-    def count_violation(self, key: tuple, text: str) -> None:
-        self.violations += 1
-        warn_key = (key[0], key[1], key[3])  # one warning per kind, operator and epoch
-        if warn_key not in self._warned:
-            self._warned.add(warn_key)
-            warnings.warn(text, ContractWarning, stacklevel=5)
-
-    def note_inflight(self) -> None:
-        inflight = sum(lane.table.n_inflight for lane in self.lanes)
-        if inflight > self.max_inflight:
-            self.max_inflight = inflight
+    @property
+    def replayed(self) -> int:
+        """Records swallowed by the replay filter since the first restore of this run."""
+        return self.restored_replayed + sum(lane.replayed for lane in self.lanes)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the run (SPEC §1.5); ``mixture`` is the realized share per component of
-        delivered tokens, or of delivered samples when nothing carries token counts."""
+        """Counters of the run; ``mixture`` is the realized share per component of delivered
+        tokens, or of delivered samples when nothing carries token counts. Tombstone tags the
+        operators asked to count (e.g. ``mixture_dropped``) appear under their own names."""
         basis = self.mix_tokens if self.mix_tokens else self.mix_samples
         total = sum(basis.values())
-        return {
-            "delivered": self.delivered,
-            "tombstones": self.tombstones,
+        counts = self.counts
+        out: dict[str, Any] = {
+            "delivered": counts.delivered,
+            "tombstones": counts.tombstones,
             "replayed": self.replayed,
-            "inflight_chunks": sum(lane.table.n_inflight for lane in self.lanes),
+            "inflight_chunks": sum(lane.book.table.n_inflight for lane in self.lanes),
             "max_inflight_chunks": self.max_inflight,
-            "evicted_chunks": self.evicted,
-            "violations": self.violations,
+            "evicted_chunks": counts.evicted,
+            "violations": self.policy.count,
             "mixture": {k: v / total for k, v in basis.items()} if total else {},
-            "mixture_dropped": self.mixture_dropped,
-            "bytes_held": sum(lane.table.bytes_held for lane in self.lanes),
+            "bytes_held": sum(lane.book.table.bytes_held for lane in self.lanes),
             "eviction_path": self.plan.eviction_path,
+        }
+        for tag in self.plan.counted_tags:
+            out[tag] = counts.tag_counts.get(tag, 0)
+        return out
+
+    def _counters(self) -> dict[str, int]:
+        counts = self.counts
+        return {
+            "delivered": counts.delivered,
+            "tombstones": counts.tombstones,
+            "evicted": counts.evicted,
+            "violations": self.policy.count,
+            "max_inflight": self.max_inflight,
+            "replayed": self.replayed,
         }
 
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """A small JSON-serializable state; ``load_state_dict`` continues exactly from here."""
-        plan = self.plan
-        return seal(
-            {
-                "format": STATE_FORMAT,
-                "version": STATE_VERSION,
-                "fingerprint": plan.fingerprint,
-                "pipeline": plan.fingerprint_parts,
-                "rank": plan.rank,
-                "world_size": plan.world_size,
-                "lanes": plan.lanes,
-                "next_lane": self.next_lane,
-                "lane_states": [lane.state() for lane in self.lanes],
-                "counters": {name: getattr(self, name) for name in _COUNTERS},
-                "mixture": {
-                    "samples": [[k, v] for k, v in self.mix_samples.items()],
-                    "tokens": [[k, v] for k, v in self.mix_tokens.items()],
-                },
-            }
-        )
+        """A small JSON-serializable state: the position after the last item handed over.
+        ``pipeline.iter(state=...)`` continues exactly from there."""
+        with self._lock:
+            if self._untrusted is not None:
+                raise CheckpointError(
+                    "this loader stopped on a contract violation in the middle of its "
+                    f"bookkeeping ({self._untrusted}); a state taken now would be wrong. Resume "
+                    "from the last state saved before it"
+                )
+            plan = self.plan
+            return seal(
+                {
+                    "format": STATE_FORMAT,
+                    "version": STATE_VERSION,
+                    "fingerprint": plan.fingerprint,
+                    "pipeline": plan.fingerprint_parts,
+                    "rank": plan.rank,
+                    "world_size": plan.world_size,
+                    "lanes": plan.lanes,
+                    "next_lane": self.next_lane,
+                    "lane_states": [lane.state() for lane in self.lanes],
+                    "counters": self._counters(),
+                    "tag_counts": [[k, v] for k, v in self.counts.tag_counts.items()],
+                    "mixture": {
+                        "samples": [[k, v] for k, v in self.mix_samples.items()],
+                        "tokens": [[k, v] for k, v in self.mix_tokens.items()],
+                    },
+                }
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``; only before the first ``next()``."""
+        """Continue from ``state``; only before the first ``next()``. Every field is checked:
+        a damaged or edited state raises ``CheckpointCorruptError``, a state of another pipeline
+        ``CheckpointMismatchError``, and neither starts a stream."""
         if self._started:
             raise CheckpointError("load_state_dict must be called before the first next()")
         body = unseal(state)
         plan = self.plan
-        check_identity(body, plan.fingerprint_parts, plan.rank)
-        try:
-            lane_states = body["lane_states"]
-            if len(lane_states) != plan.lanes:
-                raise ValueError(f"{len(lane_states)} lane states for {plan.lanes} lanes")
-            for lane, lane_state in zip(self.lanes, lane_states):
-                lane.restore(lane_state)
-            self.next_lane = int(body["next_lane"]) % plan.lanes
-            for name in _COUNTERS:
-                setattr(self, name, int(body["counters"][name]))
-            self.counts.flush()
-            self.counts.mix_samples = {_key(k): int(v) for k, v in body["mixture"]["samples"]}
-            self.counts.mix_tokens = {_key(k): int(v) for k, v in body["mixture"]["tokens"]}
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(f"loader state is malformed: {exc!r}") from None
-
-
-def _key(value: Any) -> Hashable:
-    return tuple(value) if isinstance(value, list) else value
+        if set(body) != _STATE_KEYS:
+            raise CheckpointCorruptError(
+                f"loader state must have exactly the fields {sorted(_STATE_KEYS)}, "
+                f"got {sorted(body)}"
+            )
+        check_identity(body, plan)
+        lane_states = body["lane_states"]
+        if type(lane_states) is not list or len(lane_states) != plan.lanes:
+            raise corrupt("lane_states", f"must be a list of {plan.lanes} lane states")
+        self.next_lane = check_int(body["next_lane"], "next_lane", 0, plan.lanes - 1)
+        counters = body["counters"]
+        if type(counters) is not dict or set(counters) != set(COUNTERS):
+            raise corrupt("counters", f"must have exactly the fields {list(COUNTERS)}")
+        values = {name: check_int(counters[name], f"counters.{name}") for name in COUNTERS}
+        tag_counts = check_pairs(body["tag_counts"], "tag_counts")
+        mixture = body["mixture"]
+        if type(mixture) is not dict or set(mixture) != {"samples", "tokens"}:
+            raise corrupt("mixture", "must have exactly the fields samples and tokens")
+        samples = check_pairs(mixture["samples"], "mixture.samples")
+        tokens = check_pairs(mixture["tokens"], "mixture.tokens")
+        for i, (lane, lane_state) in enumerate(zip(self.lanes, lane_states)):
+            lane.restore(lane_state, f"lane_states[{i}]")
+        counts = self.counts
+        counts.delivered = values["delivered"]
+        counts.tombstones = values["tombstones"]
+        counts.evicted = values["evicted"]
+        self.policy.count = values["violations"]
+        self.max_inflight = values["max_inflight"]
+        self.restored_replayed = values["replayed"]
+        counts.flush()
+        counts.tag_counts = dict(tag_counts)
+        counts.mix_samples = dict(samples)
+        counts.mix_tokens = dict(tokens)

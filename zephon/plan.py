@@ -1,0 +1,73 @@
+"""A compiled pipeline: which operator does what, the eviction path, and the fingerprint.
+
+``Plan`` is what the runtime runs; it is made by ``Pipeline.compile()`` (``zephon.planner``) and
+imports nothing from the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zephon.ops.base import Grouper, Operator, PointerReader
+    from zephon.sources.base import WorkSource
+
+WORKER_KINDS = ("inline", "thread", "process")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A validated pipeline: which operator does what, the eviction path, and the fingerprint."""
+
+    source: WorkSource
+    fetch: PointerReader
+    chain: tuple[Operator, ...]
+    batcher: Grouper | None
+    eviction_path: str
+    path_reason: str
+    indexable: bool
+    lanes: int
+    workers: str
+    epoch_chunks: int
+    micro_batch: int
+    prefetch: int
+    deterministic: bool
+    strict: bool
+    rank: int
+    world_size: int
+    fingerprint: str
+    fingerprint_parts: dict[str, Any]
+    #: Some chain operator's output depends on how records are grouped into micro-batches.
+    batch_sensitive: bool = False
+    #: Tombstone tags the operators asked to have counted in ``stats()``.
+    counted_tags: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """A readable summary: operators, traits, workers, eviction path and why."""
+        lines = [
+            f"Plan {self.fingerprint[:12]}: {self.lanes} lane(s) x workers={self.workers!r}, "
+            f"rank {self.rank}/{self.world_size}, micro-batches of {self.micro_batch}",
+            f"  source: {type(self.source).__name__}",
+        ]
+        ops: list[Any] = [self.fetch, *self.chain, *((self.batcher,) if self.batcher else ())]
+        for op in ops:
+            t = op.traits
+            flags = [
+                "order-preserving" if t.preserves_cursor_order else "reorders",
+                "stateful" if t.stateful else "stateless",
+            ]
+            if t.batch_sensitive:
+                flags.append("batch-sensitive")
+            if t.preserves_indexability:
+                flags.append("indexable")
+            where = " (at delivery)" if op.groups_at_delivery else ""
+            lines.append(f"  - {op.name}{where}: {', '.join(flags)}, workers={t.workers or 1}")
+        lines.append(f"  eviction path: {self.eviction_path} ({self.path_reason})")
+        if self.eviction_path == "epoch":
+            lines.append(f"  epochs of {self.epoch_chunks} chunks per lane")
+        if self.indexable:
+            lines.append(
+                "  restore skips consumed samples at the source (every operator indexable)"
+            )
+        return "\n".join(lines)

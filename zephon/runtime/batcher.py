@@ -1,0 +1,73 @@
+"""The final batcher: groups a lane's records into batches at delivery, after the replay filter.
+
+Records wait in the lane's pending batch together with the tombstones and control items that
+arrive after them; all of it is booked only when the batch is handed to the training loop, so a
+checkpoint never counts records that sit in an undelivered batch. After a hand-over the batcher is
+empty, which is why replaying to the replay cursor and batching afresh gives the same batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zephon._core.delivery import gather
+from zephon.errors import OperatorError
+from zephon.ops.base import Grouper
+from zephon.runtime.control import LaneEnd
+from zephon.types import SampleRecord
+
+
+class FinalBatcher:
+    """The pending batch of one lane for a ``Grouper`` (the pipeline's last operator)."""
+
+    def __init__(self, grouper: Grouper):
+        self.grouper = grouper
+        self.batch_size = grouper.batch_size
+        self.drop_remainder = grouper.drop_remainder
+        self.pending: list[Any] = []  # records, and what arrived after the first of them
+        self.n_pending = 0  # real records in ``pending``
+
+    def gather(self, buf: list[Any], pos: int) -> int:
+        """Move records (and what follows them) from ``buf[pos:]`` into the pending batch until it
+        is full or an item needs the caller; returns the new position (compiled loop)."""
+        pos, self.n_pending = gather(
+            buf, pos, self.pending, self.n_pending, self.batch_size, LaneEnd
+        )
+        return pos
+
+    @property
+    def full(self) -> bool:
+        return self.n_pending == self.batch_size
+
+    def add(self, record: SampleRecord) -> None:
+        self.pending.append(record)
+        self.n_pending += 1
+
+    def hold(self, item: Any) -> None:
+        """A tombstone or control item that arrived after a pending record waits with it."""
+        self.pending.append(item)
+
+    def take(self) -> tuple[list[Any], list[SampleRecord]]:
+        """Empty the pending batch: everything in it (to book) and its real records."""
+        items, self.pending = self.pending, []
+        if len(items) == self.n_pending:  # records only, the usual case
+            records = items
+        else:
+            records = [r for r in items if type(r) is SampleRecord and not r.meta.is_tombstone]
+        self.n_pending = 0
+        return items, records
+
+    def collate(self, records: list[SampleRecord]) -> Any:
+        """The batch payload; a failure is an ``OperatorError`` naming the first record."""
+        grouper: Any = self.grouper
+        try:
+            return grouper.collate(records)
+        except Exception as exc:
+            first = records[0].meta.cursor
+            name = getattr(grouper, "name", type(grouper).__name__)
+            raise OperatorError(
+                f"operator {name!r} failed to collate {len(records)} records starting at "
+                f"{first!r} (sample_id={first.sample_id}): {type(exc).__name__}: {exc}",
+                operator=name,
+                cursor=first,
+            ) from exc

@@ -1,0 +1,192 @@
+"""Bookkeeping of one lane at delivery: what has been consumed, and what may be forgotten.
+
+Every chunk the lane starts is entered in its compiled chunk table (one bit per offset) when its
+announcement reaches delivery. Delivered records and tombstones close the base offsets of their
+closing contributors; on the monotone path a delivered record also closes every offset below its
+smallest one (the watermark). A chunk (monotone) or an epoch (epoch path) is evicted once complete
+and every earlier one is. At an epoch marker every offset of the epoch must be closed. The
+per-record part runs in the compiled ``DeliveryBook``; control items and reports are handled here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zephon._core.chunk_table import EVICTED, ChunkTable
+from zephon._core.delivery import DeliveryBook, DeliveryCounters
+from zephon.errors import ContractViolation
+from zephon.plan import Plan
+from zephon.runtime.contracts import Violation
+from zephon.runtime.control import ChunkOpened, EpochEnd, OverClose
+from zephon.runtime.lane import operator_labels
+from zephon.types import SampleCursor, SampleRecord
+
+END_OF_LANE = 1 << 62  # a watermark offset beyond any chunk: closes everything
+
+
+class LaneBook:
+    """The chunk table, watermark, replay window and contract checks of lane ``lane_id``.
+
+    The replay window is what the lane delivered since its first retained chunk (monotone) or
+    epoch (epoch path): a count and an order-independent digest of cursors, kept per chunk or per
+    epoch so that it shrinks when chunks are evicted and never grows with the run.
+    """
+
+    def __init__(self, plan: Plan, lane_id: int, counters: DeliveryCounters):
+        self.lane_id = lane_id
+        self.monotone = plan.eviction_path == "monotone"
+        self.per_epoch = plan.epoch_chunks
+        self.labels = operator_labels(plan.chain)
+        self.table = ChunkTable()
+        self.book = DeliveryBook(self.table, self.monotone, counters)
+        self.found = self.book.violations  # broken contracts, in order, until ``take_violations``
+        self.next_local = 0  # lane-local index of the next chunk to be announced
+        self.carry: list[Any] | None = None  # carry state at the start of the retained epoch
+        self.suspects: set[str] = set()  # operators seen emitting too many closing contributors
+
+    # ----------------------------------------------------------------------------- per record
+    def record(self, rec: SampleRecord, delivered: bool = True) -> None:
+        """A real record handed over (``delivered``) or swallowed by the replay filter."""
+        try:
+            self.book.record(rec, delivered)
+        except (KeyError, ValueError, IndexError) as exc:
+            raise self._invented(rec, exc) from None
+
+    def tombstone(self, tomb: SampleRecord, delivered: bool = True) -> None:
+        try:
+            self.book.tombstone(tomb, delivered)
+        except (KeyError, ValueError, IndexError) as exc:
+            raise self._invented(tomb, exc) from None
+
+    def deliver(self, items: list[Any]) -> None:
+        """Everything a batch hands over, in stream order: records, tombstones, control items."""
+        book = self.book
+        i, n = 0, len(items)
+        while i < n:
+            try:
+                i = book.deliver(items, i)
+            except (KeyError, ValueError, IndexError) as exc:
+                raise self._invented(None, exc) from None
+            if i < n:
+                self.control(items[i])
+                i += 1
+
+    def _invented(self, rec: SampleRecord | None, exc: Exception) -> ContractViolation:
+        what = (
+            f"record {rec.meta.cursor!r} (sample_id={rec.meta.cursor.sample_id})"
+            if rec
+            else ("a record of the batch")
+        )
+        error = ContractViolation(
+            f"{what} carries a contributor the lane never announced ({exc}): an operator made up "
+            f"a cursor instead of deriving it with spawn_child/pack_meta; suspects: "
+            f"{', '.join(sorted(self.suspects) or self.labels) or 'none'}"
+        )
+        error.add_context(lane=self.lane_id)
+        return error
+
+    # ----------------------------------------------------------------------------- control items
+    def control(self, item: Any) -> None:
+        kind = type(item)
+        if kind is ChunkOpened:
+            self.table.open_chunk(item.chunk_id, item.local_index, item.n_offsets, item.epoch)
+            self.next_local = item.local_index + 1
+            if item.skip_below:
+                self.table.close_below(item.chunk_id, item.skip_below)
+        elif kind is EpochEnd:
+            self._epoch_end(item)
+        elif kind is OverClose:
+            self.suspects.add(item.op)
+        else:
+            raise TypeError(f"unknown item in lane {self.lane_id}: {item!r}")
+
+    def _epoch_end(self, marker: EpochEnd) -> None:
+        epoch = marker.epoch
+        chunk_ids, offsets = self.table.epoch_open_offsets(epoch, 20)
+        if len(offsets):
+            n_open = self.table.close_epoch(epoch)
+            culprits = [op for op, deficit in marker.deficits.items() if deficit > 0]
+            shown = ", ".join(f"({c}, {o})" for c, o in zip(chunk_ids.tolist(), offsets.tolist()))
+            more = f" and {n_open - len(offsets)} more" if n_open > len(offsets) else ""
+            self.found.append(
+                (
+                    "missing-tombstone",
+                    tuple(culprits or self.labels),
+                    epoch,
+                    f"lane {self.lane_id}, epoch {epoch}: base offsets {shown}{more} were never "
+                    "closed: a record was dropped without emitting its tombstones "
+                    "(use tombstones_for_record)",
+                )
+            )
+        self.book.note_evicted(self.table.evict_complete_epochs(epoch))
+        self.book.epochs_done = epoch + 1
+        self.carry = marker.carry
+        self.book.window_clear()
+        self.book.last_cursor = None
+
+    def lane_end(self) -> None:
+        """The lane has no more chunks: on the monotone path everything still open is done."""
+        if self.monotone:
+            self.table.close_below(END_OF_LANE, 0)
+            self.book.note_evicted(self.table.evict_complete_prefix())
+
+    # ----------------------------------------------------------------------------- reports
+    def take_violations(self) -> list[Violation]:
+        """The contracts broken since the last call, as ``Violation``s (and forget them)."""
+        found = [self._violation(raw) for raw in self.found]
+        self.found.clear()
+        return found
+
+    def _violation(self, raw: tuple) -> Violation:
+        kind = raw[0]
+        if kind == "missing-tombstone":
+            return Violation(kind, raw[1], self.lane_id, raw[2], raw[3])
+        if kind == "early-close":
+            rec, ref_cursor, state = raw[1], raw[2], raw[3]
+            what = "an evicted chunk" if state == EVICTED else "an offset already closed"
+            return Violation(
+                kind,
+                tuple(sorted(self.suspects) or self.labels),
+                self.lane_id,
+                -1,
+                f"record {rec.meta.cursor!r} (sample_id={rec.meta.cursor.sample_id}) carries a "
+                f"contributor for base offset {ref_cursor.base_offset} of {what}: an operator "
+                "closed that offset before its last record (only the last child may set "
+                "is_last_child)",
+            )
+        cursor, last = raw[1], raw[2]
+        return Violation(
+            "order",
+            tuple(self.labels),
+            self.lane_id,
+            -1,
+            f"record {cursor!r} reached delivery after {last!r}: an operator that claims "
+            "preserves_cursor_order=True reorders records",
+        )
+
+    # ----------------------------------------------------------------------------- state
+    @property
+    def last_cursor(self) -> SampleCursor | None:
+        """The replay cursor: the last real record delivered (or swallowed) from this lane."""
+        return self.book.last_cursor
+
+    def retained_start(self) -> int:
+        """Lane-local index of the first retained chunk (monotone) or epoch's first chunk."""
+        if self.monotone:
+            return self.table.first_local_index if self.table.n_inflight else self.next_local
+        return self.book.epochs_done * self.per_epoch
+
+    def window(self) -> tuple[SampleCursor | None, int, int]:
+        """``(replay cursor, count, digest)`` of the retained window; no cursor when its chunk was
+        evicted (nothing to replay)."""
+        cursor = self.last_cursor
+        if cursor is not None and self.monotone and not self.book.window_len:
+            cursor = None
+        count, digest = self.book.window_totals()
+        return cursor, count, digest
+
+    def restart_at(self, start: int, carry: list[Any] | None) -> None:
+        """Restore: the lane restarts at lane-local chunk ``start`` with ``carry``."""
+        self.next_local = start
+        self.book.epochs_done = start // self.per_epoch
+        self.carry = carry

@@ -1,0 +1,162 @@
+"""The checkpoint state of a loader, field by field: building it, and refusing a bad one on load.
+
+A state is plain JSON. Loading checks every field's type and range and the invariants that tie
+fields together (a replay cursor exactly when something was delivered in the retained window, a
+cursor that belongs to the lane's retained chunks, a finished lane at the end of its chunks), so
+that an edited state is refused with ``CheckpointCorruptError`` instead of starting a stream at a
+wrong position. Whether a state belongs to this pipeline at all is ``check_identity``'s question.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from zephon.errors import CheckpointCorruptError
+from zephon.types import SampleCursor
+
+MAX_INT = (1 << 62) - 1  # larger numbers in a state are damage, not positions
+LANE_KEYS = frozenset({"lane", "finished", "start", "cursor", "count", "digest", "carry"})
+COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "replayed")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+def corrupt(where: str, why: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"loader state field {where} {why}")
+
+
+def check_int(value: Any, where: str, low: int = 0, high: int = MAX_INT) -> int:
+    """``value`` if it is an int (not a bool) in ``[low, high]``; else the error naming it."""
+    if type(value) is not int:
+        raise corrupt(where, f"must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise corrupt(where, f"must be in [{low}, {high}], got {value}")
+    return value
+
+
+def check_bool(value: Any, where: str) -> bool:
+    if type(value) is not bool:
+        raise corrupt(where, f"must be true or false, got {value!r}")
+    return value
+
+
+def encode_cursor(cursor: SampleCursor | None) -> list | None:
+    if cursor is None:
+        return None
+    return [cursor.chunk_id, cursor.chunk_offset, list(cursor.sample_id), list(cursor.lineage)]
+
+
+def decode_cursor(value: Any, where: str = "cursor") -> SampleCursor | None:
+    if value is None:
+        return None
+    if type(value) is not list or len(value) != 4:
+        raise corrupt(where, f"must be null or [chunk_id, offset, sample_id, lineage]: {value!r}")
+    chunk_id, offset, sample_id, lineage = value
+    check_int(chunk_id, f"{where}[0]")
+    check_int(offset, f"{where}[1]")
+    if type(sample_id) is not list or len(sample_id) != 3:
+        raise corrupt(f"{where}[2]", f"must be a list of 3 integers, got {sample_id!r}")
+    for i, part in enumerate(sample_id):
+        check_int(part, f"{where}[2][{i}]")
+    if type(lineage) is not list:
+        raise corrupt(f"{where}[3]", f"must be a list of integers, got {lineage!r}")
+    for i, part in enumerate(lineage):
+        check_int(part, f"{where}[3][{i}]")
+    return SampleCursor(chunk_id, offset, tuple(sample_id), tuple(lineage))
+
+
+class LaneGeometry:
+    """Which chunk positions a lane takes: ``base + k * stride`` for its k-th (lane-local) chunk,
+    and how many there are (``total`` local chunks, None when the source is unbounded)."""
+
+    def __init__(self, base: int, stride: int, total_positions: int | None):
+        self.base = base
+        self.stride = stride
+        if total_positions is None:
+            self.total: int | None = None
+        else:
+            self.total = max(0, -(-(total_positions - base) // stride))
+
+    def position(self, local_index: int) -> int:
+        return self.base + local_index * self.stride
+
+    def local_index(self, position: int) -> int | None:
+        """The lane-local index of chunk ``position``, or None when the lane never takes it."""
+        k, rest = divmod(position - self.base, self.stride)
+        return k if rest == 0 and k >= 0 else None
+
+
+def check_lane_state(
+    value: Any,
+    where: str,
+    *,
+    lane_id: int,
+    geometry: LaneGeometry,
+    monotone: bool,
+    per_epoch: int,
+    n_ops: int,
+) -> dict[str, Any]:
+    """A lane's state with every field checked; the cursor decoded (``SampleCursor`` or None)."""
+    if type(value) is not dict:
+        raise corrupt(where, f"must be an object, got {type(value).__name__}")
+    if set(value) != LANE_KEYS:
+        raise corrupt(
+            where, f"must have exactly the fields {sorted(LANE_KEYS)}, got {sorted(value)}"
+        )
+    if value["lane"] != lane_id or type(value["lane"]) is not int:
+        raise corrupt(f"{where}.lane", f"must be {lane_id}, got {value['lane']!r}")
+    finished = check_bool(value["finished"], f"{where}.finished")
+    total = geometry.total
+    end = total if total is not None else MAX_INT
+    if not monotone and total is not None:
+        end = -(-total // per_epoch) * per_epoch  # a last, partial epoch ends on a boundary
+    start = check_int(value["start"], f"{where}.start", 0, end)
+    if not monotone and start % per_epoch:
+        raise corrupt(f"{where}.start", f"must start an epoch (a multiple of {per_epoch}): {start}")
+    cursor = decode_cursor(value["cursor"], f"{where}.cursor")
+    count = check_int(value["count"], f"{where}.count")
+    digest = value["digest"]
+    if type(digest) is not str or not _HEX16.fullmatch(digest):
+        raise corrupt(f"{where}.digest", f"must be 16 lower-case hex digits, got {digest!r}")
+    if (cursor is None) != (count == 0):
+        raise corrupt(
+            where, f"has a replay cursor {value['cursor']!r} with {count} delivered records"
+        )
+    if cursor is None and int(digest, 16):
+        raise corrupt(f"{where}.digest", "must be zero when nothing was delivered")
+    if finished and (cursor is not None or total is None or start < total):
+        raise corrupt(f"{where}.finished", "is true for a lane that has chunks left")
+    if cursor is not None:
+        k = geometry.local_index(cursor.chunk_id)
+        last = start + per_epoch - 1 if not monotone else end - 1
+        if total is not None:
+            last = min(last, total - 1)
+        if k is None or not start <= k <= last:
+            raise corrupt(
+                f"{where}.cursor",
+                f"names chunk {cursor.chunk_id}, which is not one of lane {lane_id}'s retained "
+                "chunks",
+            )
+    carry = value["carry"]
+    if carry is not None:
+        if type(carry) is not list or len(carry) != n_ops:
+            raise corrupt(f"{where}.carry", f"must be null or a list of {n_ops} entries")
+        for i, part in enumerate(carry):
+            if part is not None and type(part) is not dict:
+                raise corrupt(f"{where}.carry[{i}]", f"must be null or an object, got {part!r}")
+    return {**value, "cursor": cursor}
+
+
+def check_pairs(value: Any, where: str) -> list[tuple[Any, int]]:
+    """``[[key, count], ...]`` with JSON-scalar (or list) keys and non-negative counts."""
+    if type(value) is not list:
+        raise corrupt(where, f"must be a list of [key, count] pairs, got {value!r}")
+    out = []
+    for i, pair in enumerate(value):
+        if type(pair) is not list or len(pair) != 2:
+            raise corrupt(f"{where}[{i}]", f"must be a [key, count] pair, got {pair!r}")
+        key, n = pair
+        if key is not None and (not isinstance(key, (str, int, list)) or isinstance(key, bool)):
+            raise corrupt(f"{where}[{i}][0]", f"must be a component name or id, got {key!r}")
+        out.append((tuple(key) if isinstance(key, list) else key, check_int(n, f"{where}[{i}][1]")))
+    return out

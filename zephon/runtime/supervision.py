@@ -1,0 +1,57 @@
+"""Lane supervision: where a lane's item lists come from, and stopping its worker.
+
+The feed starts the lane's runner where the plan says lanes run (``workers``), holds the item list
+being delivered, and adds the lane to any error that comes out of the runner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zephon.errors import ZephonError
+from zephon.plan import Plan
+from zephon.runtime.workers import open_lane
+
+
+class LaneFeed:
+    """The items of lane ``lane_id``, one list at a time (``buf``, read from ``pos``)."""
+
+    def __init__(self, plan: Plan, lane_id: int):
+        self.plan = plan
+        self.lane_id = lane_id
+        self.buf: list[Any] = []
+        self.pos = 0
+        self.start_at: dict[str, Any] = {}  # where the runner starts (set on restore)
+        self.runner: Any = None  # the running lane (inline, thread or process)
+        self.closed = False
+
+    def start(self) -> None:
+        """Start the lane's runner unless it runs already."""
+        if self.closed:
+            raise ZephonError(f"lane {self.lane_id} was closed")
+        if self.runner is None:
+            self.runner = open_lane(self.plan, self.lane_id, **self.start_at)
+
+    def refill(self) -> None:
+        """The next item list from the runner (started on first use)."""
+        self.start()
+        try:
+            self.buf = next(self.runner)
+        except ZephonError as exc:
+            raise exc.add_context(lane=self.lane_id) from exc.__cause__
+        self.pos = 0
+
+    def next_item(self) -> Any:
+        if self.pos >= len(self.buf):
+            self.refill()
+        item = self.buf[self.pos]
+        self.pos += 1
+        return item
+
+    def close(self) -> None:
+        """Stop the runner and release what it holds; nothing is delivered from it afterwards."""
+        runner, self.runner = self.runner, None
+        self.closed = True
+        self.buf, self.pos = [], 0
+        if runner is not None:
+            runner.close()
