@@ -3,9 +3,10 @@
     lane feed (supervision) -> replay filter -> bookkeeping -> final batcher -> the loader
 
 The feed yields the lane's items; after a restore the replay filter swallows what was delivered
-before the checkpoint; bookkeeping records what is handed over (and only that); the final batcher
-groups records into batches. Nothing here knows the loader: the loader asks for the next item,
-and collects the lane's contract violations and counts as values.
+before the checkpoint (``catch_up``, before anything is handed over); bookkeeping records what is
+handed over, and only that; the final batcher groups records into batches. Nothing here knows
+the loader: the loader asks for the next item, and collects the lane's contract violations and
+counts as values.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class LaneDelivery:
         self.replay: ReplayFilter | None = None
         self.replayed = 0  # records the replay filter swallowed before meeting the cursor
         self.ended = False  # the lane's stream ended (not: the lane was closed)
+        self.delivered = 0  # items (records or batches) handed over, over the whole run
         self.restored_state: dict[str, Any] | None = None  # until something new is delivered
 
     # ----------------------------------------------------------------------------- delivery
@@ -46,9 +48,11 @@ class LaneDelivery:
         """The lane's next record or batch for the training loop, or None when the lane is done."""
         if self.ended:
             return None
+        if self.replay is not None:
+            self.catch_up()
         feed, book, batcher = self.feed, self.book, self.batcher
         while True:
-            if batcher is not None and self.replay is None:
+            if batcher is not None:
                 # The common case in one compiled loop: records into the pending batch.
                 if feed.pos >= len(feed.buf):
                     feed.refill()
@@ -64,14 +68,12 @@ class LaneDelivery:
                     if batcher is not None and batcher.n_pending:
                         batcher.hold(item)
                     else:
-                        book.tombstone(item, self.replay is None)
-                    continue
-                if self.replay is not None:
-                    self._swallow(item)
+                        book.tombstone(item)
                     continue
                 if batcher is None:
                     book.record(item)
                     self.restored_state = None
+                    self.delivered += 1
                     return item
                 batcher.add(item)
                 if batcher.full:
@@ -82,7 +84,28 @@ class LaneDelivery:
             if batcher is not None and batcher.n_pending:
                 batcher.hold(item)
             else:
-                self._control(item)
+                book.control(item)
+
+    def catch_up(self) -> None:
+        """After a restore: swallow what the lane delivered before the checkpoint (booking it
+        again), up to the record at the replay cursor. The loader does this for every lane before
+        it hands anything over, so a replay that diverges never starts a stream."""
+        feed, book = self.feed, self.book
+        while self.replay is not None:
+            item = feed.next_item()
+            if type(item) is SampleRecord:
+                if item.meta.is_tombstone:
+                    book.tombstone(item, False)
+                else:
+                    self._swallow(item)
+            elif type(item) is LaneEnd:
+                raise self.replay.diverged("the lane ended before the replay cursor was met again")
+            elif type(item) is EpochEnd:
+                raise self.replay.diverged(
+                    f"epoch {item.epoch} ended before the replay cursor was met again"
+                )
+            else:
+                book.control(item)
 
     def _hand_over(self) -> SampleBatch:
         assert self.batcher is not None
@@ -90,14 +113,8 @@ class LaneDelivery:
         payload = self.batcher.collate(records)  # before any bookkeeping: a failure books nothing
         self.book.deliver(items)
         self.restored_state = None
+        self.delivered += 1
         return make_batch(records, payload)
-
-    def _control(self, item: Any) -> None:
-        if self.replay is not None and type(item) is EpochEnd:
-            raise self.replay.diverged(
-                f"epoch {item.epoch} ended before the replay cursor was met again"
-            )
-        self.book.control(item)
 
     def _swallow(self, rec: SampleRecord) -> None:
         assert self.replay is not None
@@ -121,8 +138,6 @@ class LaneDelivery:
                         self.book.tombstone(tomb)
             else:
                 out = self._hand_over()
-        if self.replay is not None:
-            raise self.replay.diverged("the lane ended before the replay cursor was met again")
         self.book.lane_end()
         self.ended = True
         self.feed.close()  # releases the lane's worker as soon as it is done
@@ -142,6 +157,7 @@ class LaneDelivery:
         return {
             "lane": self.lane_id,
             "finished": self.ended,
+            "delivered": self.delivered,
             "start": self.book.retained_start(),
             "cursor": encode_cursor(cursor),
             "count": count,
@@ -149,7 +165,7 @@ class LaneDelivery:
             "carry": self.book.carry,
         }
 
-    def restore(self, state: Any, where: str) -> None:
+    def restore(self, state: Any, where: str) -> dict[str, Any]:
         """Restart at the retained position with fresh operators (carry state restored)."""
         plan = self.plan
         geometry = lane_geometry(plan, self.lane_id)
@@ -163,9 +179,10 @@ class LaneDelivery:
             n_ops=len(plan.chain),
         )
         self.restored_state = state
+        self.delivered = checked["delivered"]
         if checked["finished"]:
             self.ended = True
-            return
+            return checked
         start = checked["start"]
         cursor: SampleCursor | None = checked["cursor"]
         count, digest = checked["count"], int(checked["digest"], 16)
@@ -180,6 +197,7 @@ class LaneDelivery:
                     self.lane_id, cursor, (count, digest), monotone=self.book.monotone
                 )
         self.feed.start_at = {"start_local": start, "carry": checked["carry"], "skip_offset": skip}
+        return checked
 
     def _skip_at_source(
         self, position: int, cursor: SampleCursor, expect: tuple[int, int], where: str

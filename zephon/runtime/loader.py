@@ -23,7 +23,7 @@ from zephon.plan import Plan
 from zephon.runtime.checkpoint import STATE_FORMAT, STATE_VERSION, check_identity, seal, unseal
 from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
-from zephon.runtime.state import COUNTERS, check_int, check_pairs, corrupt
+from zephon.runtime.state import COUNTERS, check_int, check_pairs, check_turn, corrupt
 
 _STATE_KEYS = frozenset(
     {
@@ -84,13 +84,15 @@ class Loader:
                     "this loader was closed; resume from its state_dict() with pipeline.iter()"
                 )
             lanes = self.lanes
-            if not self._started:
-                self._started = True
-                for lane in lanes:  # every lane's worker starts working at once
-                    if not lane.ended:
-                        lane.feed.start()
             n = len(lanes)
             try:
+                if not self._started:
+                    self._started = True
+                    for lane in lanes:  # every lane's worker starts working at once
+                        if not lane.ended:
+                            lane.feed.start()
+                    for lane in lanes:  # a restored lane is back at its position first
+                        lane.catch_up()
                 for _ in range(n):  # one full round at most: each lane delivers or has ended
                     lane = lanes[self.next_lane]
                     out = lane.next_delivery()
@@ -240,8 +242,11 @@ class Loader:
             raise corrupt("mixture", "must have exactly the fields samples and tokens")
         samples = check_pairs(mixture["samples"], "mixture.samples")
         tokens = check_pairs(mixture["tokens"], "mixture.tokens")
-        for i, (lane, lane_state) in enumerate(zip(self.lanes, lane_states)):
+        checked = [
             lane.restore(lane_state, f"lane_states[{i}]")
+            for i, (lane, lane_state) in enumerate(zip(self.lanes, lane_states))
+        ]
+        check_turn(self.next_lane, checked)
         counts = self.counts
         counts.delivered = values["delivered"]
         counts.tombstones = values["tombstones"]

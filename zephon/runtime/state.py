@@ -16,7 +16,9 @@ from zephon.errors import CheckpointCorruptError
 from zephon.types import SampleCursor
 
 MAX_INT = (1 << 62) - 1  # larger numbers in a state are damage, not positions
-LANE_KEYS = frozenset({"lane", "finished", "start", "cursor", "count", "digest", "carry"})
+LANE_KEYS = frozenset(
+    {"lane", "finished", "delivered", "start", "cursor", "count", "digest", "carry"}
+)
 COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "replayed")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
@@ -106,6 +108,7 @@ def check_lane_state(
     if value["lane"] != lane_id or type(value["lane"]) is not int:
         raise corrupt(f"{where}.lane", f"must be {lane_id}, got {value['lane']!r}")
     finished = check_bool(value["finished"], f"{where}.finished")
+    check_int(value["delivered"], f"{where}.delivered")
     total = geometry.total
     end = total if total is not None else MAX_INT
     if not monotone and total is not None:
@@ -145,6 +148,19 @@ def check_lane_state(
             if part is not None and type(part) is not dict:
                 raise corrupt(f"{where}.carry[{i}]", f"must be null or an object, got {part!r}")
     return {**value, "cursor": cursor}
+
+
+def check_turn(next_lane: int, lane_states: list[dict[str, Any]]) -> None:
+    """``next_lane`` must be where the round-robin over the lanes stands: every lane that has not
+    ended delivered one item more than the lanes at or after ``next_lane``."""
+    rounds = {
+        lane["delivered"] - (1 if i < next_lane else 0)
+        for i, lane in enumerate(lane_states)
+        if not lane["finished"]
+    }
+    if len(rounds) > 1:
+        counts = [lane["delivered"] for lane in lane_states]
+        raise corrupt("next_lane", f"{next_lane} does not fit the lanes' delivered items {counts}")
 
 
 def check_pairs(value: Any, where: str) -> list[tuple[Any, int]]:
