@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from zephon.errors import PlanError, ZephonError
-from zephon.planner import Plan
+from zephon.plan import Plan
 from zephon.runtime.lane import LaneRunner
 
 _STOP = "stop"
