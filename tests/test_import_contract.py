@@ -36,8 +36,8 @@ def _imports_of(tree: ast.AST, module: str, is_package: bool) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
+            for other in node.orelse:
+                visit(other)
             return
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)

@@ -120,7 +120,7 @@ def test_three_ranks_cover_a_shuffled_dataset_exactly_once():
         p = zephon.Pipeline(
             RangeSource(1000, chunk_size=16, shuffle=True, seed=5),
             [fetch(), WindowShuffle(7), batch(4)],
-            lanes=2,
+            lanes=6,  # the job's lanes: two per rank
             rank=rank,
             world_size=3,
         )

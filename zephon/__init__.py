@@ -22,6 +22,7 @@ from zephon.errors import (  # noqa: E402
 )
 from zephon.planner import Pipeline, Plan  # noqa: E402
 from zephon.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from zephon.runtime.job import merge_states  # noqa: E402
 from zephon.runtime.loader import Loader  # noqa: E402
 
 __version__ = "0.1.0"
@@ -41,5 +42,6 @@ __all__ = [
     "ReplayDivergenceError",
     "ZephonError",
     "load_checkpoint",
+    "merge_states",
     "save_checkpoint",
 ]

@@ -27,7 +27,7 @@ class Plan:
     eviction_path: str
     path_reason: str
     indexable: bool
-    lanes: int
+    lanes: int  # the job's lanes, on all ranks together
     workers: str
     epoch_chunks: int
     micro_batch: int
@@ -43,11 +43,19 @@ class Plan:
     #: Tombstone tags the operators asked to have counted in ``stats()``.
     counted_tags: tuple[str, ...] = ()
 
+    @property
+    def rank_lanes(self) -> range:
+        """The global lanes this rank runs: a contiguous block of ``lanes // world_size``."""
+        per_rank = self.lanes // self.world_size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
     def describe(self) -> str:
         """A readable summary: operators, traits, workers, eviction path and why."""
         lines = [
-            f"Plan {self.fingerprint[:12]}: {self.lanes} lane(s) x workers={self.workers!r}, "
-            f"rank {self.rank}/{self.world_size}, micro-batches of {self.micro_batch}",
+            f"Plan {self.fingerprint[:12]}: {self.lanes} lane(s) in the job, workers="
+            f"{self.workers!r}; rank {self.rank} of {self.world_size} runs lanes "
+            f"{self.rank_lanes.start}..{self.rank_lanes.stop - 1}; micro-batches of "
+            f"{self.micro_batch}",
             f"  source: {type(self.source).__name__}",
         ]
         ops: list[Any] = [self.fetch, *self.chain, *((self.batcher,) if self.batcher else ())]

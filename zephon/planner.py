@@ -81,7 +81,7 @@ class Pipeline:
         source: WorkSource,
         ops: Sequence[Operator],
         *,
-        lanes: int = 1,
+        lanes: int | None = None,
         workers: str = "inline",
         epoch_chunks: int = 8,
         deterministic: bool = True,
@@ -103,16 +103,26 @@ class Pipeline:
         self.prefetch = prefetch
         self.micro_batch = micro_batch
 
-    def compile(self) -> Plan:
-        """Plan without running anything; errors are ``PlanError`` naming the operator."""
+    def compile(self, lanes: int | None = None) -> Plan:
+        """Plan without running anything; errors are ``PlanError`` naming the operator.
+
+        ``lanes`` is the job's lane count when the pipeline leaves it open (``lanes=None``): a
+        restore passes the checkpoint's; a fresh run gets one lane per rank."""
+        rank, world_size = resolve_rank(self.rank, self.world_size)
+        n_lanes = self.lanes if self.lanes is not None else lanes or world_size
         for name, value in (
-            ("lanes", self.lanes),
+            ("lanes", n_lanes),
             ("epoch_chunks", self.epoch_chunks),
             ("prefetch", self.prefetch),
             ("micro_batch", self.micro_batch),
         ):
             if not isinstance(value, int) or value < 1:
                 raise PlanError(f"Pipeline {name} must be an int >= 1, got {value!r}")
+        if n_lanes % world_size:
+            raise PlanError(
+                f"Pipeline lanes={n_lanes} cannot be shared by world_size={world_size} ranks: "
+                "the job's lane count must be a multiple of the number of ranks"
+            )
         if self.workers not in WORKER_KINDS:
             raise PlanError(f"Pipeline workers must be one of {WORKER_KINDS}, got {self.workers!r}")
         ops = self.ops
@@ -168,8 +178,7 @@ class Pipeline:
             why = "every operator preserves cursor order and keeps no state"
         indexable = path == "monotone" and all(op.traits.preserves_indexability for op in chain)
 
-        rank, world_size = resolve_rank(self.rank, self.world_size)
-        parts = self._fingerprint_parts(world_size)
+        parts = self._fingerprint_parts(n_lanes)
         return Plan(
             source=self.source,
             fetch=fetch_op,
@@ -178,7 +187,7 @@ class Pipeline:
             eviction_path=path,
             path_reason=why,
             indexable=indexable,
-            lanes=self.lanes,
+            lanes=n_lanes,
             workers=self.workers,
             epoch_chunks=self.epoch_chunks,
             micro_batch=self.micro_batch,
@@ -193,26 +202,30 @@ class Pipeline:
             counted_tags=tuple(dict.fromkeys(tag for op in ops for tag in op.counted_tags)),
         )
 
-    def _fingerprint_parts(self, world_size: int) -> dict[str, Any]:
+    def _fingerprint_parts(self, lanes: int) -> dict[str, Any]:
+        # The job's lane count is part of the stream's identity; the world size is not: the
+        # same lanes give the same global steps on any number of ranks.
         return {
             "source": _digest(self.source.describe()),
             "operators": _digest([op.describe() for op in self.ops]),
-            "lanes": self.lanes,
+            "lanes": lanes,
             "epoch_chunks": self.epoch_chunks,
             "micro_batch": self.micro_batch,
-            "world_size": world_size,
         }
 
     @property
     def fingerprint(self) -> str:
-        """A stable hex digest of source, operators, parameters, lanes, epochs and world size."""
-        return _digest(self._fingerprint_parts(resolve_rank(self.rank, self.world_size)[1]))
+        """A stable hex digest of source, operators, parameters, lanes and epochs."""
+        return self.compile().fingerprint
 
     def iter(self, state: dict | None = None) -> Loader:
-        """A loader over this pipeline, continuing exactly where ``state`` was taken when given."""
+        """A loader over this pipeline, continuing exactly where ``state`` was taken when given:
+        a rank's own state, or a job state (``zephon.merge_states``) on any world size that
+        divides the job's lane count."""
         from zephon.runtime.loader import Loader
 
-        loader = Loader(self.compile())
+        lanes = state.get("lanes") if isinstance(state, dict) else None
+        loader = Loader(self.compile(lanes if type(lanes) is int and lanes > 0 else None))
         if state is not None:
             loader.load_state_dict(state)
         return loader

@@ -11,8 +11,9 @@ from typing import Any
 
 from zephon.errors import CheckpointCorruptError, CheckpointMismatchError
 
-STATE_FORMAT = "zephon-loader-state"
-STATE_VERSION = 1
+STATE_FORMAT = "zephon-loader-state"  # one rank's state
+JOB_FORMAT = "zephon-job-state"  # every rank's lanes together (``merge_states``)
+STATE_VERSION = 2
 FILE_FORMAT = "zephon-checkpoint"
 
 
@@ -26,11 +27,11 @@ def seal(state: dict[str, Any]) -> dict[str, Any]:
     return {**body, "checksum": hashlib.sha256(_canonical(body)).hexdigest()}
 
 
-def unseal(state: Any) -> dict[str, Any]:
+def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, Any]:
     """Check format, version and checksum; ``CheckpointCorruptError`` for anything else."""
     if not isinstance(state, dict):
         raise CheckpointCorruptError(f"a loader state is a dict, got {type(state).__name__}")
-    if state.get("format") != STATE_FORMAT:
+    if state.get("format") not in formats:
         raise CheckpointCorruptError(f"not a Zephon loader state (format={state.get('format')!r})")
     if state.get("version") != STATE_VERSION:
         raise CheckpointCorruptError(
@@ -57,16 +58,14 @@ def check_identity(state: dict[str, Any], plan: Any) -> None:
     parts = plan.fingerprint_parts
     differs = [
         f"{key} (checkpoint {saved.get(key)!r}, pipeline {value!r})"
-        if key in ("lanes", "epoch_chunks", "micro_batch", "world_size")
+        if key in ("lanes", "epoch_chunks", "micro_batch")
         else key
         for key, value in parts.items()
         if saved.get(key) != value
     ]
     differs += [f"{key} (checkpoint only)" for key in saved if key not in parts]
-    for key in ("rank", "world_size", "lanes"):
-        value = state.get(key)
-        if type(value) is not int or value != getattr(plan, key):
-            differs.append(f"{key} (checkpoint {value!r}, pipeline {getattr(plan, key)!r})")
+    if type(state.get("lanes")) is not int or state.get("lanes") != plan.lanes:
+        differs.append(f"lanes (checkpoint {state.get('lanes')!r}, pipeline {plan.lanes!r})")
     if differs:
         raise CheckpointMismatchError(
             "checkpoint was taken from a different pipeline: " + "; ".join(differs) + " differ"

@@ -31,16 +31,14 @@ def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
 
 
 def lane_geometry(plan: Plan, lane_id: int) -> LaneGeometry:
-    """The chunk positions (and chunk ids) lane ``lane_id`` of this rank takes: every
-    ``world_size * lanes``-th position, starting from the lane's place among all ranks' lanes."""
-    return LaneGeometry(
-        plan.rank * plan.lanes + lane_id, plan.world_size * plan.lanes, plan.source.total_chunks()
-    )
+    """The chunk positions (and chunk ids) global lane ``lane_id`` takes: ``p`` with
+    ``p % lanes == lane_id``, in order, whichever rank runs it."""
+    return LaneGeometry(lane_id, plan.lanes, plan.source.total_chunks())
 
 
 def chunk_position(plan: Plan, lane_id: int, local_index: int) -> int:
     """The global chunk position (and chunk id) of a lane's ``local_index``-th chunk."""
-    return plan.rank * plan.lanes + lane_id + local_index * plan.world_size * plan.lanes
+    return lane_id + local_index * plan.lanes
 
 
 class LaneRunner:

@@ -16,13 +16,22 @@ from zephon._core.delivery import DeliveryCounters
 from zephon.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointMismatchError,
     ContractViolation,
     ZephonError,
 )
 from zephon.plan import Plan
-from zephon.runtime.checkpoint import STATE_FORMAT, STATE_VERSION, check_identity, seal, unseal
+from zephon.runtime.checkpoint import (
+    JOB_FORMAT,
+    STATE_FORMAT,
+    STATE_VERSION,
+    check_identity,
+    seal,
+    unseal,
+)
 from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
+from zephon.runtime.job import rank_turn
 from zephon.runtime.state import COUNTERS, check_int, check_pairs, check_turn, corrupt
 
 _STATE_KEYS = frozenset(
@@ -41,6 +50,7 @@ _STATE_KEYS = frozenset(
         "mixture",
     }
 )
+_JOB_KEYS = _STATE_KEYS - {"rank", "world_size", "next_lane"}
 
 
 class Loader:
@@ -59,7 +69,7 @@ class Loader:
         self.restored_replayed = 0
         self.max_inflight = 0
         self.next_lane = 0
-        self.lanes = [LaneDelivery(plan, lane, self.counts) for lane in range(plan.lanes)]
+        self.lanes = [LaneDelivery(plan, lane, self.counts) for lane in plan.rank_lanes]
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
         self._closed = False
@@ -215,23 +225,46 @@ class Loader:
             )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``; only before the first ``next()``. Every field is checked:
-        a damaged or edited state raises ``CheckpointCorruptError``, a state of another pipeline
-        ``CheckpointMismatchError``, and neither starts a stream."""
+        """Continue from ``state`` (this rank's own, or a job state from ``merge_states``); only
+        before the first ``next()``. Every field is checked: a damaged or edited state raises
+        ``CheckpointCorruptError``, a state of another pipeline ``CheckpointMismatchError``, and
+        neither starts a stream."""
         if self._started:
             raise CheckpointError("load_state_dict must be called before the first next()")
-        body = unseal(state)
+        body = unseal(state, (STATE_FORMAT, JOB_FORMAT))
         plan = self.plan
-        if set(body) != _STATE_KEYS:
+        job = body["format"] == JOB_FORMAT
+        keys = _JOB_KEYS if job else _STATE_KEYS
+        if set(body) != keys:
             raise CheckpointCorruptError(
-                f"loader state must have exactly the fields {sorted(_STATE_KEYS)}, "
-                f"got {sorted(body)}"
+                f"loader state must have exactly the fields {sorted(keys)}, got {sorted(body)}"
             )
         check_identity(body, plan)
         lane_states = body["lane_states"]
-        if type(lane_states) is not list or len(lane_states) != plan.lanes:
-            raise corrupt("lane_states", f"must be a list of {plan.lanes} lane states")
-        self.next_lane = check_int(body["next_lane"], "next_lane", 0, plan.lanes - 1)
+        if job:
+            if type(lane_states) is not list or len(lane_states) != plan.lanes:
+                raise corrupt("lane_states", f"must be a list of {plan.lanes} lane states")
+            mine = [lane_states[g] for g in plan.rank_lanes]
+            where = [f"lane_states[{g}]" for g in plan.rank_lanes]
+        else:
+            saved = (body["rank"], body["world_size"])
+            if saved != (plan.rank, plan.world_size):
+                raise CheckpointMismatchError(
+                    f"this is the state of rank {saved[0]!r} (world_size={saved[1]!r}); this "
+                    f"pipeline runs rank {plan.rank} (world_size={plan.world_size}). To resume on "
+                    "another world size, "
+                    "merge the states of all ranks with zephon.merge_states()"
+                )
+            if type(lane_states) is not list or len(lane_states) != len(self.lanes):
+                raise corrupt("lane_states", f"must be a list of {len(self.lanes)} lane states")
+            mine = lane_states
+            where = [f"lane_states[{i}]" for i in range(len(mine))]
+        checked = [lane.restore(s, w) for lane, s, w in zip(self.lanes, mine, where)]
+        if job:
+            self.next_lane = rank_turn(checked)
+        else:
+            self.next_lane = check_int(body["next_lane"], "next_lane", 0, len(self.lanes) - 1)
+        check_turn(self.next_lane, checked)
         counters = body["counters"]
         if type(counters) is not dict or set(counters) != set(COUNTERS):
             raise corrupt("counters", f"must have exactly the fields {list(COUNTERS)}")
@@ -242,11 +275,8 @@ class Loader:
             raise corrupt("mixture", "must have exactly the fields samples and tokens")
         samples = check_pairs(mixture["samples"], "mixture.samples")
         tokens = check_pairs(mixture["tokens"], "mixture.tokens")
-        checked = [
-            lane.restore(lane_state, f"lane_states[{i}]")
-            for i, (lane, lane_state) in enumerate(zip(self.lanes, lane_states))
-        ]
-        check_turn(self.next_lane, checked)
+        if job:
+            return  # a job's counters belong to all its ranks: this rank counts afresh
         counts = self.counts
         counts.delivered = values["delivered"]
         counts.tombstones = values["tombstones"]
