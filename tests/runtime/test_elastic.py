@@ -217,7 +217,7 @@ def test_a_job_state_with_another_lane_count_is_a_mismatch() -> None:
 
 
 def test_lanes_must_be_a_multiple_of_the_world_size() -> None:
-    with pytest.raises(PlanError, match="lanes=6 .* world_size=4"):
+    with pytest.raises(PlanError, match=r"lanes=6 .* world_size=4"):
         monotone(lanes=6, rank=0, world_size=4).compile()
 
 
