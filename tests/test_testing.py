@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from pipeline_kit import DropMultiples, PackPairs, SplitInChildren, WindowShuffle
+from pipeline_kit import DropMultiples, PackPairs, RunningTotal, SplitInChildren, WindowShuffle
 
+import zephon
+from zephon.ops import pack_sequences, shuffle, tokenize
 from zephon.ops.base import Operator, OpTraits
-from zephon.ops.basic import filter_records, map_transform
+from zephon.ops.basic import fetch, filter_records, map_transform
+from zephon.ops.batching import batch
 from zephon.ops.children import spawn_child
-from zephon.testing import check_operator
+from zephon.sources.memory import ListSource, RangeSource
+from zephon.testing import check_operator, check_resume
 from zephon.types import SampleCursor, SampleMeta, SampleRecord
 
 
@@ -112,3 +116,57 @@ def test_an_order_preserving_operator_may_not():
 def test_each_broken_rule_is_explained(op, message):
     with pytest.raises(AssertionError, match=message):
         check_operator(op, records())
+
+
+class ForgetsItsTotal(Operator):
+    """Stateful and in order: a running total of idx that it forgets to carry across epochs."""
+
+    traits = OpTraits(preserves_cursor_order=True, stateful=True)
+
+    def __init__(self) -> None:
+        self._total = 0
+
+    def process_many(self, recs):
+        out = []
+        for rec in recs:
+            self._total += rec.payload["idx"]
+            out.append(rec.with_payload({**rec.payload, "total": self._total}))
+        return out
+
+
+def test_check_operator_catches_a_carry_state_that_is_missing():
+    with pytest.raises(AssertionError, match=r"ForgetsItsTotal: .*carry_state\(\).*returns None"):
+        check_operator(ForgetsItsTotal(), records())
+
+
+def test_check_operator_passes_an_operator_that_carries_its_state():
+    check_operator(RunningTotal(), records())
+
+
+def _resume_pipeline(op: Operator) -> zephon.Pipeline:
+    return zephon.Pipeline(
+        RangeSource(120, chunk_size=8), [fetch(), op, batch(3)], lanes=2, epoch_chunks=2
+    )
+
+
+def test_check_resume_names_the_operator_that_forgets_its_carry_state():
+    with pytest.raises(AssertionError, match=r"item \d+ differs.*Suspect: ForgetsItsTotal"):
+        check_resume(_resume_pipeline(ForgetsItsTotal()))
+
+
+def test_check_resume_passes_the_built_ins():
+    source = ListSource([{"text": "ab " * (1 + i % 9) + str(i)} for i in range(160)], chunk_size=16)
+    pipeline = zephon.Pipeline(
+        source,
+        [
+            fetch(),
+            tokenize(max_len=8, split_long_samples=True),
+            shuffle(6, seed=2),
+            pack_sequences(16, open_bins=3, pad_id=0),
+            batch(2),
+        ],
+        lanes=2,
+        epoch_chunks=2,
+    )
+    check_resume(pipeline)
+    check_resume(_resume_pipeline(RunningTotal()), steps=[0, 5, 17])
