@@ -9,6 +9,7 @@ from zephon._core import check_build as _check_build
 _check_build()
 
 from zephon.errors import (  # noqa: E402
+    CarryStateWarning,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
@@ -28,6 +29,7 @@ from zephon.runtime.loader import Loader  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "CarryStateWarning",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointMismatchError",

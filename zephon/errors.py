@@ -82,3 +82,9 @@ def _rebuild_operator_error(cls, args, operator, cursor):
 
 class ContractWarning(UserWarning):
     """A contract violation tolerated because the pipeline is not strict; counted in stats."""
+
+
+class CarryStateWarning(UserWarning):
+    """An operator's carry state (stored in every checkpoint) grew past the pipeline's
+    ``carry_warn_bytes``: checkpoints grow with it, and it is often a sign of state that should
+    have been flushed at the epoch marker."""

@@ -42,6 +42,8 @@ class Plan:
     batch_sensitive: bool = False
     #: Tombstone tags the operators asked to have counted in ``stats()``.
     counted_tags: tuple[str, ...] = ()
+    #: Warn once when an operator's carry state grows past this many bytes of JSON (0: never).
+    carry_warn_bytes: int = 65536
 
     @property
     def rank_lanes(self) -> range:

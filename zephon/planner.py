@@ -90,6 +90,7 @@ class Pipeline:
         world_size: int | None = None,
         prefetch: int = 2,
         micro_batch: int = 256,
+        carry_warn_bytes: int = 65536,
     ):
         self.source = source
         self.ops = list(ops)
@@ -102,6 +103,7 @@ class Pipeline:
         self.world_size = world_size
         self.prefetch = prefetch
         self.micro_batch = micro_batch
+        self.carry_warn_bytes = carry_warn_bytes
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
@@ -118,6 +120,10 @@ class Pipeline:
         ):
             if not isinstance(value, int) or value < 1:
                 raise PlanError(f"Pipeline {name} must be an int >= 1, got {value!r}")
+        if type(self.carry_warn_bytes) is not int or self.carry_warn_bytes < 0:
+            raise PlanError(
+                f"Pipeline carry_warn_bytes must be an int >= 0, got {self.carry_warn_bytes!r}"
+            )
         if n_lanes % world_size:
             raise PlanError(
                 f"Pipeline lanes={n_lanes} cannot be shared by world_size={world_size} ranks: "
@@ -200,6 +206,7 @@ class Pipeline:
             fingerprint_parts=parts,
             batch_sensitive=any(op.traits.batch_sensitive for op in chain),
             counted_tags=tuple(dict.fromkeys(tag for op in ops for tag in op.counted_tags)),
+            carry_warn_bytes=self.carry_warn_bytes,
         )
 
     def _fingerprint_parts(self, lanes: int) -> dict[str, Any]:

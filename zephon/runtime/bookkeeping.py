@@ -10,17 +10,21 @@ per-record part runs in the compiled ``DeliveryBook``; control items and reports
 
 from __future__ import annotations
 
+import json
+import logging
+import warnings
 from typing import Any
 
 from zephon._core.chunk_table import EVICTED, ChunkTable
 from zephon._core.delivery import DeliveryBook, DeliveryCounters
-from zephon.errors import ContractViolation
+from zephon.errors import CarryStateWarning, ContractViolation
 from zephon.plan import Plan
 from zephon.runtime.contracts import Violation
 from zephon.runtime.control import ChunkOpened, EpochEnd, OverClose
 from zephon.runtime.lane import operator_labels
 from zephon.types import SampleCursor, SampleRecord
 
+log = logging.getLogger("zephon")
 END_OF_LANE = 1 << 62  # a watermark offset beyond any chunk: closes everything
 
 
@@ -43,6 +47,9 @@ class LaneBook:
         self.next_local = 0  # lane-local index of the next chunk to be announced
         self.carry: list[Any] | None = None  # carry state at the start of the retained epoch
         self.suspects: set[str] = set()  # operators seen emitting too many closing contributors
+        self.op_stats: list[list[float]] | None = None  # the runner's, as of its latest chunk
+        self.carry_warn_bytes = plan.carry_warn_bytes
+        self.carry_warned = False
 
     # ----------------------------------------------------------------------------- per record
     def record(self, rec: SampleRecord, delivered: bool = True) -> None:
@@ -93,6 +100,8 @@ class LaneBook:
             self.next_local = item.local_index + 1
             if item.skip_below:
                 self.table.close_below(item.chunk_id, item.skip_below)
+            if item.op_stats is not None:
+                self.op_stats = item.op_stats
         elif kind is EpochEnd:
             self._epoch_end(item)
         elif kind is OverClose:
@@ -121,8 +130,34 @@ class LaneBook:
         self.book.note_evicted(self.table.evict_complete_epochs(epoch))
         self.book.epochs_done = epoch + 1
         self.carry = marker.carry
+        if self.carry_warn_bytes and not self.carry_warned:
+            self._check_carry_size(marker.carry)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "lane %d: epoch %d done, %d chunk(s) held",
+                self.lane_id,
+                epoch,
+                self.table.n_inflight,
+            )
         self.book.window_clear()
         self.book.last_cursor = None
+
+    def _check_carry_size(self, carry: list[Any]) -> None:
+        for label, state in zip(self.labels, carry):
+            if state is None:
+                continue
+            size = len(json.dumps(state))
+            if size > self.carry_warn_bytes:
+                self.carry_warned = True
+                text = (
+                    f"operator {label!r} carries {size} bytes of state across epochs (lane "
+                    f"{self.lane_id}), more than carry_warn_bytes={self.carry_warn_bytes}; every "
+                    "checkpoint stores it. Flush what it holds at the epoch marker, or raise the "
+                    "limit in Pipeline(carry_warn_bytes=...)"
+                )
+                log.warning(text)
+                warnings.warn(text, CarryStateWarning, stacklevel=2)
+                return
 
     def lane_end(self) -> None:
         """The lane has no more chunks: on the monotone path everything still open is done."""

@@ -7,10 +7,13 @@ counted and one ``ContractWarning`` is shown per kind, operator and epoch.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import NamedTuple
 
 from zephon.errors import ContractViolation, ContractWarning
+
+log = logging.getLogger("zephon")
 
 
 class Violation(NamedTuple):
@@ -43,4 +46,5 @@ class ContractPolicy:
             key = (violation.kind, violation.operators, violation.epoch)
             if key not in self._warned:
                 self._warned.add(key)
+                log.warning("%s", violation.text())
                 warnings.warn(violation.text(), ContractWarning, stacklevel=4)

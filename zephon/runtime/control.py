@@ -12,10 +12,16 @@ from typing import Any
 class ChunkOpened:
     """A chunk starts: delivery enters it in the lane's chunk table before any record of it."""
 
-    __slots__ = ("chunk_id", "epoch", "local_index", "n_offsets", "skip_below")
+    __slots__ = ("chunk_id", "epoch", "local_index", "n_offsets", "op_stats", "skip_below")
 
     def __init__(
-        self, chunk_id: int, local_index: int, n_offsets: int, epoch: int, skip_below: int = 0
+        self,
+        chunk_id: int,
+        local_index: int,
+        n_offsets: int,
+        epoch: int,
+        skip_below: int = 0,
+        op_stats: list[list[float]] | None = None,
     ):
         self.chunk_id = chunk_id
         self.local_index = local_index
@@ -23,6 +29,8 @@ class ChunkOpened:
         self.epoch = epoch
         # Offsets below this were skipped at the source on restore (consumed before the checkpoint).
         self.skip_below = skip_below
+        # The lane's operators so far: [records in, records out, seconds] each (for stats()).
+        self.op_stats = op_stats
 
     def __repr__(self) -> str:
         return f"ChunkOpened({self.chunk_id}, local={self.local_index}, n={self.n_offsets})"
@@ -57,9 +65,13 @@ class OverClose:
 
 
 class LaneEnd:
-    """The lane has no more chunks; everything before it has been emitted."""
+    """The lane has no more chunks; everything before it has been emitted. Carries the lane's
+    final operator stats (as ``ChunkOpened.op_stats``)."""
 
-    __slots__ = ()
+    __slots__ = ("op_stats",)
+
+    def __init__(self, op_stats: list[list[float]] | None = None):
+        self.op_stats = op_stats
 
     def __repr__(self) -> str:
         return "LaneEnd()"

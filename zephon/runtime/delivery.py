@@ -80,6 +80,8 @@ class LaneDelivery:
                     return self._hand_over()
                 continue
             if type(item) is LaneEnd:
+                if item.op_stats is not None:
+                    book.op_stats = item.op_stats
                 return self._lane_end()
             if batcher is not None and batcher.n_pending:
                 batcher.hold(item)

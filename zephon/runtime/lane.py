@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
+from time import perf_counter
 from typing import Any
 
 from zephon._core.records import count_closing, next_control
 from zephon.errors import FetchError, OperatorError, ZephonError
 from zephon.ops.base import Operator, record_error
 from zephon.plan import Plan
-from zephon.runtime.control import LANE_END, ChunkOpened, EpochEnd, OverClose
+from zephon.runtime.control import ChunkOpened, EpochEnd, LaneEnd, OverClose
 from zephon.runtime.state import LaneGeometry
 from zephon.types import SampleRecord
 
@@ -78,6 +79,8 @@ class LaneRunner:
             else None
             for op in self.ops
         ]
+        # Per operator: records in, records out, seconds inside process_many/flush.
+        self.op_stats: list[list[float]] = [[0, 0, 0.0] for _ in self.ops]
         self._reset_audit()
 
     def _reset_audit(self) -> None:
@@ -110,7 +113,7 @@ class LaneRunner:
             chunk = source.chunk(position)
             n = len(chunk)
             first = self.skip_offset if k == self.start_local else 0
-            yield [ChunkOpened(position, k, n, epoch, first)]
+            yield [ChunkOpened(position, k, n, epoch, first, [list(s) for s in self.op_stats])]
             start = first
             while start < n:
                 stop = min(n, (start // mb + 1) * mb)  # boundaries stay aligned after a skip
@@ -131,7 +134,7 @@ class LaneRunner:
             out = self._flush_all()
             if out:
                 yield out
-        yield [LANE_END]
+        yield [LaneEnd([list(s) for s in self.op_stats])]
 
     def _fetch(self, position: int, pointers: Any, start: int) -> list[SampleRecord]:
         try:
@@ -178,6 +181,7 @@ class LaneRunner:
 
     def _call(self, j: int, records: list[SampleRecord]) -> list:
         op = self.ops[j]
+        began = perf_counter()
         try:
             if self._pools[j] is not None and len(records) > 1:
                 out = self._pooled(j, records)
@@ -187,6 +191,10 @@ class LaneRunner:
             raise exc.add_context(lane=self.lane_id, operator=self.labels[j]) from exc.__cause__
         except Exception as exc:
             raise self._locate_error(op, records, exc).add_context(lane=self.lane_id) from exc
+        stats = self.op_stats[j]
+        stats[0] += len(records)
+        stats[1] += len(out)
+        stats[2] += perf_counter() - began
         return self._audit(j, records, out)
 
     def _pooled(self, j: int, records: list[SampleRecord]) -> list:

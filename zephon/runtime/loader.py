@@ -8,6 +8,7 @@ called at any time, from any thread, and waits for a ``next()`` in progress to f
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Hashable
 from typing import Any
@@ -33,6 +34,8 @@ from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
 from zephon.runtime.job import rank_turn
 from zephon.runtime.state import COUNTERS, check_int, check_pairs, check_turn, corrupt
+
+log = logging.getLogger("zephon")
 
 _STATE_KEYS = frozenset(
     {
@@ -98,6 +101,7 @@ class Loader:
             try:
                 if not self._started:
                     self._started = True
+                    self._log_start()
                     for lane in lanes:  # every lane's worker starts working at once
                         if not lane.ended:
                             lane.feed.start()
@@ -118,6 +122,28 @@ class Loader:
                 self._fail(exc)
                 raise
             raise StopIteration
+
+    def _log_start(self) -> None:
+        plan = self.plan
+        lanes = plan.rank_lanes
+        log.info(
+            "starting lanes %d..%d of %d (rank %d of %d), workers=%r, %s eviction path",
+            lanes.start,
+            lanes.stop - 1,
+            plan.lanes,
+            plan.rank,
+            plan.world_size,
+            plan.workers,
+            plan.eviction_path,
+        )
+        for lane in self.lanes:
+            if lane.replay is not None:
+                log.info(
+                    "lane %d: replaying %d record(s) up to %r before delivering",
+                    lane.lane_id,
+                    lane.replay.expect[0] - lane.replay.count,
+                    lane.replay.target,
+                )
 
     def _fail(self, exc: BaseException) -> None:
         if isinstance(exc, ContractViolation):
@@ -159,9 +185,16 @@ class Loader:
         return self.restored_replayed + sum(lane.replayed for lane in self.lanes)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the run; ``mixture`` is the realized share per component of delivered
-        tokens, or of delivered samples when nothing carries token counts. Tombstone tags the
-        operators asked to count (e.g. ``mixture_dropped``) appear under their own names."""
+        """Counters of the run, valid at any time (also after the end and after ``close()``).
+
+        ``delivered``/``tombstones``/``replayed``/``evicted_chunks``/``violations`` count records;
+        ``inflight_chunks``/``max_inflight_chunks``/``bytes_held`` the bookkeeping held;
+        ``mixture`` is the realized share per component of delivered tokens (of samples when
+        nothing carries token counts), ``mixture_samples``/``mixture_tokens`` the counts behind
+        it; tombstone tags operators asked to count (e.g. ``mixture_dropped``) appear under their
+        own names; ``operators`` gives each chain operator's records in, items out (records and
+        tombstones) and seconds spent; ``lanes`` each lane's delivered items, whether it ended,
+        the items waiting in its current list and its replay progress after a restore."""
         basis = self.mix_tokens if self.mix_tokens else self.mix_samples
         total = sum(basis.values())
         counts = self.counts
@@ -179,7 +212,34 @@ class Loader:
         }
         for tag in self.plan.counted_tags:
             out[tag] = counts.tag_counts.get(tag, 0)
+        out["mixture_samples"] = dict(self.mix_samples)
+        out["mixture_tokens"] = dict(self.mix_tokens)
+        out["operators"] = self._operator_stats()
+        out["lanes"] = {
+            lane.lane_id: {
+                "delivered": lane.delivered,
+                "ended": lane.ended,
+                "buffered": len(lane.feed.buf) - lane.feed.pos,
+                "replay": None
+                if lane.replay is None
+                else {"done": lane.replay.count, "of": lane.replay.expect[0]},
+            }
+            for lane in self.lanes
+        }
         return out
+
+    def _operator_stats(self) -> dict[str, dict[str, float]]:
+        """Per chain operator, summed over this rank's lanes as of each lane's latest chunk."""
+        labels = self.lanes[0].book.labels if self.lanes else []
+        totals = [[0, 0, 0.0] for _ in labels]
+        for lane in self.lanes:
+            for total, part in zip(totals, lane.book.op_stats or ()):
+                for i in range(3):
+                    total[i] += part[i]
+        return {
+            label: {"records_in": t[0], "items_out": t[1], "seconds": t[2]}
+            for label, t in zip(labels, totals)
+        }
 
     def _counters(self) -> dict[str, int]:
         counts = self.counts
