@@ -1,0 +1,112 @@
+"""A real torch.distributed job (gloo, CPU) checkpoints on two processes, builds the job state on
+every rank with one call, and continues on one process and on four with the same global steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N = 4  # the job's lanes
+STEPS_BEFORE = 3  # global steps before the checkpoint
+
+RANK = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import torch.distributed as dist
+    import zephon
+    from zephon.integrations.torch import job_state
+    from integrations.test_torch_elastic import make, item
+
+    url, rank, world, mode, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world)
+    per = {N} // world
+    if mode == "checkpoint":
+        loader = iter(make())
+        head = [item(next(loader)) for _ in range({steps} * per)]
+        job = job_state(loader)            # every rank gets the same job state
+        out = {{"head": head, "job": job}}
+    else:
+        with open(path) as f:
+            job = json.load(f)
+        out = {{"tail": [item(x) for x in make().iter(state=job)]}}
+    print(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+""").format(tests=TESTS, N=N, steps=STEPS_BEFORE)
+
+
+def make(**kw):
+    import zephon
+    from zephon.ops import batch, fetch, shuffle
+    from zephon.sources import RangeSource
+
+    source = RangeSource(600, chunk_size=16, shuffle=True, seed=4)
+    return zephon.Pipeline(source, [fetch(), shuffle(8, seed=1), batch(4)], lanes=N, **kw)
+
+
+def item(batch):
+    return [r.payload["idx"] for r in batch]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_job(script: Path, world: int, mode: str, path: str = "") -> list[dict]:
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), url, str(r), str(world), mode, path],
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def _steps(streams: list[list], world: int) -> list[Counter]:
+    per = N // world
+    n = min(len(s) for s in streams) // per
+    return [
+        Counter(tuple(x) for s in streams for x in s[k * per : (k + 1) * per]) for k in range(n)
+    ]
+
+
+def test_a_two_process_job_continues_on_one_and_on_four_processes(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    reference = _steps([[item(b) for b in make(rank=r, world_size=2)] for r in range(2)], 2)
+    # the guarantee holds until the first lane ends
+    shortest = min(len(list(make(rank=g, world_size=N))) for g in range(N))
+    first = _run_job(script, 2, "checkpoint")
+    assert first[0]["job"] == first[1]["job"]
+    assert _steps([r["head"] for r in first], 2) == reference[:STEPS_BEFORE]
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(first[0]["job"]))
+    for world in (1, 4):
+        tails = [r["tail"] for r in _run_job(script, world, "resume", str(job_file))]
+        resumed = _steps(tails, world)
+        limit = shortest - STEPS_BEFORE
+        assert len(resumed) >= limit
+        assert resumed[:limit] == reference[STEPS_BEFORE:shortest], f"world {world}"
