@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -93,6 +94,9 @@ class Plan:
     world_size: int
     fingerprint: str
     fingerprint_parts: dict[str, Any]
+    #: Seconds a thread or process lane may take to produce its next item list; None: no limit.
+    #: Not part of the fingerprint: it changes how long the loader waits, never what it delivers.
+    timeout: float | None = None
 
     def describe(self) -> str:
         """A readable summary: operators, traits, workers, eviction path and why."""
@@ -120,6 +124,8 @@ class Plan:
             lines.append(
                 "  restore skips consumed samples at the source (every operator indexable)"
             )
+        if self.timeout is not None:
+            lines.append(f"  timeout: {self.timeout:g} s for a lane's next item list")
         return "\n".join(lines)
 
 
@@ -128,6 +134,10 @@ class Pipeline:
 
     The delivered stream is a pure function of the definition, the data, ``lanes``,
     ``epoch_chunks``, ``rank`` and ``world_size`` (with ``deterministic=True``).
+
+    ``timeout`` (seconds, off by default) bounds how long a thread or process lane may take to
+    produce its next item list before ``next()`` raises instead of waiting for a stuck or stopped
+    worker; inline lanes run in the caller's thread and cannot time out.
     """
 
     def __init__(
@@ -144,6 +154,7 @@ class Pipeline:
         world_size: int | None = None,
         prefetch: int = 2,
         micro_batch: int = 256,
+        timeout: float | None = None,
     ):
         self.source = source
         self.ops = list(ops)
@@ -156,6 +167,7 @@ class Pipeline:
         self.world_size = world_size
         self.prefetch = prefetch
         self.micro_batch = micro_batch
+        self.timeout = timeout
 
     def compile(self) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator."""
@@ -169,6 +181,16 @@ class Pipeline:
                 raise PlanError(f"Pipeline {name} must be an int >= 1, got {value!r}")
         if self.workers not in WORKER_KINDS:
             raise PlanError(f"Pipeline workers must be one of {WORKER_KINDS}, got {self.workers!r}")
+        timeout = self.timeout
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout < math.inf
+        ):
+            raise PlanError(
+                f"Pipeline timeout must be a finite number of seconds > 0 (or None for no limit), "
+                f"got {timeout!r}"
+            )
         ops = self.ops
         if not ops:
             raise PlanError("a pipeline needs at least the fetch operator")
@@ -237,6 +259,7 @@ class Pipeline:
             world_size=world_size,
             fingerprint=_digest(parts),
             fingerprint_parts=parts,
+            timeout=None if timeout is None else float(timeout),
         )
 
     def _fingerprint_parts(self, world_size: int) -> dict[str, Any]:
