@@ -170,6 +170,23 @@ class LaneRunner:
             raise
         except Exception as exc:
             raise self._locate_error(op, records, exc) from exc
+        except SystemExit as exc:  # in a worker it would end the worker, inline the training run
+            culprit = records[0]
+            if not op.traits.stateful:  # safe to rerun: find the record that exits
+                for rec in records:
+                    try:
+                        copy.deepcopy(op).process_many([rec])
+                    except (Exception, SystemExit):
+                        culprit = rec
+                        break
+            cursor = culprit.meta.cursor
+            raise OperatorError(
+                f"operator {self.labels[j]!r} called sys.exit({exc.code!r}) on record {cursor!r} "
+                f"(sample_id={cursor.sample_id}): an operator must raise an exception, "
+                "not exit the process",
+                operator=self.labels[j],
+                cursor=cursor,
+            ) from exc
         return self._audit(j, records, out)
 
     def _pooled(self, j: int, records: list[SampleRecord]) -> list:
@@ -223,6 +240,12 @@ class LaneRunner:
         except Exception as exc:
             raise OperatorError(
                 f"operator {op.name!r} failed in flush(): {type(exc).__name__}: {exc}",
+                operator=op.name,
+            ) from exc
+        except SystemExit as exc:
+            raise OperatorError(
+                f"operator {op.name!r} called sys.exit({exc.code!r}) in flush(): an operator "
+                "must raise an exception, not exit the process",
                 operator=op.name,
             ) from exc
         return self._push(j + 1, self._audit(j, [], flushed))
