@@ -44,6 +44,9 @@ class Plan:
     counted_tags: tuple[str, ...] = ()
     #: Warn once when an operator's carry state grows past this many bytes of JSON (0: never).
     carry_warn_bytes: int = 65536
+    #: Seconds a thread or process lane may take to produce its next item list; None: no limit.
+    #: Not part of the fingerprint: it changes how long the loader waits, never what it delivers.
+    timeout: float | None = None
 
     @property
     def rank_lanes(self) -> range:
@@ -80,4 +83,6 @@ class Plan:
             lines.append(
                 "  restore skips consumed samples at the source (every operator indexable)"
             )
+        if self.timeout is not None:
+            lines.append(f"  timeout: {self.timeout:g} s for a lane's next item list")
         return "\n".join(lines)

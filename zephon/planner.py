@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -74,6 +75,10 @@ class Pipeline:
 
     The delivered stream is a pure function of the definition, the data, ``lanes``,
     ``epoch_chunks``, ``rank`` and ``world_size`` (with ``deterministic=True``).
+
+    ``timeout`` (seconds, off by default) bounds how long a thread or process lane may take to
+    produce its next item list before ``next()`` raises instead of waiting for a stuck or stopped
+    worker; inline lanes run in the caller's thread and cannot time out.
     """
 
     def __init__(
@@ -91,6 +96,7 @@ class Pipeline:
         prefetch: int = 2,
         micro_batch: int = 256,
         carry_warn_bytes: int = 65536,
+        timeout: float | None = None,
     ):
         self.source = source
         self.ops = list(ops)
@@ -104,6 +110,7 @@ class Pipeline:
         self.prefetch = prefetch
         self.micro_batch = micro_batch
         self.carry_warn_bytes = carry_warn_bytes
+        self.timeout = timeout
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
@@ -131,6 +138,16 @@ class Pipeline:
             )
         if self.workers not in WORKER_KINDS:
             raise PlanError(f"Pipeline workers must be one of {WORKER_KINDS}, got {self.workers!r}")
+        timeout = self.timeout
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout < math.inf
+        ):
+            raise PlanError(
+                f"Pipeline timeout must be a finite number of seconds > 0 (or None for no limit), "
+                f"got {timeout!r}"
+            )
         ops = self.ops
         if not ops:
             raise PlanError("a pipeline needs at least the fetch operator")
@@ -207,6 +224,7 @@ class Pipeline:
             batch_sensitive=any(op.traits.batch_sensitive for op in chain),
             counted_tags=tuple(dict.fromkeys(tag for op in ops for tag in op.counted_tags)),
             carry_warn_bytes=self.carry_warn_bytes,
+            timeout=None if timeout is None else float(timeout),
         )
 
     def _fingerprint_parts(self, lanes: int) -> dict[str, Any]:

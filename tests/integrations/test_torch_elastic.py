@@ -28,7 +28,8 @@ RANK = textwrap.dedent("""
     from zephon.integrations.torch import job_state
     from integrations.test_torch_elastic import make, item
 
-    url, rank, world, mode, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    url, mode, path = sys.argv[1], sys.argv[4], sys.argv[5]
+    rank, world = int(sys.argv[2]), int(sys.argv[3])
     dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world)
     per = {N} // world
     if mode == "checkpoint":
@@ -77,12 +78,17 @@ def _run_job(script: Path, world: int, mode: str, path: str = "") -> list[dict]:
         )
         for r in range(world)
     ]
-    results = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 0
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    try:
+        outs = [proc.communicate(timeout=180)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout:
+                proc.stdout.close()
+    assert [proc.returncode for proc in procs] == [0] * world
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
 def _steps(streams: list[list], world: int) -> list[Counter]:

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 from pipeline_kit import DropMultiples, PackPairs, SplitInChildren, WindowShuffle, fingerprint_item
+from worker_kit import assert_no_leftover_workers, script_env
 
 import zephon
 from zephon.errors import OperatorError, PlanError
@@ -22,6 +23,11 @@ from zephon.ops.batching import batch
 from zephon.sources.memory import RangeSource
 
 KINDS = ["inline", "thread", "process"]
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_workers():
+    yield from assert_no_leftover_workers()
 
 
 def with_array(payload: dict) -> dict:
@@ -154,7 +160,7 @@ def _alive(pid: int) -> bool:
 def test_sigkilled_training_process_resumes_identically_and_leaves_no_workers(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(CRASH_SCRIPT.format(tests=os.path.dirname(__file__)))
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=script_env())
     deadline = time.monotonic() + 120
     while not (tmp_path / "pids.json").exists():
         assert proc.poll() is None, "training script died early"

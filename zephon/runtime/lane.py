@@ -191,6 +191,23 @@ class LaneRunner:
             raise exc.add_context(lane=self.lane_id, operator=self.labels[j]) from exc.__cause__
         except Exception as exc:
             raise self._locate_error(op, records, exc).add_context(lane=self.lane_id) from exc
+        except SystemExit as exc:  # in a worker it would end the worker, inline the training run
+            culprit = records[0]
+            if not op.traits.stateful:  # safe to rerun: find the record that exits
+                for rec in records:
+                    try:
+                        copy.deepcopy(op).process_many([rec])
+                    except (Exception, SystemExit):
+                        culprit = rec
+                        break
+            cursor = culprit.meta.cursor
+            raise OperatorError(
+                f"operator {self.labels[j]!r} called sys.exit({exc.code!r}) on record {cursor!r} "
+                f"(sample_id={cursor.sample_id}): an operator must raise an exception, "
+                "not exit the process",
+                operator=self.labels[j],
+                cursor=cursor,
+            ).add_context(lane=self.lane_id) from exc
         stats = self.op_stats[j]
         stats[0] += len(records)
         stats[1] += len(out)
@@ -250,6 +267,12 @@ class LaneRunner:
         except Exception as exc:
             raise OperatorError(
                 f"operator {op.name!r} failed in flush(): {type(exc).__name__}: {exc}",
+                operator=op.name,
+            ) from exc
+        except SystemExit as exc:
+            raise OperatorError(
+                f"operator {op.name!r} called sys.exit({exc.code!r}) in flush(): an operator "
+                "must raise an exception, not exit the process",
                 operator=op.name,
             ) from exc
         return self._push(j + 1, self._audit(j, [], flushed))

@@ -34,6 +34,7 @@ from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
 from zephon.runtime.job import rank_turn
 from zephon.runtime.state import COUNTERS, check_int, check_pairs, check_turn, corrupt
+from zephon.runtime.supervision import close_feeds
 
 log = logging.getLogger("zephon")
 
@@ -152,8 +153,7 @@ class Loader:
         self._stop_lanes()
 
     def _stop_lanes(self) -> None:
-        for lane in self.lanes:
-            lane.close()
+        close_feeds([lane.feed for lane in self.lanes])
 
     def close(self) -> None:
         """Stop every lane's worker. The state still describes the last item handed over."""

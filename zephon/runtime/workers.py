@@ -1,8 +1,15 @@
 """Where a lane runs: in the caller's thread, a worker thread, or a worker process.
 
-Each kind is an iterator over the lane runner's item lists with ``close()``. Only the lane's
-operator chain moves; delivery and every bit of bookkeeping stay in the loader's process, so the
-delivered stream is the same for all three kinds.
+Each kind is an iterator over the lane runner's item lists. Only the lane's operator chain moves;
+delivery and every bit of bookkeeping stay in the loader's process, so the delivered stream is the
+same for all three kinds.
+
+Stopping is two-phase, so that many lanes stop in the time of one: ``request_stop()`` tells the
+worker and never blocks; ``join(deadline)`` waits for it and, past the deadline, terminates and
+then kills a worker process. ``close_lanes`` does both for many lanes at once, ``close()`` for
+one. No worker holds a reference to its lane, so a lane that becomes unreachable is stopped by
+its finalizer at once, without waiting for a cyclic GC pass; finalizers act only in the process
+that started the workers, never in a ``fork()``ed child.
 """
 
 from __future__ import annotations
@@ -15,91 +22,296 @@ import queue
 import signal
 import sys
 import threading
+import time
+import types
 import weakref
-from collections.abc import Generator
+from collections.abc import Generator, Iterable, Iterator
 from multiprocessing.connection import Connection
-from typing import Any
+from multiprocessing.connection import wait as wait_for_any
+from typing import Any, Protocol
 
 from zephon.errors import PlanError, ZephonError
 from zephon.plan import Plan
 from zephon.runtime.lane import LaneRunner
 
-_STOP = "stop"
+#: Seconds a worker gets to stop by itself once asked, before a worker process is terminated.
+STOP_TIMEOUT = 0.1
+_TERMINATE_WAIT = 0.05  # SIGTERM ends a Python process at once unless it handles the signal
+_KILL_WAIT = 1.0  # SIGKILL cannot be refused; only a process stuck in the kernel outlasts this
+_EXIT_STATUS_WAIT = 1.0  # a dead worker's exit status follows the end of its pipe closely
+_POLL_SECONDS = 0.2  # how often the two sides of a thread lane check the other is still there
+_WORKER_NAME = "zephon-lane-"
+# Exit status of a worker that found itself re-running the main script while starting (EX_CONFIG).
+_EXIT_MAIN_REIMPORTED = 78
 _ACK = "ack"
-_POLL_SECONDS = 0.2
+_READY = "ready"
+_END = "end"  # the runner is exhausted: next() raises StopIteration from now on
+
+
+class _Worker(Protocol):
+    """What stopping needs of a worker; held by the lane's finalizer, so never the lane itself."""
+
+    #: Whether ``terminate`` and ``kill`` can end the worker (a process) or not (a thread).
+    forcible: bool
+
+    def request_stop(self) -> None: ...
+
+    def wait(self, deadline: float) -> bool: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def _join_workers(workers: list[_Worker], deadline: float) -> bool:
+    """Wait until ``deadline`` (``time.monotonic()``) for ``workers`` to stop; terminate the
+    worker processes still running, then kill those that outlast it. Whether every worker has
+    stopped: a thread still running past the deadline is left to stop by itself."""
+    late = [w for w in workers if not w.wait(deadline)]
+    running = [w for w in late if w.forcible]
+    for escalate, grace in (("terminate", _TERMINATE_WAIT), ("kill", _KILL_WAIT)):
+        if not running:
+            break
+        for worker in running:
+            getattr(worker, escalate)()
+        later = time.monotonic() + grace
+        running = [w for w in running if not w.wait(later)]
+    return not running and all(w.forcible for w in late)
+
+
+def _stop_workers(workers: list[_Worker], timeout: float) -> None:
+    """A lane's finalizer: ask every worker to stop, then join them with one deadline."""
+    for worker in workers:
+        worker.request_stop()
+    _join_workers(workers, time.monotonic() + timeout)
+
+
+class _Lane(Protocol):
+    def request_stop(self) -> None: ...
+
+    def _release(self) -> list[_Worker]: ...
+
+
+def close_lanes(lanes: Iterable[_Lane], timeout: float = STOP_TIMEOUT) -> None:
+    """Stop many lanes in the time of one: ask every lane's worker to stop, then wait for all of
+    them with a single deadline ``timeout`` seconds away, past which worker processes still
+    running are terminated, then killed. Idempotent; a lane may appear more than once.
+
+    The loader's ``close()`` should call this once with all its lanes rather than closing them
+    one after the other, which adds up one deadline per busy lane.
+    """
+    lanes = list(lanes)
+    for lane in lanes:
+        lane.request_stop()
+    workers = [worker for lane in lanes for worker in lane._release()]
+    _join_workers(workers, time.monotonic() + timeout)
+
+
+def _closed_error(lane_id: int) -> ZephonError:
+    return ZephonError(f"lane {lane_id} is closed: it delivers nothing after close()")
+
+
+def _exit_outside_operator(lane_id: int, exc: SystemExit) -> ZephonError:
+    # An operator's sys.exit is reported by the lane runner, naming the operator and the record.
+    return ZephonError(
+        f"lane {lane_id} called sys.exit({exc.code!r}) outside any operator (in the source or "
+        "an operator's start_epoch): a lane may not end the training process, raise an "
+        "exception instead"
+    )
+
+
+def _timed_out(lane_id: int, where: str, timeout: float) -> ZephonError:
+    return ZephonError(
+        f"lane {lane_id} ({where}) produced nothing for {timeout:g} s, the pipeline's timeout: "
+        "its worker is stuck in an operator or stopped (SIGSTOP, a debugger). If the lane is "
+        "only slow, raise Pipeline(timeout=...)"
+    )
 
 
 class InlineLane:
-    """The lane runs in the caller's thread, one step per ``next()``: simplest to debug."""
+    """The lane runs in the caller's thread, one step per ``next()``: simplest to debug.
+
+    It cannot time out (``Plan.timeout`` does not apply): nothing else runs to notice a stuck
+    operator, and nothing could interrupt it. Stopping it closes the runner in the caller's thread.
+    """
 
     def __init__(self, plan: Plan, lane_id: int, **start: Any):
+        self.lane_id = lane_id
         self._gen: Generator[list, None, None] = LaneRunner(plan, lane_id, **start).run()
+        self._closed = False
 
     def __iter__(self) -> InlineLane:
         return self
 
     def __next__(self) -> list:
-        return next(self._gen)
+        if self._closed:
+            raise _closed_error(self.lane_id)
+        try:
+            return next(self._gen)
+        except SystemExit as exc:
+            raise _exit_outside_operator(self.lane_id, exc) from exc
 
-    def close(self) -> None:
+    def request_stop(self) -> None:
+        """Close the runner (and its operator thread pools) now; there is no worker to wait for."""
+        self._closed = True
         self._gen.close()
 
+    def join(self, deadline: float) -> bool:
+        """Nothing to wait for: the lane stopped in ``request_stop``."""
+        return True
 
-class ThreadLane:
-    """The lane runs in a worker thread and hands over item lists through a bounded queue."""
+    def _release(self) -> list[_Worker]:
+        return []
 
-    def __init__(self, plan: Plan, lane_id: int, **start: Any):
-        self.lane_id = lane_id
-        self._queue: queue.Queue = queue.Queue(maxsize=plan.prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._work,
-            args=(plan, lane_id, start),
-            name=f"zephon-lane-{lane_id}",
-            daemon=True,
-        )
-        self._thread.start()
+    def close(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop the lane; idempotent."""
+        self.request_stop()
 
-    def _put(self, message: tuple) -> bool:
-        while not self._stop.is_set():
+
+# ------------------------------------------------------------------------------ thread lanes
+
+
+class _ThreadChannel:
+    """What a thread lane and its worker thread share: the bounded queue and the stop flag."""
+
+    def __init__(self, maxsize: int):
+        self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.stop = threading.Event()
+
+    def put(self, message: tuple) -> bool:
+        """Hand ``message`` over unless the lane is stopped first; whether it was handed over."""
+        while not self.stop.is_set():
             try:
-                self._queue.put(message, timeout=_POLL_SECONDS)
+                self.queue.put(message, timeout=_POLL_SECONDS)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def _work(self, plan: Plan, lane_id: int, start: dict) -> None:
-        try:
-            for items in LaneRunner(plan, lane_id, **start).run():
-                if not self._put(("items", items)):
+    def drain(self) -> None:
+        while True:
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                return
+
+
+def _thread_main(channel: _ThreadChannel, plan: Plan, lane_id: int, start: dict) -> None:
+    """A worker thread's life; it holds the channel, never the lane, so the lane can be freed."""
+    try:
+        with contextlib.closing(LaneRunner(plan, lane_id, **start).run()) as lane_items:
+            for items in lane_items:
+                if not channel.put(("items", items)):
                     return
-        except BaseException as exc:  # delivered to the caller, who re-raises it
-            self._put(("error", exc))
+        channel.put((_END, None))
+    except SystemExit as exc:
+        channel.put(("error", _exit_outside_operator(lane_id, exc)))
+    except BaseException as exc:  # delivered to the caller, who re-raises it
+        channel.put(("error", exc))
+
+
+class _ThreadWorker:
+    """Stops a worker thread. A thread cannot be interrupted: one busy inside an operator stops
+    at its next hand-over, after the operator returns; until then it is left running."""
+
+    forcible = False
+
+    def __init__(self, thread: threading.Thread, channel: _ThreadChannel):
+        self.thread = thread
+        self.channel = channel
+        self.owner_pid = os.getpid()
+
+    def request_stop(self) -> None:
+        if os.getpid() != self.owner_pid:  # a fork()ed child: the thread is not in this process
+            return
+        self.channel.stop.set()
+        self.channel.drain()  # a worker waiting for room in the queue gets it, then sees the flag
+
+    def wait(self, deadline: float) -> bool:
+        if os.getpid() != self.owner_pid:
+            return True
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+        return not self.thread.is_alive()
+
+    def terminate(self) -> None:
+        raise NotImplementedError("a thread cannot be terminated")
+
+    kill = terminate
+
+
+class ThreadLane:
+    """The lane runs in a worker thread and hands over item lists through a bounded queue.
+
+    Like every kind of lane, an iterator that ends when the lane runner is exhausted.
+    """
+
+    def __init__(self, plan: Plan, lane_id: int, **start: Any):
+        self.lane_id = lane_id
+        self.timeout = plan.timeout
+        self._channel = _ThreadChannel(plan.prefetch)
+        self._thread = threading.Thread(
+            target=_thread_main,
+            args=(self._channel, plan, lane_id, start),
+            name=f"{_WORKER_NAME}{lane_id}",
+            daemon=True,
+        )
+        self._worker = _ThreadWorker(self._thread, self._channel)
+        self._closed = False
+        self._ended = False
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop_workers, [self._worker], STOP_TIMEOUT)
 
     def __iter__(self) -> ThreadLane:
         return self
 
     def __next__(self) -> list:
+        if self._closed:
+            raise _closed_error(self.lane_id)
+        if self._ended:
+            raise StopIteration
+        end = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
+            wait = _POLL_SECONDS if end is None else min(_POLL_SECONDS, end - time.monotonic())
             try:
-                kind, value = self._queue.get(timeout=_POLL_SECONDS)
+                kind, value = self._channel.queue.get(timeout=max(0.0, wait))
                 break
             except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise ZephonError(f"worker thread of lane {self.lane_id} stopped") from None
+                if not self._thread.is_alive() and self._channel.queue.empty():
+                    raise ZephonError(
+                        f"the worker thread of lane {self.lane_id} ended without handing over "
+                        "its lane's end or an error"
+                    ) from None
+                if end is not None and time.monotonic() >= end:
+                    assert self.timeout is not None
+                    where = f"thread {self._thread.name}"
+                    raise _timed_out(self.lane_id, where, self.timeout) from None
         if kind == "error":
             raise value
+        if kind == _END:
+            self._ended = True
+            raise StopIteration
         return value
 
-    def close(self) -> None:
-        self._stop.set()
-        while True:  # unblock a worker waiting on a full queue
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        self._thread.join(timeout=5)
+    def request_stop(self) -> None:
+        """Tell the worker thread to stop at its next hand-over; never blocks."""
+        self._closed = True
+        self._worker.request_stop()
+
+    def join(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (``time.monotonic()``) for the thread to end; whether it did.
+        A thread busy inside an operator ends by itself once the operator returns."""
+        return _join_workers(self._release(), deadline)
+
+    def _release(self) -> list[_Worker]:
+        # The lane's worker, once: later calls (and the finalizer) have nothing left to stop.
+        return [self._worker] if self._finalizer.detach() is not None else []
+
+    def close(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop the lane, waiting at most ``timeout`` seconds for the thread; idempotent."""
+        close_lanes([self], timeout)
+
+
+# ------------------------------------------------------------------------------ process lanes
 
 
 def _context() -> Any:
@@ -111,21 +323,27 @@ def _context() -> Any:
     return mp.get_context("spawn")
 
 
-def _send(conn: Connection, kind: str, value: Any) -> None:
+class _LoaderGone(Exception):
+    """The loader closed its end of the pipe: the worker stops."""
+
+
+def _encode(kind: str, value: Any) -> tuple[tuple, bytes, list[memoryview]]:
     """Pickle protocol 5 with out-of-band buffers: numpy data goes to the pipe without a copy."""
     buffers: list[pickle.PickleBuffer] = []
-    try:
-        data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    except Exception as exc:
-        if kind != "error":
-            raise
-        data = pickle.dumps(ZephonError(f"{type(value).__name__}: {value} (unpicklable: {exc})"))
-        buffers = []
+    data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
-    conn.send((kind, len(data), [r.nbytes for r in raws]))
-    conn.send_bytes(data)
-    for raw in raws:
-        conn.send_bytes(raw)
+    return (kind, len(data), [r.nbytes for r in raws]), data, raws
+
+
+def _write(conn: Connection, message: tuple[tuple, bytes, list[memoryview]]) -> None:
+    header, data, raws = message
+    try:
+        conn.send(header)
+        conn.send_bytes(data)
+        for raw in raws:
+            conn.send_bytes(raw)
+    except (OSError, EOFError):
+        raise _LoaderGone from None
 
 
 def _receive(conn: Connection) -> tuple[str, Any]:
@@ -167,7 +385,7 @@ def _die_with_loader(loader_pid: int) -> None:
             # kills us at once.
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except Exception:
-            pass
+            pass  # the watchdog below covers it
 
     def watch() -> None:  # portable, and covers a spawned worker whose parent is the loader
         while _loader_alive(loader_pid):
@@ -177,105 +395,342 @@ def _die_with_loader(loader_pid: int) -> None:
     threading.Thread(target=watch, name="zephon-loader-watch", daemon=True).start()
 
 
+def _load_plan(plan_bytes: bytes, lane_id: int) -> Plan:
+    try:
+        return pickle.loads(plan_bytes)
+    except Exception as exc:
+        raise PlanError(
+            f"the worker process of lane {lane_id} could not load the pipeline "
+            f"({type(exc).__name__}: {exc}): operators, sources and the callables they hold "
+            "must be importable by their module's name in a fresh process"
+        ) from exc
+
+
+def _stream(conn: Connection, lane_items: Iterator[list], lane_id: int, prefetch: int) -> None:
+    """Send the lane's item lists with at most ``prefetch`` not yet taken by the loader."""
+    credits = prefetch
+    for items in lane_items:
+        try:
+            message = _encode("items", items)
+        except Exception as exc:
+            raise ZephonError(
+                f"lane {lane_id} produced records that cannot be pickled to reach the loader "
+                f"({type(exc).__name__}: {exc}): with workers='process' payloads must be "
+                "picklable"
+            ) from exc
+        try:
+            while credits == 0 or conn.poll():
+                conn.recv()  # an acknowledgement: the loader took an item list
+                credits += 1
+        except (OSError, EOFError):
+            raise _LoaderGone from None
+        _write(conn, message)
+        credits -= 1
+
+
+def _send_error(conn: Connection, exc: BaseException) -> None:
+    try:
+        message = _encode("error", exc)
+    except Exception as why:
+        message = _encode("error", ZephonError(f"{type(exc).__name__}: {exc} (unpicklable: {why})"))
+    _write(conn, message)
+
+
 def _process_main(
     conn: Connection, plan_bytes: bytes, lane_id: int, start: dict, prefetch: int, loader_pid: int
 ) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: the loader's process handles it and
+    # stops its workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_loader(loader_pid)
-    credits = prefetch
     try:
-        plan = pickle.loads(plan_bytes)
-        for items in LaneRunner(plan, lane_id, **start).run():
-            while credits == 0 or conn.poll():
-                if conn.recv() == _STOP:
-                    return
-                credits += 1
-            _send(conn, "items", items)
-            credits -= 1
-    except (BrokenPipeError, EOFError, ConnectionResetError):
-        return  # the loader is gone
+        _write(conn, _encode(_READY, None))
+        plan = _load_plan(plan_bytes, lane_id)
+        with contextlib.closing(LaneRunner(plan, lane_id, **start).run()) as lane_items:
+            _stream(conn, lane_items, lane_id, prefetch)
+        _write(conn, _encode(_END, None))
+    except _LoaderGone:
+        return
     except BaseException as exc:
+        error = _exit_outside_operator(lane_id, exc) if isinstance(exc, SystemExit) else exc
         try:
-            _send(conn, "error", exc)
-        except (BrokenPipeError, EOFError, ConnectionResetError):
+            _send_error(conn, error)
+        except _LoaderGone:
             return
-    # Wait for the loader to stop us so the pipe is not closed under unread data.
+    # Done or failed: stay until the loader closes its end, so that what we sent is read first
+    # and our exit never looks like a death.
     try:
-        while conn.recv() != _STOP:
-            pass
+        while True:
+            conn.recv()
     except (EOFError, OSError):
         pass
 
 
-def _shutdown(proc: Any, conn: Connection) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        conn.send(_STOP)
-    proc.join(timeout=2)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(timeout=2)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout=2)
-    conn.close()
+# Worker processes started by this process, forgotten by multiprocessing in a fork()ed child.
+_started_here: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_workers_in_forked_child() -> None:
+    # multiprocessing's exit handler terminates and joins every process in its set of children;
+    # a fork()ed child inherits that set, and would terminate its parent's workers as it exits.
+    children = getattr(mp.process, "_children", None)
+    if children is not None:
+        for proc in list(_started_here):
+            children.discard(proc)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_workers_in_forked_child)
+
+
+class _ProcessWorker:
+    """Stops a worker process: closing the loader's end of the pipe makes the worker's next send
+    or receive fail (a send blocked on a full pipe at once), and the worker exits."""
+
+    forcible = True
+
+    def __init__(self, proc: Any, conn: Connection):
+        self.proc = proc
+        self.conn = conn
+        self.owner_pid = os.getpid()
+        self.exitcode: int | None = None
+
+    def request_stop(self) -> None:
+        if os.getpid() != self.owner_pid:  # a fork()ed child: the worker is its parent's
+            return
+        self.conn.close()
+
+    def wait(self, deadline: float) -> bool:
+        if os.getpid() != self.owner_pid:
+            return True
+        if self.exitcode is None:
+            self.proc.join(max(0.0, deadline - time.monotonic()))
+            if self.proc.exitcode is None:
+                return False
+            self.exitcode = self.proc.exitcode
+            self.proc.close()  # its sentinel's descriptor now, not at collection
+        return True
+
+    def terminate(self) -> None:
+        if self.exitcode is None and os.getpid() == self.owner_pid:
+            self.proc.terminate()
+
+    def kill(self) -> None:
+        if self.exitcode is None and os.getpid() == self.owner_pid:
+            self.proc.kill()
+
+
+def _how_it_ended(code: int | None) -> str:
+    if code is None:
+        return "closed its end of the pipe without exiting"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = {
+            "SIGKILL": " (often the kernel's out-of-memory killer: see `dmesg`)",
+            "SIGSEGV": " (a crash in native code: an extension module or a C library)",
+            "SIGBUS": " (a crash in native code: an extension module or a C library)",
+            "SIGABRT": " (an abort in native code: an extension module or a C library)",
+        }.get(name, "")
+        return f"was killed by {name}{why}"
+    return f"exited with exit code {code} (os._exit() or a C exit() in an operator or a library)"
+
+
+def _unguarded_main() -> str:
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+    return (
+        f"workers='process' starts each worker process by importing {script} again, and its "
+        "module-level code started the pipeline once more. Put the code that runs the pipeline "
+        'under `if __name__ == "__main__":` (for example in a main() called from there)'
+    )
+
+
+def _refuse_unguarded_main() -> None:
+    """Fail at once in a process that is re-running the main script as it starts as a worker."""
+    me = mp.current_process()
+    if not getattr(me, "_inheriting", False):  # multiprocessing's own "still bootstrapping" flag
+        return
+    if me.name.startswith(_WORKER_NAME):
+        os._exit(_EXIT_MAIN_REIMPORTED)  # our lane reports it in the loader, once
+    raise PlanError(_unguarded_main())  # some other library's worker re-ran the script
+
+
+def _parts_of(value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [(f"[{k!r}]", v) for k, v in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(value)]
+    attrs = getattr(value, "__dict__", None)
+    if isinstance(attrs, dict) and not isinstance(value, (type, types.ModuleType)):
+        return [(f".{name}", v) for name, v in attrs.items()]
+    return []
+
+
+def _pickle_error(value: Any) -> Exception | None:
+    try:
+        pickle.dumps(value, protocol=5)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _culprit(value: Any, path: str = "", depth: int = 4) -> tuple[str, Exception] | None:
+    """The deepest attribute path (``settings['guard']``) under ``value`` that cannot be pickled."""
+    for name, part in _parts_of(value):
+        error = _pickle_error(part)
+        if error is not None:
+            here = f"{path}{name}"
+            deeper = _culprit(part, here, depth - 1) if depth > 1 else None
+            return deeper or (here, error)
+    return None
+
+
+def _unpicklable_message(plan: Plan, exc: Exception) -> str:
+    ops = [plan.fetch, *plan.chain, *((plan.batcher,) if plan.batcher else ())]
+    parts: list[tuple[str, Any]] = [(f"the source ({type(plan.source).__name__})", plan.source)]
+    parts += [(f"operator {op.name!r} (#{i})", op) for i, op in enumerate(ops)]
+    what = "it"
+    for label, part in parts:
+        error = _pickle_error(part)
+        if error is None:
+            continue
+        found = _culprit(part)
+        what, exc = label, error
+        if found is not None:
+            what, exc = f"{label}, in its attribute {found[0].lstrip('.')},", found[1]
+        break
+    return (
+        f"workers='process' needs a picklable pipeline, but {what} cannot be pickled "
+        f"({type(exc).__name__}: {exc}): define operators and the callables they hold at module "
+        "level instead of lambdas, closures or local classes, and open locks, files and "
+        "connections in start_epoch or on first use rather than in __init__"
+    )
 
 
 class ProcessLane:
     """The lane runs in a worker process; at most ``prefetch`` item lists are in flight.
 
-    The worker dies with the loader: on ``close()``, on an error, when the loader is collected,
-    and when the loader's process is killed (the kernel's parent-death signal, and a watchdog).
+    The worker dies with the lane: on ``close()``, on an error, when the lane is collected, and
+    when the loader's process is killed (the kernel's parent-death signal, and a watchdog). A
+    worker that dies is reported by ``next()`` at once, with its exit code or signal. The plan's
+    ``timeout`` applies to every ``next()``, the first one (the worker's start-up) included.
     """
 
     def __init__(self, plan: Plan, lane_id: int, **start: Any):
         self.lane_id = lane_id
+        self.timeout = plan.timeout
+        _refuse_unguarded_main()
         try:
             plan_bytes = pickle.dumps(plan, protocol=5)
         except Exception as exc:
-            raise PlanError(
-                f"workers='process' needs a picklable pipeline ({type(exc).__name__}: {exc}); "
-                "define operators and callables at module level instead of lambdas or closures"
-            ) from None
+            raise PlanError(_unpicklable_message(plan, exc)) from None
         ctx = _context()
         self._conn, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
+        proc = ctx.Process(
             target=_process_main,
             args=(child, plan_bytes, lane_id, start, plan.prefetch, os.getpid()),
-            name=f"zephon-lane-{lane_id}",
+            name=f"{_WORKER_NAME}{lane_id}",
             daemon=True,
         )
-        self._proc.start()
-        child.close()
-        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._conn)
+        try:
+            proc.start()
+        except BaseException:
+            self._conn.close()
+            raise
+        finally:
+            child.close()
+        _started_here.add(proc)
+        self.pid: int = proc.pid
+        self._sentinel = proc.sentinel
+        self._proc = proc
+        self._worker = _ProcessWorker(proc, self._conn)
+        self._ready = False  # the worker said it runs: a death before that is a failed start
+        self._closed = False
+        self._ended = False
+        self._finalizer = weakref.finalize(self, _stop_workers, [self._worker], STOP_TIMEOUT)
 
     @property
-    def pid(self) -> int | None:
-        return self._proc.pid
+    def exitcode(self) -> int | None:
+        """The worker's exit code once stopped and reaped (negative: killed by that signal)."""
+        return self._worker.exitcode
 
     def __iter__(self) -> ProcessLane:
         return self
 
     def __next__(self) -> list:
+        if self._closed:
+            raise _closed_error(self.lane_id)
+        if self._ended:
+            raise StopIteration
         conn = self._conn
-        while not conn.poll(_POLL_SECONDS):
-            if not self._proc.is_alive() and not conn.poll():
-                code = self._proc.exitcode
-                self.close()
-                raise ZephonError(
-                    f"worker process of lane {self.lane_id} died unexpectedly (exit code {code})"
-                )
-        try:
-            kind, value = _receive(conn)
-        except (EOFError, OSError) as exc:
-            self.close()
-            raise ZephonError(f"lost the worker process of lane {self.lane_id}: {exc}") from None
+        end = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            wait = None if end is None else max(0.0, end - time.monotonic())
+            ready = wait_for_any([conn, self._sentinel], wait)
+            if not ready:
+                assert self.timeout is not None
+                raise _timed_out(self.lane_id, f"pid {self.pid}", self.timeout)
+            if self._sentinel in ready:  # a worker never exits unless stopped: it died
+                raise self._lost()
+            try:
+                kind, value = _receive(conn)
+            except (EOFError, OSError):
+                raise self._lost() from None
+            if kind != _READY:
+                break
+            self._ready = True
         if kind == "error":
             self.close()
             raise value
-        conn.send(_ACK)
+        if kind == _END:
+            self._ended = True
+            raise StopIteration
+        try:
+            conn.send(_ACK)
+        except OSError:
+            raise self._lost() from None
         return value
 
-    def close(self) -> None:
-        self._finalizer()
+    def _lost(self) -> ZephonError:
+        """The error for a worker that died (or dropped its pipe), after stopping the lane."""
+        self._proc.join(_EXIT_STATUS_WAIT)
+        code = self._proc.exitcode
+        self.close()
+        if not self._ready and code == _EXIT_MAIN_REIMPORTED:
+            return PlanError(
+                f"the worker process of lane {self.lane_id} could not start: {_unguarded_main()}"
+            )
+        who = f"the worker process of lane {self.lane_id} (pid {self.pid})"
+        if not self._ready:
+            return ZephonError(
+                f"{who} failed to start: it {_how_it_ended(code)}; its own error, if it printed "
+                "one, is above on stderr"
+            )
+        return ZephonError(
+            f"{who} died: it {_how_it_ended(code)}. The lane cannot go on: resume from the last "
+            "checkpoint, or run with workers='inline' to debug the failing operator in this process"
+        )
+
+    def request_stop(self) -> None:
+        """Tell the worker to stop (closing the loader's end of the pipe); never blocks."""
+        self._closed = True
+        self._worker.request_stop()
+
+    def join(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (``time.monotonic()``) for the worker to exit, then terminate
+        and kill it; whether it is gone."""
+        return _join_workers(self._release(), deadline)
+
+    def _release(self) -> list[_Worker]:
+        # The lane's worker, once: later calls (and the finalizer) have nothing left to stop.
+        return [self._worker] if self._finalizer.detach() is not None else []
+
+    def close(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop the lane, giving the worker ``timeout`` seconds before it is terminated;
+        idempotent."""
+        close_lanes([self], timeout)
 
 
 LANE_KINDS: dict[str, type[InlineLane | ThreadLane | ProcessLane]] = {

@@ -1,0 +1,68 @@
+"""What the worker tests check after each test: no lane thread and no worker process is left."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+
+import zephon
+
+# Started once per test process by multiprocessing and shared by every later worker: not a leak.
+_MULTIPROCESSING_SERVICES = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+def lane_threads() -> list[threading.Thread]:
+    """Threads Zephon started in this process (lane workers, operator pools) still running."""
+    return [t for t in threading.enumerate() if t.name.startswith("zephon-")]
+
+
+def worker_processes() -> list[psutil.Process]:
+    """Descendants of this process except multiprocessing's fork server and resource tracker.
+
+    The services are told apart from the workers by being direct children: a worker forked by
+    the fork server has the same command line as the server itself.
+    """
+    me = psutil.Process()
+    services = set()
+    for child in me.children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if any(service in " ".join(child.cmdline()) for service in _MULTIPROCESSING_SERVICES):
+                services.add(child.pid)
+    return [p for p in me.children(recursive=True) if p.pid not in services]
+
+
+def script_env() -> dict[str, str]:
+    """The environment for a script run in a subprocess: it and every worker process it starts
+    (the fork server included, which ignores the script's own ``sys.path``) import the zephon
+    under test rather than another installed copy."""
+    root = os.path.dirname(os.path.dirname(zephon.__file__))
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+def wait_until(condition, seconds: float) -> bool:
+    """Poll ``condition`` until it holds or ``seconds`` pass; whether it held."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def assert_no_leftover_workers() -> Iterator[None]:
+    """Fixture body: the test must leave no ``zephon-*`` thread and no worker process behind."""
+    yield
+    threads = lane_threads()
+    processes = worker_processes()
+    for proc in processes:  # so that one leak fails one test, not every test after it
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(processes, timeout=5)
+    assert not threads, f"lane threads left running: {[t.name for t in threads]}"
+    assert not processes, f"worker processes left running: {[p.pid for p in processes]}"
