@@ -1,0 +1,123 @@
+"""Fault injection at the loader, over process and thread lanes: kill a worker, close, fail in an
+operator, abandon the loader. Each case ends in an exact resume or a Zephon error naming the
+cause, leaves no thread or process behind, and closes in at most 0.2 s."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pipeline_kit import fingerprint_item, run
+from worker_kit import assert_no_leftover_workers, lane_threads, wait_until, worker_processes
+
+import zephon
+from zephon.ops.basic import fetch, map_transform
+from zephon.ops.batching import batch
+from zephon.sources.memory import RangeSource
+
+LANES = 3
+
+
+class Slow:
+    """A map function that sleeps a little, so workers are mid-operator or blocked sending when
+    the fault comes; it raises on idx 200 while its flag file exists."""
+
+    def __init__(self, flag: Path | None = None):
+        self.flag = str(flag) if flag else None
+
+    def __call__(self, payload: dict) -> dict:
+        time.sleep(0.0005)
+        if self.flag and payload["idx"] == 200 and os.path.exists(self.flag):
+            os.unlink(self.flag)
+            raise ValueError("failed on purpose at idx 200")
+        return {"idx": payload["idx"], "x": payload["idx"] * 3}
+
+
+def _pipeline(flag: Path | None = None, **kw: object) -> zephon.Pipeline:
+    return zephon.Pipeline(
+        RangeSource(600, chunk_size=16),
+        [fetch(), map_transform(Slow(flag), name="slow"), batch(4)],
+        lanes=LANES,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers() -> Iterator[None]:
+    yield from assert_no_leftover_workers()
+
+
+@pytest.fixture(scope="module")
+def full() -> list[tuple]:
+    return run(iter(_pipeline()))
+
+
+def _resumes_exactly(head: list[tuple], state: dict, full: list[tuple]) -> None:
+    tail = run(_pipeline().iter(state=json.loads(json.dumps(state))))
+    assert head + tail == full
+
+
+def _timed_close(loader: zephon.Loader) -> None:
+    began = time.monotonic()
+    loader.close()
+    took = time.monotonic() - began
+    assert took <= 0.2, f"close() took {took:.3f} s"
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_close_mid_run(workers: str, full: list[tuple]) -> None:
+    loader = iter(_pipeline(workers=workers))
+    head = run(loader, 23)
+    _timed_close(loader)
+    _resumes_exactly(head, loader.state_dict(), full)
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_an_operator_error_mid_run(workers: str, full: list[tuple], tmp_path: Path) -> None:
+    flag = tmp_path / "armed"
+    flag.write_text("1")
+    loader = iter(_pipeline(flag, workers=workers))
+    head: list[tuple] = []
+    with pytest.raises(zephon.OperatorError, match="slow") as info:
+        for item in loader:
+            head.append(fingerprint_item(item))
+    assert "failed on purpose" in str(info.value)
+    assert "lane" in str(info.value)
+    state = loader.state_dict()
+    _timed_close(loader)
+    _resumes_exactly(head, state, full)
+
+
+def test_a_killed_worker_mid_run(full: list[tuple]) -> None:
+    loader = iter(_pipeline(workers="process"))
+    head = run(loader, 17)
+    victim = worker_processes()[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(zephon.ZephonError, match=r"killed by SIGKILL") as info:
+        for item in loader:
+            head.append(fingerprint_item(item))
+    assert str(victim.pid) in str(info.value)
+    state = loader.state_dict()
+    _timed_close(loader)
+    _resumes_exactly(head, state, full)
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_an_abandoned_loader_stops_its_workers_without_a_gc_pass(workers: str) -> None:
+    gc.disable()
+    try:
+        for _ in range(5):
+            loader = iter(_pipeline(workers=workers))
+            next(loader)
+            del loader
+        assert wait_until(lambda: not lane_threads() and not worker_processes(), 2.0), (
+            f"left running: {[t.name for t in lane_threads()]}, {worker_processes()}"
+        )
+    finally:
+        gc.enable()
