@@ -196,4 +196,3 @@ class IndexedSource(WorkSource):
             f"chunk_size={self.chunk_size}, shuffle={self.shuffle}, seed={self.seed}, "
             f"passes={self.passes})"
         )
-
