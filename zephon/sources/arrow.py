@@ -24,7 +24,8 @@ range is served from that whole range, copied once out of the file and compared 
 first: a file changed since its digests were taken (even rewritten with the same footer, even
 behind a sidecar that kept its mtime) raises ``FetchError`` naming the file, the group and the
 pointer, and nothing decoded from it is returned. Parquet page checksums are verified too when the
-writer stored them (``write_page_checksum=True``). The last ``GROUP_CACHE`` decoded groups are
+writer stored them (``write_page_checksum=True``), and every decoded group is validated (offsets,
+UTF-8) before a value is taken from it. The last ``GROUP_CACHE`` decoded groups are
 kept so that chunks smaller than a row group do not decode it again, and at most
 ``METADATA_CACHE`` parsed Parquet footers. With ``shuffle=True`` the rows of a chunk are scattered
 over the whole dataset, so a chunk may touch up to ``chunk_size`` groups: prefer small row groups
@@ -537,6 +538,9 @@ class _GroupReader:
             table = pa.Table.from_batches([self._stream_batch(g)])
         if columns is not None:
             table = table.select(list(columns))
+        # IPC readers take buffers as the file has them: an offset or UTF-8 error found here is a
+        # FetchError; found while converting values it would abort the process.
+        table.validate(full=True)
         return table
 
     def _parquet_file(self) -> Any:
