@@ -333,6 +333,20 @@ def test_a_damaged_index_is_rebuilt_not_blamed_on_the_data(tmp_path):
     assert [p["idx"] for p in src.read(src.chunk(0).pointers)] == list(range(9))
 
 
+def test_any_damaged_byte_of_the_index_file_is_rebuilt_never_trusted(tmp_path):
+    path = write_lines(tmp_path / "a.jsonl", 0, 9)
+    want = JsonlSource(path).read(np.array([[0, 0, i] for i in range(9)]))
+    zidx = Path(str(path) + ".zidx")
+    data = zidx.read_bytes()
+    for at in range(len(data)):
+        for mask in (0x01, 0x80):
+            bad = bytearray(data)
+            bad[at] ^= mask
+            zidx.write_bytes(bytes(bad))
+            src = JsonlSource(path)
+            assert src.read(np.array([[0, 0, i] for i in range(9)])) == want, f"byte {at}"
+
+
 def test_an_index_damaged_while_in_use_is_named_in_the_error(tmp_path):
     path = write_lines(tmp_path / "a.jsonl", 0, 9)
     built = JsonlSource(path)  # builds the index (and keeps it in memory)

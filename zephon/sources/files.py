@@ -37,6 +37,7 @@ import itertools
 import os
 import tempfile
 import threading
+import tokenize
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -274,8 +275,8 @@ def read_sidecar(where: str, tag: bytes, size: int, mtime_ns: int) -> list[np.nd
     the caller rebuilds it."""
     try:
         arr = np.load(where, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
+    except (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError):
+        return None  # absent, or not a .npy: numpy parses a damaged header as Python literals
     if arr.dtype != np.int64 or arr.ndim != 1 or arr.size < _FIXED_HEADER:
         return None
     magic, version, isize, imtime, k = (int(v) for v in arr[:_FIXED_HEADER])
