@@ -293,7 +293,8 @@ def read_sidecar(where: str, tag: bytes, size: int, mtime_ns: int) -> list[np.nd
     if checksum.digest() != np.asarray(arr[_FIXED_HEADER + k : body_at]).tobytes():
         return None
     bounds = np.cumsum([body_at, *lengths])
-    return [arr[a:b] for a, b in itertools.pairwise(bounds)]
+    # Plain ndarray views of the map: np.memmap indexes through Python, a cost on every lookup.
+    return [arr[a:b].view(np.ndarray) for a, b in itertools.pairwise(bounds)]
 
 
 # ------------------------------------------------------------------------- the base

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Any
 
 import numpy as np
@@ -38,8 +37,7 @@ SCAN_BLOCK = 1 << 20
 _ZIDX_TAG = b"ZEPHIDX2"
 _WHITESPACE = np.zeros(256, dtype=bool)
 _WHITESPACE[[0x20, 0x09, 0x0A, 0x0D]] = True  # JSON's insignificant whitespace
-# The start of a line holding something other than space, tab and CR: a sample's first byte.
-_SAMPLE_START = re.compile(rb"^[ \t\r]*[^ \t\r\n]", re.MULTILINE)
+_BLANK = b" \t\r"  # what a blank line may hold besides its newline
 
 
 def scan_line_starts(fh: Any, block_size: int = SCAN_BLOCK) -> np.ndarray:
@@ -193,8 +191,9 @@ class JsonlSource(FileSource):
     index names the block, and the index file when it is at fault).
     """
 
-    #: Target size of an index block: about the I/O and hashing cost of one random read.
-    BLOCK_BYTES = 8 << 10
+    #: Target size of an index block (one page): what a random read costs in I/O and hashing,
+    #: against 32 bytes of index per block.
+    BLOCK_BYTES = 4 << 10
 
     def __init__(
         self,
@@ -325,7 +324,7 @@ class JsonlSource(FileSource):
             raise self.fetch_error(
                 i, f"block {b} (bytes {start}..{end}) {self._mismatch(index)}", pointer
             )
-        sample_starts = [m.start() for m in _SAMPLE_START.finditer(data)]
+        sample_starts = _sample_starts(data)
         if len(sample_starts) != index.samples_in(b):
             raise self.fetch_error(
                 i,
@@ -361,6 +360,18 @@ class JsonlSource(FileSource):
             for ix in self._indexes
         ]
         return out
+
+
+def _sample_starts(block: bytes) -> list[int]:
+    # Offsets of the non-blank lines of a block of whole lines: the rule of scan_line_starts,
+    # cheaper on a few kilobytes than the vectorized scan.
+    out = []
+    at = 0
+    for line in block.split(b"\n"):
+        if line.strip(_BLANK):
+            out.append(at)
+        at += len(line) + 1
+    return out
 
 
 def _reader_at(fh: Any) -> Any:
