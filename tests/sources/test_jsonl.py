@@ -339,12 +339,11 @@ def test_any_damaged_byte_of_the_index_file_is_rebuilt_never_trusted(tmp_path):
     zidx = Path(str(path) + ".zidx")
     data = zidx.read_bytes()
     for at in range(len(data)):
-        for mask in (0x01, 0x80):
-            bad = bytearray(data)
-            bad[at] ^= mask
-            zidx.write_bytes(bytes(bad))
-            src = JsonlSource(path)
-            assert src.read(np.array([[0, 0, i] for i in range(9)])) == want, f"byte {at}"
+        bad = bytearray(data)
+        bad[at] ^= 0x01
+        zidx.write_bytes(bytes(bad))
+        src = JsonlSource(path)
+        assert src.read(np.array([[0, 0, i] for i in range(9)])) == want, f"byte {at}"
 
 
 def test_an_index_damaged_while_in_use_is_named_in_the_error(tmp_path):
