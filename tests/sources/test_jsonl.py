@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -295,6 +296,12 @@ def test_a_middle_rewrite_that_kept_size_and_mtime_is_refused_when_read(tmp_path
         FetchError, match=r"pointer \(0, 0, 2000\) from '.*a\.jsonl': block \d+ .*changed"
     ):
         src.read(np.array([[0, 0, 2000]]))
+    # As the message says: without the stale index, a new source reads the new line.
+    zidx = str(path) + ".zidx"
+    with pytest.raises(FetchError, match=rf"delete '{re.escape(zidx)}'"):
+        JsonlSource(path).read(np.array([[0, 0, 2000]]))
+    os.unlink(zidx)
+    assert JsonlSource(path).read(np.array([[0, 0, 2000]]))[0]["TEXT"] == "ROW 2000"
 
 
 def test_a_resumed_pipeline_refuses_a_file_rewritten_in_the_middle(tmp_path):

@@ -192,9 +192,9 @@ class _FileInfo:
             return "the schema message"
         if role == _DICTIONARY:
             return "a dictionary batch"
-        other = "" if g == group else f"{_group_name(self, g)}, "
         if role == _BATCH:
-            return f"{other}its record batch message" if not other else other[:-2]
+            return "its record batch message" if g == group else _group_name(self, g)
+        other = "" if g == group else f"{_group_name(self, g)}, "
         column = self.labels[c] if 0 <= c < len(self.labels) else f"#{c}"
         return f"{other}{'column chunk' if self.kind == PARQUET else 'column'} {column!r}"
 
@@ -413,8 +413,8 @@ class ArrowSource(FileSource):
             raise self.fetch_error(
                 i,
                 f"{_group_name(info, g)}: {info.label(exc.k, g)} (bytes {start}..{end}) changed "
-                "since its metadata was read (its bytes no longer match their digest); build a "
-                "new source (its fingerprint will differ from old checkpoints)",
+                f"since its metadata was read (its bytes no longer match their digest); "
+                f"{self._rebuild_hint(i)}",
                 pointer,
             ) from None
         except _CorruptFile as exc:
@@ -428,6 +428,19 @@ class ArrowSource(FileSource):
         finally:
             if reader is not None:
                 reader.close()
+
+    def _rebuild_hint(self, i: int) -> str:
+        # A file changed without a new mtime still matches its cached digests by size and mtime:
+        # a new source would trust them, so the sidecar has to go first.
+        info = self._infos[i]
+        new_source = "build a new source (its fingerprint will differ from old checkpoints)"
+        try:
+            same_mtime = os.stat(self.paths[i]).st_mtime_ns == info.mtime_ns
+        except OSError:
+            same_mtime = False
+        if info.location is not None and same_mtime:
+            return f"its size and mtime did not change: delete {info.location!r}, then {new_source}"
+        return new_source
 
     def _open_checked(self, i: int, pointer: np.ndarray) -> _GroupReader:
         """Open file ``i`` for group reads, after checking it still has the size its digests

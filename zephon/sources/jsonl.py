@@ -346,9 +346,12 @@ class JsonlSource(FileSource):
                 f"does not match its line index {index.location!r}, which is damaged; "
                 "delete it and build a new source"
             )
+        new_source = "build a new source (its fingerprint will differ from old checkpoints)"
+        if index.location is not None:  # reads only get here when size and mtime are unchanged
+            new_source = f"delete {index.location!r}, then {new_source}"
         return (
             "no longer matches the digest taken when the line index was built: the file changed "
-            "since; build a new source (its fingerprint will differ from old checkpoints)"
+            f"since, keeping its size and mtime; {new_source}"
         )
 
     def describe(self) -> dict[str, Any]:
