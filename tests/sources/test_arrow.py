@@ -7,6 +7,11 @@ import io
 import json
 import os
 import pickle
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +24,7 @@ import pytest
 from pipeline_kit import run_with_timeout
 
 import zephon
-from zephon.errors import FetchError
+from zephon.errors import CheckpointMismatchError, FetchError
 from zephon.ops import batch, fetch
 from zephon.sources import ArrowSource
 
@@ -246,11 +251,12 @@ def test_reads_only_the_groups_the_pointers_need(tmp_path, fmt):
     path = write(tmp_path / f"big.{fmt}", random_table(20_000), fmt, group=2_000)
     size = path.stat().st_size
     group_bytes = size / 10
+    ArrowSource(path).num_samples()  # the first open digests the file and caches the table
     src = CountingArrowSource(path)
     src.GROUP_CACHE = 0
     src.num_samples()
     footer = src.bytes_read[0]
-    assert footer < group_bytes / 4  # metadata comes from the footer (and batch headers) only
+    assert footer < group_bytes / 4  # then metadata comes from the footer (and the sidecar) only
     for group in (7, 2, 9):
         before = src.bytes_read[0]
         rows = np.array([[0, 0, group * 2000 + k] for k in (5, 1999, 700)])
@@ -363,8 +369,13 @@ def test_a_corrupt_page_with_a_checksum_is_a_fetch_error_not_wrong_data(tmp_path
     data = bytearray(path.read_bytes())
     data[1000:1400] = bytes(b ^ 0xFF for b in data[1000:1400])  # first row group's pages
     path.write_bytes(bytes(data))
-    with pytest.raises(FetchError, match=r"pointer \(0, 0, 5\).*t\.parquet.*CRC"):
+    # Damaged after its digests were taken: the digest of the column chunk tells.
+    with pytest.raises(FetchError, match=r"pointer \(0, 0, 5\).*t\.parquet.*row group 0"):
         src.read(np.array([[0, 0, 5]]))
+    # Damaged before the source first saw it, so the digests are of the damaged bytes: the page
+    # CRC the writer stored tells.
+    with pytest.raises(FetchError, match=r"pointer \(0, 0, 5\).*t\.parquet.*CRC"):
+        ArrowSource(path).read(np.array([[0, 0, 5]]))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -395,6 +406,228 @@ def test_a_stream_with_dictionary_columns_reads_every_batch(tmp_path):
     src = ArrowSource(path)
     out = src.read(np.array([[0, 0, 11], [0, 0, 0], [0, 0, 6]]))
     assert out == [{"d": "c", "i": 11}, {"d": "a", "i": 0}, {"d": "a", "i": 6}]
+
+
+# --------------------------------------------------------------------------- changed data
+
+SAME_FOOTER_FORMATS = ("parquet", "arrow_file", "arrow_stream")
+
+
+def write_same_footer(path: Path, fmt: str, reordered: bool) -> Path:
+    """40 rows in groups of 8, uncompressed; ``reordered`` reverses the rows inside each group,
+    which keeps every size, offset and statistic, so the footer bytes stay the same."""
+    order = list(range(40))
+    if reordered:
+        order = [j for s in range(0, 40, 8) for j in reversed(range(s, s + 8))]
+    idx = np.asarray(order, dtype=np.int64)
+    table = pa.table(
+        {
+            "idx": idx,
+            "text": [f"row {i}" for i in order],
+            "vec": pa.array([np.full(i % 4, i, dtype=np.float32) for i in order]),
+        }
+    )
+    if fmt == "parquet":
+        pq.write_table(table, path, row_group_size=8, compression="none", use_dictionary=False)
+    else:
+        write(path, table, fmt, group=8)
+    return path
+
+
+def footer_bytes(path: Path, fmt: str) -> bytes:
+    data = path.read_bytes()
+    if fmt == "parquet":
+        return data[-8 - struct.unpack("<I", data[-8:-4])[0] :]
+    if fmt == "arrow_file":
+        return data[-10 - struct.unpack("<i", data[-10:-6])[0] :]
+    return data[:200]  # a stream has no footer; its schema message comes first
+
+
+@pytest.mark.parametrize("fmt", SAME_FOOTER_FORMATS)
+def test_a_file_rewritten_with_the_same_footer_is_refused_while_running(tmp_path, fmt):
+    path = write_same_footer(tmp_path / f"t.{fmt}", fmt, reordered=False)
+    footer, size = footer_bytes(path, fmt), path.stat().st_size
+    src = ArrowSource(path, chunk_size=8)
+    assert src.read(np.array([[0, 0, 3]]))[0]["idx"] == 3  # group 0 is read (and kept)
+    write_same_footer(path, fmt, reordered=True)
+    assert footer_bytes(path, fmt) == footer and path.stat().st_size == size
+    group = "row group 1" if fmt == "parquet" else "record batch 1"
+    with pytest.raises(
+        FetchError, match=rf"pointer \(0, 0, 10\) from '.*t\.{fmt}': {group}: .*changed"
+    ):
+        src.read(np.array([[0, 0, 10]]))
+
+
+@pytest.mark.parametrize("fmt", SAME_FOOTER_FORMATS)
+@pytest.mark.parametrize("keep_mtime", [False, True])
+def test_a_same_footer_rewrite_is_refused_on_resume(tmp_path, fmt, keep_mtime):
+    path = write_same_footer(tmp_path / f"t.{fmt}", fmt, reordered=False)
+
+    def pipeline() -> zephon.Pipeline:
+        return zephon.Pipeline(ArrowSource(path, chunk_size=8), [fetch(), batch(4)])
+
+    def scenario() -> list[int]:
+        loader = pipeline().iter()
+        got = [int(i) for _ in range(3) for i in next(loader).payload["idx"]]
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        st = path.stat()
+        write_same_footer(path, fmt, reordered=True)
+        if keep_mtime:  # behind the cached digests' back: only a read can tell
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            with pytest.raises(FetchError, match=rf"t\.{fmt}.*changed since .*delete '.*zsum'"):
+                for b in pipeline().iter(state=state):
+                    got += [int(i) for i in b.payload["idx"]]
+            os.unlink(str(path) + ".zsum")  # as the message says: then the fingerprint differs
+            with pytest.raises(CheckpointMismatchError):
+                pipeline().iter(state=state)
+        else:  # a new mtime: the file is digested again and the fingerprint differs
+            with pytest.raises(CheckpointMismatchError):
+                pipeline().iter(state=state)
+        return got
+
+    assert run_with_timeout(scenario) == list(range(12))
+
+
+def test_a_touched_file_keeps_its_digests_and_a_copied_dataset_its_fingerprint(tmp_path):
+    paths = dataset(tmp_path, [9, 6, 5], ("parquet", "arrow_file", "arrow_stream"))
+    desc = ArrowSource(paths).describe()
+    copies = []
+    for p in paths:
+        (tmp_path / "copy").mkdir(exist_ok=True)
+        copies.append(Path(shutil.copy(p, tmp_path / "copy" / p.name)))
+        st = p.stat()
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert ArrowSource(paths).describe() == desc
+    assert ArrowSource(copies).describe()["files"] == desc["files"]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow_file"])
+def test_one_flipped_footer_byte_is_a_fetch_error_naming_the_file(tmp_path, fmt):
+    path = tmp_path / f"t.{fmt}"
+    write(path, make_table(0, 6).select(["idx", "text"]), fmt, group=6)
+    data = path.read_bytes()
+    footer = len(footer_bytes(path, fmt))
+    trailer = 8 if fmt == "parquet" else 10  # footer length and magic
+    for at in range(len(data) - footer, len(data) - trailer):
+        bad = bytearray(data)
+        bad[at] ^= 0xFF
+        path.write_bytes(bytes(bad))
+        Path(str(path) + ".zsum").unlink(missing_ok=True)  # digest afresh every time
+        src = ArrowSource(path)
+        try:
+            src.read(src.chunk(0).pointers) if src.num_samples() else None
+        except FetchError as exc:
+            assert str(path) in str(exc), f"byte {at}: {exc}"
+
+
+FLIP_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import sys
+    import numpy as np
+    from zephon.errors import FetchError
+    from zephon.sources import ArrowSource
+
+    path, stride = sys.argv[1], int(sys.argv[2])
+    data = open(path, "rb").read()
+    for at in [*range(0, len(data), stride), *map(int, sys.argv[3:])]:
+        bad = bytearray(data)
+        bad[at] ^= 0xFF
+        open(path, "wb").write(bytes(bad))
+        if os.path.exists(path + ".zsum"):
+            os.remove(path + ".zsum")  # digested afresh each time
+        src = ArrowSource(path)
+        try:
+            n = src.num_samples()
+            src.read(np.array([[0, 0, i] for i in range(n)]))
+        except FetchError as exc:
+            assert path in str(exc), f"byte {at}: {exc}"
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_damaged_bytes_anywhere_are_read_or_a_fetch_error_never_a_crash(tmp_path, fmt):
+    table = make_table(0, 12).append_column("d", pa.array(["a", "b", "c"] * 4).dictionary_encode())
+    path = write(tmp_path / f"t.{fmt}", table, fmt, group=6)
+    data = path.read_bytes()
+    # The bytes around the dictionary's values hold its offsets: a bad one used to abort the
+    # process inside pyarrow (IPC buffers are not validated when they are read).
+    near = data.find(b"abc")
+    extra = [str(at) for at in range(max(0, near - 24), near)] if fmt != "parquet" else []
+    script = tmp_path / "flip.py"
+    script.write_text(FLIP_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(path), "13", *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.getcwd(),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_an_undecodable_value_is_a_fetch_error_naming_the_batch_and_pointer(tmp_path):
+    path = write(tmp_path / "t.arrow_file", make_table(0, 16), "arrow_file", group=8)
+    data = path.read_bytes()
+    at = data.index(b"row 12")
+    path.write_bytes(data[:at] + b"\xff\xfe\xfd\xfc\xfb\xfa" + data[at + 6 :])  # not UTF-8
+    src = ArrowSource(path)
+    assert src.read(np.array([[0, 0, 3]]))[0]["text"] == "row 3"
+    with pytest.raises(FetchError, match=r"pointer \(0, 0, 12\).*record batch 1.*UTF8"):
+        src.read(np.array([[0, 0, 12]]))
+
+
+# --------------------------------------------------------------------------- digest sidecars
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_first_open_digests_the_file_once_later_opens_read_the_footer(tmp_path, fmt):
+    path = write(tmp_path / f"big.{fmt}", random_table(20_000), fmt, group=2_000)
+    size = path.stat().st_size
+    first = CountingArrowSource(path)
+    first.num_samples()
+    # Parquet: the digests read the column chunks once; IPC: the message walk reads them once
+    # more (through a memory map, the default, both passes are zero-copy).
+    passes = 1 if fmt == "parquet" else 2
+    assert size * 0.9 * passes < first.bytes_read[0] < size * (passes + 0.1)
+    [where] = first.digest_locations()
+    assert where == str(path) + ".zsum"
+    again = CountingArrowSource(path)
+    assert again.describe() == first.describe()
+    assert again.bytes_read[0] < size / 20
+
+
+def test_a_damaged_digest_sidecar_is_rebuilt_not_trusted(tmp_path):
+    path = write(tmp_path / "t.parquet", make_table(0, 40), "parquet", group=8)
+    desc = ArrowSource(path).describe()
+    sidecar = Path(str(path) + ".zsum")
+    data = bytearray(sidecar.read_bytes())
+    data[-3] ^= 0x40  # one digest bit
+    sidecar.write_bytes(bytes(data))
+    src = ArrowSource(path)
+    assert src.describe() == desc
+    assert src.read(np.array([[0, 0, 39]]))[0]["idx"] == 39
+    assert sidecar.read_bytes() != bytes(data)  # rewritten
+
+
+def test_index_dir_holds_the_digests_and_an_unwritable_place_keeps_them_in_memory(tmp_path):
+    (tmp_path / "data").mkdir()
+    path = write(tmp_path / "data" / "t.parquet", make_table(0, 10), "parquet", group=4)
+    (tmp_path / "idx").mkdir()
+    src = ArrowSource(path, index_dir=tmp_path / "idx")
+    [where] = src.digest_locations()
+    assert where is not None and Path(where).parent == tmp_path / "idx"
+    assert not os.path.exists(str(path) + ".zsum")
+    nowhere = ArrowSource(path, index_dir=tmp_path / "missing")
+    assert (
+        nowhere.digest_locations() == [None]
+        and nowhere.describe()["files"] == (src.describe()["files"])
+    )
+    assert nowhere.read(np.array([[0, 0, 9]]))[0]["idx"] == 9
 
 
 # --------------------------------------------------------------------------- identity

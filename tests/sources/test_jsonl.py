@@ -7,6 +7,8 @@ import io
 import json
 import os
 import pickle
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from pipeline_kit import run_with_timeout
 
 import zephon
 import zephon.sources.jsonl as jsonl_module
-from zephon.errors import FetchError
+from zephon.errors import CheckpointMismatchError, FetchError
 from zephon.ops import batch, fetch
 from zephon.sources import JsonlSource
 from zephon.sources.jsonl import scan_line_starts
@@ -129,15 +131,16 @@ def test_the_line_scan_finds_every_non_blank_line_across_block_boundaries(lines,
 # --------------------------------------------------------------------------- the index file
 
 
+def no_scan(*args: Any, **kwargs: Any) -> np.ndarray:
+    raise AssertionError("the stored index should have been used")
+
+
 def test_the_index_is_stored_beside_the_file_and_reused(tmp_path, monkeypatch):
     path = write_lines(tmp_path / "a.jsonl", 0, 9)
     src = JsonlSource(path)
     assert src.num_samples() == 9
     assert src.index_locations() == [str(path) + ".zidx"]
     assert os.path.exists(str(path) + ".zidx")
-
-    def no_scan(*args: Any, **kwargs: Any) -> np.ndarray:
-        raise AssertionError("the stored index should have been used")
 
     monkeypatch.setattr(jsonl_module, "scan_line_starts", no_scan)
     again = JsonlSource(path)
@@ -167,12 +170,15 @@ def test_a_stale_index_is_rebuilt_after_the_file_changes(tmp_path, same_size):
     assert len(src.read(src.chunk(0).pointers)) == expected
 
 
-def test_a_corrupt_index_file_is_rebuilt(tmp_path):
+def test_a_corrupt_index_file_is_rebuilt(tmp_path, monkeypatch):
     path = write_lines(tmp_path / "a.jsonl", 0, 5)
     Path(str(path) + ".zidx").write_bytes(b"\x93NUMPY garbage")
     src = JsonlSource(path)
     assert src.num_samples() == 5
-    assert np.load(str(path) + ".zidx").size == 5 + 5  # header + offsets, rewritten
+    monkeypatch.setattr(jsonl_module, "scan_line_starts", no_scan)  # the rewritten index is used
+    again = JsonlSource(path)
+    assert again.num_samples() == 5 and again.index_locations() == [str(path) + ".zidx"]
+    assert [p["idx"] for p in again.read(again.chunk(0).pointers)] == list(range(5))
 
 
 def test_index_dir_holds_the_index_and_an_unwritable_place_keeps_it_in_memory(tmp_path):
@@ -253,6 +259,162 @@ def test_a_transient_os_error_is_left_to_fetch_to_retry(tmp_path, monkeypatch):
     assert got == list(range(10))
 
 
+# --------------------------------------------------------------------------- changed data
+
+
+def rewrite_line(path: Path, idx: int, *, keep_mtime: bool) -> None:
+    """Upper-case the text of row ``idx`` in place: same size, other content."""
+    st = path.stat()
+    data = path.read_bytes()
+    old = f'"text": "row {idx}"'.encode()
+    assert data.count(old) == 1
+    path.write_bytes(data.replace(old, old.upper()))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_file_rewritten_in_the_middle_gets_a_new_fingerprint(tmp_path):
+    path = write_lines(tmp_path / "a.jsonl", 0, 4000)
+    assert path.stat().st_size > 3 * (1 << 16)  # the middle is far from both ends
+    desc = JsonlSource(path).describe()
+    rewrite_line(path, 2000, keep_mtime=False)
+    assert JsonlSource(path).describe()["files"] != desc["files"]
+
+
+@pytest.mark.parametrize("fresh_source", [False, True])
+def test_a_middle_rewrite_that_kept_size_and_mtime_is_refused_when_read(tmp_path, fresh_source):
+    path = write_lines(tmp_path / "a.jsonl", 0, 4000)
+    src = JsonlSource(path)
+    assert src.read(np.array([[0, 0, 2000]])) == [
+        {"idx": 2000, "text": "row 2000", "tokens": [2000, 2000]}
+    ]
+    rewrite_line(path, 2000, keep_mtime=True)
+    if fresh_source:  # the stored index still matches size and mtime: only the read can tell
+        src = JsonlSource(path)
+    assert src.read(np.array([[0, 0, 10], [0, 0, 3990]]))[1]["idx"] == 3990  # other blocks
+    with pytest.raises(
+        FetchError, match=r"pointer \(0, 0, 2000\) from '.*a\.jsonl': block \d+ .*changed"
+    ):
+        src.read(np.array([[0, 0, 2000]]))
+    # As the message says: without the stale index, a new source reads the new line.
+    zidx = str(path) + ".zidx"
+    with pytest.raises(FetchError, match=rf"delete '{re.escape(zidx)}'"):
+        JsonlSource(path).read(np.array([[0, 0, 2000]]))
+    os.unlink(zidx)
+    assert JsonlSource(path).read(np.array([[0, 0, 2000]]))[0]["TEXT"] == "ROW 2000"
+
+
+def test_a_resumed_pipeline_refuses_a_file_rewritten_in_the_middle(tmp_path):
+    path = write_lines(tmp_path / "a.jsonl", 0, 4000)
+
+    def pipeline() -> zephon.Pipeline:
+        return zephon.Pipeline(JsonlSource(path, chunk_size=100), [fetch(), batch(50)])
+
+    def scenario() -> None:
+        loader = pipeline().iter()
+        for _ in range(3):
+            next(loader)
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        rewrite_line(path, 2000, keep_mtime=False)
+        with pytest.raises(CheckpointMismatchError):
+            pipeline().iter(state=state)
+
+    run_with_timeout(scenario)
+
+
+def damage_last_word(zidx: str, delta: int) -> None:
+    """Add ``delta`` to the last int64 of an index file, rewriting it whole (a new inode)."""
+    arr = np.load(zidx)
+    arr[-1] += delta
+    with open(zidx, "wb") as fh:
+        np.save(fh, arr)
+
+
+def test_a_damaged_index_is_rebuilt_not_blamed_on_the_data(tmp_path):
+    path = write_lines(tmp_path / "a.jsonl", 0, 9)
+    assert JsonlSource(path).num_samples() == 9
+    damage_last_word(str(path) + ".zidx", 3)
+    src = JsonlSource(path)
+    assert src.read(src.chunk(0).pointers) == JsonlSource(path).read(src.chunk(0).pointers)
+    assert [p["idx"] for p in src.read(src.chunk(0).pointers)] == list(range(9))
+
+
+def test_any_damaged_byte_of_the_index_file_is_rebuilt_never_trusted(tmp_path):
+    path = write_lines(tmp_path / "a.jsonl", 0, 9)
+    want = JsonlSource(path).read(np.array([[0, 0, i] for i in range(9)]))
+    zidx = Path(str(path) + ".zidx")
+    data = zidx.read_bytes()
+    for at in range(len(data)):
+        bad = bytearray(data)
+        bad[at] ^= 0x01
+        zidx.write_bytes(bytes(bad))
+        src = JsonlSource(path)
+        assert src.read(np.array([[0, 0, i] for i in range(9)])) == want, f"byte {at}"
+
+
+def test_an_index_damaged_while_in_use_is_named_in_the_error(tmp_path):
+    path = write_lines(tmp_path / "a.jsonl", 0, 9)
+    built = JsonlSource(path)  # builds the index (and keeps it in memory)
+    built.num_samples()
+    src = JsonlSource(path)  # maps the stored index
+    assert src.read(np.array([[0, 0, 0]]))[0]["idx"] == 0
+    zidx = str(path) + ".zidx"
+    with open(zidx, "r+b") as fh:  # in place: the source's memory map sees it
+        fh.seek(-8, os.SEEK_END)
+        last = int.from_bytes(fh.read(8), "little", signed=True)
+        fh.seek(-8, os.SEEK_END)
+        fh.write((last + 3).to_bytes(8, "little", signed=True))
+    with pytest.raises(FetchError, match=r"pointer \(0, 0, 8\).*a\.jsonl\.zidx"):
+        src.read(np.array([[0, 0, 8]]))
+    clone = pickle.loads(pickle.dumps(built))  # a worker reloads the index from its file
+    with pytest.raises(FetchError, match=r"pointer \(0, 0, 8\).*a\.jsonl\.zidx"):
+        clone.read(np.array([[0, 0, 8]]))
+
+
+def test_json_nested_too_deep_to_parse_is_a_fetch_error(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"a": 1}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(FetchError, match=r"deep\.jsonl': line 2 is not valid JSON"):
+        JsonlSource(path).read(np.array([[0, 0, 1]]))
+
+
+@given(
+    lines=st.lists(
+        st.sampled_from(
+            [
+                b"",
+                b" ",
+                b"\r",
+                b"\t \r",
+                b"{}",
+                b"1",
+                b'"x y"',
+                b" [1, 2] ",
+                b"[" + b"0, " * 20 + b"0]",
+            ]
+        ),
+        max_size=60,
+    ),
+    trailing=st.booleans(),
+    block=st.integers(1, 40),
+)
+def test_every_sample_is_read_back_whatever_the_block_size(
+    tmp_path_factory, lines, trailing, block
+):
+    path = tmp_path_factory.mktemp("blocks") / "a.jsonl"
+    data = b"\n".join(lines) + (b"\n" if trailing else b"")
+    path.write_bytes(data)
+
+    class Small(JsonlSource):
+        BLOCK_BYTES = block
+
+    src = Small(path, index_dir=tmp_path_factory.mktemp("idx"), chunk_size=7)
+    want = [json.loads(data[s:].split(b"\n")[0]) for s in reference_starts(data)]
+    assert src.num_samples() == len(want)
+    assert [p for c in read_all(src) for p in c] == want
+
+
 # --------------------------------------------------------------------------- identity
 
 
@@ -266,6 +428,14 @@ def test_describe_names_paths_sizes_fingerprints_and_parameters(tmp_path):
     assert (desc["chunk_size"], desc["shuffle"], desc["seed"], desc["passes"]) == (2, True, 8, 3)
     write_lines(paths[1], 50, 5, trailing_newline=False)
     assert JsonlSource(paths).describe()["files"] != desc["files"]
+
+
+def test_a_touched_file_keeps_its_index_and_a_copied_file_its_fingerprint(tmp_path):
+    paths = dataset(tmp_path, [4, 5])
+    desc = JsonlSource(paths).describe()
+    (tmp_path / "copy").mkdir()
+    copies = [Path(shutil.copy(p, tmp_path / "copy" / p.name)) for p in paths]
+    assert JsonlSource(copies).describe()["files"] == desc["files"]
 
 
 def test_a_pickled_source_reads_the_same_lines(tmp_path):

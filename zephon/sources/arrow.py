@@ -1,29 +1,35 @@
-"""ArrowSource (SPEC §1.4): Parquet files and Arrow IPC files (file/Feather v2 and stream format).
+"""ArrowSource: Parquet files and Arrow IPC files (file/Feather v2 and stream format), read with
+pyarrow's own readers.
 
 Layout. ``shard_id`` is the file index in ``paths`` and ``sample_idx`` the *global* row index
 across all files in order (see ``FileSource``), so a shuffled pass permutes every row of every
 file. A file is split into *groups*: its Parquet row groups, or its IPC record batches.
 
 Metadata. On first need (``num_samples``, ``describe``, ``chunk``, ``read``) each file's format is
-detected by its magic bytes (``PAR1`` at both ends: Parquet; ``ARROW1`` at both ends: IPC file;
-a ``0xFFFFFFFF`` continuation marker first: IPC stream) and only its footer is read: the Parquet
-FileMetaData, or the IPC footer's block table plus each record batch's message header (never a
-batch body, so compressed Feather files are not decompressed to count rows). An IPC stream has no
-footer: its message headers are walked, skipping bodies, and it must end with the end-of-stream
-marker. Each file is fingerprinted by its size and a sha256 of its footer (of its message headers
-for a stream).
+detected by its magic bytes (``PAR1``: Parquet; ``ARROW1``: IPC file; a ``0xFFFFFFFF``
+continuation marker: IPC stream) and its footer (Parquet FileMetaData, IPC footer) or schema
+message (IPC stream) is read. The first time a file is seen it is also read once in full to build
+its digest table (see ``zephon.sources.files``): one range per Parquet column chunk, one for the
+footer, and one per IPC message, where an uncompressed record batch without dictionaries is split
+into its header and one range per column (located by pyarrow's own decoder), so projected reads
+check only what they read. The table and the row count of every group are cached in the ``.zsum``
+sidecar (beside the file or in ``index_dir``); later opens read only the footer and the sidecar.
+``describe()`` gives each file's format, size, rows, groups and the sha256 of its table.
 
-Reading. ``read`` groups pointers by file and group, reads only the groups they touch (with the
-``columns`` projection pushed into the Parquet/IPC reader), one group at a time, so the memory of a
-read is bounded by the groups it touches; the last ``GROUP_CACHE`` decoded groups are kept so
-that chunks smaller than a row group do not decode it again. Files are opened per read and closed
-before it returns; at most ``METADATA_CACHE`` parsed Parquet footers are kept. A file whose size or
-mtime changed since its metadata was read is checked again: if its footer or row layout differs
-the read raises ``FetchError`` instead of returning other rows. Parquet page checksums are
-verified when the writer stored them (``write_page_checksum=True``). With ``shuffle=True`` the
-rows of a chunk are scattered over the whole dataset, so a chunk may touch up to ``chunk_size``
-groups: prefer small row groups then, or read unshuffled and put a ``shuffle`` operator after
-``fetch``.
+Reading. Files are opened through ``open_file`` (a memory map by default) per ``read`` and closed
+before it returns. ``read`` groups pointers by file and group and reads only the groups they touch,
+with the ``columns`` projection pushed into the Parquet/IPC reader, one group at a time, so the
+memory of a read is bounded by the groups it touches. Every byte pyarrow reads inside a digested
+range is served from that whole range, copied once out of the file and compared with its digest
+first: a file changed since its digests were taken (even rewritten with the same footer, even
+behind a sidecar that kept its mtime) raises ``FetchError`` naming the file, the group and the
+pointer, and nothing decoded from it is returned. Parquet page checksums are verified too when the
+writer stored them (``write_page_checksum=True``), and every decoded group is validated (offsets,
+UTF-8) before a value is taken from it. The last ``GROUP_CACHE`` decoded groups are
+kept so that chunks smaller than a row group do not decode it again, and at most
+``METADATA_CACHE`` parsed Parquet footers. With ``shuffle=True`` the rows of a chunk are scattered
+over the whole dataset, so a chunk may touch up to ``chunk_size`` groups: prefer small row groups
+then, or read unshuffled and put a ``shuffle`` operator after ``fetch``.
 
 Payloads. Each row becomes ``{column: value}`` in ``columns`` order (file schema order when
 ``columns=None``). A list column (list, large list, fixed-size list) whose values are integers,
@@ -32,21 +38,33 @@ group), or ``None`` for a null list, or a Python list with ``None`` for nulls wh
 holds nulls (numpy integer arrays have no null). Every other value becomes the Python value
 ``pyarrow`` gives (``int``, ``float``, ``str`` stays ``str``, ``bytes``, ``datetime``, nested
 lists and structs as lists and dicts, ``None`` for null).
+
+Errors. A malformed file (bad magic, truncated or corrupt footer, message or page, undecodable
+values) raises ``FetchError`` naming the file, and the group and pointer during a read; no
+pyarrow, Unicode, key or index error escapes bare.
 """
 
 from __future__ import annotations
 
-import hashlib
+import io
+import itertools
 import os
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from zephon.errors import FetchError
-from zephon.sources.jsonl import FileSource, PathsArg
+from zephon.sources.files import (
+    DigestTable,
+    FileSource,
+    PathsArg,
+    digest,
+    read_sidecar,
+    write_sidecar,
+)
 
 if TYPE_CHECKING:  # pyarrow is imported when a file is first touched, not with zephon.sources
     import pyarrow as pa
@@ -56,27 +74,74 @@ __all__ = ["ArrowSource", "table_rows"]
 PARQUET = "parquet"
 IPC_FILE = "arrow_file"
 IPC_STREAM = "arrow_stream"
+_KINDS = (PARQUET, IPC_FILE, IPC_STREAM)
 
-_CONTINUATION = 0xFFFFFFFF
-_SCHEMA, _DICTIONARY_BATCH, _RECORD_BATCH = 1, 2, 3  # flatbuf MessageHeader union tags
-_BLOCK = struct.Struct(
-    "<qi4xq"
-)  # flatbuf struct Block {offset: long; metaDataLength: int; bodyLength: long}
+# What a digested range of a file holds (one role per range in a _FileInfo).
+_FOOTER, _SCHEMA, _DICTIONARY, _BATCH, _COLUMN = range(5)
+_ZSUM_TAG = b"ZEPHSUM1"
+
+#: Besides pyarrow.ArrowException: what reading a malformed file raises (UnicodeDecodeError is a
+#: ValueError); each becomes a FetchError naming the file.
+_MALFORMED: tuple[type[Exception], ...] = (
+    ValueError,
+    KeyError,
+    IndexError,
+    EOFError,
+    OverflowError,
+    struct.error,
+)
+
+
+def _malformed() -> tuple[type[Exception], ...]:
+    import pyarrow as pa
+
+    return (pa.ArrowException, *_MALFORMED)
+
+
+class _CorruptFile(Exception):
+    """Raised inside a scan or read; becomes a FetchError naming the file."""
+
+
+class _Changed(Exception):
+    """Raised by ``_CheckedFile`` when range ``k`` no longer matches its digest."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.k = k
+
+
+class _Layout(NamedTuple):
+    """What the footer (or the schema message) of a file says, read on every open."""
+
+    kind: str
+    columns: tuple[str, ...]  # top-level column names
+    labels: tuple[str, ...]  # name of each column a range can belong to (Parquet: leaf paths)
+    anchor: tuple[int, int]  # the footer's (the stream's schema message's) byte span
+    anchor_digest: int
+    group_rows: list[int] | None  # Parquet: from the footer; IPC: known after a full read
+    groups: int | None  # IPC file: record batches in the footer
+    schema: Any  # IPC: the pyarrow schema
+    metadata: Any  # Parquet: the FileMetaData
 
 
 class _FileInfo:
-    """What the footer of one file says: its format, identity and the row count of each group."""
+    """What is known of one file: its format, size and mtime when its digests were taken, the row
+    count of each group, its columns, and its digest table with the role, group and column of
+    each range. Invariant: the table was taken from the bytes the footer here describes."""
 
     __slots__ = (
-        "batch_offsets",
         "columns",
-        "fingerprint",
         "group_ends",
-        "has_dictionaries",
+        "identity",
         "kind",
+        "labels",
+        "location",
         "mtime_ns",
-        "schema_offset",
+        "range_columns",
+        "range_groups",
+        "roles",
         "size",
+        "table",
     )
 
     def __init__(
@@ -84,48 +149,94 @@ class _FileInfo:
         kind: str,
         size: int,
         mtime_ns: int,
-        fingerprint: str,
-        group_rows: Sequence[int],
-        columns: Sequence[str],
-        *,
-        batch_offsets: Sequence[int] = (),
-        schema_offset: int = 0,
-        has_dictionaries: bool = False,
+        group_rows: Any,
+        table: DigestTable,
+        roles: Any,
+        range_groups: Any,
+        range_columns: Any,
     ):
         self.kind = kind
         self.size = size
         self.mtime_ns = mtime_ns
-        self.fingerprint = fingerprint
         self.group_ends = np.cumsum(np.asarray(group_rows, dtype=np.int64), dtype=np.int64)
-        self.columns = tuple(columns)
-        self.batch_offsets = np.asarray(batch_offsets, dtype=np.int64)
-        self.schema_offset = schema_offset
-        self.has_dictionaries = has_dictionaries
+        self.table = table
+        self.roles = np.asarray(roles, dtype=np.int64)
+        self.range_groups = np.asarray(range_groups, dtype=np.int64)
+        self.range_columns = np.asarray(range_columns, dtype=np.int64)
+        self.identity = table.identity()
+        self.columns: tuple[str, ...] = ()
+        self.labels: tuple[str, ...] = ()
+        self.location: str | None = None
 
     @property
     def num_rows(self) -> int:
         return int(self.group_ends[-1]) if self.group_ends.size else 0
 
-    def same_data(self, other: _FileInfo) -> bool:
-        """True when ``other`` (a rescan) describes the same bytes: format, fingerprint, groups."""
-        return (
-            self.kind == other.kind
-            and self.fingerprint == other.fingerprint
-            and np.array_equal(self.group_ends, other.group_ends)
+    def group_rows(self) -> list[int]:
+        return np.diff(self.group_ends, prepend=0).tolist()
+
+    def first_range(self, role: int, group: int = -1) -> int:
+        """Index of the first range with this role (of this group), or -1."""
+        hit = np.flatnonzero((self.roles == role) & (self.range_groups == group))
+        return int(hit[0]) if hit.size else -1
+
+    def has_dictionaries(self) -> bool:
+        return bool((self.roles == _DICTIONARY).any())
+
+    def label(self, k: int, group: int) -> str:
+        """What range ``k`` holds, for an error met while reading group ``group``."""
+        role, g, c = int(self.roles[k]), int(self.range_groups[k]), int(self.range_columns[k])
+        if role == _FOOTER:
+            return "the footer"
+        if role == _SCHEMA:
+            return "the schema message"
+        if role == _DICTIONARY:
+            return "a dictionary batch"
+        if role == _BATCH:
+            return "its record batch message" if g == group else _group_name(self, g)
+        other = "" if g == group else f"{_group_name(self, g)}, "
+        column = self.labels[c] if 0 <= c < len(self.labels) else f"#{c}"
+        return f"{other}{'column chunk' if self.kind == PARQUET else 'column'} {column!r}"
+
+    def sections(self) -> list[np.ndarray]:
+        """The sidecar form: kind and group count, group rows, the table, roles, groups, columns."""
+        meta = np.array([_KINDS.index(self.kind), len(self.group_ends)], dtype=np.int64)
+        rows = np.asarray(self.group_rows(), dtype=np.int64)
+        extra = [self.roles, self.range_groups, self.range_columns]
+        return [meta, rows, *self.table.sections(), *extra]
+
+    @classmethod
+    def from_sections(
+        cls, sections: list[np.ndarray], size: int, mtime_ns: int
+    ) -> _FileInfo | None:
+        """The info a sidecar holds, or None when its sections are not a consistent table."""
+        if len(sections) != 8 or len(sections[0]) != 2:
+            return None
+        (kind, groups), rows, starts, lengths, digests, roles, range_groups, columns = (
+            np.array(s) for s in sections
         )
-
-
-class _CorruptFile(Exception):
-    """Raised inside a scan; becomes a FetchError naming the file."""
+        table = DigestTable(starts, lengths, digests)
+        n = len(table)
+        if not 0 <= kind < len(_KINDS) or groups != len(rows) or (rows < 0).any():
+            return None
+        if (
+            not table.is_well_formed(size)
+            or not len(roles) == len(range_groups) == len(columns) == n
+        ):
+            return None
+        if n and (roles.min() < _FOOTER or roles.max() > _COLUMN or range_groups.max() >= groups):
+            return None
+        return cls(_KINDS[kind], size, mtime_ns, rows, table, roles, range_groups, columns)
 
 
 class ArrowSource(FileSource):
     """Rows of Parquet and Arrow IPC (file, Feather v2, stream) files, read by row group / record
     batch with an optional ``columns`` projection; see the module docstring for the layout,
-    payload rule and error rules.
+    identity, payload rule and error rules.
 
-    Invariant: ``read`` returns exactly the rows the metadata promised, or raises ``FetchError``
-    naming the file and pointer; it never silently returns a shorter or different stream.
+    Invariant: ``read`` returns exactly the rows whose bytes were digested when the metadata was
+    read, or raises ``FetchError`` naming the file and pointer; it never silently returns a
+    shorter or different stream.
     """
 
     #: Decoded (projected) groups kept across reads, so chunks smaller than a group reuse it.
@@ -143,6 +254,7 @@ class ArrowSource(FileSource):
         shuffle: bool = False,
         seed: int = 0,
         passes: int | None = 1,
+        index_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if columns is not None:
             if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
@@ -159,6 +271,7 @@ class ArrowSource(FileSource):
             shuffle=shuffle,
             seed=seed,
             passes=passes,
+            index_dir=index_dir,
         )
         self._infos: list[_FileInfo] = []
         self._reset_caches()
@@ -169,11 +282,11 @@ class ArrowSource(FileSource):
 
     # --------------------------------------------------------------------- files
     def open_file(self, path: str) -> pa.NativeFile:
-        """Open ``path`` for random-access reading; every byte the source reads goes through the
-        file returned here (a subclass may wrap it, e.g. to count I/O)."""
+        """Open ``path`` for random-access reading (memory-mapped); every byte the source reads
+        goes through the file returned here (a subclass may wrap it, e.g. to count I/O)."""
         import pyarrow as pa
 
-        return pa.OSFile(path, "r")
+        return pa.memory_map(path, "r")
 
     def file_format(self, file_index: int) -> str:
         """``"parquet"``, ``"arrow_file"`` or ``"arrow_stream"``: the detected format of a file."""
@@ -183,11 +296,18 @@ class ArrowSource(FileSource):
     def file_groups(self, file_index: int) -> list[int]:
         """Row counts of a file's groups (Parquet row groups or IPC record batches)."""
         self.file_ends()
-        return np.diff(self._infos[file_index].group_ends, prepend=0).tolist()
+        return self._infos[file_index].group_rows()
+
+    def digest_locations(self) -> list[str | None]:
+        """Per file, the ``.zsum`` its digest table was loaded from or written to, or None when
+        the table lives in memory only (its directory was not writable)."""
+        self.file_ends()
+        return [info.location for info in self._infos]
 
     # --------------------------------------------------------------------- metadata
     def load_metadata(self) -> list[int]:
-        """Read every file's footer (and check ``columns`` against it); row counts per file."""
+        """Read every file's footer and digest table (building the table on first sight) and
+        check ``columns`` against it; row counts per file."""
         infos = []
         for i, path in enumerate(self.paths):
             try:
@@ -208,42 +328,39 @@ class ArrowSource(FileSource):
         self._infos = infos
         return [info.num_rows for info in infos]
 
-    def _scan(self, i: int, f: pa.NativeFile, pointer: np.ndarray | None = None) -> _FileInfo:
-        import pyarrow as pa
-
+    def _scan(self, i: int, f: pa.NativeFile) -> _FileInfo:
         path = self.paths[i]
         try:
             mtime_ns = os.stat(path).st_mtime_ns
             size = f.size()
-            head = f.read_at(min(8, size), 0)
+            head = _read(f, 0, min(8, size)).to_pybytes()
             if head[:4] == b"PAR1":
-                return self._scan_parquet(i, f, size, mtime_ns)
-            if head[:6] == b"ARROW1":
-                return _scan_ipc_file(f, size, mtime_ns)
-            if head[:4] == b"\xff\xff\xff\xff":
-                return _scan_ipc_stream(f, size, mtime_ns)
-            raise _CorruptFile(
-                f"not a Parquet or Arrow IPC file (starts with {head!r}; expected b'PAR1', "
-                "b'ARROW1' or an IPC stream continuation marker)"
-            )
+                layout = _parquet_layout(f, size)
+            elif head[:6] == b"ARROW1":
+                layout = _ipc_file_layout(f, size)
+            elif head[:4] == b"\xff\xff\xff\xff":
+                layout = _ipc_stream_layout(f, size)
+            else:
+                raise _CorruptFile(
+                    f"not a Parquet or Arrow IPC file (starts with {head!r}; expected b'PAR1', "
+                    "b'ARROW1' or an IPC stream continuation marker)"
+                )
+            where = self.sidecar_path(i, ".zsum")
+            info = _cached_info(where, layout, size, mtime_ns)
+            if info is None:
+                info = _digest_file(f, layout, size, mtime_ns)
+                info.location = write_sidecar(where, _ZSUM_TAG, size, mtime_ns, info.sections())
         except _CorruptFile as exc:
-            raise self.fetch_error(i, str(exc), pointer) from None
-        except (struct.error, IndexError) as exc:
-            raise self.fetch_error(i, f"corrupt Arrow metadata ({exc})", pointer) from exc
+            raise self.fetch_error(i, str(exc)) from None
         except OSError as exc:
-            raise self.os_error(exc, i, pointer) from exc
-        except pa.ArrowException as exc:
-            raise self.fetch_error(i, f"{type(exc).__name__}: {exc}", pointer) from exc
-
-    def _scan_parquet(self, i: int, f: pa.NativeFile, size: int, mtime_ns: int) -> _FileInfo:
-        footer, md = _parquet_footer(f, size)
-        rows = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
-        if sum(rows) != md.num_rows:
-            raise _CorruptFile(f"row groups hold {sum(rows)} rows, footer says {md.num_rows}")
-        self._remember_parquet_meta(i, md)
-        fingerprint = hashlib.sha256(footer).hexdigest()
-        names = md.schema.to_arrow_schema().names
-        return _FileInfo(PARQUET, size, mtime_ns, fingerprint, rows, names)
+            raise self.os_error(exc, i) from exc
+        except _malformed() as exc:
+            raise self.fetch_error(i, f"corrupt metadata: {type(exc).__name__}: {exc}") from exc
+        if layout.metadata is not None:
+            self._remember_parquet_meta(i, layout.metadata)
+        info.columns = layout.columns
+        info.labels = layout.labels
+        return info
 
     def _remember_parquet_meta(self, i: int, md: Any) -> None:
         with self._lock:
@@ -261,14 +378,13 @@ class ArrowSource(FileSource):
         local: np.ndarray,
         out: list[Any],
     ) -> None:
-        import pyarrow as pa
-
         info = self._infos[i]
         names = self.columns if self.columns is not None else info.columns
         groups = np.searchsorted(info.group_ends, local[positions], side="right")
         group_starts = np.concatenate(([0], info.group_ends[:-1]))
         reader: _GroupReader | None = None
         pointer = rows[positions[0]]
+        g = int(groups[0])
         try:
             bounds = np.flatnonzero(np.diff(groups)) + 1  # positions are sorted by row
             for sel, in_group in zip(
@@ -283,45 +399,64 @@ class ArrowSource(FileSource):
                     table = reader.read_group(g)
                     expected = int(info.group_ends[g] - group_starts[g])
                     if table.num_rows != expected:
-                        raise self.fetch_error(
-                            i,
-                            f"group {g} holds {table.num_rows} rows, its metadata said {expected}",
-                            pointer,
+                        raise _CorruptFile(
+                            f"it holds {table.num_rows} rows, its metadata said {expected}"
                         )
                     self._cache_group(i, g, table)
                 payloads = table_rows(table, local[sel] - group_starts[g], names)
                 for pos, payload in zip(sel.tolist(), payloads, strict=True):
                     out[pos] = payload
-        except (FetchError, _CorruptFile) as exc:
-            if isinstance(exc, _CorruptFile):
-                raise self.fetch_error(i, str(exc), pointer) from None
+        except FetchError:
             raise
+        except _Changed as exc:
+            start, end = info.table.span(exc.k)
+            raise self.fetch_error(
+                i,
+                f"{_group_name(info, g)}: {info.label(exc.k, g)} (bytes {start}..{end}) changed "
+                f"since its metadata was read (its bytes no longer match their digest); "
+                f"{self._rebuild_hint(i)}",
+                pointer,
+            ) from None
+        except _CorruptFile as exc:
+            raise self.fetch_error(i, f"{_group_name(info, g)}: {exc}", pointer) from None
         except OSError as exc:
             raise self.os_error(exc, i, pointer) from exc
-        except pa.ArrowException as exc:
-            raise self.fetch_error(i, f"{type(exc).__name__}: {exc}", pointer) from exc
+        except _malformed() as exc:
+            raise self.fetch_error(
+                i, f"{_group_name(info, g)}: {type(exc).__name__}: {exc}", pointer
+            ) from exc
         finally:
             if reader is not None:
                 reader.close()
 
-    def _open_checked(self, i: int, pointer: np.ndarray) -> _GroupReader:
-        """Open file ``i`` for group reads, after checking it is the file the metadata describes."""
-        path = self.paths[i]
+    def _rebuild_hint(self, i: int) -> str:
+        # A file changed without a new mtime still matches its cached digests by size and mtime:
+        # a new source would trust them, so the sidecar has to go first.
         info = self._infos[i]
-        f = self.open_file(path)
+        new_source = "build a new source (its fingerprint will differ from old checkpoints)"
         try:
-            if (f.size(), os.stat(path).st_mtime_ns) != (info.size, info.mtime_ns):
-                fresh = self._scan(i, f, pointer)
-                if not info.same_data(fresh):
-                    raise self.fetch_error(
-                        i,
-                        f"the file changed since its metadata was read ({info.num_rows} rows in "
-                        f"{len(info.group_ends)} groups, {info.size} bytes -> {fresh.num_rows} "
-                        f"rows in {len(fresh.group_ends)} groups, {fresh.size} bytes); build a "
-                        "new source (its fingerprint will differ from old checkpoints)",
-                        pointer,
-                    )
-                info.mtime_ns = fresh.mtime_ns  # same bytes, touched or copied: accept
+            same_mtime = os.stat(self.paths[i]).st_mtime_ns == info.mtime_ns
+        except OSError:
+            same_mtime = False
+        if info.location is not None and same_mtime:
+            return f"its size and mtime did not change: delete {info.location!r}, then {new_source}"
+        return new_source
+
+    def _open_checked(self, i: int, pointer: np.ndarray) -> _GroupReader:
+        """Open file ``i`` for group reads, after checking it still has the size its digests
+        were taken at (every range read is then checked against its digest)."""
+        info = self._infos[i]
+        f = self.open_file(self.paths[i])
+        try:
+            size = f.size()
+            if size != info.size:
+                raise self.fetch_error(
+                    i,
+                    f"the file changed since its metadata was read ({info.num_rows} rows in "
+                    f"{len(info.group_ends)} groups, {info.size} bytes -> now {size} bytes); "
+                    "build a new source (its fingerprint will differ from old checkpoints)",
+                    pointer,
+                )
             return _GroupReader(self, i, f)
         except BaseException:
             f.close()
@@ -345,7 +480,8 @@ class ArrowSource(FileSource):
 
     def describe(self) -> dict[str, Any]:
         """Class, chunking/shuffle parameters, paths, columns, and per file its format, size, row
-        count and footer fingerprint (content-based, so a copied dataset keeps its identity)."""
+        count, group count and the sha256 of its digest table (content-based, so a copied dataset
+        keeps its identity and a file changed anywhere does not)."""
         out = self._describe_files()
         out["columns"] = None if self.columns is None else list(self.columns)
         out["files"] = [
@@ -354,7 +490,7 @@ class ArrowSource(FileSource):
                 "size": info.size,
                 "rows": info.num_rows,
                 "groups": len(info.group_ends),
-                "footer_sha256": info.fingerprint,
+                "content_sha256": info.identity,
             }
             for info in self._infos
         ]
@@ -370,15 +506,21 @@ class ArrowSource(FileSource):
         self._reset_caches()
 
 
+def _group_name(info: _FileInfo, g: int) -> str:
+    return f"{'row group' if info.kind == PARQUET else 'record batch'} {g}"
+
+
 class _GroupReader:
     """One open file of an ArrowSource for the duration of a ``read``: decodes single groups with
-    the source's column projection."""
+    the source's column projection, through a ``_CheckedFile``."""
 
     def __init__(self, source: ArrowSource, i: int, f: pa.NativeFile):
+        import pyarrow as pa
+
         self.source = source
         self.i = i
-        self.f = f
         self.info = source._infos[i]
+        self.file = pa.PythonFile(_CheckedFile(f, self.info.table, self.info.size), mode="r")
         self._impl: Any = None
 
     def read_group(self, g: int) -> pa.Table:
@@ -398,7 +540,7 @@ class _GroupReader:
                 if columns is not None:
                     idx = [info.columns.index(c) for c in columns]
                     options = pa.ipc.IpcReadOptions(included_fields=idx)
-                self._impl = pa.ipc.open_file(self.f, options=options)
+                self._impl = pa.ipc.open_file(self.file, options=options)
                 if self._impl.num_record_batches != len(info.group_ends):
                     raise _CorruptFile(
                         f"{self._impl.num_record_batches} record batches, its metadata said "
@@ -409,6 +551,9 @@ class _GroupReader:
             table = pa.Table.from_batches([self._stream_batch(g)])
         if columns is not None:
             table = table.select(list(columns))
+        # IPC readers take buffers as the file has them: an offset or UTF-8 error found here is a
+        # FetchError; found while converting values it would abort the process.
+        table.validate(full=True)
         return table
 
     def _parquet_file(self) -> Any:
@@ -418,33 +563,116 @@ class _GroupReader:
         with source._lock:
             md = source._parquet_meta.get(self.i)
         if md is None:
-            md = _parquet_footer(self.f, self.info.size)[1]
+            md = _parquet_footer(self.file, self.info.size)[1]
             source._remember_parquet_meta(self.i, md)
         # Page CRCs are checked when the writer stored them (write_page_checksum=True).
-        return pq.ParquetFile(self.f, metadata=md, page_checksum_verification=True)
+        return pq.ParquetFile(self.file, metadata=md, page_checksum_verification=True)
 
     def _stream_batch(self, g: int) -> pa.RecordBatch:
         import pyarrow as pa
 
         info = self.info
-        if info.has_dictionaries:  # dictionaries live in earlier messages: walk the stream
+        if info.has_dictionaries():  # dictionaries live in earlier messages: walk the stream
             if self._impl is None or self._impl[0] > g:
-                self.f.seek(0)
-                self._impl = [0, pa.ipc.open_stream(self.f)]
+                self.file.seek(0)
+                self._impl = [0, pa.ipc.open_stream(self.file)]
             while self._impl[0] < g:
                 self._impl[1].read_next_batch()
                 self._impl[0] += 1
             self._impl[0] += 1
             return self._impl[1].read_next_batch()
         if self._impl is None:
-            self.f.seek(info.schema_offset)
-            self._impl = pa.ipc.read_schema(pa.ipc.read_message(self.f))
-        self.f.seek(int(info.batch_offsets[g]))
-        return pa.ipc.read_record_batch(pa.ipc.read_message(self.f), self._impl)
+            self.file.seek(info.table.span(info.first_range(_SCHEMA))[0])
+            self._impl = pa.ipc.read_schema(pa.ipc.read_message(self.file))
+        self.file.seek(info.table.span(info.first_range(_BATCH, g))[0])
+        return pa.ipc.read_record_batch(pa.ipc.read_message(self.file), self._impl)
 
     def close(self) -> None:
         """Close the file."""
-        self.f.close()
+        self.file.close()
+
+
+class _CheckedFile(io.RawIOBase):
+    """A read-only file object over an open file, for pyarrow's readers: every byte inside a
+    digested range is served from that whole range, copied once out of the file and matched
+    against its digest first; bytes outside every range (magic numbers, padding) pass through.
+
+    Invariant: nothing pyarrow decodes from a digested range differs from what was digested; a
+    range that does not match raises ``_Changed``, which pyarrow passes through to the caller.
+    """
+
+    def __init__(self, f: pa.NativeFile, table: DigestTable, size: int):
+        super().__init__()
+        self._f = f
+        self._table = table
+        self._size = size
+        self._pos = 0
+        self._loaded: tuple[int, memoryview] = (-1, memoryview(b""))
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            self._pos = offset
+        elif whence == io.SEEK_CUR:
+            self._pos += offset
+        else:
+            self._pos = self._size + offset
+        return self._pos
+
+    def read(self, size: int | None = -1) -> Any:
+        start = self._pos
+        end = self._size if size is None or size < 0 else min(self._size, start + size)
+        if end <= start:
+            return b""
+        parts: list[Any] = []
+        at = start
+        for k in self._table.overlapping(start, end):
+            a, b = self._table.span(k)
+            if a > at:
+                parts.append(_read(self._f, at, a - at))
+                at = a
+            stop = min(b, end)
+            parts.append(self._range(k)[at - a : stop - a])
+            at = stop
+        if at < end:
+            parts.append(_read(self._f, at, end - at))
+        self._pos = end
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        n = len(data)
+        memoryview(buffer).cast("B")[:n] = data
+        return n
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+    def _range(self, k: int) -> memoryview:
+        if self._loaded[0] == k:
+            return self._loaded[1]
+        a, b = self._table.span(k)
+        self._f.seek(a)
+        data = self._f.read(b - a)  # a copy: the bytes checked are the bytes decoded
+        if not self._table.matches(k, data):
+            raise _Changed(k)
+        self._loaded = (k, memoryview(data))
+        return self._loaded[1]
+
+
+def _read(f: pa.NativeFile, offset: int, nbytes: int) -> pa.Buffer:
+    # Zero-copy from a memory map; any NativeFile otherwise.
+    f.seek(offset)
+    return f.read_buffer(nbytes)
 
 
 # ------------------------------------------------------------------------- payloads
@@ -509,7 +737,7 @@ def _numeric_lists(arr: Any) -> list[Any]:
     return out
 
 
-# ------------------------------------------------------------------------- footers
+# ------------------------------------------------------------------------- metadata
 
 
 def _parquet_footer(f: pa.NativeFile, size: int) -> tuple[bytes, Any]:
@@ -533,75 +761,22 @@ def _parquet_footer(f: pa.NativeFile, size: int) -> tuple[bytes, Any]:
     return footer, pq.read_metadata(pa.BufferReader(b"PAR1" + footer))
 
 
-# ------------------------------------------------------------------------- IPC metadata
+def _parquet_layout(f: pa.NativeFile, size: int) -> _Layout:
+    footer, md = _parquet_footer(f, size)
+    rows = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+    if sum(rows) != md.num_rows:
+        raise _CorruptFile(f"row groups hold {sum(rows)} rows, footer says {md.num_rows}")
+    names = tuple(md.schema.to_arrow_schema().names)
+    leaves = tuple(md.schema.column(c).path for c in range(md.num_columns))
+    return _Layout(
+        PARQUET, names, leaves, (size - len(footer), size), digest(footer), rows, None, None, md
+    )
 
 
-class _Table:
-    """A read-only view of one flatbuffer table (just what the Arrow IPC headers need)."""
-
-    __slots__ = ("buf", "pos", "vtable", "vtable_len")
-
-    def __init__(self, buf: bytes, pos: int):
-        self.buf = buf
-        self.pos = pos
-        self.vtable = pos - struct.unpack_from("<i", buf, pos)[0]
-        self.vtable_len = struct.unpack_from("<H", buf, self.vtable)[0]
-
-    @classmethod
-    def root(cls, buf: bytes) -> _Table:
-        return cls(buf, struct.unpack_from("<I", buf, 0)[0])
-
-    def _field(self, i: int) -> int:
-        at = 4 + 2 * i
-        return (
-            0
-            if at + 2 > self.vtable_len
-            else struct.unpack_from("<H", self.buf, self.vtable + at)[0]
-        )
-
-    def scalar(self, i: int, fmt: str) -> int:
-        off = self._field(i)
-        return 0 if off == 0 else struct.unpack_from(fmt, self.buf, self.pos + off)[0]
-
-    def table(self, i: int) -> _Table | None:
-        off = self._field(i)
-        if off == 0:
-            return None
-        at = self.pos + off
-        return _Table(self.buf, at + struct.unpack_from("<I", self.buf, at)[0])
-
-    def vector(self, i: int) -> tuple[int, int]:
-        """(position of the first element, length) of a vector field; (0, 0) when absent."""
-        off = self._field(i)
-        if off == 0:
-            return 0, 0
-        at = self.pos + off
-        start = at + struct.unpack_from("<I", self.buf, at)[0]
-        return start + 4, struct.unpack_from("<I", self.buf, start)[0]
-
-
-def _message_header(meta: bytes) -> tuple[int, int, int]:
-    """(header type, body length, record batch row count or 0) of an encapsulated IPC message's
-    metadata (continuation marker, length, flatbuffer)."""
-    cont, length = struct.unpack_from("<Ii", meta, 0)
-    if cont != _CONTINUATION or length <= 0 or 8 + length > len(meta):
-        raise _CorruptFile("corrupt IPC message header (pre-0.15 IPC format is not supported)")
-    msg = _Table.root(meta[8 : 8 + length])
-    kind = msg.scalar(1, "<B")  # Message.header_type
-    body = msg.scalar(3, "<q")  # Message.bodyLength
-    rows = 0
-    if kind == _RECORD_BATCH:
-        header = msg.table(2)  # Message.header -> RecordBatch
-        rows = 0 if header is None else header.scalar(0, "<q")  # RecordBatch.length
-    if body < 0 or rows < 0:
-        raise _CorruptFile("corrupt IPC message header (negative length)")
-    return kind, body, rows
-
-
-def _scan_ipc_file(f: pa.NativeFile, size: int, mtime_ns: int) -> _FileInfo:
+def _ipc_file_layout(f: pa.NativeFile, size: int) -> _Layout:
     import pyarrow as pa
 
-    tail = f.read_at(10, size - 10) if size >= 18 else b""
+    tail = _read(f, size - 10, 10).to_pybytes() if size >= 18 else b""
     if tail[4:] != b"ARROW1":
         raise _CorruptFile(
             f"truncated or corrupt Arrow IPC file: no ARROW1 magic at its end ({size} bytes)"
@@ -609,70 +784,209 @@ def _scan_ipc_file(f: pa.NativeFile, size: int, mtime_ns: int) -> _FileInfo:
     (footer_len,) = struct.unpack("<i", tail[:4])
     if footer_len <= 0 or footer_len + 18 > size:
         raise _CorruptFile(f"truncated or corrupt Arrow IPC file: footer of {footer_len} bytes")
-    footer = f.read_at(footer_len, size - 10 - footer_len)
-    start, n = _Table.root(footer).vector(3)  # Footer.recordBatches: [Block]
-    rows = []
-    for k in range(n):
-        offset, meta_len, body_len = _BLOCK.unpack_from(footer, start + _BLOCK.size * k)
-        if offset < 8 or meta_len < 8 or offset + meta_len + body_len > size - 10 - footer_len:
-            raise _CorruptFile(f"record batch {k} lies outside the file")
-        kind, _, count = _message_header(f.read_at(meta_len, offset))
-        if kind != _RECORD_BATCH:
-            raise _CorruptFile(f"block {k} of the footer is not a record batch")
-        rows.append(count)
-    schema = pa.ipc.open_file(f).schema  # reads the footer only
-    fingerprint = hashlib.sha256(footer + tail).hexdigest()
-    return _FileInfo(IPC_FILE, size, mtime_ns, fingerprint, rows, schema.names)
+    start = size - 10 - footer_len
+    reader = pa.ipc.open_file(f)  # reads the footer only
+    names = tuple(reader.schema.names)
+    return _Layout(
+        IPC_FILE,
+        names,
+        names,
+        (start, size),
+        digest(_read(f, start, size - start)),
+        None,
+        reader.num_record_batches,
+        reader.schema,
+        None,
+    )
 
 
-def _scan_ipc_stream(f: pa.NativeFile, size: int, mtime_ns: int) -> _FileInfo:
+def _ipc_stream_layout(f: pa.NativeFile, size: int) -> _Layout:
     import pyarrow as pa
 
-    digest = hashlib.sha256(f"size={size}".encode())
-    pos = 0
-    schema_offset = -1
-    has_dictionaries = False
-    offsets: list[int] = []
-    rows: list[int] = []
-    while True:
-        head = f.read_at(8, pos)
-        if len(head) < 8:
-            raise _CorruptFile(
-                f"truncated Arrow IPC stream: no end-of-stream marker ({len(rows)} record batches "
-                f"read, {size} bytes)"
-            )
-        cont, length = struct.unpack("<Ii", head)
-        if cont != _CONTINUATION:
-            raise _CorruptFile(f"corrupt Arrow IPC stream: no continuation marker at byte {pos}")
-        if length == 0:
-            break
-        meta = head + f.read_at(length, pos + 8)
-        kind, body, count = _message_header(meta)
-        digest.update(meta)
-        if kind == _SCHEMA and schema_offset < 0:
-            schema_offset = pos
-        elif kind == _DICTIONARY_BATCH:
-            has_dictionaries = True
-        elif kind == _RECORD_BATCH:
-            offsets.append(pos)
-            rows.append(count)
-        pos += 8 + length + body
-        if pos > size:
-            raise _CorruptFile(
-                f"truncated Arrow IPC stream: message at byte {pos} runs past the end"
-            )
-    if schema_offset < 0:
-        raise _CorruptFile("corrupt Arrow IPC stream: no schema message")
-    f.seek(schema_offset)
-    schema = pa.ipc.read_schema(pa.ipc.read_message(f))
-    return _FileInfo(
-        IPC_STREAM,
-        size,
-        mtime_ns,
-        digest.hexdigest(),
-        rows,
-        schema.names,
-        batch_offsets=offsets,
-        schema_offset=schema_offset,
-        has_dictionaries=has_dictionaries,
+    f.seek(0)
+    try:
+        message = pa.ipc.MessageReader.open_stream(f).read_next_message()
+    except StopIteration:
+        message = None
+    if message is None or message.type != "schema":
+        raise _CorruptFile("corrupt Arrow IPC stream: it does not start with a schema message")
+    end = f.tell()
+    schema = pa.ipc.read_schema(message)
+    names = tuple(schema.names)
+    return _Layout(
+        IPC_STREAM, names, names, (0, end), digest(_read(f, 0, end)), None, None, schema, None
     )
+
+
+def _cached_info(where: str, layout: _Layout, size: int, mtime_ns: int) -> _FileInfo | None:
+    """The info in the sidecar at ``where`` when it is intact, for this size and mtime, and
+    agrees with the footer just read; None otherwise (the file is digested again)."""
+    sections = read_sidecar(where, _ZSUM_TAG, size, mtime_ns)
+    info = None if sections is None else _FileInfo.from_sections(sections, size, mtime_ns)
+    if info is None or info.kind != layout.kind:
+        return None
+    k = info.first_range(_SCHEMA if layout.kind == IPC_STREAM else _FOOTER)
+    if (
+        k < 0
+        or info.table.span(k) != layout.anchor
+        or info.table.digests[k] != layout.anchor_digest
+    ):
+        return None
+    if layout.group_rows is not None and info.group_rows() != layout.group_rows:
+        return None
+    if layout.groups is not None and len(info.group_ends) != layout.groups:
+        return None
+    info.location = where
+    return info
+
+
+def _digest_file(f: pa.NativeFile, layout: _Layout, size: int, mtime_ns: int) -> _FileInfo:
+    """Read the whole file once: the ranges of its digest table, their digests and (IPC) the row
+    count of every record batch."""
+    footer_start, footer_end = layout.anchor
+    if layout.kind == PARQUET:
+        spans = _parquet_spans(layout.metadata, footer_start)
+        spans.append((footer_start, footer_end - footer_start, _FOOTER, -1, -1))
+        rows = layout.group_rows
+    else:
+        stream = layout.kind == IPC_STREAM
+        spans, walked = _ipc_spans(f, 0 if stream else 8, None if stream else footer_start, layout)
+        if not stream:
+            spans.append((footer_start, footer_end - footer_start, _FOOTER, -1, -1))
+        if None in walked or (layout.groups is not None and len(walked) != layout.groups):
+            rows = _ipc_rows(f, layout)  # dictionary batches: count with the full reader
+        else:
+            rows = [n for n in walked if n is not None]
+        if len(rows) != len(walked):
+            raise _CorruptFile(f"{len(rows)} record batches decode, {len(walked)} were found")
+    spans = sorted(s for s in spans if s[1] > 0)
+    for (a, n, *_), (b, *_) in itertools.pairwise(spans):
+        if b < a + n:
+            raise _CorruptFile(f"bytes {a}..{a + n} and {b}.. of its metadata overlap")
+    starts, lengths, roles, groups, columns = (list(c) for c in zip(*spans, strict=True))
+    try:
+        table = DigestTable.build(lambda at, n: _read(f, at, n), starts, lengths)
+    except EOFError:
+        raise _CorruptFile("the file is shorter than its metadata says") from None
+    info = _FileInfo(layout.kind, size, mtime_ns, rows, table, roles, groups, columns)
+    k = info.first_range(_SCHEMA if layout.kind == IPC_STREAM else _FOOTER)
+    if table.span(k) != layout.anchor or table.digests[k] != layout.anchor_digest:
+        raise _CorruptFile("the file changed while its digests were being taken")
+    return info
+
+
+def _parquet_spans(md: Any, footer_start: int) -> list[tuple[int, int, int, int, int]]:
+    # (start, length, role, group, leaf column) of every column chunk: from its first page (the
+    # dictionary page when there is one) for total_compressed_size bytes. An empty chunk may
+    # record data_page_offset 0: only offsets past the leading magic count.
+    spans = []
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        for c in range(rg.num_columns):
+            chunk = rg.column(c)
+            length = chunk.total_compressed_size
+            pages = [chunk.data_page_offset]
+            if chunk.has_dictionary_page:
+                pages.append(chunk.dictionary_page_offset)
+            offsets = [p for p in pages if p is not None and p >= 4]
+            if not offsets and not length:
+                continue
+            start = min(offsets, default=0)
+            if start < 4 or length < 0 or start + length > footer_start:
+                raise _CorruptFile(
+                    f"row group {g}, column chunk {chunk.path_in_schema!r} lies outside the "
+                    f"file's data (bytes {start}..{start + length}, footer at {footer_start})"
+                )
+            spans.append((start, length, _COLUMN, g, c))
+    return spans
+
+
+def _ipc_spans(
+    f: pa.NativeFile, start: int, stop: int | None, layout: _Layout
+) -> tuple[list[tuple[int, int, int, int, int]], list[int | None]]:
+    # Walk the encapsulated messages from ``start`` (to the footer at ``stop``, or to the
+    # end-of-stream marker): their spans, and the row count of each record batch met (None when
+    # it cannot be decoded on its own).
+    import pyarrow as pa
+
+    f.seek(start)
+    reader = pa.ipc.MessageReader.open_stream(f)
+    spans: list[tuple[int, int, int, int, int]] = []
+    rows: list[int | None] = []
+    pos = start
+    while stop is None or pos < stop:
+        try:
+            message = reader.read_next_message()
+        except StopIteration:
+            if f.tell() == pos and stop is None:
+                raise _CorruptFile(
+                    f"truncated Arrow IPC stream: no end-of-stream marker ({len(rows)} record "
+                    f"batches read, {f.size()} bytes)"
+                ) from None
+            break
+        except (pa.ArrowException, OSError) as exc:
+            raise _CorruptFile(
+                f"truncated or corrupt Arrow IPC data: the message at byte {pos} runs past the "
+                f"end or is malformed ({exc})"
+            ) from None
+        end = f.tell()
+        if stop is not None and end > stop:
+            raise _CorruptFile(f"the message at byte {pos} runs into the footer")
+        if message.type == "schema":
+            spans.append((pos, end - pos, _SCHEMA, -1, -1))
+        elif message.type == "dictionary":
+            spans.append((pos, end - pos, _DICTIONARY, -1, -1))
+        elif message.type == "record batch":
+            batch_spans, count = _batch_spans(message, pos, end, layout.schema, len(rows))
+            spans += batch_spans
+            rows.append(count)
+        else:
+            raise _CorruptFile(f"unexpected {message.type!r} message at byte {pos}")
+        pos = end
+    return spans, rows
+
+
+def _batch_spans(
+    message: Any, pos: int, end: int, schema: Any, g: int
+) -> tuple[list[tuple[int, int, int, int, int]], int | None]:
+    # A record batch message as one span, or as its header plus one span per column when
+    # pyarrow decodes it straight from the message body (uncompressed, no dictionaries): the
+    # column's buffers then lie in the body, and their addresses say where. With its row count
+    # when it decodes on its own (not with dictionary columns).
+    import pyarrow as pa
+
+    whole = [(pos, end - pos, _BATCH, g, -1)]
+    try:
+        batch = pa.ipc.read_record_batch(message, schema)
+    except pa.ArrowException:  # dictionary columns need the dictionaries: keep it whole
+        return whole, None
+    body = message.body
+    body_size = 0 if body is None else body.size
+    if not body_size:
+        return whole, batch.num_rows
+    body_start = end - body_size
+    spans = [(pos, body_start - pos, _BATCH, g, -1)]
+    done = 0
+    for j, column in enumerate(batch.columns):
+        buffers = [b for b in column.buffers() if b is not None and b.size]
+        if not buffers:
+            continue
+        lo = min(b.address for b in buffers) - body.address
+        hi = max(b.address + b.size for b in buffers) - body.address
+        if lo < done or hi > body_size:  # decompressed elsewhere, or interleaved: keep it whole
+            return whole, batch.num_rows
+        spans.append((body_start + lo, hi - lo, _COLUMN, g, j))
+        done = hi
+    return spans, batch.num_rows
+
+
+def _ipc_rows(f: pa.NativeFile, layout: _Layout) -> list[int]:
+    # Row count of every record batch, in reading order, decoding one column of each.
+    import pyarrow as pa
+
+    options = pa.ipc.IpcReadOptions(included_fields=[0]) if layout.columns else None
+    if layout.kind == IPC_FILE:
+        reader = pa.ipc.open_file(f, options=options)
+        return [reader.get_batch(k).num_rows for k in range(reader.num_record_batches)]
+    f.seek(0)
+    return [batch.num_rows for batch in pa.ipc.open_stream(f, options=options)]

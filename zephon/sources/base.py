@@ -1,13 +1,16 @@
-"""The source protocol (SPEC §1.4): what the runtime asks of a source, and a base for indexed ones.
+"""The source protocol: what the runtime asks of a source, and a base for indexed ones.
 
 A source is a deterministic, random-access sequence of chunks. Chunk positions run across passes:
-position ``p`` is chunk ``p % num_chunks()`` of pass ``p // num_chunks()``, and the lanes of §2 deal
-positions out by ``p % (world_size * lanes)``, so ``chunk(p)`` must cost O(chunk) whatever ``p`` is.
+position ``p`` is chunk ``p % num_chunks()`` of pass ``p // num_chunks()``, and the runtime deals
+positions out to lanes by ``p % (world_size * lanes)``, so ``chunk(p)`` must cost O(chunk) whatever
+``p`` is.
+
+``check_int`` is re-exported from ``zephon.validation``, where it lives, for code that imports it
+from here.
 """
 
 from __future__ import annotations
 
-import operator
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -16,6 +19,7 @@ import numpy as np
 from zephon.errors import FetchError
 from zephon.sources.permutation import derive_key, permute
 from zephon.types import WorkChunk
+from zephon.validation import check_bool, check_int
 
 __all__ = ["IndexedSource", "WorkSource", "check_int", "check_pointers"]
 
@@ -75,9 +79,7 @@ class WorkSource(ABC):
         source, different when its parameters or data differ."""
 
     def _check_position(self, position: int) -> int:
-        p = operator.index(position)
-        if p < 0:
-            raise ValueError(f"{self!r}: chunk position must be >= 0, got {p}")
+        p = check_int(position, "chunk position", repr(self), minimum=0)
         total = self.total_chunks()
         if total is not None and p >= total:
             raise IndexError(f"{self!r}: chunk position {p} is past the end ({total} chunks)")
@@ -107,9 +109,7 @@ class IndexedSource(WorkSource):
         self.dataset_id = check_int(dataset_id, "dataset_id", name, minimum=0)
         self.chunk_size = check_int(chunk_size, "chunk_size", name, minimum=1)
         self.passes = None if passes is None else check_int(passes, "passes", name, minimum=1)
-        if not isinstance(shuffle, (bool, np.bool_)):
-            raise TypeError(f"{name}: shuffle must be a bool, got {shuffle!r}")
-        self.shuffle = bool(shuffle)
+        self.shuffle = check_bool(shuffle, "shuffle", name)
         self.seed = check_int(seed, "seed", name)
 
     @abstractmethod
@@ -144,7 +144,9 @@ class IndexedSource(WorkSource):
         """The sample indices (int64) at pass-order positions ``[start, stop)`` of pass
         ``pass_idx``; a pass is a permutation of ``[0, num_samples())``."""
         n = self.num_samples()
-        q = operator.index(pass_idx)
+        q = check_int(pass_idx, "pass_idx", repr(self))
+        start = check_int(start, "start", repr(self))
+        stop = check_int(stop, "stop", repr(self))
         if q < 0 or (self.passes is not None and q >= self.passes):
             raise IndexError(f"{self!r}: pass {q} does not exist (passes={self.passes})")
         if not 0 <= start <= stop <= n:
@@ -194,17 +196,3 @@ class IndexedSource(WorkSource):
             f"chunk_size={self.chunk_size}, shuffle={self.shuffle}, seed={self.seed}, "
             f"passes={self.passes})"
         )
-
-
-def check_int(value: Any, what: str, owner: str, *, minimum: int | None = None) -> int:
-    """``value`` as a Python int (bools refused) that is ``>= minimum``; TypeError or ValueError
-    naming ``owner`` and the parameter otherwise. Shared constructor validation of sources."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{owner}: {what} must be an int, got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{owner}: {what} must be an int, got {value!r}") from None
-    if minimum is not None and v < minimum:
-        raise ValueError(f"{owner}: {what} must be >= {minimum}, got {v}")
-    return v

@@ -1,4 +1,4 @@
-"""MixtureSource (SPEC §1.4): several indexed sources interleaved at sample level by weight.
+"""MixtureSource: several indexed sources interleaved at sample level by weight.
 
 How the mixture is laid out, all in closed form so ``chunk(k)`` costs O(chunk) for any ``k``:
 
@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import FetchError
-from zephon.sources.base import IndexedSource, WorkSource, check_int, check_pointers
+from zephon.sources.base import IndexedSource, WorkSource, check_pointers
 from zephon.sources.permutation import derive_key
 from zephon.types import WorkChunk
+from zephon.validation import check_int
 
 __all__ = ["MixtureSource"]
 

@@ -1,0 +1,459 @@
+"""The base of file-backed sources and what they share: paths, I/O error rules, content digests
+of byte ranges, and the sidecar files cached beside the data.
+
+``FileSource`` is what ``ArrowSource`` and ``JsonlSource`` have in common: a list of files whose
+samples are numbered globally, in file order, so the (seed, pass)-keyed permutation of
+``IndexedSource`` shuffles over every sample of every file. Pointer rows are
+``(dataset_id, file_index, global_sample_idx)``; the file index is derived from the global index
+and checked again at read time. Per-file metadata is read once, lazily, on the first call that
+needs it; files are opened per ``read`` call and closed before it returns, so a source holds no
+file handle between reads and pickles without them.
+
+Content identity. Each file is covered by byte ranges (Parquet column chunks and footer, Arrow
+IPC messages, JSON Lines blocks of whole lines), each with a 64-bit content digest: a
+``DigestTable``, computed once, the first time the file is opened, and cached in a sidecar.
+``describe()`` carries the sha256 of each file's table, so the pipeline fingerprint changes when
+any range changes; and every range a read touches is hashed again and compared before anything
+decoded from it is returned, so a file changed behind the cache is refused, never delivered.
+
+Sidecars. ``<file><suffix>`` beside the file, or ``<name>.<hash of its absolute path><suffix>`` in
+``index_dir``: an int64 ``.npy`` holding the file's size and mtime (a file touched since is
+digested again), the length of each section and a sha256 of the sidecar itself, so a damaged
+sidecar is rebuilt instead of trusted. When it cannot be written it lives in memory only. A file's
+identity never includes its mtime or path: a copied dataset keeps its fingerprint.
+
+Error rules, shared by every file source: a missing or unreadable file, a file that is malformed or
+truncated, and a file that changed since its metadata was read raise ``FetchError`` naming the path
+(and the pointer and block when known); any other ``OSError`` (a transient I/O failure) is raised
+as an ``OSError`` naming the path, so that ``fetch`` retries it with backoff.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import itertools
+import os
+import tempfile
+import threading
+import tokenize
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from zephon.errors import FetchError
+from zephon.sources.base import IndexedSource, check_pointers
+
+__all__ = [
+    "PERMANENT_ERRNOS",
+    "DigestTable",
+    "FileSource",
+    "PathsArg",
+    "digest",
+    "digest_ranges",
+    "is_permanent",
+    "normalize_paths",
+    "read_sidecar",
+    "transient_error",
+    "write_sidecar",
+]
+
+#: errno values that no retry can fix: raised as FetchError instead of a retryable OSError.
+PERMANENT_ERRNOS = frozenset(
+    {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG}
+)
+
+PathsArg = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
+
+#: ``read_at(offset, nbytes)``: up to ``nbytes`` bytes (any bytes-like) from ``offset`` of a file.
+ReadAt = Callable[[int, int], Any]
+
+
+def normalize_paths(paths: PathsArg, owner: str) -> list[str]:
+    """``paths`` (one path or an iterable of paths) as a non-empty list of ``str``; TypeError or
+    ValueError naming ``owner`` otherwise."""
+    if isinstance(paths, (str, os.PathLike)):
+        items: list[Any] = [paths]
+    elif isinstance(paths, bytes):
+        raise TypeError(f"{owner}: paths must be str or os.PathLike, got bytes {paths!r}")
+    else:
+        try:
+            items = list(paths)
+        except TypeError:
+            raise TypeError(f"{owner}: paths must be a path or an iterable of paths") from None
+    out = []
+    for p in items:
+        if not isinstance(p, (str, os.PathLike)):
+            raise TypeError(f"{owner}: every path must be str or os.PathLike, got {p!r}")
+        out.append(os.fspath(p))
+    if not out:
+        raise ValueError(f"{owner}: paths is empty (did a glob match nothing?)")
+    return out
+
+
+def is_permanent(exc: OSError) -> bool:
+    """True when an ``OSError`` cannot be cured by retrying: a missing or forbidden file, or an
+    error without ``errno`` (pyarrow reports format errors, e.g. a bad Parquet page, that way)."""
+    return exc.errno is None or exc.errno in PERMANENT_ERRNOS
+
+
+def transient_error(exc: OSError, path: str, where: str) -> OSError:
+    """A retryable ``OSError`` with ``exc``'s errno whose message names ``path`` and ``where``."""
+    return OSError(exc.errno, f"{exc.strerror or exc} ({where})", path)
+
+
+# ------------------------------------------------------------------------- content digests
+
+#: Largest read made while digesting; a longer range is hashed piece by piece.
+DIGEST_PIECE = 8 << 20
+
+
+def digest(data: Any) -> int:
+    """The 64-bit content digest of a bytes-like object (the first 8 bytes of its sha256, as a
+    signed int64): what a ``DigestTable`` stores for each range."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little", signed=True)
+
+
+def digest_ranges(
+    read_at: ReadAt, starts: Sequence[int], lengths: Sequence[int], piece: int = DIGEST_PIECE
+) -> np.ndarray:
+    """Digests (int64) of the sorted, non-overlapping byte ranges ``[start, start + length)``,
+    read through ``read_at`` at most ``piece`` bytes at a time (neighbouring small ranges share a
+    read), so memory stays bounded whatever the ranges. EOFError when the file ends too soon."""
+    begin = [int(v) for v in starts]
+    size = [int(v) for v in lengths]
+    out = np.empty(len(begin), dtype=np.int64)
+    k = 0
+    while k < len(begin):
+        a = begin[k]
+        if size[k] > piece:
+            h = hashlib.sha256()
+            for at in range(a, a + size[k], piece):
+                want = min(piece, a + size[k] - at)
+                buf = read_at(at, want)
+                if len(buf) != want:
+                    raise EOFError(f"the file ends inside bytes {a}..{a + size[k]}")
+                h.update(buf)
+            out[k] = int.from_bytes(h.digest()[:8], "little", signed=True)
+            k += 1
+            continue
+        m = k + 1
+        while m < len(begin) and begin[m] + size[m] - a <= piece:
+            m += 1
+        end = begin[m - 1] + size[m - 1]
+        buf = memoryview(read_at(a, end - a))
+        if len(buf) != end - a:
+            raise EOFError(f"the file ends inside bytes {a}..{end}")
+        for j in range(k, m):
+            lo = begin[j] - a
+            out[j] = digest(buf[lo : lo + size[j]])
+        k = m
+    return out
+
+
+class DigestTable:
+    """Byte ranges of one file with the content digest of each: what a file source checks every
+    range it reads against, and (through ``identity``) what ``describe()`` says of the file.
+
+    Invariant: the three arrays have one entry per range; ranges are non-empty, sorted by start
+    and do not overlap.
+    """
+
+    __slots__ = ("digests", "lengths", "starts")
+
+    def __init__(self, starts: Any, lengths: Any, digests: Any):
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.digests = np.asarray(digests, dtype=np.int64)
+
+    @classmethod
+    def build(cls, read_at: ReadAt, starts: Any, lengths: Any) -> DigestTable:
+        """The table of these ranges, digested now through ``read_at`` (see ``digest_ranges``)."""
+        return cls(starts, lengths, digest_ranges(read_at, starts, lengths))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def span(self, k: int) -> tuple[int, int]:
+        """``(start, end)`` of range ``k``."""
+        start = int(self.starts[k])
+        return start, start + int(self.lengths[k])
+
+    def find(self, offset: int) -> int:
+        """The index of the range holding byte ``offset``, or -1."""
+        k = int(np.searchsorted(self.starts, offset, side="right")) - 1
+        if k < 0 or offset >= self.starts[k] + self.lengths[k]:
+            return -1
+        return k
+
+    def overlapping(self, start: int, end: int) -> range:
+        """Indices of the ranges that intersect bytes ``[start, end)``, in file order."""
+        lo = int(np.searchsorted(self.starts, start, side="right")) - 1
+        if lo < 0 or self.starts[lo] + self.lengths[lo] <= start:
+            lo += 1
+        return range(lo, int(np.searchsorted(self.starts, end, side="left")))
+
+    def matches(self, k: int, data: Any) -> bool:
+        """True when ``data`` is the content range ``k`` had when the table was built."""
+        return len(data) == int(self.lengths[k]) and digest(data) == int(self.digests[k])
+
+    def is_well_formed(self, size: int) -> bool:
+        """True when the ranges are non-empty, sorted, disjoint and inside a file of ``size``."""
+        n = len(self.starts)
+        if len(self.lengths) != n or len(self.digests) != n:
+            return False
+        if n == 0:
+            return True
+        ends = self.starts + self.lengths
+        return bool(
+            (self.lengths > 0).all()
+            and self.starts[0] >= 0
+            and ends[-1] <= size
+            and (self.starts[1:] >= ends[:-1]).all()
+        )
+
+    def identity(self) -> str:
+        """The sha256 (hex) of the whole table, ranges and digests: equal for equal content in
+        every process and on every machine (no path, no mtime)."""
+        h = hashlib.sha256(b"zephon digest table 1")
+        h.update(len(self).to_bytes(8, "little"))
+        for arr in (self.starts, self.lengths, self.digests):
+            h.update(np.ascontiguousarray(arr, dtype="<i8").tobytes())
+        return h.hexdigest()
+
+    def sections(self) -> list[np.ndarray]:
+        """The three arrays, as a sidecar stores them."""
+        return [self.starts, self.lengths, self.digests]
+
+
+# ------------------------------------------------------------------------- sidecars
+
+_SIDECAR_VERSION = 1
+_FIXED_HEADER = 5  # magic, version, file size, file mtime_ns, number of sections
+_CHECKSUM_WORDS = 4  # the sidecar's own sha256, as four int64 words
+_MAX_SECTIONS = 64
+
+
+def _magic(tag: bytes) -> int:
+    return int.from_bytes(tag, "little", signed=True)
+
+
+def write_sidecar(
+    where: str, tag: bytes, size: int, mtime_ns: int, sections: Sequence[np.ndarray]
+) -> str | None:
+    """Write ``sections`` (int64 arrays) for a file of this size and mtime, atomically (temp file,
+    rename); the location, or None when it cannot be written (a read-only directory)."""
+    head = [_magic(tag), _SIDECAR_VERSION, size, mtime_ns, len(sections)]
+    head += [len(s) for s in sections]
+    header = np.array(head, dtype=np.int64)
+    body = np.concatenate([np.asarray(s, dtype=np.int64) for s in sections] or [header[:0]])
+    checksum = hashlib.sha256(header.tobytes())
+    checksum.update(body.tobytes())
+    words = np.frombuffer(checksum.digest(), dtype=np.int64)
+    directory = os.path.dirname(os.path.abspath(where))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".zephon-", dir=directory)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.save(fh, np.concatenate((header, words, body)), allow_pickle=False)
+        os.replace(tmp, where)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return None
+    return where
+
+
+def read_sidecar(where: str, tag: bytes, size: int, mtime_ns: int) -> list[np.ndarray] | None:
+    """The sections (memory-mapped int64 arrays) stored at ``where`` when it exists, is intact
+    (its checksum matches) and was written for a file of this size and mtime; None otherwise, and
+    the caller rebuilds it."""
+    try:
+        arr = np.load(where, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError):
+        return None  # absent, or not a .npy: numpy parses a damaged header as Python literals
+    if arr.dtype != np.int64 or arr.ndim != 1 or arr.size < _FIXED_HEADER:
+        return None
+    magic, version, isize, imtime, k = (int(v) for v in arr[:_FIXED_HEADER])
+    if (magic, version, isize, imtime) != (_magic(tag), _SIDECAR_VERSION, size, mtime_ns):
+        return None
+    if not 0 <= k <= _MAX_SECTIONS or arr.size < _FIXED_HEADER + k + _CHECKSUM_WORDS:
+        return None
+    lengths = [int(v) for v in arr[_FIXED_HEADER : _FIXED_HEADER + k]]
+    body_at = _FIXED_HEADER + k + _CHECKSUM_WORDS
+    if min(lengths, default=0) < 0 or sum(lengths) != arr.size - body_at:
+        return None
+    checksum = hashlib.sha256(np.asarray(arr[: _FIXED_HEADER + k]).tobytes())
+    checksum.update(memoryview(arr[body_at:]))
+    if checksum.digest() != np.asarray(arr[_FIXED_HEADER + k : body_at]).tobytes():
+        return None
+    bounds = np.cumsum([body_at, *lengths])
+    # Plain ndarray views of the map: np.memmap indexes through Python, a cost on every lookup.
+    return [arr[a:b].view(np.ndarray) for a, b in itertools.pairwise(bounds)]
+
+
+# ------------------------------------------------------------------------- the base
+
+
+class FileSource(IndexedSource):
+    """Base of sources over a list of files: ``shard_id`` is the file index in ``paths`` and
+    ``sample_idx`` the global sample index across all files, in file order.
+
+    Invariant: after ``load_metadata()`` the per-file sample counts are fixed for the life of the
+    source; a read that finds a file changed since then raises ``FetchError`` rather than returning
+    different or fewer samples. Subclasses implement ``load_metadata`` (returning the sample count
+    of each file) and ``_read_file``. ``index_dir`` is where their sidecars go (None: beside each
+    file).
+    """
+
+    def __init__(
+        self,
+        paths: PathsArg,
+        *,
+        dataset_id: int = 0,
+        chunk_size: int = 1024,
+        shuffle: bool = False,
+        seed: int = 0,
+        passes: int | None = 1,
+        index_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        name = type(self).__name__
+        self.paths = normalize_paths(paths, name)
+        if index_dir is not None and not isinstance(index_dir, (str, os.PathLike)):
+            raise TypeError(f"{name}: index_dir must be a path or None, got {index_dir!r}")
+        self.index_dir = None if index_dir is None else os.fspath(index_dir)
+        super().__init__(
+            dataset_id=dataset_id, chunk_size=chunk_size, shuffle=shuffle, seed=seed, passes=passes
+        )
+        self._lock = threading.RLock()
+        self._ends: np.ndarray | None = None
+
+    # --------------------------------------------------------------------- metadata
+    @abstractmethod
+    def load_metadata(self) -> Sequence[int]:
+        """Read each file's metadata (footers, line index, digests) and return its sample count,
+        in ``paths`` order. Called once, under the source's lock."""
+
+    def file_ends(self) -> np.ndarray:
+        """Cumulative sample counts per file (int64): file ``i`` holds global samples
+        ``[ends[i-1], ends[i])``. Loads the metadata on first use."""
+        ends = self._ends
+        if ends is None:
+            with self._lock:
+                if self._ends is None:
+                    counts = np.asarray(self.load_metadata(), dtype=np.int64)
+                    self._ends = np.cumsum(counts, dtype=np.int64)
+                ends = self._ends
+        return ends
+
+    def num_samples(self) -> int:
+        """Samples per pass: the total over all files (reads the metadata on first use)."""
+        return int(self.file_ends()[-1])
+
+    def sidecar_path(self, file_index: int, suffix: str) -> str:
+        """Where a sidecar of file ``file_index`` is kept: ``<file><suffix>`` beside it, or in
+        ``index_dir`` as ``<name>.<hash of the absolute path><suffix>``."""
+        path = self.paths[file_index]
+        if self.index_dir is None:
+            return path + suffix
+        digest_hex = hashlib.sha256(os.fsencode(os.path.abspath(path))).hexdigest()[:16]
+        return os.path.join(self.index_dir, f"{os.path.basename(path)}.{digest_hex}{suffix}")
+
+    def pointer_rows(self, sample_indices: np.ndarray) -> np.ndarray:
+        """Pointer rows ``(dataset_id, file_index, global_sample_idx)`` of global sample indices."""
+        idx = np.asarray(sample_indices, dtype=np.int64).ravel()
+        rows = np.empty((idx.size, 3), dtype=np.int64)
+        rows[:, 0] = self.dataset_id
+        rows[:, 1] = np.searchsorted(self.file_ends(), idx, side="right")
+        rows[:, 2] = idx
+        return rows
+
+    def read(self, pointers: np.ndarray) -> list[Any]:
+        """Payloads of the pointer rows, in row order; each file is visited once, its rows in
+        order, through the subclass's ``_read_file``."""
+        rows, files, local = self.locate(pointers)
+        out: list[Any] = [None] * len(rows)
+        order = np.lexsort((local, files))
+        bounds = np.flatnonzero(np.diff(files[order])) + 1
+        for group in np.split(order, bounds):
+            if group.size:
+                self._read_file(int(files[group[0]]), group, rows, local, out)
+        return out
+
+    def _read_file(
+        self,
+        i: int,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        local: np.ndarray,
+        out: list[Any],
+    ) -> None:
+        """Fill ``out[positions]`` from file ``i`` (rows ``local[positions]`` within it)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _read_file (abstract)")
+
+    def locate(self, pointers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Validated ``(rows, file_index, index_within_file)`` of pointer rows; a row this source
+        did not produce (wrong dataset, sample out of range, file index not matching the sample)
+        raises FetchError naming the pointer."""
+        rows = check_pointers(pointers, self)
+        idx = self._sample_indices(rows)
+        ends = self.file_ends()
+        files = np.searchsorted(ends, idx, side="right")
+        bad = files != rows[:, 1]
+        if bad.any():
+            row = rows[np.flatnonzero(bad)[0]]
+            raise FetchError(
+                f"{self!r} cannot read pointer {tuple(row.tolist())}: sample "
+                f"{int(row[2])} lives in file #{int(files[np.flatnonzero(bad)[0]])}, not in file "
+                f"#{int(row[1])}; route pointers to the source that produced them"
+            )
+        starts = np.concatenate(([0], ends[:-1]))
+        return rows, files, idx - starts[files]
+
+    # --------------------------------------------------------------------- errors
+    def fetch_error(
+        self, file_index: int, message: str, pointer: np.ndarray | None = None
+    ) -> FetchError:
+        """A FetchError naming the source, the file's path and (when given) the pointer row."""
+        at = f" pointer {tuple(int(v) for v in pointer)}" if pointer is not None else ""
+        return FetchError(
+            f"{type(self).__name__} cannot read{at} from {self.paths[file_index]!r}: {message}"
+        )
+
+    def os_error(
+        self, exc: OSError, file_index: int, pointer: np.ndarray | None = None
+    ) -> Exception:
+        """What to raise for an ``OSError`` met while reading file ``file_index``: FetchError for
+        permanent ones (see ``is_permanent``), else a retryable OSError naming path and pointer."""
+        if is_permanent(exc):
+            return self.fetch_error(file_index, f"{type(exc).__name__}: {exc}", pointer)
+        at = f"pointer {tuple(int(v) for v in pointer)}" if pointer is not None else "metadata"
+        return transient_error(exc, self.paths[file_index], f"{type(self).__name__} {at}")
+
+    # --------------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    def _describe_files(self) -> dict[str, Any]:
+        return {**self._describe_base(), "paths": list(self.paths)}
+
+    def __repr__(self) -> str:
+        # Never loads metadata: a repr inside a metadata error must not recurse into the load.
+        first = self.paths[0]
+        more = f" + {len(self.paths) - 1} more" if len(self.paths) > 1 else ""
+        return (
+            f"{type(self).__name__}([{first!r}{more}], dataset_id={self.dataset_id}, "
+            f"chunk_size={self.chunk_size}, shuffle={self.shuffle}, seed={self.seed}, "
+            f"passes={self.passes})"
+        )

@@ -1,0 +1,52 @@
+"""Argument checks shared by every part of Zephon: one wording and one exception type per kind of
+mistake, so a wrong argument reads the same whichever constructor refused it.
+
+A value of the wrong type raises ``TypeError``; a value of the right type outside its range raises
+``ValueError``. Every message starts with the owner (the class or function that took the argument)
+and names the parameter, e.g. ``"RangeSource: n must be an int, got 'x'"`` or
+``"JsonlSource: chunk_size must be >= 1, got 0"``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+__all__ = ["check_bool", "check_int"]
+
+
+def check_int(
+    value: Any,
+    what: str,
+    owner: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+) -> int:
+    """``value`` as a Python int within ``[minimum, maximum]`` (either bound optional).
+
+    Anything with ``__index__`` counts as an int (numpy integers too) except booleans, which are
+    refused so that ``passes=True`` is not silently ``1``. TypeError when ``value`` is not an int,
+    ValueError when it is out of range; both name ``owner`` and ``what``.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{owner}: {what} must be an int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{owner}: {what} must be an int, got {value!r}") from None
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{owner}: {what} must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"{owner}: {what} must be <= {maximum}, got {v}")
+    return v
+
+
+def check_bool(value: Any, what: str, owner: str) -> bool:
+    """``value`` as a Python bool (``numpy.bool_`` accepted); TypeError naming ``owner`` and
+    ``what`` for anything else, including the ints 0 and 1."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{owner}: {what} must be a bool, got {value!r}")
+    return bool(value)
