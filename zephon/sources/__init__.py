@@ -1,8 +1,9 @@
-"""Sources (SPEC §1.4): deterministic, random-access sequences of chunks of sample pointers."""
+"""Sources: deterministic, random-access sequences of chunks of sample pointers."""
 
 from zephon.sources.arrow import ArrowSource
 from zephon.sources.base import IndexedSource, WorkSource
-from zephon.sources.jsonl import FileSource, JsonlSource
+from zephon.sources.files import FileSource
+from zephon.sources.jsonl import JsonlSource
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
 
