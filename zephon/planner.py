@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import sys
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits
+from zephon.ranks import resolve_rank
 
 if TYPE_CHECKING:
     from zephon.runtime.loader import Loader
@@ -19,56 +19,16 @@ if TYPE_CHECKING:
 
 WORKER_KINDS = ("inline", "thread", "process")
 
+#: Why ``Pipeline(deterministic=...)`` warns: the argument never changed what runs.
+DEPRECATED_DETERMINISTIC = (
+    "Pipeline(deterministic=...) is deprecated and has no effect: every pipeline delivers the "
+    "same stream whatever its workers, timing or load (micro-batches are cut by count, stateful "
+    "and batch-sensitive operators run on one thread). Remove the argument."
+)
+
 
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """The data-parallel position: arguments, else an initialized torch.distributed group, else
-    an initialized JAX runtime, else ``RANK``/``WORLD_SIZE``, else 0 / 1. Never imports torch."""
-    if rank is None or world_size is None:
-        found = _rank_from_torch() or _rank_from_jax() or _rank_from_env()
-        r, w = found if found else (0, 1)
-        rank = r if rank is None else rank
-        world_size = w if world_size is None else world_size
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise PlanError(
-            f"rank must be in [0, world_size): got rank={rank}, world_size={world_size}"
-        )
-    return rank, world_size
-
-
-def _rank_from_torch() -> tuple[int, int] | None:
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _rank_from_jax() -> tuple[int, int] | None:
-    jax = sys.modules.get("jax")
-    if jax is None:
-        return None
-    try:
-        from jax._src import distributed  # only set when jax.distributed.initialize() ran
-
-        if distributed.global_state.client is None:
-            return None
-        return jax.process_index(), jax.process_count()
-    except Exception:
-        return None
-
-
-def _rank_from_env() -> tuple[int, int] | None:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        try:
-            return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        except ValueError as exc:
-            raise PlanError(
-                f"RANK/WORLD_SIZE environment variables are not integers: {exc}"
-            ) from None
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +47,7 @@ class Plan:
     epoch_chunks: int
     micro_batch: int
     prefetch: int
-    deterministic: bool
+    deterministic: bool  # always True; Pipeline(deterministic=...) is deprecated
     strict: bool
     rank: int
     world_size: int
@@ -127,7 +87,8 @@ class Pipeline:
     """A source and a chain of operators: ``fetch`` first, optionally ``batch`` last.
 
     The delivered stream is a pure function of the definition, the data, ``lanes``,
-    ``epoch_chunks``, ``rank`` and ``world_size`` (with ``deterministic=True``).
+    ``epoch_chunks``, ``micro_batch``, ``rank`` and ``world_size``; never of ``workers``, timing
+    or load. ``deterministic`` is deprecated and changes nothing (see ``DEPRECATED_DETERMINISTIC``).
     """
 
     def __init__(
@@ -138,7 +99,7 @@ class Pipeline:
         lanes: int = 1,
         workers: str = "inline",
         epoch_chunks: int = 8,
-        deterministic: bool = True,
+        deterministic: bool | None = None,
         strict: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
@@ -150,6 +111,8 @@ class Pipeline:
         self.lanes = lanes
         self.workers = workers
         self.epoch_chunks = epoch_chunks
+        if deterministic is not None:
+            warnings.warn(DEPRECATED_DETERMINISTIC, DeprecationWarning, stacklevel=2)
         self.deterministic = deterministic
         self.strict = strict
         self.rank = rank
@@ -188,10 +151,22 @@ class Pipeline:
                     f"{label} groups records into batches and must be the last operator"
                 )
             workers = op.traits.workers or 1
-            if self.deterministic and op.traits.stateful and workers > 1:
-                raise PlanError(
-                    f"{label} is stateful and cannot run with {workers} workers in deterministic "
-                    "mode: set workers=1 or deterministic=False"
+            if op.traits.stateful and workers > 1:
+                # Its calls depend on each other, so it always runs on one thread; saying
+                # otherwise is refused rather than ignored.
+                message = (
+                    f"{label} is stateful and cannot run with {workers} workers: a stateful "
+                    "operator always runs on one thread; set workers=1"
+                )
+                if self.deterministic is not False:
+                    raise PlanError(message)
+                # deterministic=False let this through before it was deprecated: keep it
+                # running, and say that the workers are ignored.
+                warnings.warn(
+                    f"{message} (ignored for now because deterministic=False was passed; this "
+                    "will be a PlanError when the deprecated argument is removed)",
+                    DeprecationWarning,
+                    stacklevel=2,
                 )
         if not ops[0].consumes_pointers:
             raise PlanError(f"the first operator must be fetch, got {ops[0].name!r}")
@@ -231,7 +206,7 @@ class Pipeline:
             epoch_chunks=self.epoch_chunks,
             micro_batch=self.micro_batch,
             prefetch=self.prefetch,
-            deterministic=self.deterministic,
+            deterministic=True,
             strict=self.strict,
             rank=rank,
             world_size=world_size,
