@@ -4,10 +4,14 @@ description, a known tokenizer's vocabulary or their plain state; anything else 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import enum
 import functools
 import json
 import math
+import operator
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -288,6 +292,23 @@ def test_byte_tokenizer_is_identifiable():
     assert same(tokenize(), tokenize())
 
 
+class Color(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+def test_known_value_types_without_a_dict_are_identified_by_value():
+    assert same(re.compile("a+"), re.compile("a+"))
+    assert not same(re.compile("a+"), re.compile("b+"))
+    assert not same(re.compile("a"), re.compile("a", re.IGNORECASE))
+    assert not same(operator.itemgetter("a"), operator.itemgetter("b"))
+    assert not same(operator.methodcaller("get", k=1), operator.methodcaller("get", k=2))
+    assert not same(Path("/data/a"), Path("/data/b"))
+    assert same(Color.RED, Color.RED) and not same(Color.RED, Color.BLUE)
+    assert not same(datetime.date(2024, 1, 1), datetime.date(2024, 1, 2))
+    assert not same(range(3), range(4))
+
+
 class HoldsALock(Operator):
     name = "holder"
     traits = OpTraits(preserves_cursor_order=True)
@@ -390,3 +411,9 @@ def test_range_source_make_is_identified_by_its_code():
 
     assert src(lambda i: {"v": i}) == src(lambda i: {"v": i})
     assert src(lambda i: {"v": i}) != src(lambda i: {"v": -i})
+
+
+def test_a_parameter_too_large_to_identify_by_value_is_refused():
+    with pytest.raises(PlanError, match=r"more than 1000000 values.*describe\(\)"):
+        describe_value(list(range(1_000_001)))
+    assert describe_value(np.arange(2_000_000))["ndarray"] == [2_000_000]  # arrays: by digest

@@ -47,6 +47,7 @@ lambda taken under Python 3.11 is refused under 3.12.
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import datetime
 import decimal
@@ -119,12 +120,6 @@ def identify(value: Any, where: str = "the value") -> Any:
     return _Walker(where).walk(value, "", 0)
 
 
-def code_digest(code: types.CodeType) -> str:
-    """A sha256 of what a code object does: bytecode, constants (nested code objects by their
-    digest), names, local names and argument counts; not its file, line numbers or address."""
-    return _code_digest(code, {})
-
-
 def _qualified(obj: Any) -> str:
     return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
 
@@ -159,13 +154,11 @@ class _Walker:
         )
 
     def walk(self, value: Any, path: str, depth: int) -> Any:
-        if value is None or type(value) in (bool, int, str):
-            return value
-        if type(value) is float:
-            return value
         self.visited += 1
         if self.visited > MAX_VALUES:
             raise self.refuse(path, f"it holds more than {MAX_VALUES} values")
+        if value is None or type(value) in (bool, int, float, str):
+            return value
         if depth > MAX_DEPTH:
             raise self.refuse(path, f"it is nested too deep (more than {MAX_DEPTH} levels)")
         if isinstance(value, np.generic):
@@ -292,7 +285,8 @@ class _Walker:
         if isinstance(value, enum.Enum):
             return {"enum": _type_name(value), "name": value.name}
         if isinstance(value, _REDUCIBLE_VALUES):
-            reduced = value.__reduce__()
+            reducer = copyreg.dispatch_table.get(type(value))  # how pickle reduces it
+            reduced = reducer(value) if reducer is not None else value.__reduce_ex__(4)
             return {"object": _type_name(value), "reduce": self.walk(reduced, path, depth)}
         return self.plain_object(value, path, depth)
 
@@ -423,6 +417,8 @@ def _first_non_json(value: Any, path: str) -> tuple[str, str] | None:
 
 
 def _code_digest(code: types.CodeType, memo: dict[types.CodeType, str]) -> str:
+    """A sha256 of what a code object does: bytecode, constants (nested code objects by their
+    digest), names, local names and argument counts; not its file, line numbers or address."""
     done = memo.get(code)
     if done is not None:
         return done
