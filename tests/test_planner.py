@@ -48,13 +48,35 @@ def test_invalid_pipelines_raise_plan_error_naming_the_operator(ops, message):
         plan(ops)
 
 
-def test_stateful_operator_with_several_workers_is_refused_in_deterministic_mode():
-    class Parallel(RunningTotal):
-        traits = OpTraits(preserves_cursor_order=True, stateful=True, workers=4)
+class ParallelTotal(RunningTotal):
+    traits = OpTraits(preserves_cursor_order=True, stateful=True, workers=4)
 
-    with pytest.raises(PlanError, match=r"Parallel.*stateful.*4 workers"):
-        plan([fetch(), Parallel()])
-    assert plan([fetch(), Parallel()], deterministic=False).eviction_path == "epoch"
+
+def test_stateful_operator_with_several_workers_is_refused():
+    with pytest.raises(PlanError, match=r"ParallelTotal.*stateful.*4 workers.*workers=1"):
+        plan([fetch(), ParallelTotal()])
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_deterministic_is_deprecated_and_changes_nothing(value):
+    def stream(**kw):
+        ops = [fetch(), WindowShuffle(4), map_transform(ident, workers=3), batch(4)]
+        pipeline = zephon.Pipeline(RangeSource(100, chunk_size=8), ops, **kw)
+        return pipeline, [[r.cursor for r in b.records] for b in pipeline]
+
+    default, expected = stream()
+    with pytest.warns(DeprecationWarning, match=r"deterministic=\.\.\.\) is deprecated.*no effect"):
+        deprecated, got = stream(deterministic=value)
+    assert got == expected
+    assert deprecated.fingerprint == default.fingerprint
+    assert deprecated.compile().deterministic is True
+
+
+def test_deprecated_deterministic_false_still_plans_a_stateful_operator_with_workers_and_says_so():
+    with pytest.warns(DeprecationWarning) as caught:
+        p = plan([fetch(), ParallelTotal()], deterministic=False)
+    assert p.eviction_path == "epoch"
+    assert any("ParallelTotal" in str(w.message) and "ignored" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize(

@@ -5,76 +5,38 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import sys
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from zephon.errors import PlanError
+from zephon.identity import identify
 from zephon.ops.base import Grouper, Operator, OpTraits, PointerReader
 from zephon.plan import WORKER_KINDS, Plan
+from zephon.ranks import resolve_rank
 
 if TYPE_CHECKING:
     from zephon.runtime.loader import Loader
     from zephon.sources.base import WorkSource
+
+#: Why ``Pipeline(deterministic=...)`` warns: the argument never changed what runs.
+DEPRECATED_DETERMINISTIC = (
+    "Pipeline(deterministic=...) is deprecated and has no effect: every pipeline delivers the "
+    "same stream whatever its workers, timing or load (micro-batches are cut by count, stateful "
+    "and batch-sensitive operators run on one thread). Remove the argument."
+)
 
 
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """The data-parallel position: arguments, else an initialized torch.distributed group, else
-    an initialized JAX runtime, else ``RANK``/``WORLD_SIZE``, else 0 / 1. Never imports torch."""
-    if rank is None or world_size is None:
-        found = _rank_from_torch() or _rank_from_jax() or _rank_from_env()
-        r, w = found if found else (0, 1)
-        rank = r if rank is None else rank
-        world_size = w if world_size is None else world_size
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise PlanError(
-            f"rank must be in [0, world_size): got rank={rank}, world_size={world_size}"
-        )
-    return rank, world_size
-
-
-def _rank_from_torch() -> tuple[int, int] | None:
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _rank_from_jax() -> tuple[int, int] | None:
-    jax = sys.modules.get("jax")
-    if jax is None:
-        return None
-    try:
-        from jax._src import distributed  # only set when jax.distributed.initialize() ran
-
-        if distributed.global_state.client is None:
-            return None
-        return jax.process_index(), jax.process_count()
-    except Exception:
-        return None
-
-
-def _rank_from_env() -> tuple[int, int] | None:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        try:
-            return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        except ValueError as exc:
-            raise PlanError(
-                f"RANK/WORLD_SIZE environment variables are not integers: {exc}"
-            ) from None
-    return None
-
-
 class Pipeline:
     """A source and a chain of operators: ``fetch`` first, optionally ``batch`` last.
 
     The delivered stream is a pure function of the definition, the data, ``lanes``,
-    ``epoch_chunks``, ``rank`` and ``world_size`` (with ``deterministic=True``).
+    ``epoch_chunks``, ``micro_batch``, ``rank`` and ``world_size``; never of ``workers``, timing
+    or load. ``deterministic`` is deprecated and changes nothing (see ``DEPRECATED_DETERMINISTIC``).
 
     ``timeout`` (seconds, off by default) bounds how long a thread or process lane may take to
     produce its next item list before ``next()`` raises instead of waiting for a stuck or stopped
@@ -89,7 +51,7 @@ class Pipeline:
         lanes: int | None = None,
         workers: str = "inline",
         epoch_chunks: int = 8,
-        deterministic: bool = True,
+        deterministic: bool | None = None,
         strict: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
@@ -103,6 +65,8 @@ class Pipeline:
         self.lanes = lanes
         self.workers = workers
         self.epoch_chunks = epoch_chunks
+        if deterministic is not None:
+            warnings.warn(DEPRECATED_DETERMINISTIC, DeprecationWarning, stacklevel=2)
         self.deterministic = deterministic
         self.strict = strict
         self.rank = rank
@@ -173,10 +137,22 @@ class Pipeline:
                     f"{label} groups records but lacks batch_size/drop_remainder/collate (Grouper)"
                 )
             workers = op.traits.workers or 1
-            if self.deterministic and op.traits.stateful and workers > 1:
-                raise PlanError(
-                    f"{label} is stateful and cannot run with {workers} workers in deterministic "
-                    "mode: set workers=1 or deterministic=False"
+            if op.traits.stateful and workers > 1:
+                # Its calls depend on each other, so it always runs on one thread; saying
+                # otherwise is refused rather than ignored.
+                message = (
+                    f"{label} is stateful and cannot run with {workers} workers: a stateful "
+                    "operator always runs on one thread; set workers=1"
+                )
+                if self.deterministic is not False:
+                    raise PlanError(message)
+                # deterministic=False let this through before it was deprecated: keep it
+                # running, and say that the workers are ignored.
+                warnings.warn(
+                    f"{message} (ignored for now because deterministic=False was passed; this "
+                    "will be a PlanError when the deprecated argument is removed)",
+                    DeprecationWarning,
+                    stacklevel=2,
                 )
         if not ops[0].consumes_pointers:
             raise PlanError(f"the first operator must be fetch, got {ops[0].name!r}")
@@ -215,7 +191,7 @@ class Pipeline:
             epoch_chunks=self.epoch_chunks,
             micro_batch=self.micro_batch,
             prefetch=self.prefetch,
-            deterministic=self.deterministic,
+            deterministic=True,
             strict=self.strict,
             rank=rank,
             world_size=world_size,
@@ -231,7 +207,7 @@ class Pipeline:
         # The job's lane count is part of the stream's identity; the world size is not: the
         # same lanes give the same global steps on any number of ranks.
         return {
-            "source": _digest(self.source.describe()),
+            "source": _digest(identify(self.source.describe(), where="the source's describe()")),
             "operators": _digest([op.describe() for op in self.ops]),
             "lanes": lanes,
             "epoch_chunks": self.epoch_chunks,

@@ -606,3 +606,74 @@ def test_best_fit_waste_on_lognormal_lengths_is_within_half_a_percent_of_the_bou
     n_bins = len(closed) + len(packer.flush())
     lower_bound = -(-int(lengths.sum()) // 4096)
     assert n_bins <= lower_bound * 1.005
+
+
+# --------------------------------------------------------------------------------------------------
+# Concurrent use: one packer shared by several threads is serialized, never corrupted.
+
+PACKER_HAMMER = """
+from zephon._core.binfill import BinPacker, FlatPacker
+
+CAP = 13
+CALLS = 80
+packer = {make}
+records = []  # (lengths or None, placements or None, closed ids), from every thread
+refused = []  # calls that raised instead of waiting their turn
+
+
+def work(t):
+    rng = np.random.default_rng(t)
+    for i in range(CALLS):
+        try:
+            if i % 20 == 19:
+                records.append((None, None, packer.flush()))
+                continue
+            lengths = rng.integers(1, 40, size=int(rng.integers(1, 10_000))).astype(np.int64)
+            rows, closed = packer.add(lengths)
+            records.append((lengths, rows, closed))
+            packer.open_bin_ids()
+        except RuntimeError as exc:
+            refused.append(str(exc))
+
+
+errors = hammer(4, work)
+records.append((None, None, packer.flush()))
+problems = []
+for lengths, rows, _ in records:
+    if lengths is None:
+        continue
+    items = rows[:, 0]
+    if len(rows) and (items.min() < 0 or items.max() >= len(lengths)):
+        problems.append("a placement names an item that is not in its call")
+    elif not np.array_equal(np.bincount(items, rows[:, 2], minlength=len(lengths)), lengths):
+        problems.append("a call's placements do not cover its lengths")
+# Over all calls, in whatever order they ran: each bin's fragments sit back to back from 0.
+rows = np.concatenate([r for _, r, _ in records if r is not None])
+rows = rows[np.lexsort((rows[:, 4], rows[:, 3]))]
+bins, offsets, sizes = rows[:, 3], rows[:, 4], rows[:, 2]
+first = np.r_[True, bins[1:] != bins[:-1]]
+expected_offsets = np.where(first, 0, np.r_[0, offsets[:-1] + sizes[:-1]])
+if not np.array_equal(offsets, expected_offsets):
+    problems.append("a bin has a gap or an overlap between its fragments")
+if ((offsets + sizes) > CAP).any():
+    problems.append("a bin holds more than its capacity")
+closed_ids = np.concatenate([c for _, _, c in records])
+if not np.array_equal(np.sort(closed_ids), np.arange(len(closed_ids))) or len(closed_ids) != len(
+    np.unique(bins)
+):
+    problems.append("bin ids do not leave exactly once each, numbered from 0")
+summary = {{"errors": errors[:3], "refused": refused[:3], "problems": problems[:5]}}
+print(json.dumps({{**summary, "calls": len(records)}}))
+"""
+
+
+@pytest.mark.parametrize(
+    "make", ["FlatPacker(CAP)", "BinPacker(CAP, 64)", "BinPacker(CAP, 8, 'first_fit')"]
+)
+def test_concurrent_calls_on_one_packer_are_serialized_into_one_valid_packing(
+    make: str,
+) -> None:
+    from threads_kit import run_threads
+
+    summary = run_threads(PACKER_HAMMER.format(make=make))
+    assert summary == {"errors": [], "refused": [], "problems": [], "calls": 4 * 80 + 1}

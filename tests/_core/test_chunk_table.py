@@ -743,3 +743,62 @@ def test_a_burst_of_inflight_chunks_is_given_back() -> None:
     table.close_epoch(0)
     assert table.evict_complete_epochs(0).size == 5000
     assert table.bytes_held == baseline
+
+
+# ---- concurrent use ------------------------------------------------------------------------------
+
+TABLE_HAMMER = """
+from zephon._core.chunk_table import OPEN, ChunkTable
+
+N, CHUNKS = 200_000, 4
+table = ChunkTable()
+for c in range(CHUNKS):
+    table.open_chunk(c, c, N, 0)
+newly = []  # what each close call reported as newly closed
+problems = []
+refused = []
+
+
+def bulk(t):
+    # close_many above the size where it releases the GIL, on every chunk at once
+    rng = np.random.default_rng(t)
+    for _ in range(12):
+        ids = rng.integers(0, CHUNKS, 100_000).astype(np.int64)
+        ids.sort()
+        offs = rng.integers(0, N, 100_000).astype(np.int64)
+        try:
+            newly.append(table.close_many(ids, offs))
+        except RuntimeError as exc:
+            refused.append(str(exc))
+
+
+def single(t):
+    rng = np.random.default_rng(t)
+    for _ in range(20_000):
+        c, off = int(rng.integers(0, CHUNKS)), int(rng.integers(0, N))
+        try:
+            newly.append(1 if table.close(c, off) == OPEN else 0)
+            opened = table.open_offsets(c, limit=64)
+            in_range = (0 <= opened).all() and (opened < N).all()
+            sorted_in_range = (np.diff(opened) > 0).all() and in_range
+            if not sorted_in_range:
+                problems.append(f"open_offsets of chunk {c} are not offsets: {opened[:6].tolist()}")
+        except RuntimeError as exc:
+            refused.append(str(exc))
+
+
+errors = hammer(4, lambda t: (bulk if t < 2 else single)(t))
+open_now = sum(len(table.open_offsets(c)) for c in range(CHUNKS))
+if table.n_open_offsets != open_now:
+    problems.append(f"n_open_offsets {table.n_open_offsets} != {open_now} open offsets")
+closed_now = CHUNKS * N - open_now
+if sum(newly) != closed_now:
+    problems.append(f"closes reported {sum(newly)} newly closed offsets, {closed_now} are closed")
+print(json.dumps({"errors": errors[:3], "refused": refused[:3], "problems": problems[:5]}))
+"""
+
+
+def test_concurrent_closes_and_reads_of_one_table_are_serialized_and_exact() -> None:
+    from threads_kit import run_threads
+
+    assert run_threads(TABLE_HAMMER) == {"errors": [], "refused": [], "problems": []}

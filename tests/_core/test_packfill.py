@@ -420,3 +420,100 @@ def test_a_bin_fill_does_not_pickle() -> None:
     assert "seq_len=4" in repr(fill)
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(fill)
+
+
+# --------------------------------------------------------------------------------------------------
+# Concurrent use: a fill written by one thread while others take its bins and read it.
+
+FILL_HAMMER = """
+from zephon._core.binfill import FlatPacker
+from zephon._core.packfill import BinFill
+
+SEQ = 64
+fill = BinFill(SEQ, pad_id=-1)
+packer = FlatPacker(SEQ)
+closed_bins = queue.Queue()
+expected = {}  # bin id -> its tokens, written by the writer before the bin is queued
+problems = []
+refused = []
+done = threading.Event()
+
+
+def writer():
+    rng = np.random.default_rng(0)
+    try:
+        for call in range(40):
+            lengths = rng.integers(1, 200, size=int(rng.integers(1, 3000))).astype(np.int64)
+            arrays = [
+                (call * 10**6 + i * 1000 + np.arange(n)).astype(np.int32)
+                for i, n in enumerate(lengths)
+            ]
+            rows, closed = packer.add(lengths)
+            for item, start, size, bin_id, _ in rows.tolist():
+                expected.setdefault(bin_id, []).append(arrays[item][start : start + size])
+            try:
+                fill.write(rows, arrays, list(range(len(arrays))))
+            except RuntimeError as exc:
+                refused.append(str(exc))
+                return
+            closed_bins.put(closed)
+        closed_bins.put(packer.flush())
+    finally:
+        closed_bins.put(None)  # the taker stops even when the writer failed
+
+
+def next_closed():
+    # Poll instead of blocking, so the taker is ready to run whenever the writer lets go of the GIL.
+    while True:
+        try:
+            return closed_bins.get_nowait()
+        except queue.Empty:
+            pass
+
+
+def taker():
+    try:
+        while (ids := next_closed()) is not None:
+            try:
+                blocks, _, _ = fill.take(ids)
+            except RuntimeError as exc:
+                refused.append(str(exc))
+                continue
+            for bin_id, block in zip(ids.tolist(), blocks):
+                tokens = np.concatenate(expected.pop(bin_id))
+                row = block[0]
+                padded = (row[len(tokens) :] == -1).all()
+                if not (np.array_equal(row[: len(tokens)], tokens) and padded):
+                    problems.append(f"bin {bin_id} does not hold the tokens written to it")
+    finally:
+        done.set()  # the reader stops even when the taker failed
+
+
+def reader():
+    while not done.is_set():
+        try:
+            ids = fill.open_bin_ids()
+            if (np.diff(ids) <= 0).any():
+                problems.append(f"open bin ids out of order: {ids[:8].tolist()}")
+            for bin_id in ids[:4].tolist():
+                try:
+                    if not 0 <= fill.used(bin_id) <= SEQ:
+                        problems.append(f"bin {bin_id} reports an impossible fill")
+                except KeyError:
+                    pass  # taken in the meantime
+        except RuntimeError as exc:
+            refused.append(str(exc))
+
+
+errors = hammer(3, lambda t: (writer, taker, reader)[t]())
+if expected or fill.n_open:
+    problems.append(f"{len(expected)} bins were never handed over")
+summary = {"errors": errors[:3], "refused": refused[:3], "problems": problems[:5]}
+print(json.dumps(summary))
+"""
+
+
+def test_a_fill_written_taken_and_read_from_several_threads_stays_exact() -> None:
+    from threads_kit import run_threads
+
+    assert run_threads(FILL_HAMMER) == {"errors": [], "refused": [], "problems": []}

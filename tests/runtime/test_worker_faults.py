@@ -116,6 +116,9 @@ class HoldsALock(Operator):
     def __init__(self) -> None:
         self.settings = {"retries": 3, "guard": threading.Lock()}
 
+    def describe(self) -> dict:  # identifiable for the fingerprint, yet not picklable
+        return {"class": "HoldsALock", "retries": self.settings["retries"]}
+
     def process_many(self, records):
         return records
 

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zephon.errors import FetchError
+import zephon
+from zephon.errors import FetchError, PlanError
 from zephon.sources import IndexedSource, ListSource, RangeSource, WorkSource
 from zephon.types import WorkChunk
 
@@ -210,6 +214,50 @@ def test_list_fingerprint_tracks_length_and_the_items_at_both_ends():
     assert same["len"] == 100
     for changed in (items[:-1], [*items[:99], -1], [-1, *items[1:]], [*items[:5], -1, *items[6:]]):
         assert ListSource(changed).describe()["fingerprint"] != same["fingerprint"]
+
+
+def test_list_items_are_identified_by_the_parameter_rule():
+    def fp(items):
+        return ListSource(items).describe()["fingerprint"]
+
+    arrays = [np.zeros(4), np.ones(4)]
+    assert fp(arrays) == fp([a.copy() for a in arrays])
+    changed = [np.zeros(4), np.array([1.0, 1.0, 2.0, 1.0])]
+    assert fp(arrays) != fp(changed)
+    assert fp([lambda: 1]) != fp([lambda: 2])  # callables by their code, as operator parameters
+
+
+def test_a_list_item_with_hidden_state_is_refused_naming_its_index():
+    with pytest.raises(PlanError, match=r"source ListSource item 1 .*describe\(\)"):
+        ListSource([{"a": 1}, threading.Lock()])
+
+
+def test_range_source_make_is_identified_by_code_and_refused_when_it_cannot_be():
+    def describe(make):
+        return RangeSource(5, make=make).describe()
+
+    assert describe(lambda i: i) == describe(lambda i: i)
+    assert describe(lambda i: i) != describe(lambda i: -i)
+    rng = np.random.default_rng(0)
+    with pytest.raises(PlanError, match=r"source RangeSource parameter 'make'.*rng"):
+        RangeSource(5, make=lambda i: rng.random()).describe()
+
+
+def test_sources_never_import_operators_runtime_or_planner():
+    # Data flows sources -> ops -> runtime: a source must not reach up to the layers above it.
+    package = Path(zephon.__file__).parent / "sources"
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(("zephon.ops", "zephon.runtime", "zephon.planner")), (
+                    f"{path.name} imports {name}"
+                )
 
 
 def test_describe_and_chunks_are_equal_across_processes():

@@ -1,4 +1,6 @@
 # Layouts of the bin-fill packers, published for cimport by the packing operators.
+from cpython.pythread cimport PyThread_type_lock
+
 from zephon._core._types cimport offset_t
 
 # Strategy codes of BinPacker._strategy.
@@ -27,9 +29,14 @@ cdef class BinPacker:
     # a binary search and the fullest bin is first. first_fit keeps it in bin-id order: the first
     # bin with room is the lowest id. Either way a new bin (most room, highest id) goes at the end.
     cdef OpenBin* _bins
-    cdef bint _busy                # add() is editing the arrays with the GIL released
+    # Held by every method that reads or changes the open bins, GIL-free sections included;
+    # _owner is the holding thread's ident, 0 when free.
+    cdef PyThread_type_lock _lock
+    cdef long _owner
 
     cdef int _enter(self) except -1
+    cdef void _exit(self) noexcept
+    cdef object _open_ids(self)
     cdef void _close_at(self, Py_ssize_t k) noexcept nogil
     cdef Py_ssize_t _place(self, const offset_t[:] lengths, offset_t* rows,
                            offset_t* closed) noexcept nogil
@@ -40,9 +47,12 @@ cdef class FlatPacker:
     cdef offset_t _next_id         # id the next opened bin gets
     cdef offset_t _bin_id          # the open bin, or -1 when none is open
     cdef offset_t _used            # tokens in the open bin (0 when none is open)
-    cdef bint _busy                # add() is editing the state with the GIL released
+    # As in BinPacker: held by every method that reads or changes the state.
+    cdef PyThread_type_lock _lock
+    cdef long _owner
 
     cdef int _enter(self) except -1
+    cdef void _exit(self) noexcept
 
     cdef Py_ssize_t _place(self, const offset_t[:] lengths, offset_t* rows,
                            offset_t* closed) noexcept nogil

@@ -1,12 +1,26 @@
-"""Bin-fill kernels: where each sequence goes when packing into fixed-capacity bins (SPEC §1.3).
+"""Bin-fill kernels: where each sequence goes when packing into fixed-capacity bins.
 
 The packers do placement only; they never see tokens. Each ``add`` returns placement rows
 ``(item, frag_start, frag_len, bin_id, bin_offset)`` and the ids of the bins that left the packer,
 and ``zephon._core.packfill.BinFill`` copies tokens by those rows. Both packers stream: bins stay
 open across ``add`` calls until they are full, are pushed out to make room, or are flushed.
+
+A packer belongs to one lane, but calls from several threads are safe: every method that reads or
+changes a packer's state holds the packer's lock from its first read to its last write, GIL-free
+placement included, so concurrent calls run one after the other. A thread waits for the lock
+without the GIL, so the holder can always finish.
 """
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.pythread cimport (
+    NOWAIT_LOCK,
+    WAIT_LOCK,
+    PyThread_acquire_lock,
+    PyThread_allocate_lock,
+    PyThread_free_lock,
+    PyThread_get_thread_ident,
+    PyThread_release_lock,
+)
 from libc.stdint cimport INT64_MAX
 from libc.string cimport memmove
 
@@ -20,6 +34,23 @@ cdef extern from "Python.h":
 # Placement rows of one call may not exceed this many; keeps the row-count arithmetic and the
 # (rows, 5) int64 allocation size clear of overflow. Far beyond any memory a machine has.
 cdef Py_ssize_t _MAX_ROWS = PY_SSIZE_T_MAX // 64
+
+
+cdef int _take_lock(PyThread_type_lock lock, long* owner, str name) except -1:
+    """Take a packer's lock: at once when it is free, else waiting for it without the GIL."""
+    cdef long me = PyThread_get_thread_ident()
+    if owner[0] == me:  # a call made from inside one of the packer's own calls would deadlock
+        raise RuntimeError(f"{name} was called again while this thread is inside one of its calls")
+    if not PyThread_acquire_lock(lock, NOWAIT_LOCK):
+        with nogil:
+            PyThread_acquire_lock(lock, WAIT_LOCK)
+    owner[0] = me
+    return 0
+
+
+cdef inline void _drop_lock(PyThread_type_lock lock, long* owner) noexcept:
+    owner[0] = 0
+    PyThread_release_lock(lock)
 
 
 cdef offset_t _as_count(object value, str owner, str name) except? -1:
@@ -169,10 +200,15 @@ cdef class BinPacker:
             raise MemoryError(f"BinPacker cannot allocate {self._max_open} open bins")
         self._n_open = 0
         self._next_id = 0
-        self._busy = False
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError("BinPacker cannot allocate its lock")
+        self._owner = 0
 
     def __dealloc__(self):
         PyMem_Free(self._bins)
+        if self._lock != NULL:
+            PyThread_free_lock(self._lock)
 
     def __repr__(self):
         return (
@@ -202,6 +238,13 @@ cdef class BinPacker:
 
     def open_bin_ids(self):
         """Ids of the open bins, ascending, as an int64 array."""
+        self._enter()
+        try:
+            return self._open_ids()
+        finally:
+            self._exit()
+
+    cdef object _open_ids(self):
         out = np.empty(self._n_open, dtype=np.int64)
         cdef offset_t[::1] view = out
         cdef Py_ssize_t k
@@ -215,9 +258,13 @@ cdef class BinPacker:
         """Tokens placed so far in the open bin ``bin_id``; KeyError if that bin is not open."""
         cdef offset_t b = operator.index(bin_id)
         cdef Py_ssize_t k
-        for k in range(self._n_open):
-            if self._bins[k].bin_id == b:
-                return self._capacity - self._bins[k].room
+        self._enter()
+        try:
+            for k in range(self._n_open):
+                if self._bins[k].bin_id == b:
+                    return self._capacity - self._bins[k].room
+        finally:
+            self._exit()
         raise KeyError(f"bin {bin_id} is not open in this BinPacker")
 
     cdef void _close_at(self, Py_ssize_t k) noexcept nogil:
@@ -298,31 +345,36 @@ cdef class BinPacker:
         is negative (ValueError naming its index).
         """
         cdef Py_ssize_t bad = -1, n_rows, n_closed
-        with nogil:
-            n_rows = _bin_rows(lengths, self._capacity, &bad)
-        if n_rows < 0:
-            _raise_bad(n_rows, bad, lengths, "BinPacker")
-        placements = np.empty((n_rows, PLACEMENT_COLUMNS), dtype=np.int64)
-        if n_rows == 0:
-            return placements, np.empty(0, dtype=np.int64)
-        # Every bin that leaves was open at the start or opened by one of these rows.
-        closed = np.empty(n_rows + self._n_open, dtype=np.int64)
-        cdef offset_t[:, ::1] rows_view = placements
-        cdef offset_t[::1] closed_view = closed
+        cdef offset_t[:, ::1] rows_view
+        cdef offset_t[::1] closed_view
         self._enter()
         try:
             with nogil:
+                n_rows = _bin_rows(lengths, self._capacity, &bad)
+            if n_rows < 0:
+                _raise_bad(n_rows, bad, lengths, "BinPacker")
+            placements = np.empty((n_rows, PLACEMENT_COLUMNS), dtype=np.int64)
+            if n_rows == 0:
+                return placements, np.empty(0, dtype=np.int64)
+            # Every bin that leaves was open at the start or opened by one of these rows; the
+            # lock keeps _n_open what it is here until placement is done.
+            closed = np.empty(n_rows + self._n_open, dtype=np.int64)
+            rows_view = placements
+            closed_view = closed
+            with nogil:
                 n_closed = self._place(lengths, &rows_view[0, 0], &closed_view[0])
         finally:
-            self._busy = False
+            self._exit()
         return placements, closed[:n_closed].copy()
 
     def flush(self):
         """Close every open bin; return their ids in ascending order as an int64 array."""
         self._enter()
-        out = self.open_bin_ids()
-        self._n_open = 0
-        self._busy = False
+        try:
+            out = self._open_ids()
+            self._n_open = 0
+        finally:
+            self._exit()
         return out
 
     def reset(self):
@@ -330,15 +382,13 @@ cdef class BinPacker:
         self._enter()
         self._n_open = 0
         self._next_id = 0
-        self._busy = False
+        self._exit()
 
     cdef int _enter(self) except -1:
-        # add() releases the GIL while it edits the open bins; a second thread must not edit them
-        # at the same time.
-        if self._busy:
-            raise RuntimeError("BinPacker is in use by another thread; give each lane its own packer")
-        self._busy = True
-        return 0
+        return _take_lock(self._lock, &self._owner, "BinPacker")
+
+    cdef void _exit(self) noexcept:
+        _drop_lock(self._lock, &self._owner)
 
 
 cdef class FlatPacker:
@@ -354,7 +404,14 @@ cdef class FlatPacker:
         self._next_id = 0
         self._bin_id = -1
         self._used = 0
-        self._busy = False
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError("FlatPacker cannot allocate its lock")
+        self._owner = 0
+
+    def __dealloc__(self):
+        if self._lock != NULL:
+            PyThread_free_lock(self._lock)
 
     def __repr__(self):
         return f"FlatPacker(capacity={self._capacity}, n_open={self.n_open})"
@@ -371,16 +428,22 @@ cdef class FlatPacker:
 
     def open_bin_ids(self):
         """Id of the open bin as an int64 array of length 0 or 1."""
-        if self._bin_id < 0:
+        cdef offset_t open_id = self._bin_id  # one read: the id is either open or not
+        if open_id < 0:
             return np.empty(0, dtype=np.int64)
-        return np.array([self._bin_id], dtype=np.int64)
+        return np.array([open_id], dtype=np.int64)
 
     def used(self, bin_id):
         """Tokens placed so far in the open bin ``bin_id``; KeyError if that bin is not open."""
         cdef offset_t b = operator.index(bin_id)
+        cdef offset_t used = -1
+        self._enter()  # the id and its fill must be read together
         if self._bin_id >= 0 and b == self._bin_id:
-            return self._used
-        raise KeyError(f"bin {bin_id} is not open in this FlatPacker")
+            used = self._used
+        self._exit()
+        if used < 0:
+            raise KeyError(f"bin {bin_id} is not open in this FlatPacker")
+        return used
 
     cdef Py_ssize_t _place(self, const offset_t[:] lengths, offset_t* rows,
                            offset_t* closed) noexcept nogil:
@@ -420,33 +483,42 @@ cdef class FlatPacker:
         a length is negative (ValueError naming its index).
         """
         cdef Py_ssize_t bad = -1, n_rows, n_closed = 0
-        with nogil:
-            n_rows = _flat_rows(lengths, self._capacity, self._used, &n_closed, &bad)
-        if n_rows < 0:
-            _raise_bad(n_rows, bad, lengths, "FlatPacker")
-        placements = np.empty((n_rows, PLACEMENT_COLUMNS), dtype=np.int64)
-        closed = np.empty(n_closed, dtype=np.int64)
-        if n_rows == 0:
-            return placements, closed
-        cdef offset_t[:, ::1] rows_view = placements
-        cdef offset_t[::1] closed_view = closed
-        cdef offset_t* closed_ptr = &closed_view[0] if n_closed else NULL
+        cdef offset_t[:, ::1] rows_view
+        cdef offset_t[::1] closed_view
+        cdef offset_t* closed_ptr = NULL
         self._enter()
         try:
+            # Sized from the open bin's fill under the lock, so no other call can change it
+            # before placement writes exactly these rows.
+            with nogil:
+                n_rows = _flat_rows(lengths, self._capacity, self._used, &n_closed, &bad)
+            if n_rows < 0:
+                _raise_bad(n_rows, bad, lengths, "FlatPacker")
+            placements = np.empty((n_rows, PLACEMENT_COLUMNS), dtype=np.int64)
+            closed = np.empty(n_closed, dtype=np.int64)
+            if n_rows == 0:
+                return placements, closed
+            rows_view = placements
+            closed_view = closed
+            if n_closed:
+                closed_ptr = &closed_view[0]
             with nogil:
                 self._place(lengths, &rows_view[0, 0], closed_ptr)
         finally:
-            self._busy = False
+            self._exit()
         return placements, closed
 
     def flush(self):
         """Close the partial bin, if any; return its id as an int64 array of length 0 or 1."""
+        cdef offset_t open_id
         self._enter()
-        out = self.open_bin_ids()
+        open_id = self._bin_id
         self._bin_id = -1
         self._used = 0
-        self._busy = False
-        return out
+        self._exit()
+        if open_id < 0:
+            return np.empty(0, dtype=np.int64)
+        return np.array([open_id], dtype=np.int64)
 
     def reset(self):
         """Drop the open bin without reporting it; bin ids start again at 0."""
@@ -454,10 +526,10 @@ cdef class FlatPacker:
         self._bin_id = -1
         self._used = 0
         self._next_id = 0
-        self._busy = False
+        self._exit()
 
     cdef int _enter(self) except -1:
-        if self._busy:
-            raise RuntimeError("FlatPacker is in use by another thread; give each lane its own packer")
-        self._busy = True
-        return 0
+        return _take_lock(self._lock, &self._owner, "FlatPacker")
+
+    cdef void _exit(self) noexcept:
+        _drop_lock(self._lock, &self._owner)

@@ -1,6 +1,7 @@
 # The per-lane chunk table: one bit per chunk offset, C memory owned by a cdef class.
 # Published here so other kernels can cimport the layout and call the cdef fast paths.
 cimport cython
+from cpython.pythread cimport PyThread_type_lock
 
 from zephon._core._types cimport offset_t, word_t
 
@@ -47,8 +48,11 @@ cdef class ChunkTable:
     cdef offset_t _wm_chunk           # the lane watermark (chunk_id, offset); (-1, 0) = none
     cdef offset_t _wm_offset
     cdef Py_ssize_t _bitmap_bytes
-    # Set while close_many runs without the GIL; every update refuses to run meanwhile.
-    cdef bint _busy
+    # Held by the updates that release the GIL or allocate Python objects between reading and
+    # writing the table; _owner is the holding thread's ident (0 when free), and every other
+    # method waits while it is set. See the module docstring.
+    cdef PyThread_type_lock _lock
+    cdef long _owner
 
     cdef Py_ssize_t _find(self, offset_t chunk_id) noexcept nogil
     cdef Py_ssize_t _lower_bound(self, offset_t chunk_id) noexcept nogil
@@ -62,7 +66,9 @@ cdef class ChunkTable:
     cdef offset_t _apply_many(
         self, const offset_t[:] chunk_ids, const offset_t[:] offsets
     ) noexcept nogil
-    cdef int _check_idle(self) except -1
+    cdef int _enter(self) except -1
+    cdef void _exit(self) noexcept
+    cdef int _wait_for_holder(self) except -1
     cdef Py_ssize_t _require(self, offset_t chunk_id) except -3
     cdef str _describe_missing(self, offset_t chunk_id)
     cdef Py_ssize_t _slot_of(self, offset_t chunk_id, offset_t offset) except -2

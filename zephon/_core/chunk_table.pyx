@@ -7,10 +7,25 @@ a time on the epoch path). The table owns its memory in C: a ring buffer of chun
 chunk id, and one malloc'd bitmap per inflight chunk that is freed when the chunk is evicted, so the
 memory held follows the number of inflight chunks and never the length of the run.
 
-A table belongs to one lane and is used from one thread (the loader's delivery thread). `close_many`
-releases the GIL for large inputs; while it runs, every other update refuses with `RuntimeError`.
+A table belongs to one lane and is used from one thread (the loader's delivery thread), but calls
+from several threads are safe and run one after the other. Most methods hold the GIL from their
+first read to their last write and call no Python code in between, so the GIL alone keeps them
+whole; they only check that no locked section is running (one flag test on the per-record path).
+The few that release the GIL (`close_many` on large inputs) or allocate result arrays between
+reading and writing hold the table's lock, with `_owner` set, from start to end. A thread that
+finds the lock held waits for it without the GIL, and a locked section cannot start while
+another thread holds the GIL inside a method, since taking the lock and setting `_owner` needs it.
 """
 
+from cpython.pythread cimport (
+    NOWAIT_LOCK,
+    WAIT_LOCK,
+    PyThread_acquire_lock,
+    PyThread_allocate_lock,
+    PyThread_free_lock,
+    PyThread_get_thread_ident,
+    PyThread_release_lock,
+)
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
@@ -175,7 +190,10 @@ cdef class ChunkTable:
         self._wm_chunk = -1
         self._wm_offset = 0
         self._bitmap_bytes = 0
-        self._busy = False
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError("cannot allocate the chunk table's lock")
+        self._owner = 0
 
     def __dealloc__(self):
         cdef Py_ssize_t i
@@ -184,6 +202,8 @@ cdef class ChunkTable:
                 free(self._ring[(self._head + i) & (self._cap - 1)].bits)
             free(self._ring)
             self._ring = NULL
+        if self._lock != NULL:
+            PyThread_free_lock(self._lock)
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -243,12 +263,34 @@ cdef class ChunkTable:
             raise ValueError(self._describe_missing(chunk_id))
         return p
 
-    cdef int _check_idle(self) except -1:
-        if self._busy:
+    cdef int _enter(self) except -1:
+        """Start a locked section: take the lock (waiting for it without the GIL) and set _owner."""
+        cdef long me = PyThread_get_thread_ident()
+        if self._owner == me:
             raise RuntimeError(
-                "this ChunkTable is being updated by close_many in another thread; "
-                "a chunk table belongs to one lane's delivery thread"
+                "ChunkTable was called again while this thread is inside one of its updates"
             )
+        if not PyThread_acquire_lock(self._lock, NOWAIT_LOCK):
+            with nogil:
+                PyThread_acquire_lock(self._lock, WAIT_LOCK)
+        self._owner = me
+        return 0
+
+    cdef void _exit(self) noexcept:
+        self._owner = 0
+        PyThread_release_lock(self._lock)
+
+    cdef int _wait_for_holder(self) except -1:
+        """Called when _owner is set: wait until no locked section runs. Returns with the GIL
+        held and _owner 0, so none can start before the caller is done."""
+        if self._owner == PyThread_get_thread_ident():
+            raise RuntimeError(
+                "ChunkTable was called again while this thread is inside one of its updates"
+            )
+        while self._owner:
+            with nogil:
+                PyThread_acquire_lock(self._lock, WAIT_LOCK)
+                PyThread_release_lock(self._lock)
         return 0
 
     cdef bint _resize(self, Py_ssize_t new_cap) noexcept nogil:
@@ -372,8 +414,8 @@ cdef class ChunkTable:
         cdef Py_ssize_t p
         cdef ChunkEntry* e
         cdef word_t w, m
-        if self._busy:
-            self._check_idle()
+        if self._owner:
+            self._wait_for_holder()
         p = self._slot_of(chunk_id, offset)
         if p < 0:
             return OFFSET_EVICTED
@@ -406,7 +448,10 @@ cdef class ChunkTable:
         raise ValueError(self._describe_missing(chunk_id))
 
     cdef int c_offset_state(self, offset_t chunk_id, offset_t offset) except -1:
-        cdef Py_ssize_t p = self._slot_of(chunk_id, offset)
+        cdef Py_ssize_t p
+        if self._owner:
+            self._wait_for_holder()
+        p = self._slot_of(chunk_id, offset)
         if p < 0:
             return OFFSET_EVICTED
         cdef ChunkEntry* e = &self._ring[p]
@@ -419,8 +464,10 @@ cdef class ChunkTable:
     cdef int c_close_below(self, offset_t chunk_id, offset_t offset) except -1:
         cdef Py_ssize_t pos, i, mask = self._cap - 1
         cdef ChunkEntry* e
-        cdef offset_t old_chunk = self._wm_chunk
-        self._check_idle()
+        cdef offset_t old_chunk
+        if self._owner:
+            self._wait_for_holder()
+        old_chunk = self._wm_chunk
         if chunk_id < 0 or offset < 0:
             raise ValueError(
                 f"watermark (chunk {chunk_id}, offset {offset}) has a negative chunk id or offset"
@@ -449,7 +496,8 @@ cdef class ChunkTable:
     cdef Py_ssize_t c_evict_complete_prefix(self) except -1:
         cdef Py_ssize_t k = 0
         cdef ChunkEntry* e
-        self._check_idle()
+        if self._owner:
+            self._wait_for_holder()
         while self._count:
             e = &self._ring[self._head]
             if e.n_closed != e.n:
@@ -474,7 +522,8 @@ cdef class ChunkTable:
         cdef word_t* bits = NULL
         cdef ChunkEntry* e
         cdef offset_t wm = 0
-        self._check_idle()
+        if self._owner:
+            self._wait_for_holder()
         if chunk_id < 0:
             raise ValueError(f"cannot open chunk {chunk_id}: chunk ids are >= 0")
         if chunk_id <= self._last_chunk_id:
@@ -552,29 +601,27 @@ cdef class ChunkTable:
         """
         cdef Py_ssize_t n = chunk_ids.shape[0], bad
         cdef offset_t newly = 0
-        cdef bint release = n >= NOGIL_MIN_MARKS
-        self._check_idle()
         if offsets.shape[0] != n:
             raise ValueError(
                 f"close_many got {n} chunk ids but {offsets.shape[0]} offsets; "
                 "the arrays must have one length"
             )
-        if release:
-            self._busy = True
-            try:
+        self._enter()
+        try:
+            if n >= NOGIL_MIN_MARKS:
                 with nogil:
                     bad = self._first_bad(chunk_ids, offsets)
                     if bad < 0:
                         newly = self._apply_many(chunk_ids, offsets)
-            finally:
-                self._busy = False
-        else:
-            bad = self._first_bad(chunk_ids, offsets)
-            if bad < 0:
-                newly = self._apply_many(chunk_ids, offsets)
-        if bad >= 0:
-            self.c_offset_state(chunk_ids[bad], offsets[bad])  # raises the precise message
-            raise AssertionError("unreachable")  # pragma: no cover
+            else:
+                bad = self._first_bad(chunk_ids, offsets)
+                if bad < 0:
+                    newly = self._apply_many(chunk_ids, offsets)
+            if bad >= 0:
+                self._slot_of(chunk_ids[bad], offsets[bad])  # raises the precise message
+                raise AssertionError("unreachable")  # pragma: no cover
+        finally:
+            self._exit()
         return newly
 
     def close_below(self, offset_t chunk_id, offset_t offset) -> None:
@@ -592,18 +639,22 @@ cdef class ChunkTable:
 
         An evicted chunk has none. Forced closes count as explicit closes (CLOSED afterwards).
         """
-        self._check_idle()
-        cdef Py_ssize_t p = self._require(chunk_id)
+        cdef Py_ssize_t p
         cdef ChunkEntry* e
         cdef offset_t[::1] view
-        if p < 0:
-            return np.empty(0, dtype=np.int64)
-        e = &self._ring[p]
-        out = np.empty(e.n - e.n_closed, dtype=np.int64)
-        view = out
-        if view.shape[0]:
-            _collect_open(e, &view[0], view.shape[0])
-        self._n_open -= _force_close(e)
+        self._enter()
+        try:
+            p = self._require(chunk_id)
+            if p < 0:
+                return np.empty(0, dtype=np.int64)
+            e = &self._ring[p]
+            out = np.empty(e.n - e.n_closed, dtype=np.int64)
+            view = out
+            if view.shape[0]:
+                _collect_open(e, &view[0], view.shape[0])
+            self._n_open -= _force_close(e)
+        finally:
+            self._exit()
         return out
 
     def close_epoch(self, offset_t epoch) -> int:
@@ -611,7 +662,8 @@ cdef class ChunkTable:
         cdef Py_ssize_t i
         cdef ChunkEntry* e
         cdef offset_t total = 0
-        self._check_idle()
+        if self._owner:
+            self._wait_for_holder()
         for i in range(self._count):
             e = &self._ring[(self._head + i) & (self._cap - 1)]
             if e.epoch == epoch:
@@ -624,20 +676,25 @@ cdef class ChunkTable:
     def open_offsets(self, offset_t chunk_id, offset_t limit=-1):
         """The still-open offsets of a chunk in increasing order (at most `limit` when >= 0);
         empty for an evicted chunk."""
-        cdef Py_ssize_t p = self._require(chunk_id)
+        cdef Py_ssize_t p
         cdef ChunkEntry* e
         cdef offset_t k
         cdef offset_t[::1] view
-        if p < 0:
-            return np.empty(0, dtype=np.int64)
-        e = &self._ring[p]
-        k = e.n - e.n_closed
-        if limit >= 0:
-            k = _min(k, limit)
-        out = np.empty(k, dtype=np.int64)
-        view = out
-        if k:
-            _collect_open(e, &view[0], k)
+        self._enter()
+        try:
+            p = self._require(chunk_id)
+            if p < 0:
+                return np.empty(0, dtype=np.int64)
+            e = &self._ring[p]
+            k = e.n - e.n_closed
+            if limit >= 0:
+                k = _min(k, limit)
+            out = np.empty(k, dtype=np.int64)
+            view = out
+            if k:
+                _collect_open(e, &view[0], k)
+        finally:
+            self._exit()
         return out
 
     def epoch_open_offsets(self, offset_t epoch, offset_t limit=-1):
@@ -647,36 +704,45 @@ cdef class ChunkTable:
         cdef ChunkEntry* e
         cdef offset_t total = 0, k = 0, got, j
         cdef offset_t[::1] ids_view, offs_view
-        for i in range(self._count):
-            e = &self._ring[(self._head + i) & (self._cap - 1)]
-            if e.epoch == epoch:
-                total += e.n - e.n_closed
-        if limit >= 0:
-            total = _min(total, limit)
-        ids = np.empty(total, dtype=np.int64)
-        offs = np.empty(total, dtype=np.int64)
-        ids_view = ids
-        offs_view = offs
-        for i in range(self._count):
-            if k == total:
-                break
-            e = &self._ring[(self._head + i) & (self._cap - 1)]
-            if e.epoch == epoch and e.n_closed < e.n:
-                got = _collect_open(e, &offs_view[k], total - k)
-                for j in range(k, k + got):
-                    ids_view[j] = e.chunk_id
-                k += got
+        self._enter()
+        try:
+            for i in range(self._count):
+                e = &self._ring[(self._head + i) & (self._cap - 1)]
+                if e.epoch == epoch:
+                    total += e.n - e.n_closed
+            if limit >= 0:
+                total = _min(total, limit)
+            ids = np.empty(total, dtype=np.int64)
+            offs = np.empty(total, dtype=np.int64)
+            ids_view = ids
+            offs_view = offs
+            for i in range(self._count):
+                if k == total:
+                    break
+                e = &self._ring[(self._head + i) & (self._cap - 1)]
+                if e.epoch == epoch and e.n_closed < e.n:
+                    got = _collect_open(e, &offs_view[k], total - k)
+                    for j in range(k, k + got):
+                        ids_view[j] = e.chunk_id
+                    k += got
+        finally:
+            self._exit()
         return ids, offs
 
     def is_complete(self, offset_t chunk_id) -> bool:
         """True when every offset of the chunk is closed; an evicted chunk is complete."""
-        cdef Py_ssize_t p = self._require(chunk_id)
+        cdef Py_ssize_t p
+        if self._owner:
+            self._wait_for_holder()
+        p = self._require(chunk_id)
         if p < 0:
             return True
         return self._ring[p].n_closed == self._ring[p].n
 
     def is_inflight(self, offset_t chunk_id) -> bool:
         """True when the chunk is in the table (opened and not evicted)."""
+        if self._owner:
+            self._wait_for_holder()
         return self._find(chunk_id) >= 0
 
     def is_evicted(self, offset_t chunk_id) -> bool:
@@ -685,18 +751,26 @@ cdef class ChunkTable:
         Answered from the evicted id range: an id between two of this lane's evicted chunks that
         the table never opened also reports True (callers only ask about their own lane's ids).
         """
+        if self._owner:
+            self._wait_for_holder()
         return self._find(chunk_id) == -1
 
     def epoch_of(self, offset_t chunk_id) -> int:
         """The epoch of an inflight chunk."""
-        cdef Py_ssize_t p = self._require(chunk_id)
+        cdef Py_ssize_t p
+        if self._owner:
+            self._wait_for_holder()
+        p = self._require(chunk_id)
         if p < 0:
             raise ValueError(f"chunk {chunk_id} was evicted; its epoch is no longer held")
         return self._ring[p].epoch
 
     def local_index_of(self, offset_t chunk_id) -> int:
         """The lane-local index of an inflight chunk."""
-        cdef Py_ssize_t p = self._require(chunk_id)
+        cdef Py_ssize_t p
+        if self._owner:
+            self._wait_for_holder()
+        p = self._require(chunk_id)
         if p < 0:
             raise ValueError(f"chunk {chunk_id} was evicted; its local index is no longer held")
         return self._ring[p].local_index
@@ -704,10 +778,15 @@ cdef class ChunkTable:
     def inflight_chunk_ids(self):
         """The ids of the inflight chunks, in increasing order (int64)."""
         cdef Py_ssize_t i
-        out = np.empty(self._count, dtype=np.int64)
-        cdef offset_t[::1] view = out
-        for i in range(self._count):
-            view[i] = self._ring[(self._head + i) & (self._cap - 1)].chunk_id
+        cdef offset_t[::1] view
+        self._enter()
+        try:
+            out = np.empty(self._count, dtype=np.int64)
+            view = out
+            for i in range(self._count):
+                view[i] = self._ring[(self._head + i) & (self._cap - 1)].chunk_id
+        finally:
+            self._exit()
         return out
 
     # ---- eviction --------------------------------------------------------------------------------
@@ -718,18 +797,21 @@ cdef class ChunkTable:
         cdef Py_ssize_t i, k = 0
         cdef ChunkEntry* e
         cdef offset_t[::1] view
-        self._check_idle()
-        while k < self._count:
-            e = &self._ring[(self._head + k) & (self._cap - 1)]
-            if e.n_closed != e.n:
-                break
-            k += 1
-        out = np.empty(k, dtype=np.int64)
-        view = out
-        for i in range(k):
-            view[i] = self._ring[self._head].chunk_id
-            self._evict_head()
-        self._shrink()
+        self._enter()
+        try:
+            while k < self._count:
+                e = &self._ring[(self._head + k) & (self._cap - 1)]
+                if e.n_closed != e.n:
+                    break
+                k += 1
+            out = np.empty(k, dtype=np.int64)
+            view = out
+            for i in range(k):
+                view[i] = self._ring[self._head].chunk_id
+                self._evict_head()
+            self._shrink()
+        finally:
+            self._exit()
         return out
 
     def evict_complete_epochs(self, offset_t through_epoch):
@@ -740,30 +822,33 @@ cdef class ChunkTable:
         cdef offset_t ep
         cdef bint done
         cdef offset_t[::1] view
-        self._check_idle()
-        while k < self._count:
-            ep = self._ring[(self._head + k) & (self._cap - 1)].epoch
-            if ep > through_epoch:
-                break
-            j = k
-            done = True
-            while j < self._count:
-                e = &self._ring[(self._head + j) & (self._cap - 1)]
-                if e.epoch != ep:
+        self._enter()
+        try:
+            while k < self._count:
+                ep = self._ring[(self._head + k) & (self._cap - 1)].epoch
+                if ep > through_epoch:
                     break
-                if e.n_closed != e.n:
-                    done = False
+                j = k
+                done = True
+                while j < self._count:
+                    e = &self._ring[(self._head + j) & (self._cap - 1)]
+                    if e.epoch != ep:
+                        break
+                    if e.n_closed != e.n:
+                        done = False
+                        break
+                    j += 1
+                if not done:
                     break
-                j += 1
-            if not done:
-                break
-            k = j
-        out = np.empty(k, dtype=np.int64)
-        view = out
-        for i in range(k):
-            view[i] = self._ring[self._head].chunk_id
-            self._evict_head()
-        self._shrink()
+                k = j
+            out = np.empty(k, dtype=np.int64)
+            view = out
+            for i in range(k):
+                view[i] = self._ring[self._head].chunk_id
+                self._evict_head()
+            self._shrink()
+        finally:
+            self._exit()
         return out
 
     # ---- properties ------------------------------------------------------------------------------
@@ -776,11 +861,15 @@ cdef class ChunkTable:
     @property
     def first_local_index(self) -> int:
         """Lane-local index of the head (oldest inflight) chunk, or -1 when the table is empty."""
+        if self._owner:
+            self._wait_for_holder()
         return self._ring[self._head].local_index if self._count else -1
 
     @property
     def first_epoch(self) -> int:
         """Epoch of the head chunk, or -1 when the table is empty."""
+        if self._owner:
+            self._wait_for_holder()
         return self._ring[self._head].epoch if self._count else -1
 
     @property
@@ -814,12 +903,16 @@ cdef class ChunkTable:
         return self._count
 
     def __repr__(self) -> str:
-        if self._count:
-            chunks = f"{self._ring[self._head].chunk_id}..{self._last_chunk_id}"
-        else:
-            chunks = "none"
-        return (
-            f"ChunkTable(n_inflight={self._count}, inflight_chunks={chunks}, "
-            f"n_open_offsets={self._n_open}, watermark={self.watermark}, "
-            f"n_evicted={self._n_evicted}, bytes_held={self.bytes_held})"
-        )
+        self._enter()  # formatting allocates between the reads
+        try:
+            if self._count:
+                chunks = f"{self._ring[self._head].chunk_id}..{self._last_chunk_id}"
+            else:
+                chunks = "none"
+            return (
+                f"ChunkTable(n_inflight={self._count}, inflight_chunks={chunks}, "
+                f"n_open_offsets={self._n_open}, watermark={self.watermark}, "
+                f"n_evicted={self._n_evicted}, bytes_held={self.bytes_held})"
+            )
+        finally:
+            self._exit()

@@ -1,4 +1,6 @@
 # Layout of the token fill of packed bins, published for cimport.
+from cpython.pythread cimport PyThread_type_lock
+
 from zephon._core._types cimport offset_t, token_t
 
 # Rows of a bin's block: tokens, then segment ids, then positions.
@@ -56,9 +58,13 @@ cdef class BinFill:
     cdef Py_ssize_t _n_free
     cdef list _blocks              # per slot: its bin's ndarray block, or None when free
     cdef list _records             # per slot: the item of each fragment, in bin order
-    cdef bint _busy                # write() or take() is editing the state with the GIL released
+    # Held by every method that reads or changes the bins, GIL-free copies included; _owner is
+    # the holding thread's ident, 0 when free.
+    cdef PyThread_type_lock _lock
+    cdef long _owner
 
     cdef int _enter(self) except -1
+    cdef void _exit(self) noexcept
     cdef int _reserve(self, Py_ssize_t n_live, Py_ssize_t n_free) except -1
     cdef int _reserve_frags(self, Slot* slot, Py_ssize_t n) except -1
     cdef Py_ssize_t _find(self, offset_t bin_id) noexcept nogil

@@ -1,4 +1,4 @@
-"""Token fill of packed bins (SPEC §1.3): the packers' per-fragment work, in C.
+"""Token fill of packed bins: the packers' per-fragment work, in C.
 
 ``BinFill`` owns one ``(3, seq_len)`` int32 block per open bin (rows ``tokens``, ``segment_ids``,
 ``positions``) and, per bin, its fragments: the item each came from and ``(frag_start, frag_len,
@@ -6,10 +6,23 @@ item_len)``. ``write`` applies the placement rows a kernel of ``zephon._core.bin
 for one micro-batch, copying each fragment's tokens straight from its item's int32 array without
 the GIL; ``take`` hands finished bins over, padded. Tokens are copied once: a bin's block is
 allocated when the bin opens and becomes the packed record's payload when it leaves.
+
+Calls from several threads are safe: every method that reads or changes the bins holds the fill's
+lock from its first read to its last write, GIL-free copies included, so concurrent calls run one
+after the other; a thread waits for the lock without the GIL, so the holder can always finish.
 """
 
 cimport numpy as cnp
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.pythread cimport (
+    NOWAIT_LOCK,
+    WAIT_LOCK,
+    PyThread_acquire_lock,
+    PyThread_allocate_lock,
+    PyThread_free_lock,
+    PyThread_get_thread_ident,
+    PyThread_release_lock,
+)
 from libc.stdint cimport INT32_MAX, INT32_MIN
 from libc.string cimport memcpy
 
@@ -129,7 +142,10 @@ cdef class BinFill:
         self._n_free = 0
         self._blocks = []
         self._records = []
-        self._busy = False
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError("BinFill cannot allocate its lock")
+        self._owner = 0
 
     def __dealloc__(self):
         cdef Py_ssize_t k
@@ -139,6 +155,8 @@ cdef class BinFill:
         PyMem_Free(self._slots)
         PyMem_Free(self._free)
         PyMem_Free(self._live)
+        if self._lock != NULL:
+            PyThread_free_lock(self._lock)
 
     def __reduce__(self):
         raise TypeError("BinFill holds raw buffers and cannot be pickled; build a new one")
@@ -163,28 +181,49 @@ cdef class BinFill:
 
     def open_bin_ids(self):
         """Ids of the open bins, ascending, as an int64 array."""
-        out = np.empty(self._n_live, dtype=np.int64)
-        cdef offset_t[::1] view = out
+        cdef offset_t[::1] view
         cdef Py_ssize_t k
-        for k in range(self._n_live):
-            view[k] = self._live[k].bin_id
+        self._enter()
+        try:
+            out = np.empty(self._n_live, dtype=np.int64)
+            view = out
+            for k in range(self._n_live):
+                view[k] = self._live[k].bin_id
+        finally:
+            self._exit()
         return out
 
     def used(self, bin_id):
         """Tokens written so far to the open bin ``bin_id``; KeyError if that bin is not open."""
-        cdef Py_ssize_t k = self._find(operator.index(bin_id))
-        if k < 0:
+        cdef offset_t b = operator.index(bin_id)
+        cdef offset_t used = -1
+        cdef Py_ssize_t k
+        self._enter()
+        k = self._find(b)
+        if k >= 0:
+            used = self._slots[self._live[k].slot].used
+        self._exit()
+        if used < 0:
             raise KeyError(f"bin {bin_id} is not open in this BinFill")
-        return self._slots[self._live[k].slot].used
+        return used
 
     cdef Py_ssize_t _find(self, offset_t bin_id) noexcept nogil:
         return _search(self._live, self._n_live, bin_id)
 
     cdef int _enter(self) except -1:
-        if self._busy:
-            raise RuntimeError("BinFill is in use by another thread; give each lane its own packer")
-        self._busy = True
+        """Take the lock: at once when it is free, else waiting for it without the GIL."""
+        cdef long me = PyThread_get_thread_ident()
+        if self._owner == me:  # a call from inside one of this fill's own calls would deadlock
+            raise RuntimeError("BinFill was called again while this thread is inside one of its calls")
+        if not PyThread_acquire_lock(self._lock, NOWAIT_LOCK):
+            with nogil:
+                PyThread_acquire_lock(self._lock, WAIT_LOCK)
+        self._owner = me
         return 0
+
+    cdef void _exit(self) noexcept:
+        self._owner = 0
+        PyThread_release_lock(self._lock)
 
     cdef int _reserve(self, Py_ssize_t n_live, Py_ssize_t n_free) except -1:
         """Room for ``n_live`` open bins and ``n_free`` free slots; changes no visible state."""
@@ -252,7 +291,7 @@ cdef class BinFill:
         """
         cdef Py_ssize_t n_rows = placements.shape[0]
         cdef Py_ssize_t n_items = len(items)
-        cdef Py_ssize_t r = 0, i, t = 0, j, n_live = self._n_live, n_new = 0
+        cdef Py_ssize_t r = 0, i, t = 0, j, n_live = 0, n_new = 0
         cdef int code = 0
         cdef offset_t item, start, size, bin_id, off, item_len, max_id
         cdef offset_t seq_len = self._seq_len
@@ -281,16 +320,10 @@ cdef class BinFill:
             data[i] = <size_t>cnp.PyArray_DATA(<cnp.ndarray>a)
         if n_rows == 0:
             return
-        # Scratch of the validation pass: each row's target (an open bin's index in _live, or
-        # n_live + j for the j-th bin this call opens), and per target its fill and row count.
-        target_arr = np.empty(n_rows, dtype=np.intp)
-        used_arr = np.empty(n_live + n_rows, dtype=np.int64)
-        count_arr = np.zeros(n_live + n_rows, dtype=np.intp)
-        new_arr = np.empty(n_rows, dtype=np.int64)
-        cdef Py_ssize_t[::1] target = target_arr
-        cdef offset_t[::1] used = used_arr
-        cdef Py_ssize_t[::1] count = count_arr
-        cdef offset_t[::1] new_ids = new_arr
+        cdef Py_ssize_t[::1] target
+        cdef offset_t[::1] used
+        cdef Py_ssize_t[::1] count
+        cdef offset_t[::1] new_ids
         cdef Py_ssize_t[::1] slot_of
         cdef Py_ssize_t k
         cdef Slot* slot
@@ -300,6 +333,18 @@ cdef class BinFill:
         dims[1] = seq_len
         self._enter()
         try:
+            # Scratch of the validation pass: each row's target (an open bin's index in _live, or
+            # n_live + j for the j-th bin this call opens), and per target its fill and row count.
+            # Sized from the open bins under the lock: no other call changes them until we are done.
+            n_live = self._n_live
+            target_arr = np.empty(n_rows, dtype=np.intp)
+            used_arr = np.empty(n_live + n_rows, dtype=np.int64)
+            count_arr = np.zeros(n_live + n_rows, dtype=np.intp)
+            new_arr = np.empty(n_rows, dtype=np.int64)
+            target = target_arr
+            used = used_arr
+            count = count_arr
+            new_ids = new_arr
             with nogil:
                 for t in range(n_live):
                     used[t] = self._slots[self._live[t].slot].used
@@ -393,7 +438,7 @@ cdef class BinFill:
             for r in range(n_rows):
                 (<list>records[slot_of[target[r]]]).append(held_items[placements[r, ROW_ITEM]])
         finally:
-            self._busy = False
+            self._exit()
 
     cdef void _copy(self, const offset_t[:, ::1] placements, const offset_t[::1] lengths,
                     const size_t[::1] data, const Py_ssize_t[::1] target,
@@ -444,7 +489,7 @@ cdef class BinFill:
         try:
             return self._take(bin_ids, idx)
         finally:
-            self._busy = False
+            self._exit()
 
     cdef tuple _take(self, const offset_t[::1] bin_ids, Py_ssize_t[::1] idx):
         cdef Py_ssize_t n = bin_ids.shape[0], i, k, t, total = 0, dup = -1, row = 0
@@ -515,8 +560,8 @@ cdef class BinFill:
 
     def clear(self):
         """Drop every open bin without handing it over; bin ids may start again at 0."""
-        self._enter()
         cdef Py_ssize_t i, k
+        self._enter()
         for i in range(self._n_live):
             k = self._live[i].slot
             self._slots[k].data = NULL
@@ -529,4 +574,4 @@ cdef class BinFill:
             self._n_free += 1
         self._n_live = 0
         self._max_id = -1
-        self._busy = False
+        self._exit()

@@ -5,12 +5,13 @@ end)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
 from zephon.errors import OperatorError
+from zephon.identity import identify
 from zephon.types import SampleRecord
 
 __all__ = [
@@ -90,9 +91,11 @@ class Operator:
         """Restore what ``carry_state`` returned; called on fresh operators at restore."""
 
     def describe(self) -> dict[str, Any]:
-        """The operator's identity for the pipeline fingerprint: class, name and parameters."""
+        """The operator's identity for the pipeline fingerprint: class, name, traits and every
+        public attribute by ``zephon.identity.identify`` (callables by their code, arrays by
+        content); ``PlanError`` naming the parameter when one cannot be identified."""
         params = {
-            k: describe_value(v)
+            k: identify(v, where=f"operator {self.name!r} parameter {k!r}")
             for k, v in sorted(vars(self).items())
             if not k.startswith("_") and k not in ("lane_id", "epoch", "name", "traits")
         }
@@ -108,24 +111,9 @@ class Operator:
 
 
 def describe_value(value: Any) -> Any:
-    """A JSON-able, process-independent description of a parameter (callables by qualified name)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [describe_value(v) for v in value]
-    if isinstance(value, Mapping):
-        return {
-            str(k): describe_value(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
-        }
-    if isinstance(value, np.ndarray):
-        return {"ndarray": list(value.shape), "dtype": str(value.dtype)}
-    if isinstance(value, Operator):
-        return value.describe()
-    if callable(value):
-        module = getattr(value, "__module__", None) or type(value).__module__
-        qualname = getattr(value, "__qualname__", None) or type(value).__qualname__
-        return f"{module}.{qualname}"
-    return f"{type(value).__module__}.{type(value).__qualname__}"
+    """The JSON-able, process-independent identity of a parameter value: ``identify`` from
+    ``zephon.identity`` (kept here for operator authors who describe extra parameters)."""
+    return identify(value)
 
 
 def record_error(op: Operator, record: SampleRecord, exc: BaseException) -> OperatorError:

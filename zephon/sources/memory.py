@@ -1,14 +1,15 @@
-"""In-memory sources: a range of integers and a Python sequence (SPEC §1.4)."""
+"""In-memory sources: a range of integers and a Python sequence."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import json
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from zephon.ops.base import describe_value
+from zephon.identity import identify
 from zephon.sources.base import IndexedSource
 
 __all__ = ["ListSource", "RangeSource"]
@@ -59,9 +60,10 @@ class RangeSource(IndexedSource):
         return [make(i) for i in indices]
 
     def describe(self) -> dict[str, Any]:
-        """Class, size, chunking/shuffle parameters and the ``make`` callable by qualified name."""
+        """Class, size, chunking/shuffle parameters and the identity of ``make`` (its code,
+        defaults and closure; see ``zephon.identity``)."""
         out = self._describe_base()
-        out["make"] = describe_value(self.make)
+        out["make"] = identify(self.make, where="source RangeSource parameter 'make'")
         return out
 
 
@@ -69,7 +71,8 @@ class ListSource(IndexedSource):
     """An in-memory sequence; the payload of sample ``idx`` is ``items[idx]``.
 
     The sequence is held by reference (not copied) and must not change while the source is in use:
-    its fingerprint is taken once, at construction.
+    its fingerprint is taken once, at construction, and an item the fingerprint cannot identify
+    (see ``content_fingerprint``) is a ``PlanError`` then.
     """
 
     def __init__(
@@ -113,39 +116,16 @@ class ListSource(IndexedSource):
 
 
 def content_fingerprint(items: Sequence[Any], edge: int = FINGERPRINT_EDGE) -> str:
-    """A cheap, process-independent sha256 of a sequence: its length and a stable rendering of its
-    first and last ``edge`` items. Changes in the middle of a long sequence are not seen — cheapness
-    over completeness; a different length or different ends always give a different fingerprint."""
+    """A cheap, process-independent sha256 of a sequence: its length and the identity
+    (``zephon.identity.identify``) of its first and last ``edge`` items. Changes in the middle of
+    a long sequence are not seen -- cheapness over completeness; a different length or different
+    ends always give a different fingerprint. An item that cannot be identified (an object with
+    hidden state) raises ``PlanError`` naming its index."""
     n = len(items)
     picked = range(n) if n <= 2 * edge else [*range(edge), *range(n - edge, n)]
     h = hashlib.sha256(f"len={n}".encode())
     for i in picked:
         h.update(b"\x00")
-        h.update(_stable_repr(items[i]).encode("utf-8", "backslashreplace"))
+        identity = identify(items[i], where=f"source ListSource item {i}")
+        h.update(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode())
     return h.hexdigest()
-
-
-def _stable_repr(value: Any) -> str:
-    # A rendering equal in every process: containers recursively, arrays by content, and an object
-    # whose repr carries its memory address ("at 0x...") by its type only.
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return repr(value)
-    if isinstance(value, np.generic):
-        return f"{type(value).__name__}({value.item()!r})"
-    if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            return f"ndarray[{_stable_repr(value.tolist())}]"
-        digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
-        return f"ndarray({value.dtype.str},{value.shape},{digest})"
-    if isinstance(value, (list, tuple)):
-        inner = ",".join(_stable_repr(v) for v in value)
-        return f"{type(value).__name__}[{inner}]"
-    if isinstance(value, (set, frozenset)):
-        return f"{type(value).__name__}{{{','.join(sorted(_stable_repr(v) for v in value))}}}"
-    if isinstance(value, Mapping):
-        pairs = sorted((_stable_repr(k), _stable_repr(v)) for k, v in value.items())
-        return "{" + ",".join(f"{k}:{v}" for k, v in pairs) + "}"
-    text = repr(value)
-    if " at 0x" in text:
-        return f"<{type(value).__module__}.{type(value).__qualname__}>"
-    return text

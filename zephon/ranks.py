@@ -1,0 +1,93 @@
+"""The data-parallel position (rank, world size) of this process.
+
+Asked in order: explicit arguments, an initialized ``torch.distributed`` process group, a JAX
+runtime of more than one process, then the ``RANK`` / ``WORLD_SIZE`` environment variables; when
+none of them says anything, rank 0 of 1. Only frameworks the program has already imported are
+asked (nothing here imports torch or jax), and only through their public API. A source that
+answers by halves (``RANK`` without ``WORLD_SIZE``) or fails to answer is a ``PlanError`` saying
+how to pass ``rank=`` / ``world_size=``: a host never silently becomes rank 0 of 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from zephon.errors import PlanError
+
+__all__ = ["rank_from_env", "rank_from_jax", "rank_from_torch", "resolve_rank"]
+
+_PASS_IT = "pass rank= and world_size= to zephon.Pipeline"
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)``: the arguments, else the first framework or environment that
+    knows, else ``(0, 1)``. Raises ``PlanError`` unless ``0 <= rank < world_size``."""
+    if rank is None or world_size is None:
+        found = rank_from_torch() or rank_from_jax() or rank_from_env()
+        r, w = found if found else (0, 1)
+        rank = r if rank is None else rank
+        world_size = w if world_size is None else world_size
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise PlanError(
+            f"rank must be in [0, world_size): got rank={rank}, world_size={world_size}"
+        )
+    return rank, world_size
+
+
+def rank_from_torch() -> tuple[int, int] | None:
+    """The rank of an initialized ``torch.distributed`` default group, if torch is imported."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def rank_from_jax() -> tuple[int, int] | None:
+    """``(jax.process_index(), jax.process_count())`` when jax is imported and runs more than
+    one process; None when it is not imported or runs one process (the environment decides)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    count = _ask_jax(jax, "process_count")
+    if count <= 1:
+        return None
+    return _ask_jax(jax, "process_index"), count
+
+
+def _ask_jax(jax: object, name: str) -> int:
+    ask = getattr(jax, name, None)
+    if not callable(ask):
+        raise PlanError(
+            f"jax is imported but has no jax.{name}() to tell this process's rank; {_PASS_IT}"
+        )
+    try:
+        value = ask()
+    except Exception as exc:
+        raise PlanError(
+            f"jax is imported but jax.{name}() failed ({type(exc).__name__}: {exc}), so the rank "
+            f"of this process is unknown; {_PASS_IT}"
+        ) from exc
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"jax.{name}() returned {value!r}, not an int; {_PASS_IT}")
+    return value
+
+
+def rank_from_env() -> tuple[int, int] | None:
+    """``RANK`` / ``WORLD_SIZE`` as ints when both are set; None when neither is."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None and world is None:
+        return None
+    if rank is None or world is None:
+        present, missing = ("RANK", "WORLD_SIZE") if world is None else ("WORLD_SIZE", "RANK")
+        raise PlanError(
+            f"{present} is set (to {os.environ[present]!r}) but {missing} is not: set both "
+            f"environment variables, or {_PASS_IT}"
+        )
+    try:
+        return int(rank), int(world)
+    except ValueError as exc:
+        raise PlanError(
+            f"RANK/WORLD_SIZE environment variables are not integers: {exc}; set them to "
+            f"integers, or {_PASS_IT}"
+        ) from None
