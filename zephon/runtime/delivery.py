@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zephon._core.cursor import cursors_for_chunk, digest_cursors
 from zephon._core.delivery import DeliveryCounters
 from zephon._core.records import make_batch
 from zephon.errors import CheckpointCorruptError
@@ -222,10 +223,7 @@ class LaneDelivery:
         skip = offset + 1
         if self.plan.batch_sensitive:
             skip -= skip % self.plan.micro_batch
-        digest = 0
-        for i in range(skip):
-            digest += SampleCursor(position, i, tuple(pointers[i].tolist())).stable_hash
-        seen = (skip, digest & MASK64)
+        seen = (skip, digest_cursors(cursors_for_chunk(position, pointers[:skip])) & MASK64)
         self.book.book.window_push(position, *seen)
         if skip == offset + 1:
             if seen != expect:
