@@ -365,8 +365,9 @@ def bpe_with(special_tokens: list[str]) -> Tokenizer:
 @pytest.mark.parametrize("packer", [pack_sequences, pack_flat])
 def test_without_pad_id_a_packer_pads_with_the_upstream_tokenizers_pad(packer):
     pipeline = text_pipeline([tokenize(), packer(32)], lanes=2, workers="process")
-    plan = pipeline.compile()
-    assert plan.chain[-1].pad_id is None and plan.chain[-1].effective_pad_id == 257
+    packed = pipeline.compile().chain[-1]
+    assert isinstance(packed, (PackSequences, PackFlat))
+    assert packed.pad_id is None and packed.effective_pad_id == 257
     assert padding_values(pipeline) == {ByteTokenizer.pad_id}
 
 
@@ -401,7 +402,8 @@ def test_a_packer_reading_another_field_does_not_take_that_tokenizers_pad():
     with pytest.raises(zephon.PlanError, match=r"reads 'tokens'.*writes 'ids'"):
         pipeline.compile()
     ok = text_pipeline([tokenize(output_field="ids"), pack_sequences(16, field="ids")])
-    assert ok.compile().chain[-1].effective_pad_id == 257
+    packed = ok.compile().chain[-1]
+    assert isinstance(packed, PackSequences) and packed.effective_pad_id == 257
 
 
 def test_a_packer_used_alone_without_pad_id_says_to_pass_it():

@@ -147,7 +147,7 @@ class EncodeWithIds:
 class TransformersLike:
     """The ``transformers`` shape: ``encode``, ``batch_encode_plus`` and ``eos_token_id``."""
 
-    eos_token_id = 7
+    eos_token_id: int | None = 7
 
     def encode(self, text: str) -> list[int]:
         return [1, len(text)]

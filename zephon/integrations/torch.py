@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -184,7 +185,7 @@ def _called_by_a_batching_dataloader(dataset: ZephonIterableDataset) -> bool:
     ``batch_size`` that is not ``None``. Both create the iterator in torch's dataset fetcher,
     whose ``auto_collation`` says the loader batches; it is looked up a few frames up the stack
     (``False`` when no fetcher is found, e.g. for a plain ``iter()``)."""
-    frame = sys._getframe(2)  # the caller of __iter__
+    frame: FrameType | None = sys._getframe(2)  # the caller of __iter__
     for _ in range(4):
         if frame is None:
             break
