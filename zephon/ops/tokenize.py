@@ -89,7 +89,7 @@ class SpecialToken:
         return f"{self.id} {self.token!r}" if self.token is not None else str(self.id)
 
 
-_HF_METHODS = ("token_to_id", "id_to_token", "get_vocab", "to_str")
+_HF_METHODS = ("token_to_id", "id_to_token", "to_str")
 
 
 def _is_hf_tokenizer(tokenizer: Any) -> bool:
@@ -130,10 +130,14 @@ def _checked_id(value: Any, what: str) -> int:
     return int(value)
 
 
-def _hf_config(tokenizer: Any) -> dict[str, Any]:
-    """The JSON description of a Hugging Face tokenizer (its post-processor, padding, ...)."""
-    config = json.loads(tokenizer.to_str())
-    return config if isinstance(config, dict) else {}
+def _post_processor_config(tokenizer: Any) -> Any:
+    """The JSON description of a Hugging Face tokenizer's post-processor (``None`` without one);
+    read from the post-processor alone, not from the whole tokenizer's JSON with its vocabulary."""
+    processor = getattr(tokenizer, "post_processor", None)
+    if processor is None:
+        return None
+    state = processor.__getstate__()  # the post-processor's own JSON, as pickling uses it
+    return json.loads(state) if isinstance(state, (bytes, str)) else None
 
 
 def _appended_by_post_processor(processor: Any) -> tuple[str, int] | None:
@@ -191,7 +195,7 @@ def find_eos(tokenizer: Any, eos_id: int | None = None) -> SpecialToken | None:
                 token = getattr(tokenizer, text, None)
                 return SpecialToken(found, token if isinstance(token, str) else None, attribute)
     if _is_hf_tokenizer(tokenizer):
-        appended = _appended_by_post_processor(_hf_config(tokenizer).get("post_processor"))
+        appended = _appended_by_post_processor(_post_processor_config(tokenizer))
         if appended is not None:
             name, value = appended
             found = _checked_id(value, f"the id of {name!r} in the tokenizer's post-processor")
@@ -321,11 +325,6 @@ def _checked_fill(encoded: Any, eos: int | None, limit: int | None) -> np.ndarra
     return _fill(ids, len(ids), eos, limit)
 
 
-def _max_vocab_id(tokenizer: Any) -> int:
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    return max(vocab.values(), default=0)
-
-
 class Tokenize(Operator):
     """Tokenizes ``payload[field]`` into an ``int32`` array in ``payload[output_field]``.
 
@@ -368,14 +367,10 @@ class Tokenize(Operator):
         self.split_long_samples = bool(split_long_samples)
         self.append_eos = bool(append_eos)
         self._mode = _encoder_mode(tokenizer)
-        # A Hugging Face tokenizer's ids are unsigned 32-bit ints from its vocabulary: when every
-        # vocabulary id fits int32, no per-document range check is needed.
+        # A Hugging Face tokenizer's ids are unsigned 32-bit ints (never negative): they need no
+        # per-document range check, and one >= 2**31 fails the int32 assignment (OverflowError,
+        # numpy >= 2).
         self._trusted_ids = _is_hf_tokenizer(tokenizer) and self._mode.startswith("encode_batch")
-        if self._trusted_ids and _max_vocab_id(tokenizer) >= _ID_LIMIT:
-            raise PlanError(
-                f"tokenize: the tokenizer's vocabulary has ids >= 2**31 (up to "
-                f"{_max_vocab_id(tokenizer)}), which do not fit in int32 token arrays"
-            )
 
         eos = find_eos(tokenizer, eos_id) if self.append_eos else None
         if self.append_eos and eos is None:
