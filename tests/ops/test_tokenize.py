@@ -276,6 +276,17 @@ def test_a_tokenizer_without_an_eos_is_refused_at_construction():
     assert rec.payload["tokens"].tolist() == tok.encode("the dog").ids
 
 
+def test_a_tokenizer_that_pads_its_batches_is_refused():
+    tok = bpe_tokenizer(("<unk>", "</s>", "[PAD]"))
+    tok.enable_padding(pad_id=2, pad_token="[PAD]")
+    # encode_batch would pad the short text to the long one's length, inside the document
+    assert tok.encode_batch(["the", "the lazy dog"])[0].ids[-1] == 2
+    with pytest.raises(PlanError, match=r"no_padding\(\).*pad_id=2"):
+        tokenize(tok)
+    tok.no_padding()
+    assert (tokenize(tok).eos_id, tokenize(tok).pad_id) == (1, 2)
+
+
 def test_the_chosen_eos_and_pad_are_named_in_the_plan_description():
     tok = bpe_tokenizer(("<unk>", "</s>", "<pad>"))
     plan = zephon.Pipeline(ListSource([{"text": "the dog"}]), [fetch(), tokenize(tok)]).compile()

@@ -27,7 +27,16 @@ from zephon.ops.basic import record_error
 from zephon.ops.children import spawn_child
 from zephon.types import SampleMeta, SampleRecord
 
-__all__ = ["EOS_TOKENS", "PAD_TOKENS", "ByteTokenizer", "SpecialToken", "Tokenize", "tokenize"]
+__all__ = [
+    "EOS_TOKENS",
+    "PAD_TOKENS",
+    "ByteTokenizer",
+    "SpecialToken",
+    "Tokenize",
+    "find_eos",
+    "find_pad",
+    "tokenize",
+]
 
 #: Tokens that end a document in common vocabularies, in the order ``find_eos`` prefers them.
 EOS_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "[SEP]")
@@ -77,12 +86,10 @@ class ByteTokenizer:
 # ------------------------------------------------------------------------------ special tokens
 @dataclasses.dataclass(frozen=True)
 class SpecialToken:
-    """A special token id of a tokenizer, its text when the tokenizer can tell, and where it was
-    found (for messages and ``Plan.describe()``)."""
+    """A special token id of a tokenizer and its text, when the tokenizer can tell."""
 
     id: int
     token: str | None
-    origin: str
 
     def label(self) -> str:
         """``1 '</s>'``, or ``1`` when the token's text is unknown."""
@@ -170,7 +177,7 @@ def _first_known(tokenizer: Any, names: Sequence[str], what: str) -> SpecialToke
     for name in names:
         found = tokenizer.token_to_id(name)
         if found is not None:
-            return SpecialToken(_checked_id(found, what), name, f"the token {name!r}")
+            return SpecialToken(_checked_id(found, what), name)
     return None
 
 
@@ -182,46 +189,56 @@ def find_eos(tokenizer: Any, eos_id: int | None = None) -> SpecialToken | None:
     ``None`` when there is none."""
     if eos_id is not None:
         found = _checked_id(eos_id, "eos_id")
-        return SpecialToken(found, _token_text(tokenizer, found, "eos"), "eos_id=")
+        return SpecialToken(found, _token_text(tokenizer, found, "eos"))
     own = getattr(tokenizer, "eos_id", None)
     if own is not None and not callable(own):
         found = _checked_id(own, f"the tokenizer's eos_id ({type(tokenizer).__name__}.eos_id)")
-        return SpecialToken(found, _token_text(tokenizer, found, "eos"), "its eos_id")
+        return SpecialToken(found, _token_text(tokenizer, found, "eos"))
     if _is_transformers_tokenizer(tokenizer):
         for attribute, text in (("eos_token_id", "eos_token"), ("sep_token_id", "sep_token")):
             value = getattr(tokenizer, attribute, None)
             if value is not None:
                 found = _checked_id(value, f"the tokenizer's {attribute}")
                 token = getattr(tokenizer, text, None)
-                return SpecialToken(found, token if isinstance(token, str) else None, attribute)
+                return SpecialToken(found, token if isinstance(token, str) else None)
     if _is_hf_tokenizer(tokenizer):
         appended = _appended_by_post_processor(_post_processor_config(tokenizer))
         if appended is not None:
             name, value = appended
             found = _checked_id(value, f"the id of {name!r} in the tokenizer's post-processor")
-            return SpecialToken(found, name, "its post-processor")
+            return SpecialToken(found, name)
         return _first_known(tokenizer, EOS_TOKENS, "the tokenizer's end-of-sequence id")
     return None
 
 
 def find_pad(tokenizer: Any) -> SpecialToken | None:
     """The padding token of a tokenizer: its ``pad_id`` attribute (``ByteTokenizer``: 257),
-    ``pad_token_id`` (``transformers``), or for a Hugging Face ``tokenizers.Tokenizer`` its
-    padding setting, then the first of ``PAD_TOKENS`` in its vocabulary. ``None`` when there is
-    none (the packers then need ``pad_id=``)."""
+    ``pad_token_id`` (``transformers``), or for a Hugging Face ``tokenizers.Tokenizer`` the first
+    of ``PAD_TOKENS`` in its vocabulary. ``None`` when there is none (the packers then need
+    ``pad_id=``)."""
     for attribute in ("pad_id", "pad_token_id"):
         value = getattr(tokenizer, attribute, None)
         if value is not None and not callable(value):
             found = _checked_id(value, f"the tokenizer's {attribute}")
-            return SpecialToken(found, _token_text(tokenizer, found, "pad"), attribute)
+            return SpecialToken(found, _token_text(tokenizer, found, "pad"))
     if _is_hf_tokenizer(tokenizer):
-        padding = getattr(tokenizer, "padding", None)
-        if isinstance(padding, dict) and padding.get("pad_id") is not None:
-            found = _checked_id(padding["pad_id"], "the pad_id of the tokenizer's padding")
-            token = padding.get("pad_token")
-            return SpecialToken(found, token if isinstance(token, str) else None, "its padding")
         return _first_known(tokenizer, PAD_TOKENS, "the tokenizer's padding id")
     return None
+
+
+def _refuse_batch_padding(tokenizer: Any) -> None:
+    """A Hugging Face tokenizer with padding enabled pads every batch to its longest text: the
+    padding would become part of each document, so it is refused."""
+    padding = getattr(tokenizer, "padding", None) if _is_hf_tokenizer(tokenizer) else None
+    if padding is None:
+        return
+    pad = padding.get("pad_id") if isinstance(padding, dict) else None
+    raise PlanError(
+        "tokenize: the tokenizer has padding enabled, so every batch would be padded to its "
+        "longest text and the padding would become part of each document. Call "
+        "tokenizer.no_padding() first; the packers pad rows themselves"
+        + (f" (pass them pad_id={pad}, the id it padded with)" if pad is not None else "")
+    )
 
 
 def _no_eos_error(tokenizer: Any) -> PlanError:
@@ -367,6 +384,7 @@ class Tokenize(Operator):
         self.split_long_samples = bool(split_long_samples)
         self.append_eos = bool(append_eos)
         self._mode = _encoder_mode(tokenizer)
+        _refuse_batch_padding(tokenizer)
         # A Hugging Face tokenizer's ids are unsigned 32-bit ints (never negative): they need no
         # per-document range check, and one >= 2**31 fails the int32 assignment (OverflowError,
         # numpy >= 2).
