@@ -69,7 +69,7 @@ def _column(key: Any, values: tuple[Any, ...]) -> Any:
     if len(set(map(type, values))) != 1:  # mixed types (1 and 1.5, 1 and True) stay a list
         return list(values)
     try:
-        return np.array(values, dtype=dtype)
+        return np.fromiter(values, dtype, len(values))
     except OverflowError:
         raise OverflowError(
             f"field {key!r} holds Python ints that do not fit in int64 (from {min(values)} to "
