@@ -12,7 +12,7 @@ import re
 project = "Zephon"
 author = "Zephon developers"
 copyright = "Zephon developers"
-release = importlib.metadata.version("zephon")
+release = importlib.metadata.version("zephon-loader")
 version = ".".join(release.split(".")[:2])
 
 extensions = [

@@ -1,6 +1,7 @@
-"""The distribution: the sdist carries the sources and nothing generated, a wheel builds from that
-sdist alone, and the wheel installs into a fresh virtual environment, ships its type information,
-imports, and runs the documentation's quick start.
+"""The distribution: it is named ``zephon-loader`` everywhere a user reads it (and imported as
+``zephon``), the sdist carries the sources and nothing generated, a wheel builds from that sdist
+alone, and the wheel installs into a fresh virtual environment, ships its type information,
+imports, runs the documentation's quick start and the ``zephon`` command.
 
 Builds use ``python -m build`` with build isolation, so the build dependencies come from the
 package index (network access needed). The whole module takes a few minutes; the builds are shared
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -21,7 +23,12 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
+import zephon
+from zephon.cli import DISTRIBUTION
+
 REPO = Path(__file__).resolve().parents[1]
+# File names normalize the distribution name (PEP 625 / wheel): zephon-loader -> zephon_loader.
+FILE_STEM = DISTRIBUTION.replace("-", "_")
 CORE = REPO / "zephon" / "_core"
 KERNELS = sorted(p.stem for p in CORE.glob("*.pyx"))
 GENERATED = (".c", ".cpp", ".so", ".pyd", ".o", ".html")
@@ -55,7 +62,7 @@ def build_frontend() -> None:
 def sdist(build_frontend: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sdist")
     _build("--sdist", "--outdir", out, REPO, cwd=REPO)
-    (path,) = out.glob("zephon-*.tar.gz")
+    (path,) = out.glob(f"{FILE_STEM}-*.tar.gz")
     return path
 
 
@@ -78,8 +85,30 @@ def wheel(sdist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     (project,) = src.iterdir()
     out = tmp_path_factory.mktemp("wheel")
     _build("--wheel", "--outdir", out, project, cwd=project)
-    (path,) = out.glob("zephon-*.whl")
+    (path,) = out.glob(f"{FILE_STEM}-*.whl")
     return path
+
+
+def test_pyproject_names_the_distribution_the_cli_reports():
+    text = (REPO / "pyproject.toml").read_text()
+    names = re.findall(r'^name = "([^"]+)"', text, flags=re.MULTILINE)
+    assert names == [DISTRIBUTION]
+
+
+def test_every_pip_install_in_the_docs_names_the_distribution():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    pages += sorted((REPO / ".github" / "workflows").glob("*.yml"))
+    wrong = []
+    for page in pages:
+        for line in page.read_text().splitlines():
+            for command in re.findall(r"pip install [^`#\n]*", line):
+                # the import name alone (`pip install zephon`, "zephon[torch]") is someone else's
+                if re.search(r"(?<![\w.-])zephon(?![\w-])", command):
+                    wrong.append(f"{page.relative_to(REPO)}: {command.strip()}")
+    assert not wrong, f"pip install names the import name, not {DISTRIBUTION}: {wrong}"
+    readme = (REPO / "README.md").read_text()
+    assert f"pip install {DISTRIBUTION}" in readme
+    assert f'pip install "{DISTRIBUTION}[torch]"' in readme
 
 
 def test_the_sdist_holds_the_build_files_and_every_kernel_source(sdist_names: set[str]):
@@ -154,3 +183,15 @@ def test_the_wheel_installs_imports_and_runs_the_quick_start_in_a_fresh_venv(
     quick_start = REPO / "docs" / "examples" / "quickstart.py"
     _run(python, "-I", quick_start, cwd=work, env=env)
     assert (work / "loader.json").is_file(), "the quick start saves its checkpoint in the cwd"
+    metadata = (
+        "import importlib.metadata as m; "
+        f"print(m.version({DISTRIBUTION!r}), m.packages_distributions()['zephon'])"
+    )
+    assert _run(python, "-I", "-c", metadata, cwd=work, env=env).split() == [
+        zephon.__version__,
+        f"[{DISTRIBUTION!r}]",
+    ]
+    command = env_dir / ("Scripts" if os.name == "nt" else "bin") / "zephon"
+    version = _run(command, "--version", cwd=work, env=env).strip()
+    assert version == f"{DISTRIBUTION} {zephon.__version__}"
+    assert "Zephon loader state" in _run(command, "inspect", "loader.json", cwd=work, env=env)

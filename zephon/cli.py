@@ -1,48 +1,193 @@
-"""Command line: ``zephon demo`` and ``zephon inspect CHECKPOINT``."""
+"""Command line: ``zephon demo``, ``zephon inspect FILE``, ``zephon bench`` and ``--version``.
+
+Every failure a user can cause (a missing or damaged file, a closed output pipe) is one line on
+stderr and exit status 1, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import zephon
+from zephon.errors import CheckpointError, ZephonError
+from zephon.runtime.checkpoint import FILE_FORMAT, JOB_FORMAT, STATE_FORMAT, unseal
+
+_STATE_FORMATS = (STATE_FORMAT, JOB_FORMAT)
+
+#: The name Zephon is published under on the package index (it is imported as ``zephon``).
+DISTRIBUTION = "zephon-loader"
+
+DESCRIPTION = "Zephon: deterministic, checkpointable data pipelines for ML training loops."
+EXAMPLES = """\
+examples:
+  zephon demo
+  zephon inspect loader.json            a loader.state_dict() or save_checkpoint file
+  zephon inspect checkpoint-1000.pt     a torch.save file holding a loader state
+  zephon bench --quick
+"""
+
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
+_PICKLE_MAGIC = b"\x80"  # torch.save's legacy format starts with a pickle protocol opcode
+_MAX_DEPTH = 32
 
 
-def inspect_checkpoint(path: str, out: Any = None) -> int:
-    """Print what a checkpoint holds, readably."""
-    out = out or sys.stdout
-    state = zephon.load_checkpoint(path)
-    print(f"{path}: Zephon loader state v{state['version']}", file=out)
-    print(
-        f"  pipeline fingerprint {state['fingerprint'][:16]}…, rank {state['rank']}"
-        f"/{state['world_size']}, {state['lanes']} lane(s), next lane {state['next_lane']}",
-        file=out,
-    )
-    for lane in state["lane_states"]:
-        where = "finished" if lane["finished"] else f"restarts at lane chunk {lane['start']}"
-        cursor = lane["cursor"]
-        replay = (
-            f"replays {lane['count']} record(s) up to cursor {cursor}"
-            if cursor
-            else "nothing to replay"
+class InspectError(ZephonError):
+    """A file ``zephon inspect`` cannot show; the message names the file and what is wrong."""
+
+
+def _torch_load(path: Path) -> Any:
+    """A ``torch.save`` file's content, loaded safely (``weights_only``: plain data and tensors,
+    never arbitrary pickled code); torch is imported only here."""
+    try:
+        import torch
+    except ImportError:
+        raise InspectError(
+            f"{path} looks like a torch.save file; reading it needs torch "
+            f'(pip install "{DISTRIBUTION}[torch]")'
+        ) from None
+    try:
+        with warnings.catch_warnings():  # torch's notes on pickle protocols are not for us
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise InspectError(
+            f"{path} is not a torch.save file of plain data and tensors (torch.load with "
+            "weights_only=True refused it; inspect never runs pickled code)"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InspectError(f"{path} could not be read as a torch.save file: {first}") from None
+
+
+def _states_in(obj: Any, where: str = "", depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """Every loader state held in ``obj``, with its key path (``['train']['loader']``)."""
+    if isinstance(obj, dict):
+        if obj.get("format") in _STATE_FORMATS:
+            yield where, obj
+            return
+        if depth < _MAX_DEPTH:
+            for key, value in obj.items():
+                yield from _states_in(value, f"{where}[{key!r}]", depth + 1)
+    elif isinstance(obj, (list, tuple)) and depth < _MAX_DEPTH:
+        for i, value in enumerate(obj):
+            yield from _states_in(value, f"{where}[{i}]", depth + 1)
+
+
+def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
+    """The loader states in a JSON state file, a ``save_checkpoint`` file or a ``torch.save``
+    file (under any key, nested too), each checked against its checksum, with its key path."""
+    path = Path(path)
+    raw = path.read_bytes()
+    if raw.startswith((_ZIP_MAGIC, _PICKLE_MAGIC)):
+        content = _torch_load(path)
+    else:
+        try:
+            content = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InspectError(
+                f"{path} is neither a JSON loader state, a save_checkpoint file nor a "
+                f"torch.save file ({exc})"
+            ) from None
+        if isinstance(content, dict) and content.get("format") == FILE_FORMAT:
+            content = zephon.load_checkpoint(path)  # verifies the file's own checksum
+    found = list(_states_in(content))
+    if not found:
+        raise InspectError(
+            f"{path} holds no Zephon loader state (a dict with format {STATE_FORMAT!r}, "
+            "looked for under every key)"
         )
-        print(f"  lane {lane['lane']}: {where}, {replay}", file=out)
-    print(f"  counters: {json.dumps(state['counters'])}", file=out)
+    for where, state in found:
+        try:
+            unseal(state, _STATE_FORMATS)
+        except CheckpointError as exc:
+            raise InspectError(f"{path}{where}: {exc}") from None
+    return found
+
+
+def inspect_checkpoint(path: str | os.PathLike[str], out: Any = None) -> int:
+    """Print the loader state(s) a checkpoint file holds, readably; returns the exit status."""
+    out = out or sys.stdout
+    for where, state in read_states(path):
+        if state["format"] == JOB_FORMAT:
+            print(f"{path}{where}: Zephon job state v{state['version']} (all ranks)", file=out)
+            print(
+                f"  pipeline fingerprint {state['fingerprint'][:16]}…, {state['lanes']} lane(s); "
+                "resumes on any world size dividing the lanes",
+                file=out,
+            )
+        else:
+            print(f"{path}{where}: Zephon loader state v{state['version']}", file=out)
+            lanes = [lane["lane"] for lane in state["lane_states"]]
+            shown = f"lanes {lanes[0]}..{lanes[-1]}" if lanes else "no lanes"
+            print(
+                f"  pipeline fingerprint {state['fingerprint'][:16]}…, rank {state['rank']}"
+                f"/{state['world_size']} runs {shown} of {state['lanes']} lane(s), next lane "
+                f"{state['next_lane']}",
+                file=out,
+            )
+        for lane in state["lane_states"]:
+            where_lane = (
+                "finished" if lane["finished"] else f"restarts at lane chunk {lane['start']}"
+            )
+            cursor = lane["cursor"]
+            replay = (
+                f"replays {lane['count']} record(s) up to cursor {cursor}"
+                if cursor
+                else "nothing to replay"
+            )
+            print(
+                f"  lane {lane['lane']}: {lane['delivered']} item(s) delivered, {where_lane}, "
+                f"{replay}",
+                file=out,
+            )
+        print(f"  counters: {json.dumps(state['counters'])}", file=out)
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zephon", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run, checkpoint, kill, restore, and prove the stream exact")
-    insp = sub.add_parser("inspect", help="show what a checkpoint file holds")
-    insp.add_argument("checkpoint")
-    bench = sub.add_parser("bench", help="SPEC §5 benchmarks against same-process baselines")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zephon",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"{DISTRIBUTION} {zephon.__version__}"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    sub.add_parser(
+        "demo",
+        help="run, checkpoint, SIGKILL, restore, and prove the stream exact",
+        description="Run a small pipeline on two process lanes, SIGKILL a training process "
+        "mid-run, restore from its last checkpoint and compare the streams byte for byte.",
+    )
+    insp = sub.add_parser(
+        "inspect",
+        help="show the loader state in a checkpoint file",
+        description="Show the loader state in FILE: a JSON file of loader.state_dict(), a "
+        "zephon.save_checkpoint file, or a torch.save file holding a loader state under any "
+        "key (torch is needed only for the last).",
+    )
+    insp.add_argument("checkpoint", metavar="FILE")
+    bench = sub.add_parser(
+        "bench",
+        help="run the performance benchmarks against their baselines",
+        description="Run the performance benchmarks, each against a baseline in the same "
+        "process, and print one table of medians, ratios and targets.",
+    )
     bench.add_argument("--quick", action="store_true", help="smaller sizes, a minute or two")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from zephon.bench import run_bench
 
@@ -52,6 +197,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo()
     return inspect_checkpoint(args.checkpoint)
+
+
+def _fail(message: str) -> int:
+    print(f"zephon: {message}", file=sys.stderr, flush=True)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``zephon`` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        status = _run(args)
+        sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
+    except BrokenPipeError:
+        # The reader left (`zephon inspect FILE | head`): no more output, and none at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _fail("the output pipe was closed before everything was written")
+    except FileNotFoundError as exc:
+        return _fail(f"{exc.filename}: no such file")
+    except OSError as exc:
+        return _fail(f"{exc.filename or args.command}: {exc.strerror or exc}")
+    except ZephonError as exc:
+        return _fail(str(exc))
+    return status
 
 
 if __name__ == "__main__":

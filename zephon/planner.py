@@ -156,6 +156,13 @@ class Pipeline:
                 )
         if not ops[0].consumes_pointers:
             raise PlanError(f"the first operator must be fetch, got {ops[0].name!r}")
+        # Plan-time facts flow downstream: each operator may publish some (``provides()``, e.g.
+        # a tokenizer's pad id) and is handed those of the operators before it
+        # (``use_upstream_facts(facts)``, which raises PlanError when a fact it needs is missing).
+        facts: dict[str, Any] = {}
+        for op in ops:
+            op.use_upstream_facts(dict(facts))
+            facts.update(op.provides())
         fetch_op: Any = ops[0]
         batcher: Any = ops[-1] if len(ops) > 1 and ops[-1].groups_at_delivery else None
         chain = tuple(ops[1 : len(ops) - (1 if batcher else 0)])

@@ -125,8 +125,11 @@ def test_a_plain_dataloader_yields_the_pipeline_payloads_as_tensors():
             3,
         )
         assert tensors["tokens"].tolist() == payload["tokens"].tolist()
-        assert tensors["idx"] == payload["idx"] and tensors["name"] == payload["name"]
-        assert [w.item() for w in tensors["weight"]] == [float(w) for w in payload["weight"]]
+        assert tensors["idx"].dtype == torch.int64  # an int column collates to an int64 array
+        assert tensors["idx"].tolist() == payload["idx"].tolist()
+        assert tensors["name"] == payload["name"]  # strings stay lists
+        assert tensors["weight"].dtype == torch.float32  # numpy scalars keep their dtype
+        assert tensors["weight"].tolist() == payload["weight"].tolist()
 
 
 def test_records_without_batch_yield_their_payloads():
@@ -244,3 +247,73 @@ def test_as_torch_dataset_needs_a_pipeline():
 
     with pytest.raises(TypeError, match="Pipeline"):
         as_torch_dataset([1, 2, 3])  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- stats
+
+
+def test_stats_are_available_before_during_and_after_the_stream():
+    pytest.importorskip("torch")
+    from zephon.integrations.torch import as_torch_dataset
+
+    ds = as_torch_dataset(pipeline())
+    before = ds.stats()
+    assert before["delivered"] == 0 and before["eviction_path"] == "monotone"
+    it = iter(ds)
+    for _ in range(3):
+        next(it)
+    assert ds.stats()["delivered"] == 12  # three batches of four records
+    rest = list(it)
+    assert len(rest) == 21
+    after = ds.stats()  # the last loader's, kept once the stream ended
+    assert after["delivered"] == 90 and after["inflight_chunks"] == 0
+    assert ds.stats() == after
+
+    resumed = as_torch_dataset(pipeline())
+    resumed.load_state_dict(ds.state_dict())
+    assert resumed.stats()["delivered"] == 90  # the loaded state's counters, before iterating
+
+
+# --------------------------------------------------------------------------- DataLoader arguments
+
+
+def test_a_dataloader_that_batches_again_warns_once():
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from zephon.integrations.torch import as_torch_dataset
+
+    ds = as_torch_dataset(pipeline())
+    with pytest.warns(UserWarning, match=r"batch_size=None") as caught:
+        first = next(iter(DataLoader(ds)))  # batch_size=1 by default: an extra dimension
+        list(DataLoader(ds, batch_size=2))
+    assert len([w for w in caught if "batch_size=None" in str(w.message)]) == 1
+    assert first["tokens"].shape == (1, 4, 3)
+
+
+# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_a_stateful_dataloader_that_batches_again_warns():
+    pytest.importorskip("torch")
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from zephon.integrations.torch import as_torch_dataset
+
+    loader = stateful.StatefulDataLoader(as_torch_dataset(pipeline()), batch_size=2)
+    with pytest.warns(UserWarning, match=r"StatefulDataLoader\(dataset, batch_size=None"):
+        next(iter(loader))
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_the_documented_arguments_do_not_warn():
+    pytest.importorskip("torch")
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from torch.utils.data import DataLoader
+
+    from zephon.integrations.torch import as_torch_dataset
+
+    # pytest turns warnings into errors here: none may be raised
+    assert len(list(DataLoader(as_torch_dataset(pipeline()), batch_size=None))) == 24
+    loader = stateful.StatefulDataLoader(
+        as_torch_dataset(pipeline()), batch_size=None, num_workers=0
+    )
+    assert len(list(loader)) == 24

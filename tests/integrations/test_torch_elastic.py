@@ -116,3 +116,30 @@ def test_a_two_process_job_continues_on_one_and_on_four_processes(tmp_path: Path
         limit = shortest - STEPS_BEFORE
         assert len(resumed) >= limit
         assert resumed[:limit] == reference[STEPS_BEFORE:shortest], f"world {world}"
+
+
+# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_job_state_takes_a_stateful_dataloader_in_a_one_process_group() -> None:
+    import torch.distributed as dist
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import zephon
+    from zephon.integrations.torch import as_torch_dataset, job_state
+
+    dataloader = StatefulDataLoader(as_torch_dataset(make()), batch_size=None, num_workers=0)
+    it = iter(dataloader)
+    seen = [next(it)["idx"].tolist() for _ in range(5)]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        job = job_state(dataloader)
+    finally:
+        dist.destroy_process_group()
+    full = [item(b) for b in make(rank=0, world_size=1)]
+    resumed = [item(b) for b in make(rank=0, world_size=1).iter(state=job)]
+    assert seen + resumed == full
+    assert job["format"] == "zephon-job-state"
+    with pytest.raises(zephon.ZephonError, match="init_process_group"):
+        job_state(dataloader)

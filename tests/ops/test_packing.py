@@ -1,5 +1,8 @@
-"""``pack_sequences`` and ``pack_flat`` (SPEC §1.3): nothing lost or invented, unique primary
-cursors, closing contributors only at the end of an input, component heritage, and fill."""
+"""``pack_sequences`` and ``pack_flat``: nothing lost or invented, unique primary cursors, closing
+contributors only at the end of an input, component heritage, fill, and a padding id that is
+``pad_id=`` or the upstream tokenizer's, never silently a real token.
+
+Tests that pack hand-made tokens pass ``pad_id=`` themselves."""
 
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import zephon
-from zephon.ops import fetch, pack_flat, pack_sequences, tokenize
+from zephon.ops import ByteTokenizer, fetch, pack_flat, pack_sequences, tokenize
 from zephon.ops.packing import PackFlat, PackSequences
 from zephon.sources.memory import ListSource
 from zephon.testing import check_operator
@@ -110,7 +114,7 @@ def assert_every_input_recovered_once(lengths: list[int], out: list[SampleRecord
 def test_pack_sequences_loses_and_invents_no_token(
     seq_len, lengths, open_bins, strategy, micro, flush_every
 ):
-    op = pack_sequences(seq_len, open_bins=open_bins, strategy=strategy)
+    op = pack_sequences(seq_len, open_bins=open_bins, strategy=strategy, pad_id=0)
     out = run(op, token_records(lengths), micro, flush_every)
     assert_every_input_recovered_once(lengths, out)
     assert all(len(r.payload["tokens"]) == seq_len for r in out)
@@ -128,7 +132,7 @@ def test_pack_flat_is_the_concatenated_stream_cut_every_seq_len(
     seq_len, lengths, micro, flush_every
 ):
     records = token_records(lengths)
-    out = run(pack_flat(seq_len), records, micro, flush_every)
+    out = run(pack_flat(seq_len, pad_id=0), records, micro, flush_every)
     assert_every_input_recovered_once(lengths, out)
     packed = [t for r in out for t in r.payload["tokens"][r.payload["segment_ids"] > 0].tolist()]
     assert packed == [t for r in records for t in r.payload["tokens"].tolist()]
@@ -138,7 +142,9 @@ def test_pack_flat_is_the_concatenated_stream_cut_every_seq_len(
 
 
 # ------------------------------------------------------------------------------------ cursors
-@pytest.mark.parametrize("op", [pack_sequences(8, open_bins=2), pack_flat(8)], ids=["seq", "flat"])
+@pytest.mark.parametrize(
+    "op", [pack_sequences(8, open_bins=2, pad_id=0), pack_flat(8, pad_id=0)], ids=["seq", "flat"]
+)
 def test_one_long_input_leads_several_bins_with_distinct_primary_cursors(op):
     records = token_records([3, 43, 5])
     out = run(op, records)
@@ -152,11 +158,13 @@ def test_one_long_input_leads_several_bins_with_distinct_primary_cursors(op):
 
 def test_the_primary_cursor_is_the_first_fragments_input_cursor_child_of_its_start():
     records = token_records([20])
-    out = run(pack_sequences(8), records)
+    out = run(pack_sequences(8, pad_id=0), records)
     assert [r.meta.cursor for r in out] == [records[0].meta.cursor.child(s) for s in (0, 8, 16)]
 
 
-@pytest.mark.parametrize("op", [pack_sequences(8), pack_flat(8)], ids=["seq", "flat"])
+@pytest.mark.parametrize(
+    "op", [pack_sequences(8, pad_id=0), pack_flat(8, pad_id=0)], ids=["seq", "flat"]
+)
 def test_only_the_fragment_that_ends_an_input_closes_it(op):
     records = token_records([20, 3])
     out = run(op, records)
@@ -174,21 +182,21 @@ def test_split_children_in_different_bins_keep_their_closing_flags():
         child = parent.child(i)
         meta = SampleMeta(child, contributors=(ContributorRef(child, i == 1),), component="web")
         recs.append(SampleRecord(meta, {"tokens": np.arange(n, dtype=np.int32)}))
-    op = pack_sequences(8, open_bins=4)
+    op = pack_sequences(8, open_bins=4, pad_id=0)
     op.start_epoch(0, 0)
     first = op.process_many(recs)  # child 1 fills a bin of its own at once; child 0's bin stays
     assert len(first) == 1
     assert first[0].contribution_refs() == (ContributorRef(parent.child(1), True),)
     (last,) = op.flush()
     assert last.contribution_refs() == (ContributorRef(parent.child(0), False),)
-    check_operator(pack_sequences(8, open_bins=4), recs)
+    check_operator(pack_sequences(8, open_bins=4, pad_id=0), recs)
 
 
 # ------------------------------------------------------------------------------------ heritage
 def test_component_counts_count_fragments_and_tokens_per_component():
     lengths = [5, 12, 3, 7, 9, 0]
     comps = ["a", "b", "a", "b", "a", "b"]
-    out = run(pack_sequences(8, open_bins=3), token_records(lengths, components=comps))
+    out = run(pack_sequences(8, open_bins=3, pad_id=0), token_records(lengths, components=comps))
     tokens: Counter = Counter()
     samples: Counter = Counter()
     for rec in out:
@@ -204,7 +212,7 @@ def test_component_counts_count_fragments_and_tokens_per_component():
 
 
 def test_packing_before_tokenization_has_no_token_counts():
-    out = run(pack_sequences(8), token_records([5, 6], counts=False))
+    out = run(pack_sequences(8, pad_id=0), token_records([5, 6], counts=False))
     assert all(r.meta.component_token_counts is None for r in out)
     assert sum((Counter(r.meta.component_sample_counts) for r in out), Counter()) == {"web": 2}
 
@@ -216,7 +224,7 @@ def test_repacking_a_packed_record_splits_its_counts_by_its_layout():
         component_token_counts={"a": 6, "b": 4},
     )
     rec = SampleRecord(meta, {"tokens": np.arange(10, dtype=np.int32)})
-    out = run(pack_flat(4), [rec])
+    out = run(pack_flat(4, pad_id=0), [rec])
     assert [r.meta.component_token_counts for r in out] == [{"a": 4}, {"a": 2, "b": 2}, {"b": 2}]
     assert [r.meta.component_sample_counts for r in out] == [{"a": 1}, {"a": 1, "b": 1}, {"b": 1}]
 
@@ -233,11 +241,11 @@ def test_padding_uses_pad_id_and_segment_zero():
 def test_a_missing_field_names_the_record():
     rec = token_records([3])[0]
     with pytest.raises(zephon.OperatorError, match=r"no field 'ids'"):
-        pack_sequences(4, field="ids").process_many([rec])
+        pack_sequences(4, field="ids", pad_id=0).process_many([rec])
 
 
 def test_bins_never_cross_a_flush_and_a_packer_with_open_bins_cannot_be_copied():
-    op = pack_sequences(8)
+    op = pack_sequences(8, pad_id=0)
     op.start_epoch(0, 0)
     assert op.process_many(token_records([3])) == []
     with pytest.raises(RuntimeError, match="open bins"):
@@ -258,7 +266,7 @@ def test_traits_and_parameters():
         "seq_len": 16,
         "strategy": "first_fit",
     }
-    flat = pack_flat(16)
+    flat = pack_flat(16, pad_id=0)
     assert isinstance(flat, PackFlat)
     assert flat.traits.preserves_cursor_order and flat.traits.stateful
     with pytest.raises(ValueError, match="strategy"):
@@ -269,7 +277,11 @@ def test_traits_and_parameters():
 
 @pytest.mark.parametrize(
     "op",
-    [pack_sequences(8), pack_sequences(8, open_bins=1, strategy="first_fit"), pack_flat(8)],
+    [
+        pack_sequences(8, pad_id=0),
+        pack_sequences(8, open_bins=1, strategy="first_fit", pad_id=0),
+        pack_flat(8, pad_id=0),
+    ],
     ids=["best_fit", "first_fit-1", "flat"],
 )
 def test_each_base_offset_is_closed_exactly_once(op):
@@ -289,7 +301,7 @@ def test_each_base_offset_is_closed_exactly_once(op):
 def fill(strategy: str) -> float:
     lengths = np.random.default_rng(0).integers(1, 512, size=20_000)
     records = token_records(lengths.tolist(), chunk_size=1024)
-    op = pack_sequences(1024, open_bins=64, strategy=strategy)
+    op = pack_sequences(1024, open_bins=64, strategy=strategy, pad_id=0)
     out = run(op, records, micro=256, flush_every=4096)
     return float(lengths.sum()) / (len(out) * 1024)
 
@@ -326,3 +338,80 @@ def test_through_a_pipeline_the_delivered_fragments_are_the_tokenized_children()
     assert stats["violations"] == 0
     assert stats["mixture"] == {0: 1.0}
     assert stats["inflight_chunks"] == 0
+
+
+# ------------------------------------------------------------------------------------ pad id
+def text_pipeline(ops: list[Any], **kw: Any) -> zephon.Pipeline:
+    texts = [{"text": "ab" * (i % 9)} for i in range(40)]
+    return zephon.Pipeline(ListSource(texts, chunk_size=8), [fetch(), *ops], **kw)
+
+
+def padding_values(pipeline: zephon.Pipeline) -> set[int]:
+    """Every token value delivered where ``segment_ids == 0`` (the padding positions)."""
+    with pipeline.iter() as loader:
+        return {
+            int(v) for rec in loader for v in rec.payload["tokens"][rec.payload["segment_ids"] == 0]
+        }
+
+
+def bpe_with(special_tokens: list[str]) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token=special_tokens[0]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=40, special_tokens=special_tokens)
+    tok.train_from_iterator(["ab ab abab", "ba ab"], trainer)
+    return tok
+
+
+@pytest.mark.parametrize("packer", [pack_sequences, pack_flat])
+def test_without_pad_id_a_packer_pads_with_the_upstream_tokenizers_pad(packer):
+    pipeline = text_pipeline([tokenize(), packer(32)], lanes=2, workers="process")
+    packed = pipeline.compile().chain[-1]
+    assert isinstance(packed, (PackSequences, PackFlat))
+    assert packed.pad_id is None and packed.effective_pad_id == 257
+    assert padding_values(pipeline) == {ByteTokenizer.pad_id}
+
+
+def test_a_hugging_face_tokenizers_pad_token_is_the_packers_pad():
+    tok = bpe_with(["<unk>", "</s>", "<pad>"])
+    pipeline = text_pipeline([tokenize(tok), pack_sequences(32)])
+    assert padding_values(pipeline) == {tok.token_to_id("<pad>")} == {2}
+
+
+def test_an_explicit_pad_id_wins_over_the_tokenizers():
+    assert padding_values(text_pipeline([tokenize(), pack_sequences(32, pad_id=-1)])) == {-1}
+
+
+def test_a_packer_after_hand_made_tokens_without_pad_id_is_a_plan_error():
+    rows = [{"tokens": np.arange(n, dtype=np.int32)} for n in (3, 5, 8)]
+    pipeline = zephon.Pipeline(ListSource(rows), [fetch(), pack_sequences(8)])
+    with pytest.raises(zephon.PlanError, match=r"pack_sequences: .*pass pad_id=.*segment_ids == 0"):
+        pipeline.compile()
+    with pytest.raises(zephon.PlanError, match="pack_flat"):
+        iter(zephon.Pipeline(ListSource(rows), [fetch(), pack_flat(8)]))
+    assert zephon.Pipeline(ListSource(rows), [fetch(), pack_flat(8, pad_id=0)]).compile()
+
+
+def test_a_tokenizer_without_a_pad_token_makes_the_packer_ask_for_pad_id():
+    tok = bpe_with(["<unk>", "</s>"])
+    with pytest.raises(zephon.PlanError, match=r"pack_flat: .*tokenize\(eos=1 '</s>'\).*pad_id="):
+        text_pipeline([tokenize(tok), pack_flat(16)]).compile()
+
+
+def test_a_packer_reading_another_field_does_not_take_that_tokenizers_pad():
+    pipeline = text_pipeline([tokenize(output_field="ids"), pack_sequences(16)])
+    with pytest.raises(zephon.PlanError, match=r"reads 'tokens'.*writes 'ids'"):
+        pipeline.compile()
+    ok = text_pipeline([tokenize(output_field="ids"), pack_sequences(16, field="ids")])
+    packed = ok.compile().chain[-1]
+    assert isinstance(packed, PackSequences) and packed.effective_pad_id == 257
+
+
+def test_a_packer_used_alone_without_pad_id_says_to_pass_it():
+    with pytest.raises(zephon.PlanError, match=r"pack_sequences: .*pad_id="):
+        pack_sequences(8).process_many(token_records([3]))
+
+
+def test_taking_the_upstream_pad_leaves_the_fingerprint_as_it_was():
+    pipeline = text_pipeline([tokenize(), pack_sequences(32)])
+    before = pipeline.fingerprint
+    assert pipeline.compile().fingerprint == before == pipeline.fingerprint

@@ -1,4 +1,5 @@
-"""``tokenize`` (SPEC §1.3): every supported tokenizer shape, splitting, truncation, heritage."""
+"""``tokenize``: every supported tokenizer shape, an end-of-sequence id that is never a guess,
+ids converted once and range-checked, splitting, truncation, heritage."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
 
-from zephon.errors import OperatorError
-from zephon.ops import ByteTokenizer, tokenize
+import zephon
+from zephon.errors import OperatorError, PlanError
+from zephon.ops import ByteTokenizer, fetch, tokenize
+from zephon.sources import ListSource
 from zephon.testing import check_operator
 from zephon.types import ContributorRef, SampleCursor, SampleMeta, SampleRecord
 
@@ -46,22 +50,24 @@ def word_level_tokenizer() -> Tokenizer:
     return tok
 
 
-def bpe_tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+def bpe_tokenizer(special_tokens: tuple[str, ...] = ("[UNK]", "[EOS]")) -> Tokenizer:
+    """A byte-pair encoding trained here on ``SENTENCES``; the special tokens take ids 0, 1, ..."""
+    tok = Tokenizer(models.BPE(unk_token=special_tokens[0]))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "[EOS]"])
+    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=list(special_tokens))
     tok.train_from_iterator(SENTENCES, trainer)
     return tok
 
 
 # ------------------------------------------------------------------------------------ ByteTokenizer
-def test_byte_tokenizer_maps_utf8_bytes_to_ids_and_has_eos_256():
+def test_byte_tokenizer_maps_utf8_bytes_to_ids_and_documents_eos_256_and_pad_257():
     tok = ByteTokenizer()
     ids = tok.encode("héllo ☃")
     assert ids.dtype == np.int32
     assert ids.tolist() == list("héllo ☃".encode())
-    assert tok.eos_id == 256 and tok.vocab_size == 257
-    assert tok.decode([*ids.tolist(), 256]) == "héllo ☃"
+    assert (tok.eos_id, tok.pad_id, tok.vocab_size) == (256, 257, 258)
+    assert (tok.eos_token, tok.pad_token) == ("<eos>", "<pad>")
+    assert tok.decode([*ids.tolist(), 256, 257]) == "héllo ☃"
     assert [a.tolist() for a in tok.encode_batch(["ab", ""])] == [[97, 98], []]
 
 
@@ -100,8 +106,8 @@ def test_output_field_and_no_eos():
 
 # ------------------------------------------------------------------------------------ tokenizers
 def test_a_plain_callable_is_a_tokenizer():
-    out = tokenize(word_lengths).process_many(text_records(["aa bbb c"]))
-    assert out[0].payload["tokens"].tolist() == [2, 3, 1, ByteTokenizer.eos_id]
+    out = tokenize(word_lengths, eos_id=0).process_many(text_records(["aa bbb c"]))
+    assert out[0].payload["tokens"].tolist() == [2, 3, 1, 0]
 
 
 class EncodeOnly:
@@ -141,7 +147,7 @@ class EncodeWithIds:
 class TransformersLike:
     """The ``transformers`` shape: ``encode``, ``batch_encode_plus`` and ``eos_token_id``."""
 
-    eos_token_id = 7
+    eos_token_id: int | None = 7
 
     def encode(self, text: str) -> list[int]:
         return [1, len(text)]
@@ -159,26 +165,167 @@ def test_an_encode_method_is_used_and_its_eos_id_wins():
 
 def test_encode_batch_runs_once_per_micro_batch():
     tok = EncodeWithIds()
-    op = tokenize(tok)
+    op = tokenize(tok, eos_id=9)
     out = op.process_many(text_records(["a", "bb", "ccc"]))
     assert op.tokenizer.batches == [3] and op.tokenizer.single == 0
-    assert [r.payload["tokens"].tolist() for r in out] == [[1, 256], [2, 256], [3, 256]]
+    assert [r.payload["tokens"].tolist() for r in out] == [[1, 9], [2, 9], [3, 9]]
 
 
 def test_transformers_style_tokenizers_use_batch_encode_plus_and_eos_token_id():
-    out = tokenize(TransformersLike()).process_many(text_records(["abc", ""]))
+    op = tokenize(TransformersLike())
+    out = op.process_many(text_records(["abc", ""]))
     assert [r.payload["tokens"].tolist() for r in out] == [[1, 3, 7], [1, 0, 7]]
+    assert (op.eos_id, op.pad_id) == (7, None)
+
+
+class SepOnly(TransformersLike):
+    """A ``transformers``-style tokenizer with no eos token but a separator and a pad token."""
+
+    eos_token_id = None
+    sep_token_id = 5
+    pad_token_id = 4
+
+
+def test_without_eos_token_id_a_transformers_style_tokenizer_ends_with_its_sep_token():
+    op = tokenize(SepOnly())
+    assert [r.payload["tokens"].tolist() for r in op.process_many(text_records(["ab"]))] == [
+        [1, 2, 5]
+    ]
+    assert (op.eos_id, op.pad_id) == (5, 4)
+
+
+def fast_transformers_tokenizer(**special: str) -> PreTrainedTokenizerFast:
+    """A real ``transformers`` fast tokenizer around a BPE trained here (no download)."""
+    bpe = bpe_tokenizer(("<unk>", "</s>", "<pad>"))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", **special)
+
+
+def test_a_transformers_fast_tokenizer_ends_with_its_eos_and_publishes_its_pad():
+    tok = fast_transformers_tokenizer(eos_token="</s>", pad_token="<pad>")
+    op = tokenize(tok)
+    texts = ["the lazy fox", "unseen words"]
+    out = op.process_many(text_records(texts))
+    assert [r.payload["tokens"].tolist() for r in out] == [[*tok.encode(t), 1] for t in texts]
+    assert (op.eos_id, op.eos_token, op.pad_id, op.pad_token) == (1, "</s>", 2, "<pad>")
+
+
+def test_a_transformers_fast_tokenizer_without_eos_token_is_refused():
+    with pytest.raises(PlanError, match=r"eos_id=.*append_eos=False"):
+        tokenize(fast_transformers_tokenizer())
 
 
 @pytest.mark.parametrize("build", [word_level_tokenizer, bpe_tokenizer])
-def test_a_hugging_face_tokenizer_works_as_is(build):
+@pytest.mark.parametrize("explicit", [False, True], ids=["its-own-eos", "eos_id="])
+def test_a_hugging_face_tokenizer_works_as_is(build, explicit):
     tok = build()
     eos = tok.token_to_id("[EOS]")
     texts = ["the lazy fox", "dog friends sun", "unseen words here"]
-    out = tokenize(tok, eos_id=eos).process_many(text_records(texts))
+    op = tokenize(tok, eos_id=eos) if explicit else tokenize(tok)
+    out = op.process_many(text_records(texts))
     for rec, text in zip(out, texts, strict=True):
         assert rec.payload["tokens"].tolist() == [*tok.encode(text).ids, eos]
         assert rec.meta.component_token_counts == {"web": len(tok.encode(text).ids) + 1}
+
+
+def test_a_hugging_face_tokenizer_ends_documents_with_its_own_eos_not_a_byte_id():
+    tok = bpe_tokenizer(("<unk>", "<eos>", "<pad>"))
+    assert tok.token_to_id("<eos>") == 1 and tok.id_to_token(256) is None
+    op = tokenize(tok)
+    (rec,) = op.process_many(text_records(["the lazy dog"]))
+    assert rec.payload["tokens"].tolist() == [*tok.encode("the lazy dog").ids, 1]
+    assert (op.eos_id, op.eos_token, op.pad_id, op.pad_token) == (1, "<eos>", 2, "<pad>")
+
+
+@pytest.mark.parametrize("name", ["</s>", "<|endoftext|>", "[SEP]"])
+def test_each_common_end_of_sequence_token_is_recognized(name):
+    tok = bpe_tokenizer(("<unk>", "<s>", name))
+    assert tokenize(tok).eos_id == 2
+
+
+def test_the_eos_of_a_post_processor_template_is_used_once():
+    tok = bpe_tokenizer(("<unk>", "<s>", "</s>", "<|endoftext|>"))
+    # The template appends '</s>' itself: tokenize must neither add a second one nor pick
+    # another end-of-text token of the vocabulary.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    op = tokenize(tok)
+    out = op.process_many(text_records(["the fox", ""]))
+    assert [r.payload["tokens"].tolist() for r in out] == [tok.encode("the fox").ids, [1, 2]]
+    assert out[0].payload["tokens"][-1] == 2 and (op.eos_id, op.eos_token) == (2, "</s>")
+    assert not op.appends_eos  # the tokenizer adds it
+
+
+def test_a_template_that_only_adds_a_beginning_token_gives_no_eos():
+    tok = bpe_tokenizer(("<unk>", "<s>"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    with pytest.raises(PlanError, match="eos_id="):
+        tokenize(tok)
+    (rec,) = tokenize(tok, eos_id=0).process_many(text_records(["the fox"]))
+    assert rec.payload["tokens"].tolist() == [*tok.encode("the fox").ids, 0]
+
+
+def test_a_tokenizer_without_an_eos_is_refused_at_construction():
+    tok = bpe_tokenizer(("[UNK]",))
+    with pytest.raises(PlanError, match=r"tokenize: .*eos_id=.*append_eos=False"):
+        tokenize(tok)
+    with pytest.raises(PlanError, match=r"eos_id=.*append_eos=False"):
+        tokenize(word_lengths)
+    assert tokenize(tok, append_eos=False).eos_id is None
+    (rec,) = tokenize(tok, append_eos=False).process_many(text_records(["the dog"]))
+    assert rec.payload["tokens"].tolist() == tok.encode("the dog").ids
+
+
+def test_a_tokenizer_that_pads_its_batches_is_refused():
+    tok = bpe_tokenizer(("<unk>", "</s>", "[PAD]"))
+    tok.enable_padding(pad_id=2, pad_token="[PAD]")
+    # encode_batch would pad the short text to the long one's length, inside the document
+    assert tok.encode_batch(["the", "the lazy dog"])[0].ids[-1] == 2
+    with pytest.raises(PlanError, match=r"no_padding\(\).*pad_id=2"):
+        tokenize(tok)
+    tok.no_padding()
+    assert (tokenize(tok).eos_id, tokenize(tok).pad_id) == (1, 2)
+
+
+def test_the_chosen_eos_and_pad_are_named_in_the_plan_description():
+    tok = bpe_tokenizer(("<unk>", "</s>", "<pad>"))
+    plan = zephon.Pipeline(ListSource([{"text": "the dog"}]), [fetch(), tokenize(tok)]).compile()
+    assert "tokenize(eos=1 '</s>', pad=2 '<pad>')" in plan.describe()
+    plan = zephon.Pipeline(ListSource([{"text": "x"}]), [fetch(), tokenize()]).compile()
+    assert "tokenize(eos=256 '<eos>', pad=257 '<pad>')" in plan.describe()
+    no_eos = tokenize(tok, append_eos=False)
+    assert no_eos.name == "tokenize(append_eos=False, pad=2 '<pad>')"
+
+
+@pytest.mark.parametrize("bad", [-1, 2**31, 1.0, True, "1"])
+def test_an_eos_id_that_is_not_an_int32_token_id_is_refused(bad):
+    with pytest.raises(PlanError, match="eos_id"):
+        tokenize(eos_id=bad)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[-1, 2], [2**31], np.array([3, -4]), np.array([2**31], dtype=np.int64)],
+    ids=["negative-list", "too-big-list", "negative-array", "too-big-array"],
+)
+def test_ids_outside_0_to_int32_max_are_refused(ids):
+    with pytest.raises(OperatorError, match=r"token ids .* outside \[0, 2\*\*31\)"):
+        tokenize(lambda s: ids, eos_id=0).process_many(text_records(["x"]))
+
+
+def test_each_document_gets_its_own_writable_int32_array_with_the_eos():
+    tok = bpe_tokenizer(("<unk>", "</s>"))
+    texts = ["the lazy fox", "", "dog " * 50]
+    out = tokenize(tok).process_many(text_records(texts))
+    for rec, text in zip(out, texts, strict=True):
+        tokens = rec.payload["tokens"]
+        assert tokens.dtype == np.int32 and tokens.flags.c_contiguous and tokens.flags.writeable
+        assert tokens.base is None  # its own buffer: holding one record holds no other
+        assert tokens.tolist() == [*tok.encode(text).ids, 1]
+    # Truncation keeps only the first max_len tokens, in an array of that size.
+    (cut,) = tokenize(tok, max_len=3).process_many(text_records(["dog " * 50]))
+    assert cut.payload["tokens"].tolist() == tok.encode("dog " * 50).ids[:3]
+    assert cut.payload["tokens"].base is None
 
 
 def test_the_fingerprint_follows_the_vocabulary_of_a_hugging_face_tokenizer():
@@ -189,7 +336,7 @@ def test_the_fingerprint_follows_the_vocabulary_of_a_hugging_face_tokenizer():
 
 def test_a_tokenizer_returning_non_integers_is_an_error():
     with pytest.raises(OperatorError, match="not integer token ids"):
-        tokenize(lambda s: [0.5]).process_many(text_records(["x"]))
+        tokenize(lambda s: [0.5], eos_id=0).process_many(text_records(["x"]))
 
 
 def test_a_missing_text_field_names_the_record():

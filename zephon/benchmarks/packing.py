@@ -90,9 +90,9 @@ def zephon_pipeline(
     if epoch_sequences % chunk:
         raise ValueError(f"epoch_sequences must be a multiple of {chunk}, got {epoch_sequences}")
     packer = (
-        pack_flat(seq_len)
+        pack_flat(seq_len, pad_id=0)
         if strategy == "flat"
-        else pack_sequences(seq_len, open_bins=open_bins, strategy=strategy)
+        else pack_sequences(seq_len, open_bins=open_bins, strategy=strategy, pad_id=0)
     )
     ops: list[Any] = [fetch(), packer]
     if batch_size:

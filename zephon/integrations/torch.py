@@ -1,11 +1,12 @@
-"""PyTorch integration (SPEC §4): a pipeline as a checkpointable ``IterableDataset``.
+"""PyTorch integration: a pipeline as a checkpointable ``IterableDataset``.
 
 This module imports torch; nothing else in Zephon does, so ``import zephon`` stays torch-free.
 
 Use the dataset with ``torch.utils.data.DataLoader`` or
 ``torchdata.stateful_dataloader.StatefulDataLoader`` with ``batch_size=None`` (batching happens in
-the pipeline) and ``num_workers=0`` (lanes already parallelize; torch workers would each run a
-copy of the whole pipeline)::
+the pipeline; the DataLoader's default ``batch_size=1`` would add a dimension and any other value
+would stack several batches, so the dataset warns once when it sees one) and ``num_workers=0``
+(lanes already parallelize; torch workers would each run a copy of the whole pipeline)::
 
     from torchdata.stateful_dataloader import StatefulDataLoader
     from zephon.integrations.torch import as_torch_dataset
@@ -18,18 +19,22 @@ copy of the whole pipeline)::
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from zephon.errors import PlanError
+from zephon.errors import PlanError, ZephonError
 from zephon.planner import Pipeline
+from zephon.runtime.job import merge_states
 from zephon.runtime.loader import Loader
 
-__all__ = ["ZephonIterableDataset", "as_torch_dataset", "to_tensors"]
+__all__ = ["ZephonIterableDataset", "as_torch_dataset", "job_state", "to_tensors"]
 
 _TENSOR_KINDS = "biufc"  # bool, signed, unsigned, float, complex: what torch.from_numpy takes
 
@@ -85,6 +90,8 @@ class ZephonIterableDataset(IterableDataset[Any]):
         self._loader: Loader | None = None
         self._pending: dict[str, Any] | None = None  # from load_state_dict, for the next iter()
         self._final: dict[str, Any] | None = None  # state of the last loader once it ended
+        self._final_stats: dict[str, Any] | None = None  # its stats
+        self._warned_batching = False
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -93,6 +100,17 @@ class ZephonIterableDataset(IterableDataset[Any]):
                 f"a Zephon dataset cannot be split over {info.num_workers} torch DataLoader "
                 "workers (each would run the whole pipeline): use num_workers=0 and the "
                 "pipeline's lanes for parallelism"
+            )
+        if not self._warned_batching and _called_by_a_batching_dataloader(self):
+            self._warned_batching = True
+            warnings.warn(
+                "a Zephon dataset is iterated by a DataLoader with a batch_size that is not None: "
+                "batching already happens in the pipeline, so the DataLoader adds a dimension "
+                "(batch_size=1, its default) or stacks several batches. Use "
+                "DataLoader(dataset, batch_size=None, num_workers=0) or "
+                "StatefulDataLoader(dataset, batch_size=None, num_workers=0)",
+                UserWarning,
+                stacklevel=2,
             )
         self.close()
         state, self._pending = self._pending, None
@@ -115,8 +133,20 @@ class ZephonIterableDataset(IterableDataset[Any]):
         # Keep the state of a loader that ended or was abandoned, then free its lanes.
         if self._loader is loader:
             self._final = loader.state_dict()
+            self._final_stats = loader.stats()
             self._loader = None
         loader.close()
+
+    def stats(self) -> dict[str, Any]:
+        """``Loader.stats()`` of the running loader; before the first item, those of the state
+        the next ``iter()`` starts from (a fresh start when none was loaded); after the stream
+        ended or was abandoned, the last loader's."""
+        if self._loader is not None:
+            return self._loader.stats()
+        if self._final_stats is not None and self._pending is None:
+            return self._final_stats
+        with self.pipeline.iter(state=self._pending) as upcoming:
+            return upcoming.stats()
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last item yielded (see the class docstring)."""
@@ -136,6 +166,7 @@ class ZephonIterableDataset(IterableDataset[Any]):
             raise TypeError(f"load_state_dict needs the dict state_dict() returned, got {state!r}")
         self._pending = state
         self._final = None
+        self._final_stats = None
 
     def close(self) -> None:
         """Close the running loader, if any (its worker processes stop); ``state_dict()`` keeps
@@ -150,7 +181,49 @@ class ZephonIterableDataset(IterableDataset[Any]):
         return state
 
 
+def _called_by_a_batching_dataloader(dataset: ZephonIterableDataset) -> bool:
+    """Whether ``iter(dataset)`` comes from a torch DataLoader (or ``StatefulDataLoader``) with a
+    ``batch_size`` that is not ``None``. Both create the iterator in torch's dataset fetcher,
+    whose ``auto_collation`` says the loader batches; it is looked up a few frames up the stack
+    (``False`` when no fetcher is found, e.g. for a plain ``iter()``)."""
+    frame: FrameType | None = sys._getframe(2)  # the caller of __iter__
+    for _ in range(4):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        batching = getattr(owner, "auto_collation", None)
+        if isinstance(batching, bool) and getattr(owner, "dataset", None) is dataset:
+            return batching
+        frame = frame.f_back
+    return False
+
+
 def as_torch_dataset(pipeline: Pipeline) -> ZephonIterableDataset:
     """Wrap ``pipeline`` as a checkpointable torch ``IterableDataset`` yielding tensors; use it
     with ``batch_size=None, num_workers=0`` (see ``ZephonIterableDataset``)."""
     return ZephonIterableDataset(pipeline)
+
+
+def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
+    """The job state of the whole job, on every rank: all-gathers each rank's loader state over
+    the initialized ``torch.distributed`` process group and merges them (``zephon.merge_states``).
+
+    ``source`` is a ``Loader``, a ``ZephonIterableDataset``, a ``StatefulDataLoader`` wrapping
+    one, or a rank's state dict. Call it on every rank at the same global step (it is a
+    collective) and save the result with the model checkpoint: any rank of a later run, on any
+    world size that divides the job's lanes, resumes from it with ``pipeline.iter(state=...)``
+    (or ``dataset.load_state_dict(...)``).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ZephonError(
+            "job_state needs an initialized torch.distributed process group "
+            "(call dist.init_process_group first), or use zephon.merge_states on saved states"
+        )
+    state = source if isinstance(source, dict) else source.state_dict()
+    if isinstance(state, dict) and "dataset_state" in state and "format" not in state:
+        state = state["dataset_state"]  # a StatefulDataLoader's state around our dataset's
+    states: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, state, group=group)
+    return merge_states(states)

@@ -90,6 +90,14 @@ class Operator:
     def restore_carry(self, state: dict) -> None:
         """Restore what ``carry_state`` returned; called on fresh operators at restore."""
 
+    def provides(self) -> dict[str, Any]:
+        """Plan-time facts for the operators after this one (e.g. a tokenizer's ``pad_id``)."""
+        return {}
+
+    def use_upstream_facts(self, facts: dict[str, Any]) -> None:
+        """Called at plan time with the facts the operators before this one provide; raise
+        ``PlanError`` when one this operator needs is missing."""
+
     def describe(self) -> dict[str, Any]:
         """The operator's identity for the pipeline fingerprint: class, name, traits and every
         public attribute by ``zephon.identity.identify`` (callables by their code, arrays by

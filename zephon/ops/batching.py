@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -17,17 +16,28 @@ __all__ = ["Batch", "batch", "collate_payloads", "default_collate"]
 
 
 def default_collate(records: Sequence[SampleRecord]) -> Any:
-    """Dict payloads become a dict of stacked arrays (array fields of one shape) or lists
-    (everything else); other payloads become a list."""
+    """Dict payloads become a dict of columns (see ``collate_payloads``); other payloads become a
+    list."""
     if type(records) is list:
         return collate_payloads(payloads_of(records))
     return collate_payloads([r.payload for r in records])
 
 
+# Python scalar types whose columns become arrays, and the dtype they take (as torch's
+# default_collate does); numpy scalars keep their own dtype.
+_SCALAR_DTYPES: dict[type, type] = {int: np.int64, float: np.float64, bool: np.bool_}
+_NUMERIC_KINDS = "biufc"
+
+
 def collate_payloads(payloads: list[Any]) -> Any:
     """``default_collate`` on the payloads themselves: dicts with the same keys in the same order
-    become a dict of stacked arrays (array fields of one shape and dtype) or lists; anything else
-    stays the list it was."""
+    become a dict of columns, anything else stays the list it was.
+
+    A column becomes a numpy array when every value has the same type: arrays of one shape and
+    dtype are stacked; Python ints become ``int64``, floats ``float64`` and bools ``bool``;
+    numeric numpy scalars keep their dtype. Strings, ``None``, mixed types and anything else stay
+    lists. Python ints that do not fit in int64 raise ``OverflowError`` naming the field.
+    """
     if not payloads:
         return payloads
     kinds = set(map(type, payloads))
@@ -35,18 +45,36 @@ def collate_payloads(payloads: list[Any]) -> Any:
         return payloads
     if len(set(map(tuple, payloads))) != 1:  # not one key order shared by all
         return payloads
-    out: dict[str, Any] = {}
-    for key in payloads[0]:
-        values = list(map(itemgetter(key), payloads))
-        first = values[0]
-        if isinstance(first, np.ndarray) and all(
+    # One key order: the values of all payloads, transposed in one pass, are the columns.
+    columns = zip(*map(dict.values, payloads))
+    return {key: _column(key, values) for key, values in zip(payloads[0], columns)}
+
+
+def _column(key: Any, values: tuple[Any, ...]) -> Any:
+    """One collated column (see ``collate_payloads``)."""
+    first = values[0]
+    kind = type(first)
+    if kind is np.ndarray:
+        if all(
             isinstance(v, np.ndarray) and v.shape == first.shape and v.dtype == first.dtype
             for v in values
         ):
-            out[key] = np.stack(values)
-        else:
-            out[key] = values
-    return out
+            return np.stack(values)
+        return list(values)
+    dtype: Any = _SCALAR_DTYPES.get(kind)
+    if dtype is None:
+        if not isinstance(first, np.generic) or first.dtype.kind not in _NUMERIC_KINDS:
+            return list(values)
+        dtype = first.dtype
+    if len(set(map(type, values))) != 1:  # mixed types (1 and 1.5, 1 and True) stay a list
+        return list(values)
+    try:
+        return np.fromiter(values, dtype, len(values))
+    except OverflowError:
+        raise OverflowError(
+            f"field {key!r} holds Python ints that do not fit in int64 (from {min(values)} to "
+            f"{max(values)}); store them as strings or numpy uint64, or pass batch(collate=...)"
+        ) from None
 
 
 class Batch(Operator):

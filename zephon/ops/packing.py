@@ -8,6 +8,11 @@ segment ids number a bin's fragments 1, 2, 3 ... and are 0 on padding; positions
 each fragment. A packed record's primary cursor is ``first_input.cursor.child(frag_start)``; its
 contributors are every fragment's refs, closing only for the fragment that ends its input.
 
+The padding id is never a silent default: it is ``pad_id=``, or (``pad_id=None``) the padding
+token of the tokenizer upstream, which ``tokenize`` publishes at plan time (``provides``) and
+the planner hands to the packer (``use_upstream_facts``). Without either, planning fails with a
+``PlanError`` saying to pass ``pad_id=``.
+
 Mixture heritage of a packed record: ``component_sample_counts`` counts fragments per component and
 ``component_token_counts`` counts tokens per component (``None`` when some input carries no token
 counts, i.e. was not produced by ``tokenize``). An input's tokens are attributed to components by
@@ -18,13 +23,14 @@ token range overlaps, and one sample of each such component.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import numpy as np
 
 from zephon._core.binfill import BinPacker, FlatPacker
 from zephon._core.packfill import BinFill, token_lengths
+from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
 from zephon.types import ContributorRef, SampleMeta, SampleRecord
@@ -90,23 +96,68 @@ class _Packer(Operator):
 
     seq_len: int
     field: str
-    pad_id: int
+    pad_id: int | None
+    _pad: int | None
     _kernel: Any
-    _fill: BinFill
+    _fill: BinFill | None
 
-    def _setup(self, seq_len: int, field: str, pad_id: int) -> None:
+    def _setup(self, seq_len: int, field: str, pad_id: int | None) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len < 2**31:
             raise ValueError(f"{self.name}: seq_len must be an int in [1, 2**31), got {seq_len!r}")
-        if (
+        if pad_id is not None and (
             isinstance(pad_id, bool)
             or not isinstance(pad_id, int)
             or not -(2**31) <= pad_id < 2**31
         ):
-            raise ValueError(f"{self.name}: pad_id must be an int32, got {pad_id!r}")
+            raise ValueError(f"{self.name}: pad_id must be an int32 or None, got {pad_id!r}")
         self.seq_len = seq_len
         self.field = field
-        self.pad_id = pad_id
-        self._fill = BinFill(seq_len, pad_id)
+        self.pad_id = pad_id  # as given: part of the fingerprint, never changed by planning
+        self._pad = pad_id  # the id padding is written with: pad_id, else the tokenizer's
+        self._fill = BinFill(seq_len, pad_id) if pad_id is not None else None
+
+    @property
+    def effective_pad_id(self) -> int | None:
+        """The id written on padding positions (``segment_ids == 0``): ``pad_id``, else the
+        upstream tokenizer's padding id once the pipeline is planned (``None`` before)."""
+        return self._pad
+
+    def use_upstream_facts(self, facts: Mapping[str, Any]) -> None:
+        """At plan time, with ``pad_id=None``: take the padding id the tokenizer upstream
+        publishes for this packer's field, else raise a ``PlanError`` saying to pass
+        ``pad_id=``."""
+        if self.pad_id is not None:
+            return
+        pad = facts.get("pad_id")
+        source = facts.get("pad_from")
+        field = facts.get("token_field")
+        if source is None:
+            why = "no tokenizer upstream publishes one"
+        elif field != self.field:
+            why = f"it reads {self.field!r} while {source} writes {field!r}"
+        elif pad is None:
+            why = f"the tokenizer of {source} has no padding token"
+        else:
+            if self._pad != pad or self._fill is None:
+                if self._fill is not None and self._fill.n_open:
+                    raise RuntimeError(f"{self.name}: cannot re-plan a packer that holds open bins")
+                self._pad = int(pad)
+                self._fill = BinFill(self.seq_len, self._pad)
+            return
+        raise self._no_pad_error(why)
+
+    def _no_pad_error(self, why: str) -> PlanError:
+        return PlanError(
+            f"{self.name}: no padding id ({why}); pass pad_id= (padding positions are the ones "
+            "with segment_ids == 0, so any id works if the loss masks them; the tokenizer's "
+            "end-of-sequence id is a common choice)"
+        )
+
+    def _bins(self) -> BinFill:
+        fill = self._fill
+        if fill is None:  # used outside a pipeline, so never planned
+            raise self._no_pad_error("this packer was not planned in a pipeline")
+        return fill
 
     def _tokens_of(self, rec: SampleRecord) -> np.ndarray:
         """``rec``'s token field as a 1-D int32 array, or an ``OperatorError`` naming the record."""
@@ -150,15 +201,16 @@ class _Packer(Operator):
         """Hand the records to the kernel, fill their tokens into the bins, emit the closed bins."""
         if not records:
             return []
+        fill = self._bins()
         arrays, lengths = self._gather(records)
         placements, closed = self._kernel.add(lengths)
-        self._fill.write(placements, arrays, records)
+        fill.write(placements, arrays, records)
         return self._emit(closed) if len(closed) else []
 
     def _emit(self, bin_ids: np.ndarray) -> list[SampleRecord]:
         """The packed records of the bins ``bin_ids``, in that order (their payload blocks are
         handed over by the fill, not copied)."""
-        blocks, bin_records, frags = self._fill.take(bin_ids)
+        blocks, bin_records, frags = self._bins().take(bin_ids)
         rows = frags.tolist()
         lane_id = self.lane_id
         out = []
@@ -219,7 +271,7 @@ class _Packer(Operator):
     def __getstate__(self) -> dict[str, Any]:
         # The compiled kernel and fill do not pickle; they are rebuilt empty. Copies (the lane
         # runner's fresh operators, check_operator) are taken between epochs, when no bin is open.
-        if self._fill.n_open:
+        if self._fill is not None and self._fill.n_open:
             raise RuntimeError(f"{self.name}: cannot copy or pickle a packer that holds open bins")
         state = dict(vars(self))
         del state["_kernel"], state["_fill"]
@@ -228,7 +280,7 @@ class _Packer(Operator):
     def __setstate__(self, state: dict[str, Any]) -> None:
         vars(self).update(state)
         self._kernel = self._new_kernel()
-        self._fill = BinFill(self.seq_len, self.pad_id)
+        self._fill = BinFill(self.seq_len, self._pad) if self._pad is not None else None
 
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
         return self._place(records)
@@ -238,7 +290,8 @@ class _Packer(Operator):
         out = self._emit(closed) if len(closed) else []
         # Bin ids restart at 0: bins never cross an epoch boundary.
         self._kernel.reset()
-        self._fill.clear()
+        if self._fill is not None:
+            self._fill.clear()
         return out
 
 
@@ -260,7 +313,7 @@ class PackSequences(_Packer):
         field: str = "tokens",
         open_bins: int = 64,
         strategy: str = "best_fit",
-        pad_id: int = 0,
+        pad_id: int | None = None,
     ):
         if strategy not in _STRATEGIES:
             raise ValueError(
@@ -287,7 +340,7 @@ class PackFlat(_Packer):
     name = "pack_flat"
     traits = OpTraits(preserves_cursor_order=True, stateful=True)
 
-    def __init__(self, seq_len: int, *, field: str = "tokens", pad_id: int = 0):
+    def __init__(self, seq_len: int, *, field: str = "tokens", pad_id: int | None = None):
         self._setup(seq_len, field, pad_id)
         self._kernel = self._new_kernel()
 
@@ -301,19 +354,24 @@ def pack_sequences(
     field: str = "tokens",
     open_bins: int = 64,
     strategy: str = "best_fit",
-    pad_id: int = 0,
+    pad_id: int | None = None,
 ) -> PackSequences:
     """Pack ``payload[field]`` sequences into ``seq_len``-token bins, holding at most ``open_bins``
     open; ``strategy`` ``"best_fit"`` (tightest bin that fits) or ``"first_fit"``. A sequence
     longer than ``seq_len`` is cut into ``seq_len`` fragments that fill bins of their own, and its
-    remainder is placed like any sequence. N -> 1, reorders, stateful; nothing is dropped."""
+    remainder is placed like any sequence. N -> 1, reorders, stateful; nothing is dropped.
+
+    Padding (``segment_ids == 0``) holds ``pad_id``; with ``pad_id=None`` the padding token of the
+    ``tokenize`` upstream (``ByteTokenizer``: 257), and planning fails with a ``PlanError`` when
+    there is none: pass ``pad_id=`` then (always, for tokens made without ``tokenize``)."""
     return PackSequences(
         seq_len, field=field, open_bins=open_bins, strategy=strategy, pad_id=pad_id
     )
 
 
-def pack_flat(seq_len: int, *, field: str = "tokens", pad_id: int = 0) -> PackFlat:
+def pack_flat(seq_len: int, *, field: str = "tokens", pad_id: int | None = None) -> PackFlat:
     """Concatenate ``payload[field]`` sequences in arrival order and cut every ``seq_len`` tokens;
-    the partial last bin of an epoch is padded with ``pad_id``. N -> 1, order-preserving,
-    stateful."""
+    the partial last bin of an epoch is padded with ``pad_id``, or with ``pad_id=None`` the
+    padding token of the ``tokenize`` upstream (a ``PlanError`` when there is none, as for
+    ``pack_sequences``). N -> 1, order-preserving, stateful."""
     return PackFlat(seq_len, field=field, pad_id=pad_id)
