@@ -1,4 +1,5 @@
-"""The SPEC §1.1 and §1.2 API works through its binding import paths from outside the repository.
+"""The record model and children helpers work through their public import paths from outside
+the repository.
 
 The script below is written to a temporary directory and run there with the same interpreter, so
 ``import zephon`` resolves to the installed package (an editable install in development), never to

@@ -1,4 +1,4 @@
-"""WorkChunk (SPEC §1.1): a unit of work, one (dataset_id, shard_id, sample_idx) row per sample."""
+"""WorkChunk: a unit of work, one (dataset_id, shard_id, sample_idx) row per sample."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``zephon bench``: the SPEC §5 headline benchmarks, each against its baseline run in the same
+"""``zephon bench``: the headline benchmarks, each against its baseline run in the same
 process, printed as one table of medians and ratios with the target and pass/fail.
 
 A ratio measured in one process hardly depends on the machine; absolute targets (marks per
@@ -25,7 +25,7 @@ from zephon.benchmarks import pipeline as pb
 @dataclasses.dataclass
 class Row:
     """One line of the table: what was measured, ours and the baseline (medians, formatted),
-    their ratio, the SPEC §5 target and whether it held (None: nothing to judge)."""
+    their ratio, the target and whether it held (None: nothing to judge)."""
 
     what: str
     ours: str

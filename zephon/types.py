@@ -1,4 +1,4 @@
-"""The record model (SPEC §1.1): classes compiled in ``zephon._core``; this module is their home."""
+"""The record model: classes compiled in ``zephon._core``; this module is their home."""
 
 from __future__ import annotations
 

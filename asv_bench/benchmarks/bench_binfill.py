@@ -1,6 +1,6 @@
-"""Bin-fill kernels (SPEC §5 "packing kernel"): placement speed and fill of the online packers.
+"""Bin-fill kernels: placement speed and fill of the online packers.
 
-SPEC target: best_fit with 64 open bins places 1M lognormal lengths (mean ~600, capacity 4096) in
+Target: best_fit with 64 open bins places 1M lognormal lengths (mean ~600, capacity 4096) in
 under 0.1 s, with waste within 0.5% of ceil(total / capacity). A pure-Python streaming best-fit is
 the in-process baseline.
 """
@@ -31,7 +31,7 @@ def lognormal_lengths(n: int, seed: int = 0) -> npt.NDArray[np.int64]:
 
 
 def uniform_lengths(n: int = 20_000, seed: int = 0) -> npt.NDArray[np.int64]:
-    """SPEC §6 fill case: uniform 1..511 tokens."""
+    """The fill case of the docs: uniform 1..511 tokens."""
     return np.random.default_rng(seed).integers(1, 512, size=n, dtype=np.int64)
 
 
@@ -93,7 +93,7 @@ class PackLognormal:
 
 
 class FillUniform:
-    """SPEC §6: 20,000 uniform 1..511 lengths into 1024, 64 open bins, flush every 4,096 items."""
+    """Fill: 20,000 uniform 1..511 lengths into 1024, 64 open bins, flush every 4,096 items."""
 
     params = (["best_fit", "first_fit", "flat"],)
     param_names = ["packer"]

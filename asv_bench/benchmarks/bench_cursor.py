@@ -1,4 +1,4 @@
-"""Sorting SampleCursors (SPEC §5): ``sort_cursors`` against numpy ``lexsort`` and a dataclass sort.
+"""Sorting SampleCursors: ``sort_cursors`` against numpy ``lexsort`` and a dataclass sort.
 
 Target: sorting 1M cursors takes at most 2x what ``np.lexsort`` takes on the same four columns
 (lineage padded to a fixed width), and is at least 5x faster than ``sorted`` on a
@@ -111,13 +111,13 @@ class CursorSort:
         sorted(self.dataclasses)
 
     def track_sort_cursors_over_lexsort(self, n: int) -> float:
-        """SPEC §5 wants this at most 2."""
+        """The target is at most 2."""
         return _best_of(self._sort) / _best_of(self._lexsort)
 
     track_sort_cursors_over_lexsort.unit = "ratio"  # type: ignore[attr-defined]
 
     def track_dataclass_over_sort_cursors(self, n: int) -> float:
-        """SPEC §5 wants this at least 5."""
+        """The target is at least 5."""
         return _best_of(self._dataclass_sort, repeat=1) / _best_of(self._sort)
 
     track_dataclass_over_sort_cursors.unit = "ratio"  # type: ignore[attr-defined]

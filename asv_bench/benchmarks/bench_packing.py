@@ -1,4 +1,4 @@
-"""Packing end to end (SPEC §5): tokens/s and fill of ``pack_sequences`` / ``pack_flat`` through a
+"""Packing end to end: tokens/s and fill of ``pack_sequences`` / ``pack_flat`` through a
 Pipeline (source iteration, fetch, packing and delivery), against Grain's packers and a pure-Python
 streaming first-fit on the same input, in the same process.
 
@@ -55,7 +55,7 @@ class PackEndToEnd:
 
 class PackVersusGrain:
     """``pack_sequences`` tokens/s over Grain's packer of the same strategy, measured back to back
-    (SPEC §5 target: >= 10x, with better fill). Skipped when grain is not installed."""
+    (target: >= 10x, with better fill). Skipped when grain is not installed."""
 
     params = (["best_fit", "first_fit"],)
     param_names = ["strategy"]

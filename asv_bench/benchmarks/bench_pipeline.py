@@ -1,12 +1,12 @@
-"""Whole pipelines (SPEC §5): throughput, the engine's overhead per record, restore and memory.
+"""Whole pipelines: throughput, the engine's overhead per record, restore and memory.
 
 - ``Throughput``: ``fetch -> map_transform -> batch`` and ``fetch -> tokenize -> pack_sequences ->
   batch`` with 1 and 2 process lanes (and one inline lane);
 - ``Overhead``: the map pipeline on one inline lane against a bare generator chain doing the same
-  work; SPEC §5 wants at most 1 µs per record more (``track_overhead_per_record``);
+  work; the target is at most 1 µs per record more (``track_overhead_per_record``);
 - ``Restore``: ``pipeline.iter(state=...)`` + the first ``next()`` at different steps, on the
-  monotone and the epoch path; ``state_dict()`` and its size (SPEC: ≤ 16 KiB per lane);
-- ``PeakMemory``: peak RSS of long runs (SPEC: flat, ≤ 10 % more at 5M records than at 1M).
+  monotone and the epoch path; ``state_dict()`` and its size (target: ≤ 16 KiB per lane);
+- ``PeakMemory``: peak RSS of long runs (target: flat, ≤ 10 % more at 5M records than at 1M).
 
 The workloads are ``zephon.benchmarks.pipeline``'s, the ones ``zephon bench`` prints.
 """
@@ -59,13 +59,13 @@ class Overhead:
         pb.drain(pb.bare_chain(self.n))
 
     def track_overhead_per_record(self) -> float:
-        """Microseconds per record over the bare chain (median of paired runs); SPEC: ≤ 1."""
+        """Microseconds per record over the bare chain (median of paired runs); target: ≤ 1."""
         return pb.measure_overhead(200_000, repeats=5)["overhead"] * 1e6
 
     track_overhead_per_record.unit = "µs"  # type: ignore[attr-defined]
 
     def track_speedup_over_grain(self) -> float:
-        """Records/s over Grain's checkpointable map-and-batch; SPEC: ≥ 5 (0 without grain)."""
+        """Records/s over Grain's checkpointable map-and-batch; target: ≥ 5 (0 without grain)."""
         result = pb.measure_grain(50_000, repeats=3)
         return result["grain"] / result["ours"] if result else 0.0
 
@@ -136,7 +136,7 @@ class PeakMemory:
 
 
 class Lanes:
-    """Two process lanes against one on a CPU-heavy pure-Python map; SPEC: ≥ 1.6 on 2 cores.
+    """Two process lanes against one on a CPU-heavy pure-Python map; target: ≥ 1.6 on 2 cores.
     ``track_machine_ceiling`` is the same map in two plain processes against one."""
 
     timeout = 300

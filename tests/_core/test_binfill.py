@@ -577,7 +577,7 @@ def test_a_huge_length_makes_few_fragments_with_a_large_capacity() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Fill (SPEC §5, §6).
+# Fill.
 
 
 def fill_of(strategy: Strategy) -> float:

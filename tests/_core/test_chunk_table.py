@@ -1,4 +1,4 @@
-"""The compiled chunk table against a short pure-Python reference of its rules (SPEC §3.1-3.2)."""
+"""The compiled chunk table against a short pure-Python reference of its rules."""
 
 from __future__ import annotations
 

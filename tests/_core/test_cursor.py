@@ -1,4 +1,4 @@
-"""SampleCursor against an obviously-correct pure-Python model of SPEC §1.1.
+"""SampleCursor against an obviously-correct pure-Python model of its documented rules.
 
 The model is a dataclass whose ``sort_key`` is the tuple ``(chunk_id, chunk_offset, lineage,
 sample_id)``; every ordering, sorting and equality question about compiled cursors is answered by

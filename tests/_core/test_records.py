@@ -1,4 +1,4 @@
-"""The compiled record model (SPEC §1.1): ContributorRef, SampleMeta, SampleRecord, SampleBatch."""
+"""The compiled record model: ContributorRef, SampleMeta, SampleRecord, SampleBatch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The children helpers (SPEC §1.2): the bookkeeping of fan-out, packing and dropped records."""
+"""The children helpers: the bookkeeping of fan-out, packing and dropped records."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``ensure_mixture`` (SPEC §1.3, §6): the deficit rule, tombstones for what it drops, the flush
+"""``ensure_mixture``: the deficit rule, tombstones for what it drops, the flush
 tolerance, totals that survive epochs, and the realized mixture at delivery."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``shuffle`` (SPEC §1.3): a seeded window shuffle that passes every record through unchanged, so
+"""``shuffle``: a seeded window shuffle that passes every record through unchanged, so
 each base offset is closed exactly once (a closing child may leave before its siblings: fine on the
 epoch path)."""
 

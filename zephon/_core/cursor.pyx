@@ -1,4 +1,4 @@
-"""SampleCursor: the identity of a record (SPEC §1.1).
+"""SampleCursor: the identity of a record.
 
 The constructor takes ``(chunk_id, chunk_offset, sample_id, lineage)`` but cursors sort on
 ``(chunk_id, chunk_offset, lineage, sample_id)`` so that the children of one offset stay together.

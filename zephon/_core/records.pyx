@@ -1,4 +1,4 @@
-"""The record model (SPEC §1.1): contributors, sample metadata, records and batches.
+"""The record model: contributors, sample metadata, records and batches.
 
 Compiled because one of each is made per record on the hot path. All four classes are
 immutable: their attributes are read-only, and "changing" one means building a new one.

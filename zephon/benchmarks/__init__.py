@@ -1,2 +1,2 @@
-"""Benchmark workloads shared by ``asv_bench/`` and ``zephon bench`` (SPEC §5): plain functions that
+"""Benchmark workloads shared by ``asv_bench/`` and ``zephon bench``: plain functions that
 build a workload, run it and return numbers; nothing here runs at import."""

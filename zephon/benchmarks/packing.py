@@ -1,4 +1,4 @@
-"""Packing end to end (SPEC §5): ``pack_sequences`` through a Pipeline against Grain's packers and
+"""Packing end to end: ``pack_sequences`` through a Pipeline against Grain's packers and
 a pure-Python streaming first-fit, on the same pre-tokenized input, in the same process.
 
 The workload: 20,000 sequences of uniform 1..511 tokens (``numpy.random.default_rng(0)``) packed
@@ -262,7 +262,7 @@ def packing_comparison(
     when not installed) and the Python first-fit baseline, and Zephon's speedup over each.
 
     The runs alternate (Zephon, Grain, Python, Zephon, ...) so that load on the machine falls on
-    all of them alike. The SPEC §5 target: ``speedup_vs_grain >= 10`` with ``zephon_fill`` above
+    all of them alike. The target: ``speedup_vs_grain >= 10`` with ``zephon_fill`` above
     ``grain_fill``.
     """
     lengths = uniform_lengths() if lengths is None else np.asarray(lengths)

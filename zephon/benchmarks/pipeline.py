@@ -1,4 +1,4 @@
-"""Pipeline benchmarks (SPEC §5): what the engine adds per record, against baselines run in the
+"""Pipeline benchmarks: what the engine adds per record, against baselines run in the
 same process.
 
 - overhead: ``fetch -> map_transform -> batch`` on an in-memory ``RangeSource``, one inline lane,

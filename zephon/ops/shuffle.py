@@ -1,4 +1,4 @@
-"""``shuffle``: a seeded window shuffle, on the epoch eviction path (SPEC §3.2).
+"""``shuffle``: a seeded window shuffle, on the epoch eviction path.
 
 Like every operator that reorders, it passes contributors through unchanged: a closing record may
 leave before a sibling it still holds, which is fine on the epoch path (eviction waits for the epoch
