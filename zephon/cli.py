@@ -187,11 +187,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench(quick: bool) -> int:
+    """``zephon bench`` runs the benchmark workloads of a source checkout (``asv_bench/``):
+    they are not part of the installed package."""
+    checkout = Path(zephon.__file__).resolve().parents[1] / "asv_bench"
+    if (checkout / "zephon_bench").is_dir() and str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    try:
+        from zephon_bench.report import run_bench
+    except ImportError:
+        raise ZephonError(
+            "zephon bench runs from a source checkout of Zephon (its workloads live in "
+            "asv_bench/zephon_bench, outside the installed package): run `make bench` there"
+        ) from None
+    result: int = run_bench(quick=quick)
+    return result
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
-        from zephon.bench import run_bench
-
-        return run_bench(quick=args.quick)
+        return _bench(quick=args.quick)
     if args.command == "demo":
         from zephon.demo import run_demo
 

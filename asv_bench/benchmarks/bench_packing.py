@@ -2,15 +2,14 @@
 Pipeline (source iteration, fetch, packing and delivery), against Grain's packers and a pure-Python
 streaming first-fit on the same input, in the same process.
 
-The workload is ``zephon.benchmarks.packing``'s: 20,000 pre-tokenized sequences of uniform 1..511
+The workload is ``zephon_bench.packing``'s: 20,000 pre-tokenized sequences of uniform 1..511
 tokens (``default_rng(0)``) into bins of 1024, 64 open bins, an epoch (flush) every 4,096 sequences.
 Run this file directly to print the comparison table.
 """
 
 from __future__ import annotations
 
-import zephon
-from zephon.benchmarks.packing import (
+from zephon_bench.packing import (
     SEQ_LEN,
     packing_comparison,
     python_first_fit,
@@ -20,6 +19,8 @@ from zephon.benchmarks.packing import (
     uniform_lengths,
     zephon_pipeline,
 )
+
+import zephon
 
 
 def _deliver_all(pipeline: zephon.Pipeline) -> int:
@@ -105,7 +106,7 @@ class PythonFirstFit:
 
 
 def main(repeat: int = 5) -> None:
-    """Print the comparison table of ``zephon.benchmarks.packing.packing_comparison``."""
+    """Print the comparison table of ``zephon_bench.packing.packing_comparison``."""
     for row in packing_comparison(repeat=repeat):
         grain = row["grain_tokens_per_s"]
         grain_text = (

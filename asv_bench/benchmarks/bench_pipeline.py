@@ -8,15 +8,16 @@
   monotone and the epoch path; ``state_dict()`` and its size (target: ≤ 16 KiB per lane);
 - ``PeakMemory``: peak RSS of long runs (target: flat, ≤ 10 % more at 5M records than at 1M).
 
-The workloads are ``zephon.benchmarks.pipeline``'s, the ones ``zephon bench`` prints.
+The workloads are ``zephon_bench.pipeline``'s, the ones ``zephon bench`` prints.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from zephon_bench import pipeline as pb
+
 import zephon
-from zephon.benchmarks import pipeline as pb
 from zephon.ops import batch, fetch
 from zephon.sources.memory import RangeSource
 

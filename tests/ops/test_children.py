@@ -226,3 +226,27 @@ def test_a_record_that_owes_nothing_needs_no_tombstones():
     assert tombstones_for_record(early_child) == []
     closes_nothing = SampleRecord(SampleMeta(ROOT, contributors=()), None)
     assert tombstones_for_record(closes_nothing) == []
+
+
+@given(
+    st.integers(0, 10_000),
+    st.dictionaries(st.sampled_from("abcdef"), st.integers(0, 50), min_size=1),
+)
+def test_split_in_proportion_sums_to_n_and_follows_the_weights(n, weights):
+    from fractions import Fraction
+
+    from zephon.ops.children import split_in_proportion
+
+    runs = split_in_proportion(n, weights)
+    assert sum(amount for _, amount in runs) == n
+    total = sum(weights.values())
+    if total <= 0:
+        assert runs == [(next(iter(weights)), n)]
+        return
+    assert [key for key, _ in runs] == list(weights)
+    acc = 0
+    done = 0
+    for (_, amount), w in zip(runs, weights.values()):
+        acc += w
+        done += amount
+        assert done == int(Fraction(n * acc, total))  # cumulative floor of the exact share

@@ -6,7 +6,7 @@ or tombstone eventually carries its closing contributor, and never before its si
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 from zephon.types import ContributorRef, SampleCursor, SampleMeta, SampleRecord
@@ -92,3 +92,21 @@ def tombstones_for_record(record: SampleRecord) -> list[SampleRecord]:
         for ref in record.contribution_refs()
         if ref.is_last_child
     ]
+
+
+def split_in_proportion(n: int, weights: Mapping[Hashable, int]) -> list[tuple[Hashable, int]]:
+    """``n`` (tokens) split over the keys of ``weights`` in proportion to them, as consecutive
+    ``(key, amount)`` runs in the weights' order. Cumulative floors: the amounts sum to ``n``
+    exactly, and the split is the same wherever it is computed. All of ``n`` goes to the first
+    key when the weights sum to zero or less."""
+    total = sum(weights.values())
+    if total <= 0:
+        return [(next(iter(weights)), n)]
+    runs: list[tuple[Hashable, int]] = []
+    acc = prev = 0
+    for key, w in weights.items():
+        acc += w
+        bound = n * acc // total
+        runs.append((key, bound - prev))
+        prev = bound
+    return runs

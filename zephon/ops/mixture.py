@@ -11,7 +11,7 @@ from typing import Any
 
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
-from zephon.ops.children import tombstone_meta
+from zephon.ops.children import split_in_proportion, tombstone_meta
 from zephon.types import ContributorRef, SampleRecord
 
 __all__ = ["MIXTURE_DROP_TAG", "EnsureMixture", "ensure_mixture"]
@@ -126,7 +126,7 @@ class EnsureMixture(Operator):
                 n = self._length(rec)
                 samples = meta.component_sample_counts
                 if samples and len(samples) > 1:
-                    amounts = _split(n, samples)
+                    amounts = dict(split_in_proportion(n, samples))
                 elif samples:
                     amounts = {next(iter(samples)): n}
                 else:
@@ -334,21 +334,6 @@ class EnsureMixture(Operator):
         """The share of each component in what this operator has emitted so far (all 0 before)."""
         grand = self._grand
         return {c: (t / grand if grand else 0.0) for c, t in self._totals.items()}
-
-
-def _split(n: int, counts: Mapping[Hashable, int]) -> dict[Hashable, int]:
-    """``n`` tokens split over components in proportion to ``counts`` (cumulative floor)."""
-    total = sum(counts.values())
-    if total <= 0:
-        return {next(iter(counts)): n}
-    out: dict[Hashable, int] = {}
-    acc = prev = 0
-    for comp, c in counts.items():
-        acc += c
-        bound = n * acc // total
-        out[comp] = out.get(comp, 0) + bound - prev
-        prev = bound
-    return out
 
 
 def ensure_mixture(

@@ -31,8 +31,8 @@ import numpy as np
 from zephon._core.binfill import BinPacker, FlatPacker
 from zephon._core.packfill import BinFill, token_lengths
 from zephon.errors import PlanError
-from zephon.ops.base import Operator, OpTraits
-from zephon.ops.basic import record_error
+from zephon.ops.base import Operator, OpTraits, record_error
+from zephon.ops.children import split_in_proportion
 from zephon.types import ContributorRef, SampleMeta, SampleRecord
 
 __all__ = ["PackFlat", "PackSequences", "pack_flat", "pack_sequences"]
@@ -48,18 +48,7 @@ def _layout(meta: SampleMeta, n: int) -> list[tuple[Hashable, int]]:
     weights = tokens if tokens is not None else meta.component_sample_counts
     if not weights:
         return [(meta.component, n)]
-    total = sum(weights.values())
-    if total <= 0:
-        return [(next(iter(weights)), n)]
-    runs: list[tuple[Hashable, int]] = []
-    acc = 0
-    prev = 0
-    for comp, w in weights.items():
-        acc += w
-        bound = n * acc // total
-        runs.append((comp, bound - prev))
-        prev = bound
-    return runs
+    return split_in_proportion(n, weights)
 
 
 def _count_spread(

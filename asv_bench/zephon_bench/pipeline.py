@@ -10,8 +10,8 @@ same process.
 - memory: peak RSS of a run of ``n`` delivered records, each in a fresh subprocess;
 - lanes: two process lanes against one on a CPU-heavy pure-Python map.
 
-Functions only (no command line): ``zephon bench`` (``zephon/bench.py``) and the asv suite call
-them. Times are in seconds and sizes in bytes; every function returns plain numbers.
+Functions only (no command line): ``zephon bench`` (``zephon_bench/report.py``) and the asv
+suite call them. Times are in seconds and sizes in bytes; every function returns plain numbers.
 """
 
 from __future__ import annotations
@@ -335,7 +335,11 @@ def _peak_rss_bytes() -> int:
 def peak_rss(n: int, kind: str = "monotone") -> dict[str, int]:
     """Peak RSS in bytes of a fresh process that delivers ``n`` records through the overhead
     pipeline (``kind="monotone"``) or its epoch-path variant with a shuffle (``"epoch"``)."""
-    code = f"from zephon.benchmarks.pipeline import _rss_child; _rss_child({kind!r}, {int(n)})"
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        f"import sys; sys.path.insert(0, {here!r}); "
+        f"from zephon_bench.pipeline import _rss_child; _rss_child({kind!r}, {int(n)})"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from zephon.benchmarks import pipeline as pb
+from zephon_bench import pipeline as pb
 
 
 @dataclasses.dataclass
@@ -304,12 +304,12 @@ def kernel_rows(quick: bool) -> list[Row]:
 
 
 def packing_rows(quick: bool, out: TextIO) -> list[Row]:
-    """``pack_sequences`` end to end vs Grain's packers, from ``zephon.benchmarks.packing``."""
+    """``pack_sequences`` end to end vs Grain's packers, from ``zephon_bench.packing``."""
     try:
-        from zephon.benchmarks.packing import packing_comparison
+        from zephon_bench.packing import packing_comparison
     except ImportError as exc:
         print(
-            f"  (packing end to end skipped: zephon.benchmarks.packing unavailable: {exc})",
+            f"  (packing end to end skipped: zephon_bench.packing unavailable: {exc})",
             file=out,
         )
         return []
