@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
 from zephon._core.cursor import SampleCursor
 from zephon._core.records import ContributorRef, SampleBatch, SampleMeta, SampleRecord
+from zephon.validation import check_int
 
 __all__ = [
     "ContributorRef",
@@ -33,15 +32,7 @@ class WorkChunk:
             if not np.issubdtype(arr.dtype, np.integer) and arr.size:
                 raise TypeError(f"WorkChunk pointers must be integers, got {arr.dtype}")
             arr = arr.astype(np.int64)
-        if isinstance(position, bool):
-            raise TypeError(f"WorkChunk position must be an int, got {position!r}")
-        try:
-            index = operator.index(position)
-        except TypeError:
-            raise TypeError(f"WorkChunk position must be an int, got {position!r}") from None
-        if index < 0:
-            raise ValueError(f"WorkChunk position must be >= 0, got {index}")
-        self.position = index
+        self.position = check_int(position, "position", "WorkChunk", minimum=0)
         self.pointers = arr
 
     def __len__(self) -> int:

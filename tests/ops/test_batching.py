@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import zephon
-from zephon.errors import OperatorError, PlanError
+from zephon.errors import OperatorError
 from zephon.ops import batch, fetch
 from zephon.ops.batching import collate_payloads, default_collate
 from zephon.sources import RangeSource
@@ -100,5 +100,8 @@ def test_a_collate_error_names_the_batch_operator():
 
 
 def test_batch_size_must_be_at_least_one():
-    with pytest.raises(PlanError, match="batch_size"):
+    # the same wording and type as every constructor argument (zephon.validation)
+    with pytest.raises(ValueError, match=r"^batch: batch_size must be >= 1, got 0$"):
         batch(0)
+    with pytest.raises(TypeError, match=r"^batch: batch_size must be an int, got 2\.5$"):
+        batch(2.5)

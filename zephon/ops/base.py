@@ -13,6 +13,7 @@ import numpy as np
 from zephon.errors import OperatorError
 from zephon.identity import identify
 from zephon.types import SampleRecord
+from zephon.validation import check_int
 
 __all__ = [
     "Grouper",
@@ -39,8 +40,8 @@ class OpTraits:
     workers: int | None = None
 
     def __post_init__(self) -> None:
-        if self.workers is not None and self.workers < 1:
-            raise ValueError(f"OpTraits workers must be >= 1 or None, got {self.workers}")
+        if self.workers is not None:
+            check_int(self.workers, "workers", "OpTraits", minimum=1)
 
 
 class Operator:

@@ -13,6 +13,7 @@ from zephon.errors import FetchError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import tombstones_for_record
 from zephon.types import SampleRecord
+from zephon.validation import check_int
 
 __all__ = [
     "Fetch",
@@ -33,8 +34,7 @@ class Fetch(Operator):
     traits = OpTraits(preserves_cursor_order=True, preserves_indexability=True)
 
     def __init__(self, reader: Callable[[np.ndarray], list] | None = None, *, retries: int = 3):
-        if retries < 0:
-            raise ValueError(f"fetch retries must be >= 0, got {retries}")
+        retries = check_int(retries, "retries", "fetch", minimum=0)
         self.reader = reader
         self.retries = retries
         self._source: Any = None

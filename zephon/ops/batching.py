@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from zephon._core.records import payloads_of
-from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits
 from zephon.types import SampleRecord
+from zephon.validation import check_int
 
 __all__ = ["Batch", "batch", "collate_payloads", "default_collate"]
 
@@ -95,9 +95,7 @@ class Batch(Operator):
         drop_remainder: bool = False,
         collate: Callable[[Sequence[SampleRecord]], Any] | None = None,
     ):
-        if int(batch_size) < 1:
-            raise PlanError(f"batch: batch_size must be >= 1, got {batch_size}")
-        self.batch_size = int(batch_size)
+        self.batch_size = check_int(batch_size, "batch_size", "batch", minimum=1)
         self.drop_remainder = drop_remainder
         self.collate = collate or default_collate
 

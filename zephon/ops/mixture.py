@@ -13,6 +13,7 @@ from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
 from zephon.ops.children import split_in_proportion, tombstone_meta
 from zephon.types import ContributorRef, SampleRecord
+from zephon.validation import check_int
 
 __all__ = ["MIXTURE_DROP_TAG", "EnsureMixture", "ensure_mixture"]
 
@@ -93,10 +94,7 @@ class EnsureMixture(Operator):
             raise ValueError("ensure_mixture: at least one weight must be > 0")
         if by not in _BY:
             raise ValueError(f"ensure_mixture: by must be one of {_BY}, got {by!r}")
-        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
-            raise ValueError(
-                f"ensure_mixture: buffer_size must be an int >= 1, got {buffer_size!r}"
-            )
+        buffer_size = check_int(buffer_size, "buffer_size", "ensure_mixture", minimum=1)
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0:
             raise ValueError(f"ensure_mixture: tolerance must be a number >= 0, got {tolerance!r}")
         self.weights = clean

@@ -34,6 +34,7 @@ from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import split_in_proportion
 from zephon.types import ContributorRef, SampleMeta, SampleRecord
+from zephon.validation import check_int
 
 __all__ = ["PackFlat", "PackSequences", "pack_flat", "pack_sequences"]
 
@@ -91,14 +92,9 @@ class _Packer(Operator):
     _fill: BinFill | None
 
     def _setup(self, seq_len: int, field: str, pad_id: int | None) -> None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len < 2**31:
-            raise ValueError(f"{self.name}: seq_len must be an int in [1, 2**31), got {seq_len!r}")
-        if pad_id is not None and (
-            isinstance(pad_id, bool)
-            or not isinstance(pad_id, int)
-            or not -(2**31) <= pad_id < 2**31
-        ):
-            raise ValueError(f"{self.name}: pad_id must be an int32 or None, got {pad_id!r}")
+        seq_len = check_int(seq_len, "seq_len", self.name, minimum=1, maximum=2**31 - 1)
+        if pad_id is not None:
+            pad_id = check_int(pad_id, "pad_id", self.name, minimum=-(2**31), maximum=2**31 - 1)
         self.seq_len = seq_len
         self.field = field
         self.pad_id = pad_id  # as given: part of the fingerprint, never changed by planning
@@ -308,8 +304,7 @@ class PackSequences(_Packer):
             raise ValueError(
                 f"pack_sequences: strategy must be one of {_STRATEGIES}, got {strategy!r}"
             )
-        if isinstance(open_bins, bool) or not isinstance(open_bins, int) or open_bins < 1:
-            raise ValueError(f"pack_sequences: open_bins must be an int >= 1, got {open_bins!r}")
+        open_bins = check_int(open_bins, "open_bins", "pack_sequences", minimum=1)
         self._setup(seq_len, field, pad_id)
         self.open_bins = open_bins
         self.strategy = strategy

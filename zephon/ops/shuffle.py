@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from zephon.ops.base import Operator, OpTraits, epoch_rng
 from zephon.types import SampleRecord
+from zephon.validation import check_int
 
 __all__ = ["Shuffle", "shuffle"]
 
@@ -29,12 +30,8 @@ class Shuffle(Operator):
     traits = OpTraits(preserves_cursor_order=False, stateful=True)
 
     def __init__(self, buffer_size: int, *, seed: int = 0):
-        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
-            raise ValueError(f"shuffle: buffer_size must be an int >= 1, got {buffer_size!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"shuffle: seed must be an int >= 0, got {seed!r}")
-        self.buffer_size = buffer_size
-        self.seed = seed
+        self.buffer_size = check_int(buffer_size, "buffer_size", "shuffle", minimum=1)
+        self.seed = check_int(seed, "seed", "shuffle", minimum=0)
         self._buf: list[SampleRecord] = []
         self._rng = epoch_rng(seed, 0, 0)
         self._draws: list[float] = []

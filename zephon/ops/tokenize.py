@@ -26,6 +26,7 @@ from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
 from zephon.ops.children import spawn_child
 from zephon.types import SampleMeta, SampleRecord
+from zephon.validation import check_int
 
 __all__ = [
     "EOS_TOKENS",
@@ -371,10 +372,8 @@ class Tokenize(Operator):
     ):
         if tokenizer is None:
             tokenizer = ByteTokenizer()
-        if max_len is not None and (
-            isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1
-        ):
-            raise ValueError(f"tokenize: max_len must be an int >= 1 or None, got {max_len!r}")
+        if max_len is not None:
+            max_len = check_int(max_len, "max_len", "tokenize", minimum=1)
         if split_long_samples and max_len is None:
             raise ValueError("tokenize: split_long_samples=True needs max_len")
         self.tokenizer = tokenizer

@@ -11,6 +11,7 @@ import numpy as np
 
 from zephon.identity import identify
 from zephon.sources.base import IndexedSource
+from zephon.validation import check_int
 
 __all__ = ["ListSource", "RangeSource"]
 
@@ -35,10 +36,7 @@ class RangeSource(IndexedSource):
         seed: int = 0,
         passes: int | None = 1,
     ) -> None:
-        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-            raise TypeError(f"RangeSource: n must be an int, got {n!r}")
-        if n < 0:
-            raise ValueError(f"RangeSource: n must be >= 0, got {n}")
+        n = check_int(n, "n", "RangeSource", minimum=0)
         if make is not None and not callable(make):
             raise TypeError(f"RangeSource: make must be callable or None, got {make!r}")
         self._n = int(n)
