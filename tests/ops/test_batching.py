@@ -104,4 +104,4 @@ def test_batch_size_must_be_at_least_one():
     with pytest.raises(ValueError, match=r"^batch: batch_size must be >= 1, got 0$"):
         batch(0)
     with pytest.raises(TypeError, match=r"^batch: batch_size must be an int, got 2\.5$"):
-        batch(2.5)
+        batch(2.5)  # type: ignore[arg-type]
