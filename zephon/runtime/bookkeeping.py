@@ -48,6 +48,7 @@ class LaneBook:
         self.carry: list[Any] | None = None  # carry state at the start of the retained epoch
         self.suspects: set[str] = set()  # operators seen emitting too many closing contributors
         self.op_stats: list[list[float]] | None = None  # the runner's, as of its latest chunk
+        self.opened = False  # a chunk was announced since the loader last looked
         self.carry_warn_bytes = plan.carry_warn_bytes
         self.carry_warned = False
 
@@ -98,6 +99,7 @@ class LaneBook:
         if kind is ChunkOpened:
             self.table.open_chunk(item.chunk_id, item.local_index, item.n_offsets, item.epoch)
             self.next_local = item.local_index + 1
+            self.opened = True
             if item.skip_below:
                 self.table.close_below(item.chunk_id, item.skip_below)
             if item.op_stats is not None:

@@ -112,17 +112,23 @@ class Loader:
                     lane = lanes[self.next_lane]
                     out = lane.next_delivery()
                     self.next_lane = (self.next_lane + 1) % n
-                    if lane.book.found:
-                        self.policy.report(lane.book.take_violations())
+                    book = lane.book
+                    if book.found:
+                        self.policy.report(book.take_violations())
+                    if book.opened:  # the lanes hold more chunks only after an announcement
+                        book.opened = False
+                        self._note_inflight()
                     if out is not None:
-                        inflight = sum(lane.book.table.n_inflight for lane in lanes)
-                        if inflight > self.max_inflight:
-                            self.max_inflight = inflight
                         return out
             except BaseException as exc:
                 self._fail(exc)
                 raise
             raise StopIteration
+
+    def _note_inflight(self) -> None:
+        inflight = sum(lane.book.table.n_inflight for lane in self.lanes)
+        if inflight > self.max_inflight:
+            self.max_inflight = inflight
 
     def _log_start(self) -> None:
         plan = self.plan
