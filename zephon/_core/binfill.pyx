@@ -13,14 +13,10 @@ without the GIL, so the holder can always finish.
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.pythread cimport (
-    NOWAIT_LOCK,
-    WAIT_LOCK,
-    PyThread_acquire_lock,
     PyThread_allocate_lock,
     PyThread_free_lock,
-    PyThread_get_thread_ident,
-    PyThread_release_lock,
 )
+from zephon._core._lock cimport drop_lock, take_lock
 from libc.stdint cimport INT64_MAX
 from libc.string cimport memmove
 
@@ -34,23 +30,6 @@ cdef extern from "Python.h":
 # Placement rows of one call may not exceed this many; keeps the row-count arithmetic and the
 # (rows, 5) int64 allocation size clear of overflow. Far beyond any memory a machine has.
 cdef Py_ssize_t _MAX_ROWS = PY_SSIZE_T_MAX // 64
-
-
-cdef int _take_lock(PyThread_type_lock lock, long* owner, str name) except -1:
-    """Take a packer's lock: at once when it is free, else waiting for it without the GIL."""
-    cdef long me = PyThread_get_thread_ident()
-    if owner[0] == me:  # a call made from inside one of the packer's own calls would deadlock
-        raise RuntimeError(f"{name} was called again while this thread is inside one of its calls")
-    if not PyThread_acquire_lock(lock, NOWAIT_LOCK):
-        with nogil:
-            PyThread_acquire_lock(lock, WAIT_LOCK)
-    owner[0] = me
-    return 0
-
-
-cdef inline void _drop_lock(PyThread_type_lock lock, long* owner) noexcept:
-    owner[0] = 0
-    PyThread_release_lock(lock)
 
 
 cdef offset_t _as_count(object value, str owner, str name) except? -1:
@@ -385,10 +364,10 @@ cdef class BinPacker:
         self._exit()
 
     cdef int _enter(self) except -1:
-        return _take_lock(self._lock, &self._owner, "BinPacker")
+        return take_lock(self._lock, &self._owner, "BinPacker")
 
     cdef void _exit(self) noexcept:
-        _drop_lock(self._lock, &self._owner)
+        drop_lock(self._lock, &self._owner)
 
 
 cdef class FlatPacker:
@@ -529,7 +508,7 @@ cdef class FlatPacker:
         self._exit()
 
     cdef int _enter(self) except -1:
-        return _take_lock(self._lock, &self._owner, "FlatPacker")
+        return take_lock(self._lock, &self._owner, "FlatPacker")
 
     cdef void _exit(self) noexcept:
-        _drop_lock(self._lock, &self._owner)
+        drop_lock(self._lock, &self._owner)

@@ -18,7 +18,6 @@ another thread holds the GIL inside a method, since taking the lock and setting 
 """
 
 from cpython.pythread cimport (
-    NOWAIT_LOCK,
     WAIT_LOCK,
     PyThread_acquire_lock,
     PyThread_allocate_lock,
@@ -26,6 +25,7 @@ from cpython.pythread cimport (
     PyThread_get_thread_ident,
     PyThread_release_lock,
 )
+from zephon._core._lock cimport drop_lock, take_lock
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
@@ -265,20 +265,10 @@ cdef class ChunkTable:
 
     cdef int _enter(self) except -1:
         """Start a locked section: take the lock (waiting for it without the GIL) and set _owner."""
-        cdef long me = PyThread_get_thread_ident()
-        if self._owner == me:
-            raise RuntimeError(
-                "ChunkTable was called again while this thread is inside one of its updates"
-            )
-        if not PyThread_acquire_lock(self._lock, NOWAIT_LOCK):
-            with nogil:
-                PyThread_acquire_lock(self._lock, WAIT_LOCK)
-        self._owner = me
-        return 0
+        return take_lock(self._lock, &self._owner, "ChunkTable")
 
     cdef void _exit(self) noexcept:
-        self._owner = 0
-        PyThread_release_lock(self._lock)
+        drop_lock(self._lock, &self._owner)
 
     cdef int _wait_for_holder(self) except -1:
         """Called when _owner is set: wait until no locked section runs. Returns with the GIL

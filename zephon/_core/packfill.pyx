@@ -15,14 +15,10 @@ after the other; a thread waits for the lock without the GIL, so the holder can 
 cimport numpy as cnp
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.pythread cimport (
-    NOWAIT_LOCK,
-    WAIT_LOCK,
-    PyThread_acquire_lock,
     PyThread_allocate_lock,
     PyThread_free_lock,
-    PyThread_get_thread_ident,
-    PyThread_release_lock,
 )
+from zephon._core._lock cimport drop_lock, take_lock
 from libc.stdint cimport INT32_MAX, INT32_MIN
 from libc.string cimport memcpy
 
@@ -211,19 +207,10 @@ cdef class BinFill:
         return _search(self._live, self._n_live, bin_id)
 
     cdef int _enter(self) except -1:
-        """Take the lock: at once when it is free, else waiting for it without the GIL."""
-        cdef long me = PyThread_get_thread_ident()
-        if self._owner == me:  # a call from inside one of this fill's own calls would deadlock
-            raise RuntimeError("BinFill was called again while this thread is inside one of its calls")
-        if not PyThread_acquire_lock(self._lock, NOWAIT_LOCK):
-            with nogil:
-                PyThread_acquire_lock(self._lock, WAIT_LOCK)
-        self._owner = me
-        return 0
+        return take_lock(self._lock, &self._owner, "BinFill")
 
     cdef void _exit(self) noexcept:
-        self._owner = 0
-        PyThread_release_lock(self._lock)
+        drop_lock(self._lock, &self._owner)
 
     cdef int _reserve(self, Py_ssize_t n_live, Py_ssize_t n_free) except -1:
         """Room for ``n_live`` open bins and ``n_free`` free slots; changes no visible state."""
