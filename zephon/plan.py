@@ -47,6 +47,9 @@ class Plan:
     #: Seconds a thread or process lane may take to produce its next item list; None: no limit.
     #: Not part of the fingerprint: it changes how long the loader waits, never what it delivers.
     timeout: float | None = None
+    #: Worker processes (``workers="process"``) or threads (``"thread"``) running this rank's
+    #: lanes; never part of the fingerprint: the stream does not depend on it.
+    processes: int = 1
 
     @property
     def rank_lanes(self) -> range:
@@ -83,6 +86,8 @@ class Plan:
             lines.append(
                 "  restore skips consumed samples at the source (every operator indexable)"
             )
+        if self.workers != "inline":
+            lines.append(f"  {self.processes} worker {self.workers}(s) for this rank's lanes")
         if self.timeout is not None:
             lines.append(f"  timeout: {self.timeout:g} s for a lane's next item list")
         return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,18 @@ DEPRECATED_DETERMINISTIC = (
 
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _worker_count(processes: int | None, rank_lanes: int) -> int:
+    """Workers for a rank's lanes: as asked (at most one per lane), else one per lane but no more
+    than the CPUs this process may use."""
+    if processes is not None:
+        return min(processes, rank_lanes)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(rank_lanes, cpus))
 
 
 class Pipeline:
@@ -59,6 +72,7 @@ class Pipeline:
         micro_batch: int = 256,
         carry_warn_bytes: int = 65536,
         timeout: float | None = None,
+        processes: int | None = None,
     ):
         self.source = source
         self.ops = list(ops)
@@ -75,6 +89,7 @@ class Pipeline:
         self.micro_batch = micro_batch
         self.carry_warn_bytes = carry_warn_bytes
         self.timeout = timeout
+        self.processes = processes
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
@@ -95,6 +110,8 @@ class Pipeline:
             raise PlanError(
                 f"Pipeline carry_warn_bytes must be an int >= 0, got {self.carry_warn_bytes!r}"
             )
+        if self.processes is not None and (type(self.processes) is not int or self.processes < 1):
+            raise PlanError(f"Pipeline processes must be an int >= 1, got {self.processes!r}")
         if n_lanes % world_size:
             raise PlanError(
                 f"Pipeline lanes={n_lanes} cannot be shared by world_size={world_size} ranks: "
@@ -207,6 +224,7 @@ class Pipeline:
             batch_sensitive=any(op.traits.batch_sensitive for op in chain),
             counted_tags=tuple(dict.fromkeys(tag for op in ops for tag in op.counted_tags)),
             carry_warn_bytes=self.carry_warn_bytes,
+            processes=_worker_count(self.processes, n_lanes // world_size),
             timeout=None if timeout is None else float(timeout),
         )
 

@@ -247,3 +247,41 @@ def test_seeded_operators_use_the_global_lane() -> None:
     alone = lane_stream(5, 8)
     assert len(alone) > 40
     assert lane_stream(2, 4)[:40] == alone[:40]
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize("processes", [1, 2])
+def test_fewer_workers_than_lanes_give_the_same_global_steps(workers: str, processes: int) -> None:
+    reference = global_steps(packed, 1)
+    for world in (1, 4):
+        steps = global_steps(packed, world, workers=workers, processes=processes)
+        assert steps == reference, f"world_size={world}, {processes} {workers} worker(s)"
+
+
+def test_a_checkpoint_taken_on_shared_workers_resumes_on_others() -> None:
+    reference = global_steps(packed, 2)
+    states = []
+    for r in range(2):
+        loader = iter(packed(lanes=N, rank=r, world_size=2, workers="process", processes=1))
+        for _ in range(3 * (N // 2)):
+            next(loader)
+        states.append(loader.state_dict())
+        loader.close()
+    job = zephon.merge_states(states)
+    resumed = [
+        [
+            fingerprint_item(x)
+            for x in packed(rank=r, world_size=2, workers="thread", processes=2).iter(state=job)
+        ]
+        for r in range(2)
+    ]
+    assert steps_of(resumed, N // 2, shortest_lane(packed) - 3) == reference[3:]
+
+
+def test_processes_is_checked_and_described() -> None:
+    with pytest.raises(PlanError, match="processes"):
+        monotone(lanes=N, processes=0).compile()
+    plan = monotone(lanes=N, rank=0, world_size=2, workers="process", processes=3).compile()
+    assert plan.processes == 3
+    assert "3 worker process(s)" in plan.describe()
+    assert plan.fingerprint == monotone(lanes=N, rank=0, world_size=2).compile().fingerprint

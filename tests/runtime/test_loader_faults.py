@@ -123,3 +123,38 @@ def test_an_abandoned_loader_stops_its_workers_without_a_gc_pass(workers: str) -
         )
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_lanes_sharing_one_worker_close_fast_and_resume(workers: str, full: list[tuple]) -> None:
+    loader = iter(_pipeline(workers=workers, processes=1))
+    head = run(loader, 19)
+    assert len(lane_threads() if workers == "thread" else worker_processes()) == 1
+    _timed_close(loader)
+    _resumes_exactly(head, loader.state_dict(), full)
+
+
+def test_a_killed_worker_shared_by_all_lanes(full: list[tuple]) -> None:
+    loader = iter(_pipeline(workers="process", processes=1))
+    head = run(loader, 11)
+    (victim,) = worker_processes()
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(zephon.ZephonError, match=r"killed by SIGKILL"):
+        for item in loader:
+            head.append(fingerprint_item(item))
+    state = loader.state_dict()
+    _timed_close(loader)
+    _resumes_exactly(head, state, full)
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_an_abandoned_loader_with_shared_workers_stops_them(workers: str) -> None:
+    gc.disable()
+    try:
+        for _ in range(3):
+            loader = iter(_pipeline(workers=workers, processes=2))
+            next(loader)
+            del loader
+        assert wait_until(lambda: not lane_threads() and not worker_processes(), 2.0)
+    finally:
+        gc.enable()

@@ -34,7 +34,7 @@ from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
 from zephon.runtime.job import rank_turn
 from zephon.runtime.state import COUNTERS, check_int, check_pairs, check_turn, corrupt
-from zephon.runtime.supervision import close_feeds
+from zephon.runtime.supervision import close_feeds, start_feeds
 
 log = logging.getLogger("zephon")
 
@@ -103,9 +103,8 @@ class Loader:
                 if not self._started:
                     self._started = True
                     self._log_start()
-                    for lane in lanes:  # every lane's worker starts working at once
-                        if not lane.ended:
-                            lane.feed.start()
+                    # every lane's worker starts working at once
+                    start_feeds([lane.feed for lane in lanes if not lane.ended])
                     for lane in lanes:  # a restored lane is back at its position first
                         lane.catch_up()
                 for _ in range(n):  # one full round at most: each lane delivers or has ended

@@ -10,7 +10,7 @@ from typing import Any
 
 from zephon.errors import ZephonError
 from zephon.plan import Plan
-from zephon.runtime.workers import close_lanes, open_lane
+from zephon.runtime.workers import close_lanes, open_lane, open_lanes
 
 
 class LaneFeed:
@@ -51,6 +51,18 @@ class LaneFeed:
     def close(self) -> None:
         """Stop the runner and release what it holds; nothing is delivered from it afterwards."""
         close_feeds([self])
+
+
+def start_feeds(feeds: list[LaneFeed]) -> None:
+    """Start the runners of many lanes at once, sharing the plan's worker processes or threads
+    (``workers.open_lanes``)."""
+    waiting = [feed for feed in feeds if feed.runner is None and not feed.closed]
+    if not waiting:
+        return
+    plan = waiting[0].plan
+    runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in waiting])
+    for feed, runner in zip(waiting, runners):
+        feed.runner = runner
 
 
 def close_feeds(feeds: list[LaneFeed]) -> None:

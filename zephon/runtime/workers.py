@@ -174,9 +174,11 @@ class InlineLane:
 class _ThreadChannel:
     """What a thread lane and its worker thread share: the bounded queue and the stop flag."""
 
-    def __init__(self, maxsize: int):
+    def __init__(self, maxsize: int, room: threading.Event | None = None):
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.stop = threading.Event()
+        self.done = threading.Event()  # the worker thread has left this lane
+        self.room = room  # set by the lane when it takes an item list (shared worker threads)
 
     def put(self, message: tuple) -> bool:
         """Hand ``message`` over unless the lane is stopped first; whether it was handed over."""
@@ -210,6 +212,54 @@ def _thread_main(channel: _ThreadChannel, plan: Plan, lane_id: int, start: dict)
         channel.put(("error", exc))
 
 
+def _thread_group_main(
+    members: list[tuple[_ThreadChannel, Plan, int, dict]], room: threading.Event
+) -> None:
+    """One worker thread for several lanes: it advances whichever lane has room in its queue,
+    in lane order, and waits when none has. Each lane's items are what its own runner makes, so
+    sharing a thread changes when they are made, never what they are."""
+    active = []
+    for channel, plan, lane_id, start in members:
+        active.append((channel, lane_id, LaneRunner(plan, lane_id, **start).run()))
+    try:
+        while active:
+            progressed = False
+            for member in list(active):
+                channel, lane_id, lane_items = member
+                if channel.stop.is_set() or not channel.queue.full():
+                    progressed = True
+                    if not _advance(channel, lane_id, lane_items):
+                        active.remove(member)
+                        lane_items.close()
+                        channel.done.set()
+            if not progressed:
+                room.wait(_POLL_SECONDS)
+                room.clear()
+    finally:
+        for channel, _, lane_items in active:
+            lane_items.close()
+            channel.done.set()
+
+
+def _advance(channel: _ThreadChannel, lane_id: int, lane_items: Iterator[list]) -> bool:
+    """Hand over the lane's next item list (there is room); False once the lane is done."""
+    if channel.stop.is_set():
+        return False
+    try:
+        items = next(lane_items)
+    except StopIteration:
+        channel.put((_END, None))
+        return False
+    except SystemExit as exc:
+        channel.put(("error", _exit_outside_operator(lane_id, exc)))
+        return False
+    except BaseException as exc:  # delivered to the caller, who re-raises it
+        channel.put(("error", exc))
+        return False
+    channel.queue.put_nowait(("items", items))  # only this thread puts: the room is still there
+    return True
+
+
 class _ThreadWorker:
     """Stops a worker thread. A thread cannot be interrupted: one busy inside an operator stops
     at its next hand-over, after the operator returns; until then it is left running."""
@@ -226,10 +276,14 @@ class _ThreadWorker:
             return
         self.channel.stop.set()
         self.channel.drain()  # a worker waiting for room in the queue gets it, then sees the flag
+        if self.channel.room is not None:
+            self.channel.room.set()
 
     def wait(self, deadline: float) -> bool:
         if os.getpid() != self.owner_pid:
             return True
+        if self.channel.room is not None:  # a thread shared with other lanes: this lane only
+            return self.channel.done.wait(max(0.0, deadline - time.monotonic()))
         self.thread.join(max(0.0, deadline - time.monotonic()))
         return not self.thread.is_alive()
 
@@ -246,19 +300,48 @@ class ThreadLane:
     """
 
     def __init__(self, plan: Plan, lane_id: int, **start: Any):
-        self.lane_id = lane_id
-        self.timeout = plan.timeout
-        self._channel = _ThreadChannel(plan.prefetch)
-        self._thread = threading.Thread(
+        channel = _ThreadChannel(plan.prefetch)
+        thread = threading.Thread(
             target=_thread_main,
-            args=(self._channel, plan, lane_id, start),
+            args=(channel, plan, lane_id, start),
             name=f"{_WORKER_NAME}{lane_id}",
             daemon=True,
         )
-        self._worker = _ThreadWorker(self._thread, self._channel)
+        self._attach(plan, lane_id, thread, channel)
+        thread.start()
+
+    @classmethod
+    def group(cls, plan: Plan, members: list[tuple[int, dict]]) -> list[ThreadLane]:
+        """Several lanes on one worker thread (which advances whichever has room)."""
+        room = threading.Event()
+        channels = [_ThreadChannel(plan.prefetch, room) for _ in members]
+        thread = threading.Thread(
+            target=_thread_group_main,
+            args=(
+                [(ch, plan, lane_id, start) for ch, (lane_id, start) in zip(channels, members)],
+                room,
+            ),
+            name=f"{_WORKER_NAME}{members[0][0]}",
+            daemon=True,
+        )
+        lanes = []
+        for channel, (lane_id, _) in zip(channels, members):
+            lane = cls.__new__(cls)
+            lane._attach(plan, lane_id, thread, channel)
+            lanes.append(lane)
+        thread.start()
+        return lanes
+
+    def _attach(
+        self, plan: Plan, lane_id: int, thread: threading.Thread, channel: _ThreadChannel
+    ) -> None:
+        self.lane_id = lane_id
+        self.timeout = plan.timeout
+        self._channel = channel
+        self._thread = thread
+        self._worker = _ThreadWorker(thread, channel)
         self._closed = False
         self._ended = False
-        self._thread.start()
         self._finalizer = weakref.finalize(self, _stop_workers, [self._worker], STOP_TIMEOUT)
 
     def __iter__(self) -> ThreadLane:
@@ -274,6 +357,8 @@ class ThreadLane:
             wait = _POLL_SECONDS if end is None else min(_POLL_SECONDS, end - time.monotonic())
             try:
                 kind, value = self._channel.queue.get(timeout=max(0.0, wait))
+                if self._channel.room is not None:
+                    self._channel.room.set()
                 break
             except queue.Empty:
                 if not self._thread.is_alive() and self._channel.queue.empty():
@@ -437,12 +522,35 @@ def _send_error(conn: Connection, exc: BaseException) -> None:
 
 
 def _process_main(
-    conn: Connection, plan_bytes: bytes, lane_id: int, start: dict, prefetch: int, loader_pid: int
+    members: list[tuple[Connection, int, dict]], plan_bytes: bytes, prefetch: int, loader_pid: int
 ) -> None:
+    """A worker process: one lane, or several lanes each on a thread of its own (so that a lane
+    blocked sending to the loader never holds up another)."""
     # Ctrl-C in a terminal reaches the whole process group: the loader's process handles it and
     # stops its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_loader(loader_pid)
+    if len(members) == 1:
+        _lane_main(*members[0], plan_bytes, prefetch)
+        return
+    threads = [
+        threading.Thread(
+            target=_lane_main,
+            args=(conn, lane_id, start, plan_bytes, prefetch),
+            name=f"zephon-worker-lane-{lane_id}",
+            daemon=True,
+        )
+        for conn, lane_id, start in members
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _lane_main(
+    conn: Connection, lane_id: int, start: dict, plan_bytes: bytes, prefetch: int
+) -> None:
     try:
         _write(conn, _encode(_READY, None))
         plan = _load_plan(plan_bytes, lane_id)
@@ -483,41 +591,64 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_workers_in_forked_child)
 
 
+class _SharedProcess:
+    """A worker process and how many of its lanes are still open: it is waited for, and forced
+    out, only once the last of them stops."""
+
+    def __init__(self, n_lanes: int):
+        self.open = n_lanes
+        self.exitcode: int | None = None  # once reaped (and closed)
+
+
 class _ProcessWorker:
     """Stops a worker process: closing the loader's end of the pipe makes the worker's next send
-    or receive fail (a send blocked on a full pipe at once), and the worker exits."""
+    or receive fail (a send blocked on a full pipe at once), and the worker exits. A process that
+    runs several lanes exits when the last of them is stopped."""
 
     forcible = True
 
-    def __init__(self, proc: Any, conn: Connection):
+    def __init__(self, proc: Any, conn: Connection, shared: _SharedProcess | None = None):
         self.proc = proc
         self.conn = conn
+        self.shared = shared or _SharedProcess(1)
         self.owner_pid = os.getpid()
         self.exitcode: int | None = None
+        self._stopped = False
 
     def request_stop(self) -> None:
         if os.getpid() != self.owner_pid:  # a fork()ed child: the worker is its parent's
             return
         self.conn.close()
+        if not self._stopped:
+            self._stopped = True
+            self.shared.open -= 1
 
     def wait(self, deadline: float) -> bool:
         if os.getpid() != self.owner_pid:
             return True
-        if self.exitcode is None:
+        if self.shared.open > 0:  # its other lanes keep the process; this lane's thread ends
+            return True
+        shared = self.shared
+        if shared.exitcode is None:
             self.proc.join(max(0.0, deadline - time.monotonic()))
             if self.proc.exitcode is None:
                 return False
-            self.exitcode = self.proc.exitcode
+            shared.exitcode = self.proc.exitcode
             self.proc.close()  # its sentinel's descriptor now, not at collection
+        self.exitcode = shared.exitcode
         return True
 
     def terminate(self) -> None:
-        if self.exitcode is None and os.getpid() == self.owner_pid:
+        if self._may_force():
             self.proc.terminate()
 
     def kill(self) -> None:
-        if self.exitcode is None and os.getpid() == self.owner_pid:
+        if self._may_force():
             self.proc.kill()
+
+    def _may_force(self) -> bool:
+        shared = self.shared
+        return shared.exitcode is None and shared.open <= 0 and os.getpid() == self.owner_pid
 
 
 def _how_it_ended(code: int | None) -> str:
@@ -609,6 +740,40 @@ def _unpicklable_message(plan: Plan, exc: Exception) -> str:
     )
 
 
+def _start_process(plan: Plan, members: list[tuple[int, dict]]) -> tuple[Any, list[Connection]]:
+    """Start one worker process for the lanes ``members`` (lane id, runner start); the process
+    and the loader's end of each lane's pipe."""
+    _refuse_unguarded_main()
+    try:
+        plan_bytes = pickle.dumps(plan, protocol=5)
+    except Exception as exc:
+        raise PlanError(_unpicklable_message(plan, exc)) from None
+    ctx = _context()
+    pipes = [ctx.Pipe(duplex=True) for _ in members]
+    proc = ctx.Process(
+        target=_process_main,
+        args=(
+            [(child, lane_id, start) for (_, child), (lane_id, start) in zip(pipes, members)],
+            plan_bytes,
+            plan.prefetch,
+            os.getpid(),
+        ),
+        name=f"{_WORKER_NAME}{members[0][0]}",
+        daemon=True,
+    )
+    try:
+        proc.start()
+    except BaseException:
+        for parent, _ in pipes:
+            parent.close()
+        raise
+    finally:
+        for _, child in pipes:
+            child.close()
+    _started_here.add(proc)
+    return proc, [parent for parent, _ in pipes]
+
+
 class ProcessLane:
     """The lane runs in a worker process; at most ``prefetch`` item lists are in flight.
 
@@ -619,33 +784,31 @@ class ProcessLane:
     """
 
     def __init__(self, plan: Plan, lane_id: int, **start: Any):
+        proc, (conn,) = _start_process(plan, [(lane_id, start)])
+        self._attach(plan, lane_id, proc, conn, _SharedProcess(1))
+
+    @classmethod
+    def group(cls, plan: Plan, members: list[tuple[int, dict]]) -> list[ProcessLane]:
+        """Several lanes in one worker process (each on a thread of its own there)."""
+        proc, conns = _start_process(plan, members)
+        shared = _SharedProcess(len(members))
+        lanes = []
+        for (lane_id, _), conn in zip(members, conns):
+            lane = cls.__new__(cls)
+            lane._attach(plan, lane_id, proc, conn, shared)
+            lanes.append(lane)
+        return lanes
+
+    def _attach(
+        self, plan: Plan, lane_id: int, proc: Any, conn: Connection, shared: _SharedProcess
+    ) -> None:
         self.lane_id = lane_id
         self.timeout = plan.timeout
-        _refuse_unguarded_main()
-        try:
-            plan_bytes = pickle.dumps(plan, protocol=5)
-        except Exception as exc:
-            raise PlanError(_unpicklable_message(plan, exc)) from None
-        ctx = _context()
-        self._conn, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(
-            target=_process_main,
-            args=(child, plan_bytes, lane_id, start, plan.prefetch, os.getpid()),
-            name=f"{_WORKER_NAME}{lane_id}",
-            daemon=True,
-        )
-        try:
-            proc.start()
-        except BaseException:
-            self._conn.close()
-            raise
-        finally:
-            child.close()
-        _started_here.add(proc)
+        self._conn = conn
         self.pid: int = proc.pid
         self._sentinel = proc.sentinel
         self._proc = proc
-        self._worker = _ProcessWorker(proc, self._conn)
+        self._worker = _ProcessWorker(proc, conn, shared)
         self._ready = False  # the worker said it runs: a death before that is a failed start
         self._closed = False
         self._ended = False
@@ -695,8 +858,10 @@ class ProcessLane:
 
     def _lost(self) -> ZephonError:
         """The error for a worker that died (or dropped its pipe), after stopping the lane."""
-        self._proc.join(_EXIT_STATUS_WAIT)
-        code = self._proc.exitcode
+        code = self._worker.shared.exitcode
+        if code is None:  # not yet reaped by another lane of the same process
+            self._proc.join(_EXIT_STATUS_WAIT)
+            code = self._proc.exitcode
         self.close()
         if not self._ready and code == _EXIT_MAIN_REIMPORTED:
             return PlanError(
@@ -743,3 +908,27 @@ LANE_KINDS: dict[str, type[InlineLane | ThreadLane | ProcessLane]] = {
 def open_lane(plan: Plan, lane_id: int, **start: Any) -> InlineLane | ThreadLane | ProcessLane:
     """Start lane ``lane_id`` where the plan says lanes run (``start`` goes to ``LaneRunner``)."""
     return LANE_KINDS[plan.workers](plan, lane_id, **start)
+
+
+def open_lanes(plan: Plan, members: list[tuple[int, dict]]) -> list[Any]:
+    """Start the lanes ``members`` (lane id, runner start) on ``plan.processes`` workers: worker
+    processes (``workers="process"``) or threads (``"thread"``), each running a contiguous block
+    of the lanes; inline lanes run in the caller's thread. The lanes' streams never depend on
+    how many workers there are."""
+    if plan.workers == "inline" or not members:
+        return [open_lane(plan, lane_id, **start) for lane_id, start in members]
+    k = max(1, min(plan.processes, len(members)))
+    if k == len(members):
+        return [open_lane(plan, lane_id, **start) for lane_id, start in members]
+    kind = ProcessLane if plan.workers == "process" else ThreadLane
+    lanes: list[Any] = []
+    size, extra = divmod(len(members), k)
+    at = 0
+    for w in range(k):
+        n = size + (1 if w < extra else 0)
+        block = members[at : at + n]
+        at += n
+        lanes.extend(
+            kind.group(plan, block) if n > 1 else [open_lane(plan, block[0][0], **block[0][1])]
+        )
+    return lanes
