@@ -22,6 +22,7 @@ from zephon.errors import (  # noqa: E402
     ZephonError,
 )
 from zephon.planner import Pipeline, Plan  # noqa: E402
+from zephon.progress import show_progress  # noqa: E402
 from zephon.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from zephon.runtime.job import merge_states  # noqa: E402
 from zephon.runtime.loader import Loader  # noqa: E402
@@ -46,4 +47,5 @@ __all__ = [
     "load_checkpoint",
     "merge_states",
     "save_checkpoint",
+    "show_progress",
 ]

@@ -205,6 +205,8 @@ def _bench(quick: bool) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("bench", "demo"):
+        zephon.show_progress(True)  # the library keeps them off; the command line shows them
     if args.command == "bench":
         return _bench(quick=args.quick)
     if args.command == "demo":

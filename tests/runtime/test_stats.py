@@ -139,3 +139,25 @@ def test_a_growing_carry_state_warns_once_naming_the_operator() -> None:
 def test_carry_warn_bytes_must_be_a_non_negative_int() -> None:
     with pytest.raises(zephon.PlanError, match="carry_warn_bytes"):
         _pipeline(carry_warn_bytes=-1).compile()
+
+
+def test_a_restore_shows_its_replay_progress_only_when_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def make() -> zephon.Pipeline:
+        return zephon.Pipeline(
+            RangeSource(100, chunk_size=10), [fetch(), RunningTotal(), batch(4)], epoch_chunks=4
+        )
+
+    loader = iter(make())
+    for _ in range(7):
+        next(loader)
+    state = loader.state_dict()
+    next(make().iter(state=state))
+    assert "replaying lane" not in capsys.readouterr().err  # off in the library
+    zephon.show_progress(True)
+    try:
+        next(make().iter(state=state))
+    finally:
+        zephon.show_progress(False)
+    assert "zephon: replaying lane 0" in capsys.readouterr().err

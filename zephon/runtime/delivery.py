@@ -89,10 +89,11 @@ class LaneDelivery:
             else:
                 book.control(item)
 
-    def catch_up(self) -> None:
+    def catch_up(self, on_record: Any = None) -> None:
         """After a restore: swallow what the lane delivered before the checkpoint (booking it
         again), up to the record at the replay cursor. The loader does this for every lane before
-        it hands anything over, so a replay that diverges never starts a stream."""
+        it hands anything over, so a replay that diverges never starts a stream.
+        ``on_record()`` is called for each swallowed record (a progress bar)."""
         feed, book = self.feed, self.book
         while self.replay is not None:
             item = feed.next_item()
@@ -101,6 +102,8 @@ class LaneDelivery:
                     book.tombstone(item, False)
                 else:
                     self._swallow(item)
+                    if on_record is not None:
+                        on_record()
             elif type(item) is LaneEnd:
                 raise self.replay.diverged("the lane ended before the replay cursor was met again")
             elif type(item) is EpochEnd:

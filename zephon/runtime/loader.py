@@ -22,6 +22,7 @@ from zephon.errors import (
     ZephonError,
 )
 from zephon.plan import Plan
+from zephon.progress import bar
 from zephon.runtime.checkpoint import (
     JOB_FORMAT,
     STATE_FORMAT,
@@ -106,7 +107,7 @@ class Loader:
                     # every lane's worker starts working at once
                     start_feeds([lane.feed for lane in lanes if not lane.ended])
                     for lane in lanes:  # a restored lane is back at its position first
-                        lane.catch_up()
+                        self._catch_up(lane)
                 for _ in range(n):  # one full round at most: each lane delivers or has ended
                     lane = lanes[self.next_lane]
                     out = lane.next_delivery()
@@ -123,6 +124,19 @@ class Loader:
                 self._fail(exc)
                 raise
             raise StopIteration
+
+    def _catch_up(self, lane: LaneDelivery) -> None:
+        replay = lane.replay
+        shown = (
+            None
+            if replay is None
+            else bar(replay.expect[0] - replay.count, f"zephon: replaying lane {lane.lane_id}")
+        )
+        if shown is None:
+            lane.catch_up()
+            return
+        with shown:
+            lane.catch_up(shown.update)
 
     def _note_inflight(self) -> None:
         inflight = sum(lane.book.table.n_inflight for lane in self.lanes)

@@ -1,0 +1,30 @@
+"""Progress bars for long waits (a restore's replay, the demo, the benchmarks), through tqdm when
+it is installed (``pip install "zephon-loader[progress]"``). Off in the library until
+``show_progress()`` is called; the command line turns them on."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["bar", "show_progress"]
+
+_enabled = False
+
+
+def show_progress(enabled: bool = True) -> None:
+    """Show progress bars on stderr from now on (or stop showing them)."""
+    global _enabled
+    _enabled = enabled
+
+
+def bar(total: int, desc: str) -> Any:
+    """A tqdm bar when progress is shown and tqdm is installed, else ``None`` (callers skip
+    their updates, so a hidden bar costs nothing per step)."""
+    if not _enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, unit="rec")
