@@ -37,11 +37,6 @@ def lane_geometry(plan: Plan, lane_id: int) -> LaneGeometry:
     return LaneGeometry(lane_id, plan.lanes, plan.source.total_chunks())
 
 
-def chunk_position(plan: Plan, lane_id: int, local_index: int) -> int:
-    """The global chunk position (and chunk id) of a lane's ``local_index``-th chunk."""
-    return lane_id + local_index * plan.lanes
-
-
 class LaneRunner:
     """Runs lane ``lane_id`` from lane-local chunk ``start_local`` with fresh operators.
 
@@ -100,16 +95,16 @@ class LaneRunner:
     def _run(self) -> Generator[list, None, None]:
         plan = self.plan
         source = plan.source
-        total = source.total_chunks()
+        geometry = lane_geometry(plan, self.lane_id)
         per_epoch = plan.epoch_chunks
         mb = plan.micro_batch
         k = self.start_local
         epoch = k // per_epoch
         self._start_epoch(epoch)
         while True:
-            position = chunk_position(plan, self.lane_id, k)
-            if total is not None and position >= total:
+            if geometry.total is not None and k >= geometry.total:
                 break
+            position = geometry.position(k)
             chunk = source.chunk(position)
             n = len(chunk)
             first = self.skip_offset if k == self.start_local else 0

@@ -288,7 +288,8 @@ class _ThreadWorker:
         return not self.thread.is_alive()
 
     def terminate(self) -> None:
-        raise NotImplementedError("a thread cannot be terminated")
+        """Nothing more to do: a thread cannot be forced (``forcible`` is False, so the joiner
+        never escalates); it stops at its next hand-over, once ``request_stop`` set its flag."""
 
     kill = terminate
 
