@@ -18,6 +18,7 @@ from zephon.errors import (  # noqa: E402
     FetchError,
     OperatorError,
     PlanError,
+    RelaneWarning,
     ReplayDivergenceError,
     ZephonError,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "Pipeline",
     "Plan",
     "PlanError",
+    "RelaneWarning",
     "ReplayDivergenceError",
     "ZephonError",
     "load_checkpoint",

@@ -88,3 +88,9 @@ class CarryStateWarning(UserWarning):
     """An operator's carry state (stored in every checkpoint) grew past the pipeline's
     ``carry_warn_bytes``: checkpoints grow with it, and it is often a sign of state that should
     have been flushed at the epoch marker."""
+
+
+class RelaneWarning(UserWarning):
+    """A checkpoint taken with another lane count was continued on this pipeline's lanes: every
+    sample is still delivered exactly once, but the batches differ from the uninterrupted run's.
+    ``Pipeline(relane=False)`` refuses such a checkpoint instead."""

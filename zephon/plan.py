@@ -7,6 +7,8 @@ imports nothing from the runtime.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -14,6 +16,11 @@ if TYPE_CHECKING:
     from zephon.sources.base import WorkSource
 
 WORKER_KINDS = ("inline", "thread", "process")
+
+
+def digest(obj: Any) -> str:
+    """The stable hex digest fingerprints are made of (sorted keys, plain JSON)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +57,9 @@ class Plan:
     #: Worker processes (``workers="process"``) or threads (``"thread"``) running this rank's
     #: lanes; never part of the fingerprint: the stream does not depend on it.
     processes: int = 1
+    #: A checkpoint taken with another lane count continues on this one (every sample still
+    #: delivered exactly once, batches differ); False refuses it. Not part of the fingerprint.
+    relane: bool = True
 
     @property
     def rank_lanes(self) -> range:

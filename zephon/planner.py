@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import warnings
@@ -13,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from zephon.errors import PlanError
 from zephon.identity import identify
 from zephon.ops.base import Grouper, Operator, OpTraits, PointerReader
-from zephon.plan import WORKER_KINDS, Plan
+from zephon.plan import WORKER_KINDS, Plan, digest
 from zephon.ranks import resolve_rank
 
 if TYPE_CHECKING:
@@ -26,10 +24,6 @@ DEPRECATED_DETERMINISTIC = (
     "same stream whatever its workers, timing or load (micro-batches are cut by count, stateful "
     "and batch-sensitive operators run on one thread). Remove the argument."
 )
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _worker_count(processes: int | None, rank_lanes: int) -> int:
@@ -54,6 +48,10 @@ class Pipeline:
     ``timeout`` (seconds, off by default) bounds how long a thread or process lane may take to
     produce its next item list before ``next()`` raises instead of waiting for a stuck or stopped
     worker; inline lanes run in the caller's thread and cannot time out.
+
+    ``relane`` (default True): a checkpoint taken with another lane count continues on this
+    pipeline's ``lanes``, every sample still delivered exactly once but in different batches
+    (a warning says so); False makes it a ``CheckpointMismatchError``.
     """
 
     def __init__(
@@ -73,6 +71,7 @@ class Pipeline:
         carry_warn_bytes: int = 65536,
         timeout: float | None = None,
         processes: int | None = None,
+        relane: bool = True,
     ):
         self.source = source
         self.ops = list(ops)
@@ -90,6 +89,7 @@ class Pipeline:
         self.carry_warn_bytes = carry_warn_bytes
         self.timeout = timeout
         self.processes = processes
+        self.relane = relane
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
@@ -117,6 +117,8 @@ class Pipeline:
                 f"Pipeline lanes={n_lanes} cannot be shared by world_size={world_size} ranks: "
                 "the job's lane count must be a multiple of the number of ranks"
             )
+        if type(self.relane) is not bool:
+            raise PlanError(f"Pipeline relane must be True or False, got {self.relane!r}")
         if self.workers not in WORKER_KINDS:
             raise PlanError(f"Pipeline workers must be one of {WORKER_KINDS}, got {self.workers!r}")
         timeout = self.timeout
@@ -219,21 +221,22 @@ class Pipeline:
             strict=self.strict,
             rank=rank,
             world_size=world_size,
-            fingerprint=_digest(parts),
+            fingerprint=digest(parts),
             fingerprint_parts=parts,
             batch_sensitive=any(op.traits.batch_sensitive for op in chain),
             counted_tags=tuple(dict.fromkeys(tag for op in ops for tag in op.counted_tags)),
             carry_warn_bytes=self.carry_warn_bytes,
             processes=_worker_count(self.processes, n_lanes // world_size),
             timeout=None if timeout is None else float(timeout),
+            relane=self.relane,
         )
 
     def _fingerprint_parts(self, lanes: int) -> dict[str, Any]:
         # The job's lane count is part of the stream's identity; the world size is not: the
         # same lanes give the same global steps on any number of ranks.
         return {
-            "source": _digest(identify(self.source.describe(), where="the source's describe()")),
-            "operators": _digest([op.describe() for op in self.ops]),
+            "source": digest(identify(self.source.describe(), where="the source's describe()")),
+            "operators": digest([op.describe() for op in self.ops]),
             "lanes": lanes,
             "epoch_chunks": self.epoch_chunks,
             "micro_batch": self.micro_batch,
@@ -247,7 +250,8 @@ class Pipeline:
     def iter(self, state: dict | None = None) -> Loader:
         """A loader over this pipeline, continuing exactly where ``state`` was taken when given:
         a rank's own state, or a job state (``zephon.merge_states``) on any world size that
-        divides the job's lane count."""
+        divides the job's lane count. A state taken with another lane count than this
+        pipeline's ``lanes`` is re-laned onto them (see ``relane``)."""
         from zephon.runtime.loader import Loader
 
         lanes = state.get("lanes") if isinstance(state, dict) else None

@@ -58,9 +58,17 @@ def test_state_from_another_source_is_a_mismatch(state):
         make(n=101).iter(state=state)
 
 
-def test_state_with_other_lanes_is_a_mismatch_naming_lanes(state):
-    with pytest.raises(CheckpointMismatchError, match="lanes"):
-        make(lanes=3).iter(state=state)
+def test_state_with_other_lanes_is_a_mismatch_without_relane(state):
+    with pytest.raises(CheckpointMismatchError, match=r"lanes \(checkpoint 2, pipeline 3\)"):
+        make(lanes=3, relane=False).iter(state=state)
+
+
+def test_state_with_other_lanes_relanes_with_one_warning(state, caplog):
+    with pytest.warns(zephon.RelaneWarning, match="2 lanes onto 3 lanes") as shown:
+        loader = make(lanes=3).iter(state=state)
+    assert len(shown) == 1
+    assert "batches differ" in caplog.text
+    loader.close()
 
 
 def test_state_from_another_rank_or_world_size_is_a_mismatch(state):

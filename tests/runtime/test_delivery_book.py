@@ -13,7 +13,7 @@ from zephon._core.chunk_table import CLOSED, ChunkTable
 from zephon._core.delivery import DeliveryBook, DeliveryCounters, gather
 from zephon._core.records import records_for_chunk
 from zephon.ops.children import tombstones_for_record
-from zephon.runtime.control import LANE_END, ChunkOpened, LaneEnd
+from zephon.runtime.control import LANE_END, ChunkOpened, LaneEnd, RunStart
 from zephon.types import SampleCursor, SampleMeta, SampleRecord
 
 
@@ -161,7 +161,7 @@ def test_gather_fills_a_batch_and_keeps_trailing_control_items_with_it():
     tomb = tombstones_for_record(records[4])[0]
     buf: list[Any] = [records[0], tomb, records[1], records[2], records[3]]
     pending: list[Any] = []
-    assert gather(buf, 0, pending, 0, 3, LaneEnd) == (4, 3)
+    assert gather(buf, 0, pending, 0, 3, (LaneEnd,)) == (4, 3)
     assert pending == buf[:4]
 
 
@@ -169,6 +169,16 @@ def test_gather_leaves_a_leading_control_item_and_the_lane_end_to_the_caller():
     records = roots(0, 2)
     opened = ChunkOpened(0, 0, 2, 0)
     pending: list[Any] = []
-    assert gather([opened, *records], 0, pending, 0, 4, LaneEnd) == (0, 0)
-    assert gather([*records, LANE_END], 0, pending, 0, 4, LaneEnd) == (2, 2)
+    assert gather([opened, *records], 0, pending, 0, 4, (LaneEnd,)) == (0, 0)
+    assert gather([*records, LANE_END], 0, pending, 0, 4, (LaneEnd,)) == (2, 2)
     assert pending == records
+
+
+def test_gather_leaves_every_type_it_is_told_to_even_behind_pending_records():
+    records = roots(0, 2)
+    run = RunStart(1)
+    pending: list[Any] = []
+    assert gather([records[0], run, records[1]], 0, pending, 0, 4, (LaneEnd, RunStart)) == (1, 1)
+    opened = ChunkOpened(0, 0, 2, 0)
+    assert gather([opened, records[1]], 0, pending, 1, 4, (LaneEnd, RunStart)) == (2, 2)
+    assert pending == [records[0], opened, records[1]]

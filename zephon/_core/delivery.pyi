@@ -51,5 +51,5 @@ def gather(
     pending: list[Any],
     n_pending: int,
     batch_size: int,
-    lane_end: type,
+    leave: tuple[type, ...],
 ) -> tuple[int, int]: ...

@@ -283,12 +283,13 @@ cdef class DeliveryBook:
 
 
 def gather(list buf not None, Py_ssize_t pos, list pending not None, Py_ssize_t n_pending,
-           Py_ssize_t batch_size, type lane_end not None):
+           Py_ssize_t batch_size, tuple leave not None):
     """Move items from ``buf[pos:]`` into ``pending`` until it holds ``batch_size`` real records.
 
     Stops before an item it leaves to the caller: a tombstone or control item while ``pending``
-    holds no record (those are booked at once, not held), and ``lane_end``. Returns the new
-    ``(pos, n_pending)``; nothing is booked here.
+    holds no record (those are booked at once, not held), and an item whose type is in ``leave``
+    (the lane's end, the start of a run). Returns the new ``(pos, n_pending)``; nothing is booked
+    here.
     """
     cdef Py_ssize_t n = len(buf)
     while pos < n and n_pending < batch_size:
@@ -296,7 +297,7 @@ def gather(list buf not None, Py_ssize_t pos, list pending not None, Py_ssize_t 
         if type(item) is SampleRecord and not (<SampleRecord>item).meta.is_tombstone:
             pending.append(item)
             n_pending += 1
-        elif n_pending and type(item) is not lane_end:
+        elif n_pending and type(item) not in leave:
             pending.append(item)
         else:
             break

@@ -13,8 +13,11 @@ from typing import Any
 from zephon._core.delivery import gather
 from zephon.errors import OperatorError
 from zephon.ops.base import Grouper
-from zephon.runtime.control import LaneEnd
+from zephon.runtime.control import LaneEnd, RunStart
 from zephon.types import SampleRecord
+
+# Control items the delivery loop must see itself even while a batch is pending.
+LEAVE_TO_CALLER = (LaneEnd, RunStart)
 
 
 class FinalBatcher:
@@ -31,7 +34,7 @@ class FinalBatcher:
         """Move records (and what follows them) from ``buf[pos:]`` into the pending batch until it
         is full or an item needs the caller; returns the new position (compiled loop)."""
         pos, self.n_pending = gather(
-            buf, pos, self.pending, self.n_pending, self.batch_size, LaneEnd
+            buf, pos, self.pending, self.n_pending, self.batch_size, LEAVE_TO_CALLER
         )
         return pos
 

@@ -20,8 +20,9 @@ from zephon._core.delivery import DeliveryBook, DeliveryCounters
 from zephon.errors import CarryStateWarning, ContractViolation
 from zephon.plan import Plan
 from zephon.runtime.contracts import Violation
-from zephon.runtime.control import ChunkOpened, EpochEnd, OverClose
+from zephon.runtime.control import ChunkOpened, EpochEnd, OverClose, RunStart
 from zephon.runtime.lane import operator_labels
+from zephon.runtime.layout import Run
 from zephon.types import SampleCursor, SampleRecord
 
 log = logging.getLogger("zephon")
@@ -41,9 +42,14 @@ class LaneBook:
         self.monotone = plan.eviction_path == "monotone"
         self.per_epoch = plan.epoch_chunks
         self.labels = operator_labels(plan.chain)
+        self.counters = counters
         self.table = ChunkTable()
         self.book = DeliveryBook(self.table, self.monotone, counters)
         self.found = self.book.violations  # broken contracts, in order, until ``take_violations``
+        # What the lane runs, in order (more than its own chunks after a re-laning), and which of
+        # them the bookkeeping is in: every run is booked in a chunk table of its own.
+        self.runs: list[Run] = [Run(0, lane_id, 0, None)]
+        self.run_index = 0
         self.next_local = 0  # lane-local index of the next chunk to be announced
         self.carry: list[Any] | None = None  # carry state at the start of the retained epoch
         self.suspects: set[str] = set()  # operators seen emitting too many closing contributors
@@ -68,11 +74,10 @@ class LaneBook:
 
     def deliver(self, items: list[Any]) -> None:
         """Everything a batch hands over, in stream order: records, tombstones, control items."""
-        book = self.book
         i, n = 0, len(items)
         while i < n:
             try:
-                i = book.deliver(items, i)
+                i = self.book.deliver(items, i)  # a control item may start a run's new book
             except (KeyError, ValueError, IndexError) as exc:
                 raise self._invented(None, exc) from None
             if i < n:
@@ -108,6 +113,8 @@ class LaneBook:
             self._epoch_end(item)
         elif kind is OverClose:
             self.suspects.add(item.op)
+        elif kind is RunStart:
+            self._start_run(item)
         else:
             raise TypeError(f"unknown item in lane {self.lane_id}: {item!r}")
 
@@ -143,6 +150,37 @@ class LaneBook:
             )
         self.book.window_clear()
         self.book.last_cursor = None
+
+    def _start_run(self, marker: RunStart) -> None:
+        """The previous run is complete (its last epoch marker, or on the monotone path its end,
+        closed every offset); the next one starts in a fresh chunk table, with what of it was
+        delivered before the checkpoint booked again (not counted)."""
+        self.lane_end()
+        if self.table.n_inflight:
+            error = ContractViolation(
+                f"lane {self.lane_id} left {self.table.n_inflight} chunk(s) of run "
+                f"{self.run_index} open when it started the next run: "
+                f"{self.table.n_open_offsets} offset(s) were never closed"
+            )
+            raise error.add_context(lane=self.lane_id)
+        run = self.runs[marker.index]
+        found = self.found
+        self.table = ChunkTable()
+        self.book = DeliveryBook(self.table, self.monotone, self.counters)
+        self.found = self.book.violations
+        self.found.extend(found)
+        self.run_index = marker.index
+        self.next_local = run.start
+        self.restart_at(run.start, run.carry)
+        reported = len(self.found)
+        for item in marker.replayed:
+            if type(item) is not SampleRecord:
+                self.control(item)
+            elif item.meta.is_tombstone:
+                self.tombstone(item, False)
+            else:
+                self.record(item, False)
+        del self.found[reported:]  # seen (and counted or raised) before the checkpoint
 
     def _check_carry_size(self, carry: list[Any]) -> None:
         for label, state in zip(self.labels, carry):

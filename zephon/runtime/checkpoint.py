@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from zephon.errors import CheckpointCorruptError, CheckpointMismatchError
+from zephon.plan import digest
 
 STATE_FORMAT = "zephon-loader-state"  # one rank's state
 JOB_FORMAT = "zephon-job-state"  # every rank's lanes together (``merge_states``)
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: lane history (``layout``) and inherited runs per lane; 2 is read too
 FILE_FORMAT = "zephon-checkpoint"
 
 
@@ -33,10 +34,10 @@ def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, 
         raise CheckpointCorruptError(f"a loader state is a dict, got {type(state).__name__}")
     if state.get("format") not in formats:
         raise CheckpointCorruptError(f"not a Zephon loader state (format={state.get('format')!r})")
-    if state.get("version") != STATE_VERSION:
+    if state.get("version") not in (2, STATE_VERSION):
         raise CheckpointCorruptError(
             f"loader state version {state.get('version')!r} is not known to this Zephon "
-            f"(it reads version {STATE_VERSION})"
+            f"(it reads versions 2 and {STATE_VERSION})"
         )
     body = {k: v for k, v in state.items() if k != "checksum"}
     try:
@@ -47,11 +48,31 @@ def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, 
         raise CheckpointCorruptError(
             "loader state checksum does not match: it was altered or damaged"
         )
+    if body["version"] == 2:
+        body = _from_version_2(body)
     return body
 
 
-def check_identity(state: dict[str, Any], plan: Any) -> None:
-    """``CheckpointMismatchError`` naming each field in which ``state`` and ``plan`` differ."""
+def _from_version_2(body: dict[str, Any]) -> dict[str, Any]:
+    """A version 2 state as version 3 says the same: one generation of lanes, no inherited
+    runs."""
+    lanes = body.get("lane_states")
+    return {
+        **body,
+        "version": STATE_VERSION,
+        "layout": [{"lanes": body.get("lanes")}],
+        "lane_states": [
+            {**lane, "run": None, "pending": []} if isinstance(lane, dict) else lane
+            for lane in lanes
+        ]
+        if isinstance(lanes, list)
+        else lanes,
+    }
+
+
+def check_identity(state: dict[str, Any], plan: Any, *, relane: bool = False) -> None:
+    """``CheckpointMismatchError`` naming each field in which ``state`` and ``plan`` differ;
+    with ``relane``, the lane count may differ (the state is re-laned onto the plan's)."""
     saved = state.get("pipeline")
     if not isinstance(saved, dict):
         raise CheckpointCorruptError("loader state field pipeline must be an object")
@@ -61,16 +82,23 @@ def check_identity(state: dict[str, Any], plan: Any) -> None:
         if key in ("lanes", "epoch_chunks", "micro_batch")
         else key
         for key, value in parts.items()
-        if saved.get(key) != value
+        if saved.get(key) != value and not (relane and key == "lanes")
     ]
     differs += [f"{key} (checkpoint only)" for key in saved if key not in parts]
-    if type(state.get("lanes")) is not int or state.get("lanes") != plan.lanes:
-        differs.append(f"lanes (checkpoint {state.get('lanes')!r}, pipeline {plan.lanes!r})")
+    lanes = state.get("lanes")
+    if type(lanes) is not int or (lanes != plan.lanes and not relane):
+        differs.append(f"lanes (checkpoint {lanes!r}, pipeline {plan.lanes!r})")
     if differs:
+        hint = ""
+        if any(part.startswith("lanes") for part in differs) and plan.lanes != lanes:
+            hint = " (Pipeline(relane=True) continues it on the new lane count)"
         raise CheckpointMismatchError(
-            "checkpoint was taken from a different pipeline: " + "; ".join(differs) + " differ"
+            "checkpoint was taken from a different pipeline: "
+            + "; ".join(differs)
+            + " differ"
+            + hint
         )
-    if state.get("fingerprint") != plan.fingerprint:
+    if saved.get("lanes") != lanes or state.get("fingerprint") != digest(saved):
         raise CheckpointCorruptError(
             "loader state fingerprint does not match its own pipeline description: it was edited"
         )

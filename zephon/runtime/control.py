@@ -64,6 +64,22 @@ class OverClose:
         return f"OverClose({self.op!r})"
 
 
+class RunStart:
+    """The lane starts run ``index`` of its program (after a re-laning: the chunks another lane
+    had in flight, or its own). Delivery fills ``replayed`` with the items of the run that were
+    delivered before the checkpoint (swallowed, booked but not handed over again) and starts the
+    run's bookkeeping afresh."""
+
+    __slots__ = ("index", "replayed")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.replayed: list[Any] = []
+
+    def __repr__(self) -> str:
+        return f"RunStart({self.index})"
+
+
 class LaneEnd:
     """The lane has no more chunks; everything before it has been emitted. Carries the lane's
     final operator stats (as ``ChunkOpened.op_stats``)."""

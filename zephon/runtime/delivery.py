@@ -21,10 +21,10 @@ from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
 from zephon.runtime.batcher import FinalBatcher
 from zephon.runtime.bookkeeping import LaneBook
-from zephon.runtime.control import EpochEnd, LaneEnd
-from zephon.runtime.lane import lane_geometry
+from zephon.runtime.control import EpochEnd, LaneEnd, RunStart
+from zephon.runtime.layout import Layout, Run
 from zephon.runtime.replay import MASK64, ReplayFilter
-from zephon.runtime.state import check_lane_state, encode_cursor
+from zephon.runtime.state import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.supervision import LaneFeed
 from zephon.types import SampleBatch, SampleCursor, SampleRecord
 
@@ -84,6 +84,8 @@ class LaneDelivery:
                 if item.op_stats is not None:
                     book.op_stats = item.op_stats
                 return self._lane_end()
+            if type(item) is RunStart:
+                self._replay_run(item)
             if batcher is not None and batcher.n_pending:
                 batcher.hold(item)
             else:
@@ -110,8 +112,42 @@ class LaneDelivery:
                 raise self.replay.diverged(
                     f"epoch {item.epoch} ended before the replay cursor was met again"
                 )
+            elif type(item) is RunStart:
+                raise self.replay.diverged("the run ended before the replay cursor was met again")
             else:
                 book.control(item)
+
+    def _replay_run(self, marker: RunStart) -> None:
+        """A run taken over from another lane starts: swallow what that lane delivered of it
+        before the checkpoint (up to its replay cursor) into ``marker.replayed``, to be booked
+        with the marker, in stream order, but not handed over again."""
+        run = self.book.runs[marker.index]
+        if run.cursor is None:
+            return
+        replay = ReplayFilter(
+            self.lane_id, run.cursor, (run.count, run.digest), monotone=self.book.monotone
+        )
+        replayed = marker.replayed
+        feed = self.feed
+        while True:
+            item = feed.next_item()
+            kind = type(item)
+            if kind is SampleRecord:
+                if item.meta.is_tombstone:
+                    replayed.append(item)
+                    continue
+                replayed.append(SampleRecord(item.meta, None))  # the payload is not needed
+                if replay.swallow(item.meta.cursor):
+                    break
+            elif kind is LaneEnd or kind is RunStart:
+                raise replay.diverged("the run ended before the replay cursor was met again")
+            elif kind is EpochEnd:
+                raise replay.diverged(
+                    f"epoch {item.epoch} ended before the replay cursor was met again"
+                )
+            else:
+                replayed.append(item)
+        self.replayed += replay.swallowed
 
     def _hand_over(self) -> SampleBatch:
         assert self.batcher is not None
@@ -159,27 +195,31 @@ class LaneDelivery:
         """This lane's part of a checkpoint; small and independent of the run's length."""
         if self.restored_state is not None:
             return self.restored_state
-        cursor, count, digest = self.book.window()
+        book = self.book
+        cursor, count, digest = book.window()
+        run = book.runs[book.run_index]
         return {
             "lane": self.lane_id,
             "finished": self.ended,
             "delivered": self.delivered,
-            "start": self.book.retained_start(),
+            "start": book.retained_start(),
             "cursor": encode_cursor(cursor),
             "count": count,
             "digest": f"{digest:016x}",
-            "carry": self.book.carry,
+            "carry": book.carry,
+            "run": [run.gen, run.lane, run.end] if run.inherited else None,
+            "pending": [encode_run(r) for r in book.runs[book.run_index + 1 :] if r.inherited],
         }
 
-    def restore(self, state: Any, where: str) -> dict[str, Any]:
-        """Restart at the retained position with fresh operators (carry state restored)."""
+    def restore(self, state: Any, where: str, layout: Layout) -> dict[str, Any]:
+        """Restart at the retained position with fresh operators (carry state restored); after
+        a re-laning, first through the runs taken over from lanes of earlier generations."""
         plan = self.plan
-        geometry = lane_geometry(plan, self.lane_id)
         checked = check_lane_state(
             state,
             where,
             lane_id=self.lane_id,
-            geometry=geometry,
+            layout=layout,
             monotone=self.book.monotone,
             per_epoch=plan.epoch_chunks,
             n_ops=len(plan.chain),
@@ -189,20 +229,26 @@ class LaneDelivery:
         if checked["finished"]:
             self.ended = True
             return checked
-        start = checked["start"]
-        cursor: SampleCursor | None = checked["cursor"]
-        count, digest = checked["count"], int(checked["digest"], 16)
-        self.book.restart_at(start, checked["carry"])
+        runs: list[Run] = checked["runs"]
+        first = runs[0]
+        self.book.runs = runs
+        self.book.restart_at(first.start, first.carry)
         skip = 0
+        cursor = first.cursor
         if cursor is not None:
-            position = geometry.position(start)
+            position = layout.geometry(first.gen, first.lane).position(first.start)
+            expect = (first.count, first.digest)
             if plan.indexable and cursor.chunk_id == position:
-                skip = self._skip_at_source(position, cursor, (count, digest), where)
+                skip = self._skip_at_source(position, cursor, expect, where)
             else:
                 self.replay = ReplayFilter(
-                    self.lane_id, cursor, (count, digest), monotone=self.book.monotone
+                    self.lane_id, cursor, expect, monotone=self.book.monotone
                 )
-        self.feed.start_at = {"start_local": start, "carry": checked["carry"], "skip_offset": skip}
+        self.feed.start_at = {
+            "runs": [run.for_runner() for run in runs],
+            "layout": layout.encode(),
+            "skip_offset": skip,
+        }
         return checked
 
     def _skip_at_source(

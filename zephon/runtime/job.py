@@ -34,6 +34,11 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
                 "from different pipelines (fingerprints differ)"
             )
     lanes = check_int(first.get("lanes"), "lanes", 1)
+    if any(body.get("layout") != first.get("layout") for body in bodies):
+        raise CheckpointError(
+            "the states of the ranks hold different lane histories (layout): they were not taken "
+            "in one run of the job"
+        )
     sizes = {body.get("world_size") for body in bodies}
     if len(sizes) != 1:
         raise CheckpointError(f"the states were taken under different world sizes: {sizes}")
@@ -82,6 +87,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             "fingerprint": first["fingerprint"],
             "pipeline": first["pipeline"],
             "lanes": lanes,
+            "layout": first["layout"],
             "lane_states": [by_lane[g] for g in range(lanes)],
             "counters": counters,
             "tag_counts": [[_json_key(k), v] for k, v in tags.items()],

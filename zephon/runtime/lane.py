@@ -20,8 +20,8 @@ from zephon._core.records import count_closing, next_control
 from zephon.errors import FetchError, OperatorError, ZephonError
 from zephon.ops.base import Operator, record_error
 from zephon.plan import Plan
-from zephon.runtime.control import ChunkOpened, EpochEnd, LaneEnd, OverClose
-from zephon.runtime.state import LaneGeometry
+from zephon.runtime.control import ChunkOpened, EpochEnd, LaneEnd, OverClose, RunStart
+from zephon.runtime.layout import LaneGeometry, Layout
 from zephon.types import SampleRecord
 
 
@@ -32,16 +32,20 @@ def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
 
 
 def lane_geometry(plan: Plan, lane_id: int) -> LaneGeometry:
-    """The chunk positions (and chunk ids) global lane ``lane_id`` takes: ``p`` with
-    ``p % lanes == lane_id``, in order, whichever rank runs it."""
-    return LaneGeometry(lane_id, plan.lanes, plan.source.total_chunks())
+    """The chunk positions (and chunk ids) global lane ``lane_id`` of a job that was never
+    re-laned takes: ``p`` with ``p % lanes == lane_id``, in order, whichever rank runs it."""
+    return Layout.fresh(plan.lanes, plan.source.total_chunks()).geometry(0, lane_id)
 
 
 class LaneRunner:
-    """Runs lane ``lane_id`` from lane-local chunk ``start_local`` with fresh operators.
+    """Runs lane ``lane_id``: its ``runs`` in order, each with fresh operators.
 
-    ``carry`` restores each chain operator's carry state; ``skip_offset`` starts the first chunk at
-    that offset (source-level skip on restore of an indexable plan).
+    A run is a stretch of one lane identity's local chunks (``gen``, ``lane``, ``start``, ``end``,
+    ``carry``; see ``layout.Run.for_runner``): after a re-laning, first what lanes of an earlier
+    generation had in flight, under their identity, then the lane's own chunks. Without ``runs``
+    the lane runs its own chunks from local chunk ``start_local`` with ``carry``. ``layout`` is the
+    job's lane history (``Layout.encode()``); ``skip_offset`` starts the first chunk at that offset
+    (source-level skip on restore of an indexable plan).
     """
 
     def __init__(
@@ -52,18 +56,22 @@ class LaneRunner:
         start_local: int = 0,
         carry: list[Any] | None = None,
         skip_offset: int = 0,
+        runs: list[dict[str, Any]] | None = None,
+        layout: list[dict[str, Any]] | None = None,
     ):
         self.plan = plan
         self.lane_id = lane_id
+        total = plan.source.total_chunks()
+        self.layout = (
+            Layout.fresh(plan.lanes, total) if layout is None else Layout.decode(layout, total)
+        )
+        self.runs = runs or [
+            {"gen": 0, "lane": lane_id, "start": start_local, "end": None, "carry": carry}
+        ]
         self.fetch: Any = copy.deepcopy(plan.fetch)
         self.fetch.bind(plan.source)  # the pointer-consuming operator reads from the plan's source
-        self.ops: list[Operator] = [copy.deepcopy(op) for op in plan.chain]
-        if carry is not None:
-            for op, state in zip(self.ops, carry):
-                if state is not None:
-                    op.restore_carry(state)
-        self.labels = operator_labels(self.ops)
-        self.start_local = start_local
+        self.ops: list[Operator] = []
+        self.labels = operator_labels(plan.chain)
         self.skip_offset = skip_offset
         self.epoch_path = plan.eviction_path == "epoch"
         self._pools = [
@@ -72,11 +80,10 @@ class LaneRunner:
             and not op.traits.stateful
             and not op.traits.batch_sensitive
             else None
-            for op in self.ops
+            for op in plan.chain
         ]
         # Per operator: records in, records out, seconds inside process_many/flush.
-        self.op_stats: list[list[float]] = [[0, 0, 0.0] for _ in self.ops]
-        self._reset_audit()
+        self.op_stats: list[list[float]] = [[0, 0, 0.0] for _ in plan.chain]
 
     def _reset_audit(self) -> None:
         # Closing contributors each operator received and emitted in the current epoch.
@@ -93,35 +100,51 @@ class LaneRunner:
             self.close()
 
     def _run(self) -> Generator[list, None, None]:
+        for index, run in enumerate(self.runs):
+            if index:
+                yield [RunStart(index)]
+            yield from self._run_chunks(run, self.skip_offset if index == 0 else 0)
+        yield [LaneEnd([list(s) for s in self.op_stats])]
+
+    def _run_chunks(self, run: dict[str, Any], skip_offset: int) -> Generator[list, None, None]:
+        """One run: its chunks through fresh operators (carry state restored), epoch markers on
+        the epoch path, a final flush."""
         plan = self.plan
         source = plan.source
-        geometry = lane_geometry(plan, self.lane_id)
+        geometry = self.layout.geometry(run["gen"], run["lane"])
+        self.seed_lane = self.layout.seed_lane(run["gen"], run["lane"])
+        self.ops = [copy.deepcopy(op) for op in plan.chain]
+        if run["carry"] is not None:
+            for op, state in zip(self.ops, run["carry"]):
+                if state is not None:
+                    op.restore_carry(state)
+        self._reset_audit()
+        stop = geometry.total if run["end"] is None else run["end"]
         per_epoch = plan.epoch_chunks
         mb = plan.micro_batch
-        k = self.start_local
+        k = start = run["start"]
         epoch = k // per_epoch
         self._start_epoch(epoch)
-        while True:
-            if geometry.total is not None and k >= geometry.total:
-                break
+        while stop is None or k < stop:
             position = geometry.position(k)
             chunk = source.chunk(position)
             n = len(chunk)
-            first = self.skip_offset if k == self.start_local else 0
+            first = skip_offset if k == start else 0
             yield [ChunkOpened(position, k, n, epoch, first, [list(s) for s in self.op_stats])]
-            start = first
-            while start < n:
-                stop = min(n, (start // mb + 1) * mb)  # boundaries stay aligned after a skip
-                records = self._fetch(position, chunk.pointers[start:stop], start)
+            begin = first
+            while begin < n:
+                end = min(n, (begin // mb + 1) * mb)  # boundaries stay aligned after a skip
+                records = self._fetch(position, chunk.pointers[begin:end], begin)
                 out = self._push(0, records)
                 if out:
                     yield out
-                start = stop
+                begin = end
             k += 1
             if self.epoch_path and k % per_epoch == 0:
                 yield self._end_epoch(epoch)
                 epoch += 1
-                self._start_epoch(epoch)
+                if stop is None or k < stop:
+                    self._start_epoch(epoch)
         if self.epoch_path:
             if k % per_epoch:  # a last, partial epoch
                 yield self._end_epoch(epoch)
@@ -129,7 +152,6 @@ class LaneRunner:
             out = self._flush_all()
             if out:
                 yield out
-        yield [LaneEnd([list(s) for s in self.op_stats])]
 
     def _fetch(self, position: int, pointers: Any, start: int) -> list[SampleRecord]:
         try:
@@ -144,9 +166,11 @@ class LaneRunner:
             ).add_context(lane=self.lane_id, chunk=position, pointer=first) from exc
 
     def _start_epoch(self, epoch: int) -> None:
-        self.fetch.start_epoch(self.lane_id, epoch)
+        # Seeds come from the identity of the lane whose chunks these are (``seed_lane``), which
+        # is the lane itself unless it finishes another lane's run after a re-laning.
+        self.fetch.start_epoch(self.seed_lane, epoch)
         for op in self.ops:
-            op.start_epoch(self.lane_id, epoch)
+            op.start_epoch(self.seed_lane, epoch)
 
     def _push(self, first_op: int, items: list) -> list:
         for j in range(first_op, len(self.ops)):

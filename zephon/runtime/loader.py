@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Hashable
 from typing import Any
 
@@ -19,6 +20,7 @@ from zephon.errors import (
     CheckpointError,
     CheckpointMismatchError,
     ContractViolation,
+    RelaneWarning,
     ZephonError,
 )
 from zephon.plan import Plan
@@ -34,7 +36,17 @@ from zephon.runtime.checkpoint import (
 from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
 from zephon.runtime.job import rank_turn
-from zephon.runtime.state import COUNTERS, check_int, check_pairs, check_turn, corrupt
+from zephon.runtime.layout import Layout
+from zephon.runtime.relane import relane
+from zephon.runtime.state import (
+    COUNTERS,
+    check_int,
+    check_lane_state,
+    check_layout,
+    check_pairs,
+    check_turn,
+    corrupt,
+)
 from zephon.runtime.supervision import close_feeds, start_feeds
 
 log = logging.getLogger("zephon")
@@ -49,6 +61,7 @@ _STATE_KEYS = frozenset(
         "world_size",
         "lanes",
         "next_lane",
+        "layout",
         "lane_states",
         "counters",
         "tag_counts",
@@ -75,6 +88,7 @@ class Loader:
         self.max_inflight = 0
         self.next_lane = 0
         self.lanes = [LaneDelivery(plan, lane, self.counts) for lane in plan.rank_lanes]
+        self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
         self._closed = False
@@ -292,6 +306,7 @@ class Loader:
                     "rank": plan.rank,
                     "world_size": plan.world_size,
                     "lanes": plan.lanes,
+                    "layout": self.layout.encode(),
                     "next_lane": self.next_lane,
                     "lane_states": [lane.state() for lane in self.lanes],
                     "counters": self._counters(),
@@ -318,7 +333,12 @@ class Loader:
             raise CheckpointCorruptError(
                 f"loader state must have exactly the fields {sorted(keys)}, got {sorted(body)}"
             )
-        check_identity(body, plan)
+        relaning = plan.relane and type(body.get("lanes")) is int and body["lanes"] != plan.lanes
+        check_identity(body, plan, relane=relaning)
+        if relaning:
+            body = self._relane(body)
+            job = True
+        self.layout = check_layout(body["layout"], plan.lanes, plan.source.total_chunks())
         lane_states = body["lane_states"]
         if job:
             if type(lane_states) is not list or len(lane_states) != plan.lanes:
@@ -338,7 +358,7 @@ class Loader:
                 raise corrupt("lane_states", f"must be a list of {len(self.lanes)} lane states")
             mine = lane_states
             where = [f"lane_states[{i}]" for i in range(len(mine))]
-        checked = [lane.restore(s, w) for lane, s, w in zip(self.lanes, mine, where)]
+        checked = [lane.restore(s, w, self.layout) for lane, s, w in zip(self.lanes, mine, where)]
         if job:
             self.next_lane = rank_turn(checked)
         else:
@@ -356,6 +376,15 @@ class Loader:
         tokens = check_pairs(mixture["tokens"], "mixture.tokens")
         if job:
             return  # a job's counters belong to all its ranks: this rank counts afresh
+        self._restore_counters(values, tag_counts, samples, tokens)
+
+    def _restore_counters(
+        self,
+        values: dict[str, int],
+        tag_counts: list[tuple[Any, int]],
+        samples: list[tuple[Any, int]],
+        tokens: list[tuple[Any, int]],
+    ) -> None:
         counts = self.counts
         counts.delivered = values["delivered"]
         counts.tombstones = values["tombstones"]
@@ -367,3 +396,53 @@ class Loader:
         counts.tag_counts = dict(tag_counts)
         counts.mix_samples = dict(samples)
         counts.mix_tokens = dict(tokens)
+
+    def _relane(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` (taken with another lane count) as a job state of this plan's lanes."""
+        plan = self.plan
+        old = body["lanes"]
+        if body["format"] != JOB_FORMAT and body.get("world_size") != 1:
+            raise CheckpointMismatchError(
+                f"this is the state of rank {body.get('rank')!r} of a job of "
+                f"{body.get('world_size')!r} ranks with {old} lanes; to continue on "
+                f"{plan.lanes} lanes, merge the states of all ranks with zephon.merge_states()"
+            )
+        layout = check_layout(body["layout"], old, plan.source.total_chunks())
+        lane_states = body["lane_states"]
+        if type(lane_states) is not list or len(lane_states) != old:
+            raise corrupt("lane_states", f"must be a list of {old} lane states")
+        monotone = plan.eviction_path == "monotone"
+        window: dict[str, Any] = {
+            "layout": layout,
+            "monotone": monotone,
+            "per_epoch": plan.epoch_chunks,
+            "n_ops": len(plan.chain),
+        }
+        checked = [
+            check_lane_state(s, f"lane_states[{g}]", lane_id=g, **window)
+            for g, s in enumerate(lane_states)
+        ]
+        if body["format"] != JOB_FORMAT:
+            check_turn(check_int(body["next_lane"], "next_lane", 0, old - 1), checked)
+        new_layout, new_states = relane(
+            checked,
+            layout,
+            plan.lanes,
+            monotone=monotone,
+            per_epoch=plan.epoch_chunks,
+        )
+        text = (
+            f"re-laning a checkpoint of {old} lanes onto {plan.lanes} lanes: every sample is "
+            "still delivered exactly once, but the batches differ from here on (what was in "
+            "flight finishes first, under the old lanes' seeds)"
+        )
+        log.warning(text)
+        warnings.warn(text, RelaneWarning, stacklevel=4)
+        job = {k: v for k, v in body.items() if k in _JOB_KEYS}
+        return {
+            **job,
+            "format": JOB_FORMAT,
+            "lanes": plan.lanes,
+            "layout": new_layout.encode(),
+            "lane_states": new_states,
+        }

@@ -13,12 +13,25 @@ import re
 from typing import Any
 
 from zephon.errors import CheckpointCorruptError
+from zephon.runtime.layout import LaneGeometry, Layout, Leftover, Run, lane_total
 from zephon.types import SampleCursor
 
 MAX_INT = (1 << 62) - 1  # larger numbers in a state are damage, not positions
 LANE_KEYS = frozenset(
-    {"lane", "finished", "delivered", "start", "cursor", "count", "digest", "carry"}
+    {
+        "lane",
+        "finished",
+        "delivered",
+        "start",
+        "cursor",
+        "count",
+        "digest",
+        "carry",
+        "run",
+        "pending",
+    }
 )
+RUN_KEYS = frozenset({"run", "start", "cursor", "count", "digest", "carry"})
 COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "replayed")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
@@ -48,6 +61,18 @@ def encode_cursor(cursor: SampleCursor | None) -> list | None:
     return [cursor.chunk_id, cursor.chunk_offset, list(cursor.sample_id), list(cursor.lineage)]
 
 
+def encode_run(run: Run) -> dict[str, Any]:
+    """An inherited run as it is stored in a lane's ``pending`` list."""
+    return {
+        "run": [run.gen, run.lane, run.end],
+        "start": run.start,
+        "cursor": encode_cursor(run.cursor),
+        "count": run.count,
+        "digest": f"{run.digest:016x}",
+        "carry": run.carry,
+    }
+
+
 def decode_cursor(value: Any, where: str = "cursor") -> SampleCursor | None:
     if value is None:
         return None
@@ -67,52 +92,21 @@ def decode_cursor(value: Any, where: str = "cursor") -> SampleCursor | None:
     return SampleCursor(chunk_id, offset, tuple(sample_id), tuple(lineage))
 
 
-class LaneGeometry:
-    """Which chunk positions a lane takes: ``base + k * stride`` for its k-th (lane-local) chunk,
-    and how many there are (``total`` local chunks, None when the source is unbounded)."""
-
-    def __init__(self, base: int, stride: int, total_positions: int | None):
-        self.base = base
-        self.stride = stride
-        if total_positions is None:
-            self.total: int | None = None
-        else:
-            self.total = max(0, -(-(total_positions - base) // stride))
-
-    def position(self, local_index: int) -> int:
-        return self.base + local_index * self.stride
-
-    def local_index(self, position: int) -> int | None:
-        """The lane-local index of chunk ``position``, or None when the lane never takes it."""
-        k, rest = divmod(position - self.base, self.stride)
-        return k if rest == 0 and k >= 0 else None
-
-
-def check_lane_state(
-    value: Any,
+def check_window(
+    value: dict[str, Any],
     where: str,
     *,
-    lane_id: int,
     geometry: LaneGeometry,
+    limit: int | None,
     monotone: bool,
     per_epoch: int,
     n_ops: int,
-) -> dict[str, Any]:
-    """A lane's state with every field checked; the cursor decoded (``SampleCursor`` or None)."""
-    if type(value) is not dict:
-        raise corrupt(where, f"must be an object, got {type(value).__name__}")
-    if set(value) != LANE_KEYS:
-        raise corrupt(
-            where, f"must have exactly the fields {sorted(LANE_KEYS)}, got {sorted(value)}"
-        )
-    if value["lane"] != lane_id or type(value["lane"]) is not int:
-        raise corrupt(f"{where}.lane", f"must be {lane_id}, got {value['lane']!r}")
-    finished = check_bool(value["finished"], f"{where}.finished")
-    check_int(value["delivered"], f"{where}.delivered")
-    total = geometry.total
-    end = total if total is not None else MAX_INT
-    if not monotone and total is not None:
-        end = -(-total // per_epoch) * per_epoch  # a last, partial epoch ends on a boundary
+) -> tuple[int, SampleCursor | None, int, int]:
+    """``(start, cursor, count, digest)`` of a replay window over ``geometry``'s local chunks
+    below ``limit`` (None: unbounded), every field checked (and the carry state's shape)."""
+    end = limit if limit is not None else MAX_INT
+    if not monotone and limit is not None:
+        end = -(-limit // per_epoch) * per_epoch  # a last, partial epoch ends on a boundary
     start = check_int(value["start"], f"{where}.start", 0, end)
     if not monotone and start % per_epoch:
         raise corrupt(f"{where}.start", f"must start an epoch (a multiple of {per_epoch}): {start}")
@@ -127,18 +121,16 @@ def check_lane_state(
         )
     if cursor is None and int(digest, 16):
         raise corrupt(f"{where}.digest", "must be zero when nothing was delivered")
-    if finished and (cursor is not None or total is None or start < total):
-        raise corrupt(f"{where}.finished", "is true for a lane that has chunks left")
     if cursor is not None:
         k = geometry.local_index(cursor.chunk_id)
         last = start + per_epoch - 1 if not monotone else end - 1
-        if total is not None:
-            last = min(last, total - 1)
+        if limit is not None:
+            last = min(last, limit - 1)
         if k is None or not start <= k <= last:
             raise corrupt(
                 f"{where}.cursor",
-                f"names chunk {cursor.chunk_id}, which is not one of lane {lane_id}'s retained "
-                "chunks",
+                f"names chunk {cursor.chunk_id}, which is not one of the retained chunks of "
+                f"lane {geometry.lane} of {geometry.lanes}",
             )
     carry = value["carry"]
     if carry is not None:
@@ -147,7 +139,114 @@ def check_lane_state(
         for i, part in enumerate(carry):
             if part is not None and type(part) is not dict:
                 raise corrupt(f"{where}.carry[{i}]", f"must be null or an object, got {part!r}")
-    return {**value, "cursor": cursor}
+    return start, cursor, count, int(digest, 16)
+
+
+def check_run(value: dict[str, Any], where: str, layout: Layout, **window: Any) -> Run:
+    """An inherited run (``run`` = ``[generation, lane, end]`` of an earlier generation, and its
+    window) with every field checked."""
+    ident = value["run"]
+    if type(ident) is not list or len(ident) != 3 or any(type(part) is not int for part in ident):
+        raise corrupt(f"{where}.run", f"must be null or [generation, lane, end], got {ident!r}")
+    gen, lane, end = ident
+    if not 0 <= gen < layout.current or not 0 <= lane < layout.lanes[gen]:
+        raise corrupt(
+            f"{where}.run", f"names lane {lane} of generation {gen}, which the layout does not have"
+        )
+    geometry = layout.geometry(gen, lane)
+    total = geometry.total if geometry.total is not None else MAX_INT
+    if not 1 <= end <= total:
+        raise corrupt(f"{where}.run", f"ends at chunk {end}, outside [1, {total}]")
+    start, cursor, count, digest = check_window(
+        value, where, geometry=geometry, limit=end, **window
+    )
+    if start >= end:
+        raise corrupt(f"{where}.start", f"must be below the run's end {end}, got {start}")
+    return Run(gen, lane, start, end, value["carry"], cursor, count, digest)
+
+
+def check_lane_state(
+    value: Any,
+    where: str,
+    *,
+    lane_id: int,
+    layout: Layout,
+    monotone: bool,
+    per_epoch: int,
+    n_ops: int,
+) -> dict[str, Any]:
+    """A lane's state with every field checked; ``runs`` is what the lane still has to run, in
+    order: the inherited runs it is in or has yet to start, then its own chunks."""
+    if type(value) is not dict:
+        raise corrupt(where, f"must be an object, got {type(value).__name__}")
+    if set(value) != LANE_KEYS:
+        raise corrupt(
+            where, f"must have exactly the fields {sorted(LANE_KEYS)}, got {sorted(value)}"
+        )
+    if value["lane"] != lane_id or type(value["lane"]) is not int:
+        raise corrupt(f"{where}.lane", f"must be {lane_id}, got {value['lane']!r}")
+    finished = check_bool(value["finished"], f"{where}.finished")
+    check_int(value["delivered"], f"{where}.delivered")
+    window: dict[str, Any] = {"monotone": monotone, "per_epoch": per_epoch, "n_ops": n_ops}
+    own = layout.geometry(layout.current, lane_id)
+    pending = value["pending"]
+    if type(pending) is not list:
+        raise corrupt(f"{where}.pending", f"must be a list, got {pending!r}")
+    runs: list[Run] = []
+    if value["run"] is not None:
+        if finished:
+            raise corrupt(f"{where}.finished", "is true for a lane with an inherited run")
+        runs.append(check_run(value, where, layout, **window))
+        for i, part in enumerate(pending):
+            at = f"{where}.pending[{i}]"
+            if type(part) is not dict or set(part) != RUN_KEYS:
+                raise corrupt(at, f"must be an object with exactly the fields {sorted(RUN_KEYS)}")
+            runs.append(check_run(part, at, layout, **window))
+        runs.append(Run(layout.current, lane_id, 0, None))
+    else:
+        if pending:
+            raise corrupt(f"{where}.pending", "must be empty when the lane runs its own chunks")
+        start, cursor, count, digest = check_window(
+            value, where, geometry=own, limit=own.total, **window
+        )
+        total = own.total
+        if finished and (cursor is not None or total is None or start < total):
+            raise corrupt(f"{where}.finished", "is true for a lane that has chunks left")
+        runs.append(
+            Run(layout.current, lane_id, start, None, value["carry"], cursor, count, digest)
+        )
+    return {**value, "runs": runs}
+
+
+def check_layout(value: Any, lanes: int, total_positions: int | None) -> Layout:
+    """The job's lane history, checked: every closed generation's lane count and ends, and the
+    running generation's lane count (``lanes``)."""
+    if type(value) is not list or not value:
+        raise corrupt("layout", f"must be a non-empty list of generations, got {value!r}")
+    counts: list[int] = []
+    ends: list[list[int]] = []
+    size = total_positions
+    for i, gen in enumerate(value):
+        where = f"layout[{i}]"
+        last = i == len(value) - 1
+        keys = {"lanes"} if last else {"lanes", "ends"}
+        if type(gen) is not dict or set(gen) != keys:
+            raise corrupt(where, f"must be an object with exactly the fields {sorted(keys)}")
+        n = check_int(gen["lanes"], f"{where}.lanes", 1)
+        counts.append(n)
+        if last:
+            if n != lanes:
+                raise corrupt(f"{where}.lanes", f"must be the state's lane count {lanes}, got {n}")
+            break
+        kept = gen["ends"]
+        if type(kept) is not list or len(kept) != n:
+            raise corrupt(f"{where}.ends", f"must be a list of {n} chunk counts")
+        for g, e in enumerate(kept):
+            total = lane_total(size, g, n)
+            check_int(e, f"{where}.ends[{g}]", 0, MAX_INT if total is None else total)
+        ends.append(list(kept))
+        size = Leftover(n, kept, size).size_after
+    return Layout(counts, ends, total_positions)
 
 
 def check_turn(next_lane: int, lane_states: list[dict[str, Any]]) -> None:
