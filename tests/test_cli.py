@@ -99,6 +99,19 @@ def test_inspect_shows_lanes_and_replay_positions_in_process(tmp_path, capsys):
     assert "2 lane(s)" in text and "replays" in text
 
 
+def test_inspect_shows_the_lane_history_of_a_relaned_state(tmp_path, capsys):
+    pipeline = zephon.Pipeline(RangeSource(100, chunk_size=10), [fetch()], lanes=3)
+    with pytest.warns(zephon.RelaneWarning):
+        loader = pipeline.iter(state=loader_state(lanes=2, steps=3))
+    next(loader)
+    zephon.save_checkpoint(tmp_path / "state.json", loader.state_dict())
+    loader.close()
+    assert main(["inspect", str(tmp_path / "state.json")]) == 0
+    text = capsys.readouterr().out
+    assert "lane history: 2 -> 3 lanes (re-laned 1 time(s)" in text
+    assert "finishing lane 0 of generation 0" in text
+
+
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 def test_inspect_finds_a_loader_state_nested_in_a_torch_save_file(tmp_path):

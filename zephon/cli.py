@@ -115,7 +115,8 @@ def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
 def inspect_checkpoint(path: str | os.PathLike[str], out: Any = None) -> int:
     """Print the loader state(s) a checkpoint file holds, readably; returns the exit status."""
     out = out or sys.stdout
-    for where, state in read_states(path):
+    for where, raw in read_states(path):
+        state = unseal(raw, _STATE_FORMATS)  # an older version reads as the current one
         if state["format"] == JOB_FORMAT:
             print(f"{path}{where}: Zephon job state v{state['version']} (all ranks)", file=out)
             print(
@@ -133,10 +134,25 @@ def inspect_checkpoint(path: str | os.PathLike[str], out: Any = None) -> int:
                 f"{state['next_lane']}",
                 file=out,
             )
+        history = [gen["lanes"] for gen in state["layout"]]
+        if len(history) > 1:
+            steps = " -> ".join(str(n) for n in history)
+            print(
+                f"  lane history: {steps} lanes (re-laned {len(history) - 1} time(s); every "
+                "sample once, batches changed at each re-laning)",
+                file=out,
+            )
         for lane in state["lane_states"]:
             where_lane = (
                 "finished" if lane["finished"] else f"restarts at lane chunk {lane['start']}"
             )
+            if lane["run"] is not None:
+                gen, old, end = lane["run"]
+                where_lane = (
+                    f"finishing lane {old} of generation {gen} (its chunks "
+                    f"{lane['start']}..{end - 1}), then {len(lane['pending'])} more taken-over "
+                    "run(s) before its own chunks"
+                )
             cursor = lane["cursor"]
             replay = (
                 f"replays {lane['count']} record(s) up to cursor {cursor}"

@@ -17,12 +17,20 @@ from pipeline_kit import fingerprint_item
 
 import zephon
 from zephon.errors import CheckpointMismatchError, RelaneWarning
-from zephon.ops import Operator, OpTraits, filter_records, map_transform, spawn_child
+from zephon.ops import (
+    Operator,
+    OpTraits,
+    ensure_mixture,
+    filter_records,
+    map_transform,
+    spawn_child,
+)
 from zephon.ops.basic import fetch
 from zephon.ops.batching import batch
 from zephon.ops.packing import pack_flat, pack_sequences
 from zephon.ops.shuffle import shuffle
 from zephon.sources.memory import ListSource, RangeSource
+from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleRecord
 
 PAD = -1
@@ -277,3 +285,37 @@ def test_a_rank_state_of_a_multi_rank_job_must_be_merged_first() -> None:
         warnings.simplefilter("error")
         with pytest.raises(CheckpointMismatchError, match="merge_states"):
             packed(lanes=3).iter(state=state)
+
+
+def _component(dataset: int, n: int) -> ListSource:
+    docs = [{**doc, "tokens": doc["tokens"] + dataset * 10**6} for doc in _docs(n)]
+    return ListSource(docs, dataset_id=dataset, chunk_size=6)
+
+
+def mixed(**kw: Any) -> zephon.Pipeline:
+    source = MixtureSource(
+        {"a": _component(1, 200), "b": _component(2, 200)}, {"a": 0.6, "b": 0.4}, chunk_size=6
+    )
+    ops = [
+        fetch(),
+        SplitTokens(12),
+        shuffle(5, seed=1),
+        pack_sequences(24, open_bins=3, pad_id=PAD),
+        ensure_mixture({"a": 0.6, "b": 0.4}, buffer_size=6),
+        batch(2),
+    ]
+    return zephon.Pipeline(source, ops, epoch_chunks=2, **kw)
+
+
+@pytest.mark.parametrize(("old", "new"), [(8, 3), (2, 5)])
+def test_running_totals_may_drop_other_records_but_never_deliver_one_twice(
+    old: int, new: int
+) -> None:
+    everything = {t for doc in _docs(200) for t in doc["tokens"].tolist()}
+    everything = {t + d * 10**6 for t in everything for d in (1, 2)}
+    for step in (0, 4, 13):
+        before, state = head(mixed, old, step)
+        after = [t for item in relaned(state, mixed, new) for t in tokens(item)]
+        delivered = Counter(before) + Counter(after)
+        assert max(delivered.values()) == 1, f"step {step}: a token was delivered twice"
+        assert set(delivered) <= everything

@@ -21,7 +21,7 @@ from zephon.errors import FetchError, OperatorError, ZephonError
 from zephon.ops.base import Operator, record_error
 from zephon.plan import Plan
 from zephon.runtime.control import ChunkOpened, EpochEnd, LaneEnd, OverClose, RunStart
-from zephon.runtime.layout import LaneGeometry, Layout
+from zephon.runtime.layout import Layout
 from zephon.types import SampleRecord
 
 
@@ -29,12 +29,6 @@ def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
     """Names that tell operators apart even when two share a name."""
     names = [op.name for op in ops]
     return [n if names.count(n) == 1 else f"{n}[#{i}]" for i, n in enumerate(names)]
-
-
-def lane_geometry(plan: Plan, lane_id: int) -> LaneGeometry:
-    """The chunk positions (and chunk ids) global lane ``lane_id`` of a job that was never
-    re-laned takes: ``p`` with ``p % lanes == lane_id``, in order, whichever rank runs it."""
-    return Layout.fresh(plan.lanes, plan.source.total_chunks()).geometry(0, lane_id)
 
 
 class LaneRunner:
