@@ -22,6 +22,7 @@ import numpy as np
 
 import zephon
 from zephon.ops import batch, ensure_mixture, fetch, pack_sequences, tokenize
+from zephon.progress import bar as progress_bar
 from zephon.sources import ArrowSource, MixtureSource
 
 SEQ_LEN = 1024
@@ -88,15 +89,26 @@ def _train(corpus: Path, out: Path) -> None:
 
 
 class _Progress:
+    """Batches and tokens/s: a tqdm bar when progress is shown (``zephon.show_progress``, on in
+    the CLI) and tqdm is installed, else a line of text."""
+
     def __init__(self, out: TextIO, label: str, total: int | None):
         self.out, self.label, self.total = out, label, total
         self.start = time.perf_counter()
         self.tty = out.isatty()
+        self.shown = progress_bar(total, f"zephon demo: {label.strip()}", unit="batch")
 
     def update(self, done: int, tokens: int, force: bool = False) -> None:
         if not (force or done % 25 == 0):
             return
         rate = tokens / max(time.perf_counter() - self.start, 1e-9)
+        if self.shown is not None:
+            self.shown.n = done
+            self.shown.set_postfix_str(f"{rate / 1e6:.2f} M tokens/s")
+            if force:
+                self.shown.close()
+                print(f"  {self.label} {done} batches, {rate / 1e6:.2f} M tokens/s", file=self.out)
+            return
         bar = ""
         if self.total:
             filled = int(30 * done / self.total)

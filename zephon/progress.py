@@ -18,13 +18,13 @@ def show_progress(enabled: bool = True) -> None:
     _enabled = enabled
 
 
-def bar(total: int, desc: str) -> Any:
-    """A tqdm bar when progress is shown and tqdm is installed, else ``None`` (callers skip
-    their updates, so a hidden bar costs nothing per step)."""
+def bar(total: int | None, desc: str, unit: str = "rec") -> Any:
+    """A tqdm bar (of ``total`` steps, unknown when None) when progress is shown and tqdm is
+    installed, else ``None`` (callers skip their updates, so a hidden bar costs nothing)."""
     if not _enabled:
         return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, unit="rec")
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, unit=unit)

@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from zephon.progress import bar as progress_bar
 from zephon_bench import pipeline as pb
 
 
@@ -529,14 +530,22 @@ def run_bench(
         file=out,
         flush=True,
     )
-    for name, section in SECTIONS.items():
-        if only and not any(word in name for word in only):
-            continue
+    chosen = {
+        name: section
+        for name, section in SECTIONS.items()
+        if not only or any(word in name for word in only)
+    }
+    shown = progress_bar(len(chosen), "zephon bench", unit="section")
+    for name, section in chosen.items():
         print(f"  measuring {name} ...", file=out, flush=True)
         t0 = time.perf_counter()
         args: tuple[Any, ...] = (quick, out) if section is packing_rows else (quick,)
         rows.extend(section(*args))
         print(f"    done in {time.perf_counter() - t0:.1f} s", file=out, flush=True)
+        if shown is not None:
+            shown.update(1)
+    if shown is not None:
+        shown.close()
     print("", file=out)
     print(format_table(rows), file=out)
     judged = [r for r in rows if r.passed is not None]

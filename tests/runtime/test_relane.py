@@ -148,13 +148,15 @@ def test_every_token_is_delivered_exactly_once_across_a_relaning(
         assert Counter(before) + Counter(after) == reference, f"step {step}"
 
 
-@pytest.mark.parametrize("kind", ["packed", "filtered"])
-def test_process_lanes_relane_like_inline_ones(kind: str) -> None:
+@pytest.mark.parametrize("kind", sorted(PIPELINES))
+def test_process_and_thread_lanes_relane_like_inline_ones(kind: str) -> None:
     make = PIPELINES[kind]
     before, state = head(make, 8, 7)
     inline = [fingerprint_item(x) for x in relaned(state, make, 3)]
     process = [fingerprint_item(x) for x in relaned(state, make, 3, workers="process")]
     assert process == inline
+    thread = [fingerprint_item(x) for x in relaned(state, make, 3, workers="thread")]
+    assert thread == inline
     assert Counter(before) + Counter(t for x in relaned(state, make, 3) for t in tokens(x)) == (
         every_token(make, 8)
     )

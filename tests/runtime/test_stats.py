@@ -4,10 +4,11 @@ logger for starts and restores, and a warning when an operator's carry state gro
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
-from pipeline_kit import RunningTotal
+from pipeline_kit import RunningTotal, fingerprint_item
 
 import zephon
 from zephon.ops import ensure_mixture, tokenize
@@ -60,14 +61,33 @@ def test_stats_before_during_after_the_end_and_after_close() -> None:
     assert after["tombstones"] == 50
     assert len(rest) == 9
     assert after["lanes"] == {
-        0: {"delivered": 5, "ended": True, "buffered": 0, "replay": None},
-        1: {"delivered": 5, "ended": True, "buffered": 0, "replay": None},
+        0: {"delivered": 5, "ended": True, "buffered": 0, "queued": 0, "replay": None},
+        1: {"delivered": 5, "ended": True, "buffered": 0, "queued": 0, "replay": None},
     }
     op = after["operators"]["filter_records(_odd)"]
     assert (op["records_in"], op["items_out"]) == (100, 100)  # 50 kept, 50 tombstones
     assert op["seconds"] >= 0
     loader.close()
     assert loader.stats() == after
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_queued_counts_the_item_lists_a_worker_has_ready_and_keeps_the_stream(workers) -> None:
+    expected = [fingerprint_item(x) for x in _pipeline()]
+    loader = _pipeline(workers=workers, prefetch=2).iter()
+    seen = [fingerprint_item(next(loader))]
+    deadline = time.monotonic() + 60
+    while max(lane["queued"] for lane in loader.stats()["lanes"].values()) < 2:
+        assert time.monotonic() < deadline, "the workers never got ahead"
+        time.sleep(0.01)
+    for lane in loader.stats()["lanes"].values():
+        assert 0 <= lane["queued"] <= 2  # never more than prefetch
+    for item in loader:
+        seen.append(fingerprint_item(item))
+        loader.stats()  # receiving ahead for the count must not change what is delivered
+    assert seen == expected
+    assert all(lane["queued"] == 0 for lane in loader.stats()["lanes"].values())
+    loader.close()
 
 
 def test_per_component_counts_and_counted_tombstone_tags() -> None:

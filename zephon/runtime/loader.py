@@ -227,7 +227,9 @@ class Loader:
         it; tombstone tags operators asked to count (e.g. ``mixture_dropped``) appear under their
         own names; ``operators`` gives each chain operator's records in, items out (records and
         tombstones) and seconds spent; ``lanes`` each lane's delivered items, whether it ended,
-        the items waiting in its current list and its replay progress after a restore."""
+        the items waiting in its current list (``buffered``), the item lists its worker has
+        ready beyond it (``queued``, at most ``prefetch``; 0 for inline lanes) and its replay
+        progress after a restore."""
         basis = self.mix_tokens if self.mix_tokens else self.mix_samples
         total = sum(basis.values())
         counts = self.counts
@@ -253,6 +255,7 @@ class Loader:
                 "delivered": lane.delivered,
                 "ended": lane.ended,
                 "buffered": len(lane.feed.buf) - lane.feed.pos,
+                "queued": lane.feed.queued(),
                 "replay": None
                 if lane.replay is None
                 else {"done": lane.replay.count, "of": lane.replay.expect[0]},

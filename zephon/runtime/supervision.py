@@ -48,6 +48,10 @@ class LaneFeed:
         self.pos += 1
         return item
 
+    def queued(self) -> int:
+        """Item lists the lane's worker has ready beyond ``buf`` (0 before it starts)."""
+        return 0 if self.runner is None or self.closed else self.runner.queued()
+
     def close(self) -> None:
         """Stop the runner and release what it holds; nothing is delivered from it afterwards."""
         close_feeds([self])

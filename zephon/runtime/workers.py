@@ -14,6 +14,7 @@ that started the workers, never in a ``fork()``ed child.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import multiprocessing as mp
 import os
@@ -150,6 +151,10 @@ class InlineLane:
             return next(self._gen)
         except SystemExit as exc:
             raise _exit_outside_operator(self.lane_id, exc) from exc
+
+    def queued(self) -> int:
+        """Item lists ready ahead of ``next()``: none, nothing runs ahead of an inline lane."""
+        return 0
 
     def request_stop(self) -> None:
         """Close the runner (and its operator thread pools) now; there is no worker to wait for."""
@@ -347,6 +352,10 @@ class ThreadLane:
 
     def __iter__(self) -> ThreadLane:
         return self
+
+    def queued(self) -> int:
+        """Item lists the worker thread finished that ``next()`` has not taken yet."""
+        return self._channel.queue.qsize()
 
     def __next__(self) -> list:
         if self._closed:
@@ -811,6 +820,7 @@ class ProcessLane:
         self._proc = proc
         self._worker = _ProcessWorker(proc, conn, shared)
         self._ready = False  # the worker said it runs: a death before that is a failed start
+        self._waiting: collections.deque[tuple[str, Any]] = collections.deque()  # see queued()
         self._closed = False
         self._ended = False
         self._finalizer = weakref.finalize(self, _stop_workers, [self._worker], STOP_TIMEOUT)
@@ -823,11 +833,44 @@ class ProcessLane:
     def __iter__(self) -> ProcessLane:
         return self
 
+    def queued(self) -> int:
+        """Item lists the worker finished that ``next()`` has not taken yet. Messages waiting in
+        the pipe are received (not acknowledged, so the worker stays ``prefetch`` lists ahead at
+        most) and kept in order for ``next()``."""
+        if not (self._closed or self._ended):
+            try:
+                while self._conn.poll(0):
+                    kind, value = _receive(self._conn)
+                    if kind == _READY:
+                        self._ready = True
+                    else:
+                        self._waiting.append((kind, value))
+            except (EOFError, OSError):
+                pass  # next() reports the lost worker
+        return sum(1 for kind, _ in self._waiting if kind == "items")
+
     def __next__(self) -> list:
         if self._closed:
             raise _closed_error(self.lane_id)
         if self._ended:
             raise StopIteration
+        if self._waiting:
+            kind, value = self._waiting.popleft()
+        else:
+            kind, value = self._next_message()
+        if kind == "error":
+            self.close()
+            raise value
+        if kind == _END:
+            self._ended = True
+            raise StopIteration
+        try:
+            self._conn.send(_ACK)
+        except OSError:
+            raise self._lost() from None
+        return value
+
+    def _next_message(self) -> tuple[str, Any]:
         conn = self._conn
         end = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
@@ -843,19 +886,8 @@ class ProcessLane:
             except (EOFError, OSError):
                 raise self._lost() from None
             if kind != _READY:
-                break
+                return kind, value
             self._ready = True
-        if kind == "error":
-            self.close()
-            raise value
-        if kind == _END:
-            self._ended = True
-            raise StopIteration
-        try:
-            conn.send(_ACK)
-        except OSError:
-            raise self._lost() from None
-        return value
 
     def _lost(self) -> ZephonError:
         """The error for a worker that died (or dropped its pipe), after stopping the lane."""
