@@ -16,7 +16,7 @@ import pytest
 from pipeline_kit import fingerprint_item
 
 import zephon
-from zephon.errors import CheckpointMismatchError, RelaneWarning
+from zephon.errors import CheckpointCorruptError, CheckpointMismatchError, RelaneWarning
 from zephon.ops import (
     Operator,
     OpTraits,
@@ -29,6 +29,7 @@ from zephon.ops.basic import fetch
 from zephon.ops.batching import batch
 from zephon.ops.packing import pack_flat, pack_sequences
 from zephon.ops.shuffle import shuffle
+from zephon.runtime.checkpoint import seal
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleRecord
@@ -321,3 +322,61 @@ def test_running_totals_may_drop_other_records_but_never_deliver_one_twice(
         delivered = Counter(before) + Counter(after)
         assert max(delivered.values()) == 1, f"step {step}: a token was delivered twice"
         assert set(delivered) <= everything
+
+
+def test_an_unbounded_source_relanes_without_repeating_or_skipping_a_sample() -> None:
+    def endless(**kw: Any) -> zephon.Pipeline:
+        source = RangeSource(60, chunk_size=4, passes=None)
+        return zephon.Pipeline(source, [fetch(), shuffle(3, seed=1)], epoch_chunks=2, **kw)
+
+    loader = iter(endless(lanes=4))
+    before = [next(loader).meta.cursor for _ in range(9)]
+    state = loader.state_dict()
+    loader.close()
+    loader = relaned(state, endless, 3)
+    after = [next(loader).meta.cursor for _ in range(300)]
+    loader.close()
+    seen = Counter((c.chunk_id, c.chunk_offset) for c in before + after)
+    assert max(seen.values()) == 1
+    # the 309 records cover every sample of the chunks well behind the frontier
+    behind = max(chunk for chunk, _ in seen) // 2
+    assert all((c, o) in seen for c in range(behind) for o in range(4))
+
+
+def _resealed(state: dict, edit: Callable[[dict], None]) -> dict:
+    body = json.loads(json.dumps({k: v for k, v in state.items() if k != "checksum"}))
+    edit(body)
+    return seal(body)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda b: b["layout"].pop(0),
+        lambda b: b["layout"][0].pop("ends"),
+        lambda b: b["layout"][0]["ends"].append(0),
+        lambda b: b["layout"][0]["ends"].__setitem__(0, 10**6),
+        lambda b: b["layout"][-1].__setitem__("lanes", 4),
+        lambda b: b["lane_states"][0].__setitem__("run", [1, 0, 3]),  # not an earlier generation
+        lambda b: b["lane_states"][0].__setitem__("run", [0, 9, 3]),  # no such lane
+        lambda b: b["lane_states"][0]["run"].__setitem__(2, 0),  # ends before it starts
+        lambda b: b["lane_states"][0].__setitem__("pending", [{"run": [0, 1, 2]}]),
+        lambda b: b["lane_states"][0]["pending"].append(
+            b["lane_states"][0]["pending"][0] | {"x": 1}
+        ),
+        lambda b: b["lane_states"][2].__setitem__("pending", b["lane_states"][0]["pending"]),
+        lambda b: b["lane_states"][1]["pending"].append(b["lane_states"][1]["pending"][0]),
+        lambda b: b["lane_states"][0]["pending"][0]["run"].__setitem__(2, 1),  # not what it kept
+        lambda b: b["layout"][0]["ends"].__setitem__(3, b["layout"][0]["ends"][3] + 1),
+    ],
+)
+def test_edited_lane_histories_and_runs_are_refused(edit: Callable[[dict], None]) -> None:
+    _, state8 = head(packed, 8, 5)
+    loader = relaned(state8, packed, 3)
+    next(loader)
+    state = loader.state_dict()
+    loader.close()
+    assert state["lane_states"][0]["run"] is not None and state["lane_states"][0]["pending"]
+    assert state["lane_states"][2]["run"] is not None
+    with pytest.raises(CheckpointCorruptError):
+        packed(lanes=3).iter(state=_resealed(state, edit))

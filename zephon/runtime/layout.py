@@ -151,6 +151,13 @@ class Layout:
         """The lane number generation ``gen``'s lane ``lane`` seeds its operators from."""
         return sum(self.lanes[:gen]) + lane
 
+    def holder(self, gen: int, lane: int) -> int:
+        """The running generation's lane that finishes a run of lane ``lane`` of generation
+        ``gen``: at every re-laning, lane ``h`` hands its runs to new lane ``h % N'``."""
+        for n in self.lanes[gen + 1 :]:
+            lane %= n
+        return lane
+
     def closed(self, ends: list[int], lanes: int) -> Layout:
         """This layout with the running generation closed at ``ends`` and ``lanes`` new lanes."""
         return Layout([*self.lanes, lanes], [*self.ends, ends], self.total_positions)

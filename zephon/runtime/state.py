@@ -153,10 +153,13 @@ def check_run(value: dict[str, Any], where: str, layout: Layout, **window: Any) 
         raise corrupt(
             f"{where}.run", f"names lane {lane} of generation {gen}, which the layout does not have"
         )
+    if end != layout.ends[gen][lane]:
+        raise corrupt(
+            f"{where}.run",
+            f"ends at chunk {end}, but the layout says lane {lane} of generation {gen} kept "
+            f"{layout.ends[gen][lane]}",
+        )
     geometry = layout.geometry(gen, lane)
-    total = geometry.total if geometry.total is not None else MAX_INT
-    if not 1 <= end <= total:
-        raise corrupt(f"{where}.run", f"ends at chunk {end}, outside [1, {total}]")
     start, cursor, count, digest = check_window(
         value, where, geometry=geometry, limit=end, **window
     )
@@ -202,6 +205,16 @@ def check_lane_state(
             if type(part) is not dict or set(part) != RUN_KEYS:
                 raise corrupt(at, f"must be an object with exactly the fields {sorted(RUN_KEYS)}")
             runs.append(check_run(part, at, layout, **window))
+        owners = [(run.gen, run.lane) for run in runs]
+        if len(set(owners)) != len(owners):
+            raise corrupt(f"{where}.pending", f"holds a run twice: {owners}")
+        for gen, lane in owners:
+            if layout.holder(gen, lane) != lane_id:
+                raise corrupt(
+                    f"{where}.run",
+                    f"lane {lane} of generation {gen} is finished by lane "
+                    f"{layout.holder(gen, lane)}, not by lane {lane_id}",
+                )
         runs.append(Run(layout.current, lane_id, 0, None))
     else:
         if pending:
