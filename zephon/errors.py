@@ -88,3 +88,9 @@ class CarryStateWarning(UserWarning):
     """An operator's carry state (stored in every checkpoint) grew past the pipeline's
     ``carry_warn_bytes``: checkpoints grow with it, and it is often a sign of state that should
     have been flushed at the epoch marker."""
+
+
+class MixtureDropWarning(UserWarning):
+    """``ensure_mixture`` dropped more than a fifth of what it saw to reach its weights: the input
+    is far from them, and most of the work upstream is thrown away. Weigh the source by tokens
+    (``MixtureSource(by="tokens")``) so that the correction only trims residual drift."""

@@ -77,12 +77,25 @@ cdef class DeliveryCounters:
             self._run_n += 1
 
     cpdef count_tombstone(self, SampleMeta meta):
-        """A tombstone was delivered; its counted tags are counted per tag."""
+        """A tombstone was delivered; its counted tags are counted per tag. A counted tombstone
+        that carries mixture heritage (what the record it stands for held) also adds it up per
+        component, under ``(tag, "tokens", component)`` and ``(tag, "samples", component)``, for
+        components named by a str or an int (keys that survive a JSON checkpoint)."""
         self.tombstones += 1
         if self.counted_tags and meta.tags:
             for tag in meta.tags:
                 if tag in self.counted_tags:
                     _add_count(self.tag_counts, tag, 1)
+                    if meta.component_token_counts:
+                        self._count_heritage(tag, "tokens", meta.component_token_counts)
+                    if meta.component_sample_counts:
+                        self._count_heritage(tag, "samples", meta.component_sample_counts)
+
+    cdef int _count_heritage(self, object tag, str kind, object counts) except -1:
+        for comp, n in counts.items():
+            if isinstance(comp, (str, int)) and not isinstance(comp, bool):
+                _add_count(self.tag_counts, (tag, kind, comp), n)
+        return 0
 
 
 @cython.final

@@ -213,7 +213,12 @@ class Loader:
         it; tombstone tags operators asked to count (e.g. ``mixture_dropped``) appear under their
         own names; ``operators`` gives each chain operator's records in, items out (records and
         tombstones) and seconds spent; ``lanes`` each lane's delivered items, whether it ended,
-        the items waiting in its current list and its replay progress after a restore."""
+        the items waiting in its current list and its replay progress after a restore.
+        ``mixture_components`` gives per component its delivered ``samples`` and ``tokens``, the
+        ``dropped_samples``/``dropped_tokens`` that counted tombstones carried (what
+        ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
+        (``share_of``, as the target measures) and its ``target`` share: the last chain
+        operator's ``target_mixture()``, else the source's (None without either)."""
         basis = self.mix_tokens if self.mix_tokens else self.mix_samples
         total = sum(basis.values())
         counts = self.counts
@@ -233,6 +238,7 @@ class Loader:
             out[tag] = counts.tag_counts.get(tag, 0)
         out["mixture_samples"] = dict(self.mix_samples)
         out["mixture_tokens"] = dict(self.mix_tokens)
+        out["mixture_components"] = self._mixture_components()
         out["operators"] = self._operator_stats()
         out["lanes"] = {
             lane.lane_id: {
@@ -246,6 +252,34 @@ class Loader:
             for lane in self.lanes
         }
         return out
+
+    def _mixture_components(self) -> dict[Hashable, dict[str, Any]]:
+        """Delivered and dropped samples and tokens, realized and target share, per component."""
+        target = self.plan.source.target_mixture()
+        for op in self.plan.chain:
+            target = op.target_mixture() or target
+        by, shares = target if target is not None else (None, {})
+        samples, tokens = self.mix_samples, self.mix_tokens
+        dropped: dict[tuple[str, Hashable], int] = {}
+        for key, n in self.counts.tag_counts.items():
+            if type(key) is tuple and len(key) == 3 and key[1] in ("tokens", "samples"):
+                dropped[key[1], key[2]] = dropped.get((key[1], key[2]), 0) + n
+        share_of = "tokens" if tokens and by != "samples" else "samples"
+        basis = tokens if share_of == "tokens" else samples
+        total = sum(basis.values())
+        names = dict.fromkeys([*shares, *samples, *tokens, *(c for _, c in dropped)])
+        return {
+            c: {
+                "samples": samples.get(c, 0),
+                "tokens": tokens.get(c, 0),
+                "dropped_samples": dropped.get(("samples", c), 0),
+                "dropped_tokens": dropped.get(("tokens", c), 0),
+                "share": basis.get(c, 0) / total if total else 0.0,
+                "share_of": share_of,
+                "target": shares.get(c, 0.0) if target is not None else None,
+            }
+            for c in names
+        }
 
     def _operator_stats(self) -> dict[str, dict[str, float]]:
         """Per chain operator, summed over this rank's lanes as of each lane's latest chunk."""
