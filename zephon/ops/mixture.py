@@ -31,8 +31,9 @@ log = logging.getLogger("zephon")
 MIXTURE_DROP_TAG = "mixture_dropped"
 #: Dropping more than this fraction of what it sees makes ``ensure_mixture`` warn (once per lane).
 DROP_WARN_FRACTION = 0.2
-#: The first look at the dropped fraction comes after this many buffers' worth of decisions, the
-#: next ones at every doubling and at every flush after it (a shorter stream is never warned of).
+#: The dropped fraction is looked at after this many buffers' worth of decisions, again at every
+#: doubling, and at every flush once a buffer's worth was decided (a shorter stream is never
+#: warned of: a few records say nothing).
 _FIRST_CHECK_BUFFERS = 8
 
 _BY = ("tokens", "samples")
@@ -358,7 +359,7 @@ class EnsureMixture(Operator):
             queue.clear()
         self._multi.clear()
         self._count = 0
-        if self._decided >= _FIRST_CHECK_BUFFERS * self.buffer_size:
+        if self._decided >= self.buffer_size:
             self._check_drops()
         return out
 
