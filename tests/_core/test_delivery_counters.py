@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zephon._core.delivery import DeliveryCounters
+from zephon._core.delivery import DeliveryCounters, heritage_key, parse_heritage_key
 from zephon.types import SampleCursor, SampleMeta
 
 COMPONENTS = st.one_of(st.sampled_from(["code", "docs"]), st.integers(0, 3), st.just(("a", "b")))
@@ -50,8 +50,11 @@ def test_counted_tombstones_add_up_their_heritage_per_component(spec) -> None:
     for meta in metas:
         counters.count_tombstone(meta)
     assert counters.tombstones == len(metas)
-    nonzero = {k: n for k, n in counters.tag_counts.items() if n}
-    assert nonzero == {k: n for k, n in reference(metas, counted).items() if n}
+    decoded = {}
+    for key, n in counters.tag_counts.items():
+        if n:
+            decoded[parse_heritage_key(key) or key] = n
+    assert decoded == {k: n for k, n in reference(metas, counted).items() if n}
 
 
 def test_uncounted_tags_and_plain_tombstones_add_nothing() -> None:
@@ -63,3 +66,16 @@ def test_uncounted_tags_and_plain_tombstones_add_nothing() -> None:
     )
     counters.count_tombstone(SampleMeta(cursor, is_tombstone=True, component_token_counts={"a": 5}))
     assert counters.tag_counts == {}
+
+
+@given(
+    st.sampled_from(["mixture_dropped", "[x"]), st.sampled_from(["tokens", "samples"]), COMPONENTS
+)
+def test_heritage_keys_are_strings_that_parse_back(tag, kind, comp) -> None:
+    if not isinstance(comp, (str, int)):
+        return
+    key = heritage_key(tag, kind, comp)
+    assert isinstance(key, str)
+    assert parse_heritage_key(key) == (tag, kind, comp)
+    for other in ("mixture_dropped", "[", "[1, 2]", '["a","other","b"]', 3, ("a", "b")):
+        assert parse_heritage_key(other) is None

@@ -136,10 +136,19 @@ def by_tokens(**kw: Any) -> zephon.Pipeline:
     return zephon.Pipeline(source, ops, epoch_chunks=3, **kw)
 
 
-def test_a_by_tokens_pipeline_resumes_exactly() -> None:
-    full = run(iter(by_tokens(lanes=2)))
+def test_a_by_tokens_pipeline_resumes_exactly_and_so_do_its_per_component_stats() -> None:
+    whole = iter(by_tokens(lanes=2))
+    full = run(whole)
     assert len(full) > 60
     assert_resumes_at(by_tokens(lanes=2), [0, 7, 31, len(full) - 1], full)
+    head = iter(by_tokens(lanes=2))
+    run(head, 31)
+    state = json.loads(json.dumps(head.state_dict()))
+    tail = by_tokens(lanes=2).iter(state=state)
+    run(tail)
+    expected = whole.stats()["mixture_components"]
+    assert sum(c["dropped_tokens"] for c in expected.values()) > 0
+    assert tail.stats()["mixture_components"] == expected
 
 
 def test_the_stream_does_not_depend_on_the_worker_kind() -> None:

@@ -22,8 +22,8 @@ cdef class DeliveryCounters:
     cdef public dict mix_samples        # component -> delivered samples
     cdef public dict mix_tokens         # component -> delivered tokens
     cdef public frozenset counted_tags  # tombstone tags operators want counted
-    cdef public dict tag_counts         # tag -> delivered tombstones carrying it; (tag, kind,
-                                        # component) -> the heritage they carried
+    cdef public dict tag_counts         # tag -> delivered tombstones carrying it;
+                                        # heritage_key(tag, kind, component) -> what they carried
     cdef object _run_component          # plain records counted but not yet in mix_samples
     cdef offset_t _run_n
 

@@ -32,9 +32,10 @@ MIXTURE_DROP_TAG = "mixture_dropped"
 #: Dropping more than this fraction of what it sees makes ``ensure_mixture`` warn (once per lane).
 DROP_WARN_FRACTION = 0.2
 #: The dropped fraction is looked at after this many buffers' worth of decisions, again at every
-#: doubling, and at every flush once a buffer's worth was decided (a shorter stream is never
-#: warned of: a few records say nothing).
+#: doubling, and at every flush once a buffer's worth was decided -- but never before
+#: ``_MIN_DECISIONS`` records were emitted or dropped: a few records say nothing.
 _FIRST_CHECK_BUFFERS = 8
+_MIN_DECISIONS = 256
 
 _BY = ("tokens", "samples")
 _MANY = object()
@@ -133,7 +134,7 @@ class EnsureMixture(Operator):
         self._seen: dict[Any, int] = dict.fromkeys(clean, 0)
         self._dropped: dict[Any, int] = dict.fromkeys(clean, 0)
         self._decided = 0
-        self._next_check = _FIRST_CHECK_BUFFERS * buffer_size
+        self._next_check = max(_FIRST_CHECK_BUFFERS * buffer_size, _MIN_DECISIONS)
         self._warned = False
 
     # ----------------------------------------------------------------------------- measure
@@ -359,7 +360,7 @@ class EnsureMixture(Operator):
             queue.clear()
         self._multi.clear()
         self._count = 0
-        if self._decided >= self.buffer_size:
+        if self._decided >= max(self.buffer_size, _MIN_DECISIONS):
             self._check_drops()
         return out
 

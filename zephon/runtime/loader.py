@@ -13,7 +13,7 @@ import threading
 from collections.abc import Hashable
 from typing import Any
 
-from zephon._core.delivery import DeliveryCounters
+from zephon._core.delivery import DeliveryCounters, parse_heritage_key
 from zephon.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -262,8 +262,10 @@ class Loader:
         samples, tokens = self.mix_samples, self.mix_tokens
         dropped: dict[tuple[str, Hashable], int] = {}
         for key, n in self.counts.tag_counts.items():
-            if type(key) is tuple and len(key) == 3 and key[1] in ("tokens", "samples"):
-                dropped[key[1], key[2]] = dropped.get((key[1], key[2]), 0) + n
+            parsed = parse_heritage_key(key)
+            if parsed is not None:
+                _, kind, comp = parsed
+                dropped[kind, comp] = dropped.get((kind, comp), 0) + n
         share_of = "tokens" if tokens and by != "samples" else "samples"
         basis = tokens if share_of == "tokens" else samples
         total = sum(basis.values())
