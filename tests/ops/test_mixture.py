@@ -28,6 +28,10 @@ from zephon.sources.mixture import MixtureSource
 from zephon.testing import check_operator
 from zephon.types import ContributorRef, SampleBatch, SampleCursor, SampleMeta, SampleRecord
 
+# These inputs are far from their weights on purpose, so most tests drop a lot; the warning that
+# says so has tests of its own (pytest.warns takes precedence over this filter).
+pytestmark = pytest.mark.filterwarnings("ignore::zephon.errors.MixtureDropWarning")
+
 
 def recs(spec: list[tuple[Any, int]], *, counts: bool = True, chunk: int = 0) -> list[SampleRecord]:
     """Records of (component, n tokens), tokenized-looking when ``counts``."""

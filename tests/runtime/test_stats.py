@@ -30,6 +30,7 @@ KEYS = {
     "mixture",
     "mixture_samples",
     "mixture_tokens",
+    "mixture_components",
     "bytes_held",
     "eviction_path",
     "operators",
@@ -94,15 +95,28 @@ def test_per_component_counts_and_counted_tombstone_tags() -> None:
     def texts(d: int, n: int) -> ListSource:
         return ListSource([{"text": "x" * (1 + i % (5 + 20 * d))} for i in range(n)], dataset_id=d)
 
-    source = MixtureSource({"a": texts(0, 200), "b": texts(1, 200)}, {"a": 0.5, "b": 0.5})
+    parts = {"a": texts(0, 200), "b": texts(1, 200)}
+    source = MixtureSource(parts, {"a": 0.5, "b": 0.5})
     ops = [fetch(), tokenize(), ensure_mixture({"a": 0.5, "b": 0.5}, buffer_size=16)]
     loader = iter(zephon.Pipeline(source, ops))
-    items = list(loader)
+    with pytest.warns(zephon.MixtureDropWarning, match="dropped"):  # b is 8x longer
+        items = list(loader)
     stats = loader.stats()
     assert sum(stats["mixture_samples"].values()) == len(items)
     assert sum(stats["mixture_tokens"].values()) == sum(len(r.payload["tokens"]) for r in items)
     assert stats["mixture_dropped"] == 400 - len(items)
     assert set(KEYS) < set(stats)
+    # per component: delivered + dropped is everything tokenized (each text and its eos)
+    comps = stats["mixture_components"]
+    assert set(comps) == {"a", "b"}
+    for name, src in parts.items():
+        tokenized = sum(len(item["text"]) + 1 for item in src.items)
+        entry = comps[name]
+        assert entry["samples"] + entry["dropped_samples"] == 200
+        assert entry["tokens"] + entry["dropped_tokens"] == tokenized
+        assert entry["target"] == 0.5 and entry["share_of"] == "tokens"
+        assert entry["share"] == pytest.approx(stats["mixture"][name])
+    assert sum(c["dropped_samples"] for c in comps.values()) == stats["mixture_dropped"]
 
 
 def test_restore_progress_and_the_log_say_what_is_replayed(

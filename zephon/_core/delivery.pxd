@@ -22,13 +22,15 @@ cdef class DeliveryCounters:
     cdef public dict mix_samples        # component -> delivered samples
     cdef public dict mix_tokens         # component -> delivered tokens
     cdef public frozenset counted_tags  # tombstone tags operators want counted
-    cdef public dict tag_counts         # tag -> delivered tombstones carrying it
+    cdef public dict tag_counts         # tag -> delivered tombstones carrying it;
+                                        # heritage_key(tag, kind, component) -> what they carried
     cdef object _run_component          # plain records counted but not yet in mix_samples
     cdef offset_t _run_n
 
     cdef int _flush(self) except -1
     cpdef count_delivered(self, SampleMeta meta)
     cpdef count_tombstone(self, SampleMeta meta)
+    cdef int _count_heritage(self, object tag, str kind, object counts) except -1
 
 
 @cython.final

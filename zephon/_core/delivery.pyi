@@ -10,6 +10,9 @@ from zephon._core.chunk_table import ChunkTable
 from zephon._core.cursor import SampleCursor
 from zephon._core.records import SampleMeta, SampleRecord
 
+def heritage_key(tag: str, kind: str, component: str | int) -> str: ...
+def parse_heritage_key(key: Any) -> tuple[str, str, str | int] | None: ...
+
 class DeliveryCounters:
     """The run's delivery counters, shared by the lanes of one loader."""
 

@@ -8,6 +8,8 @@ Nothing here calls back into Python: broken contracts are appended to `DeliveryB
 as plain tuples, in stream order, for the caller to report after the call.
 """
 
+import json as _json
+
 cimport cython
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.ref cimport PyObject
@@ -17,6 +19,26 @@ from zephon._core._types cimport offset_t, uint64_t
 from zephon._core.chunk_table cimport OFFSET_CLOSED, OFFSET_EVICTED, ChunkTable
 from zephon._core.cursor cimport SampleCursor
 from zephon._core.records cimport ContributorRef, SampleMeta, SampleRecord
+
+
+def heritage_key(tag, kind, component):
+    """The ``tag_counts`` key of a counted tag's heritage: the JSON text of ``[tag, kind,
+    component]`` -- a str, so it survives states that are not JSON round-tripped as well as those
+    that are, and job merges."""
+    return _json.dumps([tag, kind, component], separators=(",", ":"))
+
+
+def parse_heritage_key(key):
+    """``(tag, kind, component)`` of a ``heritage_key``, or None for any other key."""
+    if type(key) is not str or not key.startswith("["):
+        return None
+    try:
+        value = _json.loads(key)
+    except ValueError:
+        return None
+    if type(value) is not list or len(value) != 3 or value[1] not in ("tokens", "samples"):
+        return None
+    return value[0], value[1], value[2]
 
 
 cdef inline int _add_count(dict totals, object key, object n) except -1:
@@ -77,12 +99,25 @@ cdef class DeliveryCounters:
             self._run_n += 1
 
     cpdef count_tombstone(self, SampleMeta meta):
-        """A tombstone was delivered; its counted tags are counted per tag."""
+        """A tombstone was delivered; its counted tags are counted per tag. A counted tombstone
+        that carries mixture heritage (what the record it stands for held) also adds it up per
+        component, under ``heritage_key(tag, "tokens", component)`` and ``heritage_key(tag,
+        "samples", component)``, for components named by a str or an int."""
         self.tombstones += 1
         if self.counted_tags and meta.tags:
             for tag in meta.tags:
                 if tag in self.counted_tags:
                     _add_count(self.tag_counts, tag, 1)
+                    if meta.component_token_counts:
+                        self._count_heritage(tag, "tokens", meta.component_token_counts)
+                    if meta.component_sample_counts:
+                        self._count_heritage(tag, "samples", meta.component_sample_counts)
+
+    cdef int _count_heritage(self, object tag, str kind, object counts) except -1:
+        for comp, n in counts.items():
+            if isinstance(comp, (str, int)) and not isinstance(comp, bool):
+                _add_count(self.tag_counts, heritage_key(tag, kind, comp), n)
+        return 0
 
 
 @cython.final

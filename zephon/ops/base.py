@@ -99,6 +99,12 @@ class Operator:
         """Called at plan time with the facts the operators before this one provide; raise
         ``PlanError`` when one this operator needs is missing."""
 
+    def target_mixture(self) -> tuple[str, dict[Any, float]] | None:
+        """``(by, shares)`` when the operator steers the stream's mixture towards target shares
+        per component (``by`` is ``"tokens"`` or ``"samples"``), else None; ``Loader.stats()``
+        reports the realized shares against the last such target in the chain."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """The operator's identity for the pipeline fingerprint: class, name, traits and every
         public attribute by ``zephon.identity.identify`` (callables by their code, arrays by

@@ -1,25 +1,41 @@
 """``ensure_mixture``: keeps the realized mixture of a lane's stream on its target weights by
 choosing what to emit from a buffer, and dropping (with tombstones) what would overshoot.
+
+It is a correction, not a sampler: when it has to drop a large part of its input the source is
+far from the weights, and it says so once per lane (``MixtureDropWarning``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from collections import deque
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from zephon.errors import MixtureDropWarning
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
 from zephon.ops.children import split_in_proportion, tombstone_meta
 from zephon.types import ContributorRef, SampleRecord
 from zephon.validation import check_int
 
-__all__ = ["MIXTURE_DROP_TAG", "EnsureMixture", "ensure_mixture"]
+__all__ = ["DROP_WARN_FRACTION", "MIXTURE_DROP_TAG", "EnsureMixture", "ensure_mixture"]
+
+log = logging.getLogger("zephon")
 
 #: The tag on the first tombstone of every record ``ensure_mixture`` drops; delivery counts these
-#: in ``stats()["mixture_dropped"]``.
+#: in ``stats()["mixture_dropped"]``. That tombstone also carries the dropped record's
+#: ``component_token_counts`` / ``component_sample_counts``, which delivery adds up per component.
 MIXTURE_DROP_TAG = "mixture_dropped"
+#: Dropping more than this fraction of what it sees makes ``ensure_mixture`` warn (once per lane).
+DROP_WARN_FRACTION = 0.2
+#: The dropped fraction is looked at after this many buffers' worth of decisions, again at every
+#: doubling, and at every flush once a buffer's worth was decided -- but never before
+#: ``_MIN_DECISIONS`` records were emitted or dropped: a few records say nothing.
+_FIRST_CHECK_BUFFERS = 8
+_MIN_DECISIONS = 256
 
 _BY = ("tokens", "samples")
 _MANY = object()
@@ -58,8 +74,13 @@ class EnsureMixture(Operator):
       ``w_c + tolerance``; when none is left that fits, drop the rest (in arrival order).
 
     Dropped records leave their tombstones; the first of each is tagged ``"mixture_dropped"`` (a
-    record that owes no closing tombstone still leaves one non-closing tagged tombstone), so
-    ``stats()["mixture_dropped"]`` counts dropped records. A record's measure is its
+    record that owes no closing tombstone still leaves one non-closing tagged tombstone) and
+    carries the record's token and sample counts per component, so ``stats()["mixture_dropped"]``
+    counts dropped records and ``stats()["mixture_components"]`` their tokens and samples.
+
+    When the records it has dropped (of components with a weight) exceed ``DROP_WARN_FRACTION``
+    of what it saw (measured like the weights, in tokens or samples), it warns once per lane with
+    a ``MixtureDropWarning`` naming each component's dropped fraction. A record's measure is its
     ``component_token_counts`` (``by="tokens"``) or ``component_sample_counts`` (``by="samples"``),
     else one sample of ``meta.component`` with ``len(payload[field])`` tokens; a record with sample
     counts but no token counts has its tokens split in proportion to its sample counts.
@@ -109,6 +130,12 @@ class EnsureMixture(Operator):
         self._multi: list[_Entry] = []
         self._count = 0
         self._seq = 0
+        # What it saw and dropped per weighted component, for the warning only (never carried).
+        self._seen: dict[Any, int] = dict.fromkeys(clean, 0)
+        self._dropped: dict[Any, int] = dict.fromkeys(clean, 0)
+        self._decided = 0
+        self._next_check = max(_FIRST_CHECK_BUFFERS * buffer_size, _MIN_DECISIONS)
+        self._warned = False
 
     # ----------------------------------------------------------------------------- measure
     def _measure(self, rec: SampleRecord) -> dict[Hashable, int]:
@@ -216,20 +243,64 @@ class EnsureMixture(Operator):
         self._grand += entry.total
         return entry.rec
 
-    def _drop(self, rec: SampleRecord) -> list[SampleRecord]:
-        """The tombstones of a dropped record, the first tagged ``MIXTURE_DROP_TAG``."""
-        refs = rec.meta.contribution_refs()
-        lane = rec.meta.lane_id
-        closing = [ref for ref in refs if ref.is_last_child] or [
-            ContributorRef(rec.meta.cursor, False)
+    def _drop(self, rec: SampleRecord, amounts: dict[Hashable, int]) -> list[SampleRecord]:
+        """The tombstones of a dropped record, the first tagged ``MIXTURE_DROP_TAG`` and carrying
+        the record's tokens (its token counts, or its measure by tokens) and samples."""
+        src = rec.meta
+        tokens = src.component_token_counts
+        if tokens is None and self.by == "tokens":
+            tokens = amounts
+        samples = src.component_sample_counts or {src.component: 1}
+        closing = [ref for ref in src.contribution_refs() if ref.is_last_child] or [
+            ContributorRef(src.cursor, False)
         ]
         out = []
         for i, ref in enumerate(closing):
-            meta = tombstone_meta(ref, lane)
+            meta = tombstone_meta(ref, src.lane_id)
             if i == 0:
-                meta = meta.replace(tags=meta.tags | {MIXTURE_DROP_TAG})
+                meta = meta.replace(
+                    tags=meta.tags | {MIXTURE_DROP_TAG},
+                    component_token_counts=dict(tokens) if tokens else None,
+                    component_sample_counts=dict(samples),
+                )
             out.append(SampleRecord(meta, None))
         return out
+
+    def _drop_entry(self, entry: _Entry) -> list[SampleRecord]:
+        dropped = self._dropped
+        for comp, amount in entry.amounts.items():
+            dropped[comp] += amount
+        return self._drop(entry.rec, entry.amounts)
+
+    # ----------------------------------------------------------------------------- the warning
+    def _decision_made(self) -> None:
+        self._decided += 1
+        if self._decided >= self._next_check:
+            self._next_check *= 2
+            self._check_drops()
+
+    def _check_drops(self) -> None:
+        """Warn (once) when more than ``DROP_WARN_FRACTION`` of what was seen was dropped."""
+        if self._warned:
+            return
+        seen = sum(self._seen.values())
+        dropped = sum(self._dropped.values())
+        if not seen or dropped <= DROP_WARN_FRACTION * seen:
+            return
+        self._warned = True
+        unit = "tokens" if self.by == "tokens" else "samples"
+        parts = ", ".join(
+            f"{c!r} {self._dropped[c] / n:.0%} of {n}" for c, n in self._seen.items() if n
+        )
+        text = (
+            f"ensure_mixture dropped {dropped / seen:.0%} of the {unit} it saw on lane "
+            f"{self.lane_id} ({parts}) to reach the weights {self._share}: its input is far from "
+            "them. Weigh the source by tokens (MixtureSource(..., by='tokens') with "
+            "length_column=, tokens_per_byte= or tokenizer=) so that ensure_mixture only trims "
+            "the residual drift"
+        )
+        log.warning(text)
+        warnings.warn(text, MixtureDropWarning, stacklevel=2)
 
     # ----------------------------------------------------------------------------- operator
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
@@ -241,8 +312,11 @@ class EnsureMixture(Operator):
                 out.append(rec)
                 continue
             if not any(share[c] for c in amounts):
-                out.extend(self._drop(rec))
+                out.extend(self._drop(rec, amounts))
                 continue
+            seen = self._seen
+            for comp, amount in amounts.items():
+                seen[comp] += amount
             entry = _Entry(self._seq, rec, amounts)
             self._seq += 1
             if entry.comp is _MANY:
@@ -259,7 +333,8 @@ class EnsureMixture(Operator):
                 else:
                     worst = self._worst(deficits)
                     self._remove(worst)
-                    out.extend(self._drop(worst.rec))
+                    out.extend(self._drop_entry(worst))
+                self._decision_made()
         return out
 
     def flush(self) -> list[SampleRecord]:
@@ -274,15 +349,19 @@ class EnsureMixture(Operator):
                     break
             self._remove(best)
             out.append(self._emit(best))
+            self._decided += 1
         rest = sorted(
             [e for q in self._queues.values() for e in q] + self._multi, key=lambda e: e.seq
         )
+        self._decided += len(rest)
         for entry in rest:
-            out.extend(self._drop(entry.rec))
+            out.extend(self._drop_entry(entry))
         for queue in self._queues.values():
             queue.clear()
         self._multi.clear()
         self._count = 0
+        if self._decided >= max(self.buffer_size, _MIN_DECISIONS):
+            self._check_drops()
         return out
 
     def _fitting(self, deficits: dict[Any, float], limit: dict[Any, float]) -> _Entry | None:
@@ -327,6 +406,10 @@ class EnsureMixture(Operator):
             totals[key] = int(total)
         self._totals = totals
         self._grand = sum(totals.values())
+
+    def target_mixture(self) -> tuple[str, dict[Any, float]]:
+        """``(by, normalized weights)``: the shares this operator steers the stream to."""
+        return self.by, dict(self._share)
 
     def realized(self) -> dict[Any, float]:
         """The share of each component in what this operator has emitted so far (all 0 before)."""

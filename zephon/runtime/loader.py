@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Hashable
 from typing import Any
 
-from zephon._core.delivery import DeliveryCounters
+from zephon._core.delivery import DeliveryCounters, parse_heritage_key
 from zephon.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -229,7 +229,12 @@ class Loader:
         tombstones) and seconds spent; ``lanes`` each lane's delivered items, whether it ended,
         the items waiting in its current list (``buffered``), the item lists its worker has
         ready beyond it (``queued``, at most ``prefetch``; 0 for inline lanes) and its replay
-        progress after a restore."""
+        progress after a restore.
+        ``mixture_components`` gives per component its delivered ``samples`` and ``tokens``, the
+        ``dropped_samples``/``dropped_tokens`` that counted tombstones carried (what
+        ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
+        (``share_of``, as the target measures) and its ``target`` share: the last chain
+        operator's ``target_mixture()``, else the source's (None without either)."""
         basis = self.mix_tokens if self.mix_tokens else self.mix_samples
         total = sum(basis.values())
         counts = self.counts
@@ -249,6 +254,7 @@ class Loader:
             out[tag] = counts.tag_counts.get(tag, 0)
         out["mixture_samples"] = dict(self.mix_samples)
         out["mixture_tokens"] = dict(self.mix_tokens)
+        out["mixture_components"] = self._mixture_components()
         out["operators"] = self._operator_stats()
         out["lanes"] = {
             lane.lane_id: {
@@ -263,6 +269,36 @@ class Loader:
             for lane in self.lanes
         }
         return out
+
+    def _mixture_components(self) -> dict[Hashable, dict[str, Any]]:
+        """Delivered and dropped samples and tokens, realized and target share, per component."""
+        target = self.plan.source.target_mixture()
+        for op in self.plan.chain:
+            target = op.target_mixture() or target
+        by, shares = target if target is not None else (None, {})
+        samples, tokens = self.mix_samples, self.mix_tokens
+        dropped: dict[tuple[str, Hashable], int] = {}
+        for key, n in self.counts.tag_counts.items():
+            parsed = parse_heritage_key(key)
+            if parsed is not None:
+                _, kind, comp = parsed
+                dropped[kind, comp] = dropped.get((kind, comp), 0) + n
+        share_of = "tokens" if tokens and by != "samples" else "samples"
+        basis = tokens if share_of == "tokens" else samples
+        total = sum(basis.values())
+        names = dict.fromkeys([*shares, *samples, *tokens, *(c for _, c in dropped)])
+        return {
+            c: {
+                "samples": samples.get(c, 0),
+                "tokens": tokens.get(c, 0),
+                "dropped_samples": dropped.get(("samples", c), 0),
+                "dropped_tokens": dropped.get(("tokens", c), 0),
+                "share": basis.get(c, 0) / total if total else 0.0,
+                "share_of": share_of,
+                "target": shares.get(c, 0.0) if target is not None else None,
+            }
+            for c in names
+        }
 
     def _operator_stats(self) -> dict[str, dict[str, float]]:
         """Per chain operator, summed over this rank's lanes as of each lane's latest chunk."""

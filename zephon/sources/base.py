@@ -73,6 +73,12 @@ class WorkSource(ABC):
         """The mixture component of each pointer row: by default the row's ``dataset_id``."""
         return check_pointers(pointers, self)[:, 0].tolist()
 
+    def target_mixture(self) -> tuple[str, dict[Any, float]] | None:
+        """``(by, shares)`` when the source draws its components towards target shares (``by``
+        is ``"tokens"`` or ``"samples"``), else None (this default); ``Loader.stats()`` reports
+        the realized shares against it when no operator sets a target."""
+        return None
+
     @abstractmethod
     def describe(self) -> dict[str, Any]:
         """JSON-able identity for the pipeline fingerprint: equal across processes for the same

@@ -1,14 +1,20 @@
 """MixtureSource: several indexed sources interleaved at sample level by weight.
 
+What the weights weigh. With ``by="samples"`` (the default) the *sample shares* ``s_c`` are the
+normalized weights. With ``by="tokens"`` they are chosen so that the expected *token* shares are
+the weights: ``s_c`` is proportional to ``w_c / cost_c``, where ``cost_c`` is the component's mean
+tokens per sample, estimated once at construction (``zephon.sources.token_costs``) and part of
+``describe()``. The layout below only ever sees the (exact, rational) ``s_c``.
+
 How the mixture is laid out, all in closed form so ``chunk(k)`` costs O(chunk) for any ``k``:
 
 - **Counts.** Component ``c`` holds ``A_c(T)`` of the first ``T = k * chunk_size`` mixture samples,
-  where ``A(T)`` is the largest-remainder (Hamilton) apportionment of ``T`` by the normalized
-  weights: ``floor(w_c * T)`` each, the leftover samples to the largest fractional parts, ties by
+  where ``A(T)`` is the largest-remainder (Hamilton) apportionment of ``T`` by the sample
+  shares: ``floor(s_c * T)`` each, the leftover samples to the largest fractional parts, ties by
   component name. So at every whole-chunk boundary each count is within one sample of
-  ``w_c * T``. Chunk ``k`` holds ``A_c((k+1)*chunk_size) - A_c(k*chunk_size)`` samples of ``c``;
+  ``s_c * T``. Chunk ``k`` holds ``A_c((k+1)*chunk_size) - A_c(k*chunk_size)`` samples of ``c``;
   this never goes negative because every non-zero weight must give at least one sample per chunk
-  (``w_c * chunk_size >= 1``, checked at construction).
+  (``s_c * chunk_size >= 1``, checked at construction).
 - **Slots.** Inside chunk ``k``, the ``i``-th of component ``c``'s ``m_c`` samples sits at key
   ``(i + u) / m_c``, with ``u`` in (0, 1) drawn from (seed, k, c's name) through the fixed 64-bit
   mixer; slots are sorted by key, ties by name. Each component is thus spread evenly over the chunk
@@ -34,17 +40,27 @@ import numpy as np
 from zephon.errors import FetchError
 from zephon.sources.base import IndexedSource, WorkSource, check_pointers
 from zephon.sources.permutation import derive_key
+from zephon.sources.token_costs import TokenCost, estimate_cost, quantize
 from zephon.types import WorkChunk
 from zephon.validation import check_int
 
 __all__ = ["MixtureSource"]
 
 _UNIT = 2.0**-53
+_BY = ("samples", "tokens")
 
 
 class MixtureSource(WorkSource):
     """Samples of several ``IndexedSource`` components interleaved so that each component's share of
-    every whole-chunk prefix is within one sample of its weight; a chunk mixes components.
+    every whole-chunk prefix is within one sample of its sample share; a chunk mixes components.
+
+    ``by="samples"``: the sample shares are the normalized weights. ``by="tokens"``: they are
+    ``w_c / cost_c`` normalized, so the expected token shares are the weights; ``cost_c`` (mean
+    tokens per sample) is the mean of ``length_column`` over a fixed sample of the component's
+    records, or the mean UTF-8 bytes of ``text_field`` times a tokens-per-byte ratio: pinned
+    (``tokens_per_byte=``, a number or a dict per component) or calibrated by ``tokenizer`` on
+    ``calibration_size`` of those records; plus ``added_tokens`` (the end-of-sequence id
+    ``tokenize`` appends). See ``zephon.sources.token_costs``.
 
     Invariant: each component's samples appear in its own stream order, each stream position at most
     once, and never past the end of a finite component (see the module docstring for the layout).
@@ -57,6 +73,14 @@ class MixtureSource(WorkSource):
         *,
         seed: int = 0,
         chunk_size: int = 1024,
+        by: str = "samples",
+        length_column: str | None = None,
+        tokens_per_byte: float | Mapping[str, float] | None = None,
+        tokenizer: Any = None,
+        text_field: str = "text",
+        added_tokens: int = 1,
+        estimate_size: int = 1024,
+        calibration_size: int = 256,
     ) -> None:
         if not isinstance(components, Mapping) or not components:
             raise ValueError("MixtureSource: components must be a non-empty mapping name -> source")
@@ -85,8 +109,54 @@ class MixtureSource(WorkSource):
         self._index_of_id = {did: names.index(name) for did, name in owner.items()}
 
         self._weights = self._check_weights(weights)
-        total = sum(Fraction(w) for w in self._weights)
-        self._shares = tuple(Fraction(w) / total for w in self._weights)
+        if by not in _BY:
+            raise ValueError(f"MixtureSource: by must be one of {_BY}, got {by!r}")
+        self.by = by
+        self._costs: dict[str, TokenCost] = {}
+        if by == "tokens":
+            added = check_int(added_tokens, "added_tokens", "MixtureSource", minimum=0)
+            size = check_int(estimate_size, "estimate_size", "MixtureSource", minimum=1)
+            calibrate = check_int(calibration_size, "calibration_size", "MixtureSource", minimum=1)
+            self._estimate: dict[str, Any] = {
+                "length_column": length_column,
+                "text_field": text_field,
+                "added_tokens": added,
+                "estimate_size": size,
+                "calibration_size": calibrate,
+            }
+            pinned = self._check_ratios(tokens_per_byte)
+            for name, src, w in zip(names, self._sources, self._weights, strict=True):
+                if w:
+                    self._costs[name] = estimate_cost(
+                        name,
+                        src,
+                        length_column=length_column,
+                        text_field=text_field,
+                        tokens_per_byte=pinned.get(name),
+                        tokenizer=tokenizer,
+                        estimate_size=size,
+                        calibration_size=calibrate,
+                        added_tokens=added,
+                    )
+            raw = [
+                Fraction(w) / self._costs[n].tokens_per_sample if w else Fraction(0)
+                for n, w in zip(names, self._weights, strict=True)
+            ]
+        else:
+            given = {
+                "length_column": length_column,
+                "tokens_per_byte": tokens_per_byte,
+                "tokenizer": tokenizer,
+            }
+            used = [k for k, v in given.items() if v is not None]
+            if used:
+                raise ValueError(
+                    f"MixtureSource: {', '.join(used)} only apply with by='tokens' (by={by!r} "
+                    "apportions samples)"
+                )
+            raw = [Fraction(w) for w in self._weights]
+        total = sum(raw)
+        self._shares = tuple(r / total for r in raw)
         for name, share in zip(names, self._shares, strict=True):
             if share and share * self.chunk_size < 1:
                 per_chunk = float(share * self.chunk_size)
@@ -121,6 +191,33 @@ class MixtureSource(WorkSource):
         if not any(out):
             raise ValueError("MixtureSource: at least one weight must be > 0")
         return tuple(out)
+
+    def _check_ratios(self, ratios: float | Mapping[str, float] | None) -> dict[str, Fraction]:
+        # Pinned tokens-per-byte ratios per component, exact and rounded like calibrated ones.
+        if ratios is None:
+            return {}
+        if isinstance(ratios, Mapping):
+            for key in ratios:
+                if key not in self._names:
+                    raise ValueError(
+                        f"MixtureSource: tokens_per_byte names {key!r}, which is no component "
+                        f"(components: {list(self._names)})"
+                    )
+            given = dict(ratios)
+        else:
+            given = dict.fromkeys(self._names, ratios)
+        out = {}
+        for name, r in given.items():
+            if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, float, np.number)):
+                raise TypeError(
+                    f"MixtureSource: tokens_per_byte of {name!r} must be a number, got {r!r}"
+                )
+            if not math.isfinite(float(r)) or float(r) <= 0:
+                raise ValueError(
+                    f"MixtureSource: tokens_per_byte of {name!r} must be finite and > 0, got {r}"
+                )
+            out[name] = quantize(Fraction(float(r)))
+        return out
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -185,6 +282,20 @@ class MixtureSource(WorkSource):
         return total
 
     # -- the protocol -------------------------------------------------------------------------
+
+    def target_mixture(self) -> tuple[str, dict[str, float]]:
+        """``(by, normalized weights)``: what the weights ask of the delivered stream."""
+        total = sum(self._weights)
+        return self.by, {n: w / total for n, w in zip(self._names, self._weights, strict=True)}
+
+    def sample_shares(self) -> dict[str, float]:
+        """Each component's share of the samples (the weights by samples, the token-aware shares
+        by tokens)."""
+        return {n: float(s) for n, s in zip(self._names, self._shares, strict=True)}
+
+    def token_costs(self) -> dict[str, TokenCost]:
+        """The estimated token cost of each weighted component (empty with ``by="samples"``)."""
+        return dict(self._costs)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -267,11 +378,14 @@ class MixtureSource(WorkSource):
         return [src.dataset_id for src in self._sources]
 
     def describe(self) -> dict[str, Any]:
-        """Class, component names, weights, each component's ``describe()``, seed and chunk_size."""
-        return {
+        """Class, component names, weights and ``by``, each component's ``describe()``, seed and
+        chunk_size; by tokens also the estimate's parameters, each component's token cost and the
+        resulting sample shares (so a changed estimate changes the fingerprint)."""
+        out = {
             "class": f"{type(self).__module__}.{type(self).__qualname__}",
             "names": list(self._names),
             "weights": dict(zip(self._names, self._weights, strict=True)),
+            "by": self.by,
             "components": {
                 n: s.describe() for n, s in zip(self._names, self._sources, strict=True)
             },
@@ -279,10 +393,17 @@ class MixtureSource(WorkSource):
             "chunk_size": self.chunk_size,
             "total_samples": self._total,
         }
+        if self.by == "tokens":
+            out["estimate"] = dict(self._estimate)
+            out["token_costs"] = {n: c.describe() for n, c in self._costs.items()}
+            out["sample_shares"] = self.sample_shares()
+        return out
 
     def __repr__(self) -> str:
         weights = ", ".join(f"{n}={w:g}" for n, w in zip(self._names, self._weights, strict=True))
-        return f"MixtureSource({weights}; chunk_size={self.chunk_size}, seed={self.seed})"
+        return (
+            f"MixtureSource({weights} by {self.by}; chunk_size={self.chunk_size}, seed={self.seed})"
+        )
 
 
 def _stream_rows(src: IndexedSource, start: int, count: int) -> np.ndarray:
