@@ -11,6 +11,7 @@ from pipeline_kit import WindowShuffle
 import zephon
 from zephon.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zephon.ops.basic import fetch
+from zephon.runtime.state import check_pairs, encode_pairs
 from zephon.sources.memory import RangeSource
 
 
@@ -118,3 +119,10 @@ def test_flipped_byte_in_checkpoint_file_is_corrupt(tmp_path, state):
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointCorruptError):
         zephon.load_checkpoint(path)
+
+
+def test_count_pairs_are_the_same_before_and_after_a_json_round_trip():
+    counts = {"code": 3, 7: 2, ("nested", 1): 5}
+    pairs = encode_pairs(counts)
+    assert json.loads(json.dumps(pairs)) == pairs
+    assert dict(check_pairs(pairs, "mixture.samples")) == counts

@@ -13,7 +13,7 @@ from typing import Any
 
 from zephon.errors import CheckpointError, CheckpointMismatchError
 from zephon.runtime.checkpoint import JOB_FORMAT, STATE_FORMAT, STATE_VERSION, seal, unseal
-from zephon.runtime.state import COUNTERS, check_int, check_pairs, corrupt
+from zephon.runtime.state import COUNTERS, check_int, check_pairs, corrupt, encode_pairs
 
 
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -90,17 +90,13 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             "layout": first["layout"],
             "lane_states": [by_lane[g] for g in range(lanes)],
             "counters": counters,
-            "tag_counts": [[_json_key(k), v] for k, v in tags.items()],
+            "tag_counts": encode_pairs(tags),
             "mixture": {
-                "samples": [[_json_key(k), v] for k, v in samples.items()],
-                "tokens": [[_json_key(k), v] for k, v in tokens.items()],
+                "samples": encode_pairs(samples),
+                "tokens": encode_pairs(tokens),
             },
         }
     )
-
-
-def _json_key(key: Any) -> Any:
-    return list(key) if isinstance(key, tuple) else key
 
 
 def _check_same_step(bodies: list[dict[str, Any]]) -> None:

@@ -46,6 +46,7 @@ from zephon.runtime.state import (
     check_pairs,
     check_turn,
     corrupt,
+    encode_pairs,
 )
 from zephon.runtime.supervision import close_feeds, start_feeds
 
@@ -349,10 +350,10 @@ class Loader:
                     "next_lane": self.next_lane,
                     "lane_states": [lane.state() for lane in self.lanes],
                     "counters": self._counters(),
-                    "tag_counts": [[k, v] for k, v in self.counts.tag_counts.items()],
+                    "tag_counts": encode_pairs(self.counts.tag_counts),
                     "mixture": {
-                        "samples": [[k, v] for k, v in self.mix_samples.items()],
-                        "tokens": [[k, v] for k, v in self.mix_tokens.items()],
+                        "samples": encode_pairs(self.mix_samples),
+                        "tokens": encode_pairs(self.mix_tokens),
                     },
                 }
             )

@@ -275,6 +275,12 @@ def check_turn(next_lane: int, lane_states: list[dict[str, Any]]) -> None:
         raise corrupt("next_lane", f"{next_lane} does not fit the lanes' delivered items {counts}")
 
 
+def encode_pairs(counts: dict[Any, int]) -> list[list[Any]]:
+    """``counts`` as ``[[key, count], ...]``, tuple keys as lists (what JSON makes of them), so a
+    state is the same before and after a JSON round trip; ``check_pairs`` reads it back."""
+    return [[list(k) if isinstance(k, tuple) else k, v] for k, v in counts.items()]
+
+
 def check_pairs(value: Any, where: str) -> list[tuple[Any, int]]:
     """``[[key, count], ...]`` with JSON-scalar (or list) keys and non-negative counts."""
     if type(value) is not list:
