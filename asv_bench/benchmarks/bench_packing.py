@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from zephon_bench.packing import (
     SEQ_LEN,
+    SIDE_FIELDS,
     packing_comparison,
     python_first_fit,
     run_grain_pack,
     run_zephon_pack,
+    side_payloads,
     token_payloads,
     uniform_lengths,
     zephon_pipeline,
@@ -52,6 +54,24 @@ class PackEndToEnd:
         return run_zephon_pack(packer, self.lengths, payloads=self.payloads)["fill"]
 
     track_fill.unit = "fill"  # type: ignore[attr-defined]
+
+
+class PackSideFields:
+    """Packing an int32 loss mask and float32 weights with the tokens (``extra_fields``) against
+    tokens alone, end to end (target: at most 1.5x the time)."""
+
+    params = (["best_fit", "flat"],)
+    param_names = ["packer"]
+    timeout = 300
+
+    def setup(self, packer: str) -> None:
+        self.lengths = uniform_lengths()
+        self.pipeline = zephon_pipeline(
+            packer, side_payloads(self.lengths), extra_fields=SIDE_FIELDS
+        )
+
+    def time_pipeline_with_side_fields(self, packer: str) -> None:
+        _deliver_all(self.pipeline)
 
 
 class PackVersusGrain:

@@ -30,6 +30,7 @@ __all__ = [
     "run_grain_pack",
     "run_python_first_fit",
     "run_zephon_pack",
+    "side_field_comparison",
     "uniform_lengths",
 ]
 
@@ -49,6 +50,22 @@ def uniform_lengths(n: int = N_SEQUENCES, seed: int = 0, high: int = 512) -> np.
 def token_payloads(lengths: Sequence[int] | np.ndarray) -> list[dict[str, np.ndarray]]:
     """Pre-tokenized payloads ``{"tokens": int32[length]}`` (token ids 0..length-1)."""
     return [{"tokens": np.arange(int(k), dtype=np.int32)} for k in lengths]
+
+
+#: The side fields of the side-field workload and their padding: an int32 loss mask and
+#: float32 per-token weights.
+SIDE_FIELDS: dict[str, int | float] = {"loss_mask": 0, "weights": 0.0}
+
+
+def side_payloads(lengths: Sequence[int] | np.ndarray) -> list[dict[str, np.ndarray]]:
+    """``token_payloads`` plus the ``SIDE_FIELDS``: a loss mask (odd positions) and weights."""
+    out = []
+    for payload in token_payloads(lengths):
+        tokens = payload["tokens"]
+        payload["loss_mask"] = (tokens & 1).astype(np.int32)
+        payload["weights"] = np.ones(len(tokens), dtype=np.float32)
+        out.append(payload)
+    return out
 
 
 class PayloadAt:
@@ -82,6 +99,7 @@ def zephon_pipeline(
     open_bins: int = OPEN_BINS,
     epoch_sequences: int = EPOCH_SEQUENCES,
     batch_size: int | None = None,
+    extra_fields: dict[str, int | float] | None = None,
 ) -> zephon.Pipeline:
     """fetch -> pack_sequences (``strategy`` ``"best_fit"`` / ``"first_fit"``; ``"flat"`` for
     pack_flat) (-> batch) over ``payloads`` on one inline lane, an epoch every ``epoch_sequences``
@@ -90,9 +108,11 @@ def zephon_pipeline(
     if epoch_sequences % chunk:
         raise ValueError(f"epoch_sequences must be a multiple of {chunk}, got {epoch_sequences}")
     packer = (
-        pack_flat(seq_len, pad_id=0)
+        pack_flat(seq_len, pad_id=0, extra_fields=extra_fields)
         if strategy == "flat"
-        else pack_sequences(seq_len, open_bins=open_bins, strategy=strategy, pad_id=0)
+        else pack_sequences(
+            seq_len, open_bins=open_bins, strategy=strategy, pad_id=0, extra_fields=extra_fields
+        )
     )
     ops: list[Any] = [fetch(), packer]
     if batch_size:
@@ -113,9 +133,11 @@ def run_zephon_pack(
     epoch_sequences: int = EPOCH_SEQUENCES,
     batch_size: int | None = None,
     payloads: list[dict[str, np.ndarray]] | None = None,
+    extra_fields: dict[str, int | float] | None = None,
 ) -> dict[str, float]:
     """Tokens/s and fill of ``pack_sequences`` end to end (source, fetch, pack, delivery; plus
-    ``batch`` when ``batch_size`` is given). Also ``seconds`` and ``bins`` (packed records)."""
+    ``batch`` when ``batch_size`` is given; with ``extra_fields`` the payloads' side fields are
+    packed too). Also ``seconds`` and ``bins`` (packed records)."""
     payloads = token_payloads(lengths) if payloads is None else payloads
     n_tokens = int(np.sum(lengths))
     pipeline = zephon_pipeline(
@@ -125,6 +147,7 @@ def run_zephon_pack(
         open_bins=open_bins,
         epoch_sequences=epoch_sequences,
         batch_size=batch_size,
+        extra_fields=extra_fields,
     )
     # Planning (which fingerprints the in-memory payloads, array by array) happens before the
     # clock starts, like building Grain's datasets; iteration, packing and delivery are timed.
@@ -299,4 +322,41 @@ def packing_comparison(
             base = row[f"{name}_tokens_per_s"]
             row[f"speedup_vs_{name}"] = row["zephon_tokens_per_s"] / base if base else None
         rows.append(row)
+    return rows
+
+
+def side_field_comparison(
+    repeat: int = 5,
+    *,
+    lengths: Sequence[int] | np.ndarray | None = None,
+    strategies: Sequence[str] = ("best_fit", "flat"),
+) -> list[dict[str, Any]]:
+    """One row per packer: median seconds of packing tokens with the two ``SIDE_FIELDS`` against
+    packing the same tokens alone, end to end, runs alternating; ``ratio`` = with / without
+    (target: at most 1.5)."""
+    lengths = uniform_lengths() if lengths is None else np.asarray(lengths)
+    plain = token_payloads(lengths)
+    sided = side_payloads(lengths)
+    rows = []
+    for strategy in strategies:
+        alone: list[float] = []
+        with_sides: list[float] = []
+        for _ in range(repeat):
+            alone.append(run_zephon_pack(strategy, lengths, payloads=plain)["seconds"])
+            with_sides.append(
+                run_zephon_pack(
+                    strategy, lengths, payloads=sided, extra_fields=SIDE_FIELDS
+                )["seconds"]
+            )
+        a, w = statistics.median(alone), statistics.median(with_sides)
+        rows.append(
+            {
+                "strategy": strategy,
+                "sequences": len(lengths),
+                "tokens_alone_s": a,
+                "with_sides_s": w,
+                "ratio": w / a,
+                "repeat": repeat,
+            }
+        )
     return rows

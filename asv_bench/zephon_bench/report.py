@@ -355,6 +355,26 @@ def packing_rows(quick: bool, out: TextIO) -> list[Row]:
     return rows
 
 
+def side_field_rows(quick: bool) -> list[Row]:
+    """Packing with two side fields (an int32 loss mask, float32 weights) vs tokens alone."""
+    from zephon_bench.packing import side_field_comparison
+
+    rows = []
+    for r in side_field_comparison(repeat=3 if quick else 7):
+        rows.append(
+            Row(
+                f"packing e2e, {r['strategy']}: tokens + 2 side fields vs tokens alone",
+                _seconds(r["with_sides_s"]),
+                _seconds(r["tokens_alone_s"]),
+                f"{r['ratio']:.2f}×",
+                "≤ 1.5×",
+                r["ratio"] <= 1.5,
+                f"{r['sequences']:,} sequences into 1024-token rows; loss_mask + weights",
+            )
+        )
+    return rows
+
+
 # ------------------------------------------------------------------------------ pipeline
 
 
@@ -515,6 +535,7 @@ SECTIONS: dict[str, Callable[..., list[Row]]] = {
     "bitmap engine": bitmap_rows,
     "packing kernel": kernel_rows,
     "packing end to end": packing_rows,
+    "packing side fields": side_field_rows,
     "pipeline overhead": pipeline_rows,
     "restore and checkpoint size": restore_rows,
     "memory": memory_rows,

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zephon._core.binfill import BinPacker, FlatPacker
-from zephon._core.packfill import BinFill, token_lengths
+from zephon._core.packfill import BinFill, field_lengths, token_lengths
 
 Row = tuple[int, int, int, int, int]  # (item, frag_start, frag_len, bin_id, bin_offset)
 
@@ -35,10 +35,23 @@ def token_arrays(lengths: Sequence[int], base: int = 0) -> list[npt.NDArray[np.i
 # Reference fill: bins as Python lists, every rule checked on a copy before anything changes.
 
 
+def side_arrays(arrays: list[np.ndarray], side_pads: Sequence[float]) -> list[list[np.ndarray]]:
+    """Per side field, per item: values derived from the item's tokens (int32 for an int pad,
+    float32 for a float pad), so that a misplaced range shows."""
+    out = []
+    for k, pad in enumerate(side_pads):
+        if isinstance(pad, float):
+            out.append([(a / 8.0 + k).astype(np.float32) for a in arrays])
+        else:
+            out.append([(a * 3 + k).astype(np.int32) for a in arrays])
+    return out
+
+
 class RefBinFill:
-    def __init__(self, seq_len: int, pad_id: int = 0) -> None:
+    def __init__(self, seq_len: int, pad_id: int = 0, side_pads: Sequence[float] = ()) -> None:
         self.seq_len = seq_len
         self.pad_id = pad_id
+        self.side_pads = list(side_pads)
         self.clear()
 
     def clear(self) -> None:
@@ -46,7 +59,9 @@ class RefBinFill:
         self.bins: dict[int, dict[str, list[Any]]] = {}
         self.max_id = -1
 
-    def write(self, rows: list[Row], arrays: list[np.ndarray], items: list[Any]) -> None:
+    def write(
+        self, rows: list[Row], arrays: list[np.ndarray], items: list[Any], sides: Sequence = ()
+    ) -> None:
         if len(arrays) != len(items):
             raise ValueError("one array per item")
         for a in arrays:
@@ -58,6 +73,23 @@ class RefBinFill:
                 and a.flags.c_contiguous
             ):
                 raise TypeError("not a token array")
+        if len(sides) != len(self.side_pads):
+            raise ValueError("one list per side field")
+        for pad, side in zip(self.side_pads, sides):
+            dtype = np.float32 if isinstance(pad, float) else np.int32
+            if len(side) != len(items):
+                raise ValueError("one side array per item")
+            for a, tokens in zip(side, arrays):
+                if not (
+                    isinstance(a, np.ndarray)
+                    and a.dtype == dtype
+                    and a.dtype.isnative
+                    and a.ndim == 1
+                    and a.flags.c_contiguous
+                ):
+                    raise TypeError("not a side array")
+                if len(a) != len(tokens):
+                    raise ValueError("side array length")
         bins = copy.deepcopy(self.bins)
         max_id = self.max_id
         for item, start, size, bin_id, offset in rows:
@@ -72,6 +104,7 @@ class RefBinFill:
                 max_id = bin_id
                 bins[bin_id] = {k: [] for k in ("tokens", "segments", "positions", "frags")}
                 bins[bin_id]["items"] = []
+                bins[bin_id]["sides"] = [[] for _ in self.side_pads]
             b = bins[bin_id]
             if offset != len(b["tokens"]) or offset + size > self.seq_len:
                 raise ValueError("offset")
@@ -81,6 +114,8 @@ class RefBinFill:
                 b["tokens"] += piece
                 b["segments"] += [segment] * size
                 b["positions"] += list(range(size))
+                for values, side in zip(b["sides"], sides):
+                    values += side[item][start : start + size].view(np.int32).tolist()
             b["frags"].append((start, size, n))
         # Items are attached after the copy so that they stay the same objects.
         for bin_id, b in bins.items():
@@ -101,12 +136,21 @@ class RefBinFill:
         for bin_id in bin_ids:
             b = self.bins.pop(bin_id)
             pad = self.seq_len - len(b["tokens"])
+            side_rows = [
+                values
+                + np.full(pad, side_pad, dtype=type(side_pad))
+                .astype(np.float32 if isinstance(side_pad, float) else np.int32)
+                .view(np.int32)
+                .tolist()
+                for values, side_pad in zip(b["sides"], self.side_pads)
+            ]
             blocks.append(
                 np.array(
                     [
                         b["tokens"] + [self.pad_id] * pad,
                         b["segments"] + [0] * pad,
                         b["positions"] + [0] * pad,
+                        *side_rows,
                     ],
                     dtype=np.int32,
                 )
@@ -180,9 +224,16 @@ def corrupt(rows: list[Row], how: tuple[int, int, int] | None) -> list[Row]:
     return [*rows[:at], tuple(row), *rows[at + 1 :]]  # type: ignore[list-item]
 
 
-def run_stream(kernel: BinPacker | FlatPacker, seq_len: int, pad_id: int, ops: list) -> None:
-    fill = BinFill(seq_len, pad_id)
-    ref = RefBinFill(seq_len, pad_id)
+def run_stream(
+    kernel: BinPacker | FlatPacker,
+    seq_len: int,
+    pad_id: int,
+    ops: list,
+    side_pads: Sequence[float] = (),
+    bad_side: int | None = None,
+) -> None:
+    fill = BinFill(seq_len, pad_id, side_pads)
+    ref = RefBinFill(seq_len, pad_id, side_pads)
     base = 0
     for op, lengths, how in ops:
         if op == "flush":
@@ -197,12 +248,18 @@ def run_stream(kernel: BinPacker | FlatPacker, seq_len: int, pad_id: int, ops: l
             continue
         arrays = token_arrays(lengths, base)
         items = [object() for _ in lengths]
+        sides = side_arrays(arrays, side_pads)
+        if bad_side is not None and sides and arrays:
+            # One side array one value short: the call must fail on both sides, changing nothing.
+            column = sides[bad_side % len(sides)]
+            column[bad_side % len(column)] = column[bad_side % len(column)][:-1].copy()
         base += len(lengths)
         placements, closed = kernel.add(np.asarray(lengths, dtype=np.int64))
         rows = corrupt([tuple(r) for r in placements.tolist()], how)
         placed = np.array(rows, dtype=np.int64).reshape(-1, 5)
         same_outcome(
-            partial(fill.write, placed, arrays, items), partial(ref.write, rows, arrays, items)
+            partial(fill.write, placed, arrays, items, sides),
+            partial(ref.write, rows, arrays, items, sides),
         )
         assert_same_state(fill, ref)
         ids = closed.tolist()
@@ -234,8 +291,90 @@ def test_bin_fill_matches_the_reference_behind_a_flat_packer(
     run_stream(FlatPacker(seq_len), seq_len, pad_id, ops)
 
 
+side_pad_lists = st.lists(
+    st.one_of(st.integers(-(2**31), 2**31 - 1), st.sampled_from([0.0, -1.5, 1e30])), max_size=3
+)
+
+
+@settings(max_examples=120)
+@given(
+    seq_len=st.integers(1, 24),
+    open_bins=st.integers(1, 5),
+    strategy=st.sampled_from(["best_fit", "first_fit", "flat"]),
+    side_pads=side_pad_lists,
+    bad_side=st.one_of(st.none(), st.integers(0, 100)),
+    ops=operations,
+)
+def test_side_fields_are_cut_where_the_tokens_are_cut_and_padded_with_their_value(
+    seq_len: int,
+    open_bins: int,
+    strategy: str,
+    side_pads: list[float],
+    bad_side: int | None,
+    ops: list,
+) -> None:
+    kernel = (
+        FlatPacker(seq_len) if strategy == "flat" else BinPacker(seq_len, open_bins, strategy)  # type: ignore[arg-type]
+    )
+    run_stream(kernel, seq_len, -1, ops, side_pads, bad_side)
+
+
 # --------------------------------------------------------------------------------------------------
 # The rules one by one.
+
+
+def test_side_rows_follow_the_positions_row_and_float_rows_hold_float32_bits() -> None:
+    fill = BinFill(6, pad_id=-1, side_pads=(-100, 0.5))
+    assert fill.side_pads == (-100, 0.5) and fill.side_dtypes == ("int32", "float32")
+    arrays = token_arrays([3, 2])
+    labels = [np.array([7, 8, 9], np.int32), np.array([5, 6], np.int32)]
+    weights = [np.array([0.25, 1, 2], np.float32), np.array([3, 4], np.float32)]
+    rows = [(0, 1, 2, 0, 0), (1, 0, 2, 0, 2)]
+    fill.write(np.array(rows, dtype=np.int64), arrays, ["a", "b"], [labels, weights])
+    (block,), _, _ = fill.take(np.array([0], dtype=np.int64))
+    assert block.shape == (5, 6)
+    assert block[0].tolist() == [1, 2, 1000, 1001, -1, -1]
+    assert block[3].tolist() == [8, 9, 5, 6, -100, -100]
+    assert block[4].view(np.float32).tolist() == [1, 2, 3, 4, 0.5, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("sides", "error", "match"),
+    [
+        ([], ValueError, "0 side fields given, the fill has 1"),
+        ([[np.zeros(3, np.int32)], [np.zeros(3, np.int32)]], ValueError, "2 side fields"),
+        ([[]], ValueError, r"sides\[0\] has 0 arrays for 1 items"),
+        ([[np.zeros(2, np.int32)]], ValueError, r"sides\[0\]\[0\] has 2 values for the 3 tokens"),
+        ([[np.zeros(3, np.int64)]], TypeError, r"sides\[0\]\[0\] must be .* int32"),
+        ([[np.zeros(3, np.float32)]], TypeError, r"sides\[0\]\[0\]"),
+        ([[np.zeros(6, np.int32)[::2]]], TypeError, r"sides\[0\]\[0\]"),
+        ([[[0, 0, 0]]], TypeError, r"sides\[0\]\[0\]"),
+    ],
+)
+def test_bad_side_arrays_are_refused_naming_them_and_change_nothing(
+    sides: Any, error: type, match: str
+) -> None:
+    fill = BinFill(8, side_pads=(0,))
+    with pytest.raises(error, match=match):
+        fill.write(np.array([[0, 0, 3, 0, 0]], dtype=np.int64), token_arrays([3]), [0], sides)
+    assert fill.n_open == 0
+
+
+@pytest.mark.parametrize(
+    ("pads", "error"),
+    [((True,), TypeError), ((2**31,), ValueError), (("0",), TypeError), ((1e40,), ValueError)],
+)
+def test_bad_side_padding_values_are_rejected(pads: tuple, error: type) -> None:
+    with pytest.raises(error, match=r"side_pads\[0\]"):
+        BinFill(8, 0, pads)
+
+
+def test_field_lengths_checks_the_dtype_of_a_side_field() -> None:
+    assert field_lengths([np.zeros(2, np.float32)], "float32").tolist() == [2]
+    with pytest.raises(TypeError, match=r"arrays\[0\]"):
+        field_lengths([np.zeros(2, np.float64)], "float32")
+    with pytest.raises(ValueError, match="dtype"):
+        field_lengths([], "int64")  # type: ignore[arg-type]
 
 
 def test_fragments_sit_back_to_back_with_segments_and_positions_and_padding() -> None:

@@ -415,3 +415,111 @@ def test_taking_the_upstream_pad_leaves_the_fingerprint_as_it_was():
     pipeline = text_pipeline([tokenize(), pack_sequences(32)])
     before = pipeline.fingerprint
     assert pipeline.compile().fingerprint == before == pipeline.fingerprint
+
+
+# ------------------------------------------------------------------------------------ side fields
+def with_sides(records: list[SampleRecord]) -> list[SampleRecord]:
+    """Each record gets a loss mask (odd tokens) and float weights derived from its tokens, so
+    every side value says which token it belongs to."""
+    out = []
+    for rec in records:
+        tokens = rec.payload["tokens"]
+        mask = (tokens % 2).astype(np.int32)
+        weights = (tokens % STRIDE / 4.0 + 1).astype(np.float32)
+        out.append(rec.with_payload({**rec.payload, "loss_mask": mask, "weights": weights}))
+    return out
+
+
+SIDES = {"loss_mask": -7, "weights": 0.5}
+
+
+@settings(max_examples=80)
+@given(
+    seq_len=st.integers(1, 24),
+    lengths=st.lists(st.integers(0, 70), max_size=30),
+    packer=st.sampled_from(["best_fit", "first_fit", "flat"]),
+    micro=st.integers(1, 9),
+)
+def test_side_fields_stay_aligned_with_their_tokens_across_splits_and_wraps(
+    seq_len, lengths, packer, micro
+):
+    op = (
+        pack_flat(seq_len, pad_id=0, extra_fields=SIDES)
+        if packer == "flat"
+        else pack_sequences(seq_len, open_bins=3, strategy=packer, pad_id=0, extra_fields=SIDES)
+    )
+    out = run(op, with_sides(token_records(lengths)), micro)
+    assert_every_input_recovered_once(lengths, out)
+    for rec in out:
+        p = rec.payload
+        assert p["loss_mask"].dtype == np.int32 and p["weights"].dtype == np.float32
+        assert len(p["loss_mask"]) == len(p["weights"]) == seq_len
+        real = p["segment_ids"] > 0
+        assert p["loss_mask"][real].tolist() == (p["tokens"][real] % 2).tolist()
+        assert p["weights"][real].tolist() == (p["tokens"][real] % STRIDE / 4.0 + 1).tolist()
+        assert (p["loss_mask"][~real] == -7).all() and (p["weights"][~real] == 0.5).all()
+
+
+def test_side_fields_as_lists_or_other_int_dtypes_are_converted():
+    rec = token_records([3])[0]
+    rec = rec.with_payload({**rec.payload, "loss_mask": [True, False, True], "w": [1, 2, 3]})
+    (out,) = run(pack_flat(4, pad_id=0, extra_fields={"loss_mask": 0, "w": 0.0}), [rec])
+    assert out.payload["loss_mask"].tolist() == [1, 0, 1, 0]
+    assert out.payload["w"].tolist() == [1.0, 2.0, 3.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (None, "no extra field 'loss_mask'"),
+        (np.ones(2, np.int32), r"shape \(2,\), but 'tokens' has 3 tokens"),
+        (np.ones((3, 1), np.int32), r"shape \(3, 1\)"),
+        (np.array([0.5, 1, 1]), "holds float64, not int32"),
+        (np.array([0, 2**40, 1]), "not int32"),
+        (np.array(["a", "b", "c"]), "not int32"),
+    ],
+)
+def test_a_bad_side_field_names_the_record(value, match):
+    rec = token_records([3])[0]
+    payload = dict(rec.payload)
+    if value is not None:
+        payload["loss_mask"] = value
+    with pytest.raises(zephon.OperatorError, match=rf"cursor.*{match}|{match}") as info:
+        run(pack_sequences(8, pad_id=0, extra_fields={"loss_mask": 0}), [rec.with_payload(payload)])
+    assert "pack_sequences" in str(info.value) and "sample_id" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "match"),
+    [
+        ({"tokens": 0}, ValueError, "cannot carry 'tokens'"),
+        ({"segment_ids": 0}, ValueError, "cannot carry"),
+        ({"loss_mask": True}, TypeError, "must be an int"),
+        ({"loss_mask": "0"}, TypeError, "must be an int"),
+        ({"loss_mask": 2**31}, ValueError, "extra_fields"),
+        ({1: 0}, TypeError, "names must be str"),
+        (["loss_mask"], TypeError, "must map field names"),
+    ],
+)
+def test_bad_extra_fields_are_refused_at_construction(extra, error, match):
+    with pytest.raises(error, match=match):
+        pack_sequences(8, pad_id=0, extra_fields=extra)
+    with pytest.raises(error, match=match):
+        pack_flat(8, pad_id=0, extra_fields=extra)
+
+
+def test_extra_fields_change_the_fingerprint_only_when_given():
+    plain = pack_sequences(16, pad_id=5).describe()["params"]
+    assert "extra_fields" not in plain
+    sided = pack_sequences(16, pad_id=5, extra_fields={"loss_mask": 0}).describe()["params"]
+    assert sided["extra_fields"] == {"loss_mask": 0}
+
+
+@pytest.mark.parametrize("packer", ["best_fit", "flat"])
+def test_check_operator_passes_with_side_fields(packer):
+    op = (
+        pack_flat(8, pad_id=0, extra_fields=SIDES)
+        if packer == "flat"
+        else pack_sequences(8, pad_id=0, extra_fields=SIDES)
+    )
+    check_operator(op, with_sides(token_records([0, 9, 17, 2, 8, 0])))

@@ -3,9 +3,14 @@ from cpython.pythread cimport PyThread_type_lock
 
 from zephon._core._types cimport offset_t, token_t
 
-# Rows of a bin's block: tokens, then segment ids, then positions.
+# Rows of a bin's block: tokens, then segment ids, then positions, then one row per side field.
 cdef enum:
     BLOCK_ROWS = 3
+
+# Value types of a side field's row (its 4-byte values are copied as raw bits).
+cdef enum:
+    SIDE_INT32 = 0
+    SIDE_FLOAT32 = 1
 
 # Columns of a placement row, as zephon._core.binfill writes them.
 cdef enum:
@@ -36,7 +41,7 @@ ctypedef struct Frag:
 
 # The state of one slot. A slot holds an open bin or is free; slots are recycled.
 ctypedef struct Slot:
-    token_t* data          # the bin's (3, seq_len) block, owned by BinFill._blocks[slot]
+    token_t* data          # the bin's (3 + n_side, seq_len) block, owned by BinFill._blocks[slot]
     offset_t used          # tokens written so far; fragments sit back to back from 0
     token_t n_segments     # non-empty fragments so far: the last segment id given out
     Frag* frags            # the bin's fragments in bin order (a buffer kept across reuses)
@@ -48,6 +53,10 @@ ctypedef struct Slot:
 cdef class BinFill:
     cdef offset_t _seq_len
     cdef token_t _pad_id
+    cdef Py_ssize_t _n_side        # side-field rows after the three base rows
+    cdef token_t* _side_pads       # per side field: its padding value's 4 bytes
+    cdef int* _side_kinds          # per side field: SIDE_INT32 or SIDE_FLOAT32
+    cdef tuple _side_pad_values    # the padding values as given (ints and floats)
     cdef offset_t _max_id          # highest bin id opened since the last clear (-1: none)
     cdef LiveBin* _live            # the open bins, ascending bin id
     cdef Py_ssize_t _n_live
@@ -67,8 +76,10 @@ cdef class BinFill:
     cdef void _exit(self) noexcept
     cdef int _reserve(self, Py_ssize_t n_live, Py_ssize_t n_free) except -1
     cdef int _reserve_frags(self, Slot* slot, Py_ssize_t n) except -1
+    cdef tuple _held_sides(self, object sides, Py_ssize_t n_items, const offset_t[::1] lengths)
     cdef Py_ssize_t _find(self, offset_t bin_id) noexcept nogil
     cdef void _copy(self, const offset_t[:, ::1] placements, const offset_t[::1] lengths,
-                    const size_t[::1] data, const Py_ssize_t[::1] target,
-                    const Py_ssize_t[::1] slot_of) noexcept nogil
+                    const size_t[::1] data, const size_t[:, ::1] side_data,
+                    const Py_ssize_t[::1] target, const Py_ssize_t[::1] slot_of) noexcept nogil
+    cdef void _pad(self, token_t* data, offset_t used) noexcept nogil
     cdef tuple _take(self, const offset_t[::1] bin_ids, Py_ssize_t[::1] idx)

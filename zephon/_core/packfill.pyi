@@ -1,4 +1,5 @@
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -9,18 +10,31 @@ _Int32Array = npt.NDArray[np.int32]
 def token_lengths(arrays: list[_Int32Array]) -> _Int64Array:
     """Lengths of 1-D, C-contiguous, native-order int32 arrays; TypeError naming a bad one."""
 
+def field_lengths(
+    arrays: list[npt.NDArray[Any]], dtype: Literal["int32", "float32"]
+) -> _Int64Array:
+    """Lengths of 1-D, C-contiguous, native-order ``dtype`` arrays; TypeError naming a bad one."""
+
 class BinFill:
     """Payload blocks and fragment lists of a packer's open bins, filled from placement rows.
 
-    ``write`` copies the tokens of a micro-batch's placement rows into ``(3, seq_len)`` int32 blocks
-    (tokens, segment_ids, positions) without the GIL; ``take`` hands finished bins over, padded.
+    ``write`` copies the tokens of a micro-batch's placement rows into ``(3 + n_side, seq_len)``
+    int32 blocks (tokens, segment_ids, positions, then one row per side field: an int padding value
+    makes an int32 row, a float a float32 row stored as its bits) without the GIL; ``take`` hands
+    finished bins over, padded.
     """
 
-    def __init__(self, seq_len: int, pad_id: int = 0) -> None: ...
+    def __init__(
+        self, seq_len: int, pad_id: int = 0, side_pads: Sequence[int | float] = ()
+    ) -> None: ...
     @property
     def seq_len(self) -> int: ...
     @property
     def pad_id(self) -> int: ...
+    @property
+    def side_pads(self) -> tuple[int | float, ...]: ...
+    @property
+    def side_dtypes(self) -> tuple[Literal["int32", "float32"], ...]: ...
     @property
     def n_open(self) -> int: ...
     def open_bin_ids(self) -> _Int64Array: ...
@@ -30,6 +44,7 @@ class BinFill:
         placements: _Int64Array,
         arrays: list[_Int32Array],
         items: list[Any],
+        sides: Sequence[Sequence[npt.NDArray[Any]]] = (),
     ) -> None: ...
     def take(
         self, bin_ids: _Int64Array

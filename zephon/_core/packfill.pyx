@@ -1,11 +1,13 @@
 """Token fill of packed bins: the packers' per-fragment work, in C.
 
-``BinFill`` owns one ``(3, seq_len)`` int32 block per open bin (rows ``tokens``, ``segment_ids``,
-``positions``) and, per bin, its fragments: the item each came from and ``(frag_start, frag_len,
-item_len)``. ``write`` applies the placement rows a kernel of ``zephon._core.binfill`` returned
-for one micro-batch, copying each fragment's tokens straight from its item's int32 array without
-the GIL; ``take`` hands finished bins over, padded. Tokens are copied once: a bin's block is
-allocated when the bin opens and becomes the packed record's payload when it leaves.
+``BinFill`` owns one ``(3 + n_side, seq_len)`` int32 block per open bin (rows ``tokens``,
+``segment_ids``, ``positions``, then one row per side field) and, per bin, its fragments: the item
+each came from and ``(frag_start, frag_len, item_len)``. ``write`` applies the placement rows a
+kernel of ``zephon._core.binfill`` returned for one micro-batch, copying each fragment's tokens
+straight from its item's int32 array without the GIL, and the same range of each of the item's
+side arrays (per-token values such as a loss mask: int32, or float32 copied as their raw bits);
+``take`` hands finished bins over, padded. Tokens are copied once: a bin's block is allocated when
+the bin opens and becomes the packed record's payload when it leaves.
 
 Calls from several threads are safe: every method that reads or changes the bins holds the fill's
 lock from its first read to its last write, GIL-free copies included, so concurrent calls run one
@@ -27,6 +29,8 @@ import operator
 import numpy as np
 
 cnp.import_array()
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # Error codes of the validation pass of write(); the row is reported with them.
 cdef enum:
@@ -64,24 +68,40 @@ cdef inline Py_ssize_t _search_ids(const offset_t* ids, Py_ssize_t n, offset_t b
     return -1
 
 
-cdef inline bint _is_token_array(object a) noexcept:
-    # A 1-D, C-contiguous, native-order int32 ndarray: its tokens can be read in place.
+cdef inline bint _is_flat_array(object a, int typenum) noexcept:
+    # A 1-D, C-contiguous, native-order ndarray of typenum: its values can be read in place.
     if not cnp.PyArray_Check(a):
         return False
     cdef cnp.ndarray arr = <cnp.ndarray>a
     return (
         cnp.PyArray_NDIM(arr) == 1
-        and cnp.PyArray_EquivTypenums(cnp.PyArray_TYPE(arr), cnp.NPY_INT32)
+        and cnp.PyArray_EquivTypenums(cnp.PyArray_TYPE(arr), typenum)
         and cnp.PyArray_ISNOTSWAPPED(arr)
         and cnp.PyArray_IS_C_CONTIGUOUS(arr)
     )
 
 
-cdef _not_tokens(Py_ssize_t i, object a, str owner):
+cdef inline bint _is_token_array(object a) noexcept:
+    return _is_flat_array(a, cnp.NPY_INT32)
+
+
+cdef _not_flat(str where, object a, str owner, str dtype):
     what = f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
     raise TypeError(
-        f"{owner}: arrays[{i}] must be a 1-D C-contiguous native int32 ndarray, got {what}"
+        f"{owner}: {where} must be a 1-D C-contiguous native {dtype} ndarray, got {what}"
     )
+
+
+cdef _not_tokens(Py_ssize_t i, object a, str owner):
+    _not_flat(f"arrays[{i}]", a, owner, "int32")
+
+
+cdef int _side_typenum(str dtype) except -1:
+    if dtype == "int32":
+        return cnp.NPY_INT32
+    if dtype == "float32":
+        return cnp.NPY_FLOAT32
+    raise ValueError(f"field_lengths: dtype must be 'int32' or 'float32', got {dtype!r}")
 
 
 def token_lengths(list arrays not None):
@@ -100,25 +120,57 @@ def token_lengths(list arrays not None):
     return out
 
 
-cdef void _pad(token_t* data, offset_t used, offset_t seq_len, token_t pad_id) noexcept nogil:
-    # Padding: pad_id tokens, segment id 0, position 0.
-    cdef offset_t p
-    for p in range(used, seq_len):
-        data[p] = pad_id
-        data[seq_len + p] = 0
-        data[2 * seq_len + p] = 0
+def field_lengths(list arrays not None, str dtype not None):
+    """As ``token_lengths`` for the arrays of a side field: each a 1-D, C-contiguous,
+    native-order ndarray of ``dtype`` (``"int32"`` or ``"float32"``). TypeError naming the first
+    array that is not such an ndarray."""
+    cdef int typenum = _side_typenum(dtype)
+    cdef Py_ssize_t i, n = len(arrays)
+    out = np.empty(n, dtype=np.int64)
+    cdef offset_t[::1] view = out
+    cdef object a
+    for i in range(n):
+        a = arrays[i]
+        if not _is_flat_array(a, typenum):
+            _not_flat(f"arrays[{i}]", a, "field_lengths", dtype)
+        view[i] = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
+    return out
+
+
+cdef tuple _side_pad(object value, Py_ssize_t k):
+    """(kind, 4 bytes as an int32) of side field ``k``'s padding value: an int is an int32 field,
+    a float a float32 field."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"BinFill side_pads[{k}] must be an int or a float, not a bool")
+    if isinstance(value, (float, np.floating)):
+        if abs(value) > _FLOAT32_MAX and value == value and abs(value) != float("inf"):
+            raise ValueError(f"BinFill side_pads[{k}] = {value!r} does not fit in float32")
+        return SIDE_FLOAT32, int(np.float32(value).view(np.int32))
+    try:
+        pad = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"BinFill side_pads[{k}] must be an int or a float, got {type(value).__name__}"
+        ) from None
+    if not INT32_MIN <= pad <= INT32_MAX:
+        raise ValueError(f"BinFill side_pads[{k}] must be an int32, got {pad}")
+    return SIDE_INT32, pad
 
 
 cdef class BinFill:
     """Payload blocks and fragment lists of a packer's open bins, filled from placement rows.
 
     Invariant: every open bin's block holds, from offset 0 and back to back, the tokens of its
-    fragments in placement order, segment ids 1, 2, 3 ... for its non-empty fragments and positions
-    restarting at 0 per fragment; bins open in ascending id order and each id opens at most once
-    between two ``clear`` calls. A call that raises changes nothing.
+    fragments in placement order, segment ids 1, 2, 3 ... for its non-empty fragments, positions
+    restarting at 0 per fragment, and in each side row the same range of the fragment's side
+    array; bins open in ascending id order and each id opens at most once between two ``clear``
+    calls. A call that raises changes nothing.
+
+    ``side_pads`` gives one padding value per side field, in row order: an int makes an int32
+    row, a float a float32 row (its bits sit in the int32 block; view the row as float32).
     """
 
-    def __cinit__(self, seq_len, pad_id=0):
+    def __cinit__(self, seq_len, pad_id=0, side_pads=()):
         if isinstance(seq_len, bool) or isinstance(pad_id, bool):
             raise TypeError("BinFill seq_len and pad_id must be ints, not bools")
         cdef object n = operator.index(seq_len)
@@ -127,6 +179,20 @@ cdef class BinFill:
             raise ValueError(f"BinFill seq_len must be in [1, 2**31 - 1] (int32 positions), got {n}")
         if not INT32_MIN <= pad <= INT32_MAX:
             raise ValueError(f"BinFill pad_id must be an int32, got {pad}")
+        pads = tuple(side_pads)
+        coded = [_side_pad(value, k) for k, value in enumerate(pads)]
+        self._n_side = len(pads)
+        self._side_pads = NULL
+        self._side_kinds = NULL
+        if self._n_side:
+            self._side_pads = <token_t*>PyMem_Malloc(self._n_side * sizeof(token_t))
+            self._side_kinds = <int*>PyMem_Malloc(self._n_side * sizeof(int))
+            if self._side_pads == NULL or self._side_kinds == NULL:
+                raise MemoryError(f"BinFill cannot hold {self._n_side} side fields")
+            for k, (kind, bits) in enumerate(coded):
+                self._side_kinds[k] = kind
+                self._side_pads[k] = bits
+        self._side_pad_values = pads
         self._seq_len = n
         self._pad_id = pad
         self._max_id = -1
@@ -151,6 +217,8 @@ cdef class BinFill:
         PyMem_Free(self._slots)
         PyMem_Free(self._free)
         PyMem_Free(self._live)
+        PyMem_Free(self._side_pads)
+        PyMem_Free(self._side_kinds)
         if self._lock != NULL:
             PyThread_free_lock(self._lock)
 
@@ -158,7 +226,10 @@ cdef class BinFill:
         raise TypeError("BinFill holds raw buffers and cannot be pickled; build a new one")
 
     def __repr__(self):
-        return f"BinFill(seq_len={self._seq_len}, pad_id={self._pad_id}, n_open={self._n_live})"
+        side = f", side_pads={self._side_pad_values!r}" if self._n_side else ""
+        return (
+            f"BinFill(seq_len={self._seq_len}, pad_id={self._pad_id}{side}, n_open={self._n_live})"
+        )
 
     @property
     def seq_len(self):
@@ -169,6 +240,19 @@ cdef class BinFill:
     def pad_id(self):
         """The token id written after the last fragment of a bin when it is taken."""
         return self._pad_id
+
+    @property
+    def side_pads(self):
+        """The padding value of each side field, as given, in row order."""
+        return self._side_pad_values
+
+    @property
+    def side_dtypes(self):
+        """The value type of each side field's row: ``"int32"`` or ``"float32"``."""
+        return tuple(
+            "float32" if self._side_kinds[k] == SIDE_FLOAT32 else "int32"
+            for k in range(self._n_side)
+        )
 
     @property
     def n_open(self):
@@ -265,16 +349,19 @@ cdef class BinFill:
         return 0
 
     def write(self, const offset_t[:, ::1] placements not None, list arrays not None,
-              list items not None):
+              list items not None, sides=()):
         """Apply placement rows ``(item, frag_start, frag_len, bin_id, bin_offset)`` (int64,
         C-contiguous ``(k, 5)``) of one micro-batch.
 
         Item ``i``'s tokens are ``arrays[i]`` (a 1-D, C-contiguous, native-order int32 ndarray,
         read in place); each row copies its fragment into its bin and attaches ``items[item]`` to
-        that bin. A bin not open yet is opened and must have a larger id than every bin opened
-        before; each row's ``bin_offset`` must be where its bin's fragments end so far, and no
-        fragment may pass ``seq_len``. Raises TypeError for a bad array and ValueError naming the
-        first bad row; nothing changes then.
+        that bin. ``sides`` holds one list per side field (in row order), whose ``i``-th array is
+        item ``i``'s values of that field: a 1-D, C-contiguous, native array of the field's dtype
+        and of the same length as ``arrays[i]``; each row copies the same range of it. A bin not
+        open yet is opened and must have a larger id than every bin opened before; each row's
+        ``bin_offset`` must be where its bin's fragments end so far, and no fragment may pass
+        ``seq_len``. Raises TypeError for a bad array and ValueError for a side array of the wrong
+        length or naming the first bad row; nothing changes then.
         """
         cdef Py_ssize_t n_rows = placements.shape[0]
         cdef Py_ssize_t n_items = len(items)
@@ -282,6 +369,7 @@ cdef class BinFill:
         cdef int code = 0
         cdef offset_t item, start, size, bin_id, off, item_len, max_id
         cdef offset_t seq_len = self._seq_len
+        cdef Py_ssize_t n_side = self._n_side, f
         cdef object a
         if placements.shape[1] != ROW_COLUMNS:
             raise ValueError(
@@ -305,6 +393,13 @@ cdef class BinFill:
                 _not_tokens(i, a, "BinFill.write")
             lengths[i] = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
             data[i] = <size_t>cnp.PyArray_DATA(<cnp.ndarray>a)
+        cdef tuple held_sides = self._held_sides(sides, n_items, lengths)
+        side_arr = np.empty((n_side, n_items), dtype=np.uintp)
+        cdef size_t[:, ::1] side_data = side_arr
+        for f in range(n_side):
+            side_list = <tuple>held_sides[f]
+            for i in range(n_items):
+                side_data[f, i] = <size_t>cnp.PyArray_DATA(<cnp.ndarray>side_list[i])
         if n_rows == 0:
             return
         cdef Py_ssize_t[::1] target
@@ -316,7 +411,7 @@ cdef class BinFill:
         cdef Slot* slot
         cdef cnp.ndarray block
         cdef cnp.npy_intp dims[2]
-        dims[0] = BLOCK_ROWS
+        dims[0] = BLOCK_ROWS + n_side
         dims[1] = seq_len
         self._enter()
         try:
@@ -419,7 +514,7 @@ cdef class BinFill:
             if n_new:
                 self._max_id = new_ids[n_new - 1]
             with nogil:
-                self._copy(placements, lengths, data, target, slot_of)
+                self._copy(placements, lengths, data, side_data, target, slot_of)
             # The items of the fragments, in row order (so in bin order within each bin).
             records = self._records
             for r in range(n_rows):
@@ -427,12 +522,43 @@ cdef class BinFill:
         finally:
             self._exit()
 
+    cdef tuple _held_sides(self, object sides, Py_ssize_t n_items, const offset_t[::1] lengths):
+        """``sides`` checked against the fill's side fields and the items' token counts, as a
+        tuple of tuples that keeps the arrays alive while they are read without the GIL."""
+        cdef Py_ssize_t n_side = self._n_side, f, i
+        cdef int typenum
+        cdef object a
+        held = tuple(tuple(side) for side in sides)
+        if len(held) != n_side:
+            raise ValueError(
+                f"BinFill.write: {len(held)} side fields given, the fill has {n_side}"
+            )
+        for f in range(n_side):
+            side = <tuple>held[f]
+            if len(side) != n_items:
+                raise ValueError(
+                    f"BinFill.write: sides[{f}] has {len(side)} arrays for {n_items} items; "
+                    "give one per item"
+                )
+            typenum = cnp.NPY_FLOAT32 if self._side_kinds[f] == SIDE_FLOAT32 else cnp.NPY_INT32
+            for i in range(n_items):
+                a = side[i]
+                if not _is_flat_array(a, typenum):
+                    _not_flat(f"sides[{f}][{i}]", a, "BinFill.write", self.side_dtypes[f])
+                if cnp.PyArray_DIM(<cnp.ndarray>a, 0) != lengths[i]:
+                    raise ValueError(
+                        f"BinFill.write: sides[{f}][{i}] has {cnp.PyArray_DIM(<cnp.ndarray>a, 0)} "
+                        f"values for the {lengths[i]} tokens of item {i}"
+                    )
+        return held
+
     cdef void _copy(self, const offset_t[:, ::1] placements, const offset_t[::1] lengths,
-                    const size_t[::1] data, const Py_ssize_t[::1] target,
-                    const Py_ssize_t[::1] slot_of) noexcept nogil:
-        # Rows were validated: every fragment lies inside its item's tokens and its bin.
+                    const size_t[::1] data, const size_t[:, ::1] side_data,
+                    const Py_ssize_t[::1] target, const Py_ssize_t[::1] slot_of) noexcept nogil:
+        # Rows were validated: every fragment lies inside its item's tokens and its bin, and the
+        # item's side arrays are as long as its tokens.
         cdef offset_t seq_len = self._seq_len
-        cdef Py_ssize_t r
+        cdef Py_ssize_t r, f
         cdef offset_t item, start, size, off, p
         cdef token_t seg
         cdef token_t* dst
@@ -455,6 +581,11 @@ cdef class BinFill:
                 dst += seq_len
                 for p in range(size):
                     dst[p] = <token_t>p
+                # Side rows: the same range of each side array, as raw 4-byte values.
+                for f in range(self._n_side):
+                    dst += seq_len
+                    memcpy(dst, (<const token_t*>side_data[f, item]) + start,
+                           size * sizeof(token_t))
             slot.used = off + size
             frag = &slot.frags[slot.n_frags]
             frag.start = start
@@ -465,8 +596,9 @@ cdef class BinFill:
     def take(self, const offset_t[::1] bin_ids not None):
         """Hand over the open bins ``bin_ids`` (int64, in the order given) and free their slots.
 
-        Returns ``(blocks, items, frags)``: per bin its ``(3, seq_len)`` int32 block (rows tokens,
-        segment_ids, positions; padded with ``pad_id`` / 0 / 0 after the last fragment) and the list
+        Returns ``(blocks, items, frags)``: per bin its ``(3 + n_side, seq_len)`` int32 block (rows
+        tokens, segment_ids, positions and the side fields; padded with ``pad_id`` / 0 / 0 and each
+        side field's padding value after the last fragment) and the list
         of its fragments' items in bin order; ``frags`` is an int64 ``(m, 3)`` array of
         ``(frag_start, frag_len, item_len)`` for all their fragments, bin after bin. KeyError for a
         bin that is not open, ValueError for one given twice; nothing changes then.
@@ -481,8 +613,6 @@ cdef class BinFill:
     cdef tuple _take(self, const offset_t[::1] bin_ids, Py_ssize_t[::1] idx):
         cdef Py_ssize_t n = bin_ids.shape[0], i, k, t, total = 0, dup = -1, row = 0
         cdef Slot* slot
-        cdef offset_t seq_len = self._seq_len
-        cdef token_t pad_id = self._pad_id
         for i in range(n):
             t = self._find(bin_ids[i])
             if t < 0:
@@ -511,7 +641,7 @@ cdef class BinFill:
         with nogil:
             for i in range(n):
                 slot = &self._slots[idx[i]]
-                _pad(slot.data, slot.used, seq_len, pad_id)
+                self._pad(slot.data, slot.used)
                 for k in range(slot.n_frags):
                     fv[row, 0] = slot.frags[k].start
                     fv[row, 1] = slot.frags[k].size
@@ -544,6 +674,22 @@ cdef class BinFill:
                     t += 1
             self._n_live = t
         return blocks, items, frags
+
+    cdef void _pad(self, token_t* data, offset_t used) noexcept nogil:
+        # Padding: pad_id tokens, segment id 0, position 0, each side field's padding value.
+        cdef offset_t seq_len = self._seq_len, p
+        cdef token_t pad_id = self._pad_id, side_pad
+        cdef Py_ssize_t f
+        cdef token_t* row
+        for p in range(used, seq_len):
+            data[p] = pad_id
+            data[seq_len + p] = 0
+            data[2 * seq_len + p] = 0
+        for f in range(self._n_side):
+            row = data + (BLOCK_ROWS + f) * seq_len
+            side_pad = self._side_pads[f]
+            for p in range(used, seq_len):
+                row[p] = side_pad
 
     def clear(self):
         """Drop every open bin without handing it over; bin ids may start again at 0."""

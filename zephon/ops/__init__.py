@@ -3,15 +3,18 @@
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import fetch, filter_records, map_transform
 from zephon.ops.batching import batch
+from zephon.ops.chat import ChatTemplate, TokenizeChat, tokenize_chat
 from zephon.ops.children import pack_meta, spawn_child, tombstone_meta, tombstones_for_record
 from zephon.ops.mixture import MIXTURE_DROP_TAG, EnsureMixture, ensure_mixture
 from zephon.ops.packing import PackFlat, PackSequences, pack_flat, pack_sequences
 from zephon.ops.shuffle import Shuffle, shuffle
 from zephon.ops.tokenize import ByteTokenizer, Tokenize, tokenize
+from zephon.ops.training import TrainingCollate, training_collate
 
 __all__ = [
     "MIXTURE_DROP_TAG",
     "ByteTokenizer",
+    "ChatTemplate",
     "EnsureMixture",
     "OpTraits",
     "Operator",
@@ -19,6 +22,8 @@ __all__ = [
     "PackSequences",
     "Shuffle",
     "Tokenize",
+    "TokenizeChat",
+    "TrainingCollate",
     "batch",
     "ensure_mixture",
     "fetch",
@@ -30,6 +35,8 @@ __all__ = [
     "shuffle",
     "spawn_child",
     "tokenize",
+    "tokenize_chat",
     "tombstone_meta",
     "tombstones_for_record",
+    "training_collate",
 ]

@@ -8,6 +8,14 @@ segment ids number a bin's fragments 1, 2, 3 ... and are 0 on padding; positions
 each fragment. A packed record's primary cursor is ``first_input.cursor.child(frag_start)``; its
 contributors are every fragment's refs, closing only for the fragment that ends its input.
 
+Side fields (``extra_fields={"loss_mask": 0, ...}``): per-token arrays aligned with the token field
+(a loss mask, labels, per-token weights) travel through the same fill: each fragment copies the
+same range of them, so a split or a wrap cuts them where it cuts the tokens, and padding holds the
+field's own value. An int padding value makes an ``int32`` field, a float a ``float32`` one. An
+operator upstream that writes such fields (``tokenize_chat``: its loss mask) says so at plan time,
+and a packer of its tokens that would drop one is a ``PlanError``: a lost mask means training on
+every token.
+
 The padding id is never a silent default: it is ``pad_id=``, or (``pad_id=None``) the padding
 token of the tokenizer upstream, which ``tokenize`` publishes at plan time (``provides``) and
 the planner hands to the packer (``use_upstream_facts``). Without either, planning fails with a
@@ -29,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from zephon._core.binfill import BinPacker, FlatPacker
-from zephon._core.packfill import BinFill, token_lengths
+from zephon._core.packfill import BinFill, field_lengths, token_lengths
 from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import split_in_proportion
@@ -39,6 +47,41 @@ from zephon.validation import check_int
 __all__ = ["PackFlat", "PackSequences", "pack_flat", "pack_sequences"]
 
 _STRATEGIES = ("best_fit", "first_fit")
+_BASE_FIELDS = ("tokens", "segment_ids", "positions")
+
+
+def _checked_extra_fields(owner: str, field: str, extra: Any) -> dict[str, int | float]:
+    """``extra_fields`` as a dict of side-field name -> padding value (an int32 or a float)."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(
+            f"{owner}: extra_fields must map field names to padding values, e.g. "
+            f"{{'loss_mask': 0}}, got {type(extra).__name__}"
+        )
+    out: dict[str, int | float] = {}
+    for name, pad in extra.items():
+        if not isinstance(name, str):
+            raise TypeError(f"{owner}: extra_fields names must be str, got {name!r}")
+        if name in _BASE_FIELDS or name == field:
+            raise ValueError(
+                f"{owner}: extra_fields cannot carry {name!r}: the packed record makes "
+                f"{', '.join(_BASE_FIELDS)} itself from {field!r}"
+            )
+        if isinstance(pad, (bool, np.bool_)) or not isinstance(
+            pad, (int, float, np.integer, np.floating)
+        ):
+            raise TypeError(
+                f"{owner}: the padding value of extra field {name!r} must be an int (an int32 "
+                f"field) or a float (a float32 field), got {pad!r}"
+            )
+        if isinstance(pad, (float, np.floating)):
+            out[name] = float(pad)
+        else:
+            out[name] = check_int(
+                int(pad), f"extra_fields[{name!r}]", owner, minimum=-(2**31), maximum=2**31 - 1
+            )
+    return out
 
 
 def _layout(meta: SampleMeta, n: int) -> list[tuple[Hashable, int]]:
@@ -87,19 +130,40 @@ class _Packer(Operator):
     seq_len: int
     field: str
     pad_id: int | None
+    extra_fields: dict[str, int | float]
     _pad: int | None
     _kernel: Any
     _fill: BinFill | None
 
-    def _setup(self, seq_len: int, field: str, pad_id: int | None) -> None:
+    def _setup(
+        self, seq_len: int, field: str, pad_id: int | None, extra_fields: Any = None
+    ) -> None:
         seq_len = check_int(seq_len, "seq_len", self.name, minimum=1, maximum=2**31 - 1)
         if pad_id is not None:
             pad_id = check_int(pad_id, "pad_id", self.name, minimum=-(2**31), maximum=2**31 - 1)
         self.seq_len = seq_len
         self.field = field
         self.pad_id = pad_id  # as given: part of the fingerprint, never changed by planning
+        self.extra_fields = _checked_extra_fields(self.name, field, extra_fields)
         self._pad = pad_id  # the id padding is written with: pad_id, else the tokenizer's
-        self._fill = BinFill(seq_len, pad_id) if pad_id is not None else None
+        self._fill = self._new_fill()
+
+    def _new_fill(self) -> BinFill | None:
+        """An empty fill with this packer's padding (``None`` until a padding id is known)."""
+        if self._pad is None:
+            return None
+        return BinFill(self.seq_len, self._pad, tuple(self.extra_fields.values()))
+
+    def describe(self) -> dict[str, Any]:
+        """As ``Operator.describe``; ``extra_fields`` counts only when there are some, so a packer
+        without side fields keeps the fingerprint it had before they existed."""
+        out = super().describe()
+        if not self.extra_fields:
+            del out["params"]["extra_fields"]
+        return out
+
+    def _side_dtype(self, name: str) -> str:
+        return "float32" if isinstance(self.extra_fields[name], float) else "int32"
 
     @property
     def effective_pad_id(self) -> int | None:
@@ -110,7 +174,10 @@ class _Packer(Operator):
     def use_upstream_facts(self, facts: Mapping[str, Any]) -> None:
         """At plan time, with ``pad_id=None``: take the padding id the tokenizer upstream
         publishes for this packer's field, else raise a ``PlanError`` saying to pass
-        ``pad_id=``."""
+        ``pad_id=``. With any ``pad_id``: a ``PlanError`` when the operator that wrote this
+        packer's tokens also wrote per-token side fields (``token_side_fields``) that
+        ``extra_fields`` does not carry."""
+        self._check_side_fields(facts)
         if self.pad_id is not None:
             return
         pad = facts.get("pad_id")
@@ -127,9 +194,24 @@ class _Packer(Operator):
                 if self._fill is not None and self._fill.n_open:
                     raise RuntimeError(f"{self.name}: cannot re-plan a packer that holds open bins")
                 self._pad = int(pad)
-                self._fill = BinFill(self.seq_len, self._pad)
+                self._fill = self._new_fill()
             return
         raise self._no_pad_error(why)
+
+    def _check_side_fields(self, facts: Mapping[str, Any]) -> None:
+        sides = facts.get("token_side_fields")
+        if not sides or facts.get("token_field") != self.field:
+            return
+        if sides.get("field") != self.field or sides.get("source") != facts.get("pad_from"):
+            return  # published by an operator that no longer writes this packer's tokens
+        missing = [name for name in sides.get("fields", ()) if name not in self.extra_fields]
+        if missing:
+            pads = ", ".join(f"{name!r}: 0" for name in missing)
+            raise PlanError(
+                f"{self.name}: {sides['source']} writes the per-token field(s) "
+                f"{', '.join(map(repr, missing))} next to {self.field!r}, and this packer would "
+                f"drop them; pass extra_fields={{{pads}}} (the value is the padding) to carry them"
+            )
 
     def _no_pad_error(self, why: str) -> PlanError:
         return PlanError(
@@ -182,14 +264,72 @@ class _Packer(Operator):
             arrays = [np.ascontiguousarray(self._tokens_of(rec)) for rec in records]
             return arrays, token_lengths(arrays)
 
+    def _gather_sides(
+        self, records: list[SampleRecord], lengths: np.ndarray
+    ) -> list[list[np.ndarray]]:
+        """Per side field, the records' arrays of it (1-D, contiguous, the field's dtype, as long
+        as their tokens), in the order of ``extra_fields``."""
+        sides = []
+        for name in self.extra_fields:
+            dtype = self._side_dtype(name)
+            try:
+                # The common case, checked in C: arrays of the right dtype and length already.
+                values = [rec.payload[name] for rec in records]
+                if np.array_equal(field_lengths(values, dtype), lengths):  # type: ignore[arg-type]
+                    sides.append(values)
+                    continue
+            except (KeyError, TypeError, IndexError):
+                pass
+            sides.append(
+                [self._side_of(rec, name, dtype, int(n)) for rec, n in zip(records, lengths)]
+            )
+        return sides
+
+    def _side_of(self, rec: SampleRecord, name: str, dtype: str, n: int) -> np.ndarray:
+        """``rec``'s side field ``name`` as a contiguous ``dtype`` array of ``n`` values, or an
+        ``OperatorError`` naming the record."""
+        payload = rec.payload
+        try:
+            value = payload[name]
+        except (KeyError, TypeError, IndexError):
+            fields = list(payload) if isinstance(payload, dict) else type(payload).__name__
+            raise record_error(
+                self,
+                rec,
+                KeyError(f"the payload has no extra field {name!r} (it has {fields})"),
+            ) from None
+        arr = np.asarray(value)
+        kinds = "biuf" if dtype == "float32" else "biu"
+        if arr.size and arr.dtype.kind not in kinds:
+            raise record_error(
+                self, rec, TypeError(f"extra field {name!r} holds {arr.dtype}, not {dtype} values")
+            )
+        if arr.ndim != 1 or len(arr) != n:
+            raise record_error(
+                self,
+                rec,
+                ValueError(
+                    f"extra field {name!r} has shape {arr.shape}, but {self.field!r} has {n} "
+                    "tokens; side fields hold one value per token"
+                ),
+            )
+        if dtype == "int32" and arr.size and arr.dtype.kind != "b":
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < -(2**31) or hi >= 2**31:
+                raise record_error(
+                    self, rec, ValueError(f"extra field {name!r} holds {lo}..{hi}, not int32")
+                )
+        return np.ascontiguousarray(arr, dtype=np.float32 if dtype == "float32" else np.int32)
+
     def _place(self, records: list[SampleRecord]) -> list[SampleRecord]:
         """Hand the records to the kernel, fill their tokens into the bins, emit the closed bins."""
         if not records:
             return []
         fill = self._bins()
         arrays, lengths = self._gather(records)
+        sides = self._gather_sides(records, lengths) if self.extra_fields else ()
         placements, closed = self._kernel.add(lengths)
-        fill.write(placements, arrays, records)
+        fill.write(placements, arrays, records, sides)
         return self._emit(closed) if len(closed) else []
 
     def _emit(self, bin_ids: np.ndarray) -> list[SampleRecord]:
@@ -198,6 +338,8 @@ class _Packer(Operator):
         blocks, bin_records, frags = self._bins().take(bin_ids)
         rows = frags.tolist()
         lane_id = self.lane_id
+        # Side rows in block order; float32 fields are views of their row's bits.
+        sides = [(name, self._side_dtype(name) == "float32") for name in self.extra_fields]
         out = []
         at = 0
         for block, recs in zip(blocks, bin_records):
@@ -234,7 +376,9 @@ class _Packer(Operator):
                     if tc is None:
                         tokens = None
                     _count_spread(meta, n, start, size, samples, tokens)
-            token_row, segment_row, position_row = block
+            payload = {"tokens": block[0], "segment_ids": block[1], "positions": block[2]}
+            for k, (name, is_float) in enumerate(sides, 3):
+                payload[name] = block[k].view(np.float32) if is_float else block[k]
             out.append(
                 SampleRecord(
                     SampleMeta(
@@ -244,7 +388,7 @@ class _Packer(Operator):
                         component_sample_counts=samples,
                         component_token_counts=tokens,
                     ),
-                    {"tokens": token_row, "segment_ids": segment_row, "positions": position_row},
+                    payload,
                 )
             )
         return out
@@ -265,7 +409,7 @@ class _Packer(Operator):
     def __setstate__(self, state: dict[str, Any]) -> None:
         vars(self).update(state)
         self._kernel = self._new_kernel()
-        self._fill = BinFill(self.seq_len, self._pad) if self._pad is not None else None
+        self._fill = self._new_fill()
 
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
         return self._place(records)
@@ -299,13 +443,14 @@ class PackSequences(_Packer):
         open_bins: int = 64,
         strategy: str = "best_fit",
         pad_id: int | None = None,
+        extra_fields: Mapping[str, int | float] | None = None,
     ):
         if strategy not in _STRATEGIES:
             raise ValueError(
                 f"pack_sequences: strategy must be one of {_STRATEGIES}, got {strategy!r}"
             )
         open_bins = check_int(open_bins, "open_bins", "pack_sequences", minimum=1)
-        self._setup(seq_len, field, pad_id)
+        self._setup(seq_len, field, pad_id, extra_fields)
         self.open_bins = open_bins
         self.strategy = strategy
         self._kernel = self._new_kernel()
@@ -324,8 +469,15 @@ class PackFlat(_Packer):
     name = "pack_flat"
     traits = OpTraits(preserves_cursor_order=True, stateful=True)
 
-    def __init__(self, seq_len: int, *, field: str = "tokens", pad_id: int | None = None):
-        self._setup(seq_len, field, pad_id)
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        field: str = "tokens",
+        pad_id: int | None = None,
+        extra_fields: Mapping[str, int | float] | None = None,
+    ):
+        self._setup(seq_len, field, pad_id, extra_fields)
         self._kernel = self._new_kernel()
 
     def _new_kernel(self) -> FlatPacker:
@@ -339,6 +491,7 @@ def pack_sequences(
     open_bins: int = 64,
     strategy: str = "best_fit",
     pad_id: int | None = None,
+    extra_fields: Mapping[str, int | float] | None = None,
 ) -> PackSequences:
     """Pack ``payload[field]`` sequences into ``seq_len``-token bins, holding at most ``open_bins``
     open; ``strategy`` ``"best_fit"`` (tightest bin that fits) or ``"first_fit"``. A sequence
@@ -347,15 +500,31 @@ def pack_sequences(
 
     Padding (``segment_ids == 0``) holds ``pad_id``; with ``pad_id=None`` the padding token of the
     ``tokenize`` upstream (``ByteTokenizer``: 257), and planning fails with a ``PlanError`` when
-    there is none: pass ``pad_id=`` then (always, for tokens made without ``tokenize``)."""
+    there is none: pass ``pad_id=`` then (always, for tokens made without ``tokenize``).
+
+    ``extra_fields`` (``{"loss_mask": 0, "weights": 0.0}``): per-token fields packed alongside,
+    each padded with its value (an int: ``int32``, a float: ``float32``) and cut wherever the tokens
+    are cut; every input must hold each of them, as long as its tokens."""
     return PackSequences(
-        seq_len, field=field, open_bins=open_bins, strategy=strategy, pad_id=pad_id
+        seq_len,
+        field=field,
+        open_bins=open_bins,
+        strategy=strategy,
+        pad_id=pad_id,
+        extra_fields=extra_fields,
     )
 
 
-def pack_flat(seq_len: int, *, field: str = "tokens", pad_id: int | None = None) -> PackFlat:
+def pack_flat(
+    seq_len: int,
+    *,
+    field: str = "tokens",
+    pad_id: int | None = None,
+    extra_fields: Mapping[str, int | float] | None = None,
+) -> PackFlat:
     """Concatenate ``payload[field]`` sequences in arrival order and cut every ``seq_len`` tokens;
     the partial last bin of an epoch is padded with ``pad_id``, or with ``pad_id=None`` the
     padding token of the ``tokenize`` upstream (a ``PlanError`` when there is none, as for
-    ``pack_sequences``). N -> 1, order-preserving, stateful."""
-    return PackFlat(seq_len, field=field, pad_id=pad_id)
+    ``pack_sequences``). ``extra_fields`` as for ``pack_sequences``: side fields wrap with the
+    tokens. N -> 1, order-preserving, stateful."""
+    return PackFlat(seq_len, field=field, pad_id=pad_id, extra_fields=extra_fields)

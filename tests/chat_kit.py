@@ -1,0 +1,133 @@
+"""Real tokenizers with chat formats for the chat tests, built locally (no downloads), and the
+reference tokenization of a conversation: each message rendered on its own with the same
+template, cut at its special tokens, every piece tokenized separately and the mask set on the
+trained roles' content pieces and the end-of-turn token after them."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from zephon.ops import ChatTemplate
+
+ROLES = ("system", "user", "assistant")
+HEADERS = {role: f"<|{role}|>" for role in ROLES}
+EOT = "<|end|>"
+BOS = "<s>"
+PAD = "<pad>"
+SPECIALS = [*HEADERS.values(), EOT, PAD, BOS]
+
+OURS = ChatTemplate(roles=HEADERS, end_of_turn=EOT, bos=BOS, separator="\n")
+# The same format as a transformers chat template (Jinja).
+JINJA = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n"
+    "{% endfor %}"
+)
+
+CORPUS = [
+    "hello world, how are you today?",
+    "I am fine, thanks! And you?",
+    "The quick brown fox jumps over the lazy dog 0123456789.",
+    "Packing puts several documents into one row; masks keep the loss honest.",
+    "Ça va très bien, merci. 你好，世界。",
+]
+
+
+@functools.cache
+def bpe() -> Tokenizer:
+    """A byte-level BPE trained here on a small corpus, with the chat special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return tok
+
+
+@functools.cache
+def fast_tokenizer() -> Any:
+    """A transformers fast tokenizer around ``bpe()`` with ``JINJA`` as its chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe(), bos_token=BOS, eos_token=EOT, pad_token=PAD
+    )
+    tok.chat_template = JINJA
+    return tok
+
+
+# Content: any text without the special tokens' brackets, surrogates or private-use characters.
+contents = st.text(
+    alphabet=st.characters(
+        codec="utf-8", exclude_categories=("Cs", "Co"), exclude_characters="<|>"
+    ),
+    max_size=40,
+)
+messages = st.builds(lambda role, content: {"role": role, "content": content},
+                     st.sampled_from(ROLES), contents)  # fmt: skip
+conversations = st.lists(messages, min_size=1, max_size=8)  # transformers refuses empty ones
+
+
+_SPECIAL = re.compile("(" + "|".join(re.escape(t) for t in SPECIALS) + ")")
+
+
+def render_alone(kind: str, message: dict[str, str]) -> str:
+    """One message rendered on its own by the template of ``kind`` (``"ours"``/``"jinja"``),
+    without the start of the conversation."""
+    if kind == "ours":
+        text, _ = OURS.render([message])
+    else:
+        text = fast_tokenizer().apply_chat_template([message], tokenize=False)
+    assert text.startswith(BOS)
+    return text[len(BOS) :]
+
+
+def reference(
+    kind: str, conversation: Sequence[dict[str, str]], train_on: Sequence[str]
+) -> tuple[list[int], list[int]]:
+    """(tokens, loss mask) of ``conversation`` built message by message (see the module doc)."""
+    tok = bpe()
+    tokens: list[int] = [tok.token_to_id(BOS)]  # type: ignore[list-item]
+    mask = [0]
+    for message in conversation:
+        pieces = [p for p in _SPECIAL.split(render_alone(kind, message)) if p]
+        # Pieces: header, content (absent when empty), end of turn, separator.
+        assert pieces[0] == HEADERS[message["role"]]
+        trained = message["role"] in train_on
+        content_at = 1 if message["content"] else None
+        for k, piece in enumerate(pieces):
+            ids = tok.encode(piece, add_special_tokens=False).ids
+            on = trained and (k == content_at or piece == EOT)
+            tokens += ids
+            mask += [int(on)] * len(ids)
+    return tokens, mask
+
+
+def chat_records(conversations_: Sequence[Sequence[dict[str, str]]]) -> list[Any]:
+    """Records of the conversations, one base offset each, as fetch would make them."""
+    from zephon.types import SampleCursor, SampleMeta, SampleRecord
+
+    return [
+        SampleRecord(
+            SampleMeta(SampleCursor(0, i, (0, 0, i)), component="chat"),
+            {"messages": conv, "id": i},
+        )
+        for i, conv in enumerate(conversations_)
+    ]
+
+
+def as_lists(record: Any) -> tuple[list[int], list[int]]:
+    payload = record.payload
+    assert payload["tokens"].dtype == np.int32 and payload["loss_mask"].dtype == np.int32
+    return payload["tokens"].tolist(), payload["loss_mask"].tolist()

@@ -1,0 +1,155 @@
+"""``training_collate``: labels against a plain-Python reference, ``cu_seqlens`` against the
+segment ids, for random packed rows, and the refusals."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zephon.ops import training_collate
+from zephon.types import SampleCursor, SampleMeta, SampleRecord
+
+
+@st.composite
+def packed_rows(draw: Any) -> list[SampleRecord]:
+    """Rows shaped like a packer's: segments 1, 2, ... back to back, then padding (segment 0)."""
+    length = draw(st.integers(1, 24))
+    rows = []
+    for r in range(draw(st.integers(1, 4))):
+        sizes = draw(st.lists(st.integers(1, length), max_size=5))
+        segments: list[int] = []
+        positions: list[int] = []
+        for s, size in enumerate(sizes, 1):
+            size = min(size, length - len(segments))
+            segments += [s] * size
+            positions += list(range(size))
+        pad = length - len(segments)
+        segments += [0] * pad
+        positions += [0] * pad
+        tokens = draw(st.lists(st.integers(0, 2**31 - 1), min_size=length, max_size=length))
+        mask = draw(st.lists(st.integers(0, 1), min_size=length, max_size=length))
+        payload = {
+            "tokens": np.array(tokens, np.int32),
+            "segment_ids": np.array(segments, np.int32),
+            "positions": np.array(positions, np.int32),
+            "loss_mask": np.array(mask, np.int32),
+        }
+        rows.append(SampleRecord(SampleMeta(SampleCursor(0, r, (0, 0, r))), payload))
+    return rows
+
+
+def reference_labels(payload: dict, ignore: int, use_mask: bool) -> list[int]:
+    tokens = payload["tokens"].tolist()
+    seg = payload["segment_ids"].tolist()
+    mask = payload["loss_mask"].tolist()
+    out = []
+    for t in range(len(tokens)):
+        nxt = t + 1
+        if (
+            nxt < len(tokens)
+            and seg[nxt] != 0
+            and seg[nxt] == seg[t]
+            and (mask[nxt] == 1 or not use_mask)
+        ):
+            out.append(tokens[nxt])
+        else:
+            out.append(ignore)
+    return out
+
+
+def reference_cu_seqlens(rows: list[SampleRecord]) -> list[int]:
+    """Runs of equal segment ids, row after row, in the flattened batch."""
+    cu = [0]
+    at = 0
+    for rec in rows:
+        seg = rec.payload["segment_ids"].tolist()
+        run = 1
+        for t in range(1, len(seg) + 1):
+            if t == len(seg) or seg[t] != seg[t - 1]:
+                at += run
+                cu.append(at)
+                run = 1
+            else:
+                run += 1
+    return cu
+
+
+@settings(max_examples=200)
+@given(
+    rows=packed_rows(),
+    ignore=st.sampled_from([-100, -1, 0]),
+    use_mask=st.booleans(),
+)
+def test_labels_and_cu_seqlens_match_the_plain_python_reference(rows, ignore, use_mask):
+    collate = training_collate(mask_field="loss_mask" if use_mask else None, ignore_index=ignore)
+    out = collate(rows)
+    assert [r.tolist() for r in out["labels"]] == [
+        reference_labels(r.payload, ignore, use_mask) for r in rows
+    ]
+    assert out["cu_seqlens"].tolist() == reference_cu_seqlens(rows)
+    assert out["cu_seqlens"].dtype == np.int32 and out["labels"].dtype == np.int64
+    assert out["max_seqlen"] == max(np.diff(reference_cu_seqlens(rows)))
+    assert out["input_ids"].tolist() == [r.payload["tokens"].tolist() for r in rows]
+    assert out["position_ids"].tolist() == [r.payload["positions"].tolist() for r in rows]
+    # cu_seqlens agree with segment_ids: inside each span the id is constant, and it changes
+    # (or a row starts) at each boundary.
+    flat = out["segment_ids"].reshape(-1)
+    length = out["segment_ids"].shape[1]
+    cu = out["cu_seqlens"].tolist()
+    for lo, hi in itertools.pairwise(cu):
+        assert len(set(flat[lo:hi].tolist())) == 1 and lo // length == (hi - 1) // length
+        assert lo % length == 0 or flat[lo] != flat[lo - 1]
+
+
+def test_a_first_token_after_a_segment_boundary_is_never_a_target():
+    payload = {
+        "tokens": np.array([5, 6, 7, 8, 9, 0], np.int32),
+        "segment_ids": np.array([1, 1, 2, 2, 2, 0], np.int32),
+        "positions": np.array([0, 1, 0, 1, 2, 0], np.int32),
+        "loss_mask": np.array([1, 1, 1, 0, 1, 7], np.int32),
+    }
+    out = training_collate()([SampleRecord(SampleMeta(SampleCursor(0, 0, (0, 0, 0))), payload)])
+    assert out["labels"].tolist() == [[6, -100, -100, 9, -100, -100]]
+    assert out["cu_seqlens"].tolist() == [0, 2, 5, 6] and out["max_seqlen"] == 3
+
+
+def record(payload: Any) -> SampleRecord:
+    return SampleRecord(SampleMeta(SampleCursor(3, 1, (0, 0, 9))), payload)
+
+
+ROW = {
+    "tokens": np.zeros(4, np.int32),
+    "segment_ids": np.ones(4, np.int32),
+    "positions": np.arange(4, dtype=np.int32),
+}
+
+
+@pytest.mark.parametrize(
+    ("payloads", "match"),
+    [
+        ([ROW], r"SampleCursor\(3, 1.*no field 'loss_mask'.*mask_field=None"),
+        ([{"tokens": ROW["tokens"]}], "no field 'segment_ids'.*packed rows"),
+        ([{**ROW, "loss_mask": np.ones(3, np.int32)}], "'loss_mask' has shape"),
+        (
+            [{**ROW, "loss_mask": np.ones(4)}, {**ROW, "tokens": np.zeros(5, np.int32)}],
+            "one length",
+        ),
+        ([], "empty batch"),
+    ],
+)
+def test_bad_batches_are_refused_naming_the_record(payloads, match):
+    with pytest.raises(ValueError, match=match):
+        training_collate()([record(p) for p in payloads])
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="mask_field"):
+        training_collate(mask_field=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ignore_index"):
+        training_collate(ignore_index=1.5)  # type: ignore[arg-type]
+    assert repr(training_collate()) == "training_collate(mask_field='loss_mask', ignore_index=-100)"

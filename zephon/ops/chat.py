@@ -1,0 +1,472 @@
+"""``tokenize_chat``: a conversation (a list of ``{"role", "content"}`` messages) to ``int32``
+tokens and a loss mask that is 1 exactly on the chosen roles' content tokens and the end-of-turn
+token after each of them.
+
+Boundaries come from the template's own rendering, never from tokenizing pieces separately and
+hoping they join up: the whole conversation is rendered to one string with the character span of
+every message's content known, that string is tokenized once with character offsets, and a token
+is trained on when its span lies inside a trained span. Two kinds of template:
+
+- the tokenizer's own (a ``transformers`` fast tokenizer with a ``chat_template``): the
+  conversation is rendered once with each content replaced by a unique placeholder, which finds
+  where the template puts every content, and once as it is; the two must agree (a template that
+  rewrites content, e.g. with ``| trim``, is refused for that record rather than guessed at). The
+  end-of-turn token is the special token the template puts right after a trained message's
+  content;
+- ``ChatTemplate``, ours, for a plain ``tokenizers.Tokenizer`` (or any fast tokenizer): per-role
+  header strings, one end-of-turn token, an optional start and separator.
+
+A token that covers both a header and content (possible only when the template puts no special
+token between them) is not trained on: it is partly header. Padding ids are never guessed: the
+tokenizer's padding token, when it has one, is published at plan time for the packers, with the
+mask field, which a packer must carry (``extra_fields``) or planning fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from zephon.errors import PlanError
+from zephon.ops.base import Operator, OpTraits, record_error
+from zephon.ops.children import spawn_child
+from zephon.ops.tokenize import _refuse_batch_padding, _tokenizer_digest, _with_counts, find_pad
+from zephon.types import SampleRecord
+from zephon.validation import check_int
+
+__all__ = ["ChatTemplate", "TokenizeChat", "tokenize_chat"]
+
+# Placeholder brackets for message i's content while locating it in a template's rendering:
+# private-use characters, which templates and role names do not contain; the first pair that no
+# content of the conversation contains either is used.
+_HOLE_BRACKETS = (("\ue000", "\ue001"), ("\U000f0000", "\U000f0001"), ("\U00100000", "\U00100001"))
+
+
+def _hole_format(messages: list[Mapping[str, Any]]) -> str:
+    for opening, closing in _HOLE_BRACKETS:
+        if not any(opening in m["content"] or closing in m["content"] for m in messages):
+            return opening + "{}" + closing
+    raise ValueError(
+        "the messages contain every private-use placeholder character tokenize_chat could use "
+        "to locate content in the template's rendering"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """Zephon's chat format, for tokenizers without a chat template of their own.
+
+    A conversation renders as ``bos``, then per message ``roles[role] + content + end_of_turn +
+    separator``. ``end_of_turn`` must be one token of the vocabulary (an added special token, such
+    as ``"<|end|>"``), so it can never merge with the content before it; headers are best special
+    tokens too (``"<|assistant|>"``). Trained on: content and ``end_of_turn`` of the chosen roles.
+    """
+
+    roles: Mapping[str, str]
+    end_of_turn: str
+    bos: str = ""
+    separator: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.roles, Mapping) or not self.roles:
+            raise TypeError("ChatTemplate: roles must map each role to its header string")
+        for role, header in self.roles.items():
+            if not isinstance(role, str) or not isinstance(header, str):
+                raise TypeError(
+                    f"ChatTemplate: roles must map str to str, got {role!r}: {header!r}"
+                )
+        for name in ("end_of_turn", "bos", "separator"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"ChatTemplate: {name} must be a str")
+        if not self.end_of_turn:
+            raise ValueError("ChatTemplate: end_of_turn must be a token's text, e.g. '<|end|>'")
+        object.__setattr__(self, "roles", dict(self.roles))
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and, per message, the character span of its content."""
+        parts = [self.bos]
+        at = len(self.bos)
+        spans = []
+        for i, message in enumerate(messages):
+            role, content = message["role"], message["content"]
+            header = self.roles.get(role)
+            if header is None:
+                raise ValueError(
+                    f"message {i} has role {role!r}, which the template does not know "
+                    f"(it has {sorted(self.roles)})"
+                )
+            at += len(header)
+            spans.append((at, at + len(content)))
+            at += len(content) + len(self.end_of_turn) + len(self.separator)
+            parts += (header, content, self.end_of_turn, self.separator)
+        return "".join(parts), spans
+
+
+def _is_hf(tokenizer: Any) -> bool:
+    return all(callable(getattr(tokenizer, n, None)) for n in ("token_to_id", "encode_batch"))
+
+
+def _is_fast_transformers(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "is_fast", False)) and callable(
+        getattr(tokenizer, "apply_chat_template", None)
+    )
+
+
+def _checked_messages(messages: Any) -> list[Mapping[str, Any]]:
+    """The messages of a conversation, or a TypeError saying which one is malformed."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(
+            f"the conversation must be a list of {{'role', 'content'}} messages, got "
+            f"{type(messages).__name__}"
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"message {i} is {type(message).__name__}, not a dict")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise TypeError(
+                f"message {i} needs a str 'role' and a str 'content', got role={role!r} and "
+                f"content of type {type(content).__name__}"
+            )
+    return list(messages)
+
+
+def _turn_cuts(n: int, boundaries: list[int], max_len: int) -> list[int]:
+    """Cut points ``0 = c0 < c1 < ... = n`` with pieces of at most ``max_len`` tokens, cutting at
+    turn ``boundaries`` where a piece can hold whole turns and inside a turn only when one turn
+    alone is longer than ``max_len``; greedy, so each piece takes as many turns as fit."""
+    cuts = [0]
+    passed = 0  # the last boundary reached: a cut that keeps turns whole
+    for b in [*boundaries, n]:
+        while b - cuts[-1] > max_len:
+            cuts.append(passed if passed > cuts[-1] else cuts[-1] + max_len)
+        passed = b
+    if cuts[-1] < n:
+        cuts.append(n)
+    return cuts
+
+
+class TokenizeChat(Operator):
+    """Renders ``payload[field]`` through a chat template into ``payload[output_field]`` (int32
+    tokens) and ``payload[mask_field]`` (int32, 1 on the trained tokens), other fields kept.
+
+    1 -> 1 (truncated to ``max_len`` when given), or with ``split_long_samples`` 1 -> N by turn
+    through ``spawn_child`` (only the last child closes its base offset). Every output carries
+    ``component_token_counts`` / ``component_sample_counts`` like ``tokenize``'s.
+    """
+
+    name = "tokenize_chat"
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        field: str = "messages",
+        output_field: str = "tokens",
+        mask_field: str = "loss_mask",
+        train_on: Sequence[str] = ("assistant",),
+        template: ChatTemplate | None = None,
+        max_len: int | None = None,
+        split_long_samples: bool = False,
+        workers: int | None = None,
+    ):
+        if max_len is not None:
+            max_len = check_int(max_len, "max_len", "tokenize_chat", minimum=1)
+        if split_long_samples and max_len is None:
+            raise ValueError("tokenize_chat: split_long_samples=True needs max_len")
+        if isinstance(train_on, str):
+            train_on = (train_on,)
+        train_on = tuple(train_on)
+        if not train_on or not all(isinstance(r, str) for r in train_on):
+            raise ValueError(f"tokenize_chat: train_on must name roles, got {train_on!r}")
+        if output_field == mask_field:
+            raise ValueError("tokenize_chat: output_field and mask_field must differ")
+        if template is not None and not isinstance(template, ChatTemplate):
+            raise TypeError(
+                f"tokenize_chat: template must be a ChatTemplate or None, got {template!r}"
+            )
+        self.tokenizer = tokenizer
+        self.field = field
+        self.output_field = output_field
+        self.mask_field = mask_field
+        self.train_on = train_on
+        self.template = template
+        self.max_len = max_len
+        self.split_long_samples = bool(split_long_samples)
+
+        self._transformers = _is_fast_transformers(tokenizer)
+        if not (self._transformers or _is_hf(tokenizer)):
+            raise TypeError(
+                "tokenize_chat needs token offsets: a Hugging Face tokenizers.Tokenizer or a "
+                f"transformers fast tokenizer, got {type(tokenizer).__name__}"
+            )
+        if self._transformers:
+            _refuse_batch_padding(getattr(tokenizer, "backend_tokenizer", None))
+        else:
+            _refuse_batch_padding(tokenizer)
+            if getattr(tokenizer, "truncation", None) is not None:
+                raise PlanError(
+                    "tokenize_chat: the tokenizer has truncation enabled, which would cut "
+                    "conversations silently; call tokenizer.no_truncation() and use max_len="
+                )
+        self.eot_id: int | None = None
+        if template is not None:
+            unknown = [r for r in train_on if r not in template.roles]
+            if unknown:
+                raise ValueError(
+                    f"tokenize_chat: train_on names {unknown}, which the template has no header "
+                    f"for (it has {sorted(template.roles)})"
+                )
+            self.eot_id = self._single_token(template.end_of_turn)
+        elif not self._transformers or not getattr(tokenizer, "chat_template", None):
+            raise PlanError(
+                "tokenize_chat: the tokenizer has no chat template of its own; pass "
+                "template=ChatTemplate(roles={...}, end_of_turn=...)"
+            )
+        self._special_ids = self._special_token_ids()
+        pad = find_pad(tokenizer)
+        self.pad_id = pad.id if pad else None
+        self.pad_token = pad.token if pad else None
+        self._tokenizer_digest = _tokenizer_digest(
+            getattr(tokenizer, "backend_tokenizer", tokenizer)
+        )
+        self.traits = OpTraits(
+            preserves_cursor_order=True,
+            preserves_indexability=not self.split_long_samples,
+            workers=workers,
+        )
+
+    # ------------------------------------------------------------------------- plan time
+    def _single_token(self, text: str) -> int:
+        """The id of ``text`` when the tokenizer encodes it as exactly one token, else PlanError."""
+        ids, _ = self._encode([text])[0]
+        if len(ids) != 1:
+            raise PlanError(
+                f"tokenize_chat: the template's end_of_turn {text!r} is {len(ids)} tokens for this "
+                "tokenizer, not one; add it as a special token (tokenizer.add_special_tokens)"
+            )
+        return int(ids[0])
+
+    def _special_token_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's special (added) tokens: what may end a turn."""
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", None)
+        if decoder is None:
+            get = getattr(self.tokenizer, "get_added_tokens_decoder", None)
+            decoder = get() if callable(get) else {}
+        return frozenset(int(i) for i, tok in decoder.items() if getattr(tok, "special", False))
+
+    def provides(self) -> dict[str, Any]:
+        """Plan-time facts for the operators after this one: the token field, the tokenizer's
+        padding id (``None`` when it has none) and the side field a packer must carry."""
+        return {
+            "token_field": self.output_field,
+            "eos_id": None,
+            "eos_token": None,
+            "pad_id": self.pad_id,
+            "pad_token": self.pad_token,
+            "pad_from": self.name,
+            "token_side_fields": {
+                "field": self.output_field,
+                "fields": [self.mask_field],
+                "source": self.name,
+            },
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """As ``Operator.describe``, plus a digest of the vocabulary and the chat template."""
+        out = super().describe()
+        if self._tokenizer_digest is not None:
+            out["params"]["tokenizer_digest"] = self._tokenizer_digest
+        if self.template is None:
+            out["params"]["chat_template"] = getattr(self.tokenizer, "chat_template", None)
+        return out
+
+    # ------------------------------------------------------------------------- encoding
+    def _encode(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per text: its token ids (int32) and their character offsets (an int64 ``(n, 2)``)."""
+        tok = self.tokenizer
+        out = []
+        if self._transformers:
+            enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+            for ids, offsets in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
+                out.append(
+                    (
+                        np.asarray(ids, dtype=np.int32),
+                        np.asarray(offsets, dtype=np.int64).reshape(-1, 2),
+                    )
+                )
+            return out
+        for e in tok.encode_batch(texts, add_special_tokens=False):
+            out.append(
+                (
+                    np.asarray(e.ids, dtype=np.int32),
+                    np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2),
+                )
+            )
+        return out
+
+    def _render(self, messages: list[Mapping[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text and each message's content span, from the template."""
+        if self.template is not None:
+            return self.template.render(messages)
+        tok = self.tokenizer
+        hole_format = _hole_format(messages)
+        holes = [{**m, "content": hole_format.format(i)} for i, m in enumerate(messages)]
+        shape = tok.apply_chat_template(holes, tokenize=False)
+        spans = []
+        parts: list[str] = []
+        at = 0  # in shape
+        shift = 0  # how far the real text is ahead of shape here
+        for i, message in enumerate(messages):
+            hole = hole_format.format(i)
+            where = shape.find(hole, at)
+            if where < 0 or shape.count(hole) != 1:
+                raise ValueError(
+                    f"the chat template renders the content of message {i} "
+                    f"({message['role']!r}) {shape.count(hole)} times, not once, so its tokens "
+                    "cannot be told apart"
+                )
+            content = message["content"]
+            parts += (shape[at:where], content)
+            spans.append((where + shift, where + shift + len(content)))
+            shift += len(content) - len(hole)
+            at = where + len(hole)
+        parts.append(shape[at:])
+        text = tok.apply_chat_template(messages, tokenize=False)
+        if text != "".join(parts):
+            raise ValueError(
+                "the chat template changes message content as it renders it (e.g. with | trim), "
+                "so content boundaries cannot be found exactly; clean the content before "
+                "tokenize_chat (map_transform) or pass template=ChatTemplate(...)"
+            )
+        return text, spans
+
+    def _mask(
+        self,
+        messages: list[Mapping[str, Any]],
+        spans: list[tuple[int, int]],
+        ids: np.ndarray,
+        offsets: np.ndarray,
+    ) -> tuple[np.ndarray, list[int]]:
+        """The loss mask of one tokenized conversation and its turn boundaries (token indices
+        after each trained message's end-of-turn token)."""
+        starts, ends = offsets[:, 0], offsets[:, 1]
+        mask = np.zeros(len(ids), dtype=np.int32)
+        boundaries = []
+        for i, (message, (lo, hi)) in enumerate(zip(messages, spans)):
+            if message["role"] not in self.train_on:
+                continue
+            # The end-of-turn token: the first token from the content's end on, which must start
+            # right there and be the template's end of turn (or, for the tokenizer's own
+            # template, a special token).
+            j = int(np.searchsorted(starts, hi, side="left"))
+            eot_ok = j < len(ids) and starts[j] == hi
+            if eot_ok:
+                eot = int(ids[j])
+                eot_ok = eot == self.eot_id if self.eot_id is not None else eot in self._special_ids
+            if not eot_ok:
+                raise ValueError(
+                    f"message {i} ({message['role']!r}): the template puts no special "
+                    "end-of-turn token right after its content, so the end of the turn to train "
+                    "on is unknown"
+                )
+            inside = (starts >= lo) & (ends <= hi) & (ends > starts)
+            mask[inside] = 1
+            mask[j] = 1
+            boundaries.append(j + 1)
+        return mask, boundaries
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        rendered = []
+        for rec in records:
+            payload = rec.payload
+            try:
+                value = payload[self.field]
+            except (KeyError, TypeError, IndexError):
+                fields = list(payload) if isinstance(payload, dict) else type(payload).__name__
+                raise record_error(
+                    self, rec, KeyError(f"the payload has no field {self.field!r} ({fields})")
+                ) from None
+            try:
+                messages = _checked_messages(value)
+                rendered.append((messages, *self._render(messages)))
+            except Exception as exc:
+                raise record_error(self, rec, exc) from exc
+        try:
+            encoded = self._encode([text for _, text, _ in rendered])
+        except Exception as exc:
+            if len(records) == 1:
+                raise record_error(self, records[0], exc) from exc
+            raise
+        out: list[SampleRecord] = []
+        for rec, (messages, _, spans), (ids, offsets) in zip(records, rendered, encoded):
+            try:
+                mask, boundaries = self._mask(messages, spans, ids, offsets)
+            except ValueError as exc:
+                raise record_error(self, rec, exc) from exc
+            out += self._emit(rec, ids, mask, boundaries)
+        return out
+
+    def _emit(
+        self, rec: SampleRecord, ids: np.ndarray, mask: np.ndarray, boundaries: list[int]
+    ) -> list[SampleRecord]:
+        n = len(ids)
+        payload = rec.payload
+        max_len = self.max_len
+        if max_len is None or n <= max_len:
+            return [self._record(rec.meta, payload, ids, mask)]
+        if not self.split_long_samples:
+            return [self._record(rec.meta, payload, ids[:max_len].copy(), mask[:max_len].copy())]
+        cuts = _turn_cuts(n, boundaries, max_len)
+        k = len(cuts) - 1
+        out = []
+        for i in range(k):
+            lo, hi = cuts[i], cuts[i + 1]
+            child = spawn_child(rec.meta, i, is_last_child=i == k - 1)
+            out.append(self._record(child, payload, ids[lo:hi].copy(), mask[lo:hi].copy()))
+        return out
+
+    def _record(self, meta: Any, payload: Any, ids: np.ndarray, mask: np.ndarray) -> SampleRecord:
+        return SampleRecord(
+            _with_counts(meta, len(ids)),
+            {**payload, self.output_field: ids, self.mask_field: mask},
+        )
+
+
+def tokenize_chat(
+    tokenizer: Any,
+    *,
+    field: str = "messages",
+    output_field: str = "tokens",
+    mask_field: str = "loss_mask",
+    train_on: Sequence[str] = ("assistant",),
+    template: ChatTemplate | None = None,
+    max_len: int | None = None,
+    split_long_samples: bool = False,
+    workers: int | None = None,
+) -> TokenizeChat:
+    """Tokenize the conversation in ``payload[field]`` (``[{"role", "content"}, ...]``) through a
+    chat template into ``payload[output_field]`` (int32 ids) and ``payload[mask_field]`` (int32,
+    1 exactly on the content tokens of ``train_on`` roles and the end-of-turn token after each).
+
+    ``template=None`` uses the tokenizer's own ``chat_template`` (a ``transformers`` fast
+    tokenizer); a ``ChatTemplate`` renders in Zephon's format (needed for a plain
+    ``tokenizers.Tokenizer``). ``max_len`` truncates, or with ``split_long_samples=True`` splits
+    by turn into children of at most ``max_len`` tokens (a turn ends after a trained message's
+    end-of-turn token; a single turn longer than ``max_len`` is cut inside). Pack the result with
+    ``extra_fields={mask_field: 0}``.
+    """
+    return TokenizeChat(
+        tokenizer,
+        field=field,
+        output_field=output_field,
+        mask_field=mask_field,
+        train_on=train_on,
+        template=template,
+        max_len=max_len,
+        split_long_samples=split_long_samples,
+        workers=workers,
+    )
