@@ -344,9 +344,9 @@ def side_field_comparison(
         for _ in range(repeat):
             alone.append(run_zephon_pack(strategy, lengths, payloads=plain)["seconds"])
             with_sides.append(
-                run_zephon_pack(
-                    strategy, lengths, payloads=sided, extra_fields=SIDE_FIELDS
-                )["seconds"]
+                run_zephon_pack(strategy, lengths, payloads=sided, extra_fields=SIDE_FIELDS)[
+                    "seconds"
+                ]
             )
         a, w = statistics.median(alone), statistics.median(with_sides)
         rows.append(

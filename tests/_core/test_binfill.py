@@ -47,18 +47,22 @@ def ids_of(ids: npt.NDArray[np.int64]) -> list[int]:
 
 
 class RefBinPacker:
-    def __init__(self, capacity: int, max_open_bins: int, strategy: Strategy) -> None:
+    def __init__(
+        self, capacity: int, max_open_bins: int, strategy: Strategy, cut_to_fill: bool = False
+    ) -> None:
         self.capacity = capacity
         self.max_open_bins = max_open_bins
         self.strategy = strategy
+        self.cut_to_fill = cut_to_fill
         self.reset()
 
     def reset(self) -> None:
-        self.open: list[list[int]] = []  # [bin_id, used], in the order the bins were opened
+        # [bin_id, used, holds a piece of a cut sequence], in the order the bins were opened
+        self.open: list[list[int]] = []
         self.next_id = 0
 
     def _open_bin(self) -> list[int]:
-        b = [self.next_id, 0]
+        b = [self.next_id, 0, 0]
         self.next_id += 1
         self.open.append(b)
         return b
@@ -81,7 +85,20 @@ class RefBinPacker:
                 if start == length:
                     continue
             r = length - start
+            cut = False
             fits = [b for b in self.open if self._room(b) >= r]
+            uncut = [b for b in self.open if not b[2]]
+            if not fits and len(self.open) == self.max_open_bins and self.cut_to_fill and uncut:
+                # the bin that would leave is filled with the head of the item first
+                fullest = min(uncut, key=lambda b: (self._room(b), b[0]))
+                head = self._room(fullest)
+                rows.append((item, start, head, fullest[0], fullest[1]))
+                self.open = [b for b in self.open if b is not fullest]
+                closed.append(fullest[0])
+                start += head
+                r = length - start
+                cut = True
+                fits = [b for b in self.open if self._room(b) >= r and not b[2]]
             if fits and self.strategy == "best_fit":
                 target = min(fits, key=lambda b: (self._room(b), b[0]))
             elif fits:
@@ -93,6 +110,8 @@ class RefBinPacker:
                     closed.append(fullest[0])
                 target = self._open_bin()
             rows.append((item, start, r, target[0], target[1]))
+            if cut:
+                target[2] = 1
             target[1] += r
             if target[1] == cap:
                 self.open = [b for b in self.open if b is not target]
@@ -284,12 +303,16 @@ def replay(packer: Packer, ref: RefBinPacker | RefFlatPacker, ops: list[Op]) -> 
 
 
 @settings(derandomize=True, max_examples=300, deadline=None)
-@given(stream=streams(), max_open=st.integers(1, 6), strategy=STRATEGIES)
+@given(stream=streams(), max_open=st.integers(1, 6), strategy=STRATEGIES, cut=st.booleans())
 def test_bin_packer_matches_the_reference(
-    stream: tuple[int, list[Op]], max_open: int, strategy: Strategy
+    stream: tuple[int, list[Op]], max_open: int, strategy: Strategy, cut: bool
 ) -> None:
     capacity, ops = stream
-    replay(BinPacker(capacity, max_open, strategy), RefBinPacker(capacity, max_open, strategy), ops)
+    replay(
+        BinPacker(capacity, max_open, strategy, cut_to_fill=cut),
+        RefBinPacker(capacity, max_open, strategy, cut),
+        ops,
+    )
 
 
 @settings(derandomize=True, max_examples=300, deadline=None)
@@ -300,13 +323,31 @@ def test_flat_packer_matches_the_reference(stream: tuple[int, list[Op]]) -> None
 
 
 @settings(derandomize=True, max_examples=300, deadline=None)
-@given(stream=streams(), max_open=st.integers(1, 6), strategy=STRATEGIES)
+@given(stream=streams(), max_open=st.integers(1, 6), strategy=STRATEGIES, cut=st.booleans())
 def test_bin_packer_keeps_its_invariants(
-    stream: tuple[int, list[Op]], max_open: int, strategy: Strategy
+    stream: tuple[int, list[Op]], max_open: int, strategy: Strategy, cut: bool
 ) -> None:
     capacity, ops = stream
     calls = [lengths for op, lengths in ops if op == "add"]
-    run_checked(BinPacker(capacity, max_open, strategy), calls, max_open)
+    run_checked(BinPacker(capacity, max_open, strategy, cut_to_fill=cut), calls, max_open)
+
+
+def test_cut_to_fill_fills_the_leaving_bin_with_the_head_of_the_item() -> None:
+    packer = BinPacker(10, 2, "best_fit", cut_to_fill=True)
+    assert rows_of(packer.add(arr([7, 6]))[0]) == [(0, 0, 7, 0, 0), (1, 0, 6, 1, 0)]
+    rows, closed = packer.add(arr([5]))
+    # bin 0 (3 left) takes the head, leaves full; the tail goes where it fits (bin 1)
+    assert rows_of(rows) == [(0, 0, 3, 0, 7), (0, 3, 2, 1, 6)]
+    assert ids_of(closed) == [0]
+    # bin 1 holds a piece of a cut item now: it is never cut into, the new bin 2 may be
+    rows, closed = packer.add(arr([9, 8]))
+    assert rows_of(rows) == [(0, 0, 9, 2, 0), (1, 0, 1, 2, 9), (1, 1, 7, 3, 0)]
+    assert ids_of(closed) == [2]
+
+
+def test_cut_to_fill_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="cut_to_fill"):
+        BinPacker(10, 2, "best_fit", cut_to_fill=1)
 
 
 @settings(derandomize=True, max_examples=200, deadline=None)

@@ -110,11 +110,12 @@ def assert_every_input_recovered_once(lengths: list[int], out: list[SampleRecord
     strategy=st.sampled_from(["best_fit", "first_fit"]),
     micro=st.integers(1, 9),
     flush_every=st.sampled_from([None, 3, 10]),
+    cut=st.booleans(),
 )
 def test_pack_sequences_loses_and_invents_no_token(
-    seq_len, lengths, open_bins, strategy, micro, flush_every
+    seq_len, lengths, open_bins, strategy, micro, flush_every, cut
 ):
-    op = pack_sequences(seq_len, open_bins=open_bins, strategy=strategy, pad_id=0)
+    op = pack_sequences(seq_len, open_bins=open_bins, strategy=strategy, pad_id=0, cut_to_fill=cut)
     out = run(op, token_records(lengths), micro, flush_every)
     assert_every_input_recovered_once(lengths, out)
     assert all(len(r.payload["tokens"]) == seq_len for r in out)
@@ -280,9 +281,10 @@ def test_traits_and_parameters():
     [
         pack_sequences(8, pad_id=0),
         pack_sequences(8, open_bins=1, strategy="first_fit", pad_id=0),
+        pack_sequences(8, open_bins=2, pad_id=0, cut_to_fill=True),
         pack_flat(8, pad_id=0),
     ],
-    ids=["best_fit", "first_fit-1", "flat"],
+    ids=["best_fit", "first_fit-1", "cut_to_fill", "flat"],
 )
 def test_each_base_offset_is_closed_exactly_once(op):
     # Tokenized and split records: children of one sample in several bins, empty inputs. A bin
@@ -298,10 +300,10 @@ def test_each_base_offset_is_closed_exactly_once(op):
 
 
 # ------------------------------------------------------------------------------------ fill
-def fill(strategy: str) -> float:
+def fill(strategy: str, cut_to_fill: bool = False) -> float:
     lengths = np.random.default_rng(0).integers(1, 512, size=20_000)
     records = token_records(lengths.tolist(), chunk_size=1024)
-    op = pack_sequences(1024, open_bins=64, strategy=strategy, pad_id=0)
+    op = pack_sequences(1024, open_bins=64, strategy=strategy, pad_id=0, cut_to_fill=cut_to_fill)
     out = run(op, records, micro=256, flush_every=4096)
     return float(lengths.sum()) / (len(out) * 1024)
 
@@ -312,6 +314,23 @@ def test_best_fit_fills_at_least_98_5_percent():
 
 def test_first_fit_fills_at_least_97_5_percent():
     assert fill("first_fit") >= 0.975
+
+
+def test_cut_to_fill_fills_better_and_cuts_at_most_once_per_row():
+    assert fill("best_fit", cut_to_fill=True) > fill("best_fit") + 0.005
+    lengths = np.random.default_rng(1).integers(1, 300, size=3000).tolist()
+    op = pack_sequences(512, open_bins=8, pad_id=0, cut_to_fill=True)
+    out = run(op, token_records(lengths, chunk_size=500), micro=64)
+    assert_every_input_recovered_once(lengths, out)
+    rows_of_input = Counter()
+    per_row = []
+    for rec in out:
+        items = [item for item, _, _ in fragments([rec])]
+        rows_of_input.update(set(items))
+        per_row.append(items)
+    cut = {item for item, rows in rows_of_input.items() if rows > 1}
+    assert cut, "the workload must make cuts"
+    assert max(sum(item in cut for item in items) for items in per_row) == 1
 
 
 # ------------------------------------------------------------------------------------ pipeline

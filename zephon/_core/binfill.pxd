@@ -17,12 +17,14 @@ cdef enum:
 ctypedef struct OpenBin:
     offset_t room                  # remaining space; always >= 1 while the bin is open
     offset_t bin_id
+    offset_t cut                   # 1 once the bin holds a piece of a cut sequence (cut_to_fill)
 
 
 cdef class BinPacker:
     cdef offset_t _capacity
     cdef Py_ssize_t _max_open      # open-bin limit; the length of _bins
     cdef int _strategy             # BEST_FIT or FIRST_FIT
+    cdef bint _cut_to_fill         # a sequence that fits nowhere may fill the fullest bin's rest
     cdef offset_t _next_id         # id the next opened bin gets
     cdef Py_ssize_t _n_open
     # Open bins as a compact array. best_fit keeps it sorted by (room, bin_id): the tightest fit is
@@ -38,8 +40,9 @@ cdef class BinPacker:
     cdef void _exit(self) noexcept
     cdef object _open_ids(self)
     cdef void _close_at(self, Py_ssize_t k) noexcept nogil
+    cdef Py_ssize_t _fullest_uncut(self) noexcept nogil
     cdef Py_ssize_t _place(self, const offset_t[:] lengths, offset_t* rows,
-                           offset_t* closed) noexcept nogil
+                           offset_t* closed, Py_ssize_t* n_rows_out) noexcept nogil
 
 
 cdef class FlatPacker:

@@ -156,13 +156,16 @@ cdef class BinPacker:
 
     A sequence longer than ``capacity`` first fills whole bins of its own with all its whole
     ``capacity``-token fragments; the rest (if any) goes to the tightest open bin that fits
-    (``"best_fit"``) or the lowest-id one that fits (``"first_fit"``). When nothing fits and the limit is reached, the fullest open bin leaves. A bin
-    that becomes exactly full leaves at once. Invariant: no bin ever holds more than ``capacity``
-    tokens, every bin id (0, 1, 2, ... in opening order) leaves exactly once, and fragments in a bin
-    sit back to back from offset 0.
+    (``"best_fit"``) or the lowest-id one that fits (``"first_fit"``). When nothing fits and the
+    limit is reached, the fullest open bin leaves. With ``cut_to_fill``, that bin is first filled
+    with the head of the sequence (so it leaves full), and the rest goes where it fits best among
+    the bins that hold no piece of a cut sequence (else to a new bin): a bin takes at most one such
+    piece. A bin that becomes exactly full leaves at once. Invariant: no bin ever holds more than
+    ``capacity`` tokens, every bin id (0, 1, 2, ... in opening order) leaves exactly once, and
+    fragments in a bin sit back to back from offset 0.
     """
 
-    def __cinit__(self, capacity, max_open_bins, strategy="best_fit"):
+    def __cinit__(self, capacity, max_open_bins, strategy="best_fit", cut_to_fill=False):
         self._capacity = _as_count(capacity, "BinPacker", "capacity")
         cdef offset_t max_open = _as_count(max_open_bins, "BinPacker", "max_open_bins")
         if strategy == "best_fit":
@@ -173,6 +176,9 @@ cdef class BinPacker:
             raise ValueError(f"BinPacker strategy must be 'best_fit' or 'first_fit', got {strategy!r}")
         if max_open > _MAX_ROWS:
             raise MemoryError(f"BinPacker max_open_bins={max_open} is too large to allocate")
+        if not isinstance(cut_to_fill, bool):
+            raise TypeError(f"BinPacker cut_to_fill must be a bool, got {cut_to_fill!r}")
+        self._cut_to_fill = cut_to_fill
         self._max_open = <Py_ssize_t>max_open
         self._bins = <OpenBin*>PyMem_Malloc(self._max_open * sizeof(OpenBin))
         if self._bins == NULL:
@@ -192,8 +198,13 @@ cdef class BinPacker:
     def __repr__(self):
         return (
             f"BinPacker(capacity={self._capacity}, max_open_bins={self._max_open}, "
-            f"strategy={self.strategy!r}, n_open={self._n_open})"
+            f"strategy={self.strategy!r}, cut_to_fill={self.cut_to_fill}, n_open={self._n_open})"
         )
+
+    @property
+    def cut_to_fill(self):
+        """Whether a sequence that fits nowhere fills the fullest bin's rest before it leaves."""
+        return bool(self._cut_to_fill)
 
     @property
     def capacity(self):
@@ -253,18 +264,34 @@ cdef class BinPacker:
             memmove(self._bins + k, self._bins + k + 1, tail * sizeof(OpenBin))
         self._n_open -= 1
 
+    cdef Py_ssize_t _fullest_uncut(self) noexcept nogil:
+        """Index of the fullest open bin holding no piece of a cut sequence (lowest id on ties),
+        or -1."""
+        cdef Py_ssize_t p, k = -1
+        for p in range(self._n_open):
+            if self._bins[p].cut:
+                continue
+            if self._strategy == BEST_FIT:
+                return p  # sorted by (room, bin_id): the first uncut bin is the one
+            if k < 0 or self._bins[p].room < self._bins[k].room:
+                k = p
+        return k
+
     cdef Py_ssize_t _place(self, const offset_t[:] lengths, offset_t* rows,
-                           offset_t* closed) noexcept nogil:
-        """Place every item of ``lengths``; write its rows and closed bin ids; return the count of
-        closed ids. ``rows`` must hold exactly ``_bin_rows(lengths)`` rows (lengths checked >= 0)."""
+                           offset_t* closed, Py_ssize_t* n_rows_out) noexcept nogil:
+        """Place every item of ``lengths``; write its rows (their count to ``n_rows_out``) and
+        closed bin ids; return the count of closed ids. ``rows`` must hold ``_bin_rows(lengths)``
+        rows, and one more per item with ``cut_to_fill`` (lengths checked >= 0)."""
         cdef offset_t cap = self._capacity
         cdef OpenBin* bins = self._bins
         cdef bint best_fit = self._strategy == BEST_FIT
-        cdef Py_ssize_t i, k, p, n_closed = 0
+        cdef bint cut
+        cdef Py_ssize_t i, k, p, n_closed = 0, n_rows = 0
         cdef offset_t length, start, r, bin_id
         for i in range(lengths.shape[0]):
             length = lengths[i]
             start = 0
+            cut = False
             if length > cap:
                 # A long item: every whole capacity-sized fragment fills a new bin of its own,
                 # which is full at once; only the remainder (if any) is placed like any item.
@@ -273,6 +300,7 @@ cdef class BinPacker:
                     self._next_id += 1
                     _put(rows, i, start, cap, bin_id, 0)
                     rows += PLACEMENT_COLUMNS
+                    n_rows += 1
                     closed[n_closed] = bin_id
                     n_closed += 1
                     start += cap
@@ -285,6 +313,29 @@ cdef class BinPacker:
                 p = 0
                 while p < self._n_open and bins[p].room < r:
                     p += 1
+            if p == self._n_open and self._n_open == self._max_open and self._cut_to_fill:
+                # Fill the rest of the bin that would leave with the head of this item: it
+                # leaves full, and the tail (a piece of a cut sequence) is placed as usual.
+                k = self._fullest_uncut()
+                if k >= 0:
+                    _put(rows, i, start, bins[k].room, bins[k].bin_id, cap - bins[k].room)
+                    rows += PLACEMENT_COLUMNS
+                    n_rows += 1
+                    start += bins[k].room
+                    r = length - start
+                    closed[n_closed] = bins[k].bin_id
+                    n_closed += 1
+                    self._close_at(k)
+                    cut = True
+                    # the tail goes to a bin that holds no other piece of a cut item
+                    if best_fit:
+                        p = _first_with_room(bins, self._n_open, r)
+                        while p < self._n_open and bins[p].cut:
+                            p += 1
+                    else:
+                        p = 0
+                        while p < self._n_open and (bins[p].room < r or bins[p].cut):
+                            p += 1
             if p == self._n_open:  # nothing fits
                 if self._n_open == self._max_open:
                     # The fullest bin (lowest id on ties) leaves to make room. Best-fit keeps it
@@ -302,10 +353,14 @@ cdef class BinPacker:
                 p = self._n_open
                 bins[p].bin_id = self._next_id
                 bins[p].room = cap
+                bins[p].cut = 0
                 self._next_id += 1
                 self._n_open += 1
             _put(rows, i, start, r, bins[p].bin_id, cap - bins[p].room)
             rows += PLACEMENT_COLUMNS
+            n_rows += 1
+            if cut:
+                bins[p].cut = 1
             bins[p].room -= r
             if bins[p].room == 0:
                 closed[n_closed] = bins[p].bin_id
@@ -313,6 +368,7 @@ cdef class BinPacker:
                 self._close_at(p)
             elif best_fit and r > 0:
                 _sift_down(bins, p)
+        n_rows_out[0] = n_rows
         return n_closed
 
     def add(self, const offset_t[:] lengths not None):
@@ -323,7 +379,7 @@ cdef class BinPacker:
         of the bins that left during this call, in the order they left. Nothing changes if a length
         is negative (ValueError naming its index).
         """
-        cdef Py_ssize_t bad = -1, n_rows, n_closed
+        cdef Py_ssize_t bad = -1, n_rows, n_closed, written = 0
         cdef offset_t[:, ::1] rows_view
         cdef offset_t[::1] closed_view
         self._enter()
@@ -332,18 +388,24 @@ cdef class BinPacker:
                 n_rows = _bin_rows(lengths, self._capacity, &bad)
             if n_rows < 0:
                 _raise_bad(n_rows, bad, lengths, "BinPacker")
-            placements = np.empty((n_rows, PLACEMENT_COLUMNS), dtype=np.int64)
             if n_rows == 0:
-                return placements, np.empty(0, dtype=np.int64)
+                return np.empty((0, PLACEMENT_COLUMNS), dtype=np.int64), np.empty(0, dtype=np.int64)
+            if self._cut_to_fill:  # at most one head cut per item
+                if lengths.shape[0] > _MAX_ROWS - n_rows:
+                    raise MemoryError("BinPacker.add: too many fragments to place")
+                n_rows += lengths.shape[0]
+            placements = np.empty((n_rows, PLACEMENT_COLUMNS), dtype=np.int64)
             # Every bin that leaves was open at the start or opened by one of these rows; the
             # lock keeps _n_open what it is here until placement is done.
             closed = np.empty(n_rows + self._n_open, dtype=np.int64)
             rows_view = placements
             closed_view = closed
             with nogil:
-                n_closed = self._place(lengths, &rows_view[0, 0], &closed_view[0])
+                n_closed = self._place(lengths, &rows_view[0, 0], &closed_view[0], &written)
         finally:
             self._exit()
+        if written < n_rows:
+            placements = placements[:written].copy()
         return placements, closed[:n_closed].copy()
 
     def flush(self):

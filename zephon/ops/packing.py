@@ -444,6 +444,7 @@ class PackSequences(_Packer):
         strategy: str = "best_fit",
         pad_id: int | None = None,
         extra_fields: Mapping[str, int | float] | None = None,
+        cut_to_fill: bool = False,
     ):
         if strategy not in _STRATEGIES:
             raise ValueError(
@@ -451,12 +452,30 @@ class PackSequences(_Packer):
             )
         open_bins = check_int(open_bins, "open_bins", "pack_sequences", minimum=1)
         self._setup(seq_len, field, pad_id, extra_fields)
+        if not isinstance(cut_to_fill, bool):
+            raise TypeError(
+                f"pack_sequences: cut_to_fill must be True or False, got {cut_to_fill!r}"
+            )
         self.open_bins = open_bins
         self.strategy = strategy
+        self.cut_to_fill = cut_to_fill
         self._kernel = self._new_kernel()
 
+    def describe(self) -> dict[str, Any]:
+        """As the packers' ``describe``; ``cut_to_fill`` counts only when on, so a packer without
+        it keeps the fingerprint it had before it existed."""
+        out = super().describe()
+        if not self.cut_to_fill:
+            del out["params"]["cut_to_fill"]
+        return out
+
     def _new_kernel(self) -> BinPacker:
-        return BinPacker(self.seq_len, self.open_bins, self.strategy)  # type: ignore[arg-type]
+        return BinPacker(
+            self.seq_len,
+            self.open_bins,
+            self.strategy,  # type: ignore[arg-type]
+            cut_to_fill=self.cut_to_fill,
+        )
 
 
 class PackFlat(_Packer):
@@ -492,11 +511,18 @@ def pack_sequences(
     strategy: str = "best_fit",
     pad_id: int | None = None,
     extra_fields: Mapping[str, int | float] | None = None,
+    cut_to_fill: bool = False,
 ) -> PackSequences:
     """Pack ``payload[field]`` sequences into ``seq_len``-token bins, holding at most ``open_bins``
     open; ``strategy`` ``"best_fit"`` (tightest bin that fits) or ``"first_fit"``. A sequence
     longer than ``seq_len`` is cut into ``seq_len`` fragments that fill bins of their own, and its
     remainder is placed like any sequence. N -> 1, reorders, stateful; nothing is dropped.
+
+    ``cut_to_fill=True``: when a sequence fits in no open bin and one must leave, the head of the
+    sequence fills that bin's rest first (it leaves full, not padded) and the rest is placed as
+    usual; a row holds at most one piece of a cut sequence. Fill rises close to 1, at the price of
+    documents split across rows (each piece keeps its contributors, so resume stays exact). The
+    default keeps every document that fits in a row whole.
 
     Padding (``segment_ids == 0``) holds ``pad_id``; with ``pad_id=None`` the padding token of the
     ``tokenize`` upstream (``ByteTokenizer``: 257), and planning fails with a ``PlanError`` when
@@ -512,6 +538,7 @@ def pack_sequences(
         strategy=strategy,
         pad_id=pad_id,
         extra_fields=extra_fields,
+        cut_to_fill=cut_to_fill,
     )
 
 
