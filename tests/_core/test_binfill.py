@@ -347,7 +347,7 @@ def test_cut_to_fill_fills_the_leaving_bin_with_the_head_of_the_item() -> None:
 
 def test_cut_to_fill_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="cut_to_fill"):
-        BinPacker(10, 2, "best_fit", cut_to_fill=1)
+        BinPacker(10, 2, "best_fit", cut_to_fill=1)  # type: ignore[arg-type]
 
 
 @settings(derandomize=True, max_examples=200, deadline=None)

@@ -322,7 +322,7 @@ def test_cut_to_fill_fills_better_and_cuts_at_most_once_per_row():
     op = pack_sequences(512, open_bins=8, pad_id=0, cut_to_fill=True)
     out = run(op, token_records(lengths, chunk_size=500), micro=64)
     assert_every_input_recovered_once(lengths, out)
-    rows_of_input = Counter()
+    rows_of_input: Counter[int] = Counter()
     per_row = []
     for rec in out:
         items = [item for item, _, _ in fragments([rec])]
