@@ -89,9 +89,12 @@ def test_global_steps_do_not_depend_on_world_size_or_workers(kind: str) -> None:
             assert steps == reference, f"world_size={world}, workers={workers}"
 
 
-def test_process_workers_give_the_same_global_steps() -> None:
-    reference = global_steps(monotone, 1)
-    assert global_steps(monotone, 2, workers="process") == reference
+@pytest.mark.parametrize("kind", sorted(PIPELINES))
+def test_process_workers_give_the_same_global_steps(kind: str) -> None:
+    make = PIPELINES[kind]
+    reference = global_steps(make, 1)
+    for world in (2, 8):
+        assert global_steps(make, world, workers="process") == reference, f"world_size={world}"
 
 
 def _checkpoint(make: Callable[..., zephon.Pipeline], world: int, step: int) -> tuple:
