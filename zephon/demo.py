@@ -51,6 +51,8 @@ def demo_pipeline(paths: dict[str, Path], workers: str = "process") -> zephon.Pi
     source = MixtureSource(
         {name: ArrowSource([path], dataset_id=i) for i, (name, path) in enumerate(paths.items())},
         WEIGHTS,
+        by="tokens",  # the byte tokenizer makes one token per byte of text
+        tokens_per_byte=1.0,
         seed=1,
         chunk_size=256,
     )
