@@ -60,6 +60,10 @@ class Plan:
     #: A checkpoint taken with another lane count continues on this one (every sample still
     #: delivered exactly once, batches differ); False refuses it. Not part of the fingerprint.
     relane: bool = True
+    #: Every stateful operator can describe what it holds, and what it holds can be rebuilt
+    #: from re-read samples: lanes send snapshots, and a restore rebuilds the operators instead
+    #: of replaying the epoch. Not part of the fingerprint: the stream is the same either way.
+    restores_holdings: bool = False
 
     @property
     def rank_lanes(self) -> range:
@@ -95,6 +99,10 @@ class Plan:
         if self.indexable:
             lines.append(
                 "  restore skips consumed samples at the source (every operator indexable)"
+            )
+        elif self.restores_holdings:
+            lines.append(
+                "  restore rebuilds what the stateful operators hold (snapshots after each chunk)"
             )
         if self.workers != "inline":
             lines.append(f"  {self.processes} worker {self.workers}(s) for this rank's lanes")

@@ -38,6 +38,24 @@ def _worker_count(processes: int | None, rank_lanes: int) -> int:
     return max(1, min(rank_lanes, cpus))
 
 
+def _restores_holdings(chain: tuple[Operator, ...]) -> bool:
+    """Whether a restore can rebuild every stateful operator from what it holds: each describes
+    its holdings, and what each holds can be rebuilt by running re-read samples through the
+    operators before it (pure ones that do not depend on micro-batches; stateful ones only if
+    they pass records through unchanged)."""
+    for j, op in enumerate(chain):
+        if not op.traits.stateful:
+            continue
+        if not op.describes_holdings:
+            return False
+        for before in chain[:j]:
+            if before.traits.stateful and not before.emits_received_records:
+                return False
+            if not before.traits.stateful and before.traits.batch_sensitive:
+                return False
+    return True
+
+
 class Pipeline:
     """A source and a chain of operators: ``fetch`` first, optionally ``batch`` last.
 
@@ -229,6 +247,7 @@ class Pipeline:
             processes=_worker_count(self.processes, n_lanes // world_size),
             timeout=None if timeout is None else float(timeout),
             relane=self.relane,
+            restores_holdings=path == "epoch" and _restores_holdings(chain),
         )
 
     def _fingerprint_parts(self, lanes: int) -> dict[str, Any]:

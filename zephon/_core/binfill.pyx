@@ -408,6 +408,52 @@ cdef class BinPacker:
             placements = placements[:written].copy()
         return placements, closed[:n_closed].copy()
 
+    def state(self):
+        """The open bins and the next bin id as plain data: ``{"next_id", "bins": [[bin_id,
+        room, cut], ...]}`` in the packer's own order (what ``restore`` takes back)."""
+        cdef Py_ssize_t k
+        self._enter()
+        try:
+            bins = [
+                [self._bins[k].bin_id, self._bins[k].room, self._bins[k].cut]
+                for k in range(self._n_open)
+            ]
+            return {"next_id": self._next_id, "bins": bins}
+        finally:
+            self._exit()
+
+    def restore(self, state):
+        """Take back what ``state()`` gave; ValueError (nothing changed) for a state this packer
+        could not have been in."""
+        try:
+            next_id = operator.index(state["next_id"])
+            bins = [[operator.index(v) for v in b] for b in state["bins"]]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"BinPacker.restore: not a packer state ({exc})") from None
+        if len(bins) > self._max_open or next_id < 0:
+            raise ValueError(f"BinPacker.restore: {len(bins)} open bins, next id {next_id}")
+        for k, b in enumerate(bins):
+            if len(b) != 3 or not 0 <= b[0] < next_id or not 1 <= b[1] <= self._capacity:
+                raise ValueError(f"BinPacker.restore: bin {b!r} does not fit this packer")
+            if b[2] not in (0, 1):
+                raise ValueError(f"BinPacker.restore: bin {b!r} has a bad cut flag")
+            if k and (
+                (b[1], b[0]) <= (bins[k - 1][1], bins[k - 1][0])
+                if self._strategy == BEST_FIT
+                else b[0] <= bins[k - 1][0]
+            ):
+                raise ValueError("BinPacker.restore: the open bins are out of order")
+        self._enter()
+        try:
+            for k, b in enumerate(bins):
+                self._bins[k].bin_id = b[0]
+                self._bins[k].room = b[1]
+                self._bins[k].cut = b[2]
+            self._n_open = len(bins)
+            self._next_id = next_id
+        finally:
+            self._exit()
+
     def flush(self):
         """Close every open bin; return their ids in ascending order as an int64 array."""
         self._enter()
@@ -548,6 +594,35 @@ cdef class FlatPacker:
         finally:
             self._exit()
         return placements, closed
+
+    def state(self):
+        """The open bin and the next bin id as plain data: ``{"next_id", "bin_id", "used"}``
+        (``bin_id`` -1 when no bin is open; what ``restore`` takes back)."""
+        self._enter()
+        try:
+            return {"next_id": self._next_id, "bin_id": self._bin_id, "used": self._used}
+        finally:
+            self._exit()
+
+    def restore(self, state):
+        """Take back what ``state()`` gave; ValueError (nothing changed) for a state this packer
+        could not have been in."""
+        try:
+            next_id = operator.index(state["next_id"])
+            bin_id = operator.index(state["bin_id"])
+            used = operator.index(state["used"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"FlatPacker.restore: not a packer state ({exc})") from None
+        ok = (bin_id == -1 and used == 0 and next_id >= 0) or (
+            0 <= bin_id < next_id and 0 <= used < self._capacity
+        )
+        if not ok:
+            raise ValueError(f"FlatPacker.restore: {state!r} does not fit this packer")
+        self._enter()
+        self._next_id = next_id
+        self._bin_id = bin_id
+        self._used = used
+        self._exit()
 
     def flush(self):
         """Close the partial bin, if any; return its id as an int64 array of length 0 or 1."""

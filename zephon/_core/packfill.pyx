@@ -273,6 +273,45 @@ cdef class BinFill:
             self._exit()
         return out
 
+    def contents(self):
+        """What the open bins hold, without changing them: ``(rows, items)``, where ``items``
+        lists each distinct item once (in bin order, ascending bin id) and ``rows`` is an int64
+        ``(m, 5)`` array of ``(item index, frag_start, frag_len, bin_id, bin_offset)`` for every
+        fragment. ``write(rows, arrays_of(items), items)`` on an empty ``BinFill`` rebuilds the
+        same bins (what a packer restores a checkpoint with)."""
+        cdef Py_ssize_t i, k, m = 0, row = 0
+        cdef Slot* slot
+        cdef offset_t off
+        cdef offset_t[:, ::1] view
+        self._enter()
+        try:
+            for i in range(self._n_live):
+                m += self._slots[self._live[i].slot].n_frags
+            rows = np.empty((m, ROW_COLUMNS), dtype=np.int64)
+            view = rows
+            items: list = []
+            index: dict = {}
+            for i in range(self._n_live):
+                slot = &self._slots[self._live[i].slot]
+                records = self._records[self._live[i].slot]
+                off = 0
+                for k in range(slot.n_frags):
+                    item = records[k]
+                    at = index.get(id(item))
+                    if at is None:
+                        at = index[id(item)] = len(items)
+                        items.append(item)
+                    view[row, 0] = at
+                    view[row, 1] = slot.frags[k].start
+                    view[row, 2] = slot.frags[k].size
+                    view[row, 3] = self._live[i].bin_id
+                    view[row, 4] = off
+                    off += slot.frags[k].size
+                    row += 1
+        finally:
+            self._exit()
+        return rows, items
+
     def used(self, bin_id):
         """Tokens written so far to the open bin ``bin_id``; KeyError if that bin is not open."""
         cdef offset_t b = operator.index(bin_id)

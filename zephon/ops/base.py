@@ -88,6 +88,33 @@ class Operator:
         """Small JSON-able state that survives epochs (and is stored in checkpoints)."""
         return None
 
+    #: The operator emits records exactly as it received them (it only holds, reorders or drops
+    #: them), so what an operator after it holds can be rebuilt without it.
+    emits_received_records = False
+
+    def holdings(self) -> tuple[list[SampleRecord], dict[str, Any]] | None:
+        """What the operator holds right now, so that a restore can rebuild it instead of
+        replaying the epoch: the records it holds (each is rebuilt by re-reading its sample and
+        running the operators before this one) and small plain JSON state (generator state,
+        running totals, where its records sit). ``None`` (the default): it cannot say, and a
+        pipeline with it restores by replaying the epoch. Overriding it needs
+        ``restore_holdings``."""
+        return None
+
+    def restore_holdings(self, records: list[SampleRecord], state: dict[str, Any]) -> None:
+        """Become what ``holdings()`` described; ``records`` come in the order it gave them,
+        rebuilt. Called on a fresh operator after ``start_epoch``."""
+        raise TypeError(f"{type(self).__name__} overrides holdings() but not restore_holdings()")
+
+    @property
+    def describes_holdings(self) -> bool:
+        """Whether this operator's ``holdings()`` can describe it (both methods overridden)."""
+        cls = type(self)
+        return (
+            cls.holdings is not Operator.holdings
+            and cls.restore_holdings is not Operator.restore_holdings
+        )
+
     def restore_carry(self, state: dict) -> None:
         """Restore what ``carry_state`` returned; called on fresh operators at restore."""
 

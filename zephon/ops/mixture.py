@@ -89,6 +89,7 @@ class EnsureMixture(Operator):
     name = "ensure_mixture"
     traits = OpTraits(preserves_cursor_order=False, stateful=True)
     counted_tags = (MIXTURE_DROP_TAG,)
+    emits_received_records = True
 
     def __init__(
         self,
@@ -406,6 +407,60 @@ class EnsureMixture(Operator):
             totals[key] = int(total)
         self._totals = totals
         self._grand = sum(totals.values())
+
+    def holdings(self) -> tuple[list[SampleRecord], dict[str, Any]]:
+        """The buffered records in arrival order, their arrival numbers, and the running totals
+        and counters (components as ``[component, value]`` pairs: JSON keeps no int keys)."""
+        entries = sorted(
+            [e for queue in self._queues.values() for e in queue] + self._multi,
+            key=lambda e: e.seq,
+        )
+
+        def pairs(d: dict[Any, int]) -> list[list[Any]]:
+            return [[list(c) if isinstance(c, tuple) else c, v] for c, v in d.items()]
+
+        return [e.rec for e in entries], {
+            "seqs": [e.seq for e in entries],
+            "seq": self._seq,
+            "totals": pairs(self._totals),
+            "seen": pairs(self._seen),
+            "dropped": pairs(self._dropped),
+            "decided": self._decided,
+            "next_check": self._next_check,
+            "warned": self._warned,
+        }
+
+    def restore_holdings(self, records: list[SampleRecord], state: dict[str, Any]) -> None:
+        seqs = state["seqs"]
+        if len(seqs) != len(records) or len(records) >= self.buffer_size:
+            raise ValueError(f"ensure_mixture: {len(records)} held records for {len(seqs)} seqs")
+
+        def counts(pairs: list[list[Any]]) -> dict[Any, int]:
+            out = dict.fromkeys(self.weights, 0)
+            for comp, value in pairs:
+                key = tuple(comp) if isinstance(comp, list) else comp
+                if key not in out:
+                    raise ValueError(f"ensure_mixture: held component {key!r} has no weight")
+                out[key] = int(value)
+            return out
+
+        self._queues = {c: deque() for c in self.weights}
+        self._multi = []
+        for seq, rec in zip(seqs, records):
+            entry = _Entry(int(seq), rec, self._measure(rec))
+            if entry.comp is _MANY:
+                self._multi.append(entry)
+            else:
+                self._queues[entry.comp].append(entry)
+        self._count = len(records)
+        self._seq = int(state["seq"])
+        self._totals = counts(state["totals"])
+        self._grand = sum(self._totals.values())
+        self._seen = counts(state["seen"])
+        self._dropped = counts(state["dropped"])
+        self._decided = int(state["decided"])
+        self._next_check = int(state["next_check"])
+        self._warned = bool(state["warned"])
 
     def target_mixture(self) -> tuple[str, dict[Any, float]]:
         """``(by, normalized weights)``: the shares this operator steers the stream to."""

@@ -414,6 +414,24 @@ class _Packer(Operator):
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
         return self._place(records)
 
+    def holdings(self) -> tuple[list[SampleRecord], dict[str, Any]]:
+        """The inputs with a fragment in an open bin, the fragments' placement rows and the
+        placement kernel's state (open bins, next bin id)."""
+        fill = self._bins()
+        rows, items = fill.contents()
+        return list(items), {"rows": rows.tolist(), "kernel": self._kernel.state()}
+
+    def restore_holdings(self, records: list[SampleRecord], state: dict[str, Any]) -> None:
+        rows = np.asarray(state["rows"], dtype=np.int64).reshape(-1, 5)
+        if len(rows) and not 0 <= int(rows[:, 0].min()) <= int(rows[:, 0].max()) < len(records):
+            raise ValueError(f"{self.name}: held rows name inputs outside 0..{len(records) - 1}")
+        fill = self._bins()
+        if len(rows):
+            arrays, lengths = self._gather(records)
+            sides = self._gather_sides(records, lengths) if self.extra_fields else ()
+            fill.write(np.ascontiguousarray(rows), arrays, records, sides)
+        self._kernel.restore(state["kernel"])
+
     def flush(self) -> list[SampleRecord]:
         closed = self._kernel.flush()
         out = self._emit(closed) if len(closed) else []

@@ -7,6 +7,8 @@ marker, and only a second *closing* contributor or an evicted chunk is an early 
 
 from __future__ import annotations
 
+from typing import Any
+
 from zephon.ops.base import Operator, OpTraits, epoch_rng
 from zephon.types import SampleRecord
 from zephon.validation import check_int
@@ -28,6 +30,7 @@ class Shuffle(Operator):
 
     name = "shuffle"
     traits = OpTraits(preserves_cursor_order=False, stateful=True)
+    emits_received_records = True
 
     def __init__(self, buffer_size: int, *, seed: int = 0):
         self.buffer_size = check_int(buffer_size, "buffer_size", "shuffle", minimum=1)
@@ -36,16 +39,19 @@ class Shuffle(Operator):
         self._rng = epoch_rng(seed, 0, 0)
         self._draws: list[float] = []
         self._next_draw = 0
+        self._block_state: dict[str, Any] | None = None  # the generator before the current block
 
     def start_epoch(self, lane_id: int, epoch: int) -> None:
         super().start_epoch(lane_id, epoch)
         self._rng = epoch_rng(self.seed, lane_id, epoch)
         self._draws = []
         self._next_draw = 0
+        self._block_state = None
 
     def _draw(self, n: int) -> int:
         """A random index in ``[0, n)`` from the next draw of the current block."""
         if self._next_draw == len(self._draws):
+            self._block_state = dict(self._rng.bit_generator.state)
             self._draws = self._rng.random(_DRAW_BLOCK).tolist()
             self._next_draw = 0
         u = self._draws[self._next_draw]
@@ -65,6 +71,21 @@ class Shuffle(Operator):
             buf[j] = rec
             out.append(leaving)
         return out
+
+    def holdings(self) -> tuple[list[SampleRecord], dict[str, Any]]:
+        """The window, and where the generator stands (its state before the current block of
+        draws, and the next draw in it)."""
+        return list(self._buf), {"block": self._block_state, "next": self._next_draw}
+
+    def restore_holdings(self, records: list[SampleRecord], state: dict[str, Any]) -> None:
+        if len(records) > self.buffer_size or not 0 <= state["next"] <= _DRAW_BLOCK:
+            raise ValueError(f"shuffle: {len(records)} held records, next draw {state['next']}")
+        self._buf = list(records)
+        if state["block"] is not None:
+            self._rng.bit_generator.state = state["block"]
+            self._block_state = state["block"]
+            self._draws = self._rng.random(_DRAW_BLOCK).tolist()
+        self._next_draw = state["next"]
 
     def flush(self) -> list[SampleRecord]:
         buf, self._buf = self._buf, []

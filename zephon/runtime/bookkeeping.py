@@ -15,14 +15,17 @@ import logging
 import warnings
 from typing import Any
 
+import numpy as np
+
 from zephon._core.chunk_table import EVICTED, ChunkTable
 from zephon._core.delivery import DeliveryBook, DeliveryCounters
 from zephon.errors import CarryStateWarning, ContractViolation
 from zephon.plan import Plan
 from zephon.runtime.contracts import Violation
-from zephon.runtime.control import ChunkOpened, EpochEnd, OverClose, RunStart
+from zephon.runtime.control import ChunkOpened, EpochEnd, Holdings, OverClose, RunStart
+from zephon.runtime.holdings import pack_ints, unpack_ints
 from zephon.runtime.lane import operator_labels
-from zephon.runtime.layout import Run
+from zephon.runtime.layout import Layout, Run
 from zephon.types import SampleCursor, SampleRecord
 
 log = logging.getLogger("zephon")
@@ -50,6 +53,12 @@ class LaneBook:
         # them the bookkeeping is in: every run is booked in a chunk table of its own.
         self.runs: list[Run] = [Run(0, lane_id, 0, None)]
         self.run_index = 0
+        self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
+        self.source = plan.source
+        # The last snapshot booked in the current epoch (``control.Holdings``), with the epoch's
+        # offsets still open then: a checkpoint continues from it.
+        self.held: dict[str, Any] | None = None
+        self._open_at_held: tuple[Any, Any] | None = None
         self.next_local = 0  # lane-local index of the next chunk to be announced
         self.carry: list[Any] | None = None  # carry state at the start of the retained epoch
         self.suspects: set[str] = set()  # operators seen emitting too many closing contributors
@@ -115,6 +124,8 @@ class LaneBook:
             self.suspects.add(item.op)
         elif kind is RunStart:
             self._start_run(item)
+        elif kind is Holdings:
+            self._holdings(item)
         else:
             raise TypeError(f"unknown item in lane {self.lane_id}: {item!r}")
 
@@ -150,6 +161,50 @@ class LaneBook:
             )
         self.book.window_clear()
         self.book.last_cursor = None
+        self.held = None
+        self._open_at_held = None
+
+    def _holdings(self, marker: Holdings) -> None:
+        """A snapshot: what is open in the epoch's chunks now is exactly what the operators hold
+        (everything before it was booked), and the replay window starts afresh from it."""
+        self.held = {"next": marker.next_local, "ops": marker.ops, "open": None}
+        self._open_at_held = self.table.epoch_open_offsets(marker.epoch)
+        self.book.window_clear()
+        self.book.last_cursor = None
+
+    def held_state(self) -> dict[str, Any] | None:
+        """The snapshot as a checkpoint stores it (its open offsets packed on first use)."""
+        held = self.held
+        if held is None:
+            return None
+        if held["open"] is None:
+            ids, offsets = self._open_at_held  # type: ignore[misc]
+            held["open"] = pack_ints(np.stack([ids, offsets], axis=1).ravel())
+        return held
+
+    def enter(self, run: Run) -> None:
+        """Bookkeeping starts ``run``: at its start, or after its snapshot with the chunks before
+        it entered again and everything but what the operators held closed."""
+        self.restart_at(run.start, run.carry)
+        self.held = run.held
+        self._open_at_held = None
+        if run.held is None:
+            return
+        geometry = self.layout.geometry(run.gen, run.lane)
+        epoch = run.start // self.per_epoch
+        ids, offsets = [], []
+        still_open = set(map(tuple, unpack_ints(run.held["open"]).reshape(-1, 2).tolist()))
+        for k in range(run.start, run.held["next"]):
+            position = geometry.position(k)
+            n = len(self.source.chunk(position))
+            self.table.open_chunk(position, k, n, epoch)
+            for offset in range(n):
+                if (position, offset) not in still_open:
+                    ids.append(position)
+                    offsets.append(offset)
+        if ids:
+            self.table.close_many(np.array(ids, dtype=np.int64), np.array(offsets, dtype=np.int64))
+        self.next_local = run.held["next"]
 
     def _start_run(self, marker: RunStart) -> None:
         """The previous run is complete (its last epoch marker, or on the monotone path its end,
@@ -170,8 +225,7 @@ class LaneBook:
         self.found = self.book.violations
         self.found.extend(found)
         self.run_index = marker.index
-        self.next_local = run.start
-        self.restart_at(run.start, run.carry)
+        self.enter(run)
         reported = len(self.found)
         for item in marker.replayed:
             if type(item) is not SampleRecord:

@@ -62,7 +62,7 @@ def _from_version_2(body: dict[str, Any]) -> dict[str, Any]:
         "version": STATE_VERSION,
         "layout": [{"lanes": body.get("lanes")}],
         "lane_states": [
-            {**lane, "run": None, "pending": []} if isinstance(lane, dict) else lane
+            {**lane, "held": None, "run": None, "pending": []} if isinstance(lane, dict) else lane
             for lane in lanes
         ]
         if isinstance(lanes, list)

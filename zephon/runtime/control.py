@@ -64,6 +64,22 @@ class OverClose:
         return f"OverClose({self.op!r})"
 
 
+class Holdings:
+    """A snapshot after a chunk: everything before it in the lane's stream has been emitted, and
+    the lane's stateful operators hold what ``ops`` says (``runtime.holdings``); a restore can
+    rebuild them and continue at lane-local chunk ``next_local`` of epoch ``epoch``."""
+
+    __slots__ = ("epoch", "next_local", "ops")
+
+    def __init__(self, next_local: int, epoch: int, ops: list[Any]):
+        self.next_local = next_local
+        self.epoch = epoch
+        self.ops = ops
+
+    def __repr__(self) -> str:
+        return f"Holdings(next={self.next_local})"
+
+
 class RunStart:
     """The lane starts run ``index`` of its program (after a re-laning: the chunks another lane
     had in flight, or its own). Delivery fills ``replayed`` with the items of the run that were

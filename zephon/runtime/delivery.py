@@ -207,6 +207,7 @@ class LaneDelivery:
             "count": count,
             "digest": f"{digest:016x}",
             "carry": book.carry,
+            "held": book.held_state(),
             "run": [run.gen, run.lane, run.end] if run.inherited else None,
             "pending": [encode_run(r) for r in book.runs[book.run_index + 1 :] if r.inherited],
         }
@@ -223,6 +224,7 @@ class LaneDelivery:
             monotone=self.book.monotone,
             per_epoch=plan.epoch_chunks,
             n_ops=len(plan.chain),
+            holdings=plan.restores_holdings,
         )
         self.restored_state = state
         self.delivered = checked["delivered"]
@@ -232,7 +234,8 @@ class LaneDelivery:
         runs: list[Run] = checked["runs"]
         first = runs[0]
         self.book.runs = runs
-        self.book.restart_at(first.start, first.carry)
+        self.book.layout = layout
+        self.book.enter(first)
         skip = 0
         cursor = first.cursor
         if cursor is not None:

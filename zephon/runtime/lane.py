@@ -20,7 +20,8 @@ from zephon._core.records import count_closing, next_control
 from zephon.errors import FetchError, OperatorError, ZephonError
 from zephon.ops.base import Operator, record_error
 from zephon.plan import Plan
-from zephon.runtime.control import ChunkOpened, EpochEnd, LaneEnd, OverClose, RunStart
+from zephon.runtime.control import ChunkOpened, EpochEnd, Holdings, LaneEnd, OverClose, RunStart
+from zephon.runtime.holdings import rebuild, snapshot_of
 from zephon.runtime.layout import Layout
 from zephon.types import SampleRecord
 
@@ -116,9 +117,13 @@ class LaneRunner:
         stop = geometry.total if run["end"] is None else run["end"]
         per_epoch = plan.epoch_chunks
         mb = plan.micro_batch
-        k = start = run["start"]
+        held = run.get("held")
+        k = start = run["start"] if held is None else held["next"]
         epoch = k // per_epoch
         self._start_epoch(epoch)
+        if held is not None:  # continue after a snapshot: the holders get their records back
+            self._closing_in = rebuild(self.ops, self.fetch, source, held["ops"], self.lane_id)
+        snapshots = plan.restores_holdings
         while stop is None or k < stop:
             position = geometry.position(k)
             chunk = source.chunk(position)
@@ -133,6 +138,8 @@ class LaneRunner:
                 if out:
                     yield out
                 begin = end
+            if snapshots and (k + 1) % per_epoch and (stop is None or k + 1 < stop):
+                yield [Holdings(k + 1, epoch, snapshot_of(self.ops))]
             k += 1
             if self.epoch_path and k % per_epoch == 0:
                 yield self._end_epoch(epoch)

@@ -175,7 +175,8 @@ class Run:
     """A stretch of one lane identity's local chunks: ``gen``/``lane`` say whose (its geometry
     and seeds), ``start``..``end`` which (``end`` None: to the lane's end), ``carry`` the
     operators' carry state at ``start``, and ``cursor``/``count``/``digest`` what was delivered
-    of it before the checkpoint (swallowed again when it is replayed)."""
+    of it before the checkpoint (since ``held``'s snapshot when there is one), swallowed again
+    when it is replayed."""
 
     gen: int
     lane: int
@@ -185,6 +186,8 @@ class Run:
     cursor: SampleCursor | None = None
     count: int = 0
     digest: int = 0
+    #: A snapshot to continue from instead of ``start`` (``runtime.holdings``; None: replay).
+    held: dict[str, Any] | None = None
 
     @property
     def inherited(self) -> bool:
@@ -199,4 +202,5 @@ class Run:
             "start": self.start,
             "end": self.end,
             "carry": self.carry,
+            "held": self.held,
         }

@@ -457,6 +457,7 @@ class Loader:
             "monotone": monotone,
             "per_epoch": plan.epoch_chunks,
             "n_ops": len(plan.chain),
+            "holdings": plan.restores_holdings,
         }
         checked = [
             check_lane_state(s, f"lane_states[{g}]", lane_id=g, **window)

@@ -53,7 +53,7 @@ def relane(
                 end = min(end, geometry.total)
             ends.append(end)
             handed.append(
-                [Run(gen, g, start, end, own.carry, own.cursor, own.count, own.digest)]
+                [Run(gen, g, start, end, own.carry, own.cursor, own.count, own.digest, own.held)]
                 if end > start
                 else []
             )
@@ -86,6 +86,7 @@ def relane(
                 "count": 0,
                 "digest": f"{0:016x}",
                 "carry": None,
+                "held": None,
                 "run": None,
                 "pending": [],
             }

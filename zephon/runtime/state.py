@@ -13,25 +13,14 @@ import re
 from typing import Any
 
 from zephon.errors import CheckpointCorruptError
+from zephon.runtime.holdings import unpack_cursors, unpack_ints, unpack_json
 from zephon.runtime.layout import LaneGeometry, Layout, Leftover, Run, lane_total
 from zephon.types import SampleCursor
 
 MAX_INT = (1 << 62) - 1  # larger numbers in a state are damage, not positions
-LANE_KEYS = frozenset(
-    {
-        "lane",
-        "finished",
-        "delivered",
-        "start",
-        "cursor",
-        "count",
-        "digest",
-        "carry",
-        "run",
-        "pending",
-    }
-)
-RUN_KEYS = frozenset({"run", "start", "cursor", "count", "digest", "carry"})
+# A replay window, and the run it belongs to (``pending`` lists runs of these fields).
+RUN_KEYS = frozenset({"run", "start", "cursor", "count", "digest", "carry", "held"})
+LANE_KEYS = RUN_KEYS | {"lane", "finished", "delivered", "pending"}
 COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "replayed")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
@@ -70,6 +59,7 @@ def encode_run(run: Run) -> dict[str, Any]:
         "count": run.count,
         "digest": f"{run.digest:016x}",
         "carry": run.carry,
+        "held": run.held,
     }
 
 
@@ -101,9 +91,11 @@ def check_window(
     monotone: bool,
     per_epoch: int,
     n_ops: int,
+    holdings: bool,
 ) -> tuple[int, SampleCursor | None, int, int]:
     """``(start, cursor, count, digest)`` of a replay window over ``geometry``'s local chunks
-    below ``limit`` (None: unbounded), every field checked (and the carry state's shape)."""
+    below ``limit`` (None: unbounded), every field checked (and the carry state's and the
+    snapshot's shape: ``holdings`` says whether the plan takes snapshots at all)."""
     end = limit if limit is not None else MAX_INT
     if not monotone and limit is not None:
         end = -(-limit // per_epoch) * per_epoch  # a last, partial epoch ends on a boundary
@@ -121,6 +113,11 @@ def check_window(
         )
     if cursor is None and int(digest, 16):
         raise corrupt(f"{where}.digest", "must be zero when nothing was delivered")
+    held = value["held"]
+    if held is not None:
+        if not holdings or monotone:
+            raise corrupt(f"{where}.held", "must be null: this pipeline restores by replay")
+        check_held(held, f"{where}.held", geometry, start, limit, per_epoch, n_ops)
     if cursor is not None:
         k = geometry.local_index(cursor.chunk_id)
         last = start + per_epoch - 1 if not monotone else end - 1
@@ -140,6 +137,50 @@ def check_window(
             if part is not None and type(part) is not dict:
                 raise corrupt(f"{where}.carry[{i}]", f"must be null or an object, got {part!r}")
     return start, cursor, count, int(digest, 16)
+
+
+def check_held(
+    held: Any,
+    where: str,
+    geometry: LaneGeometry,
+    start: int,
+    limit: int | None,
+    per_epoch: int,
+    n_ops: int,
+) -> int:
+    """A snapshot (``runtime.holdings``) inside the epoch that starts at ``start``: its next chunk
+    (returned), per operator its packed records, digest and state, and the open offsets of the
+    chunks before the next one; every part decoded and checked."""
+    if type(held) is not dict or set(held) != {"next", "ops", "open"}:
+        raise corrupt(where, "must be null or an object with the fields next, ops and open")
+    end = start + per_epoch if limit is None else min(start + per_epoch, limit)
+    if end - 1 < start + 1:
+        raise corrupt(where, "must be null: no snapshot is taken in an epoch of one chunk")
+    nxt = check_int(held["next"], f"{where}.next", start + 1, end - 1)
+    ops = held["ops"]
+    if type(ops) is not list or len(ops) != n_ops:
+        raise corrupt(f"{where}.ops", f"must be a list of {n_ops} entries")
+    positions = {geometry.position(k) for k in range(start, nxt)}
+    try:
+        for i, entry in enumerate(ops):
+            if entry is None:
+                continue
+            at = f"{where}.ops[{i}]"
+            if type(entry) is not dict or set(entry) != {"records", "digest", "state"}:
+                raise corrupt(at, "must be null or an object with records, digest and state")
+            if type(entry["digest"]) is not str or not _HEX16.fullmatch(entry["digest"]):
+                raise corrupt(f"{at}.digest", "must be 16 lower-case hex digits")
+            for chunk_id, _, _ in unpack_cursors(entry["records"]):
+                if chunk_id not in positions:
+                    raise corrupt(f"{at}.records", f"names chunk {chunk_id} outside the snapshot")
+            if type(unpack_json(entry["state"])) is not dict:
+                raise corrupt(f"{at}.state", "must hold an object")
+        pairs = unpack_ints(held["open"])
+    except ValueError as exc:
+        raise corrupt(where, str(exc)) from None
+    if len(pairs) % 2 or any(c not in positions for c in pairs[0::2].tolist()):
+        raise corrupt(f"{where}.open", "must be (chunk, offset) pairs of the snapshot's chunks")
+    return nxt
 
 
 def check_run(value: dict[str, Any], where: str, layout: Layout, **window: Any) -> Run:
@@ -165,7 +206,7 @@ def check_run(value: dict[str, Any], where: str, layout: Layout, **window: Any) 
     )
     if start >= end:
         raise corrupt(f"{where}.start", f"must be below the run's end {end}, got {start}")
-    return Run(gen, lane, start, end, value["carry"], cursor, count, digest)
+    return Run(gen, lane, start, end, value["carry"], cursor, count, digest, value["held"])
 
 
 def check_lane_state(
@@ -177,6 +218,7 @@ def check_lane_state(
     monotone: bool,
     per_epoch: int,
     n_ops: int,
+    holdings: bool = False,
 ) -> dict[str, Any]:
     """A lane's state with every field checked; ``runs`` is what the lane still has to run, in
     order: the inherited runs it is in or has yet to start, then its own chunks."""
@@ -190,7 +232,12 @@ def check_lane_state(
         raise corrupt(f"{where}.lane", f"must be {lane_id}, got {value['lane']!r}")
     finished = check_bool(value["finished"], f"{where}.finished")
     check_int(value["delivered"], f"{where}.delivered")
-    window: dict[str, Any] = {"monotone": monotone, "per_epoch": per_epoch, "n_ops": n_ops}
+    window: dict[str, Any] = {
+        "monotone": monotone,
+        "per_epoch": per_epoch,
+        "n_ops": n_ops,
+        "holdings": holdings,
+    }
     own = layout.geometry(layout.current, lane_id)
     pending = value["pending"]
     if type(pending) is not list:
@@ -225,9 +272,8 @@ def check_lane_state(
         total = own.total
         if finished and (cursor is not None or total is None or start < total):
             raise corrupt(f"{where}.finished", "is true for a lane that has chunks left")
-        runs.append(
-            Run(layout.current, lane_id, start, None, value["carry"], cursor, count, digest)
-        )
+        carry, held = value["carry"], value["held"]
+        runs.append(Run(layout.current, lane_id, start, None, carry, cursor, count, digest, held))
     return {**value, "runs": runs}
 
 

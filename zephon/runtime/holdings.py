@@ -1,0 +1,182 @@
+"""Restoring from what the stateful operators hold, instead of replaying their epoch.
+
+When every stateful operator of a plan can describe what it holds (``Operator.holdings``: the
+records it holds and small plain state), the lane runner sends a snapshot after each chunk that
+does not end an epoch: the chunk to continue from and, per operator, the cursors of its records
+and its state. Delivery keeps the last snapshot it booked, with the offsets of the epoch's
+chunks still open then, and counts its replay window from there. A restore re-reads exactly the
+held records' samples, runs them through the operators before their holder (which are pure, or
+pass records through unchanged), rebuilds the holders and continues; the replay is at most a
+chunk's worth of records, not an epoch's.
+
+A snapshot in a checkpoint is compact: cursors and offsets as zlib-compressed int64 arrays in
+base64, each operator's state as compressed JSON, and a digest of the held records' cursors that
+the rebuilt records must match.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from zephon._core.cursor import digest_cursors
+from zephon.errors import ReplayDivergenceError
+from zephon.ops.base import Operator
+from zephon.types import SampleCursor, SampleRecord
+
+MASK64 = (1 << 64) - 1
+
+
+def pack_ints(values: Sequence[int] | np.ndarray) -> str:
+    """Non-negative ints as base64 of zlib-compressed int64."""
+    raw = np.asarray(values, dtype=np.int64).tobytes()
+    return base64.b64encode(zlib.compress(raw, 6)).decode("ascii")
+
+
+def unpack_ints(text: Any) -> np.ndarray:
+    """What ``pack_ints`` made; ValueError for anything else."""
+    if type(text) is not str:
+        raise ValueError(f"not packed integers: {text!r}")
+    try:
+        raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
+    except (binascii.Error, zlib.error, UnicodeEncodeError) as exc:
+        raise ValueError(f"not packed integers ({exc})") from None
+    if len(raw) % 8:
+        raise ValueError("not packed integers (a partial int64)")
+    values = np.frombuffer(raw, dtype=np.int64)
+    if len(values) and int(values.min()) < 0:
+        raise ValueError("packed integers must be >= 0")
+    return values
+
+
+def pack_json(obj: Any) -> str:
+    return base64.b64encode(zlib.compress(json.dumps(obj, sort_keys=True).encode(), 6)).decode()
+
+
+def unpack_json(text: Any) -> Any:
+    if type(text) is not str:
+        raise ValueError(f"not packed JSON: {text!r}")
+    try:
+        return json.loads(zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True)))
+    except (binascii.Error, zlib.error, UnicodeEncodeError, ValueError) as exc:
+        raise ValueError(f"not packed JSON ({exc})") from None
+
+
+Key = tuple[int, int, tuple[int, ...]]  # a held record: chunk id, offset, lineage
+
+
+def pack_cursors(cursors: Sequence[SampleCursor]) -> str:
+    """Cursors without their sample ids (re-read from the chunk on restore): per cursor its chunk
+    id, offset, lineage length and lineage."""
+    flat: list[int] = []
+    for c in cursors:
+        flat += (c.chunk_id, c.chunk_offset, len(c.lineage), *c.lineage)
+    return pack_ints(flat)
+
+
+def unpack_cursors(text: Any) -> list[Key]:
+    flat = unpack_ints(text).tolist()
+    out: list[Key] = []
+    i = 0
+    while i < len(flat):
+        if i + 3 > len(flat) or i + 3 + flat[i + 2] > len(flat):
+            raise ValueError("packed cursors end inside a cursor")
+        n = flat[i + 2]
+        out.append((flat[i], flat[i + 1], tuple(flat[i + 3 : i + 3 + n])))
+        i += 3 + n
+    return out
+
+
+def snapshot_of(ops: Sequence[Operator]) -> list[dict[str, Any] | None]:
+    """Per operator, what it holds (``None`` for one that keeps no state)."""
+    out: list[dict[str, Any] | None] = []
+    for op in ops:
+        held = op.holdings() if op.traits.stateful else None
+        if held is None:
+            out.append(None)
+            continue
+        records, state = held
+        cursors = [rec.meta.cursor for rec in records]
+        out.append(
+            {
+                "records": pack_cursors(cursors),
+                "digest": f"{digest_cursors(cursors) & MASK64:016x}",
+                "state": pack_json(state),
+            }
+        )
+    return out
+
+
+def rebuild(
+    ops: list[Operator], fetch: Any, source: Any, held: list[Any], lane_id: int
+) -> list[int]:
+    """Give each holder among ``ops`` its records back: re-read their samples, run them through
+    the operators before it (pure ones; holders before it pass records through unchanged), and
+    ``restore_holdings``. Returns per operator how many closing contributors it now holds (the
+    lane's audit starts from there). ``ReplayDivergenceError`` when a record cannot be rebuilt as
+    it was."""
+    chunks: dict[int, Any] = {}
+    closing = [0] * len(ops)
+    for j, entry in enumerate(held):
+        if entry is None:
+            continue
+        wanted = unpack_cursors(entry["records"])
+        records = _reread(wanted, fetch, source, chunks)
+        for op in ops[:j]:
+            if not op.traits.stateful:
+                records = [r for r in op.process_many(records) if not r.meta.is_tombstone]
+        by_key = {_key(r.meta.cursor): r for r in records}
+        missing = [w for w in wanted if w not in by_key]
+        if missing:
+            raise _diverged(lane_id, ops[j], f"records {missing[:3]} could not be rebuilt")
+        mine = [by_key[w] for w in wanted]
+        got = f"{digest_cursors([r.meta.cursor for r in mine]) & MASK64:016x}"
+        if got != entry["digest"]:
+            raise _diverged(lane_id, ops[j], "the rebuilt records are not the ones it held")
+        try:
+            ops[j].restore_holdings(mine, unpack_json(entry["state"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _diverged(lane_id, ops[j], f"its state did not restore ({exc})") from exc
+        closing[j] = sum(
+            1 for rec in mine for ref in rec.meta.contribution_refs() if ref.is_last_child
+        )
+    return closing
+
+
+def _key(cursor: SampleCursor) -> Key:
+    return (cursor.chunk_id, cursor.chunk_offset, tuple(cursor.lineage))
+
+
+def _reread(
+    wanted: list[Key], fetch: Any, source: Any, chunks: dict[int, Any]
+) -> list[SampleRecord]:
+    """The samples behind ``wanted``, read chunk by chunk in one span each."""
+    by_chunk: dict[int, set[int]] = {}
+    for chunk_id, offset, _ in wanted:
+        by_chunk.setdefault(chunk_id, set()).add(offset)
+    out: list[SampleRecord] = []
+    for chunk_id in sorted(by_chunk):
+        offsets = by_chunk[chunk_id]
+        if chunk_id not in chunks:
+            chunks[chunk_id] = source.chunk(chunk_id).pointers
+        pointers = chunks[chunk_id]
+        lo, hi = min(offsets), max(offsets) + 1
+        if hi > len(pointers):
+            raise ValueError(f"chunk {chunk_id} has no offset {hi - 1}")
+        read = fetch.fetch(chunk_id, pointers[lo:hi], lo)
+        out += [r for r in read if r.meta.cursor.chunk_offset in offsets]
+    return out
+
+
+def _diverged(lane_id: int, op: Operator, why: str) -> ReplayDivergenceError:
+    return ReplayDivergenceError(
+        f"restoring what operator {op.name!r} held on lane {lane_id} failed: {why}. The data or "
+        "an operator before it is not what it was when the checkpoint was taken; the stream was "
+        "not resumed."
+    )
