@@ -153,6 +153,10 @@ def inspect_checkpoint(path: str | os.PathLike[str], out: Any = None) -> int:
                     f"{lane['start']}..{end - 1}), then {len(lane['pending'])} more taken-over "
                     "run(s) before its own chunks"
                 )
+            if lane.get("held") is not None:
+                where_lane += (
+                    f", rebuilds its operators from a snapshot at lane chunk {lane['held']['next']}"
+                )
             cursor = lane["cursor"]
             replay = (
                 f"replays {lane['count']} record(s) up to cursor {cursor}"
