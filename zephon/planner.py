@@ -201,7 +201,7 @@ class Pipeline:
             why = "every operator preserves cursor order and keeps no state"
         indexable = path == "monotone" and all(op.traits.preserves_indexability for op in chain)
 
-        parts = self._fingerprint_parts(n_lanes)
+        parts, described = self._fingerprint_parts(n_lanes)
         return Plan(
             source=self.source,
             fetch=fetch_op,
@@ -220,7 +220,9 @@ class Pipeline:
             rank=rank,
             world_size=world_size,
             fingerprint=_digest(parts),
-            fingerprint_parts=parts,
+            # The trees the digests are made of ride along (outside the fingerprint), so that a
+            # checkpoint of another pipeline can be told apart field by field.
+            fingerprint_parts={**parts, **described},
             batch_sensitive=any(op.traits.batch_sensitive for op in chain),
             counted_tags=tuple(dict.fromkeys(tag for op in ops for tag in op.counted_tags)),
             carry_warn_bytes=self.carry_warn_bytes,
@@ -228,16 +230,25 @@ class Pipeline:
             timeout=None if timeout is None else float(timeout),
         )
 
-    def _fingerprint_parts(self, lanes: int) -> dict[str, Any]:
+    def _fingerprint_parts(self, lanes: int) -> tuple[dict[str, Any], dict[str, Any]]:
         # The job's lane count is part of the stream's identity; the world size is not: the
-        # same lanes give the same global steps on any number of ranks.
-        return {
-            "source": _digest(identify(self.source.describe(), where="the source's describe()")),
-            "operators": _digest([op.describe() for op in self.ops]),
+        # same lanes give the same global steps on any number of ranks. Second: the described
+        # source and operators as plain JSON, or nothing when they are not plain JSON.
+        source = identify(self.source.describe(), where="the source's describe()")
+        operators = [op.describe() for op in self.ops]
+        parts = {
+            "source": _digest(source),
+            "operators": _digest(operators),
             "lanes": lanes,
             "epoch_chunks": self.epoch_chunks,
             "micro_batch": self.micro_batch,
         }
+        try:
+            tree = {"source": source, "operators": operators}
+            plain = json.loads(json.dumps(tree, sort_keys=True, default=str, allow_nan=False))
+        except (TypeError, ValueError):
+            return parts, {}
+        return parts, {"described": plain}
 
     @property
     def fingerprint(self) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from zephon.errors import CheckpointCorruptError, CheckpointMismatchError
+from zephon.runtime.identity_diff import first_difference
 
 STATE_FORMAT = "zephon-loader-state"  # one rank's state
 JOB_FORMAT = "zephon-job-state"  # every rank's lanes together (``merge_states``)
@@ -61,9 +62,11 @@ def check_identity(state: dict[str, Any], plan: Any) -> None:
         if key in ("lanes", "epoch_chunks", "micro_batch")
         else key
         for key, value in parts.items()
-        if saved.get(key) != value
+        if saved.get(key) != value and key != "described"
     ]
     differs += [f"{key} (checkpoint only)" for key in saved if key not in parts]
+    exact = first_difference(saved.get("described"), parts.get("described")) if differs else None
+    differs = [exact] if exact else differs
     if type(state.get("lanes")) is not int or state.get("lanes") != plan.lanes:
         differs.append(f"lanes (checkpoint {state.get('lanes')!r}, pipeline {plan.lanes!r})")
     if differs:
