@@ -52,6 +52,7 @@ import itertools
 import json
 import os
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -311,6 +312,8 @@ class ArrowSource(FileSource):
         self._reset_caches()
 
     def _reset_caches(self) -> None:
+        # Its own lock: metadata threads fill these while the caller holds the source's lock.
+        self._cache_lock = threading.Lock()
         self._groups: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
         self._parquet_meta: OrderedDict[int, Any] = OrderedDict()
         # Raw bytes of ranges fetched ahead of their read: (file, range) -> bytes, bounded by
@@ -441,7 +444,7 @@ class ArrowSource(FileSource):
             )
 
     def _remember_parquet_meta(self, i: int, md: Any) -> None:
-        with self._lock:
+        with self._cache_lock:
             self._parquet_meta[i] = md
             self._parquet_meta.move_to_end(i)
             while len(self._parquet_meta) > self.METADATA_CACHE:
@@ -569,7 +572,7 @@ class ArrowSource(FileSource):
             raise
 
     def _cached_group(self, i: int, g: int) -> pa.Table | None:
-        with self._lock:
+        with self._cache_lock:
             table = self._groups.get((i, g))
             if table is not None:
                 self._groups.move_to_end((i, g))
@@ -578,7 +581,7 @@ class ArrowSource(FileSource):
     def _cache_group(self, i: int, g: int, table: pa.Table) -> None:
         if self.GROUP_CACHE <= 0:
             return
-        with self._lock:
+        with self._cache_lock:
             self._groups[(i, g)] = table
             self._groups.move_to_end((i, g))
             while len(self._groups) > self.GROUP_CACHE:
@@ -625,7 +628,7 @@ class ArrowSource(FileSource):
             picked = np.flatnonzero((info.roles == _COLUMN) & (info.range_groups == g))
             if wanted_cols is not None:
                 picked = [k for k in picked if int(info.range_columns[k]) in wanted_cols]
-            with self._lock:
+            with self._cache_lock:
                 fresh = [int(k) for k in picked if (i, int(k)) not in self._ahead]
             cost = sum(int(info.table.lengths[k]) for k in fresh)
             if g not in groups and cost > budget:
@@ -648,7 +651,7 @@ class ArrowSource(FileSource):
             self._keep_ahead(i, k, data)
 
     def _keep_ahead(self, i: int, k: int, data: bytes) -> None:
-        with self._lock:
+        with self._cache_lock:
             self._ahead[(i, k)] = data
             self._ahead_bytes += len(data)
             while self._ahead_bytes > max(self.readahead, len(data)) and self._ahead:
@@ -657,7 +660,7 @@ class ArrowSource(FileSource):
 
     def take_ahead(self, i: int, k: int) -> bytes | None:
         """The raw bytes of range ``k`` of file ``i`` when read-ahead fetched them (once)."""
-        with self._lock:
+        with self._cache_lock:
             data = self._ahead.pop((i, k), None)
             if data is not None:
                 self._ahead_bytes -= len(data)
@@ -665,7 +668,8 @@ class ArrowSource(FileSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        del state["_groups"], state["_parquet_meta"], state["_ahead"], state["_ahead_bytes"]
+        for key in ("_groups", "_parquet_meta", "_ahead", "_ahead_bytes", "_cache_lock"):
+            del state[key]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -730,7 +734,7 @@ class _GroupReader:
         import pyarrow.parquet as pq
 
         source = self.source
-        with source._lock:
+        with source._cache_lock:
             md = source._parquet_meta.get(self.i)
         if md is None:
             md = _parquet_footer(self.file, self.info.size)[1]
