@@ -86,13 +86,17 @@ def _files(a: list[Any], b: list[Any], where: str) -> str:
         return f"{where}: file {added[0]!r} is in the pipeline but not in the checkpoint"
     if na != nb:
         return f"{where}: the same files in another order (checkpoint {_show(na)})"
+    order = ("rows", "lines", "size", "groups", "format", "footer", "content_sha256")
     for x, y in zip(a, b, strict=True):
         if x != y:
-            for key in [*x, *(k for k in y if k not in x)]:
-                if x.get(key) != y.get(key):
-                    what = {"footer": "footer (its content or row groups)"}.get(key, key)
-                    return (
-                        f"{where}: file {x['name']!r} changed: {what} "
-                        f"checkpoint {_show(x.get(key))}, pipeline {_show(y.get(key))}"
-                    )
+            keys = sorted({*x, *y}, key=lambda k: (order.index(k) if k in order else len(order), k))
+            changes = [
+                f"{'footer (its content or row groups)' if k == 'footer' else k} "
+                f"{_show(x.get(k))} -> {_show(y.get(k))}"
+                for k in keys
+                if x.get(k) != y.get(k)
+            ]
+            return f"{where}: file {x['name']!r} changed (checkpoint -> pipeline): " + ", ".join(
+                changes
+            )
     return f"{where}: differs"

@@ -74,3 +74,16 @@ class HFDatasetSource(ArrowSource):
             passes=passes,
             index_dir=index_dir,
         )
+        self.expected_rows = int(dataset.num_rows)
+
+    def load_metadata(self) -> list[int]:
+        """``ArrowSource``'s, checking that the cache files hold exactly the dataset's rows (a
+        contiguous ``select`` or a slice shares the files of the whole dataset)."""
+        counts = super().load_metadata()
+        if sum(counts) != self.expected_rows:
+            raise ValueError(
+                f"HFDatasetSource: the dataset has {self.expected_rows} rows but its cache files "
+                f"hold {sum(counts)} (a slice or select of a bigger dataset); call "
+                "dataset.flatten_indices() or save_to_disk() it first"
+            )
+        return counts
