@@ -627,7 +627,9 @@ class ArrowSource(FileSource):
         for g in [*groups, *range(groups[-1] + 1, last)]:
             picked = np.flatnonzero((info.roles == _COLUMN) & (info.range_groups == g))
             if wanted_cols is not None:
-                picked = [k for k in picked if int(info.range_columns[k]) in wanted_cols]
+                picked = np.array(
+                    [k for k in picked if int(info.range_columns[k]) in wanted_cols], dtype=np.int64
+                )
             with self._cache_lock:
                 fresh = [int(k) for k in picked if (i, int(k)) not in self._ahead]
             cost = sum(int(info.table.lengths[k]) for k in fresh)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from zephon.errors import FetchError
 
 if TYPE_CHECKING:
-    import pyarrow.fs as pafs
+    pass
 
 __all__ = ["DataFile", "Locations", "default_cache_dir", "parse_locations"]
 
@@ -146,7 +146,7 @@ class Locations:
                 out.append(DataFile(path, self.uri(path), name, size, mtime))
         return self.uri(root), out
 
-    def open_random(self, path: str) -> pafs.NativeFile:  # type: ignore[name-defined]
+    def open_random(self, path: str) -> Any:
         """``path`` opened for random access: a memory map for local files."""
         if self.is_local:
             import pyarrow as pa
