@@ -1,5 +1,19 @@
-"""Test-suite settings: hypothesis runs derandomized so every run checks the same examples."""
+"""Test-suite settings: hypothesis runs derandomized so every run checks the same examples; a
+private metadata cache per test; a real S3-compatible server (moto's server mode) on loopback,
+with a proxy in front of it that can fail requests."""
 
+from __future__ import annotations
+
+import http.client
+import http.server
+import logging
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -10,3 +24,161 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("zephon")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch) -> Path:
+    """Each test's metadata cache (``$ZEPHON_CACHE_DIR``) is its own, never ``~/.cache``."""
+    where = tmp_path_factory.mktemp("zephon-cache")
+    monkeypatch.setenv("ZEPHON_CACHE_DIR", str(where))
+    return where
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """``http://127.0.0.1:PORT`` of a moto S3 server started for the session, stopped after."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+class FailingProxy:
+    """A loopback HTTP proxy in front of the S3 server: it answers the next ``fail`` requests
+    with 503 SlowDown and forwards every other one; it counts what it saw."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream.removeprefix("http://")
+        self.fail = 0
+        self.requests: list[str] = []
+        self.failed = 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self) -> None:
+                # One request per connection: once stopped, nothing is served on a kept one.
+                self.close_connection = True
+                proxy.requests.append(f"{self.command} {self.path}")
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if proxy.fail > 0:
+                    proxy.fail -= 1
+                    proxy.failed += 1
+                    reply = (
+                        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                        b"<Message>Please reduce your request rate.</Message></Error>"
+                    )
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(reply)
+                    return
+                conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                    headers["Host"] = proxy.upstream
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                keep_length = self.command == "HEAD"  # a HEAD reply says the object's length
+                for k, v in resp.getheaders():
+                    if k.lower() in ("transfer-encoding", "connection"):
+                        continue
+                    if k.lower() == "content-length" and not keep_length:
+                        continue
+                    self.send_header(k, v)
+                if not keep_length:
+                    self.send_header("Content-Length", str(len(data)))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        self.port = free_port()
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, name="test-s3-proxy")
+        self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.server.shutdown()
+            self.server.server_close()
+            self.thread.join(10)
+
+
+class Bucket:
+    """A fresh bucket on the S3 server and the environment pointing pyarrow at it."""
+
+    def __init__(self, endpoint: str, monkeypatch: pytest.MonkeyPatch):
+        import pyarrow.fs as pafs
+
+        self.name = f"b-{uuid.uuid4().hex[:12]}"
+        self.monkeypatch = monkeypatch
+        self.point_at(endpoint)
+        self.fs = pafs.S3FileSystem(endpoint_override=endpoint, allow_bucket_creation=True)
+        self.fs.create_dir(self.name)
+
+    def point_at(self, endpoint: str) -> None:
+        """Sources built from now on reach the server through ``endpoint``."""
+        for key, value in (
+            ("AWS_ACCESS_KEY_ID", "testing"),
+            ("AWS_SECRET_ACCESS_KEY", "testing"),
+            ("AWS_REGION", "us-east-1"),
+            ("AWS_EC2_METADATA_DISABLED", "true"),
+            ("AWS_ENDPOINT_URL", endpoint),
+        ):
+            self.monkeypatch.setenv(key, value)
+        self.monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+
+    def upload(self, local: Path, prefix: str) -> str:
+        """Copy every file below ``local`` to ``s3://bucket/prefix/...``; that URI."""
+        for path in sorted(local.rglob("*")):
+            if path.is_file() and not path.name.endswith((".zsum", ".zidx")):
+                key = f"{self.name}/{prefix}/{path.relative_to(local).as_posix()}"
+                with self.fs.open_output_stream(key) as out:
+                    out.write(path.read_bytes())
+        return f"s3://{self.name}/{prefix}"
+
+
+@pytest.fixture
+def bucket(moto_endpoint, monkeypatch) -> Bucket:
+    return Bucket(moto_endpoint, monkeypatch)
+
+
+@pytest.fixture
+def failing_proxy(moto_endpoint) -> Iterator[FailingProxy]:
+    proxy = FailingProxy(moto_endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

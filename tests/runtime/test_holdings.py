@@ -12,6 +12,7 @@ import pytest
 from pipeline_kit import WindowShuffle, assert_resumes_at, fingerprint_item, run
 
 import zephon
+from zephon.compact import pack_ints, unpack_ints
 from zephon.errors import ReplayDivergenceError
 from zephon.ops import (
     Operator,
@@ -23,7 +24,7 @@ from zephon.ops import (
     shuffle,
     tokenize,
 )
-from zephon.runtime.holdings import pack_cursors, pack_ints, unpack_cursors, unpack_ints
+from zephon.runtime.holdings import pack_cursors, unpack_cursors
 from zephon.sources.memory import ListSource
 from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleCursor

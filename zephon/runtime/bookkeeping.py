@@ -19,11 +19,11 @@ import numpy as np
 
 from zephon._core.chunk_table import EVICTED, ChunkTable
 from zephon._core.delivery import DeliveryBook, DeliveryCounters
+from zephon.compact import pack_ints, unpack_ints
 from zephon.errors import CarryStateWarning, ContractViolation
 from zephon.plan import Plan
 from zephon.runtime.contracts import Violation
 from zephon.runtime.control import ChunkOpened, EpochEnd, Holdings, OverClose, RunStart
-from zephon.runtime.holdings import pack_ints, unpack_ints
 from zephon.runtime.lane import operator_labels
 from zephon.runtime.layout import Layout, Run
 from zephon.types import SampleCursor, SampleRecord

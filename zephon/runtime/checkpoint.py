@@ -9,8 +9,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from zephon.compact import unpack_json
 from zephon.errors import CheckpointCorruptError, CheckpointMismatchError
 from zephon.plan import digest
+from zephon.runtime.identity_diff import first_difference
 
 STATE_FORMAT = "zephon-loader-state"  # one rank's state
 JOB_FORMAT = "zephon-job-state"  # every rank's lanes together (``merge_states``)
@@ -82,9 +84,15 @@ def check_identity(state: dict[str, Any], plan: Any, *, relane: bool = False) ->
         if key in ("lanes", "epoch_chunks", "micro_batch")
         else key
         for key, value in parts.items()
-        if saved.get(key) != value and not (relane and key == "lanes")
+        if saved.get(key) != value and key != "described" and not (relane and key == "lanes")
     ]
-    differs += [f"{key} (checkpoint only)" for key in saved if key not in parts]
+    differs += [
+        f"{key} (checkpoint only)" for key in saved if key not in parts and key != "described"
+    ]
+    if any(part in ("source", "operators") for part in differs):
+        exact = first_difference(_described(saved), _described(parts))
+        if exact:
+            differs = [exact, *(p for p in differs if p not in ("source", "operators"))]
     lanes = state.get("lanes")
     if type(lanes) is not int or (lanes != plan.lanes and not relane):
         differs.append(f"lanes (checkpoint {lanes!r}, pipeline {plan.lanes!r})")
@@ -98,10 +106,19 @@ def check_identity(state: dict[str, Any], plan: Any, *, relane: bool = False) ->
             + " differ"
             + hint
         )
-    if saved.get("lanes") != lanes or state.get("fingerprint") != digest(saved):
+    identity = {k: v for k, v in saved.items() if k != "described"}
+    if saved.get("lanes") != lanes or state.get("fingerprint") != digest(identity):
         raise CheckpointCorruptError(
             "loader state fingerprint does not match its own pipeline description: it was edited"
         )
+
+
+def _described(parts: dict[str, Any]) -> Any:
+    """The described source and operators a fingerprint's parts carry (None when absent)."""
+    try:
+        return unpack_json(parts.get("described")) if "described" in parts else None
+    except ValueError:
+        return None
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from zephon.compact import unpack_ints, unpack_json
 from zephon.errors import CheckpointCorruptError
-from zephon.runtime.holdings import unpack_cursors, unpack_ints, unpack_json
+from zephon.runtime.holdings import unpack_cursors
 from zephon.runtime.layout import LaneGeometry, Layout, Leftover, Run, lane_total
 from zephon.types import SampleCursor
 

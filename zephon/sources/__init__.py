@@ -3,6 +3,7 @@
 from zephon.sources.arrow import ArrowSource
 from zephon.sources.base import IndexedSource, WorkSource
 from zephon.sources.files import FileSource
+from zephon.sources.hf import HFDatasetSource
 from zephon.sources.jsonl import JsonlSource
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
@@ -10,6 +11,7 @@ from zephon.sources.mixture import MixtureSource
 __all__ = [
     "ArrowSource",
     "FileSource",
+    "HFDatasetSource",
     "IndexedSource",
     "JsonlSource",
     "ListSource",

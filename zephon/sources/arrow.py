@@ -46,10 +46,13 @@ pyarrow, Unicode, key or index error escapes bare.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
+import json
 import os
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -62,9 +65,9 @@ from zephon.sources.files import (
     FileSource,
     PathsArg,
     digest,
-    read_sidecar,
-    write_sidecar,
+    load_sidecar,
 )
+from zephon.validation import check_int
 
 if TYPE_CHECKING:  # pyarrow is imported when a file is first touched, not with zephon.sources
     import pyarrow as pa
@@ -78,7 +81,7 @@ _KINDS = (PARQUET, IPC_FILE, IPC_STREAM)
 
 # What a digested range of a file holds (one role per range in a _FileInfo).
 _FOOTER, _SCHEMA, _DICTIONARY, _BATCH, _COLUMN = range(5)
-_ZSUM_TAG = b"ZEPHSUM1"
+_ZSUM_TAG = b"ZEPHSUM2"
 
 #: Besides pyarrow.ArrowException: what reading a malformed file raises (UnicodeDecodeError is a
 #: ValueError); each becomes a FetchError naming the file.
@@ -202,20 +205,28 @@ class _FileInfo:
         """The sidecar form: kind and group count, group rows, the table, roles, groups, columns."""
         meta = np.array([_KINDS.index(self.kind), len(self.group_ends)], dtype=np.int64)
         rows = np.asarray(self.group_rows(), dtype=np.int64)
-        extra = [self.roles, self.range_groups, self.range_columns]
-        return [meta, rows, *self.table.sections(), *extra]
+        extra = [self.roles, self.range_groups, self.range_columns, self.table.known_section()]
+        names = json.dumps([list(self.columns), list(self.labels)]).encode()
+        packed = np.frombuffer(names + b" " * (-len(names) % 8), dtype=np.int64)
+        return [meta, rows, *self.table.sections(), *extra, packed]
 
     @classmethod
     def from_sections(
         cls, sections: list[np.ndarray], size: int, mtime_ns: int
     ) -> _FileInfo | None:
         """The info a sidecar holds, or None when its sections are not a consistent table."""
-        if len(sections) != 8 or len(sections[0]) != 2:
+        if len(sections) != 10 or len(sections[0]) != 2:
             return None
-        (kind, groups), rows, starts, lengths, digests, roles, range_groups, columns = (
-            np.array(s) for s in sections
+        (kind, groups), rows, starts, lengths, digests, roles, range_groups, columns, known = (
+            np.array(s) for s in sections[:9]
         )
-        table = DigestTable(starts, lengths, digests)
+        try:
+            names, labels = json.loads(np.asarray(sections[9]).tobytes().decode())
+        except (ValueError, TypeError):
+            return None
+        if len(known) != len(starts):
+            return None
+        table = DigestTable(starts, lengths, digests, known != 0)
         n = len(table)
         if not 0 <= kind < len(_KINDS) or groups != len(rows) or (rows < 0).any():
             return None
@@ -226,7 +237,22 @@ class _FileInfo:
             return None
         if n and (roles.min() < _FOOTER or roles.max() > _COLUMN or range_groups.max() >= groups):
             return None
-        return cls(_KINDS[kind], size, mtime_ns, rows, table, roles, range_groups, columns)
+        info = cls(_KINDS[kind], size, mtime_ns, rows, table, roles, range_groups, columns)
+        info.columns = tuple(str(n) for n in names)
+        info.labels = tuple(str(n) for n in labels)
+        return info
+
+    def anchor_range(self) -> int:
+        """The range holding the footer (an IPC stream: its schema message)."""
+        return self.first_range(_SCHEMA if self.kind == IPC_STREAM else _FOOTER)
+
+    def layout_digest(self) -> str:
+        """What identifies the file's content without reading its data: the digest of its footer
+        (an IPC stream: of its schema message) and the row count of every group."""
+        h = hashlib.sha256(b"zephon footer 1")
+        h.update(int(self.table.digests[self.anchor_range()]).to_bytes(8, "little", signed=True))
+        h.update(np.ascontiguousarray(self.group_ends, dtype="<i8").tobytes())
+        return h.hexdigest()[:32]
 
 
 class ArrowSource(FileSource):
@@ -243,6 +269,7 @@ class ArrowSource(FileSource):
     GROUP_CACHE = 2
     #: Parsed Parquet footers kept; an evicted one is read again from the file when needed.
     METADATA_CACHE = 8
+    SUFFIXES = (".parquet", ".pq", ".arrow", ".feather", ".ipc", ".arrows")
 
     def __init__(
         self,
@@ -255,7 +282,12 @@ class ArrowSource(FileSource):
         seed: int = 0,
         passes: int | None = 1,
         index_dir: str | os.PathLike[str] | None = None,
+        filesystem: Any = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        readahead: int = 64 << 20,
+        threads: int = 16,
     ) -> None:
+        self.readahead = check_int(readahead, "readahead", "ArrowSource", minimum=0)
         if columns is not None:
             if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
                 raise TypeError(
@@ -272,21 +304,29 @@ class ArrowSource(FileSource):
             seed=seed,
             passes=passes,
             index_dir=index_dir,
+            filesystem=filesystem,
+            cache_dir=cache_dir,
+            threads=threads,
         )
         self._infos: list[_FileInfo] = []
         self._reset_caches()
 
     def _reset_caches(self) -> None:
+        # Its own lock: metadata threads fill these while the caller holds the source's lock.
+        self._cache_lock = threading.Lock()
         self._groups: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
         self._parquet_meta: OrderedDict[int, Any] = OrderedDict()
+        # Raw bytes of ranges fetched ahead of their read: (file, range) -> bytes, bounded by
+        # ``readahead`` bytes in total; each is checked against its digest when it is used.
+        self._ahead: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self._ahead_bytes = 0
 
     # --------------------------------------------------------------------- files
     def open_file(self, path: str) -> pa.NativeFile:
-        """Open ``path`` for random-access reading (memory-mapped); every byte the source reads
-        goes through the file returned here (a subclass may wrap it, e.g. to count I/O)."""
-        import pyarrow as pa
-
-        return pa.memory_map(path, "r")
+        """Open ``path`` (a path on the source's filesystem) for random-access reading (a memory
+        map for local files); every byte the source reads goes through the file returned here (a
+        subclass may wrap it, e.g. to count I/O)."""
+        return self._locations.open_random(path)
 
     def file_format(self, file_index: int) -> str:
         """``"parquet"``, ``"arrow_file"`` or ``"arrow_stream"``: the detected format of a file."""
@@ -306,32 +346,43 @@ class ArrowSource(FileSource):
 
     # --------------------------------------------------------------------- metadata
     def load_metadata(self) -> list[int]:
-        """Read every file's footer and digest table (building the table on first sight) and
-        check ``columns`` against it; row counts per file."""
-        infos = []
-        for i, path in enumerate(self.paths):
-            try:
-                f = self.open_file(path)
-            except OSError as exc:
-                raise self.os_error(exc, i) from exc
-            try:
-                info = self._scan(i, f)
-            finally:
-                f.close()
+        """Read every file's footer (in parallel for remote data, each retried on transient
+        errors) or trust its cached metadata, and check ``columns`` against it; row counts per
+        file."""
+
+        def one(i: int) -> _FileInfo:
+            info: _FileInfo = self.with_retries(
+                lambda: self._scan(i),
+                lambda: f"ArrowSource cannot read the metadata of {self.paths[i]!r}",
+            )
             if self.columns is not None:
                 missing = [c for c in self.columns if c not in info.columns]
                 if missing:
                     raise self.fetch_error(
                         i, f"it has no column(s) {missing} (its columns: {list(info.columns)})"
                     )
-            infos.append(info)
+            return info
+
+        infos = self.parallel(one, range(len(self.files())))
         self._infos = infos
         return [info.num_rows for info in infos]
 
-    def _scan(self, i: int, f: pa.NativeFile) -> _FileInfo:
-        path = self.paths[i]
+    def _scan(self, i: int) -> _FileInfo:
+        """File ``i``'s info: its cached one when it was stored for this size and mtime (no
+        I/O), else from its footer, keeping the cached digests when the footer is the same (a
+        touched or copied file), else new: digested in full for a local file, learned range by
+        range as they are read for remote data."""
+        entry = self.files()[i]
+        size, mtime_ns = entry.size, entry.mtime_ns or 0
+        cached, cached_mtime, where = self._cached(i, size)
+        if cached is not None and cached_mtime == mtime_ns:
+            cached.location = where
+            return cached
         try:
-            mtime_ns = os.stat(path).st_mtime_ns
+            f = self.open_file(entry.path)
+        except OSError as exc:
+            raise self.os_error(exc, i) from exc
+        try:
             size = f.size()
             head = _read(f, 0, min(8, size)).to_pybytes()
             if head[:4] == b"PAR1":
@@ -345,25 +396,55 @@ class ArrowSource(FileSource):
                     f"not a Parquet or Arrow IPC file (starts with {head!r}; expected b'PAR1', "
                     "b'ARROW1' or an IPC stream continuation marker)"
                 )
-            where = self.sidecar_path(i, ".zsum")
-            info = _cached_info(where, layout, size, mtime_ns)
+            info = None if cached is None else _agreeing(cached, layout)
             if info is None:
-                info = _digest_file(f, layout, size, mtime_ns)
-                info.location = write_sidecar(where, _ZSUM_TAG, size, mtime_ns, info.sections())
+                if layout.kind == PARQUET and not self.is_local:
+                    info = _lazy_parquet_info(layout, size, mtime_ns)
+                else:
+                    info = _digest_file(f, layout, size, mtime_ns)
+            info.mtime_ns = mtime_ns
+            info.columns = layout.columns
+            info.labels = layout.labels
+            info.location = self.store_sidecar(
+                i, ".zsum", _ZSUM_TAG, size, mtime_ns, info.sections()
+            )
+            info.table.dirty = False
         except _CorruptFile as exc:
             raise self.fetch_error(i, str(exc)) from None
         except OSError as exc:
             raise self.os_error(exc, i) from exc
         except _malformed() as exc:
             raise self.fetch_error(i, f"corrupt metadata: {type(exc).__name__}: {exc}") from exc
+        finally:
+            f.close()
         if layout.metadata is not None:
             self._remember_parquet_meta(i, layout.metadata)
-        info.columns = layout.columns
-        info.labels = layout.labels
         return info
 
-    def _remember_parquet_meta(self, i: int, md: Any) -> None:
+    def _cached(self, i: int, size: int) -> tuple[_FileInfo | None, int, str | None]:
+        # The first intact stored info of file i for this size: (info, its mtime, where).
+        for where in self.sidecar_candidates(i, ".zsum"):
+            found = load_sidecar(where, _ZSUM_TAG, size)
+            if found is None:
+                continue
+            info = _FileInfo.from_sections(found[0], size, found[1])
+            if info is not None:
+                return info, found[1], where
+        return None, 0, None
+
+    def _store(self, i: int) -> None:
+        # Store what reads learned of file i's digests (under the lock: one writer at a time).
         with self._lock:
+            info = self._infos[i]
+            if not info.table.dirty:
+                return
+            info.table.dirty = False
+            info.location = self.store_sidecar(
+                i, ".zsum", _ZSUM_TAG, info.size, info.mtime_ns, info.sections()
+            )
+
+    def _remember_parquet_meta(self, i: int, md: Any) -> None:
+        with self._cache_lock:
             self._parquet_meta[i] = md
             self._parquet_meta.move_to_end(i)
             while len(self._parquet_meta) > self.METADATA_CACHE:
@@ -377,6 +458,33 @@ class ArrowSource(FileSource):
         rows: np.ndarray,
         local: np.ndarray,
         out: list[Any],
+    ) -> None:
+        # Remote data: the whole file's part of the read is attempted again on a transient
+        # error; what fails past the budget names the URI, the group and the pointer.
+        at: list[Any] = [rows[positions[0]], 0]
+
+        def what() -> str:
+            info = self._infos[i]
+            return (
+                f"ArrowSource cannot read pointer {tuple(int(v) for v in at[0])} from "
+                f"{self.paths[i]!r}: {_group_name(info, at[1])}"
+            )
+
+        try:
+            self.with_retries(
+                lambda: self._read_file_once(i, positions, rows, local, out, at), what
+            )
+        finally:
+            self._store(i)
+
+    def _read_file_once(
+        self,
+        i: int,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        local: np.ndarray,
+        out: list[Any],
+        at: list[Any],
     ) -> None:
         info = self._infos[i]
         names = self.columns if self.columns is not None else info.columns
@@ -392,9 +500,11 @@ class ArrowSource(FileSource):
             ):
                 pointer = rows[sel[0]]
                 g = int(in_group[0])
+                at[0], at[1] = pointer, g
                 table = self._cached_group(i, g)
                 if table is None:
                     if reader is None:
+                        self._read_ahead(i, [int(v) for v in np.unique(groups)])
                         reader = self._open_checked(i, pointer)
                     table = reader.read_group(g)
                     expected = int(info.group_ends[g] - group_starts[g])
@@ -430,23 +540,22 @@ class ArrowSource(FileSource):
                 reader.close()
 
     def _rebuild_hint(self, i: int) -> str:
-        # A file changed without a new mtime still matches its cached digests by size and mtime:
-        # a new source would trust them, so the sidecar has to go first.
+        # The cached digests are kept while the footer is unchanged (whatever the mtime), so a
+        # new source would refuse the file again: the cache entry has to go first. The
+        # fingerprint is made of the footer, so a rewrite that kept it resumes old checkpoints.
         info = self._infos[i]
-        new_source = "build a new source (its fingerprint will differ from old checkpoints)"
-        try:
-            same_mtime = os.stat(self.paths[i]).st_mtime_ns == info.mtime_ns
-        except OSError:
-            same_mtime = False
-        if info.location is not None and same_mtime:
-            return f"its size and mtime did not change: delete {info.location!r}, then {new_source}"
-        return new_source
+        if info.location is not None:
+            return (
+                f"if the new content is intended, delete {info.location!r} (its cached digests), "
+                "then build a new source"
+            )
+        return "build a new source"
 
     def _open_checked(self, i: int, pointer: np.ndarray) -> _GroupReader:
         """Open file ``i`` for group reads, after checking it still has the size its digests
         were taken at (every range read is then checked against its digest)."""
         info = self._infos[i]
-        f = self.open_file(self.paths[i])
+        f = self.open_file(self.files()[i].path)
         try:
             size = f.size()
             if size != info.size:
@@ -463,7 +572,7 @@ class ArrowSource(FileSource):
             raise
 
     def _cached_group(self, i: int, g: int) -> pa.Table | None:
-        with self._lock:
+        with self._cache_lock:
             table = self._groups.get((i, g))
             if table is not None:
                 self._groups.move_to_end((i, g))
@@ -472,33 +581,97 @@ class ArrowSource(FileSource):
     def _cache_group(self, i: int, g: int, table: pa.Table) -> None:
         if self.GROUP_CACHE <= 0:
             return
-        with self._lock:
+        with self._cache_lock:
             self._groups[(i, g)] = table
             self._groups.move_to_end((i, g))
             while len(self._groups) > self.GROUP_CACHE:
                 self._groups.popitem(last=False)
 
     def describe(self) -> dict[str, Any]:
-        """Class, chunking/shuffle parameters, paths, columns, and per file its format, size, row
-        count, group count and the sha256 of its digest table (content-based, so a copied dataset
-        keeps its identity and a file changed anywhere does not)."""
+        """Class, chunking/shuffle parameters, columns, and per file its name relative to the
+        dataset root, format, size, row count, group count and the digest of its footer and
+        group layout: no absolute path, scheme or mtime, so the same files moved or copied to a
+        bucket keep the identity, and a file rewritten, grown, added or removed does not."""
         out = self._describe_files()
         out["columns"] = None if self.columns is None else list(self.columns)
         out["files"] = [
             {
+                "name": entry.name,
                 "format": info.kind,
                 "size": info.size,
                 "rows": info.num_rows,
                 "groups": len(info.group_ends),
-                "content_sha256": info.identity,
+                "footer": info.layout_digest(),
             }
-            for info in self._infos
+            for entry, info in zip(self.files(), self._infos, strict=True)
         ]
         return out
 
+    def _read_ahead(self, i: int, groups: list[int]) -> None:
+        """Fetch, concurrently, the raw ranges (projected columns only) of the remote Parquet
+        groups this read needs and of the groups after them, up to ``readahead`` bytes in
+        all; reads then take them from memory (each still checked against its digest)."""
+        info = self._infos[i]
+        if self.is_local or info.kind != PARQUET or self.readahead <= 0 or not groups:
+            return
+        wanted_cols = None
+        if self.columns is not None:
+            wanted_cols = {
+                c
+                for c, label in enumerate(info.labels)
+                if any(label == n or label.startswith(n + ".") for n in self.columns)
+            }
+        ranges: list[int] = []
+        budget = self.readahead
+        last = len(info.group_ends)
+        for g in [*groups, *range(groups[-1] + 1, last)]:
+            picked = np.flatnonzero((info.roles == _COLUMN) & (info.range_groups == g))
+            if wanted_cols is not None:
+                picked = np.array(
+                    [k for k in picked if int(info.range_columns[k]) in wanted_cols], dtype=np.int64
+                )
+            with self._cache_lock:
+                fresh = [int(k) for k in picked if (i, int(k)) not in self._ahead]
+            cost = sum(int(info.table.lengths[k]) for k in fresh)
+            if g not in groups and cost > budget:
+                break
+            budget -= cost
+            ranges += fresh
+        if not ranges:
+            return
+        path = self.files()[i].path
+
+        def fetch_range(k: int) -> tuple[int, bytes]:
+            a, b = info.table.span(k)
+            f = self.open_file(path)
+            try:
+                return k, f.read_at(b - a, a)
+            finally:
+                f.close()
+
+        for k, data in self.parallel(fetch_range, ranges):
+            self._keep_ahead(i, k, data)
+
+    def _keep_ahead(self, i: int, k: int, data: bytes) -> None:
+        with self._cache_lock:
+            self._ahead[(i, k)] = data
+            self._ahead_bytes += len(data)
+            while self._ahead_bytes > max(self.readahead, len(data)) and self._ahead:
+                _, old = self._ahead.popitem(last=False)
+                self._ahead_bytes -= len(old)
+
+    def take_ahead(self, i: int, k: int) -> bytes | None:
+        """The raw bytes of range ``k`` of file ``i`` when read-ahead fetched them (once)."""
+        with self._cache_lock:
+            data = self._ahead.pop((i, k), None)
+            if data is not None:
+                self._ahead_bytes -= len(data)
+            return data
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        del state["_groups"], state["_parquet_meta"]
+        for key in ("_groups", "_parquet_meta", "_ahead", "_ahead_bytes", "_cache_lock"):
+            del state[key]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -520,7 +693,10 @@ class _GroupReader:
         self.source = source
         self.i = i
         self.info = source._infos[i]
-        self.file = pa.PythonFile(_CheckedFile(f, self.info.table, self.info.size), mode="r")
+        checked = _CheckedFile(
+            f, self.info.table, self.info.size, lambda k: source.take_ahead(i, k)
+        )
+        self.file = pa.PythonFile(checked, mode="r")
         self._impl: Any = None
 
     def read_group(self, g: int) -> pa.Table:
@@ -560,7 +736,7 @@ class _GroupReader:
         import pyarrow.parquet as pq
 
         source = self.source
-        with source._lock:
+        with source._cache_lock:
             md = source._parquet_meta.get(self.i)
         if md is None:
             md = _parquet_footer(self.file, self.info.size)[1]
@@ -601,8 +777,11 @@ class _CheckedFile(io.RawIOBase):
     range that does not match raises ``_Changed``, which pyarrow passes through to the caller.
     """
 
-    def __init__(self, f: pa.NativeFile, table: DigestTable, size: int):
+    def __init__(
+        self, f: pa.NativeFile, table: DigestTable, size: int, ahead: Any = lambda k: None
+    ):
         super().__init__()
+        self._ahead = ahead
         self._f = f
         self._table = table
         self._size = size
@@ -660,10 +839,12 @@ class _CheckedFile(io.RawIOBase):
     def _range(self, k: int) -> memoryview:
         if self._loaded[0] == k:
             return self._loaded[1]
-        a, b = self._table.span(k)
-        self._f.seek(a)
-        data = self._f.read(b - a)  # a copy: the bytes checked are the bytes decoded
-        if not self._table.matches(k, data):
+        data = self._ahead(k)
+        if data is None:
+            a, b = self._table.span(k)
+            self._f.seek(a)
+            data = self._f.read(b - a)  # a copy: the bytes checked are the bytes decoded
+        if not self._table.check(k, data):
             raise _Changed(k)
         self._loaded = (k, memoryview(data))
         return self._loaded[1]
@@ -745,7 +926,9 @@ def _parquet_footer(f: pa.NativeFile, size: int) -> tuple[bytes, Any]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tail = f.read_at(8, size - 8) if size >= 12 else b""
+    # One read of the file's end usually holds the whole footer: a round trip on remote storage.
+    end = f.read_at(min(size, 1 << 14), size - min(size, 1 << 14)) if size >= 12 else b""
+    tail = end[-8:]
     if tail[4:] != b"PAR1":
         raise _CorruptFile(
             f"truncated or corrupt Parquet file: no PAR1 magic at its end ({size} bytes)"
@@ -755,7 +938,10 @@ def _parquet_footer(f: pa.NativeFile, size: int) -> tuple[bytes, Any]:
         raise _CorruptFile(
             f"truncated or corrupt Parquet file: footer of {meta_len} bytes in {size} bytes"
         )
-    footer = f.read_at(meta_len, size - 8 - meta_len) + tail
+    if meta_len + 8 <= len(end):
+        footer = end[len(end) - 8 - meta_len :]
+    else:
+        footer = f.read_at(meta_len, size - 8 - meta_len) + tail
     # The thrift footer parses on its own: a magic-framed copy avoids pyarrow's speculative
     # 64 KiB tail read, so metadata costs only the footer's bytes.
     return footer, pq.read_metadata(pa.BufferReader(b"PAR1" + footer))
@@ -818,14 +1004,12 @@ def _ipc_stream_layout(f: pa.NativeFile, size: int) -> _Layout:
     )
 
 
-def _cached_info(where: str, layout: _Layout, size: int, mtime_ns: int) -> _FileInfo | None:
-    """The info in the sidecar at ``where`` when it is intact, for this size and mtime, and
-    agrees with the footer just read; None otherwise (the file is digested again)."""
-    sections = read_sidecar(where, _ZSUM_TAG, size, mtime_ns)
-    info = None if sections is None else _FileInfo.from_sections(sections, size, mtime_ns)
-    if info is None or info.kind != layout.kind:
+def _agreeing(info: _FileInfo, layout: _Layout) -> _FileInfo | None:
+    """``info`` (stored for a file of the same size) when it agrees with the footer just read:
+    same format, footer bytes and groups; None otherwise (the file is taken as new)."""
+    if info.kind != layout.kind:
         return None
-    k = info.first_range(_SCHEMA if layout.kind == IPC_STREAM else _FOOTER)
+    k = info.anchor_range()
     if (
         k < 0
         or info.table.span(k) != layout.anchor
@@ -836,8 +1020,25 @@ def _cached_info(where: str, layout: _Layout, size: int, mtime_ns: int) -> _File
         return None
     if layout.groups is not None and len(info.group_ends) != layout.groups:
         return None
-    info.location = where
     return info
+
+
+def _lazy_parquet_info(layout: _Layout, size: int, mtime_ns: int) -> _FileInfo:
+    """A Parquet file's info from its footer alone: the ranges of its column chunks, whose
+    digests are taken the first time each is read, and the footer's, known now."""
+    footer_start, footer_end = layout.anchor
+    spans = _parquet_spans(layout.metadata, footer_start)
+    spans.append((footer_start, footer_end - footer_start, _FOOTER, -1, -1))
+    spans = sorted(s for s in spans if s[1] > 0)
+    for (a, n, *_), (b, *_) in itertools.pairwise(spans):
+        if b < a + n:
+            raise _CorruptFile(f"bytes {a}..{a + n} and {b}.. of its metadata overlap")
+    starts, lengths, roles, groups, columns = (list(c) for c in zip(*spans, strict=True))
+    table = DigestTable.unknown(starts, lengths)
+    k = starts.index(footer_start)
+    table.digests[k] = layout.anchor_digest
+    table.known[k] = True
+    return _FileInfo(PARQUET, size, mtime_ns, layout.group_rows, table, roles, groups, columns)
 
 
 def _digest_file(f: pa.NativeFile, layout: _Layout, size: int, mtime_ns: int) -> _FileInfo:

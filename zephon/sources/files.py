@@ -35,6 +35,7 @@ import errno
 import hashlib
 import itertools
 import os
+import posixpath
 import tempfile
 import threading
 import tokenize
@@ -45,7 +46,9 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import FetchError
-from zephon.sources.base import IndexedSource, check_pointers
+from zephon.sources.base import IndexedSource, check_int, check_pointers
+from zephon.sources.locations import DataFile, default_cache_dir, parse_locations
+from zephon.sources.remote import RetryPolicy, is_transient, parallel_map, with_retries
 
 __all__ = [
     "PERMANENT_ERRNOS",
@@ -55,11 +58,13 @@ __all__ = [
     "digest",
     "digest_ranges",
     "is_permanent",
+    "load_sidecar",
     "normalize_paths",
     "read_sidecar",
     "transient_error",
     "write_sidecar",
 ]
+
 
 #: errno values that no retry can fix: raised as FetchError instead of a retryable OSError.
 PERMANENT_ERRNOS = frozenset(
@@ -162,12 +167,37 @@ class DigestTable:
     and do not overlap.
     """
 
-    __slots__ = ("digests", "lengths", "starts")
+    __slots__ = ("digests", "dirty", "known", "lengths", "starts")
 
-    def __init__(self, starts: Any, lengths: Any, digests: Any):
+    def __init__(self, starts: Any, lengths: Any, digests: Any, known: Any = None):
         self.starts = np.asarray(starts, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.digests = np.asarray(digests, dtype=np.int64)
+        # Which digests were taken; the others are learned the first time their range is read.
+        self.known = (
+            np.ones(len(self.starts), dtype=bool) if known is None else np.array(known, dtype=bool)
+        )
+        self.dirty = False
+
+    @classmethod
+    def unknown(cls, starts: Any, lengths: Any) -> DigestTable:
+        """A table of these ranges whose digests are learned on first read (``check``)."""
+        n = len(starts)
+        return cls(starts, lengths, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool))
+
+    def check(self, k: int, data: Any) -> bool:
+        """``matches(k, data)``, or when range ``k``'s digest was not taken yet, take it from
+        ``data`` now (the table is then ``dirty``: worth storing again) and return True."""
+        if self.known[k]:
+            return self.matches(k, data)
+        if len(data) != int(self.lengths[k]):
+            return False
+        if not self.digests.flags.writeable:
+            self.digests = self.digests.copy()
+        self.digests[k] = digest(data)
+        self.known[k] = True
+        self.dirty = True
+        return True
 
     @classmethod
     def build(cls, read_at: ReadAt, starts: Any, lengths: Any) -> DigestTable:
@@ -228,6 +258,10 @@ class DigestTable:
         """The three arrays, as a sidecar stores them."""
         return [self.starts, self.lengths, self.digests]
 
+    def known_section(self) -> np.ndarray:
+        """Which digests were taken, as an int64 sidecar section."""
+        return self.known.astype(np.int64)
+
 
 # ------------------------------------------------------------------------- sidecars
 
@@ -273,6 +307,15 @@ def read_sidecar(where: str, tag: bytes, size: int, mtime_ns: int) -> list[np.nd
     """The sections (memory-mapped int64 arrays) stored at ``where`` when it exists, is intact
     (its checksum matches) and was written for a file of this size and mtime; None otherwise, and
     the caller rebuilds it."""
+    found = load_sidecar(where, tag, size)
+    if found is None or found[1] != mtime_ns:
+        return None
+    return found[0]
+
+
+def load_sidecar(where: str, tag: bytes, size: int) -> tuple[list[np.ndarray], int] | None:
+    """``(sections, mtime_ns it was written for)`` of an intact sidecar at ``where`` written for a
+    file of this size, whatever its mtime; None otherwise."""
     try:
         arr = np.load(where, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError):
@@ -280,7 +323,7 @@ def read_sidecar(where: str, tag: bytes, size: int, mtime_ns: int) -> list[np.nd
     if arr.dtype != np.int64 or arr.ndim != 1 or arr.size < _FIXED_HEADER:
         return None
     magic, version, isize, imtime, k = (int(v) for v in arr[:_FIXED_HEADER])
-    if (magic, version, isize, imtime) != (_magic(tag), _SIDECAR_VERSION, size, mtime_ns):
+    if (magic, version, isize) != (_magic(tag), _SIDECAR_VERSION, size):
         return None
     if not 0 <= k <= _MAX_SECTIONS or arr.size < _FIXED_HEADER + k + _CHECKSUM_WORDS:
         return None
@@ -294,22 +337,31 @@ def read_sidecar(where: str, tag: bytes, size: int, mtime_ns: int) -> list[np.nd
         return None
     bounds = np.cumsum([body_at, *lengths])
     # Plain ndarray views of the map: np.memmap indexes through Python, a cost on every lookup.
-    return [arr[a:b].view(np.ndarray) for a, b in itertools.pairwise(bounds)]
+    return [arr[a:b].view(np.ndarray) for a, b in itertools.pairwise(bounds)], imtime
 
 
 # ------------------------------------------------------------------------- the base
 
 
 class FileSource(IndexedSource):
-    """Base of sources over a list of files: ``shard_id`` is the file index in ``paths`` and
-    ``sample_idx`` the global sample index across all files, in file order.
+    """Base of sources over a list of files: ``shard_id`` is the file index in the resolved file
+    list and ``sample_idx`` the global sample index across all files, in file order.
+
+    ``paths`` is anything ``zephon.sources.locations`` resolves (paths, URIs, directories, globs,
+    a list of them); ``filesystem`` a ``pyarrow.fs.FileSystem`` or an fsspec filesystem to read
+    them from. Nothing is listed or opened before the metadata is first needed.
 
     Invariant: after ``load_metadata()`` the per-file sample counts are fixed for the life of the
     source; a read that finds a file changed since then raises ``FetchError`` rather than returning
     different or fewer samples. Subclasses implement ``load_metadata`` (returning the sample count
     of each file) and ``_read_file``. ``index_dir`` is where their sidecars go (None: beside each
-    file).
+    local file, or in ``cache_dir`` when that place is not writable or the data is remote).
     """
+
+    #: File name endings a directory listing keeps (a glob keeps whatever it matches).
+    SUFFIXES: tuple[str, ...] = ()
+    #: Retries of remote reads and metadata (transient errors only; see ``zephon.sources.remote``).
+    RETRY_POLICY = RetryPolicy()
 
     def __init__(
         self,
@@ -321,17 +373,96 @@ class FileSource(IndexedSource):
         seed: int = 0,
         passes: int | None = 1,
         index_dir: str | os.PathLike[str] | None = None,
+        filesystem: Any = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        threads: int = 16,
     ) -> None:
         name = type(self).__name__
-        self.paths = normalize_paths(paths, name)
-        if index_dir is not None and not isinstance(index_dir, (str, os.PathLike)):
-            raise TypeError(f"{name}: index_dir must be a path or None, got {index_dir!r}")
+        self._locations = parse_locations(paths, filesystem, name)
+        for arg, value in (("index_dir", index_dir), ("cache_dir", cache_dir)):
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"{name}: {arg} must be a path or None, got {value!r}")
         self.index_dir = None if index_dir is None else os.fspath(index_dir)
+        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self.threads = check_int(threads, "threads", name, minimum=1)
         super().__init__(
             dataset_id=dataset_id, chunk_size=chunk_size, shuffle=shuffle, seed=seed, passes=passes
         )
         self._lock = threading.RLock()
         self._ends: np.ndarray | None = None
+        self._files: list[DataFile] | None = None
+        self._root = ""
+
+    # --------------------------------------------------------------------- locations
+    @property
+    def is_local(self) -> bool:
+        """True when the files are on the local filesystem."""
+        return self._locations.is_local
+
+    @property
+    def filesystem(self) -> Any:
+        """The ``pyarrow.fs.FileSystem`` the files are read from."""
+        return self._locations.filesystem
+
+    def files(self) -> list[DataFile]:
+        """The resolved files, in source order (lists directories and globs on first use)."""
+        files = self._files
+        if files is None:
+            with self._lock:
+                if self._files is None:
+                    self._root, self._files = self._resolve()
+                files = self._files
+        return files
+
+    def _resolve(self) -> tuple[str, list[DataFile]]:
+        locations = self._locations
+
+        def run(fn: Callable[[str], Any], paths: list[str]) -> list[Any]:
+            return self.parallel(fn, paths)
+
+        def resolve() -> tuple[str, list[DataFile]]:
+            try:
+                return locations.resolve(self.SUFFIXES, run)
+            except OSError as exc:
+                if not self.is_local and is_transient(exc):
+                    raise
+                raise FetchError(
+                    f"{type(self).__name__} cannot list {locations.items}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+
+        files: tuple[str, list[DataFile]] = self.with_retries(
+            resolve, lambda: f"{type(self).__name__} listing {locations.items}"
+        )
+        return files
+
+    @property
+    def paths(self) -> list[str]:
+        """Each file as messages name it: its local path, or its URI."""
+        return [f.uri for f in self.files()]
+
+    @property
+    def names(self) -> list[str]:
+        """Each file's path relative to the dataset root: what the fingerprint records."""
+        return [f.name for f in self.files()]
+
+    @property
+    def root(self) -> str:
+        """The dataset root (a local path or a URI) the names are relative to."""
+        self.files()
+        return self._root
+
+    def with_retries(self, fn: Callable[[], Any], what: Callable[[], str]) -> Any:
+        """``fn()`` retried on transient errors when the data is remote (local errors are left to
+        ``fetch``'s own retries, see ``os_error``)."""
+        if self.is_local:
+            return fn()
+        return with_retries(fn, what, self.RETRY_POLICY)
+
+    def parallel(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[fn(x) for x in items]`` on at most ``threads`` threads for remote data (joined
+        before returning); in order, one at a time, for local files."""
+        return parallel_map(fn, items, 1 if self.is_local else self.threads)
 
     # --------------------------------------------------------------------- metadata
     @abstractmethod
@@ -344,6 +475,7 @@ class FileSource(IndexedSource):
         ``[ends[i-1], ends[i])``. Loads the metadata on first use."""
         ends = self._ends
         if ends is None:
+            self.files()
             with self._lock:
                 if self._ends is None:
                     counts = np.asarray(self.load_metadata(), dtype=np.int64)
@@ -356,13 +488,48 @@ class FileSource(IndexedSource):
         return int(self.file_ends()[-1])
 
     def sidecar_path(self, file_index: int, suffix: str) -> str:
-        """Where a sidecar of file ``file_index`` is kept: ``<file><suffix>`` beside it, or in
-        ``index_dir`` as ``<name>.<hash of the absolute path><suffix>``."""
-        path = self.paths[file_index]
-        if self.index_dir is None:
-            return path + suffix
-        digest_hex = hashlib.sha256(os.fsencode(os.path.abspath(path))).hexdigest()[:16]
-        return os.path.join(self.index_dir, f"{os.path.basename(path)}.{digest_hex}{suffix}")
+        """Where a sidecar of file ``file_index`` is kept: ``<file><suffix>`` beside a local file,
+        else ``<name>.<hash of its absolute path or URI><suffix>`` in ``index_dir``, or in this
+        dataset's directory of the cache (remote data)."""
+        f = self.files()[file_index]
+        if self.index_dir is None and self.is_local:
+            return f.path + suffix
+        return self.cache_sidecar_path(file_index, suffix)
+
+    def cache_sidecar_path(self, file_index: int, suffix: str) -> str:
+        """The sidecar's place away from the data: in ``index_dir``, else in the cache directory
+        (``cache_dir``, ``$ZEPHON_CACHE_DIR`` or ``~/.cache/zephon``) under a directory named
+        after the dataset root, created when missing."""
+        f = self.files()[file_index]
+        key = hashlib.sha256(os.fsencode(f.uri)).hexdigest()[:16]
+        base = f"{posixpath.basename(f.path)}.{key}{suffix}"
+        if self.index_dir is not None:
+            return os.path.join(self.index_dir, base)
+        root_key = hashlib.sha256(f"{type(self).__name__} {self.root}".encode()).hexdigest()[:20]
+        where = os.path.join(self.cache_dir or default_cache_dir(), "metadata", root_key)
+        with contextlib.suppress(OSError):
+            os.makedirs(where, exist_ok=True)
+        return os.path.join(where, base)
+
+    def store_sidecar(
+        self, file_index: int, suffix: str, tag: bytes, size: int, mtime_ns: int, sections: Any
+    ) -> str | None:
+        """Write a sidecar where ``sidecar_path`` says, or in the cache directory when that place
+        is not writable (a read-only data directory); the location, or None (memory only)."""
+        where = self.sidecar_path(file_index, suffix)
+        stored = write_sidecar(where, tag, size, mtime_ns, sections)
+        if stored is None and self.index_dir is None and self.is_local:
+            stored = write_sidecar(
+                self.cache_sidecar_path(file_index, suffix), tag, size, mtime_ns, sections
+            )
+        return stored
+
+    def sidecar_candidates(self, file_index: int, suffix: str) -> list[str]:
+        """Where a stored sidecar of the file may be: its place, then the cache fallback."""
+        first = self.sidecar_path(file_index, suffix)
+        if self.index_dir is None and self.is_local:
+            return [first, self.cache_sidecar_path(file_index, suffix)]
+        return [first]
 
     def pointer_rows(self, sample_indices: np.ndarray) -> np.ndarray:
         """Pointer rows ``(dataset_id, file_index, global_sample_idx)`` of global sample indices."""
@@ -429,7 +596,13 @@ class FileSource(IndexedSource):
         self, exc: OSError, file_index: int, pointer: np.ndarray | None = None
     ) -> Exception:
         """What to raise for an ``OSError`` met while reading file ``file_index``: FetchError for
-        permanent ones (see ``is_permanent``), else a retryable OSError naming path and pointer."""
+        permanent ones (see ``is_permanent``), else a retryable OSError naming path and pointer.
+        Remote data: a transient error (``zephon.sources.remote.is_transient``) is returned as it
+        is, for ``with_retries`` to try again; every other one is a FetchError."""
+        if not self.is_local:
+            if is_transient(exc):
+                return exc
+            return self.fetch_error(file_index, f"{type(exc).__name__}: {exc}", pointer)
         if is_permanent(exc):
             return self.fetch_error(file_index, f"{type(exc).__name__}: {exc}", pointer)
         at = f"pointer {tuple(int(v) for v in pointer)}" if pointer is not None else "metadata"
@@ -446,12 +619,14 @@ class FileSource(IndexedSource):
         self._lock = threading.RLock()
 
     def _describe_files(self) -> dict[str, Any]:
-        return {**self._describe_base(), "paths": list(self.paths)}
+        # No root, scheme or absolute path: the same files elsewhere keep the fingerprint.
+        return self._describe_base()
 
     def __repr__(self) -> str:
         # Never loads metadata: a repr inside a metadata error must not recurse into the load.
-        first = self.paths[0]
-        more = f" + {len(self.paths) - 1} more" if len(self.paths) > 1 else ""
+        items = self._locations.items
+        first = items[0]
+        more = f" + {len(items) - 1} more" if len(items) > 1 else ""
         return (
             f"{type(self).__name__}([{first!r}{more}], dataset_id={self.dataset_id}, "
             f"chunk_size={self.chunk_size}, shuffle={self.shuffle}, seed={self.seed}, "

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon.sources.files import DigestTable, FileSource, PathsArg, read_sidecar, write_sidecar
+from zephon.sources.files import DigestTable, FileSource, PathsArg, read_sidecar
 
 __all__ = ["FileSource", "JsonlSource", "scan_line_starts"]
 
@@ -194,6 +194,7 @@ class JsonlSource(FileSource):
     #: Target size of an index block (one page): what a random read costs in I/O and hashing,
     #: against 32 bytes of index per block.
     BLOCK_BYTES = 4 << 10
+    SUFFIXES = (".jsonl", ".ndjson", ".json")
 
     def __init__(
         self,
@@ -205,6 +206,9 @@ class JsonlSource(FileSource):
         seed: int = 0,
         passes: int | None = 1,
         index_dir: str | os.PathLike[str] | None = None,
+        filesystem: Any = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        threads: int = 16,
     ) -> None:
         super().__init__(
             paths,
@@ -214,6 +218,9 @@ class JsonlSource(FileSource):
             seed=seed,
             passes=passes,
             index_dir=index_dir,
+            filesystem=filesystem,
+            cache_dir=cache_dir,
+            threads=threads,
         )
         self._indexes: list[_LineIndex] = []
 
@@ -230,34 +237,55 @@ class JsonlSource(FileSource):
         return [ix.location for ix in self._indexes]
 
     def load_metadata(self) -> list[int]:
-        """Load or build the line index of every file; returns the sample count of each."""
-        self._indexes = [self._load_index(i) for i in range(len(self.paths))]
+        """Load or build the line index of every file (in parallel for remote data, each
+        retried on transient errors); returns the sample count of each."""
+
+        def one(i: int) -> _LineIndex:
+            index: _LineIndex = self.with_retries(
+                lambda: self._load_index(i), lambda: f"JsonlSource cannot index {self.paths[i]!r}"
+            )
+            return index
+
+        self._indexes = self.parallel(one, range(len(self.files())))
         return [len(ix) for ix in self._indexes]
 
+    def _open(self, i: int) -> Any:
+        # A binary file object with read/seek: a plain local file, or a pyarrow remote file.
+        entry = self.files()[i]
+        if self.is_local:
+            return open(entry.path, "rb")
+        return self._locations.open_random(entry.path)
+
+    def _stat(self, i: int, fh: Any) -> tuple[int, int]:
+        # (size, mtime_ns) of the open file; remote: the size now, the mtime of the listing.
+        if self.is_local:
+            st = os.fstat(fh.fileno())
+            return st.st_size, st.st_mtime_ns
+        return fh.size(), self.files()[i].mtime_ns or 0
+
     def _load_index(self, i: int) -> _LineIndex:
-        path = self.paths[i]
-        where = self.index_path(i)
         try:
-            with open(path, "rb") as fh:
-                st = os.fstat(fh.fileno())
-                index = _read_zidx(where, st.st_size, st.st_mtime_ns)
-                if index is not None:
-                    return index
+            with self._open(i) as fh:
+                size, mtime_ns = self._stat(i, fh)
+                for where in self.sidecar_candidates(i, ".zidx"):
+                    index = _read_zidx(where, size, mtime_ns)
+                    if index is not None:
+                        return index
                 fh.seek(0)
                 starts = scan_line_starts(fh)
-                layout = block_layout(starts, st.st_size, self.BLOCK_BYTES)
+                layout = block_layout(starts, size, self.BLOCK_BYTES)
                 blocks = DigestTable.build(_reader_at(fh), layout[0], layout[1])
-                after = os.fstat(fh.fileno())
+                after: tuple[int, int] | None = self._stat(i, fh)
         except OSError as exc:
             raise self.os_error(exc, i) from exc
         except EOFError:
             after = None
-        if after is None or (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        if after != (size, mtime_ns):
             raise self.fetch_error(i, "the file changed while its line index was being built")
         first = layout[2]
         sections = [np.array([len(starts)], dtype=np.int64), *blocks.sections(), first]
-        location = write_sidecar(where, _ZIDX_TAG, st.st_size, st.st_mtime_ns, sections)
-        return _LineIndex(blocks, first, len(starts), st.st_size, st.st_mtime_ns, location)
+        location = self.store_sidecar(i, ".zidx", _ZIDX_TAG, size, mtime_ns, sections)
+        return _LineIndex(blocks, first, len(starts), size, mtime_ns, location)
 
     # --------------------------------------------------------------------- reading
     def _read_file(
@@ -277,15 +305,35 @@ class JsonlSource(FileSource):
                 "build a new source",
                 rows[positions[0]],
             )
+        at = [int(positions[0])]
+
+        def what() -> str:
+            pointer = tuple(int(v) for v in rows[at[0]])
+            return f"JsonlSource cannot read pointer {pointer} from {self.paths[i]!r}"
+
+        self.with_retries(lambda: self._read_file_once(i, positions, rows, local, out, at), what)
+
+    def _read_file_once(
+        self,
+        i: int,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        local: np.ndarray,
+        out: list[Any],
+        at: list[int],
+    ) -> None:
+        index = self._indexes[i]
+        first = index.first_samples
+        assert index.blocks is not None and first is not None
         pos = int(positions[0])
         try:
-            with open(self.paths[i], "rb") as fh:
-                st = os.fstat(fh.fileno())
-                if (st.st_size, st.st_mtime_ns) != (index.size, index.mtime_ns):
+            with self._open(i) as fh:
+                size, mtime_ns = self._stat(i, fh)
+                if (size, mtime_ns) != (index.size, index.mtime_ns):
                     raise self.fetch_error(
                         i,
                         f"the file changed since its line index was built (size {index.size} -> "
-                        f"{st.st_size}, mtime_ns {index.mtime_ns} -> {st.st_mtime_ns}); build a "
+                        f"{size}, mtime_ns {index.mtime_ns} -> {mtime_ns}); build a "
                         "new source (its fingerprint will differ from old checkpoints)",
                         rows[pos],
                     )
@@ -293,6 +341,7 @@ class JsonlSource(FileSource):
                 data = b""
                 sample_starts: list[int] = []
                 for pos in positions.tolist():
+                    at[0] = pos
                     sample = int(local[pos])
                     b = index.block_of(sample)
                     if b != block:
@@ -359,8 +408,8 @@ class JsonlSource(FileSource):
         sha256 of its block table (its content)."""
         out = self._describe_files()
         out["files"] = [
-            {"size": ix.size, "lines": len(ix), "content_sha256": ix.identity}
-            for ix in self._indexes
+            {"name": entry.name, "size": ix.size, "lines": len(ix), "content_sha256": ix.identity}
+            for entry, ix in zip(self.files(), self._indexes, strict=True)
         ]
         return out
 

@@ -1,0 +1,44 @@
+"""Object storage: start-up over 1,000 shards on a local S3 server, with and without the
+metadata cache, and tokens/s read from it against the same files on disk."""
+
+from __future__ import annotations
+
+import tempfile
+
+from zephon_bench import storage
+
+
+class Storage:
+    """Start-up and throughput on moto's S3 server on loopback (``zephon_bench.storage``)."""
+
+    number = 1
+    repeat = 1
+    timeout = 600
+
+    def setup(self) -> None:
+        self._context = storage.s3_dataset(1000)
+        self.uri, self.local = self._context.__enter__()
+        self._tmp = tempfile.TemporaryDirectory()
+        self.cache = self._tmp.name
+
+    def teardown(self) -> None:
+        self._context.__exit__(None, None, None)
+        self._tmp.cleanup()
+
+    def track_startup_cold_seconds(self) -> float:
+        return storage.startup_seconds(self.uri, tempfile.mkdtemp(dir=self.cache))
+
+    def track_startup_cached_seconds(self) -> float:
+        storage.startup_seconds(self.uri, self.cache)
+        return storage.startup_seconds(self.uri, self.cache)
+
+    def track_tokens_per_second_s3(self) -> float:
+        return storage.tokens_per_second(self.uri, self.cache)
+
+    def track_tokens_per_second_local(self) -> float:
+        return storage.tokens_per_second(self.local, self.cache)
+
+
+for _name in dir(Storage):
+    if _name.startswith("track_"):
+        getattr(Storage, _name).unit = "s" if "seconds" in _name else "tokens/s"

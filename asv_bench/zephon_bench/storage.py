@@ -1,0 +1,102 @@
+"""Object-storage benchmarks: start-up over many shards and read throughput, on a local
+S3-compatible server (moto's server mode, a test dependency) against the same files on disk.
+
+- startup: ``ArrowSource("s3://bucket/prefix").num_samples()`` over ``shards`` Parquet shards:
+  listing and every footer (in parallel), then again with the metadata cache a first run left;
+- throughput: tokens/s of ``fetch -> batch`` over the shards from the server and from disk.
+
+Functions only; ``zephon bench`` (``report.py``) and the asv suite call them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import zephon
+from zephon.ops import batch, fetch
+from zephon.sources import ArrowSource
+
+__all__ = ["s3_dataset", "startup_seconds", "tokens_per_second"]
+
+TOKENS_PER_ROW = 128
+
+
+@contextlib.contextmanager
+def s3_dataset(shards: int, rows: int = 64) -> Iterator[tuple[str, Path]]:
+    """``(s3 uri, local directory)`` of ``shards`` Parquet shards of ``rows`` token rows each,
+    the same bytes on a moto S3 server on loopback (started here, stopped after) and on disk."""
+    import logging
+
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    saved = {
+        k: os.environ.get(k)
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL")
+    }
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_REGION="us-east-1",
+        AWS_ENDPOINT_URL=endpoint,
+    )
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / "data"
+            local.mkdir()
+            fs = pafs.S3FileSystem(endpoint_override=endpoint, allow_bucket_creation=True)
+            fs.create_dir("bench")
+            rng = np.random.default_rng(0)
+            for k in range(shards):
+                tokens = rng.integers(0, 50_000, size=(rows, TOKENS_PER_ROW), dtype=np.int32)
+                table = pa.table({"tokens": pa.array(list(tokens), type=pa.list_(pa.int32()))})
+                path = local / f"shard-{k:05d}.parquet"
+                pq.write_table(table, path, row_group_size=max(1, rows // 2))
+                with fs.open_output_stream(f"bench/data/shard-{k:05d}.parquet") as out:
+                    out.write(path.read_bytes())
+            yield "s3://bench/data", local
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def startup_seconds(uri: str, cache_dir: str | os.PathLike[str]) -> float:
+    """Seconds from building an ``ArrowSource`` over ``uri`` to knowing its sample count."""
+    began = time.perf_counter()
+    ArrowSource(uri, cache_dir=cache_dir).num_samples()
+    return time.perf_counter() - began
+
+
+def tokens_per_second(where: str | os.PathLike[str], cache_dir: Any) -> float:
+    """Tokens/s delivered by ``fetch -> batch(32)`` over the shards at ``where`` (metadata
+    loaded before the clock starts)."""
+    src = ArrowSource(where, columns=["tokens"], chunk_size=256, cache_dir=cache_dir)
+    src.num_samples()
+    tokens = 0
+    began = time.perf_counter()
+    with zephon.Pipeline(src, [fetch(), batch(32)]).iter() as loader:
+        for b in loader:
+            tokens += sum(len(t) for t in b.payload["tokens"])
+    return tokens / (time.perf_counter() - began)

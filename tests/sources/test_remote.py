@@ -1,0 +1,149 @@
+"""File sources over object storage: a real S3-compatible server (moto) on loopback."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from worker_kit import assert_no_leftover_workers
+
+import zephon
+from zephon.errors import FetchError
+from zephon.ops import batch, fetch
+from zephon.sources import ArrowSource, JsonlSource
+
+no_leftovers = pytest.fixture(autouse=True)(assert_no_leftover_workers)
+
+
+def shards(root: Path, sizes: list[int], group: int = 5) -> Path:
+    """Parquet shards ``part-K.parquet`` (two levels deep for half of them) and one JSONL file
+    per shard, rows numbered across shards."""
+    start = 0
+    for k, n in enumerate(sizes):
+        sub = root / ("a" if k % 2 else "b")
+        sub.mkdir(parents=True, exist_ok=True)
+        idx = list(range(start, start + n))
+        table = pa.table({"idx": idx, "text": [f"row {i}" for i in idx]})
+        pq.write_table(table, sub / f"part-{k:03d}.parquet", row_group_size=group)
+        lines = "".join(json.dumps({"idx": i, "text": f"row {i}"}) + "\n" for i in idx)
+        (sub / f"part-{k:03d}.jsonl").write_text(lines)
+        start += n
+    return root
+
+
+def stream(source: zephon.sources.WorkSource, state: dict | None = None, take: int | None = None):
+    """The idx of every delivered row (or of the first ``take`` batches) and the state after."""
+    got: list[int] = []
+    with zephon.Pipeline(source, [fetch(), batch(4)]).iter(state=state) as loader:
+        for k, b in enumerate(loader):
+            got += [int(i) for i in b.payload["idx"]]
+            if take is not None and k + 1 == take:
+                return got, json.loads(json.dumps(loader.state_dict()))
+    return got, None
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_bucket_copy_delivers_exactly_the_local_stream(tmp_path, bucket, kind, shuffle):
+    local = shards(tmp_path / "data", [7, 12, 3, 9])
+    uri = bucket.upload(local, "corpus")
+    source = ArrowSource if kind == "parquet" else JsonlSource
+    suffix = "*.parquet" if kind == "parquet" else "*.jsonl"
+    here = source(str(local / "**" / suffix), chunk_size=5, shuffle=shuffle, seed=3, passes=2)
+    there = source(f"{uri}/**/{suffix}", chunk_size=5, shuffle=shuffle, seed=3, passes=2)
+    assert (
+        there.names
+        == here.names
+        == [f"{d}/part-{k:03d}.{kind}" for d, k in (("a", 1), ("a", 3), ("b", 0), ("b", 2))]
+    )
+    assert there.paths[0] == f"{uri}/a/part-001.{kind}"
+    assert there.describe() == here.describe()
+    local_rows, _ = stream(here)
+    remote_rows, _ = stream(there)
+    assert remote_rows == local_rows and sorted(local_rows) == sorted(list(range(31)) * 2)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_a_checkpoint_of_the_local_copy_resumes_on_the_bucket_and_back(tmp_path, bucket, kind):
+    local = shards(tmp_path / "data", [10, 6, 13])
+    uri = bucket.upload(local, "c")
+    make = ArrowSource if kind == "parquet" else JsonlSource
+
+    def source(where: str) -> zephon.sources.WorkSource:
+        return make(where, chunk_size=4, shuffle=True, seed=1)
+
+    full, _ = stream(source(str(local)))
+    head, state = stream(source(str(local)), take=3)
+    tail, _ = stream(source(uri), state=state)
+    assert head + tail == full
+    head, state = stream(source(uri), take=2)
+    tail, _ = stream(source(str(local)), state=state)
+    assert head + tail == full
+
+
+def test_a_server_failing_the_first_requests_with_503_is_retried(tmp_path, bucket, failing_proxy):
+    local = shards(tmp_path / "data", [8, 8, 8], group=4)
+    uri = bucket.upload(local, "d")
+    expected, _ = stream(ArrowSource(str(local)))
+    bucket.point_at(failing_proxy.endpoint)
+    failing_proxy.fail = 6  # more than the S3 client's own three attempts
+    src = ArrowSource(uri, chunk_size=6)
+    assert src.num_samples() == 24
+    failing_proxy.fail = 5
+    got, _ = stream(src)
+    assert got == expected and failing_proxy.failed == 11
+
+
+def test_a_server_that_is_gone_is_a_fetch_error_naming_the_uri(tmp_path, bucket, failing_proxy):
+    local = shards(tmp_path / "data", [8, 8], group=4)
+    uri = bucket.upload(local, "e")
+    bucket.point_at(failing_proxy.endpoint)
+    src = ArrowSource(uri, chunk_size=4, readahead=0)
+    assert src.num_samples() == 16
+    failing_proxy.stop()  # gone after the metadata was read
+    began = time.monotonic()
+    with pytest.raises(
+        FetchError,
+        match=rf"pointer \(0, 0, 0\) from '{uri}/a/part-001\.parquet'"
+        r": row group 0: gave up after 4 attempts",
+    ):
+        src.read(np.array([[0, 0, 0]]))
+    with pytest.raises(FetchError, match=rf"{uri}.*gave up after"):
+        stream(ArrowSource(uri))  # gone before the listing
+    assert time.monotonic() - began < 60
+
+
+def test_the_metadata_cache_lets_a_restart_skip_the_footers(tmp_path, bucket, failing_proxy):
+    local = shards(tmp_path / "data", [5] * 6)
+    uri = bucket.upload(local, "f")
+    bucket.point_at(failing_proxy.endpoint)
+    first = ArrowSource(f"{uri}/**/*.parquet", cache_dir=tmp_path / "cache")
+    desc = first.describe()
+    footers = [r for r in failing_proxy.requests if "part-" in r]
+    assert len(footers) >= 6  # every shard's footer was read
+    failing_proxy.requests.clear()
+    again = ArrowSource(f"{uri}/**/*.parquet", cache_dir=tmp_path / "cache")
+    assert again.describe() == desc
+    assert [r for r in failing_proxy.requests if "part-" in r] == []  # the listing only
+    assert stream(again)[0] == stream(ArrowSource(str(local / "**" / "*.parquet")))[0]
+    where = again.digest_locations()
+    assert all(w is not None and w.startswith(str(tmp_path / "cache")) for w in where)
+
+
+def test_a_changed_remote_file_is_refused_on_read(tmp_path, bucket):
+    local = shards(tmp_path / "data", [10], group=5)
+    uri = bucket.upload(local, "g")
+    src = ArrowSource(uri)
+    stream(src)  # every range read once: its digest is taken
+    path = local / "b" / "part-000.parquet"
+    data = bytearray(path.read_bytes())
+    data[60] ^= 0xFF  # inside the first column chunk: same size, same footer
+    with bucket.fs.open_output_stream(f"{bucket.name}/g/b/part-000.parquet") as out:
+        out.write(bytes(data))
+    with pytest.raises(FetchError, match=r"part-000\.parquet.*row group 0.*changed"):
+        ArrowSource(uri).read(np.array([[0, 0, 1]]))

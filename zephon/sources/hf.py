@@ -1,0 +1,89 @@
+"""HFDatasetSource: a Hugging Face ``datasets.Dataset`` read straight from its Arrow cache files.
+
+A ``Dataset`` loaded from disk or from files keeps its rows in Arrow IPC stream files in its
+cache directory (``dataset.cache_files``); this source reads those files as an ``ArrowSource``
+does (memory-mapped, record batch by record batch, with the ``columns`` projection), never
+through ``datasets``' Python rows, and identifies them the same way: by their names relative to
+the cache directory, sizes, row counts and schema digests. So it delivers the same stream as an
+``ArrowSource`` over the same rows in Parquet, and resumes on a copy of the cache elsewhere.
+
+What it refuses, with a ValueError saying what to do: a dataset held in memory (no cache files:
+``save_to_disk`` then ``load_from_disk``), and one with an indices mapping (after ``select``,
+``shuffle``, ``filter``...: ``flatten_indices()`` writes the rows it selects).
+
+``datasets`` is imported by the caller, never by this module: ``import zephon`` does not load it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from zephon.sources.arrow import ArrowSource
+
+__all__ = ["HFDatasetSource"]
+
+
+def _cache_files(dataset: Any) -> list[str]:
+    if hasattr(dataset, "keys") and not hasattr(dataset, "cache_files"):
+        raise TypeError(
+            f"HFDatasetSource: got a DatasetDict with splits {list(dataset.keys())}; pass one "
+            "split, e.g. dataset['train']"
+        )
+    files = getattr(dataset, "cache_files", None)
+    if files is None or not hasattr(dataset, "column_names"):
+        raise TypeError(f"HFDatasetSource: expected a datasets.Dataset, got {dataset!r}")
+    if getattr(dataset, "_indices", None) is not None:
+        raise ValueError(
+            "HFDatasetSource: the dataset has an indices mapping (from select, shuffle, filter, "
+            "...); call dataset.flatten_indices() first so its rows are in its own cache files"
+        )
+    if not files:
+        raise ValueError(
+            "HFDatasetSource: the dataset lives in memory and has no Arrow cache files; "
+            "save_to_disk() it and load_from_disk() it again, or build it from files"
+        )
+    return [os.fspath(f["filename"]) for f in files]
+
+
+class HFDatasetSource(ArrowSource):
+    """Rows of a ``datasets.Dataset`` (one split), read from its Arrow cache files; see the
+    module docstring. Payloads, pointers, chunking and identity are those of ``ArrowSource``."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        dataset_id: int = 0,
+        columns: Sequence[str] | None = None,
+        chunk_size: int = 1024,
+        shuffle: bool = False,
+        seed: int = 0,
+        passes: int | None = 1,
+        index_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        files = _cache_files(dataset)
+        super().__init__(
+            files,
+            dataset_id=dataset_id,
+            columns=list(dataset.column_names) if columns is None else columns,
+            chunk_size=chunk_size,
+            shuffle=shuffle,
+            seed=seed,
+            passes=passes,
+            index_dir=index_dir,
+        )
+        self.expected_rows = int(dataset.num_rows)
+
+    def load_metadata(self) -> list[int]:
+        """``ArrowSource``'s, checking that the cache files hold exactly the dataset's rows (a
+        contiguous ``select`` or a slice shares the files of the whole dataset)."""
+        counts = super().load_metadata()
+        if sum(counts) != self.expected_rows:
+            raise ValueError(
+                f"HFDatasetSource: the dataset has {self.expected_rows} rows but its cache files "
+                f"hold {sum(counts)} (a slice or select of a bigger dataset); call "
+                "dataset.flatten_indices() or save_to_disk() it first"
+            )
+        return counts

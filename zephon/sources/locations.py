@@ -1,0 +1,355 @@
+"""Where a file source's data lives: paths, URIs, directories and globs resolved to one
+filesystem, a sorted list of files and the dataset root their names are relative to.
+
+What a source may be given (one item, or a list of items, all on one filesystem):
+
+- a local path (relative or absolute) or a ``file://`` URI;
+- ``s3://bucket/key`` (pyarrow's own ``S3FileSystem``; the endpoint from ``AWS_ENDPOINT_URL_S3``
+  or ``AWS_ENDPOINT_URL``, the region from ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, credentials
+  the way the AWS SDK finds them), ``gs://`` / ``gcs://`` (pyarrow's ``GcsFileSystem``);
+- any other ``protocol://`` that fsspec knows, when fsspec is installed;
+- with ``filesystem=`` (a ``pyarrow.fs.FileSystem`` or an fsspec filesystem), paths on it, with
+  or without their scheme.
+
+Each item is a file, a directory (every file below it, at any depth, whose name ends with one of
+the source's suffixes, skipping names that start with ``.`` or ``_``), or a glob (``*`` and ``?``
+within a name, ``[...]``, ``**`` for any number of directories). A directory's or a glob's files
+are sorted by their path; a list keeps its order, each item expanded in place; a file met twice
+is refused.
+
+The dataset root is the directory given, the glob's base (the directories before its first
+wildcard), or for a file its directory; for a list, the deepest directory holding every item's
+root. A file's *name* is its path relative to that root, with ``/`` separators: what the pipeline
+fingerprint records, so the same files under another mount point or in a bucket copy keep their
+identity.
+
+Construction only parses: nothing is listed or opened until ``resolve`` is called (a source calls
+it on first need of its metadata).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import urllib.parse
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from zephon.errors import FetchError
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["DataFile", "Locations", "default_cache_dir", "parse_locations"]
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
+#: Names a directory listing or a glob never yields: hidden files, ``_SUCCESS``-style markers,
+#: and the sidecars Zephon writes itself.
+_SIDECAR_SUFFIXES = (".zsum", ".zidx")
+
+
+def default_cache_dir() -> str:
+    """Where metadata of data that cannot hold its own sidecars is cached: ``$ZEPHON_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/zephon``, else ``~/.cache/zephon``."""
+    explicit = os.environ.get("ZEPHON_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "zephon")
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """One resolved file: where it is on the filesystem, what messages call it, its name relative
+    to the dataset root, and its size and mtime from the listing."""
+
+    path: str  # on the filesystem
+    uri: str  # in messages: the local path, or scheme://path
+    name: str  # relative to the dataset root, ``/``-separated
+    size: int
+    mtime_ns: int | None
+
+
+class Locations:
+    """The items a source was given, parsed onto one filesystem; ``resolve()`` lists them.
+
+    Pickles with its filesystem (pyarrow filesystems and most fsspec ones pickle), never with a
+    listing: a process that receives it gets the resolved files from its owner.
+    """
+
+    def __init__(self, items: list[str], filesystem: Any, owner: str) -> None:
+        self.owner = owner
+        self.items = items
+        self.filesystem, self.scheme, self.paths = _parse(items, filesystem, owner)
+
+    @property
+    def is_local(self) -> bool:
+        """True when the files are on the local filesystem (memory-mapped, sidecars beside)."""
+        return self.scheme == ""
+
+    def uri(self, path: str) -> str:
+        """How messages name ``path`` of this filesystem."""
+        return path if self.is_local else f"{self.scheme}://{path}"
+
+    def resolve(
+        self, suffixes: tuple[str, ...], run: Callable[[Callable[[str], Any], list[str]], list[Any]]
+    ) -> tuple[str, list[DataFile]]:
+        """``(root uri, files)``: every item expanded to its sorted files, named relative to the
+        dataset root. ``run(fn, paths)`` maps ``fn`` over paths (in parallel, bounded) to stat
+        the explicit files. FetchError naming the item for a missing path or an empty match."""
+        import pyarrow.fs as pafs
+
+        fs = self.filesystem
+        explicit = [p for p in self.paths if not _GLOB_CHARS.search(p)]
+        infos = dict(zip(explicit, run(lambda p: fs.get_file_info(p), explicit), strict=True))
+        found: list[list[tuple[str, int, int | None]]] = []
+        roots: list[str] = []
+        for item, path in zip(self.items, self.paths, strict=True):
+            if _GLOB_CHARS.search(path):
+                base, matches = _glob(fs, path)
+                roots.append(base)
+                found.append(matches)
+                if not matches:
+                    raise FetchError(f"{self.owner}: the glob {item!r} matches no file")
+                continue
+            info = infos[path]
+            if info.type == pafs.FileType.NotFound:
+                raise FetchError(
+                    f"{self.owner} cannot read {self.uri(path)!r}: FileNotFoundError: no such file"
+                )
+            if info.type == pafs.FileType.Directory:
+                roots.append(path)
+                files = _listing(fs, path, lambda name: name.endswith(suffixes))
+                if not files:
+                    raise FetchError(
+                        f"{self.owner}: the directory {item!r} holds no file ending with "
+                        f"{' or '.join(suffixes)}"
+                    )
+                found.append(files)
+            else:
+                roots.append(posixpath.dirname(path))
+                found.append([(path, int(info.size), info.mtime_ns)])
+        root = _common_dir(roots)
+        out: list[DataFile] = []
+        seen: dict[str, str] = {}
+        for item, files in zip(self.items, found, strict=True):
+            for path, size, mtime in files:
+                if path in seen:
+                    raise ValueError(
+                        f"{self.owner}: {self.uri(path)!r} is given twice (by {seen[path]!r} "
+                        f"and {item!r})"
+                    )
+                seen[path] = item
+                name = posixpath.relpath(path, root) if root else path.lstrip("/")
+                out.append(DataFile(path, self.uri(path), name, size, mtime))
+        return self.uri(root), out
+
+    def open_random(self, path: str) -> Any:
+        """``path`` opened for random access: a memory map for local files."""
+        if self.is_local:
+            import pyarrow as pa
+
+            return pa.memory_map(path, "r")
+        return self.filesystem.open_input_file(path)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def parse_locations(paths: Any, filesystem: Any, owner: str) -> Locations:
+    """``paths`` (one item or an iterable of items) as ``Locations``; TypeError or ValueError
+    naming ``owner`` for anything that is not a path, a URI or a glob."""
+    if isinstance(paths, bytes):
+        raise TypeError(f"{owner}: paths must be str or os.PathLike, got bytes {paths!r}")
+    if isinstance(paths, (str, os.PathLike)):
+        items: list[Any] = [paths]
+    else:
+        try:
+            items = list(paths)
+        except TypeError:
+            raise TypeError(f"{owner}: paths must be a path or an iterable of paths") from None
+    out = []
+    for p in items:
+        if not isinstance(p, (str, os.PathLike)):
+            raise TypeError(f"{owner}: every path must be str or os.PathLike, got {p!r}")
+        out.append(os.fspath(p))
+    if not out:
+        raise ValueError(f"{owner}: paths is empty (did a glob match nothing?)")
+    return Locations(out, filesystem, owner)
+
+
+# ------------------------------------------------------------------------- filesystems
+
+
+def _scheme_of(item: str) -> str:
+    match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", item)
+    return match.group(1).lower() if match else ""
+
+
+def _parse(items: list[str], filesystem: Any, owner: str) -> tuple[Any, str, list[str]]:
+    import pyarrow.fs as pafs
+
+    if filesystem is not None:
+        fs, scheme = _given_filesystem(filesystem, owner)
+        paths = []
+        for item in items:
+            given = _scheme_of(item)
+            rest = item.split("://", 1)[1] if given else item
+            paths.append(_local_abspath(rest) if scheme == "" else rest.rstrip("/"))
+        return fs, scheme, paths
+    schemes = {"" if _scheme_of(i) == "file" else _scheme_of(i) for i in items}
+    if len(schemes) > 1:
+        raise ValueError(
+            f"{owner}: paths mix filesystems ({', '.join(sorted(s or 'local' for s in schemes))}); "
+            "give one source per filesystem"
+        )
+    (scheme,) = schemes
+    if scheme == "":
+        paths = [_local_abspath(_from_file_uri(i)) for i in items]
+        return pafs.LocalFileSystem(), "", paths
+    paths = [i.split("://", 1)[1].rstrip("/") for i in items]
+    if scheme == "s3":
+        return _s3_from_environment(), scheme, paths
+    if scheme in ("gs", "gcs"):
+        return pafs.GcsFileSystem(), scheme, paths
+    try:
+        import fsspec
+    except ImportError:
+        raise ValueError(
+            f"{owner}: {items[0]!r} needs fsspec for its {scheme}:// protocol (pip install "
+            "fsspec), or pass filesystem="
+        ) from None
+    return _wrap_fsspec(fsspec.filesystem(scheme)), scheme, paths
+
+
+def _given_filesystem(filesystem: Any, owner: str) -> tuple[Any, str]:
+    import pyarrow.fs as pafs
+
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return filesystem, ""
+    if isinstance(filesystem, pafs.FileSystem):
+        return filesystem, filesystem.type_name
+    protocol = getattr(filesystem, "protocol", None)
+    if protocol is None or not hasattr(filesystem, "open"):
+        raise TypeError(
+            f"{owner}: filesystem must be a pyarrow.fs.FileSystem or an fsspec filesystem, "
+            f"got {filesystem!r}"
+        )
+    name = protocol if isinstance(protocol, str) else protocol[0]
+    if name in ("file", "local"):
+        return pafs.LocalFileSystem(), ""
+    return _wrap_fsspec(filesystem), name
+
+
+def _wrap_fsspec(fs: Any) -> Any:
+    import pyarrow.fs as pafs
+
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+def _s3_from_environment() -> Any:
+    # pyarrow's S3FileSystem does not read the endpoint variables itself (the AWS SDK it bundles
+    # ignores them): honour them here, so a MinIO/R2/local endpoint works as for the AWS CLI.
+    import pyarrow.fs as pafs
+
+    env = os.environ
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    return pafs.S3FileSystem(
+        endpoint_override=endpoint or None,
+        region=region or None,
+        connect_timeout=10,
+        request_timeout=60,
+    )
+
+
+def _from_file_uri(item: str) -> str:
+    if _scheme_of(item) != "file":
+        return item
+    return urllib.parse.unquote(urllib.parse.urlparse(item).path)
+
+
+def _local_abspath(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+# ------------------------------------------------------------------------- listing
+
+
+def _hidden(relative: str) -> bool:
+    return any(part[:1] in (".", "_") for part in relative.split("/")) or relative.endswith(
+        _SIDECAR_SUFFIXES
+    )
+
+
+def _listing(fs: Any, base: str, keep: Callable[[str], bool]) -> list[tuple[str, int, int | None]]:
+    import pyarrow.fs as pafs
+
+    selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
+    out = []
+    for info in fs.get_file_info(selector):
+        if info.type != pafs.FileType.File:
+            continue
+        relative = posixpath.relpath(info.path, base)
+        if _hidden(relative) or not keep(relative):
+            continue
+        out.append((info.path, int(info.size), info.mtime_ns))
+    out.sort()
+    return out
+
+
+def _glob(fs: Any, pattern: str) -> tuple[str, list[tuple[str, int, int | None]]]:
+    parts = pattern.split("/")
+    first = next(k for k, part in enumerate(parts) if _GLOB_CHARS.search(part))
+    base = "/".join(parts[:first]) or ("/" if pattern.startswith("/") else "")
+    regex = re.compile(_glob_regex("/".join(parts[first:])))
+    return base, _listing(fs, base, lambda relative: regex.fullmatch(relative) is not None)
+
+
+def _glob_regex(pattern: str) -> str:
+    out = []
+    k = 0
+    while k < len(pattern):
+        c = pattern[k]
+        if pattern.startswith("**/", k):
+            out.append("(?:[^/]+/)*")
+            k += 3
+        elif pattern.startswith("**", k):
+            out.append(".*")
+            k += 2
+        elif c == "*":
+            out.append("[^/]*")
+            k += 1
+        elif c == "?":
+            out.append("[^/]")
+            k += 1
+        elif c == "[":
+            end = pattern.find("]", k + 2)
+            if end < 0:
+                out.append(re.escape(c))
+                k += 1
+            else:
+                body = pattern[k + 1 : end]
+                if body.startswith("!"):
+                    body = "^" + body[1:]
+                out.append(f"[{body}]")
+                k = end + 1
+        else:
+            out.append(re.escape(c))
+            k += 1
+    return "".join(out)
+
+
+def _common_dir(roots: Iterable[str]) -> str:
+    split = [r.rstrip("/").split("/") for r in roots]
+    common: list[str] = []
+    for parts in zip(*split, strict=False):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    joined = "/".join(common)
+    if not joined and split and split[0][:1] == [""]:
+        return "/"
+    return joined
