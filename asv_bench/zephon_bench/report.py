@@ -373,6 +373,43 @@ def pipeline_rows(quick: bool) -> list[Row]:
             "baseline: bare generator chain (same reads, map, batching, collate)",
         )
     ]
+    r = pb.measure_ratios(100_000 if quick else 300_000, repeats=3 if quick else 5)
+    trivial, default = r["trivial"] / r["bare"], r["default"] / r["bare"]
+    rows.append(
+        Row(
+            "overhead ratio: fetch→map→batch(32), trivial collate vs bare generator",
+            _seconds(r["trivial"]),
+            _seconds(r["bare"]),
+            f"{trivial:.2f}×",
+            "≤ 2×",
+            trivial <= 2,
+            "bare: the same reads and map, lists of 32 counted (the collate of both)",
+        )
+    )
+    rows.append(
+        Row(
+            "overhead ratio: the same with the default collate vs bare (trivial collate)",
+            _seconds(r["default"]),
+            _seconds(r["bare"]),
+            f"{default:.2f}×",
+            "≤ 3×",
+            default <= 3,
+        )
+    )
+    if math.isnan(r["torchdata"]):
+        rows.append(Row("vs torchdata.nodes", "", "torchdata missing", "", "≥ 2.5×", None))
+    else:
+        rows.append(
+            Row(
+                "records/s vs torchdata.nodes Mapper→Batcher→Mapper(collate) in a Loader",
+                _si(1 / r["default"], "rec/s"),
+                _si(1 / r["torchdata"], "rec/s"),
+                f"{r['torchdata'] / r['default']:.2f}× torchdata",
+                "≥ 2.5×",
+                r["torchdata"] / r["default"] >= 2.5,
+                "both with the default collate (collate_payloads)",
+            )
+        )
     g = pb.measure_grain(50_000 if quick else 200_000, repeats=3 if quick else 5)
     if g is None:
         rows.append(Row("records/s vs Grain map+batch", "", "grain missing", "", "≥ 5×", None))
