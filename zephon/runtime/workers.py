@@ -22,6 +22,7 @@ import pickle
 import queue
 import signal
 import sys
+import sysconfig
 import threading
 import time
 import types
@@ -458,12 +459,34 @@ def plan_modules(plan: Plan) -> list[str]:
 
     for top in (plan.source, plan.fetch, *plan.chain, plan.batcher):
         walk(top, _WALK_DEPTH)
-    return sorted(m for m in found if m.split(".")[0] not in _NOT_PRELOADED and m != "zephon")
+    return sorted(m for m in found if m != "zephon" and _installed(m))
 
 
 _LEAVES = (int, float, bool, str, bytes, bytearray, complex)
-# builtins are there already; __main__ is the training script, which a worker must not re-run.
-_NOT_PRELOADED = {"builtins", "__main__", "__mp_main__"}
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` belongs to zephon, the standard library or an installed package
+    (imported here already). Your own modules are left to the workers: the fork server would
+    run their top-level code before any worker exists, and an error there would stop it."""
+    top = module.split(".")[0]
+    if top == "zephon":
+        return True
+    loaded = sys.modules.get(top)
+    path = getattr(loaded, "__file__", None)
+    if loaded is None or top in ("__main__", "__mp_main__"):
+        return False
+    if path is None:  # compiled into the interpreter (sys, _thread, ...): nothing to import
+        return False
+    where = os.path.realpath(path)
+    return any(where.startswith(root + os.sep) for root in _library_roots())
+
+
+def _library_roots() -> list[str]:
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots.update(p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages"))
+    return [os.path.realpath(r) for r in roots]
 
 
 def _filled(cell: Any) -> bool:
