@@ -205,7 +205,7 @@ class TextPipeline:
             (workers, step): tb.measure_in_fresh_process(
                 lanes=lanes, workers=workers, restore_step=step, **common
             )["restore"]
-            for workers, lanes in (("inline", 1), ("process", 2))
+            for workers, lanes in (("inline", 2), ("process", 2))
             for step in (10, 100)
         }
         return {
