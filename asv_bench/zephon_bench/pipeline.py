@@ -265,6 +265,7 @@ def measure_ratios(n: int = 300_000, *, repeats: int = 5) -> dict[str, float]:
     default collate, of the bare chain with the trivial collate, and of torchdata.nodes with
     the default collate (``nan`` without torchdata)."""
     runs: dict[str, list[float]] = {"trivial": [], "default": [], "bare": [], "torchdata": []}
+    torchdata_map_batch(1)  # import torch and torchdata before the clock starts
     for _ in range(repeats):
         for key, make in (
             ("trivial", lambda: iter(overhead_pipeline_with(n, trivial_collate))),
