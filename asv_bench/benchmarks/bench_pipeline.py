@@ -152,3 +152,109 @@ class Lanes:
         return pb.process_ceiling(2048)
 
     track_machine_ceiling.unit = "x"  # type: ignore[attr-defined]
+
+
+class OverheadRatios:
+    """The map pipeline against a bare generator (trivial collate on both; then the default
+    collate on ours) and against torchdata.nodes on the same work; targets ≤ 2, ≤ 3, ≥ 2.5."""
+
+    timeout = 300
+
+    def setup_cache(self) -> dict[str, float]:
+        return pb.measure_ratios(200_000, repeats=3)
+
+    def track_trivial_collate_over_bare(self, r: dict[str, float]) -> float:
+        return r["trivial"] / r["bare"]
+
+    track_trivial_collate_over_bare.unit = "x"  # type: ignore[attr-defined]
+
+    def track_default_collate_over_bare(self, r: dict[str, float]) -> float:
+        return r["default"] / r["bare"]
+
+    track_default_collate_over_bare.unit = "x"  # type: ignore[attr-defined]
+
+    def track_speedup_over_torchdata(self, r: dict[str, float]) -> float:
+        return r["torchdata"] / r["default"]
+
+    track_speedup_over_torchdata.unit = "x"  # type: ignore[attr-defined]
+
+
+class TextPipeline:
+    """Parquet -> tokenize (8k BPE) -> pack_sequences(2048) -> batch(8) on 8 MB of standard
+    library text (``zephon_bench.text``): end to end against the pyarrow + encode_batch limit,
+    fill, two process lanes against one inline lane (tokenizer threads off) with the machine's
+    two-process ceiling, memory, and restore at a late step against an early one."""
+
+    timeout = 900
+
+    def setup_cache(self) -> dict[str, float]:
+        import time
+
+        from zephon_bench import text as tb
+
+        data, tok_path = tb.corpus(8.0)
+        tok = tb.load_tokenizer(tok_path)
+        start = time.perf_counter()
+        n = tb.bare_limit(data, tok)
+        limit = n / (time.perf_counter() - start)
+        run = tb.run_pipeline(tb.text_pipeline(data, tok))
+        common = {"data": data, "tokenizer": tok_path, "threads": False}
+        one = tb.measure_in_fresh_process(lanes=1, workers="inline", **common)
+        two = tb.measure_in_fresh_process(lanes=2, workers="process", **common)
+        restore = {
+            (workers, step): tb.measure_in_fresh_process(
+                lanes=lanes, workers=workers, restore_step=step, **common
+            )["restore"]
+            for workers, lanes in (("inline", 2), ("process", 2))
+            for step in (10, 100)
+        }
+        return {
+            "e2e": run["tokens"] / run["seconds"] / limit,
+            "fill": run["fill"],
+            "lanes": one["seconds"] / two["seconds"],
+            "first_batch": two["first_batch"] / one["first_batch"],
+            "memory": two["pss"] / one["pss"],
+            "ceiling": pb.process_ceiling(2048),
+            "restore_inline": restore[("inline", 100)] / restore[("inline", 10)],
+            "restore_process_minus_inline": restore[("process", 100)] - restore[("inline", 100)],
+        }
+
+    def track_end_to_end_over_limit(self, r: dict[str, float]) -> float:
+        return r["e2e"]
+
+    track_end_to_end_over_limit.unit = "x"  # type: ignore[attr-defined]
+
+    def track_fill_at_2048(self, r: dict[str, float]) -> float:
+        return r["fill"]
+
+    track_fill_at_2048.unit = "fill"  # type: ignore[attr-defined]
+
+    def track_two_process_lanes_over_inline(self, r: dict[str, float]) -> float:
+        return r["lanes"]
+
+    track_two_process_lanes_over_inline.unit = "x"  # type: ignore[attr-defined]
+
+    def track_machine_ceiling(self, r: dict[str, float]) -> float:
+        return r["ceiling"]
+
+    track_machine_ceiling.unit = "x"  # type: ignore[attr-defined]
+
+    def track_first_batch_process_over_inline(self, r: dict[str, float]) -> float:
+        return r["first_batch"]
+
+    track_first_batch_process_over_inline.unit = "x"  # type: ignore[attr-defined]
+
+    def track_memory_process_over_inline(self, r: dict[str, float]) -> float:
+        return r["memory"]
+
+    track_memory_process_over_inline.unit = "x"  # type: ignore[attr-defined]
+
+    def track_restore_late_over_early_inline(self, r: dict[str, float]) -> float:
+        return r["restore_inline"]
+
+    track_restore_late_over_early_inline.unit = "x"  # type: ignore[attr-defined]
+
+    def track_restore_process_minus_inline(self, r: dict[str, float]) -> float:
+        return r["restore_process_minus_inline"]
+
+    track_restore_process_minus_inline.unit = "s"  # type: ignore[attr-defined]

@@ -38,6 +38,7 @@ __all__ = [
     "BATCH_SIZE",
     "CHUNK_SIZE",
     "bare_chain",
+    "bare_trivial",
     "burn",
     "checkpoint_at",
     "drain",
@@ -46,6 +47,7 @@ __all__ = [
     "lanes_pipeline",
     "make_text",
     "measure_overhead",
+    "measure_ratios",
     "measure_restore",
     "measure_restores",
     "overhead_pipeline",
@@ -54,6 +56,8 @@ __all__ = [
     "process_ceiling",
     "restore_pipeline",
     "square",
+    "torchdata_map_batch",
+    "trivial_collate",
 ]
 
 BATCH_SIZE = 32
@@ -208,6 +212,76 @@ def measure_grain(
         drain(iter(dataset))
         theirs.append((time.perf_counter() - start) / n)
     return {"ours": statistics.median(ours), "grain": statistics.median(theirs)}
+
+
+def trivial_collate(records: Any) -> int:
+    """A collate that does nothing but count: what is left is the engine's own cost."""
+    return len(records)
+
+
+def overhead_pipeline_with(n: int, collate: Any, *, batch_size: int = BATCH_SIZE) -> Any:
+    """``overhead_pipeline`` with another collate (``trivial_collate``, or None: the default)."""
+    return zephon.Pipeline(
+        RangeSource(n, chunk_size=CHUNK_SIZE),
+        [fetch(), map_transform(square), batch(batch_size, collate=collate)],
+    )
+
+
+def bare_trivial(n: int, *, batch_size: int = BATCH_SIZE) -> Iterator[int]:
+    """The bare generator chain with the trivial collate (lists of ``batch_size``, counted)."""
+    source = RangeSource(n, chunk_size=CHUNK_SIZE)
+    buf: list[dict] = []
+    for position in range(source.total_chunks() or 0):
+        for item in source.read(source.chunk(position).pointers):
+            buf.append(square(item))
+            if len(buf) == batch_size:
+                yield len(buf)
+                buf = []
+    if buf:
+        yield len(buf)
+
+
+def torchdata_map_batch(n: int, *, batch_size: int = BATCH_SIZE) -> Any:
+    """torchdata.nodes on the same work, or None without torchdata: the same payloads read chunk
+    by chunk, ``Mapper(square)``, ``Batcher(batch_size)``, ``Mapper(collate_payloads)``, in a
+    ``Loader`` (its checkpointable iterator)."""
+    try:
+        import torchdata.nodes as tn
+    except ImportError:
+        return None
+    source = RangeSource(n, chunk_size=CHUNK_SIZE)
+
+    def payloads() -> Iterator[dict]:
+        for position in range(source.total_chunks() or 0):
+            yield from source.read(source.chunk(position).pointers)
+
+    node = tn.Mapper(tn.IterableWrapper(payloads()), square)
+    node = tn.Mapper(tn.Batcher(node, batch_size, drop_last=False), collate_payloads)
+    return tn.Loader(node)
+
+
+def measure_ratios(n: int = 300_000, *, repeats: int = 5) -> dict[str, float]:
+    """Seconds per record (medians, runs alternating) of the pipeline with the trivial and the
+    default collate, of the bare chain with the trivial collate, and of torchdata.nodes with
+    the default collate (``nan`` without torchdata)."""
+    runs: dict[str, list[float]] = {"trivial": [], "default": [], "bare": [], "torchdata": []}
+    torchdata_map_batch(1)  # import torch and torchdata before the clock starts
+    for _ in range(repeats):
+        for key, make in (
+            ("trivial", lambda: iter(overhead_pipeline_with(n, trivial_collate))),
+            ("default", lambda: iter(overhead_pipeline_with(n, None))),
+            ("bare", lambda: bare_trivial(n)),
+            ("torchdata", lambda: torchdata_map_batch(n)),
+        ):
+            gc.collect()
+            start = time.perf_counter()
+            it = make()
+            if it is None:
+                runs[key].append(float("nan"))
+                continue
+            drain(it)
+            runs[key].append((time.perf_counter() - start) / n)
+    return {k: statistics.median(v) for k, v in runs.items()}
 
 
 WORDS = ("zephon", "packs", "tokens", "into", "bins", "and", "restores", "exactly")

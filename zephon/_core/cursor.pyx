@@ -5,6 +5,7 @@ The constructor takes ``(chunk_id, chunk_offset, sample_id, lineage)`` but curso
 All fields are kept as C integers so comparing, hashing and sorting never build Python tuples.
 """
 
+cimport cython
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdlib cimport qsort
 from libc.string cimport memcpy
@@ -72,6 +73,7 @@ cdef offset_t _as_field(object value, str field) except? -1:
     return <offset_t>v
 
 
+@cython.freelist(1024)
 cdef class SampleCursor:
     """Where a record was born (chunk, offset, sample id) and the path it took (lineage).
 

@@ -13,6 +13,7 @@ import operator
 _NO_TAGS = frozenset()
 
 
+@cython.no_gc
 cdef class ContributorRef:
     """A base offset a record stands for, and whether this record is the last one that will."""
 
@@ -58,6 +59,7 @@ cdef tuple _as_contributors(object contributors):
 
 
 @cython.freelist(1024)
+@cython.no_gc
 cdef class SampleMeta:
     """The tracking half of a record: cursor, lane, contributors, tags and mixture heritage.
 

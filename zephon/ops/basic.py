@@ -54,7 +54,12 @@ class Fetch(Operator):
             )
         components = self._source.components(pointers)
         return records_for_chunk(
-            chunk_id, pointers, list(payloads), self.lane_id, list(components), first_offset
+            chunk_id,
+            pointers,
+            payloads if type(payloads) is list else list(payloads),
+            self.lane_id,
+            components if type(components) is list else list(components),
+            first_offset,
         )
 
     def _read_with_retries(self, read: Callable[[np.ndarray], list], pointers: np.ndarray) -> list:

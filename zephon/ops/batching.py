@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from zephon._core.collate import UNDECIDED, collate_dicts
 from zephon._core.records import payloads_of
 from zephon.ops.base import Operator, OpTraits
 from zephon.types import SampleRecord
@@ -37,7 +38,19 @@ def collate_payloads(payloads: list[Any]) -> Any:
     dtype are stacked; Python ints become ``int64``, floats ``float64`` and bools ``bool``;
     numeric numpy scalars keep their dtype. Strings, ``None``, mixed types and anything else stay
     lists. Python ints that do not fit in int64 raise ``OverflowError`` naming the field.
+
+    The common cases run in a compiled loop (``zephon._core.collate``) that hands anything it does
+    not cover back to ``collate_by_rule``, so both give the same result.
     """
+    if type(payloads) is list:
+        out = collate_dicts(payloads, _column)
+        if out is not UNDECIDED:
+            return out
+    return collate_by_rule(payloads)
+
+
+def collate_by_rule(payloads: list[Any]) -> Any:
+    """``collate_payloads`` written out in Python: the rule the compiled loop follows."""
     if not payloads:
         return payloads
     kinds = set(map(type, payloads))

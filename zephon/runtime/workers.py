@@ -22,6 +22,7 @@ import pickle
 import queue
 import signal
 import sys
+import sysconfig
 import threading
 import time
 import types
@@ -409,13 +410,119 @@ class ThreadLane:
 # ------------------------------------------------------------------------------ process lanes
 
 
-def _context() -> Any:
-    # forkserver: safe when the parent has threads, and fast once its server has imported zephon.
+def _context(preload: list[str] | None = None) -> Any:
+    # forkserver: safe when the parent has threads, and fast because its server has imported what
+    # the workers need (zephon, and the plan's modules) before it forks them. The list only counts
+    # until the server starts, with the first worker of this process.
     if sys.platform != "win32" and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["zephon"])
+        ctx.set_forkserver_preload(["zephon", *(preload or [])])
         return ctx
     return mp.get_context("spawn")
+
+
+_WALK_DEPTH = 3  # source/operator -> its attributes -> theirs: where tokenizers and readers sit
+_WALK_ITEMS = 8  # items looked at per list, tuple or dict (they are usually alike)
+
+
+def plan_modules(plan: Plan) -> list[str]:
+    """The modules whose classes and functions the plan's source and operators hold (a bounded
+    walk of their attributes), and those their classes list in ``worker_modules``: what the fork
+    server imports once instead of every worker."""
+    found: set[str] = set()
+    seen: set[int] = set()  # object identities, only to avoid walking an object twice
+
+    def walk(obj: Any, depth: int) -> None:
+        if id(obj) in seen or obj is None or type(obj) in _LEAVES:
+            return
+        seen.add(id(obj))
+        owner = (
+            obj
+            if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType))
+            else type(obj)
+        )
+        found.add(getattr(owner, "__module__", None) or "builtins")
+        # A class that imports what it needs lazily (pyarrow for Arrow files) names it here.
+        found.update(getattr(owner, "worker_modules", ()))
+        if depth == 0:
+            return
+        if isinstance(obj, (list, tuple)):
+            parts: Iterable[Any] = obj[:_WALK_ITEMS]
+        elif isinstance(obj, dict):
+            parts = list(obj.values())[:_WALK_ITEMS]
+        elif isinstance(obj, types.FunctionType):
+            parts = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+        else:
+            parts = list(getattr(obj, "__dict__", {}).values())
+        for part in parts:
+            walk(part, depth - 1)
+
+    for top in (plan.source, plan.fetch, *plan.chain, plan.batcher):
+        walk(top, _WALK_DEPTH)
+    return sorted(m for m in found if m != "zephon" and _installed(m))
+
+
+_LEAVES = (int, float, bool, str, bytes, bytearray, complex)
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` belongs to zephon, the standard library or an installed package
+    (imported here already). Your own modules are left to the workers: the fork server would
+    run their top-level code before any worker exists, and an error there would stop it."""
+    top = module.split(".")[0]
+    if top == "zephon":
+        return True
+    loaded = sys.modules.get(top)
+    path = getattr(loaded, "__file__", None)
+    if loaded is None or top in ("__main__", "__mp_main__"):
+        return False
+    if path is None:  # compiled into the interpreter (sys, _thread, ...): nothing to import
+        return False
+    where = os.path.realpath(path)
+    return any(where.startswith(root + os.sep) for root in _library_roots())
+
+
+def _library_roots() -> list[str]:
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots.update(p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages"))
+    return [os.path.realpath(r) for r in roots]
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+#: The thread pools of tokenizers and numerical libraries, by the variables that size them.
+THREAD_VARIABLES = (
+    "RAYON_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+)
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def worker_environment(processes: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables each of ``processes`` worker processes sets before its lanes run, so that
+    the workers' own thread pools (an HF tokenizer's, BLAS's) fit the CPUs together: each worker
+    gets ``cpus // processes`` threads (at least 1), and a tokenizer runs single-threaded when
+    that is 1. A variable the user set in the loader's environment keeps the user's value."""
+    environ = dict(os.environ) if environ is None else environ
+    threads = max(1, _usable_cpus() // max(1, processes))
+    wanted = {name: str(threads) for name in THREAD_VARIABLES}
+    wanted["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    return {name: environ.get(name, value) for name, value in wanted.items()}
 
 
 class _LoaderGone(Exception):
@@ -490,15 +597,20 @@ def _die_with_loader(loader_pid: int) -> None:
     threading.Thread(target=watch, name="zephon-loader-watch", daemon=True).start()
 
 
-def _load_plan(plan_bytes: bytes, lane_id: int) -> Plan:
+def _load_plan(plan_bytes: bytes, lane_ids: list[int]) -> Plan | PlanError:
+    """The plan, loaded once for all the lanes of a worker process, or the error to report."""
     try:
-        return pickle.loads(plan_bytes)
+        plan: Plan = pickle.loads(plan_bytes)
+        return plan
     except Exception as exc:
-        raise PlanError(
-            f"the worker process of lane {lane_id} could not load the pipeline "
+        which = ", ".join(map(str, lane_ids))
+        error = PlanError(
+            f"the worker process of lane(s) {which} could not load the pipeline "
             f"({type(exc).__name__}: {exc}): operators, sources and the callables they hold "
             "must be importable by their module's name in a fresh process"
-        ) from exc
+        )
+        error.__cause__ = exc
+        return error
 
 
 def _stream(conn: Connection, lane_items: Iterator[list], lane_id: int, prefetch: int) -> None:
@@ -532,21 +644,31 @@ def _send_error(conn: Connection, exc: BaseException) -> None:
 
 
 def _process_main(
-    members: list[tuple[Connection, int, dict]], plan_bytes: bytes, prefetch: int, loader_pid: int
+    members: list[tuple[Connection, int, dict]],
+    plan_bytes: bytes,
+    prefetch: int,
+    loader_pid: int,
+    environment: dict[str, str],
 ) -> None:
     """A worker process: one lane, or several lanes each on a thread of its own (so that a lane
-    blocked sending to the loader never holds up another)."""
+    blocked sending to the loader never holds up another). The plan is loaded once, for all."""
     # Ctrl-C in a terminal reaches the whole process group: the loader's process handles it and
     # stops its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_loader(loader_pid)
+    # Before anything starts a thread pool: pools read these when they are first used.
+    os.environ.update(environment)
+    for conn, _, _ in members:
+        _write_or_leave(conn, _encode(_READY, None))
+    plan = _load_plan(plan_bytes, [lane_id for _, lane_id, _ in members])
+    del plan_bytes
     if len(members) == 1:
-        _lane_main(*members[0], plan_bytes, prefetch)
+        _lane_main(*members[0], plan, prefetch)
         return
     threads = [
         threading.Thread(
             target=_lane_main,
-            args=(conn, lane_id, start, plan_bytes, prefetch),
+            args=(conn, lane_id, start, plan, prefetch),
             name=f"zephon-worker-lane-{lane_id}",
             daemon=True,
         )
@@ -558,12 +680,17 @@ def _process_main(
         thread.join()
 
 
+def _write_or_leave(conn: Connection, message: tuple[tuple, bytes, list[memoryview]]) -> None:
+    with contextlib.suppress(_LoaderGone):  # the lane's own loop finds the loader gone
+        _write(conn, message)
+
+
 def _lane_main(
-    conn: Connection, lane_id: int, start: dict, plan_bytes: bytes, prefetch: int
+    conn: Connection, lane_id: int, start: dict, plan: Plan | PlanError, prefetch: int
 ) -> None:
     try:
-        _write(conn, _encode(_READY, None))
-        plan = _load_plan(plan_bytes, lane_id)
+        if isinstance(plan, PlanError):
+            raise plan
         with contextlib.closing(LaneRunner(plan, lane_id, **start).run()) as lane_items:
             _stream(conn, lane_items, lane_id, prefetch)
         _write(conn, _encode(_END, None))
@@ -750,23 +877,36 @@ def _unpicklable_message(plan: Plan, exc: Exception) -> str:
     )
 
 
-def _start_process(plan: Plan, members: list[tuple[int, dict]]) -> tuple[Any, list[Connection]]:
+class PlanParcel:
+    """What every worker process of one ``open_lanes`` call receives: the plan pickled once, the
+    modules its fork server preloads and the environment that sizes the workers' thread pools."""
+
+    def __init__(self, plan: Plan):
+        _refuse_unguarded_main()
+        try:
+            self.plan_bytes = pickle.dumps(plan, protocol=5)
+        except Exception as exc:
+            raise PlanError(_unpicklable_message(plan, exc)) from None
+        self.preload = plan_modules(plan)
+        self.environment = worker_environment(plan.processes)
+
+
+def _start_process(
+    plan: Plan, members: list[tuple[int, dict]], parcel: PlanParcel | None = None
+) -> tuple[Any, list[Connection]]:
     """Start one worker process for the lanes ``members`` (lane id, runner start); the process
     and the loader's end of each lane's pipe."""
-    _refuse_unguarded_main()
-    try:
-        plan_bytes = pickle.dumps(plan, protocol=5)
-    except Exception as exc:
-        raise PlanError(_unpicklable_message(plan, exc)) from None
-    ctx = _context()
+    parcel = parcel or PlanParcel(plan)
+    ctx = _context(parcel.preload)
     pipes = [ctx.Pipe(duplex=True) for _ in members]
     proc = ctx.Process(
         target=_process_main,
         args=(
             [(child, lane_id, start) for (_, child), (lane_id, start) in zip(pipes, members)],
-            plan_bytes,
+            parcel.plan_bytes,
             plan.prefetch,
             os.getpid(),
+            parcel.environment,
         ),
         name=f"{_WORKER_NAME}{members[0][0]}",
         daemon=True,
@@ -793,14 +933,16 @@ class ProcessLane:
     ``timeout`` applies to every ``next()``, the first one (the worker's start-up) included.
     """
 
-    def __init__(self, plan: Plan, lane_id: int, **start: Any):
-        proc, (conn,) = _start_process(plan, [(lane_id, start)])
+    def __init__(self, plan: Plan, lane_id: int, *, parcel: PlanParcel | None = None, **start: Any):
+        proc, (conn,) = _start_process(plan, [(lane_id, start)], parcel)
         self._attach(plan, lane_id, proc, conn, _SharedProcess(1))
 
     @classmethod
-    def group(cls, plan: Plan, members: list[tuple[int, dict]]) -> list[ProcessLane]:
+    def group(
+        cls, plan: Plan, members: list[tuple[int, dict]], parcel: PlanParcel | None = None
+    ) -> list[ProcessLane]:
         """Several lanes in one worker process (each on a thread of its own there)."""
-        proc, conns = _start_process(plan, members)
+        proc, conns = _start_process(plan, members, parcel)
         shared = _SharedProcess(len(members))
         lanes = []
         for (lane_id, _), conn in zip(members, conns):
@@ -947,13 +1089,15 @@ def open_lanes(plan: Plan, members: list[tuple[int, dict]]) -> list[Any]:
     """Start the lanes ``members`` (lane id, runner start) on ``plan.processes`` workers: worker
     processes (``workers="process"``) or threads (``"thread"``), each running a contiguous block
     of the lanes; inline lanes run in the caller's thread. The lanes' streams never depend on
-    how many workers there are."""
+    how many workers there are. Worker processes share one pickle of the plan."""
     if plan.workers == "inline" or not members:
         return [open_lane(plan, lane_id, **start) for lane_id, start in members]
     k = max(1, min(plan.processes, len(members)))
+    parcel = PlanParcel(plan) if plan.workers == "process" else None
     if k == len(members):
-        return [open_lane(plan, lane_id, **start) for lane_id, start in members]
-    kind = ProcessLane if plan.workers == "process" else ThreadLane
+        if parcel is None:
+            return [open_lane(plan, lane_id, **start) for lane_id, start in members]
+        return [ProcessLane(plan, lane_id, parcel=parcel, **start) for lane_id, start in members]
     lanes: list[Any] = []
     size, extra = divmod(len(members), k)
     at = 0
@@ -961,7 +1105,10 @@ def open_lanes(plan: Plan, members: list[tuple[int, dict]]) -> list[Any]:
         n = size + (1 if w < extra else 0)
         block = members[at : at + n]
         at += n
-        lanes.extend(
-            kind.group(plan, block) if n > 1 else [open_lane(plan, block[0][0], **block[0][1])]
-        )
+        if parcel is not None:
+            lanes.extend(ProcessLane.group(plan, block, parcel))
+        elif n > 1:
+            lanes.extend(ThreadLane.group(plan, block))
+        else:
+            lanes.append(open_lane(plan, block[0][0], **block[0][1]))
     return lanes

@@ -265,6 +265,9 @@ class ArrowSource(FileSource):
     shorter or different stream.
     """
 
+    #: What a worker process reading these files imports (lazily here): its fork server
+    #: imports it once for all workers.
+    worker_modules = ("pyarrow", "pyarrow.parquet", "pyarrow.ipc")
     #: Decoded (projected) groups kept across reads, so chunks smaller than a group reuse it.
     GROUP_CACHE = 2
     #: Parsed Parquet footers kept; an evicted one is read again from the file when needed.

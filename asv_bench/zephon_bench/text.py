@@ -1,0 +1,302 @@
+"""The text pipeline: Parquet documents -> tokenize (a local BPE) -> pack to 2048 -> batch 8,
+against baselines run in the same process.
+
+- the corpus: the Python standard library's ``.py`` files, one document per file cut at blank
+  lines into pieces of at least ``PIECE_CHARS`` characters, written to Parquet (row groups of
+  1,024) under a cache directory, with an 8k byte-level BPE trained on it by HF ``tokenizers``;
+- end to end: the pipeline's tokens/s against the bare limit, ``pyarrow`` reading the same row
+  groups and ``Tokenizer.encode_batch`` on each (no records, no packing);
+- fill at 2048: ``pack_sequences(2048)`` on the corpus' token counts, as packed rows deliver;
+- lanes: two process lanes against one inline lane (tokenizer threads off, and on), time, first
+  batch and memory (PSS of the loader and every worker process), each run in a fresh process;
+- restore: ``iter(state)`` + first ``next()`` at a late step against a fresh ``iter()`` + first
+  ``next()``, inline and with process lanes.
+
+Functions only; ``zephon bench`` (``report.py``) and the asv suite call them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import zephon
+from zephon.ops import batch, fetch, pack_sequences, tokenize
+from zephon.sources.arrow import ArrowSource
+
+__all__ = [
+    "SEQ_LEN",
+    "bare_limit",
+    "corpus",
+    "load_tokenizer",
+    "measure_in_fresh_process",
+    "median_runs",
+    "run_pipeline",
+    "text_pipeline",
+    "token_payloads",
+]
+
+SEQ_LEN = 2048
+BATCH = 8
+VOCAB = 8192
+PIECE_CHARS = 2000
+ROW_GROUP = 1024
+
+
+def _cache_dir() -> Path:
+    where = Path(os.environ.get("ZEPHON_BENCH_CACHE", Path(tempfile.gettempdir()) / "zephon-bench"))
+    where.mkdir(parents=True, exist_ok=True)
+    return where
+
+
+def _documents(limit_bytes: int) -> list[str]:
+    """Pieces of the standard library's source files, in sorted path order, up to ``limit``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs: list[str] = []
+    total = 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        piece: list[str] = []
+        size = 0
+        for block in text.split("\n\n"):
+            piece.append(block)
+            size += len(block) + 2
+            if size >= PIECE_CHARS:
+                docs.append("\n\n".join(piece))
+                piece, size = [], 0
+        if piece:
+            docs.append("\n\n".join(piece))
+        total += len(text.encode())
+        if total >= limit_bytes:
+            break
+    return docs
+
+
+def corpus(megabytes: float = 32.0) -> tuple[str, str]:
+    """Paths of the Parquet corpus (about ``megabytes`` MB of text) and of its BPE tokenizer,
+    built once and cached (``ZEPHON_BENCH_CACHE``, else a temporary directory)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tag = f"stdlib-{megabytes:g}mb"
+    where = _cache_dir()
+    data, tok = where / f"{tag}.parquet", where / f"{tag}-bpe{VOCAB}.json"
+    if not data.exists() or not tok.exists():
+        docs = _documents(int(megabytes * 1e6))
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        bpe = Tokenizer(models.BPE(unk_token=None))
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=VOCAB,
+            special_tokens=["<|endoftext|>", "<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        bpe.train_from_iterator(docs[: max(1, len(docs) // 4)], trainer)
+        tmp = tok.with_suffix(".tmp")
+        bpe.save(str(tmp))
+        os.replace(tmp, tok)
+        tmp = data.with_suffix(".tmp")
+        pq.write_table(pa.table({"text": docs}), tmp, row_group_size=ROW_GROUP)
+        os.replace(tmp, data)
+    return str(data), str(tok)
+
+
+def load_tokenizer(path: str) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
+def text_pipeline(
+    data: str, tokenizer: Any, *, lanes: int = 1, workers: str = "inline"
+) -> zephon.Pipeline:
+    """``fetch -> tokenize -> pack_sequences(2048) -> batch(8)`` over the Parquet corpus."""
+    return zephon.Pipeline(
+        ArrowSource(data, columns=["text"], chunk_size=ROW_GROUP),
+        [fetch(), tokenize(tokenizer), pack_sequences(SEQ_LEN), batch(BATCH)],
+        lanes=lanes,
+        workers=workers,
+    )
+
+
+def bare_limit(data: str, tokenizer: Any) -> int:
+    """The limit: read every row group with pyarrow and ``encode_batch`` it (``_fast``, without
+    offsets, where the tokenizer has it); the token count."""
+    import pyarrow.parquet as pq
+
+    n = 0
+    with pq.ParquetFile(data) as f:
+        for g in range(f.num_row_groups):
+            texts = f.read_row_group(g, columns=["text"]).column(0).to_pylist()
+            encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+            n += sum(len(e.ids) + 1 for e in encode(texts))  # + the eos
+    return n
+
+
+def run_pipeline(pipeline: zephon.Pipeline, *, state: Any = None) -> dict[str, float]:
+    """Deliver everything: seconds to the first batch and in all, batches, tokens and fill."""
+    start = time.perf_counter()
+    loader = pipeline.iter(state=state)
+    first = None
+    rows = tokens = 0
+    with loader:
+        for b in loader:
+            if first is None:
+                first = time.perf_counter() - start
+            seg = b.payload["segment_ids"]
+            rows += len(seg)
+            tokens += int((seg > 0).sum())
+    total = time.perf_counter() - start
+    return {
+        "seconds": total,
+        "first_batch": first or total,
+        "rows": rows,
+        "tokens": tokens,
+        "fill": tokens / (rows * SEQ_LEN) if rows else 0.0,
+    }
+
+
+def _pss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            out.append(kid)
+            out.extend(_descendants(kid))
+    return out
+
+
+def _child(config: dict[str, Any]) -> None:
+    """In a fresh interpreter: run one configuration, print seconds, first batch and memory."""
+    data, tok = config["data"], config["tokenizer"]
+    pipeline = text_pipeline(
+        data, load_tokenizer(tok), lanes=config["lanes"], workers=config["workers"]
+    )
+    result: dict[str, Any] = {}
+    if config.get("restore_step"):
+        loader = pipeline.iter()
+        for _ in range(config["restore_step"]):
+            next(loader)
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        start = time.perf_counter()
+        resumed = pipeline.iter(state=state)
+        next(resumed)
+        result["restore"] = time.perf_counter() - start
+        resumed.close()
+        start = time.perf_counter()
+        fresh = pipeline.iter()
+        next(fresh)
+        result["fresh"] = time.perf_counter() - start
+        fresh.close()
+    else:
+        peak = 0
+
+        def sample() -> None:
+            nonlocal peak
+            me = os.getpid()
+            peak = max(peak, sum(_pss_bytes(p) for p in [me, *_descendants(me)]))
+
+        start = time.perf_counter()
+        loader = pipeline.iter()
+        first = None
+        count = 0
+        with loader:
+            for _ in loader:
+                if first is None:
+                    first = time.perf_counter() - start
+                count += 1
+                if count % 64 == 1:
+                    sample()
+        result.update(seconds=time.perf_counter() - start, first_batch=first, pss=peak)
+    print(json.dumps(result))
+
+
+def measure_in_fresh_process(
+    data: str,
+    tokenizer: str,
+    *,
+    lanes: int,
+    workers: str,
+    threads: bool,
+    restore_step: int = 0,
+) -> dict[str, float]:
+    """One configuration in a fresh interpreter (so each starts its own fork server and nothing
+    of an earlier run is in its memory). ``threads=False`` sets ``TOKENIZERS_PARALLELISM=false``
+    for the whole run; ``True`` leaves the tokenizer's thread pool to zephon's sizing."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = {
+        "data": data,
+        "tokenizer": tokenizer,
+        "lanes": lanes,
+        "workers": workers,
+        "restore_step": restore_step,
+    }
+    code = (
+        f"import sys; sys.path.insert(0, {here!r}); "
+        f"from zephon_bench.text import _child; _child({config!r})"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    env.pop("TOKENIZERS_PARALLELISM", None)
+    if not threads:
+        env["TOKENIZERS_PARALLELISM"] = "false"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def median_runs(repeats: int, **kwargs: Any) -> dict[str, float]:
+    """Medians over ``repeats`` fresh-process runs of one configuration."""
+    runs = [measure_in_fresh_process(**kwargs) for _ in range(repeats)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def token_payloads(data: str, tokenizer: Any) -> list[dict[str, Any]]:
+    """The corpus as ``{"tokens": int32[...]}`` payloads (eos appended), for other packers."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    out = []
+    with pq.ParquetFile(data) as f:
+        for g in range(f.num_row_groups):
+            texts = f.read_row_group(g, columns=["text"]).column(0).to_pylist()
+            for e in tokenizer.encode_batch(texts):
+                out.append({"tokens": np.array([*e.ids, eos], dtype=np.int32)})
+    return out

@@ -1,0 +1,121 @@
+"""The compiled default-collate loop against the rule written out in Python."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zephon._core.collate import UNDECIDED, collate_dicts
+from zephon.ops.batching import _column, collate_by_rule, collate_payloads
+
+
+class Subclassed(dict):
+    """A dict subclass: the compiled loop leaves it to the rule."""
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal results of the same types (arrays: same dtype, shape and values)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(x is y or same(x, y) for x, y in zip(a, b))
+    return bool(a == b) or (a != a and b != b)
+
+
+def outcome(fn: Any, payloads: list[Any]) -> tuple[str, Any]:
+    try:
+        return "ok", fn(payloads)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+values = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.integers(min_value=-5, max_value=5),
+    st.floats(allow_nan=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=3),
+    st.sampled_from([np.int32(3), np.float32(1.5), np.bool_(True), np.str_("s")]),
+    st.integers(0, 3).map(lambda n: np.arange(n, dtype=np.int64)),
+    st.integers(0, 2).map(lambda n: np.zeros(n, dtype=np.float32)),
+)
+# Equal keys that are different objects (str built at run time), ints equal to floats and bools.
+keys = st.sampled_from(["a", "b", "".join(["a"]), "".join(["b", ""]), 1, 1.0, True, 2])
+
+
+@st.composite
+def payload(draw: Any) -> Any:
+    ks = draw(st.lists(keys, max_size=3))
+    d = {k: draw(values) for k in ks}
+    kind = draw(st.sampled_from(["dict"] * 8 + ["sub", "list", "int"]))
+    if kind == "sub":
+        return Subclassed(d)
+    if kind == "list":
+        return list(d.values())
+    return 7 if kind == "int" else d
+
+
+@st.composite
+def batches(draw: Any) -> list[Any]:
+    """Payloads that mostly share keys and value types, so that columns do get built."""
+    shared = draw(st.booleans())
+    if not shared:
+        return draw(st.lists(payload(), max_size=6))
+    ks = draw(st.lists(keys, min_size=1, max_size=3, unique=True))
+    kinds = {k: draw(values) for k in ks}
+    n = draw(st.integers(1, 6))
+    out = []
+    for _ in range(n):
+        row = {k: draw(st.just(kinds[k]) | values) if draw(st.booleans()) else kinds[k] for k in ks}
+        out.append(row)
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(batches())
+def test_compiled_collate_matches_the_rule(payloads):
+    got, want = outcome(collate_payloads, payloads), outcome(collate_by_rule, payloads)
+    assert got[0] == want[0]
+    if got[0] == "ok":
+        assert same(got[1], want[1]), (got, want)
+    else:
+        assert got[1] == want[1]
+
+
+def test_ints_columns_int64_floats_float64_bools_bool():
+    out = collate_payloads([{"i": 1, "f": 0.5, "b": True}, {"i": -2, "f": 2.0, "b": False}])
+    assert out["i"].dtype == np.int64 and out["i"].tolist() == [1, -2]
+    assert out["f"].dtype == np.float64 and out["f"].tolist() == [0.5, 2.0]
+    assert out["b"].dtype == np.bool_ and out["b"].tolist() == [True, False]
+
+
+def test_equal_keys_that_are_different_strings_still_make_columns():
+    key = "".join(["to", "kens"])
+    assert key is not "tokens"  # noqa: F632 - built at run time on purpose
+    out = collate_payloads([{"tokens": 1}, {key: 2}])
+    assert isinstance(out, dict) and out["tokens"].tolist() == [1, 2]
+
+
+def test_an_int_outside_int64_names_the_field():
+    with pytest.raises(OverflowError, match="field 'h'"):
+        collate_payloads([{"h": 1}, {"h": 2**63}])
+
+
+def test_a_list_that_is_not_dicts_is_left_to_the_rule_and_kept():
+    payloads = [1, 2]
+    assert collate_dicts(payloads, _column) is UNDECIDED
+    assert collate_payloads(payloads) is payloads
+
+
+def test_bad_input_raises_type_error():
+    with pytest.raises(TypeError):
+        collate_dicts((1, 2), _column)  # type: ignore[arg-type]

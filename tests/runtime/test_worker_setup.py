@@ -1,0 +1,151 @@
+"""How worker processes are set up: the plan loaded once per process, the fork server's preload
+list taken from the plan, and the thread pools of tokenizers sized to the CPUs."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from worker_kit import assert_no_leftover_workers
+
+import zephon
+from zephon.ops import batch, fetch, map_transform, tokenize
+from zephon.runtime.workers import THREAD_VARIABLES, plan_modules, worker_environment
+from zephon.sources import ArrowSource
+from zephon.sources.memory import RangeSource
+
+THREAD_NAMES = (*THREAD_VARIABLES, "TOKENIZERS_PARALLELISM")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_workers():
+    yield from assert_no_leftover_workers()
+
+
+@pytest.fixture
+def no_user_thread_settings(monkeypatch):
+    for name in THREAD_NAMES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class LoadCounter:
+    """Appends a line to ``path`` every time it is unpickled: how often a worker loads the plan."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (_loaded, (self.path,))
+
+    def __deepcopy__(self, memo: dict) -> LoadCounter:  # each lane copies its operators
+        return LoadCounter(self.path)
+
+
+def _loaded(path: str) -> LoadCounter:
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return LoadCounter(path)
+
+
+class Tagged:
+    """A map function that holds a ``LoadCounter`` (so it travels inside the plan)."""
+
+    def __init__(self, counter: LoadCounter):
+        self.counter = counter
+
+    def __call__(self, payload: dict) -> dict:
+        return {**payload, "pid": os.getpid()}
+
+
+def thread_settings(payload: dict) -> dict:
+    return {**payload, **{name: os.environ.get(name, "") for name in THREAD_NAMES}}
+
+
+def test_grouped_lanes_load_the_plan_once_per_worker_process(tmp_path):
+    log = tmp_path / "loads.txt"
+    pipeline = zephon.Pipeline(
+        RangeSource(256, chunk_size=16),
+        [fetch(), map_transform(Tagged(LoadCounter(str(log)))), batch(4)],
+        lanes=4,
+        workers="process",
+        processes=2,
+    )
+    with pipeline.iter() as loader:
+        pids = {int(p) for b in loader for p in b.payload["pid"]}
+    loads = log.read_text().split()
+    assert len(pids) == 2  # four lanes on two worker processes
+    assert sorted(int(p) for p in loads) == sorted(pids)  # one load in each, none per lane
+
+
+def test_worker_environment_gives_each_worker_its_share_of_the_cpus(no_user_thread_settings):
+    for processes in (1, 2, 3, 64):
+        env = worker_environment(processes)
+        threads = max(1, cpus() // processes)
+        assert {env[name] for name in THREAD_VARIABLES} == {str(threads)}
+        assert env["TOKENIZERS_PARALLELISM"] == ("true" if threads > 1 else "false")
+
+
+def test_worker_environment_keeps_what_the_user_set():
+    env = worker_environment(2, {"RAYON_NUM_THREADS": "7", "TOKENIZERS_PARALLELISM": "true"})
+    assert env["RAYON_NUM_THREADS"] == "7" and env["TOKENIZERS_PARALLELISM"] == "true"
+    assert env["OMP_NUM_THREADS"] == str(max(1, cpus() // 2))
+
+
+def pipeline_of(fn, lanes: int = 2) -> zephon.Pipeline:
+    return zephon.Pipeline(
+        RangeSource(64, chunk_size=8),
+        [fetch(), map_transform(fn), batch(8)],
+        lanes=lanes,
+        workers="process",
+        processes=lanes,
+    )
+
+
+def test_worker_processes_run_with_the_sized_thread_pools(no_user_thread_settings):
+    with pipeline_of(thread_settings).iter() as loader:
+        seen = _collect(loader)
+    assert seen == {name: {value} for name, value in worker_environment(2).items()}
+
+
+def _collect(loader) -> dict[str, set[str]]:
+    seen: dict[str, set[str]] = {name: set() for name in THREAD_NAMES}
+    for b in loader:
+        for name in THREAD_NAMES:
+            seen[name].update(b.payload[name])
+    return seen
+
+
+def test_worker_processes_keep_the_users_thread_settings(monkeypatch, no_user_thread_settings):
+    monkeypatch.setenv("RAYON_NUM_THREADS", "3")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    with pipeline_of(thread_settings).iter() as loader:
+        seen = _collect(loader)
+    assert seen["RAYON_NUM_THREADS"] == {"3"} and seen["TOKENIZERS_PARALLELISM"] == {"true"}
+
+
+def test_the_preload_list_names_what_the_plan_holds(tmp_path):
+    texts = [f"document {i} of the corpus" for i in range(50)]
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=16)
+    bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    plan = zephon.Pipeline(
+        ArrowSource(path, chunk_size=16),
+        [fetch(), tokenize(bpe, append_eos=False), map_transform(thread_settings), batch(2)],
+        workers="process",
+    ).compile()
+    modules = plan_modules(plan)
+    assert {"tokenizers", "pyarrow", "zephon.ops.tokenize", "zephon.sources.arrow"} <= set(modules)
+    # Your own modules (this test's, holding the map function) are imported by the workers:
+    # the fork server would run their top-level code.
+    assert __name__ not in modules
+    assert not {"builtins", "__main__", "zephon"} & set(modules)
+    assert modules == sorted(modules) == plan_modules(plan)

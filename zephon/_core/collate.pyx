@@ -1,0 +1,132 @@
+"""The default collate's per-batch loop: dict payloads transposed into columns in C.
+
+``zephon.ops.batching.collate_payloads`` is the rule; this kernel does the common cases (plain
+dicts with ``str`` keys, columns of Python ints, floats, bools, same-shape arrays or anything
+that stays a list) without building a key tuple, a type set and an iterator per batch. A case it
+does not cover (a dict subclass, non-``str`` keys that are not the same objects, numpy scalars)
+is handed back to the Python rule, so the result is always the rule's.
+"""
+
+cimport cython
+from cpython.dict cimport PyDict_Next, PyDict_Size
+from cpython.float cimport PyFloat_AS_DOUBLE
+from cpython.long cimport PyLong_AsLongLong
+from cpython.ref cimport PyObject
+
+import numpy as np
+
+cimport numpy as cnp
+
+cnp.import_array()
+
+#: What ``collate_dicts`` returns for a batch it leaves to the Python rule.
+UNDECIDED = object()
+
+
+cdef inline bint _same_key(object k, object key):
+    # Identity, or equal exact strs (keys parsed per row are equal strings, not one object).
+    if k is key:
+        return True
+    return type(k) is str and type(key) is str and <str>k == <str>key
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef object _int_column(list values, Py_ssize_t n):
+    cdef cnp.ndarray arr = np.empty(n, dtype=np.int64)
+    cdef long long* out = <long long*>cnp.PyArray_DATA(arr)
+    cdef Py_ssize_t i
+    for i in range(n):
+        out[i] = PyLong_AsLongLong(values[i])  # raises OverflowError outside int64
+    return arr
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef object _float_column(list values, Py_ssize_t n):
+    cdef cnp.ndarray arr = np.empty(n, dtype=np.float64)
+    cdef double* out = <double*>cnp.PyArray_DATA(arr)
+    cdef Py_ssize_t i
+    for i in range(n):
+        out[i] = PyFloat_AS_DOUBLE(values[i])
+    return arr
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef object _bool_column(list values, Py_ssize_t n):
+    cdef cnp.ndarray arr = np.empty(n, dtype=np.bool_)
+    cdef cnp.npy_bool* out = <cnp.npy_bool*>cnp.PyArray_DATA(arr)
+    cdef Py_ssize_t i
+    for i in range(n):
+        out[i] = values[i] is True
+    return arr
+
+
+cdef object _column(object key, list values, Py_ssize_t n, object rule):
+    """The column for ``values`` (all of one exact type decides); numpy scalars, and ints
+    outside int64 (whose error names the field), go to ``rule(key, values)``."""
+    first = values[0]
+    kind = type(first)
+    cdef Py_ssize_t i
+    if kind is np.ndarray:
+        shape, dtype = (<object>first).shape, (<object>first).dtype
+        for i in range(1, n):
+            v = values[i]
+            if not isinstance(v, np.ndarray) or v.shape != shape or v.dtype != dtype:
+                return values
+        return np.stack(values)
+    if kind is not int and kind is not float and kind is not bool:
+        return rule(key, tuple(values)) if isinstance(first, np.generic) else values
+    for i in range(1, n):
+        if type(values[i]) is not kind:  # mixed types stay a list
+            return values
+    if kind is int:
+        try:
+            return _int_column(values, n)
+        except OverflowError:
+            return rule(key, tuple(values))
+    if kind is float:
+        return _float_column(values, n)
+    return _bool_column(values, n)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def collate_dicts(list payloads, rule):
+    """Columns of ``payloads`` as ``collate_payloads`` makes them (a dict ``{key: column}``),
+    ``payloads`` itself when they stay a list, or ``UNDECIDED`` when the Python rule must decide
+    for the whole batch. ``rule(key, values)`` is the rule's column function, called for the
+    columns this kernel leaves to it.
+    """
+    cdef Py_ssize_t n = len(payloads), nk, i, j, pos
+    cdef PyObject* k
+    cdef PyObject* v
+    if n == 0:
+        return payloads
+    for i in range(n):
+        if type(payloads[i]) is not dict:
+            return UNDECIDED
+    first = payloads[0]
+    nk = PyDict_Size(first)
+    cdef list keys = list(first)
+    cdef list columns = [[None] * n for j in range(nk)]
+    cdef list col
+    for i in range(n):
+        p = payloads[i]
+        if PyDict_Size(p) != nk:
+            return payloads  # different keys: stays a list
+        pos = 0
+        j = 0
+        while PyDict_Next(p, &pos, &k, &v):
+            if not _same_key(<object>k, keys[j]):
+                return UNDECIDED if i and _undecided_keys(<object>k, keys[j]) else payloads
+            col = <list>columns[j]
+            col[i] = <object>v
+            j += 1
+    return {keys[j]: _column(keys[j], <list>columns[j], n, rule) for j in range(nk)}
+
+
+cdef bint _undecided_keys(object k, object key):
+    # Keys that are not both strs may still be equal (1 and 1.0): the rule decides.
+    return not (type(k) is str and type(key) is str)
