@@ -167,7 +167,12 @@ class LaneBook:
     def _holdings(self, marker: Holdings) -> None:
         """A snapshot: what is open in the epoch's chunks now is exactly what the operators hold
         (everything before it was booked), and the replay window starts afresh from it."""
-        self.held = {"next": marker.next_local, "ops": marker.ops, "open": None}
+        self.held = {
+            "next": marker.next_local,
+            "offset": marker.offset,
+            "ops": marker.ops,
+            "open": None,
+        }
         self._open_at_held = self.table.epoch_open_offsets(marker.epoch)
         self.book.window_clear()
         self.book.last_cursor = None
@@ -192,19 +197,20 @@ class LaneBook:
             return
         geometry = self.layout.geometry(run.gen, run.lane)
         epoch = run.start // self.per_epoch
+        nxt, read_to = run.held["next"], run.held["offset"]
         ids, offsets = [], []
         still_open = set(map(tuple, unpack_ints(run.held["open"]).reshape(-1, 2).tolist()))
-        for k in range(run.start, run.held["next"]):
+        for k in range(run.start, nxt + (1 if read_to else 0)):
             position = geometry.position(k)
             n = len(self.source.chunk(position))
             self.table.open_chunk(position, k, n, epoch)
-            for offset in range(n):
+            for offset in range(read_to if k == nxt else n):
                 if (position, offset) not in still_open:
                     ids.append(position)
                     offsets.append(offset)
         if ids:
             self.table.close_many(np.array(ids, dtype=np.int64), np.array(offsets, dtype=np.int64))
-        self.next_local = run.held["next"]
+        self.next_local = nxt + (1 if read_to else 0)
 
     def _start_run(self, marker: RunStart) -> None:
         """The previous run is complete (its last epoch marker, or on the monotone path its end,

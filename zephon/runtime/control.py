@@ -65,14 +65,16 @@ class OverClose:
 
 
 class Holdings:
-    """A snapshot after a chunk: everything before it in the lane's stream has been emitted, and
-    the lane's stateful operators hold what ``ops`` says (``runtime.holdings``); a restore can
-    rebuild them and continue at lane-local chunk ``next_local`` of epoch ``epoch``."""
+    """A snapshot after a micro-batch: everything before it in the lane's stream has been
+    emitted, and the lane's stateful operators hold what ``ops`` says (``runtime.holdings``); a
+    restore can rebuild them and continue at offset ``offset`` of lane-local chunk
+    ``next_local`` of epoch ``epoch``."""
 
-    __slots__ = ("epoch", "next_local", "ops")
+    __slots__ = ("epoch", "next_local", "offset", "ops")
 
-    def __init__(self, next_local: int, epoch: int, ops: list[Any]):
+    def __init__(self, next_local: int, offset: int, epoch: int, ops: list[Any]):
         self.next_local = next_local
+        self.offset = offset  # > 0: chunk next_local was read up to here (and announced)
         self.epoch = epoch
         self.ops = ops
 

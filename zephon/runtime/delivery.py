@@ -225,6 +225,7 @@ class LaneDelivery:
             per_epoch=plan.epoch_chunks,
             n_ops=len(plan.chain),
             holdings=plan.restores_holdings,
+            source=plan.source,
         )
         self.restored_state = state
         self.delivered = checked["delivered"]

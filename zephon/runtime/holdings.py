@@ -89,7 +89,7 @@ def rebuild(
         wanted = unpack_cursors(entry["records"])
         records = _reread(wanted, fetch, source, chunks)
         for op in ops[:j]:
-            if not op.traits.stateful:
+            if records and not op.traits.stateful:
                 records = [r for r in op.process_many(records) if not r.meta.is_tombstone]
         by_key = {_key(r.meta.cursor): r for r in records}
         missing = [w for w in wanted if w not in by_key]

@@ -124,12 +124,17 @@ class LaneRunner:
         if held is not None:  # continue after a snapshot: the holders get their records back
             self._closing_in = rebuild(self.ops, self.fetch, source, held["ops"], self.lane_id)
         snapshots = plan.restores_holdings
+        resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
         while stop is None or k < stop:
             position = geometry.position(k)
             chunk = source.chunk(position)
             n = len(chunk)
             first = skip_offset if k == start else 0
-            yield [ChunkOpened(position, k, n, epoch, first, [list(s) for s in self.op_stats])]
+            if k == start and resumed_at:
+                first = resumed_at
+            else:
+                stats = [list(s) for s in self.op_stats]
+                yield [ChunkOpened(position, k, n, epoch, first, stats)]
             begin = first
             while begin < n:
                 end = min(n, (begin // mb + 1) * mb)  # boundaries stay aligned after a skip
@@ -138,8 +143,13 @@ class LaneRunner:
                 if out:
                     yield out
                 begin = end
-            if snapshots and (k + 1) % per_epoch and (stop is None or k + 1 < stop):
-                yield [Holdings(k + 1, epoch, snapshot_of(self.ops))]
+                # A snapshot after every micro-batch but the one that ends the epoch or the run
+                # (a restore starts there from the epoch marker or not at all).
+                if snapshots and (
+                    end < n or ((k + 1) % per_epoch and (stop is None or k + 1 < stop))
+                ):
+                    at = (k, end) if end < n else (k + 1, 0)
+                    yield [Holdings(at[0], at[1], epoch, snapshot_of(self.ops))]
             k += 1
             if self.epoch_path and k % per_epoch == 0:
                 yield self._end_epoch(epoch)

@@ -458,6 +458,7 @@ class Loader:
             "per_epoch": plan.epoch_chunks,
             "n_ops": len(plan.chain),
             "holdings": plan.restores_holdings,
+            "source": plan.source,
         }
         checked = [
             check_lane_state(s, f"lane_states[{g}]", lane_id=g, **window)

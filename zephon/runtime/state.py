@@ -93,6 +93,7 @@ def check_window(
     per_epoch: int,
     n_ops: int,
     holdings: bool,
+    source: Any = None,
 ) -> tuple[int, SampleCursor | None, int, int]:
     """``(start, cursor, count, digest)`` of a replay window over ``geometry``'s local chunks
     below ``limit`` (None: unbounded), every field checked (and the carry state's and the
@@ -118,7 +119,7 @@ def check_window(
     if held is not None:
         if not holdings or monotone:
             raise corrupt(f"{where}.held", "must be null: this pipeline restores by replay")
-        check_held(held, f"{where}.held", geometry, start, limit, per_epoch, n_ops)
+        check_held(held, f"{where}.held", source, geometry, start, limit, per_epoch, n_ops)
     if cursor is not None:
         k = geometry.local_index(cursor.chunk_id)
         last = start + per_epoch - 1 if not monotone else end - 1
@@ -143,6 +144,7 @@ def check_window(
 def check_held(
     held: Any,
     where: str,
+    source: Any,
     geometry: LaneGeometry,
     start: int,
     limit: int | None,
@@ -152,16 +154,19 @@ def check_held(
     """A snapshot (``runtime.holdings``) inside the epoch that starts at ``start``: its next chunk
     (returned), per operator its packed records, digest and state, and the open offsets of the
     chunks before the next one; every part decoded and checked."""
-    if type(held) is not dict or set(held) != {"next", "ops", "open"}:
-        raise corrupt(where, "must be null or an object with the fields next, ops and open")
+    if type(held) is not dict or set(held) != {"next", "offset", "ops", "open"}:
+        raise corrupt(where, "must be null or an object with the fields next, offset, ops, open")
     end = start + per_epoch if limit is None else min(start + per_epoch, limit)
-    if end - 1 < start + 1:
-        raise corrupt(where, "must be null: no snapshot is taken in an epoch of one chunk")
-    nxt = check_int(held["next"], f"{where}.next", start + 1, end - 1)
+    nxt = check_int(held["next"], f"{where}.next", start, end - 1)
+    read_to = check_int(held["offset"], f"{where}.offset")
+    if read_to == 0 and nxt == start:
+        raise corrupt(where, "is a snapshot of nothing read (next chunk is the epoch's first)")
+    if read_to and read_to >= len(source.chunk(geometry.position(nxt))):
+        raise corrupt(f"{where}.offset", f"{read_to} is past chunk {geometry.position(nxt)}")
     ops = held["ops"]
     if type(ops) is not list or len(ops) != n_ops:
         raise corrupt(f"{where}.ops", f"must be a list of {n_ops} entries")
-    positions = {geometry.position(k) for k in range(start, nxt)}
+    positions = {geometry.position(k) for k in range(start, nxt + (1 if read_to else 0))}
     try:
         for i, entry in enumerate(ops):
             if entry is None:
@@ -220,6 +225,7 @@ def check_lane_state(
     per_epoch: int,
     n_ops: int,
     holdings: bool = False,
+    source: Any = None,
 ) -> dict[str, Any]:
     """A lane's state with every field checked; ``runs`` is what the lane still has to run, in
     order: the inherited runs it is in or has yet to start, then its own chunks."""
@@ -238,6 +244,7 @@ def check_lane_state(
         "per_epoch": per_epoch,
         "n_ops": n_ops,
         "holdings": holdings,
+        "source": source,
     }
     own = layout.geometry(layout.current, lane_id)
     pending = value["pending"]
