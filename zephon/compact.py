@@ -18,7 +18,7 @@ __all__ = ["pack_ints", "pack_json", "unpack_ints", "unpack_json"]
 def pack_ints(values: Sequence[int] | np.ndarray) -> str:
     """Non-negative ints as base64 of zlib-compressed int64."""
     raw = np.asarray(values, dtype=np.int64).tobytes()
-    return base64.b64encode(zlib.compress(raw, 6)).decode("ascii")
+    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
 
 
 def unpack_ints(text: Any) -> np.ndarray:
@@ -38,7 +38,7 @@ def unpack_ints(text: Any) -> np.ndarray:
 
 
 def pack_json(obj: Any) -> str:
-    return base64.b64encode(zlib.compress(json.dumps(obj, sort_keys=True).encode(), 6)).decode()
+    return base64.b64encode(zlib.compress(json.dumps(obj, sort_keys=True).encode(), 1)).decode()
 
 
 def unpack_json(text: Any) -> Any:

@@ -25,6 +25,7 @@ from zephon.ops import (
     tokenize,
 )
 from zephon.runtime.holdings import pack_cursors, unpack_cursors
+from zephon.runtime.lane import SNAPSHOT_RECORDS
 from zephon.sources.memory import ListSource
 from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleCursor
@@ -40,7 +41,7 @@ def text_pipeline(*middle: Operator, **kw: Any) -> zephon.Pipeline:
         {"a": _texts(0, 600), "b": _texts(1, 600)}, {"a": 0.5, "b": 0.5}, chunk_size=32
     )
     ops = [fetch(), tokenize(max_len=40, split_long_samples=True), *middle, batch(4)]
-    kw.setdefault("epoch_chunks", 8)
+    kw.setdefault("epoch_chunks", 32)  # epochs longer than the snapshot spacing
     return zephon.Pipeline(source, ops, lanes=2, **kw)
 
 
@@ -65,7 +66,7 @@ def test_the_plan_restores_holdings_only_when_every_stateful_operator_can():
     assert not text_pipeline(pack_sequences(128), later).compile().restores_holdings
 
 
-@pytest.mark.parametrize("steps", [[0, 1, 7, 30], [55, 80, 110, 111]])
+@pytest.mark.parametrize("steps", [[0, 1, 7, 30], [55, 80, 100, 109]])
 def test_restores_from_holdings_continue_the_uninterrupted_stream(steps):
     pipeline = text_pipeline(*held_ops())
     full = run(iter(pipeline))
@@ -73,12 +74,19 @@ def test_restores_from_holdings_continue_the_uninterrupted_stream(steps):
     assert_resumes_at(pipeline, steps, full)
 
 
-def test_the_replay_is_at_most_a_chunk_whatever_the_step():
+def test_the_replay_is_bounded_by_the_snapshot_spacing_whatever_the_step():
+    def long_epochs(*ops: Operator) -> zephon.Pipeline:
+        source = MixtureSource(
+            {"a": _texts(0, 2500), "b": _texts(1, 2500)}, {"a": 0.5, "b": 0.5}, chunk_size=128
+        )
+        chain = [fetch(), tokenize(max_len=40, split_long_samples=True), *ops, batch(4)]
+        return zephon.Pipeline(source, chain, lanes=2, epoch_chunks=8)
+
     held: list[int] = []
     replayed: list[int] = []
-    for step in (20, 45, 70, 100):
+    for step in (60, 150, 250, 350):
         for ops, out in ((held_ops(), held), ([WindowShuffle(64), pack_sequences(128)], replayed)):
-            pipeline = text_pipeline(*ops)
+            pipeline = long_epochs(*ops)
             loader = iter(pipeline)
             for _ in range(step):
                 next(loader)
@@ -88,8 +96,9 @@ def test_the_replay_is_at_most_a_chunk_whatever_the_step():
             next(resumed)
             out.append(resumed.stats()["replayed"])
             resumed.close()
-    chunk_records = 2 * 32 * 3  # lanes x chunk size x pieces a document is split into, at most
-    assert max(held) <= chunk_records, held
+    # lanes x (samples between snapshots + a micro-batch) x pieces a document is split into
+    bound = 2 * (SNAPSHOT_RECORDS + 256) * 3
+    assert max(held) <= bound, held
     assert max(replayed) > 2 * max(held), (held, replayed)
 
 
@@ -97,14 +106,14 @@ def test_the_replay_is_at_most_a_chunk_whatever_the_step():
 def test_holdings_restore_the_same_on_thread_and_process_lanes(workers):
     inline = text_pipeline(*held_ops())
     loader = iter(inline)
-    head = [fingerprint_item(next(loader)) for _ in range(45)]
+    head = [fingerprint_item(next(loader)) for _ in range(90)]
     state = json.loads(json.dumps(loader.state_dict()))
     rest = run(loader)
     assert any(lane["held"] for lane in state["lane_states"])
     assert head and run(text_pipeline(*held_ops(), workers=workers).iter(state=state)) == rest
     # and a state taken on those lanes resumes inline
     other = iter(text_pipeline(*held_ops(), workers=workers))
-    for _ in range(45):
+    for _ in range(90):
         next(other)
     state = json.loads(json.dumps(other.state_dict()))
     other.close()
@@ -145,13 +154,14 @@ def test_held_records_that_cannot_be_rebuilt_as_they_were_refuse_the_restore():
         {"a": _texts(0, 600), "b": _texts(1, 600)}, {"a": 0.5, "b": 0.5}, chunk_size=32
     )
     ops = [fetch(), _Drifts(), tokenize(max_len=40, split_long_samples=True), *held_ops(), batch(4)]
-    pipeline = zephon.Pipeline(source, ops, lanes=2, epoch_chunks=8)
+    pipeline = zephon.Pipeline(source, ops, lanes=2, epoch_chunks=32)
     assert pipeline.compile().restores_holdings
     loader = iter(pipeline)
-    for _ in range(30):
+    for _ in range(90):
         next(loader)
     state = json.loads(json.dumps(loader.state_dict()))
     loader.close()
+    assert all(lane["held"] for lane in state["lane_states"])
     _Drifts.extra = 90  # longer texts: tokenize splits them into other children
     try:
         with pytest.raises(ReplayDivergenceError, match=r"could not be rebuilt|not the ones"):

@@ -24,6 +24,7 @@ from zephon.errors import CarryStateWarning, ContractViolation
 from zephon.plan import Plan
 from zephon.runtime.contracts import Violation
 from zephon.runtime.control import ChunkOpened, EpochEnd, Holdings, OverClose, RunStart
+from zephon.runtime.holdings import packed
 from zephon.runtime.lane import operator_labels
 from zephon.runtime.layout import Layout, Run
 from zephon.types import SampleCursor, SampleRecord
@@ -182,9 +183,10 @@ class LaneBook:
         held = self.held
         if held is None:
             return None
-        if held["open"] is None:
+        if held["open"] is None:  # booked from the lane: pack it once, now
             ids, offsets = self._open_at_held  # type: ignore[misc]
             held["open"] = pack_ints(np.stack([ids, offsets], axis=1).ravel())
+            held["ops"] = packed(held["ops"])
         return held
 
     def enter(self, run: Run) -> None:

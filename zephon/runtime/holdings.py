@@ -1,13 +1,14 @@
 """Restoring from what the stateful operators hold, instead of replaying their epoch.
 
 When every stateful operator of a plan can describe what it holds (``Operator.holdings``: the
-records it holds and small plain state), the lane runner sends a snapshot after each chunk that
-does not end an epoch: the chunk to continue from and, per operator, the cursors of its records
+records it holds and small plain state), the lane runner sends a snapshot every
+``lane.SNAPSHOT_RECORDS`` samples read (at a micro-batch boundary, never at an epoch's end):
+where to continue reading and, per operator, the cursors of its records
 and its state. Delivery keeps the last snapshot it booked, with the offsets of the epoch's
 chunks still open then, and counts its replay window from there. A restore re-reads exactly the
 held records' samples, runs them through the operators before their holder (which are pure, or
-pass records through unchanged), rebuilds the holders and continues; the replay is at most a
-chunk's worth of records, not an epoch's.
+pass records through unchanged), rebuilds the holders and continues; the replay is bounded by the
+snapshot spacing, not by the epoch.
 
 A snapshot in a checkpoint is compact: cursors and offsets as zlib-compressed int64 arrays in
 base64, each operator's state as compressed JSON, and a digest of the held records' cursors that
@@ -31,13 +32,17 @@ MASK64 = (1 << 64) - 1
 Key = tuple[int, int, tuple[int, ...]]  # a held record: chunk id, offset, lineage
 
 
-def pack_cursors(cursors: Sequence[SampleCursor]) -> str:
-    """Cursors without their sample ids (re-read from the chunk on restore): per cursor its chunk
-    id, offset, lineage length and lineage."""
+def flat_cursors(cursors: Sequence[SampleCursor]) -> list[int]:
+    """Cursors without their sample ids (re-read from the chunk on restore), as one int list:
+    per cursor its chunk id, offset, lineage length and lineage."""
     flat: list[int] = []
     for c in cursors:
         flat += (c.chunk_id, c.chunk_offset, len(c.lineage), *c.lineage)
-    return pack_ints(flat)
+    return flat
+
+
+def pack_cursors(cursors: Sequence[SampleCursor]) -> str:
+    return pack_ints(flat_cursors(cursors))
 
 
 def unpack_cursors(text: Any) -> list[Key]:
@@ -54,7 +59,8 @@ def unpack_cursors(text: Any) -> list[Key]:
 
 
 def snapshot_of(ops: Sequence[Operator]) -> list[dict[str, Any] | None]:
-    """Per operator, what it holds (``None`` for one that keeps no state)."""
+    """Per operator, what it holds (``None`` for one that keeps no state), raw: packing it for a
+    checkpoint (``packed``) waits until a checkpoint is taken."""
     out: list[dict[str, Any] | None] = []
     for op in ops:
         held = op.holdings() if op.traits.stateful else None
@@ -65,12 +71,26 @@ def snapshot_of(ops: Sequence[Operator]) -> list[dict[str, Any] | None]:
         cursors = [rec.meta.cursor for rec in records]
         out.append(
             {
-                "records": pack_cursors(cursors),
+                "cursors": flat_cursors(cursors),
                 "digest": f"{digest_cursors(cursors) & MASK64:016x}",
-                "state": pack_json(state),
+                "state": state,
             }
         )
     return out
+
+
+def packed(snapshot: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
+    """A snapshot as a checkpoint stores it: cursors and state compressed."""
+    return [
+        None
+        if entry is None
+        else {
+            "records": pack_ints(entry["cursors"]),
+            "digest": entry["digest"],
+            "state": pack_json(entry["state"]),
+        }
+        for entry in snapshot
+    ]
 
 
 def rebuild(

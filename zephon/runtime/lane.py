@@ -25,6 +25,10 @@ from zephon.runtime.holdings import rebuild, snapshot_of
 from zephon.runtime.layout import Layout
 from zephon.types import SampleRecord
 
+#: Samples read between two snapshots of what the stateful operators hold: what a restore
+#: replays at most (a snapshot costs about what packing a few hundred sequences does).
+SNAPSHOT_RECORDS = 512
+
 
 def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
     """Names that tell operators apart even when two share a name."""
@@ -124,6 +128,7 @@ class LaneRunner:
         if held is not None:  # continue after a snapshot: the holders get their records back
             self._closing_in = rebuild(self.ops, self.fetch, source, held["ops"], self.lane_id)
         snapshots = plan.restores_holdings
+        since_snapshot = 0
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
         while stop is None or k < stop:
             position = geometry.position(k)
@@ -143,16 +148,19 @@ class LaneRunner:
                 if out:
                     yield out
                 begin = end
-                # A snapshot after every micro-batch but the one that ends the epoch or the run
-                # (a restore starts there from the epoch marker or not at all).
-                if snapshots and (
-                    end < n or ((k + 1) % per_epoch and (stop is None or k + 1 < stop))
-                ):
+                # A snapshot once SNAPSHOT_RECORDS samples were read since the last, at the end
+                # of a micro-batch; never at the end of an epoch or of the run (a restore starts
+                # there from the epoch marker, or has nothing left).
+                since_snapshot += len(records)
+                allowed = end < n or ((k + 1) % per_epoch and (stop is None or k + 1 < stop))
+                if snapshots and since_snapshot >= SNAPSHOT_RECORDS and allowed:
                     at = (k, end) if end < n else (k + 1, 0)
                     yield [Holdings(at[0], at[1], epoch, snapshot_of(self.ops))]
+                    since_snapshot = 0
             k += 1
             if self.epoch_path and k % per_epoch == 0:
                 yield self._end_epoch(epoch)
+                since_snapshot = 0  # the marker is a place to restart from too
                 epoch += 1
                 if stop is None or k < stop:
                     self._start_epoch(epoch)
