@@ -27,7 +27,7 @@ from zephon.types import SampleRecord
 
 #: Samples read between two snapshots of what the stateful operators hold: what a restore
 #: replays at most (a snapshot costs about what packing a few hundred sequences does).
-SNAPSHOT_RECORDS = 512
+SNAPSHOT_RECORDS = 256
 
 
 def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
