@@ -59,7 +59,6 @@ __all__ = [
     "digest_ranges",
     "is_permanent",
     "load_sidecar",
-    "normalize_paths",
     "read_sidecar",
     "transient_error",
     "write_sidecar",
@@ -75,28 +74,6 @@ PathsArg = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
 
 #: ``read_at(offset, nbytes)``: up to ``nbytes`` bytes (any bytes-like) from ``offset`` of a file.
 ReadAt = Callable[[int, int], Any]
-
-
-def normalize_paths(paths: PathsArg, owner: str) -> list[str]:
-    """``paths`` (one path or an iterable of paths) as a non-empty list of ``str``; TypeError or
-    ValueError naming ``owner`` otherwise."""
-    if isinstance(paths, (str, os.PathLike)):
-        items: list[Any] = [paths]
-    elif isinstance(paths, bytes):
-        raise TypeError(f"{owner}: paths must be str or os.PathLike, got bytes {paths!r}")
-    else:
-        try:
-            items = list(paths)
-        except TypeError:
-            raise TypeError(f"{owner}: paths must be a path or an iterable of paths") from None
-    out = []
-    for p in items:
-        if not isinstance(p, (str, os.PathLike)):
-            raise TypeError(f"{owner}: every path must be str or os.PathLike, got {p!r}")
-        out.append(os.fspath(p))
-    if not out:
-        raise ValueError(f"{owner}: paths is empty (did a glob match nothing?)")
-    return out
 
 
 def is_permanent(exc: OSError) -> bool:
