@@ -58,6 +58,7 @@ cdef class ChunkTable:
     cdef Py_ssize_t _lower_bound(self, offset_t chunk_id) noexcept nogil
     cdef bint _resize(self, Py_ssize_t new_cap) noexcept nogil
     cdef void _shrink(self) noexcept nogil
+    cdef object _evict_first(self, Py_ssize_t k)
     cdef void _evict_head(self) noexcept nogil
     cdef void _forget_slots(self) noexcept nogil
     cdef Py_ssize_t _first_bad(

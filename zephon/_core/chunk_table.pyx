@@ -327,6 +327,17 @@ cdef class ChunkTable:
         self._count -= 1
         self._cached = -1
 
+    cdef object _evict_first(self, Py_ssize_t k):
+        """Evict the first ``k`` inflight chunks (the caller holds the lock); their ids, int64."""
+        cdef Py_ssize_t i
+        out = np.empty(k, dtype=np.int64)
+        cdef offset_t[::1] view = out
+        for i in range(k):
+            view[i] = self._ring[self._head].chunk_id
+            self._evict_head()
+        self._shrink()
+        return out
+
     cdef Py_ssize_t _first_bad(
         self, const offset_t[:] chunk_ids, const offset_t[:] offsets
     ) noexcept nogil:
@@ -784,9 +795,8 @@ cdef class ChunkTable:
     def evict_complete_prefix(self):
         """Monotone path: evict complete chunks from the head, stopping at the first incomplete
         one; returns the evicted chunk ids (int64) and frees their bitmaps."""
-        cdef Py_ssize_t i, k = 0
+        cdef Py_ssize_t k = 0
         cdef ChunkEntry* e
-        cdef offset_t[::1] view
         self._enter()
         try:
             while k < self._count:
@@ -794,24 +804,17 @@ cdef class ChunkTable:
                 if e.n_closed != e.n:
                     break
                 k += 1
-            out = np.empty(k, dtype=np.int64)
-            view = out
-            for i in range(k):
-                view[i] = self._ring[self._head].chunk_id
-                self._evict_head()
-            self._shrink()
+            return self._evict_first(k)
         finally:
             self._exit()
-        return out
 
     def evict_complete_epochs(self, offset_t through_epoch):
         """Epoch path: from the head, evict whole epochs <= `through_epoch` whose inflight chunks
         are all complete, stopping at the first epoch that is not; returns the evicted ids."""
-        cdef Py_ssize_t i, j, k = 0
+        cdef Py_ssize_t j, k = 0
         cdef ChunkEntry* e
         cdef offset_t ep
         cdef bint done
-        cdef offset_t[::1] view
         self._enter()
         try:
             while k < self._count:
@@ -831,15 +834,9 @@ cdef class ChunkTable:
                 if not done:
                     break
                 k = j
-            out = np.empty(k, dtype=np.int64)
-            view = out
-            for i in range(k):
-                view[i] = self._ring[self._head].chunk_id
-                self._evict_head()
-            self._shrink()
+            return self._evict_first(k)
         finally:
             self._exit()
-        return out
 
     # ---- properties ------------------------------------------------------------------------------
 

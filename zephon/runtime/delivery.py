@@ -11,6 +11,7 @@ counts as values.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from zephon._core.cursor import cursors_for_chunk, digest_cursors
@@ -96,26 +97,21 @@ class LaneDelivery:
         again), up to the record at the replay cursor. The loader does this for every lane before
         it hands anything over, so a replay that diverges never starts a stream.
         ``on_record()`` is called for each swallowed record (a progress bar)."""
-        feed, book = self.feed, self.book
-        while self.replay is not None:
-            item = feed.next_item()
-            if type(item) is SampleRecord:
-                if item.meta.is_tombstone:
-                    book.tombstone(item, False)
-                else:
-                    self._swallow(item)
-                    if on_record is not None:
-                        on_record()
-            elif type(item) is LaneEnd:
-                raise self.replay.diverged("the lane ended before the replay cursor was met again")
-            elif type(item) is EpochEnd:
-                raise self.replay.diverged(
-                    f"epoch {item.epoch} ended before the replay cursor was met again"
-                )
-            elif type(item) is RunStart:
-                raise self.replay.diverged("the run ended before the replay cursor was met again")
-            else:
+        replay, book = self.replay, self.book
+        if replay is None:
+            return
+        for item in self._until_cursor(replay):
+            if type(item) is not SampleRecord:
                 book.control(item)
+            elif item.meta.is_tombstone:
+                book.tombstone(item, False)
+            else:
+                book.record(item, False)
+                book.found.clear()  # seen (and counted or raised) before the checkpoint
+                if on_record is not None:
+                    on_record()
+        self.replayed += replay.swallowed
+        self.replay = None
 
     def _replay_run(self, marker: RunStart) -> None:
         """A run taken over from another lane starts: swallow what that lane delivered of it
@@ -127,27 +123,35 @@ class LaneDelivery:
         replay = ReplayFilter(
             self.lane_id, run.cursor, (run.count, run.digest), monotone=self.book.monotone
         )
-        replayed = marker.replayed
+        marker.replayed = [
+            SampleRecord(item.meta, None)  # the payload is not needed to book it
+            if type(item) is SampleRecord and not item.meta.is_tombstone
+            else item
+            for item in self._until_cursor(replay)
+        ]
+        self.replayed += replay.swallowed
+
+    def _until_cursor(self, replay: ReplayFilter) -> Iterator[Any]:
+        """The lane's items up to the record at ``replay``'s cursor (checked by it as they
+        pass); ``ReplayDivergenceError`` when the lane, an epoch or a run ends first."""
         feed = self.feed
         while True:
             item = feed.next_item()
             kind = type(item)
             if kind is SampleRecord:
-                if item.meta.is_tombstone:
-                    replayed.append(item)
-                    continue
-                replayed.append(SampleRecord(item.meta, None))  # the payload is not needed
-                if replay.swallow(item.meta.cursor):
-                    break
-            elif kind is LaneEnd or kind is RunStart:
-                raise replay.diverged("the run ended before the replay cursor was met again")
+                yield item
+                if not item.meta.is_tombstone and replay.swallow(item.meta.cursor):
+                    return
+            elif kind is LaneEnd:
+                raise replay.diverged("the lane ended before the replay cursor was met again")
             elif kind is EpochEnd:
                 raise replay.diverged(
                     f"epoch {item.epoch} ended before the replay cursor was met again"
                 )
+            elif kind is RunStart:
+                raise replay.diverged("the run ended before the replay cursor was met again")
             else:
-                replayed.append(item)
-        self.replayed += replay.swallowed
+                yield item
 
     def _hand_over(self) -> SampleBatch:
         assert self.batcher is not None
@@ -157,14 +161,6 @@ class LaneDelivery:
         self.restored_state = None
         self.delivered += 1
         return make_batch(records, payload)
-
-    def _swallow(self, rec: SampleRecord) -> None:
-        assert self.replay is not None
-        self.book.record(rec, False)
-        self.book.found.clear()  # seen (and counted or raised) before the checkpoint
-        if self.replay.swallow(rec.meta.cursor):
-            self.replayed += self.replay.swallowed
-            self.replay = None
 
     def _lane_end(self) -> SampleBatch | None:
         out = None
