@@ -24,7 +24,7 @@ from zephon.ops import (
     shuffle,
     tokenize,
 )
-from zephon.runtime.holdings import pack_cursors, unpack_cursors
+from zephon.runtime.holdings import flat_cursors, unpack_cursors
 from zephon.runtime.lane import SNAPSHOT_RECORDS
 from zephon.sources.memory import ListSource
 from zephon.sources.mixture import MixtureSource
@@ -172,7 +172,7 @@ def test_held_records_that_cannot_be_rebuilt_as_they_were_refuse_the_restore():
 
 def test_the_codecs_round_trip_and_refuse_garbage():
     cursors = [SampleCursor(7, 3, (0, 0, 9), (2, 1)), SampleCursor(0, 0, (1, 0, 0))]
-    assert unpack_cursors(pack_cursors(cursors)) == [(7, 3, (2, 1)), (0, 0, ())]
+    assert unpack_cursors(pack_ints(flat_cursors(cursors))) == [(7, 3, (2, 1)), (0, 0, ())]
     values = np.arange(50, dtype=np.int64) * 3
     assert unpack_ints(pack_ints(values)).tolist() == values.tolist()
     for bad in ("x", "AAAA", 5, pack_ints([1, 2])[:-4]):

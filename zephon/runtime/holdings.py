@@ -41,10 +41,6 @@ def flat_cursors(cursors: Sequence[SampleCursor]) -> list[int]:
     return flat
 
 
-def pack_cursors(cursors: Sequence[SampleCursor]) -> str:
-    return pack_ints(flat_cursors(cursors))
-
-
 def unpack_cursors(text: Any) -> list[Key]:
     flat = unpack_ints(text).tolist()
     out: list[Key] = []
