@@ -726,3 +726,78 @@ def test_a_file_deleted_mid_run_stops_the_pipeline_with_a_fetch_error(tmp_path):
 
     got = run_with_timeout(scenario)
     assert [list(b.payload["idx"]) for b in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+NO_PANDAS_SCRIPT = """
+import sys
+import zephon
+from zephon.ops import batch, fetch
+from zephon.sources import ArrowSource, JsonlSource
+
+sources = [ArrowSource(sys.argv[1]), ArrowSource(sys.argv[2]), JsonlSource(sys.argv[3])]
+for source in [*sources, ArrowSource(sys.argv[4])]:
+    with zephon.Pipeline(source, [fetch(), batch(4)]).iter() as loader:
+        for _ in loader:
+            pass
+print("pandas" in sys.modules)
+"""
+
+
+def test_reading_files_does_not_import_pandas(tmp_path):
+    # pyarrow imports pandas (when it is installed) the first time pa.array() or pa.table() runs;
+    # a worker process would pay that import (~0.4 s and tens of MiB) before its first batch.
+    import importlib.util
+
+    assert importlib.util.find_spec("pandas") is not None, "the test needs pandas installed"
+    lists = pa.table(
+        {
+            "ints": pa.array([[1, None, 3], None, [4]] * 8, pa.list_(pa.int16())),
+            "flags": pa.array([[True, False], [None], []] * 8, pa.list_(pa.bool_())),
+            "pairs": pa.array([[1.5, 2.5]] * 24, pa.list_(pa.float64(), 2)),
+        }
+    )
+    lists_path = tmp_path / "lists.parquet"
+    pq.write_table(lists, lists_path, row_group_size=5)
+    parquet = write(tmp_path / "t.parquet", make_table(0, 40), "parquet", group=16)
+    arrow = write(tmp_path / "t.arrow_file", make_table(0, 40), "arrow_file", group=16)
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text("".join(json.dumps({"idx": i}) + "\n" for i in range(40)))
+    script = tmp_path / "no_pandas.py"
+    script.write_text(NO_PANDAS_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(parquet), str(arrow), str(jsonl), str(lists_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "typ",
+    [
+        pa.bool_(),
+        pa.int8(),
+        pa.uint16(),
+        pa.int32(),
+        pa.int64(),
+        pa.float16(),
+        pa.float32(),
+        pa.float64(),
+    ],
+    ids=str,
+)
+def test_arrays_read_from_their_buffers_equal_pyarrows_own_conversion(typ):
+    from zephon.sources.arrow import _to_numpy
+
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 7, 8, 9, 100):
+        raw = rng.integers(0, 2 if typ == pa.bool_() else 100, size=n)
+        arr = pa.array(raw.astype(bool) if typ == pa.bool_() else raw).cast(typ)
+        for at in {0, min(n, 1), min(n, 3), n}:
+            piece = arr.slice(at, max(0, n - at - 1))
+            got = _to_numpy(piece)
+            assert got.dtype == piece.to_numpy(zero_copy_only=False).dtype
+            np.testing.assert_array_equal(got, piece.to_numpy(zero_copy_only=False))

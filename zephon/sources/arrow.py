@@ -865,13 +865,22 @@ def _read(f: pa.NativeFile, offset: int, nbytes: int) -> pa.Buffer:
 def table_rows(table: pa.Table, indices: np.ndarray, names: Sequence[str]) -> list[dict[str, Any]]:
     """Payload dicts of rows ``indices`` of ``table``, keys in ``names`` order (see the module
     docstring for the value rule)."""
-    import pyarrow as pa
 
     if not names:
         return [{} for _ in range(len(indices))]
-    picked = table.take(pa.array(np.asarray(indices, dtype=np.int64)))
+    picked = table.take(_index_array(indices))
     columns = [_column_values(picked.column(name)) for name in names]
     return [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)]
+
+
+def _index_array(indices: np.ndarray) -> pa.Array:
+    """``indices`` as an int64 Arrow array, wrapped rather than converted: ``pa.array()`` makes
+    pyarrow import pandas when it is installed, which would cost every worker process about
+    0.4 s and tens of MiB before its first batch."""
+    import pyarrow as pa
+
+    values = np.ascontiguousarray(indices, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(values)])
 
 
 def _column_values(column: pa.ChunkedArray) -> list[Any]:
@@ -892,22 +901,17 @@ def _column_values(column: pa.ChunkedArray) -> list[Any]:
 
 def _numeric_lists(arr: Any) -> list[Any]:
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     values = arr.values  # the whole child array: offsets below index into it
     if pa.types.is_fixed_size_list(arr.type):
         k = arr.type.list_size
         offsets = (np.arange(len(arr) + 1, dtype=np.int64) + arr.offset) * k
     else:
-        offsets = arr.offsets.to_numpy()
-    elem_valid = None
-    if values.null_count:
-        elem_valid = values.is_valid().to_numpy(zero_copy_only=False)
-        zero = pa.scalar(False if pa.types.is_boolean(values.type) else 0).cast(values.type)
-        values_np = pc.fill_null(values, zero).to_numpy(zero_copy_only=False)
-    else:
-        values_np = values.to_numpy(zero_copy_only=False)
-    list_null = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else None
+        offsets = _to_numpy(arr.offsets)
+    # A list with a null element becomes a Python list; only the others read values_np.
+    elem_valid = _to_numpy(values.is_valid()) if values.null_count else None
+    values_np = _to_numpy(values)
+    list_null = _to_numpy(arr.is_null()) if arr.null_count else None
     out: list[Any] = []
     for j in range(len(arr)):
         if list_null is not None and list_null[j]:
@@ -919,6 +923,28 @@ def _numeric_lists(arr: Any) -> list[Any]:
         else:
             out.append(values_np[a:b].copy())
     return out
+
+
+# Arrow's names of the fixed-width types numpy names otherwise.
+_NUMPY_NAMES = {"halffloat": "float16", "float": "float32", "double": "float64"}
+
+
+def _to_numpy(arr: Any) -> np.ndarray:
+    """The values of a boolean or numeric array, a view of its buffer where they are not bits
+    (pyarrow's ``to_numpy()`` imports pandas when it is installed). A null's slot holds whatever
+    the buffer holds there."""
+    import pyarrow as pa
+
+    data, n, at = arr.buffers()[1], len(arr), arr.offset
+    if pa.types.is_boolean(arr.type):
+        if data is None:
+            return np.zeros(n, dtype=bool)
+        bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
+        return bits[at : at + n].astype(bool)
+    dtype = np.dtype(_NUMPY_NAMES.get(str(arr.type), str(arr.type)))
+    if data is None:
+        return np.zeros(n, dtype=dtype)
+    return np.frombuffer(data, dtype=dtype, count=at + n)[at:]
 
 
 # ------------------------------------------------------------------------- metadata
