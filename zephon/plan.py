@@ -102,7 +102,7 @@ class Plan:
             )
         elif self.restores_holdings:
             lines.append(
-                "  restore rebuilds what the stateful operators hold (snapshots every 256 samples)"
+                "  restore rebuilds what the stateful operators hold (snapshots every 64 samples)"
             )
         if self.workers != "inline":
             lines.append(f"  {self.processes} worker {self.workers}(s) for this rank's lanes")

@@ -9,8 +9,9 @@ against baselines run in the same process.
 - fill at 2048: ``pack_sequences(2048)`` on the corpus' token counts, as packed rows deliver;
 - lanes: two process lanes against one inline lane (tokenizer threads off, and on), time, first
   batch and memory (PSS of the loader and every worker process), each run in a fresh process;
-- restore: ``iter(state)`` + first ``next()`` at a late step against a fresh ``iter()`` + first
-  ``next()``, inline and with process lanes.
+- restore: at steps across the run, as after a preemption (a new pipeline, ``iter(state)`` +
+  the first ``next()``), inline and with process lanes, and Grain's restore of the same work
+  (in its process, and with ``mp_prefetch`` workers).
 
 Functions only; ``zephon bench`` (``report.py``) and the asv suite call them.
 """
@@ -207,22 +208,8 @@ def _child(config: dict[str, Any]) -> None:
         data, load_tokenizer(tok), lanes=config["lanes"], workers=config["workers"]
     )
     result: dict[str, Any] = {}
-    if config.get("restore_step"):
-        loader = pipeline.iter()
-        for _ in range(config["restore_step"]):
-            next(loader)
-        state = json.loads(json.dumps(loader.state_dict()))
-        loader.close()
-        start = time.perf_counter()
-        resumed = pipeline.iter(state=state)
-        next(resumed)
-        result["restore"] = time.perf_counter() - start
-        resumed.close()
-        start = time.perf_counter()
-        fresh = pipeline.iter()
-        next(fresh)
-        result["fresh"] = time.perf_counter() - start
-        fresh.close()
+    if config.get("restore_steps"):
+        result.update(_restores(pipeline, config))
     else:
         peak = 0
 
@@ -246,6 +233,151 @@ def _child(config: dict[str, Any]) -> None:
     print(json.dumps(result))
 
 
+def _restores(pipeline: zephon.Pipeline, config: dict[str, Any]) -> dict[str, Any]:
+    """One uninterrupted run, its state taken at each of ``restore_steps`` (and the seconds it
+    took to get there); then, per state, a restart as after a preemption: a new pipeline (the
+    tokenizer loaded again) and ``iter(state)`` + the first ``next()``, checked against the
+    batch the uninterrupted run delivered next."""
+    import numpy as np
+
+    steps = sorted(config["restore_steps"])
+    with pipeline.iter() as loader:
+        reach, states, expected = _run_to_steps(
+            loader,
+            steps,
+            lambda: json.loads(json.dumps(loader.state_dict())),
+            lambda b: b.payload["tokens"],
+        )
+    restore = []
+    for state, want in zip(states, expected, strict=True):
+        start = time.perf_counter()
+        again = text_pipeline(
+            config["data"],
+            load_tokenizer(config["tokenizer"]),
+            lanes=config["lanes"],
+            workers=config["workers"],
+        )
+        with again.iter(state=state) as resumed:
+            got = next(resumed).payload["tokens"]
+            restore.append(time.perf_counter() - start)
+        if not np.array_equal(got, want):
+            raise AssertionError("the restored run did not deliver the batch the run delivered")
+    return {"steps": steps, "reach": reach, "restore": restore}
+
+
+def _run_to_steps(
+    loader: Any, steps: list[int], state: Any, tokens: Any
+) -> tuple[list[float], list[Any], list[Any]]:
+    """Batches up to the last of ``steps``: at each, the seconds since the start, ``state()``
+    and the tokens of the batch that comes next."""
+    reach, states, expected = [], [], []
+    start = time.perf_counter()
+    for step, b in enumerate(loader):
+        if step in steps:  # ``step`` batches were delivered before this one
+            expected.append(tokens(b))
+        if step + 1 in steps:
+            reach.append(time.perf_counter() - start)
+            states.append(state())
+        if step + 1 > steps[-1] and len(expected) == len(steps):
+            break
+    return reach, states, expected
+
+
+def _grain_child(config: dict[str, Any]) -> None:
+    """``_restores`` for Grain on the same work: the corpus' rows (read lazily by row group),
+    ``map`` tokenizing each document, ``BestFitPackIterDataset`` (64 bins of 2048), ``batch(8)``;
+    in this process (``workers=0``) or ``mp_prefetch`` with ``workers`` processes."""
+    import grain
+    import numpy as np
+    from grain.experimental import BestFitPackIterDataset, FlatMapIterDataset
+
+    def build() -> Any:
+        options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+        ds = grain.MapDataset.source(_ParquetRows(config["data"])).to_iter_dataset(options)
+        ds = FlatMapIterDataset(ds.map(_GrainTokenize(config["tokenizer"])), _GrainSplit())
+        ds = BestFitPackIterDataset(
+            ds, length_struct={"tokens": SEQ_LEN}, num_packing_bins=64, shuffle_bins=False
+        ).batch(BATCH)
+        if config["workers"]:
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config["workers"]))
+        return ds
+
+    steps = sorted(config["restore_steps"])
+    loader = iter(build())
+    reach, states, expected = _run_to_steps(loader, steps, loader.get_state, lambda b: b["tokens"])
+    del loader
+    restore = []
+    for state, want in zip(states, expected, strict=True):
+        start = time.perf_counter()
+        resumed = iter(build())
+        resumed.set_state(state)
+        got = next(resumed)["tokens"]
+        restore.append(time.perf_counter() - start)
+        del resumed
+        if not np.array_equal(got, want):
+            raise AssertionError("Grain's restored run did not deliver the batch it delivered")
+    print(json.dumps({"steps": steps, "reach": reach, "restore": restore}))
+
+
+class _ParquetRows:
+    """The corpus' rows by index for Grain (``__len__``/``__getitem__``), each row group read
+    when first needed, in whichever process reads."""
+
+    def __init__(self, path: str):
+        import pyarrow.parquet as pq
+
+        self.path = path
+        self.rows = pq.ParquetFile(path).metadata.num_rows
+        self._group: tuple[int, list[str]] = (-1, [])
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, i: int) -> dict[str, str]:
+        import pyarrow.parquet as pq
+
+        g, j = divmod(int(i), ROW_GROUP)
+        if self._group[0] != g:
+            with pq.ParquetFile(self.path) as f:
+                self._group = (g, f.read_row_group(g, columns=["text"]).column(0).to_pylist())
+        return {"text": self._group[1][j]}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "rows": self.rows, "_group": (-1, [])}
+
+
+class _GrainTokenize:
+    """Grain's map: a document's ids and the eos as ``int32`` (the tokenizer loaded in the
+    process that maps, once)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._tok: Any = None
+
+    def __call__(self, row: dict[str, str]) -> dict[str, Any]:
+        import numpy as np
+
+        if self._tok is None:
+            self._tok = load_tokenizer(self.path)
+            self._eos = self._tok.token_to_id("<|endoftext|>")
+        ids = self._tok.encode(row["text"]).ids
+        return {"tokens": np.array([*ids, self._eos], dtype=np.int32)}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "_tok": None}
+
+
+class _GrainSplit:
+    """Grain's flat map cutting a document into rows of at most ``SEQ_LEN`` tokens (its packer
+    refuses longer ones), as ``pack_sequences`` does."""
+
+    max_fan_out = 4096
+
+    def flat_map(self, element: dict[str, Any]) -> list[dict[str, Any]]:
+        tokens = element["tokens"]
+        return [{"tokens": tokens[i : i + SEQ_LEN]} for i in range(0, len(tokens), SEQ_LEN)]
+
+
 def measure_in_fresh_process(
     data: str,
     tokenizer: str,
@@ -253,22 +385,26 @@ def measure_in_fresh_process(
     lanes: int,
     workers: str,
     threads: bool,
-    restore_step: int = 0,
-) -> dict[str, float]:
+    restore_steps: list[int] | None = None,
+    grain_workers: int | None = None,
+) -> dict[str, Any]:
     """One configuration in a fresh interpreter (so each starts its own fork server and nothing
     of an earlier run is in its memory). ``threads=False`` sets ``TOKENIZERS_PARALLELISM=false``
-    for the whole run; ``True`` leaves the tokenizer's thread pool to zephon's sizing."""
+    for the whole run; ``True`` leaves the tokenizer's thread pool to zephon's sizing. With
+    ``restore_steps``, restore times instead (``_restores``); with ``grain_workers`` as well,
+    Grain's (``_grain_child``)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     config = {
         "data": data,
         "tokenizer": tokenizer,
         "lanes": lanes,
-        "workers": workers,
-        "restore_step": restore_step,
+        "workers": grain_workers if grain_workers is not None else workers,
+        "restore_steps": restore_steps or [],
     }
+    entry = "_grain_child" if grain_workers is not None else "_child"
     code = (
         f"import sys; sys.path.insert(0, {here!r}); "
-        f"from zephon_bench.text import _child; _child({config!r})"
+        f"from zephon_bench.text import {entry}; {entry}({config!r})"
     )
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     env.pop("TOKENIZERS_PARALLELISM", None)
@@ -281,10 +417,15 @@ def measure_in_fresh_process(
     return result
 
 
-def median_runs(repeats: int, **kwargs: Any) -> dict[str, float]:
-    """Medians over ``repeats`` fresh-process runs of one configuration."""
+def median_runs(repeats: int, **kwargs: Any) -> dict[str, Any]:
+    """Medians over ``repeats`` fresh-process runs of one configuration (per step, for lists)."""
     runs = [measure_in_fresh_process(**kwargs) for _ in range(repeats)]
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {
+        k: [statistics.median(v) for v in zip(*(r[k] for r in runs))]
+        if isinstance(runs[0][k], list)
+        else statistics.median(r[k] for r in runs)
+        for k in runs[0]
+    }
 
 
 def token_payloads(data: str, tokenizer: Any) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 When every stateful operator of a plan can describe what it holds (``Operator.holdings``: the
 records it holds and small plain state), the lane runner sends a snapshot every
-``lane.SNAPSHOT_RECORDS`` samples read (at a micro-batch boundary, never at an epoch's end):
+``lane.SNAPSHOT_RECORDS`` samples (between the pieces a micro-batch goes through the operators
+in, or at a micro-batch's end when an operator is batch-sensitive; never at an epoch's end):
 where to continue reading and, per operator, the cursors of its records
 and its state. Delivery keeps the last snapshot it booked, with the offsets of the epoch's
 chunks still open then, and counts its replay window from there. A restore re-reads exactly the

@@ -26,8 +26,11 @@ from zephon.runtime.layout import Layout
 from zephon.types import SampleRecord
 
 #: Samples read between two snapshots of what the stateful operators hold: what a restore
-#: replays at most (a snapshot costs about what packing a few hundred sequences does).
-SNAPSHOT_RECORDS = 256
+#: replays at most before it delivers again (a snapshot costs about what packing a hundred
+#: sequences does). When no operator is batch-sensitive, a micro-batch goes through the operators
+#: in pieces of this many samples, so that snapshots fall inside it and a restore re-reads only
+#: the piece it needs; otherwise snapshots wait for the end of a micro-batch.
+SNAPSHOT_RECORDS = 64
 
 
 def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
@@ -128,6 +131,7 @@ class LaneRunner:
         if held is not None:  # continue after a snapshot: the holders get their records back
             self._closing_in = rebuild(self.ops, self.fetch, source, held["ops"], self.lane_id)
         snapshots = plan.restores_holdings
+        piece = min(mb, SNAPSHOT_RECORDS) if snapshots and not plan.batch_sensitive else mb
         since_snapshot = 0
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
         while stop is None or k < stop:
@@ -143,20 +147,30 @@ class LaneRunner:
             begin = first
             while begin < n:
                 end = min(n, (begin // mb + 1) * mb)  # boundaries stay aligned after a skip
+                # Right after a restore only the piece the snapshot is in is read: the rest of
+                # its micro-batch may not be needed before the next delivery.
+                if begin == resumed_at and k == start and piece < mb:
+                    end = min(end, (begin // piece + 1) * piece)
                 records = self._fetch(position, chunk.pointers[begin:end], begin)
-                out = self._push(0, records)
-                if out:
-                    yield out
+                at = begin
+                while at < end:
+                    cut = min(end, (at // piece + 1) * piece)
+                    out = self._push(
+                        0, records[at - begin : cut - begin] if piece < mb else records
+                    )
+                    if out:
+                        yield out
+                    # A snapshot once SNAPSHOT_RECORDS samples went through since the last, at
+                    # the end of a piece; never at the end of an epoch or of the run (a restore
+                    # starts there from the epoch marker, or has nothing left).
+                    since_snapshot += cut - at
+                    allowed = cut < n or ((k + 1) % per_epoch and (stop is None or k + 1 < stop))
+                    if snapshots and since_snapshot >= SNAPSHOT_RECORDS and allowed:
+                        where = (k, cut) if cut < n else (k + 1, 0)
+                        yield [Holdings(where[0], where[1], epoch, snapshot_of(self.ops))]
+                        since_snapshot = 0
+                    at = cut
                 begin = end
-                # A snapshot once SNAPSHOT_RECORDS samples were read since the last, at the end
-                # of a micro-batch; never at the end of an epoch or of the run (a restore starts
-                # there from the epoch marker, or has nothing left).
-                since_snapshot += len(records)
-                allowed = end < n or ((k + 1) % per_epoch and (stop is None or k + 1 < stop))
-                if snapshots and since_snapshot >= SNAPSHOT_RECORDS and allowed:
-                    at = (k, end) if end < n else (k + 1, 0)
-                    yield [Holdings(at[0], at[1], epoch, snapshot_of(self.ops))]
-                    since_snapshot = 0
             k += 1
             if self.epoch_path and k % per_epoch == 0:
                 yield self._end_epoch(epoch)
