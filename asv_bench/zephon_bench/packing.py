@@ -100,6 +100,7 @@ def zephon_pipeline(
     epoch_sequences: int = EPOCH_SEQUENCES,
     batch_size: int | None = None,
     extra_fields: dict[str, int | float] | None = None,
+    cut_to_fill: bool = False,
 ) -> zephon.Pipeline:
     """fetch -> pack_sequences (``strategy`` ``"best_fit"`` / ``"first_fit"``; ``"flat"`` for
     pack_flat) (-> batch) over ``payloads`` on one inline lane, an epoch every ``epoch_sequences``
@@ -111,7 +112,12 @@ def zephon_pipeline(
         pack_flat(seq_len, pad_id=0, extra_fields=extra_fields)
         if strategy == "flat"
         else pack_sequences(
-            seq_len, open_bins=open_bins, strategy=strategy, pad_id=0, extra_fields=extra_fields
+            seq_len,
+            open_bins=open_bins,
+            strategy=strategy,
+            pad_id=0,
+            extra_fields=extra_fields,
+            cut_to_fill=cut_to_fill,
         )
     )
     ops: list[Any] = [fetch(), packer]
@@ -134,6 +140,7 @@ def run_zephon_pack(
     batch_size: int | None = None,
     payloads: list[dict[str, np.ndarray]] | None = None,
     extra_fields: dict[str, int | float] | None = None,
+    cut_to_fill: bool = False,
 ) -> dict[str, float]:
     """Tokens/s and fill of ``pack_sequences`` end to end (source, fetch, pack, delivery; plus
     ``batch`` when ``batch_size`` is given; with ``extra_fields`` the payloads' side fields are
@@ -148,6 +155,7 @@ def run_zephon_pack(
         epoch_sequences=epoch_sequences,
         batch_size=batch_size,
         extra_fields=extra_fields,
+        cut_to_fill=cut_to_fill,
     )
     # Planning (which fingerprints the in-memory payloads, array by array) happens before the
     # clock starts, like building Grain's datasets; iteration, packing and delivery are timed.

@@ -81,6 +81,12 @@ class Holdings:
     def __repr__(self) -> str:
         return f"Holdings(next={self.next_local})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Leaving a worker process: cursors travel as plain ints, not as objects.
+        from zephon.runtime.holdings import flattened
+
+        return (Holdings, (self.next_local, self.offset, self.epoch, flattened(self.ops)))
+
 
 class RunStart:
     """The lane starts run ``index`` of its program (after a re-laning: the chunks another lane

@@ -56,8 +56,9 @@ def unpack_cursors(text: Any) -> list[Key]:
 
 
 def snapshot_of(ops: Sequence[Operator]) -> list[dict[str, Any] | None]:
-    """Per operator, what it holds (``None`` for one that keeps no state), raw: packing it for a
-    checkpoint (``packed``) waits until a checkpoint is taken."""
+    """Per operator, what it holds (``None`` for one that keeps no state), raw: the held records'
+    cursors as they are (cursors never change). Flattening and digesting them (``flattened``)
+    waits until a checkpoint is taken, or until the snapshot leaves a worker process."""
     out: list[dict[str, Any] | None] = []
     for op in ops:
         held = op.holdings() if op.traits.stateful else None
@@ -65,12 +66,23 @@ def snapshot_of(ops: Sequence[Operator]) -> list[dict[str, Any] | None]:
             out.append(None)
             continue
         records, state = held
-        cursors = [rec.meta.cursor for rec in records]
+        out.append({"cursors": [rec.meta.cursor for rec in records], "state": state})
+    return out
+
+
+def flattened(snapshot: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
+    """A raw snapshot with its cursors as one int list (``flat_cursors``) and their digest."""
+    out: list[dict[str, Any] | None] = []
+    for entry in snapshot:
+        if entry is None or "digest" in entry:
+            out.append(entry)
+            continue
+        cursors = entry["cursors"]
         out.append(
             {
                 "cursors": flat_cursors(cursors),
                 "digest": f"{digest_cursors(cursors) & MASK64:016x}",
-                "state": state,
+                "state": entry["state"],
             }
         )
     return out
@@ -86,7 +98,7 @@ def packed(snapshot: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]
             "digest": entry["digest"],
             "state": pack_json(entry["state"]),
         }
-        for entry in snapshot
+        for entry in flattened(snapshot)
     ]
 
 
