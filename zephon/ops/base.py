@@ -95,8 +95,9 @@ class Operator:
     def holdings(self) -> tuple[list[SampleRecord], dict[str, Any]] | None:
         """What the operator holds right now, so that a restore can rebuild it instead of
         replaying the epoch: the records it holds (each is rebuilt by re-reading its sample and
-        running the operators before this one) and small plain JSON state (generator state,
-        running totals, where its records sit). ``None`` (the default): it cannot say, and a
+        running the operators before this one) and small plain state (generator state,
+        running totals, where its records sit): JSON types, or numpy arrays and scalars, which
+        are stored as lists and numbers. ``None`` (the default): it cannot say, and a
         pipeline with it restores by replaying the epoch. Overriding it needs
         ``restore_holdings``."""
         return None

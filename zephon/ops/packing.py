@@ -419,7 +419,7 @@ class _Packer(Operator):
         placement kernel's state (open bins, next bin id)."""
         fill = self._bins()
         rows, items = fill.contents()
-        return list(items), {"rows": rows.tolist(), "kernel": self._kernel.state()}
+        return list(items), {"rows": rows, "kernel": self._kernel.state()}
 
     def restore_holdings(self, records: list[SampleRecord], state: dict[str, Any]) -> None:
         rows = np.asarray(state["rows"], dtype=np.int64).reshape(-1, 5)

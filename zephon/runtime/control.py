@@ -65,10 +65,10 @@ class OverClose:
 
 
 class Holdings:
-    """A snapshot after a micro-batch: everything before it in the lane's stream has been
-    emitted, and the lane's stateful operators hold what ``ops`` says (``runtime.holdings``); a
-    restore can rebuild them and continue at offset ``offset`` of lane-local chunk
-    ``next_local`` of epoch ``epoch``."""
+    """A snapshot between two pieces of a micro-batch (or after one): everything before it in the
+    lane's stream has been emitted, and the lane's stateful operators hold what ``ops`` says
+    (``runtime.holdings``); a restore can rebuild them and continue at offset ``offset`` of
+    lane-local chunk ``next_local`` of epoch ``epoch``."""
 
     __slots__ = ("epoch", "next_local", "offset", "ops")
 

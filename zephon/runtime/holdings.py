@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from zephon._core.cursor import digest_cursors
 from zephon.compact import pack_ints, pack_json, unpack_ints, unpack_json
 from zephon.errors import ReplayDivergenceError
@@ -82,10 +84,21 @@ def flattened(snapshot: list[dict[str, Any] | None]) -> list[dict[str, Any] | No
             {
                 "cursors": flat_cursors(cursors),
                 "digest": f"{digest_cursors(cursors) & MASK64:016x}",
-                "state": entry["state"],
+                "state": _plain(entry["state"]),
             }
         )
     return out
+
+
+def _plain(state: Any) -> Any:
+    """``state`` with numpy arrays and scalars as lists and numbers (JSON types)."""
+    if isinstance(state, dict):
+        return {k: _plain(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [_plain(v) for v in state]
+    if isinstance(state, (np.ndarray, np.generic)):
+        return state.tolist()
+    return state
 
 
 def packed(snapshot: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
