@@ -10,6 +10,7 @@ process) is not its concern.
 
 from __future__ import annotations
 
+import bisect
 import copy
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,10 +28,23 @@ from zephon.types import SampleRecord
 
 #: Samples read between two snapshots of what the stateful operators hold: what a restore
 #: replays at most before it delivers again (a snapshot costs about what packing a hundred
-#: sequences does). When no operator is batch-sensitive, a micro-batch goes through the operators
-#: in pieces of this many samples, so that snapshots fall inside it and a restore re-reads only
-#: the piece it needs; otherwise snapshots wait for the end of a micro-batch.
+#: sequences does). When no operator is batch-sensitive, the operators from the first stateful
+#: one on get a micro-batch in pieces of this many samples (those before it get it whole), so
+#: that snapshots fall inside it and a restore re-reads only the piece it needs; otherwise
+#: snapshots wait for the end of a micro-batch.
 SNAPSHOT_RECORDS = 64
+
+
+def _split_at(items: list, lo: int, offset: int) -> int:
+    """The index in ``items`` (from ``lo``) of the first record from a sample at chunk offset
+    ``offset`` or later: items come in cursor order, a control item stays with what precedes it."""
+    if next_control(items, lo) == len(items):
+        return bisect.bisect_left(items, offset, lo, key=lambda r: r.meta.cursor.chunk_offset)
+    for i in range(lo, len(items)):
+        item = items[i]
+        if type(item) is SampleRecord and item.meta.cursor.chunk_offset >= offset:
+            return i
+    return len(items)
 
 
 def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
@@ -131,7 +145,10 @@ class LaneRunner:
         if held is not None:  # continue after a snapshot: the holders get their records back
             self._closing_in = rebuild(self.ops, self.fetch, source, held["ops"], self.lane_id)
         snapshots = plan.restores_holdings
-        piece = min(mb, SNAPSHOT_RECORDS) if snapshots and not plan.batch_sensitive else mb
+        holder = next((j for j, op in enumerate(self.ops) if op.traits.stateful), len(self.ops))
+        in_order = all(op.traits.preserves_cursor_order for op in self.ops[:holder])
+        pieces = snapshots and not plan.batch_sensitive and in_order and mb > SNAPSHOT_RECORDS
+        piece = SNAPSHOT_RECORDS if pieces else mb
         since_snapshot = 0
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
         while stop is None or k < stop:
@@ -149,15 +166,20 @@ class LaneRunner:
                 end = min(n, (begin // mb + 1) * mb)  # boundaries stay aligned after a skip
                 # Right after a restore only the piece the snapshot is in is read: the rest of
                 # its micro-batch may not be needed before the next delivery.
-                if begin == resumed_at and k == start and piece < mb:
+                if begin == resumed_at and k == start and pieces:
                     end = min(end, (begin // piece + 1) * piece)
                 records = self._fetch(position, chunk.pointers[begin:end], begin)
-                at = begin
+                if pieces:  # the operators before the first stateful one get it whole
+                    records = self._push(0, records, holder)
+                at, taken = begin, 0
                 while at < end:
                     cut = min(end, (at // piece + 1) * piece)
-                    out = self._push(
-                        0, records[at - begin : cut - begin] if piece < mb else records
-                    )
+                    if pieces:
+                        upto = len(records) if cut == end else _split_at(records, taken, cut)
+                        out = self._push(holder, records[taken:upto])
+                        taken = upto
+                    else:
+                        out = self._push(0, records)
                     if out:
                         yield out
                     # A snapshot once SNAPSHOT_RECORDS samples went through since the last, at
@@ -205,8 +227,8 @@ class LaneRunner:
         for op in self.ops:
             op.start_epoch(self.seed_lane, epoch)
 
-    def _push(self, first_op: int, items: list) -> list:
-        for j in range(first_op, len(self.ops)):
+    def _push(self, first_op: int, items: list, stop_op: int | None = None) -> list:
+        for j in range(first_op, len(self.ops) if stop_op is None else stop_op):
             if not items:
                 break
             items = self._apply(j, items)
