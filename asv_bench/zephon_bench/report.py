@@ -667,8 +667,15 @@ def text_rows(quick: bool) -> list[Row]:
     )
     from zephon_bench.packing import run_zephon_pack
 
-    cut = run_zephon_pack(
-        "best_fit", lengths, tb.SEQ_LEN, 64, payloads=payloads, cut_to_fill=True, batch_size=8
+    cut = run_zephon_pack(  # epochs as long as the text pipeline's: 8 chunks of 1,024
+        "best_fit",
+        lengths,
+        tb.SEQ_LEN,
+        64,
+        payloads=payloads,
+        cut_to_fill=True,
+        batch_size=8,
+        epoch_sequences=8 * tb.ROW_GROUP,
     )
     rows.append(
         Row(
