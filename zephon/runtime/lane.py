@@ -171,6 +171,9 @@ class LaneRunner:
                 records = self._fetch(position, chunk.pointers[begin:end], begin)
                 if pieces:  # the operators before the first stateful one get it whole
                     records = self._push(0, records, holder)
+                # One item list per read, pieces and snapshots in order: a process lane's
+                # ``prefetch`` counts lists, so a list is what a micro-batch makes.
+                made: list = []
                 at, taken = begin, 0
                 while at < end:
                     cut = min(end, (at // piece + 1) * piece)
@@ -180,8 +183,7 @@ class LaneRunner:
                         taken = upto
                     else:
                         out = self._push(0, records)
-                    if out:
-                        yield out
+                    made += out
                     # A snapshot once SNAPSHOT_RECORDS samples went through since the last, at
                     # the end of a piece; never at the end of an epoch or of the run (a restore
                     # starts there from the epoch marker, or has nothing left).
@@ -189,9 +191,11 @@ class LaneRunner:
                     allowed = cut < n or ((k + 1) % per_epoch and (stop is None or k + 1 < stop))
                     if snapshots and since_snapshot >= SNAPSHOT_RECORDS and allowed:
                         where = (k, cut) if cut < n else (k + 1, 0)
-                        yield [Holdings(where[0], where[1], epoch, snapshot_of(self.ops))]
+                        made.append(Holdings(where[0], where[1], epoch, snapshot_of(self.ops)))
                         since_snapshot = 0
                     at = cut
+                if made:
+                    yield made
                 begin = end
             k += 1
             if self.epoch_path and k % per_epoch == 0:
