@@ -444,6 +444,51 @@ def test_a_stopped_worker_times_out_naming_the_lane_and_the_wait():
         lane.close()
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="a POSIX pipe written to by hand")
+def test_a_message_cut_off_mid_way_times_out_instead_of_blocking():
+    # A worker stopped (or stuck) between the parts of a message, or inside a large one: the
+    # loader has the header and must not wait forever for the rest.
+    import multiprocessing as mp
+    import struct
+
+    from zephon.runtime.workers import MessageStalled, _encode, _receive
+
+    reader, writer = mp.Pipe(duplex=False)
+    try:
+        (kind, size, sizes), data, raws = _encode("items", [np.arange(50_000)])
+        writer.send((kind, size, sizes))
+        writer.send_bytes(data)
+        raw = bytes(raws[0])
+        os.write(writer.fileno(), struct.pack("!i", len(raw)) + raw[:1000])  # then stops
+        t0 = time.monotonic()
+        with pytest.raises(MessageStalled):
+            _receive(reader, 0.3)
+        assert 0.3 <= time.monotonic() - t0 < 1.0
+    finally:
+        reader.close()
+        writer.close()
+    # and a whole message still arrives as it was sent
+    reader, writer = mp.Pipe(duplex=False)
+    try:
+        (kind, size, sizes), data, raws = _encode("items", [np.arange(50_000), "x"])
+
+        def send() -> None:  # more than a pipe holds: from another thread, as a worker would
+            writer.send((kind, size, sizes))
+            writer.send_bytes(data)
+            for raw in raws:
+                writer.send_bytes(raw)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        got_kind, value = _receive(reader, 5.0)
+        sender.join()
+        assert got_kind == "items" and value[1] == "x"
+        np.testing.assert_array_equal(value[0], np.arange(50_000))
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_a_thread_lane_stuck_in_an_operator_times_out():
     RELEASE.clear()
     plan = plan_of(map_transform(wait_for_release_from_idx_9), workers="thread", timeout=0.3)

@@ -156,11 +156,12 @@ class LaneRunner:
             chunk = source.chunk(position)
             n = len(chunk)
             first = skip_offset if k == start else 0
+            opened: list = []  # the announcement goes out with the chunk's first read
             if k == start and resumed_at:
                 first = resumed_at
             else:
                 stats = [list(s) for s in self.op_stats]
-                yield [ChunkOpened(position, k, n, epoch, first, stats)]
+                opened = [ChunkOpened(position, k, n, epoch, first, stats)]
             begin = first
             while begin < n:
                 end = min(n, (begin // mb + 1) * mb)  # boundaries stay aligned after a skip
@@ -173,7 +174,7 @@ class LaneRunner:
                     records = self._push(0, records, holder)
                 # One item list per read, pieces and snapshots in order: a process lane's
                 # ``prefetch`` counts lists, so a list is what a micro-batch makes.
-                made: list = []
+                made, opened = opened, []
                 at, taken = begin, 0
                 while at < end:
                     cut = min(end, (at // piece + 1) * piece)
@@ -197,6 +198,8 @@ class LaneRunner:
                 if made:
                     yield made
                 begin = end
+            if opened:  # a chunk with nothing left to read
+                yield opened
             k += 1
             if self.epoch_path and k % per_epoch == 0:
                 yield self._end_epoch(epoch)

@@ -20,7 +20,9 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import select
 import signal
+import struct
 import sys
 import sysconfig
 import threading
@@ -548,19 +550,58 @@ def _write(conn: Connection, message: tuple[tuple, bytes, list[memoryview]]) -> 
         raise _LoaderGone from None
 
 
-def _receive(conn: Connection) -> tuple[str, Any]:
-    kind, size, sizes = conn.recv()
+class MessageStalled(Exception):
+    """The rest of a message did not arrive before the deadline (its sender stopped mid-way)."""
+
+
+def _receive(conn: Connection, patience: float | None = None) -> tuple[str, Any]:
+    """One message (``_encode``'s header, pickle and out-of-band buffers). With ``patience``,
+    ``MessageStalled`` when the rest has not arrived that many seconds after the header."""
+    kind, size, sizes = conn.recv()  # small: written to the pipe in one piece
+    deadline = None if patience is None else time.monotonic() + patience
     data = bytearray(size)
-    conn.recv_bytes_into(data)
+    _recv_bytes_into(conn, data, deadline)
     buffers = []
     for n in sizes:
         buf = bytearray(n)  # writable, so arrays arrive as ordinary writable numpy arrays
-        if n:
+        _recv_bytes_into(conn, buf, deadline)
+        buffers.append(buf)
+    return kind, pickle.loads(data, buffers=buffers)
+
+
+def _recv_bytes_into(conn: Connection, buf: bytearray, deadline: float | None) -> None:
+    """``conn.recv_bytes_into(buf)`` for a message of exactly ``len(buf)`` bytes, giving up at
+    ``deadline``. On POSIX the pipe is read here, in ``Connection``'s framing (a 4-byte
+    big-endian length, or -1 and an 8-byte one, then the bytes)."""
+    if deadline is None or sys.platform == "win32":
+        if len(buf):
             conn.recv_bytes_into(buf)
         else:
             conn.recv_bytes()
-        buffers.append(buf)
-    return kind, pickle.loads(data, buffers=buffers)
+        return
+    fd = conn.fileno()
+    head = bytearray(4)
+    _read_exactly(fd, memoryview(head), deadline)
+    (n,) = struct.unpack("!i", head)
+    if n == -1:
+        head = bytearray(8)
+        _read_exactly(fd, memoryview(head), deadline)
+        (n,) = struct.unpack("!Q", head)
+    if n != len(buf):
+        raise OSError(f"a message of {n} bytes where {len(buf)} were announced")
+    _read_exactly(fd, memoryview(buf), deadline)
+
+
+def _read_exactly(fd: int, view: memoryview, deadline: float) -> None:
+    got = 0
+    while got < len(view):
+        wait = deadline - time.monotonic()
+        if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+            raise MessageStalled(f"{got} of {len(view)} bytes arrived")
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise EOFError("the pipe closed inside a message")
+        got += n
 
 
 def _loader_alive(pid: int) -> bool:
@@ -963,6 +1004,7 @@ class ProcessLane:
         self._worker = _ProcessWorker(proc, conn, shared)
         self._ready = False  # the worker said it runs: a death before that is a failed start
         self._waiting: collections.deque[tuple[str, Any]] = collections.deque()  # see queued()
+        self._stalled: ZephonError | None = None
         self._closed = False
         self._ended = False
         self._finalizer = weakref.finalize(self, _stop_workers, [self._worker], STOP_TIMEOUT)
@@ -982,16 +1024,23 @@ class ProcessLane:
         if not (self._closed or self._ended):
             try:
                 while self._conn.poll(0):
-                    kind, value = _receive(self._conn)
+                    kind, value = _receive(self._conn, self.timeout)
                     if kind == _READY:
                         self._ready = True
                     else:
                         self._waiting.append((kind, value))
+            except MessageStalled:
+                assert self.timeout is not None
+                self._stalled = _timed_out(self.lane_id, f"pid {self.pid}", self.timeout)
+                self.close()  # the pipe is inside a message: nothing after it can be read
+
             except (EOFError, OSError):
                 pass  # next() reports the lost worker
         return sum(1 for kind, _ in self._waiting if kind == "items")
 
     def __next__(self) -> list:
+        if self._stalled is not None:  # seen by queued(): next() reports it
+            raise self._stalled
         if self._closed:
             raise _closed_error(self.lane_id)
         if self._ended:
@@ -1024,7 +1073,11 @@ class ProcessLane:
             if self._sentinel in ready:  # a worker never exits unless stopped: it died
                 raise self._lost()
             try:
-                kind, value = _receive(conn)
+                kind, value = _receive(conn, self.timeout)
+            except MessageStalled:
+                assert self.timeout is not None
+                self.close()  # the pipe is inside a message: nothing after it can be read
+                raise _timed_out(self.lane_id, f"pid {self.pid}", self.timeout) from None
             except (EOFError, OSError):
                 raise self._lost() from None
             if kind != _READY:
