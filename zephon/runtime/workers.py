@@ -1033,7 +1033,6 @@ class ProcessLane:
                 assert self.timeout is not None
                 self._stalled = _timed_out(self.lane_id, f"pid {self.pid}", self.timeout)
                 self.close()  # the pipe is inside a message: nothing after it can be read
-
             except (EOFError, OSError):
                 pass  # next() reports the lost worker
         return sum(1 for kind, _ in self._waiting if kind == "items")

@@ -865,7 +865,6 @@ def _read(f: pa.NativeFile, offset: int, nbytes: int) -> pa.Buffer:
 def table_rows(table: pa.Table, indices: np.ndarray, names: Sequence[str]) -> list[dict[str, Any]]:
     """Payload dicts of rows ``indices`` of ``table``, keys in ``names`` order (see the module
     docstring for the value rule)."""
-
     if not names:
         return [{} for _ in range(len(indices))]
     picked = table.take(_index_array(indices))
