@@ -149,6 +149,7 @@ class LaneRunner:
         in_order = all(op.traits.preserves_cursor_order for op in self.ops[:holder])
         pieces = snapshots and not plan.batch_sensitive and in_order and mb > SNAPSHOT_RECORDS
         piece = SNAPSHOT_RECORDS if pieces else mb
+        split_at = holder if pieces else 0  # the operators before it get a read whole
         since_snapshot = 0
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
         while stop is None or k < stop:
@@ -169,22 +170,18 @@ class LaneRunner:
                 # its micro-batch may not be needed before the next delivery.
                 if begin == resumed_at and k == start and pieces:
                     end = min(end, (begin // piece + 1) * piece)
-                records = self._fetch(position, chunk.pointers[begin:end], begin)
-                if pieces:  # the operators before the first stateful one get it whole
-                    records = self._push(0, records, holder)
+                records = self._push(
+                    0, self._fetch(position, chunk.pointers[begin:end], begin), split_at
+                )
                 # One item list per read, pieces and snapshots in order: a process lane's
                 # ``prefetch`` counts lists, so a list is what a micro-batch makes.
                 made, opened = opened, []
                 at, taken = begin, 0
                 while at < end:
                     cut = min(end, (at // piece + 1) * piece)
-                    if pieces:
-                        upto = len(records) if cut == end else _split_at(records, taken, cut)
-                        out = self._push(holder, records[taken:upto])
-                        taken = upto
-                    else:
-                        out = self._push(0, records)
-                    made += out
+                    upto = len(records) if cut == end else _split_at(records, taken, cut)
+                    made += self._push(split_at, records[taken:upto])
+                    taken = upto
                     # A snapshot once SNAPSHOT_RECORDS samples went through since the last, at
                     # the end of a piece; never at the end of an epoch or of the run (a restore
                     # starts there from the epoch marker, or has nothing left).

@@ -1030,9 +1030,7 @@ class ProcessLane:
                     else:
                         self._waiting.append((kind, value))
             except MessageStalled:
-                assert self.timeout is not None
-                self._stalled = _timed_out(self.lane_id, f"pid {self.pid}", self.timeout)
-                self.close()  # the pipe is inside a message: nothing after it can be read
+                self._stalled = self._stall()
             except (EOFError, OSError):
                 pass  # next() reports the lost worker
         return sum(1 for kind, _ in self._waiting if kind == "items")
@@ -1074,14 +1072,19 @@ class ProcessLane:
             try:
                 kind, value = _receive(conn, self.timeout)
             except MessageStalled:
-                assert self.timeout is not None
-                self.close()  # the pipe is inside a message: nothing after it can be read
-                raise _timed_out(self.lane_id, f"pid {self.pid}", self.timeout) from None
+                raise self._stall() from None
             except (EOFError, OSError):
                 raise self._lost() from None
             if kind != _READY:
                 return kind, value
             self._ready = True
+
+    def _stall(self) -> ZephonError:
+        """The error for a message that stopped arriving half-way, after stopping the lane (the
+        pipe is inside a message: nothing after it can be read)."""
+        assert self.timeout is not None  # only a timed receive stalls
+        self.close()
+        return _timed_out(self.lane_id, f"pid {self.pid}", self.timeout)
 
     def _lost(self) -> ZephonError:
         """The error for a worker that died (or dropped its pipe), after stopping the lane."""
