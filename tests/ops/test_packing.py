@@ -319,18 +319,53 @@ def test_first_fit_fills_at_least_97_5_percent():
 def test_cut_to_fill_fills_better_and_cuts_at_most_once_per_row():
     assert fill("best_fit", cut_to_fill=True) > fill("best_fit") + 0.005
     lengths = np.random.default_rng(1).integers(1, 300, size=3000).tolist()
+    records = token_records(lengths, chunk_size=500)
     op = pack_sequences(512, open_bins=8, pad_id=0, cut_to_fill=True)
-    out = run(op, token_records(lengths, chunk_size=500), micro=64)
-    assert_every_input_recovered_once(lengths, out)
+    op.start_epoch(0, 0)
+    during = [r for m in range(0, len(records), 64) for r in op.process_many(records[m : m + 64])]
+    at_flush = op.flush()
+    assert_every_input_recovered_once(lengths, during + at_flush)
     rows_of_input: Counter[int] = Counter()
     per_row = []
-    for rec in out:
+    for rec in during + at_flush:
         items = [item for item, _, _ in fragments([rec])]
         rows_of_input.update(set(items))
         per_row.append(items)
     cut = {item for item, rows in rows_of_input.items() if rows > 1}
     assert cut, "the workload must make cuts"
-    assert max(sum(item in cut for item in items) for items in per_row) == 1
+    # During the epoch a row holds at most one piece of a cut input.
+    assert max(sum(item in cut for item in items) for items in per_row[: len(during)]) == 1
+    # At the flush every row but the last is full, and each cuts at most one input of its own
+    # (the head it ends with; the tail starts a later row).
+    assert len(at_flush) == -(-sum(int((r.payload["segment_ids"] > 0).sum()) for r in at_flush)
+                              // 512)  # fmt: skip
+    assert all((r.payload["segment_ids"] > 0).all() for r in at_flush[:-1])
+    heads = [
+        sum(1 for item, start, tokens in fragments([rec]) if start + len(tokens) < lengths[item])
+        for rec in at_flush
+    ]
+    assert max(heads) <= 1
+
+
+@settings(max_examples=60)
+@given(
+    seq_len=st.integers(1, 24),
+    lengths=st.lists(st.integers(0, 70), max_size=40),
+    open_bins=st.integers(1, 6),
+    micro=st.integers(1, 9),
+)
+def test_a_cut_to_fill_flush_leaves_at_most_one_bin_not_full(seq_len, lengths, open_bins, micro):
+    op = pack_sequences(seq_len, open_bins=open_bins, pad_id=0, cut_to_fill=True)
+    op.start_epoch(0, 0)
+    records = token_records(lengths)
+    during = [
+        r for m in range(0, len(records), micro) for r in op.process_many(records[m : m + micro])
+    ]
+    at_flush = op.flush()
+    assert_every_input_recovered_once(lengths, during + at_flush)
+    held = sum(int((r.payload["segment_ids"] > 0).sum()) for r in at_flush)
+    assert len(at_flush) <= max(1, -(-held // seq_len))
+    assert len({r.meta.cursor for r in during + at_flush}) == len(during + at_flush)
 
 
 # ------------------------------------------------------------------------------------ pipeline

@@ -31,6 +31,7 @@ token range overlaps, and one sample of each such component.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -121,6 +122,33 @@ def _count_spread(
             if tokens is not None:
                 tokens[comp] = tokens.get(comp, 0) + overlap
         lo = hi
+
+
+def _consolidated(rows: np.ndarray, seq_len: int) -> np.ndarray:
+    """New placement rows for the fragments of ``rows`` (``BinFill.contents()`` rows: item,
+    frag_start, frag_len, bin_id, bin_offset) in as few bins as their tokens need: each bin
+    takes the largest fragment that fits until none does, then the head of the smallest one
+    that does not fills its rest (one cut per bin; the tail goes back to be placed). Every bin
+    is full but the last. Ties keep the fragments' order in ``rows``, so the result depends on
+    the held bins alone."""
+    pool = sorted((int(size), k, int(item), int(start)) for k, (item, start, size, _, _) in
+                  enumerate(rows.tolist()))  # fmt: skip
+    out: list[tuple[int, int, int, int, int]] = []
+    bin_id = 0
+    while pool:
+        room = seq_len
+        while pool and (room or not pool[0][0]):  # empty fragments join a full bin
+            at = bisect.bisect_right(pool, (room, len(rows)))  # fragments that fit: pool[:at]
+            if at:
+                size, _, item, start = pool.pop(at - 1)
+            else:  # nothing fits: cut the smallest one, its head fills the bin
+                size, k, item, start = pool.pop(0)
+                bisect.insort(pool, (size - room, k, item, start + room))
+                size = room
+            out.append((item, start, size, bin_id, seq_len - room))
+            room -= size
+        bin_id += 1
+    return np.array(out, dtype=np.int64).reshape(-1, 5)
 
 
 class _Packer(Operator):
@@ -487,6 +515,24 @@ class PackSequences(_Packer):
             del out["params"]["cut_to_fill"]
         return out
 
+    def flush(self) -> list[SampleRecord]:
+        """Emit every open bin. With ``cut_to_fill`` the open bins' fragments are laid out again
+        first, into as few full bins as their tokens need (``_consolidated``): the end of an
+        epoch leaves at most one bin partly empty instead of every open one."""
+        fill = self._fill
+        if not self.cut_to_fill or fill is None or fill.n_open < 2:
+            return super().flush()
+        rows, items = fill.contents()
+        arrays, lengths = self._gather(items)
+        sides = self._gather_sides(items, lengths) if self.extra_fields else ()
+        rows = _consolidated(rows, self.seq_len)
+        fill.clear()
+        self._kernel.reset()
+        fill.write(rows, arrays, items, sides)
+        out = self._emit(np.unique(rows[:, 3]))
+        fill.clear()  # bin ids restart at 0, as after any flush
+        return out
+
     def _new_kernel(self) -> BinPacker:
         return BinPacker(
             self.seq_len,
@@ -538,9 +584,11 @@ def pack_sequences(
 
     ``cut_to_fill=True``: when a sequence fits in no open bin and one must leave, the head of the
     sequence fills that bin's rest first (it leaves full, not padded) and the rest is placed as
-    usual; a row holds at most one piece of a cut sequence. Fill rises close to 1, at the price of
-    documents split across rows (each piece keeps its contributors, so resume stays exact). The
-    default keeps every document that fits in a row whole.
+    usual; a row holds at most one piece of a cut sequence. At a flush (the epoch's end) the open
+    bins' fragments are laid out again into full rows, each cut at most once, so only the last
+    row of the flush is padded. Fill rises close to 1, at the price of documents split across
+    rows (each piece keeps its contributors, so resume stays exact). The default keeps every
+    document that fits in a row whole.
 
     Padding (``segment_ids == 0``) holds ``pad_id``; with ``pad_id=None`` the padding token of the
     ``tokenize`` upstream (``ByteTokenizer``: 257), and planning fails with a ``PlanError`` when
