@@ -74,6 +74,7 @@ class LaneRunner:
         skip_offset: int = 0,
         runs: list[dict[str, Any]] | None = None,
         layout: list[dict[str, Any]] | None = None,
+        op_stats: list[list[float]] | None = None,
     ):
         self.plan = plan
         self.lane_id = lane_id
@@ -99,7 +100,9 @@ class LaneRunner:
             for op in plan.chain
         ]
         # Per operator: records in, records out, seconds inside process_many/flush.
-        self.op_stats: list[list[float]] = [[0, 0, 0.0] for _ in plan.chain]
+        self.op_stats: list[list[float]] = (
+            [list(s) for s in op_stats] if op_stats else [[0, 0, 0.0] for _ in plan.chain]
+        )
 
     def _reset_audit(self) -> None:
         # Closing contributors each operator received and emitted in the current epoch.

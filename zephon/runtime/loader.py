@@ -120,7 +120,10 @@ class Loader:
                     self._started = True
                     self._log_start()
                     # every lane's worker starts working at once
-                    start_feeds([lane.feed for lane in lanes if not lane.ended])
+                    start_feeds(
+                        [lane.feed for lane in lanes if not lane.ended],
+                        lanes[self.next_lane].feed,
+                    )
                     for lane in lanes:  # a restored lane is back at its position first
                         self._catch_up(lane)
                 for _ in range(n):  # one full round at most: each lane delivers or has ended

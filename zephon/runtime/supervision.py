@@ -10,7 +10,8 @@ from typing import Any
 
 from zephon.errors import ZephonError
 from zephon.plan import Plan
-from zephon.runtime.workers import close_lanes, open_lane, open_lanes
+from zephon.runtime import head_start
+from zephon.runtime.workers import PlanParcel, close_lanes, open_lane, open_lanes
 
 
 class LaneFeed:
@@ -57,16 +58,35 @@ class LaneFeed:
         close_feeds([self])
 
 
-def start_feeds(feeds: list[LaneFeed]) -> None:
+def start_feeds(feeds: list[LaneFeed], first: LaneFeed | None = None) -> None:
     """Start the runners of many lanes at once, sharing the plan's worker processes or threads
-    (``workers.open_lanes``)."""
+    (``workers.open_lanes``). ``first``, the lane delivered from first, may be read in this
+    process while the other lanes' worker processes start (``head_start``)."""
     waiting = [feed for feed in feeds if feed.runner is None and not feed.closed]
     if not waiting:
         return
     plan = waiting[0].plan
-    runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in waiting])
+    # The plan is pickled before a head start reads from it on another thread.
+    parcel = PlanParcel(plan) if plan.workers == "process" else None
+    ahead = None
+    if (
+        parcel is not None
+        and first in waiting
+        and not first.buf
+        and head_start.applies(plan, len(waiting), parcel.preload)
+    ):
+        ahead = head_start.HeadStart(plan, first.lane_id, first.start_at)
+        waiting.remove(first)
+    try:
+        runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in waiting], parcel)
+    finally:
+        read = None if ahead is None else ahead.result()
     for feed, runner in zip(waiting, runners):
         feed.runner = runner
+    if first is not None and ahead is not None:
+        if read is not None:
+            (first.buf, first.start_at), first.pos = read, 0
+        (first.runner,) = open_lanes(plan, [(first.lane_id, first.start_at)], parcel)
 
 
 def close_feeds(feeds: list[LaneFeed]) -> None:

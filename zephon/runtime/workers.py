@@ -423,6 +423,25 @@ def _context(preload: list[str] | None = None) -> Any:
     return mp.get_context("spawn")
 
 
+_server_started = False  # this process started its fork server (it lives as long as we do)
+
+
+def boot_fork_server(preload: list[str]) -> bool:
+    """Start this process's fork server and return at once, while it imports ``preload`` (what
+    the workers need); False when it was started before or the platform has none."""
+    global _server_started
+    if _server_started:
+        return False
+    ctx = _context(preload)
+    if ctx.get_start_method() != "forkserver":
+        return False
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    _server_started = True
+    return True
+
+
 _WALK_DEPTH = 3  # source/operator -> its attributes -> theirs: where tokenizers and readers sit
 _WALK_ITEMS = 8  # items looked at per list, tuple or dict (they are usually alike)
 
@@ -937,8 +956,10 @@ def _start_process(
 ) -> tuple[Any, list[Connection]]:
     """Start one worker process for the lanes ``members`` (lane id, runner start); the process
     and the loader's end of each lane's pipe."""
+    global _server_started
     parcel = parcel or PlanParcel(plan)
     ctx = _context(parcel.preload)
+    _server_started = True
     pipes = [ctx.Pipe(duplex=True) for _ in members]
     proc = ctx.Process(
         target=_process_main,
@@ -1140,15 +1161,19 @@ def open_lane(plan: Plan, lane_id: int, **start: Any) -> InlineLane | ThreadLane
     return LANE_KINDS[plan.workers](plan, lane_id, **start)
 
 
-def open_lanes(plan: Plan, members: list[tuple[int, dict]]) -> list[Any]:
+def open_lanes(
+    plan: Plan, members: list[tuple[int, dict]], parcel: PlanParcel | None = None
+) -> list[Any]:
     """Start the lanes ``members`` (lane id, runner start) on ``plan.processes`` workers: worker
     processes (``workers="process"``) or threads (``"thread"``), each running a contiguous block
     of the lanes; inline lanes run in the caller's thread. The lanes' streams never depend on
-    how many workers there are. Worker processes share one pickle of the plan."""
+    how many workers there are. Worker processes share one pickle of the plan (``parcel``, made
+    here unless given)."""
     if plan.workers == "inline" or not members:
         return [open_lane(plan, lane_id, **start) for lane_id, start in members]
     k = max(1, min(plan.processes, len(members)))
-    parcel = PlanParcel(plan) if plan.workers == "process" else None
+    if plan.workers == "process" and parcel is None:
+        parcel = PlanParcel(plan)
     if k == len(members):
         if parcel is None:
             return [open_lane(plan, lane_id, **start) for lane_id, start in members]

@@ -1,0 +1,124 @@
+"""Process lanes with a head start: the loader reads the first lane while the workers start, and
+the stream is the one inline lanes deliver, from the start and after a restore.
+
+A head start only happens in a process that has not started a fork server yet, so each run is a
+script in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from worker_kit import assert_no_leftover_workers, script_env
+
+KIT = textwrap.dedent("""
+    import os
+    import numpy as np
+    import zephon
+    from zephon.ops import batch, fetch, map_transform, pack_sequences
+    from zephon.sources.memory import RangeSource
+
+    def tokens(payload):
+        with open(os.environ["HEAD_START_LOG"], "a") as log:  # which process read this sample
+            log.write(f"{os.getpid()}\\n")
+        idx = payload["idx"]
+        return {"tokens": np.arange(idx, idx + 1 + idx * 7919 % 97, dtype=np.int32)}
+
+    def pipeline(workers, **kw):
+        return zephon.Pipeline(
+            RangeSource(4000, chunk_size=512, shuffle=True, seed=5),
+            [fetch(), map_transform(tokens), pack_sequences(128, open_bins=8, pad_id=0), batch(4)],
+            lanes=2,
+            workers=workers,
+            processes=2,
+            epoch_chunks=4,
+            **kw,
+        )
+""")
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import zephon
+    from head_kit import pipeline
+    from pipeline_kit import fingerprint_item
+
+    def main():
+        mode, out = sys.argv[1], sys.argv[2]
+        state = None
+        if mode == "resume":
+            state = zephon.load_checkpoint(os.path.join(os.path.dirname(out), "state.json"))
+        kw = {"timeout": 60.0} if mode == "timeout" else {}
+        loader = pipeline("inline" if mode == "inline" else "process", **kw).iter(state=state)
+        items = []
+        with loader:
+            for step, item in enumerate(loader, 1):
+                items.append(repr(fingerprint_item(item)))
+                if mode == "inline" and step == 23:
+                    zephon.save_checkpoint(
+                        os.path.join(os.path.dirname(out), "state.json"), loader.state_dict()
+                    )
+            counts = {
+                op: (s["records_in"], s["items_out"])
+                for op, s in loader.stats()["operators"].items()
+            }
+        with open(out, "w") as f:
+            json.dump({"pid": os.getpid(), "items": items, "counts": counts}, f)
+
+    if __name__ == "__main__":  # worker processes re-import this module
+        main()
+""")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_workers():
+    yield from assert_no_leftover_workers()
+
+
+def run_script(tmp_path, mode: str) -> tuple[list[str], set[int], int, dict]:
+    """The items a fresh interpreter delivers in ``mode``, the pids that read samples, its pid
+    and its loader's operator counts."""
+    (tmp_path / "head_kit.py").write_text(KIT)
+    (tmp_path / "train.py").write_text(SCRIPT)
+    log = tmp_path / f"{mode}.log"
+    env = script_env()
+    tests = os.path.dirname(os.path.dirname(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), tests, env["PYTHONPATH"]])
+    env["HEAD_START_LOG"] = str(log)
+    out = tmp_path / f"{mode}.json"
+    subprocess.run(
+        [sys.executable, str(tmp_path / "train.py"), mode, str(out)], env=env, check=True,
+        timeout=120,
+    )  # fmt: skip
+    got = json.loads(out.read_text())
+    return got["items"], {int(p) for p in log.read_text().split()}, got["pid"], got["counts"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no fork server")
+def test_the_loader_reads_the_first_lane_ahead_and_the_stream_is_unchanged(tmp_path):
+    full, _, _, counts = run_script(tmp_path, "inline")
+    items, readers, me, got = run_script(tmp_path, "process")
+    assert items == full
+    assert got == counts, "what the loader read ahead counts once in the operators' stats"
+    assert me in readers, "the loader's process read the first lane's first samples"
+    assert len(readers - {me}) == 2, "both lanes' workers read the rest"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no fork server")
+def test_a_restore_with_a_head_start_continues_exactly(tmp_path):
+    full, _, _, _ = run_script(tmp_path, "inline")  # saves the state after step 23
+    tail, readers, me, _ = run_script(tmp_path, "resume")
+    assert full[:23] + tail == full
+    assert me in readers
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no fork server")
+def test_with_a_timeout_every_sample_is_read_by_a_worker(tmp_path):
+    full, _, _, _ = run_script(tmp_path, "inline")
+    items, readers, me, _ = run_script(tmp_path, "timeout")
+    assert items == full
+    assert me not in readers, "nothing could interrupt an operator stuck in the loader's thread"

@@ -1,0 +1,102 @@
+"""A process lane's first reads, done in the loader's process while the worker processes start.
+
+A worker process is a fresh interpreter that imports the plan's modules before it reads anything:
+a fraction of a second in which the first batch could only wait. Instead, a thread of the loader
+reads the lane delivered from first while the other lanes' workers start; that lane's worker is
+started afterwards, from the last snapshot (``Holdings``) of what the thread read, as a restore
+would. The lane's stream is the same item for item: what the thread read goes out first, the
+worker's items follow.
+
+Only where nothing is lost by it: the plan snapshots its holders (no epoch replay to redo), has no
+``timeout`` (nothing could interrupt a stuck operator in the loader's process), every lane has a
+worker process of its own, and this process has not started a fork server before (a warm one
+starts workers at once). A read that fails, or that gives no snapshot to continue from, is left
+to the worker, which meets it again and reports it as usual.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from zephon.plan import Plan
+from zephon.runtime.control import Holdings, LaneEnd, RunStart
+from zephon.runtime.holdings import packed
+from zephon.runtime.lane import LaneRunner
+from zephon.runtime.workers import boot_fork_server
+from zephon.types import SampleRecord
+
+
+def applies(plan: Plan, n_lanes: int, preload: list[str]) -> bool:
+    """Whether starting ``n_lanes`` process lanes of ``plan`` gains from a head start; if so,
+    this process's fork server is booted now, and imports ``preload`` meanwhile."""
+    return (
+        plan.timeout is None
+        and plan.restores_holdings
+        and n_lanes <= plan.processes
+        and boot_fork_server(preload)
+    )
+
+
+class HeadStart:
+    """``read_ahead`` of lane ``lane_id`` on a thread of its own; ``result()`` waits for it."""
+
+    def __init__(self, plan: Plan, lane_id: int, start: dict[str, Any]):
+        self._result: tuple[list, dict] | None = None
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(plan, lane_id, start),
+            name=f"zephon-head-start-{lane_id}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _run(self, plan: Plan, lane_id: int, start: dict[str, Any]) -> None:
+        self._result = read_ahead(plan, lane_id, start)
+
+    def result(self) -> tuple[list, dict] | None:
+        self._thread.join()
+        return self._result
+
+
+#: At most this many item lists are read ahead (a lane that emits nothing for long is left to its
+#: worker).
+MAX_LISTS = 16
+
+
+def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, dict] | None:
+    """Read lane ``lane_id`` from ``start`` (a runner start) until an item list ends with a
+    snapshot and a first batch's worth of records came before it: the items read, and the runner
+    start that continues after them; None when no list did within ``MAX_LISTS``, or the lane
+    failed."""
+    need = plan.batcher.batch_size if plan.batcher is not None else 1
+    runner = LaneRunner(plan, lane_id, **start)
+    stream = runner.run()
+    items: list = []
+    ready = 0  # real records among items
+    try:
+        for _ in range(MAX_LISTS):
+            got = next(stream)
+            if any(type(item) is RunStart or type(item) is LaneEnd for item in got):
+                return None  # a run's end, or the lane's, comes first: leave it to the worker
+            items += got
+            ready += sum(type(item) is SampleRecord and not item.meta.is_tombstone for item in got)
+            # A list that ends with a snapshot: the runner's stats are the snapshot's too.
+            if ready >= need and got and type(got[-1]) is Holdings:
+                break
+        else:
+            return None
+    except Exception:  # the worker meets it again, and reports it with its lane
+        return None
+    finally:
+        stream.close()
+    snapshot: Holdings = items[-1]
+    held = {"next": snapshot.next_local, "offset": snapshot.offset, "ops": packed(snapshot.ops)}
+    first, *rest = runner.runs
+    resumed = {
+        **start,
+        "runs": [{**first, "held": held}, *rest],
+        "skip_offset": 0,  # the snapshot says where the chunk was read up to
+        "op_stats": runner.op_stats,
+    }
+    return items, resumed
