@@ -19,6 +19,8 @@ cimport numpy as cnp
 
 cnp.import_array()
 
+cdef type _ndarray = np.ndarray
+
 #: What ``collate_dicts`` returns for a batch it leaves to the Python rule.
 UNDECIDED = object()
 
@@ -33,7 +35,8 @@ cdef inline bint _same_key(object k, object key):
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef object _int_column(list values, Py_ssize_t n):
-    cdef cnp.ndarray arr = np.empty(n, dtype=np.int64)
+    cdef cnp.npy_intp size = n
+    cdef cnp.ndarray arr = cnp.PyArray_EMPTY(1, &size, cnp.NPY_INT64, 0)
     cdef long long* out = <long long*>cnp.PyArray_DATA(arr)
     cdef Py_ssize_t i
     for i in range(n):
@@ -44,7 +47,8 @@ cdef object _int_column(list values, Py_ssize_t n):
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef object _float_column(list values, Py_ssize_t n):
-    cdef cnp.ndarray arr = np.empty(n, dtype=np.float64)
+    cdef cnp.npy_intp size = n
+    cdef cnp.ndarray arr = cnp.PyArray_EMPTY(1, &size, cnp.NPY_FLOAT64, 0)
     cdef double* out = <double*>cnp.PyArray_DATA(arr)
     cdef Py_ssize_t i
     for i in range(n):
@@ -55,7 +59,8 @@ cdef object _float_column(list values, Py_ssize_t n):
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef object _bool_column(list values, Py_ssize_t n):
-    cdef cnp.ndarray arr = np.empty(n, dtype=np.bool_)
+    cdef cnp.npy_intp size = n
+    cdef cnp.ndarray arr = cnp.PyArray_EMPTY(1, &size, cnp.NPY_BOOL, 0)
     cdef cnp.npy_bool* out = <cnp.npy_bool*>cnp.PyArray_DATA(arr)
     cdef Py_ssize_t i
     for i in range(n):
@@ -69,26 +74,26 @@ cdef object _column(object key, list values, Py_ssize_t n, object rule):
     first = values[0]
     kind = type(first)
     cdef Py_ssize_t i
-    if kind is np.ndarray:
+    if kind is int or kind is float or kind is bool:
+        for i in range(1, n):
+            if type(values[i]) is not kind:  # mixed types stay a list
+                return values
+        if kind is int:
+            try:
+                return _int_column(values, n)
+            except OverflowError:
+                return rule(key, tuple(values))
+        if kind is float:
+            return _float_column(values, n)
+        return _bool_column(values, n)
+    if kind is _ndarray:
         shape, dtype = (<object>first).shape, (<object>first).dtype
         for i in range(1, n):
             v = values[i]
             if not isinstance(v, np.ndarray) or v.shape != shape or v.dtype != dtype:
                 return values
         return np.stack(values)
-    if kind is not int and kind is not float and kind is not bool:
-        return rule(key, tuple(values)) if isinstance(first, np.generic) else values
-    for i in range(1, n):
-        if type(values[i]) is not kind:  # mixed types stay a list
-            return values
-    if kind is int:
-        try:
-            return _int_column(values, n)
-        except OverflowError:
-            return rule(key, tuple(values))
-    if kind is float:
-        return _float_column(values, n)
-    return _bool_column(values, n)
+    return rule(key, tuple(values)) if isinstance(first, np.generic) else values
 
 
 @cython.boundscheck(False)
