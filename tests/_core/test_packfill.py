@@ -439,6 +439,49 @@ def test_after_clear_bin_ids_start_again() -> None:
     assert fill.open_bin_ids().tolist() == [0]
 
 
+@given(
+    frags=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(0, 3)), max_size=24)
+)
+def test_contents_names_each_item_once_in_bin_order_and_rebuilds_the_bins(
+    frags: list[tuple[int, int, int]],
+) -> None:
+    # (bin, item, size): an item may sit in several bins, or twice in one (the slow path).
+    seq_len = 12
+    arrays = token_arrays([8] * 5)
+    items = [object() for _ in arrays]  # identity is what tells items apart
+    ids: dict[int, int] = {}  # bins numbered by first use, so they open in ascending order
+    used: dict[int, int] = {}
+    rows = []
+    for b, item, size in frags:
+        bin_id = ids.setdefault(b, len(ids))
+        if used.get(bin_id, 0) + size > seq_len:
+            continue
+        rows.append((item, 0, size, bin_id, used.get(bin_id, 0)))
+        used[bin_id] = used.get(bin_id, 0) + size
+    fill = BinFill(seq_len)
+    if rows:
+        fill.write(np.array(rows, dtype=np.int64), arrays, items)
+    got_rows, got_items = fill.contents()
+    in_order = sorted(rows, key=lambda r: r[3])  # stable: a bin's fragments keep their order
+    expected_items: list[object] = []
+    for r in in_order:
+        if not any(items[r[0]] is x for x in expected_items):
+            expected_items.append(items[r[0]])
+    assert len(got_items) == len(expected_items)
+    assert all(a is b for a, b in zip(got_items, expected_items))
+    assert [(got_items[r[0]], *r[1:]) for r in got_rows.tolist()] == [
+        (items[r[0]], *r[1:]) for r in in_order
+    ]
+    rebuilt = BinFill(seq_len)
+    if len(got_rows):
+        by_item = [arrays[next(i for i, x in enumerate(items) if x is it)] for it in got_items]
+        rebuilt.write(got_rows, by_item, got_items)
+    open_ids = fill.open_bin_ids()
+    assert rebuilt.open_bin_ids().tolist() == open_ids.tolist()
+    blocks, recs, spans = fill.take(open_ids)
+    assert_same_take(rebuilt.take(open_ids), (blocks, recs, [tuple(r) for r in spans.tolist()]))
+
+
 def test_token_lengths_reads_the_arrays_in_place() -> None:
     assert token_lengths(token_arrays([0, 5, 2])).tolist() == [0, 5, 2]
     assert token_lengths([]).dtype == np.int64

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zephon._core.cursor import cursors_for_chunk
-from zephon._core.records import count_closing, map_payloads, records_for_chunk
+from zephon._core.records import count_closing, cursors_of, map_payloads, records_for_chunk
 from zephon._core.records import make_batch as make_batch_unchecked
 from zephon.types import ContributorRef, SampleBatch, SampleCursor, SampleMeta, SampleRecord
 
@@ -452,3 +452,20 @@ def test_a_pickled_record_comes_back_equal_whether_or_not_its_cursor_has_a_linea
         assert back.meta == original.meta
         assert back.meta.cursor.stable_hash == cursor.stable_hash
         assert repr(back.payload) == repr(original.payload)
+
+
+@given(st.lists(st.integers(0, 5), max_size=12))
+def test_cursors_of_is_the_cursor_of_each_record(offsets: list[int]) -> None:
+    records = [
+        SampleRecord(SampleMeta(SampleCursor(1, off, (0, 0, off))), {"i": off}) for off in offsets
+    ]
+    got = cursors_of(records)
+    assert got == [r.meta.cursor for r in records]
+    assert all(a is r.meta.cursor for a, r in zip(got, records))
+
+
+def test_cursors_of_refuses_what_is_not_a_record() -> None:
+    with pytest.raises(TypeError):
+        cursors_of([object()])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        cursors_of((1, 2))  # type: ignore[arg-type]

@@ -20,12 +20,14 @@ from zephon.ops import (
     batch,
     ensure_mixture,
     fetch,
+    map_transform,
     pack_sequences,
     shuffle,
     tokenize,
 )
+from zephon.runtime.control import Holdings
 from zephon.runtime.holdings import flat_cursors, unpack_cursors
-from zephon.runtime.lane import SNAPSHOT_RECORDS
+from zephon.runtime.lane import SNAPSHOT_RECORDS, LaneRunner
 from zephon.sources.memory import ListSource
 from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleCursor
@@ -124,6 +126,30 @@ def test_a_batch_sensitive_plan_snapshots_only_at_micro_batch_ends_and_resumes_e
     sizes = {int(size) for b in iter(pipeline) for size in b.payload["mb"]}
     assert max(sizes) == 256, sizes  # what the shuffle emits for a whole micro-batch
     assert_resumes_at(pipeline, [0, 3, 40, 200, len(full) - 2], full)
+
+
+def snapshots_per_read(*ops: Operator) -> list[int]:
+    """How many snapshots each item list of lane 0 carries, reading 3,000 tokens records."""
+    tokens = [{"tokens": np.arange(1 + i % 50, dtype=np.int32)} for i in range(3000)]
+    chain = [fetch(), *ops, pack_sequences(64, pad_id=0), batch(4)]
+    plan = zephon.Pipeline(ListSource(tokens, chunk_size=512), chain, epoch_chunks=4).compile()
+    assert plan.restores_holdings
+    return [sum(type(item) is Holdings for item in items) for items in LaneRunner(plan, 0).run()]
+
+
+def test_snapshots_are_close_only_where_a_restore_would_redo_a_transform():
+    # With a transform (which keeps no state) a restore redoes its work: snapshots every
+    # SNAPSHOT_RECORDS samples. A chain of holders alone only re-reads: one per micro-batch.
+    assert max(snapshots_per_read(map_transform(dict))) == 256 // SNAPSHOT_RECORDS
+    assert max(snapshots_per_read(shuffle(16, seed=1))) == 1
+    pipeline = zephon.Pipeline(
+        ListSource([{"tokens": np.arange(1 + i % 50, dtype=np.int32)} for i in range(3000)]),
+        [fetch(), shuffle(16, seed=1), pack_sequences(64, pad_id=0), batch(4)],
+        lanes=2,
+        epoch_chunks=4,
+    )
+    full = run(iter(pipeline))
+    assert_resumes_at(pipeline, [0, 5, 100, len(full) - 2], full)
 
 
 @pytest.mark.parametrize("workers", ["thread", "process"])

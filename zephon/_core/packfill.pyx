@@ -22,6 +22,8 @@ from cpython.pythread cimport (
 )
 from zephon._core._lock cimport drop_lock, take_lock
 from libc.stdint cimport INT32_MAX, INT32_MIN
+from cpython.ref cimport PyObject
+from libc.stdlib cimport qsort
 from libc.string cimport memcpy
 
 import operator
@@ -66,6 +68,27 @@ cdef inline Py_ssize_t _search_ids(const offset_t* ids, Py_ssize_t n, offset_t b
     if lo < n and ids[lo] == bin_id:
         return lo
     return -1
+
+
+cdef int _compare_addresses(const void* a, const void* b) noexcept nogil:
+    cdef size_t x = (<const size_t*>a)[0], y = (<const size_t*>b)[0]
+    return (x > y) - (x < y)
+
+
+cdef list _distinct(list items, offset_t[:, ::1] rows):
+    """``items`` (one per row) with repeats dropped, first seen first; ``rows[:, 0]`` rewritten
+    to index the result."""
+    cdef list out = []
+    cdef dict index = {}
+    cdef Py_ssize_t row
+    for row in range(len(items)):
+        item = items[row]
+        at = index.get(id(item))
+        if at is None:
+            at = index[id(item)] = len(out)
+            out.append(item)
+        rows[row, 0] = at
+    return out
 
 
 cdef inline bint _is_flat_array(object a, int typenum) noexcept:
@@ -283,31 +306,42 @@ cdef class BinFill:
         cdef Slot* slot
         cdef offset_t off
         cdef offset_t[:, ::1] view
+        cdef list items, records
+        cdef size_t* seen
         self._enter()
         try:
             for i in range(self._n_live):
                 m += self._slots[self._live[i].slot].n_frags
             rows = np.empty((m, ROW_COLUMNS), dtype=np.int64)
             view = rows
-            items: list = []
-            index: dict = {}
+            items = [None] * m
             for i in range(self._n_live):
                 slot = &self._slots[self._live[i].slot]
-                records = self._records[self._live[i].slot]
+                records = <list>self._records[self._live[i].slot]
                 off = 0
                 for k in range(slot.n_frags):
-                    item = records[k]
-                    at = index.get(id(item))
-                    if at is None:
-                        at = index[id(item)] = len(items)
-                        items.append(item)
-                    view[row, 0] = at
+                    items[row] = records[k]
+                    view[row, 0] = row
                     view[row, 1] = slot.frags[k].start
                     view[row, 2] = slot.frags[k].size
                     view[row, 3] = self._live[i].bin_id
                     view[row, 4] = off
                     off += slot.frags[k].size
                     row += 1
+            # An item usually has one fragment in the open bins (the packers close the bins of
+            # an item's other pieces at once): sorted identities tell, without a dict.
+            seen = <size_t*>PyMem_Malloc(max(m, 1) * sizeof(size_t))
+            if seen == NULL:
+                raise MemoryError("BinFill.contents")
+            try:
+                for row in range(m):
+                    seen[row] = <size_t><PyObject*>items[row]
+                qsort(seen, m, sizeof(size_t), _compare_addresses)
+                for row in range(1, m):
+                    if seen[row] == seen[row - 1]:
+                        return rows, _distinct(items, view)
+            finally:
+                PyMem_Free(seen)
         finally:
             self._exit()
         return rows, items

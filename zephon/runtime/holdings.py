@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from zephon._core.cursor import digest_cursors
+from zephon._core.records import cursors_of
 from zephon.compact import pack_ints, pack_json, unpack_ints, unpack_json
 from zephon.errors import ReplayDivergenceError
 from zephon.ops.base import Operator
@@ -68,7 +69,8 @@ def snapshot_of(ops: Sequence[Operator]) -> list[dict[str, Any] | None]:
             out.append(None)
             continue
         records, state = held
-        out.append({"cursors": [rec.meta.cursor for rec in records], "state": state})
+        records = records if type(records) is list else list(records)
+        out.append({"cursors": cursors_of(records), "state": state})
     return out
 
 

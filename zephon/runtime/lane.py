@@ -26,12 +26,14 @@ from zephon.runtime.holdings import rebuild, snapshot_of
 from zephon.runtime.layout import Layout
 from zephon.types import SampleRecord
 
-#: Samples read between two snapshots of what the stateful operators hold: what a restore
-#: replays at most before it delivers again (a snapshot costs about what packing a hundred
-#: sequences does). When no operator is batch-sensitive, the operators from the first stateful
-#: one on get a micro-batch in pieces of this many samples (those before it get it whole), so
-#: that snapshots fall inside it and a restore re-reads only the piece it needs; otherwise
-#: snapshots wait for the end of a micro-batch.
+#: Samples read between two snapshots of what the stateful operators hold, when the chain has
+#: an operator that keeps no state: what a restore replays at most before it delivers again (a
+#: snapshot costs about what packing a few dozen sequences does). When no operator is
+#: batch-sensitive, the operators from the first stateful one on get a micro-batch in pieces of
+#: this many samples (those before it get it whole), so that snapshots fall inside it and a
+#: restore re-reads only the piece it needs; otherwise snapshots wait for the end of a
+#: micro-batch. A chain of stateful operators alone redoes only their own work on a restore,
+#: and snapshots once per micro-batch.
 SNAPSHOT_RECORDS = 64
 
 
@@ -150,8 +152,12 @@ class LaneRunner:
         snapshots = plan.restores_holdings
         holder = next((j for j, op in enumerate(self.ops) if op.traits.stateful), len(self.ops))
         in_order = all(op.traits.preserves_cursor_order for op in self.ops[:holder])
-        pieces = snapshots and not plan.batch_sensitive and in_order and mb > SNAPSHOT_RECORDS
-        piece = SNAPSHOT_RECORDS if pieces else mb
+        # A restore redoes what the operators that keep no state (a tokenizer) did for the held
+        # records and for those after the snapshot: only with such an operator are snapshots
+        # this close; a chain of holders alone snapshots once per micro-batch.
+        spacing = SNAPSHOT_RECORDS if any(not op.traits.stateful for op in self.ops) else mb
+        pieces = snapshots and not plan.batch_sensitive and in_order and mb > spacing
+        piece = spacing if pieces else mb
         split_at = holder if pieces else 0  # the operators before it get a read whole
         since_snapshot = 0
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
@@ -185,12 +191,12 @@ class LaneRunner:
                     upto = len(records) if cut == end else _split_at(records, taken, cut)
                     made += self._push(split_at, records[taken:upto])
                     taken = upto
-                    # A snapshot once SNAPSHOT_RECORDS samples went through since the last, at
+                    # A snapshot once ``spacing`` samples went through since the last, at
                     # the end of a piece; never at the end of an epoch or of the run (a restore
                     # starts there from the epoch marker, or has nothing left).
                     since_snapshot += cut - at
                     allowed = cut < n or ((k + 1) % per_epoch and (stop is None or k + 1 < stop))
-                    if snapshots and since_snapshot >= SNAPSHOT_RECORDS and allowed:
+                    if snapshots and since_snapshot >= spacing and allowed:
                         where = (k, cut) if cut < n else (k + 1, 0)
                         made.append(Holdings(where[0], where[1], epoch, snapshot_of(self.ops)))
                         since_snapshot = 0
