@@ -292,6 +292,14 @@ class _Packer(Operator):
             arrays = [np.ascontiguousarray(self._tokens_of(rec)) for rec in records]
             return arrays, token_lengths(arrays)
 
+    def _inputs(
+        self, records: list[SampleRecord]
+    ) -> tuple[list[np.ndarray], np.ndarray, list[list[np.ndarray]] | tuple[()]]:
+        """What ``BinFill.write`` reads of ``records``: their token arrays, the lengths of those,
+        and per side field their arrays of it."""
+        arrays, lengths = self._gather(records)
+        return arrays, lengths, (self._gather_sides(records, lengths) if self.extra_fields else ())
+
     def _gather_sides(
         self, records: list[SampleRecord], lengths: np.ndarray
     ) -> list[list[np.ndarray]]:
@@ -354,8 +362,7 @@ class _Packer(Operator):
         if not records:
             return []
         fill = self._bins()
-        arrays, lengths = self._gather(records)
-        sides = self._gather_sides(records, lengths) if self.extra_fields else ()
+        arrays, lengths, sides = self._inputs(records)
         placements, closed = self._kernel.add(lengths)
         fill.write(placements, arrays, records, sides)
         return self._emit(closed) if len(closed) else []
@@ -421,6 +428,10 @@ class _Packer(Operator):
             )
         return out
 
+    def _leaving_bins(self) -> np.ndarray:
+        """The ids of the bins a flush emits: every open one."""
+        return self._kernel.flush()
+
     def _new_kernel(self) -> Any:
         """The placement kernel of this packer (abstract: each packer class provides its own)."""
         raise NotImplementedError(f"{type(self).__name__} must implement _new_kernel (abstract)")
@@ -447,7 +458,7 @@ class _Packer(Operator):
         placement kernel's state (open bins, next bin id)."""
         fill = self._bins()
         rows, items = fill.contents()
-        return list(items), {"rows": rows, "kernel": self._kernel.state()}
+        return items, {"rows": rows, "kernel": self._kernel.state()}
 
     def restore_holdings(self, records: list[SampleRecord], state: dict[str, Any]) -> None:
         rows = np.asarray(state["rows"], dtype=np.int64).reshape(-1, 5)
@@ -455,13 +466,12 @@ class _Packer(Operator):
             raise ValueError(f"{self.name}: held rows name inputs outside 0..{len(records) - 1}")
         fill = self._bins()
         if len(rows):
-            arrays, lengths = self._gather(records)
-            sides = self._gather_sides(records, lengths) if self.extra_fields else ()
+            arrays, _, sides = self._inputs(records)
             fill.write(np.ascontiguousarray(rows), arrays, records, sides)
         self._kernel.restore(state["kernel"])
 
     def flush(self) -> list[SampleRecord]:
-        closed = self._kernel.flush()
+        closed = self._leaving_bins()
         out = self._emit(closed) if len(closed) else []
         # Bin ids restart at 0: bins never cross an epoch boundary.
         self._kernel.reset()
@@ -515,23 +525,20 @@ class PackSequences(_Packer):
             del out["params"]["cut_to_fill"]
         return out
 
-    def flush(self) -> list[SampleRecord]:
-        """Emit every open bin. With ``cut_to_fill`` the open bins' fragments are laid out again
+    def _leaving_bins(self) -> np.ndarray:
+        """Every open bin. With ``cut_to_fill`` the open bins' fragments are laid out again
         first, into as few full bins as their tokens need (``_consolidated``): the end of an
         epoch leaves at most one bin partly empty instead of every open one."""
+        closed = self._kernel.flush()
         fill = self._fill
         if not self.cut_to_fill or fill is None or fill.n_open < 2:
-            return super().flush()
+            return closed
         rows, items = fill.contents()
-        arrays, lengths = self._gather(items)
-        sides = self._gather_sides(items, lengths) if self.extra_fields else ()
+        arrays, _, sides = self._inputs(items)
         rows = _consolidated(rows, self.seq_len)
         fill.clear()
-        self._kernel.reset()
         fill.write(rows, arrays, items, sides)
-        out = self._emit(np.unique(rows[:, 3]))
-        fill.clear()  # bin ids restart at 0, as after any flush
-        return out
+        return np.unique(rows[:, 3])
 
     def _new_kernel(self) -> BinPacker:
         return BinPacker(

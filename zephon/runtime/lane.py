@@ -49,6 +49,22 @@ def _split_at(items: list, lo: int, offset: int) -> int:
     return len(items)
 
 
+def _snapshot_spacing(plan: Plan, ops: list[Operator]) -> tuple[int, int, int]:
+    """``(spacing, piece, split_at)``: samples between snapshots, the size of the pieces a
+    micro-batch goes through the operators in (the micro-batch itself when there are none), and
+    the first operator that gets pieces (those before it get a read whole)."""
+    mb = plan.micro_batch
+    # A restore redoes what the operators that keep no state (a tokenizer) did for the held
+    # records and for those after the snapshot: only with such an operator are snapshots this
+    # close; a chain of holders alone snapshots once per micro-batch.
+    spacing = SNAPSHOT_RECORDS if any(not op.traits.stateful for op in ops) else mb
+    holder = next((j for j, op in enumerate(ops) if op.traits.stateful), len(ops))
+    in_order = all(op.traits.preserves_cursor_order for op in ops[:holder])
+    if plan.restores_holdings and not plan.batch_sensitive and in_order and mb > spacing:
+        return spacing, spacing, holder
+    return spacing, mb, 0
+
+
 def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
     """Names that tell operators apart even when two share a name."""
     names = [op.name for op in ops]
@@ -150,15 +166,7 @@ class LaneRunner:
         if held is not None:  # continue after a snapshot: the holders get their records back
             self._closing_in = rebuild(self.ops, self.fetch, source, held["ops"], self.lane_id)
         snapshots = plan.restores_holdings
-        holder = next((j for j, op in enumerate(self.ops) if op.traits.stateful), len(self.ops))
-        in_order = all(op.traits.preserves_cursor_order for op in self.ops[:holder])
-        # A restore redoes what the operators that keep no state (a tokenizer) did for the held
-        # records and for those after the snapshot: only with such an operator are snapshots
-        # this close; a chain of holders alone snapshots once per micro-batch.
-        spacing = SNAPSHOT_RECORDS if any(not op.traits.stateful for op in self.ops) else mb
-        pieces = snapshots and not plan.batch_sensitive and in_order and mb > spacing
-        piece = spacing if pieces else mb
-        split_at = holder if pieces else 0  # the operators before it get a read whole
+        spacing, piece, split_at = _snapshot_spacing(plan, self.ops)
         since_snapshot = 0
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
         while stop is None or k < stop:
@@ -177,7 +185,7 @@ class LaneRunner:
                 end = min(n, (begin // mb + 1) * mb)  # boundaries stay aligned after a skip
                 # Right after a restore only the piece the snapshot is in is read: the rest of
                 # its micro-batch may not be needed before the next delivery.
-                if begin == resumed_at and k == start and pieces:
+                if begin == resumed_at and k == start and piece < mb:
                     end = min(end, (begin // piece + 1) * piece)
                 records = self._push(
                     0, self._fetch(position, chunk.pointers[begin:end], begin), split_at

@@ -68,25 +68,25 @@ def start_feeds(feeds: list[LaneFeed], first: LaneFeed | None = None) -> None:
     plan = waiting[0].plan
     # The plan is pickled before a head start reads from it on another thread.
     parcel = PlanParcel(plan) if plan.workers == "process" else None
-    ahead = None
-    if (
-        parcel is not None
+    head = (
+        first
+        if parcel is not None
         and first in waiting
-        and not first.buf
         and head_start.applies(plan, len(waiting), parcel.preload)
-    ):
-        ahead = head_start.HeadStart(plan, first.lane_id, first.start_at)
-        waiting.remove(first)
+        else None
+    )
+    ahead = None if head is None else head_start.HeadStart(plan, head.lane_id, head.start_at)
+    rest = [feed for feed in waiting if feed is not head]
     try:
-        runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in waiting], parcel)
+        runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in rest], parcel)
     finally:
         read = None if ahead is None else ahead.result()
-    for feed, runner in zip(waiting, runners):
+    for feed, runner in zip(rest, runners):
         feed.runner = runner
-    if first is not None and ahead is not None:
+    if head is not None:
         if read is not None:
-            (first.buf, first.start_at), first.pos = read, 0
-        (first.runner,) = open_lanes(plan, [(first.lane_id, first.start_at)], parcel)
+            (head.buf, head.start_at), head.pos = read, 0
+        (head.runner,) = open_lanes(plan, [(head.lane_id, head.start_at)], parcel)
 
 
 def close_feeds(feeds: list[LaneFeed]) -> None:
