@@ -23,6 +23,7 @@ from zephon.plan import Plan
 from zephon.runtime.control import Holdings, LaneEnd, RunStart
 from zephon.runtime.holdings import packed
 from zephon.runtime.lane import LaneRunner
+from zephon.runtime.memory import give_back
 from zephon.runtime.workers import boot_fork_server
 from zephon.types import SampleRecord
 
@@ -53,9 +54,11 @@ class HeadStart:
 
     def _run(self, plan: Plan, lane_id: int, start: dict[str, Any]) -> None:
         self._result = read_ahead(plan, lane_id, start)
+        give_back()  # Arrow's pool keeps a heap per thread: this one's, before the thread ends
 
     def result(self) -> tuple[list, dict] | None:
         self._thread.join()
+        give_back()  # the lane's worker goes on from here: what the reads took is free
         return self._result
 
 

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from zephon.errors import PlanError, ZephonError
 from zephon.plan import Plan
 from zephon.runtime.lane import LaneRunner
+from zephon.runtime.memory import give_back
 
 #: Seconds a worker gets to stop by itself once asked, before a worker process is terminated.
 STOP_TIMEOUT = 0.1
@@ -686,6 +687,8 @@ def _stream(conn: Connection, lane_items: Iterator[list], lane_id: int, prefetch
                 "picklable"
             ) from exc
         try:
+            if credits == 0 and not conn.poll():
+                give_back()  # ahead of the loader: the wait is free time to hand memory back
             while credits == 0 or conn.poll():
                 conn.recv()  # an acknowledgement: the loader took an item list
                 credits += 1

@@ -1,0 +1,43 @@
+"""Handing memory the process freed back to the operating system.
+
+C allocators keep freed memory for reuse: glibc's ``malloc`` holds on to free pages between live
+allocations of its heap, and Arrow's memory pool to whole segments. A worker process that
+tokenized a chunk of documents can sit on tens of MiB it will not need again before its working
+set grows back. ``give_back`` returns such memory where nothing is waiting on this process: a
+worker that is ahead of the loader, a head start that is over.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+_trim: Any = None  # glibc's malloc_trim, looked up on first use; False where there is none
+
+
+def _malloc_trim() -> Any:
+    global _trim
+    if _trim is None:
+        _trim = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                trim = ctypes.CDLL(None).malloc_trim
+            except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+                pass
+            else:
+                trim.argtypes = [ctypes.c_size_t]
+                trim.restype = ctypes.c_int
+                _trim = trim
+    return _trim
+
+
+def give_back() -> None:
+    """Return free heap pages (glibc) and Arrow's unused pool memory to the operating system."""
+    trim = _malloc_trim()
+    if trim:
+        trim(0)
+    arrow = sys.modules.get("pyarrow")
+    if arrow is not None:
+        arrow.default_memory_pool().release_unused()
