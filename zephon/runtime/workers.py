@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from zephon.errors import PlanError, ZephonError
 from zephon.plan import Plan
+from zephon.runtime.control import ChunkOpened
 from zephon.runtime.lane import LaneRunner
 from zephon.runtime.memory import give_back
 
@@ -686,9 +687,9 @@ def _stream(conn: Connection, lane_items: Iterator[list], lane_id: int, prefetch
                 f"({type(exc).__name__}: {exc}): with workers='process' payloads must be "
                 "picklable"
             ) from exc
+        if items and type(items[0]) is ChunkOpened:
+            give_back()  # a chunk's transient memory is free again: this process is ours
         try:
-            if credits == 0 and not conn.poll():
-                give_back()  # ahead of the loader: the wait is free time to hand memory back
             while credits == 0 or conn.poll():
                 conn.recv()  # an acknowledgement: the loader took an item list
                 credits += 1
