@@ -727,7 +727,9 @@ def text_rows(quick: bool) -> list[Row]:
                     f"{memory:.2f}×",
                     "≤ 1.5×",
                     memory <= 1.5,
-                    "peak of samples every 64 batches",
+                    "peak of samples every 64 batches; of it, the loader's process "
+                    f"{two['pss_loader'] / 2**20:.0f} MiB, the fork server, resource tracker "
+                    f"and workers {(two['pss'] - two['pss_loader']) / 2**20:.0f} MiB",
                 )
             )
     n_batches = max(1, int(len(lengths) * statistics.mean(lengths) / tb.SEQ_LEN / 8))

@@ -211,12 +211,15 @@ def _child(config: dict[str, Any]) -> None:
     if config.get("restore_steps"):
         result.update(_restores(pipeline, config))
     else:
-        peak = 0
+        peak = peak_loader = 0
 
         def sample() -> None:
-            nonlocal peak
+            nonlocal peak, peak_loader
             me = os.getpid()
-            peak = max(peak, sum(_pss_bytes(p) for p in [me, *_descendants(me)]))
+            loader = _pss_bytes(me)
+            total = loader + sum(_pss_bytes(p) for p in _descendants(me))
+            if total > peak:
+                peak, peak_loader = total, loader
 
         start = time.perf_counter()
         loader = pipeline.iter()
@@ -229,7 +232,12 @@ def _child(config: dict[str, Any]) -> None:
                 count += 1
                 if count % 64 == 1:
                     sample()
-        result.update(seconds=time.perf_counter() - start, first_batch=first, pss=peak)
+        result.update(
+            seconds=time.perf_counter() - start,
+            first_batch=first,
+            pss=peak,
+            pss_loader=peak_loader,
+        )
     print(json.dumps(result))
 
 
