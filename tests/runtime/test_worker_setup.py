@@ -149,3 +149,64 @@ def test_the_preload_list_names_what_the_plan_holds(tmp_path):
     assert __name__ not in modules
     assert not {"builtins", "__main__", "zephon"} & set(modules)
     assert modules == sorted(modules) == plan_modules(plan)
+
+
+# A fresh interpreter: the fork server preloads what the first plan of its process names.
+PRELOAD_SCRIPT = """
+import os, sys
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zephon
+from zephon.ops import fetch, map_transform
+from zephon.sources import ArrowSource
+
+
+def extensions(pid):
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[-1] for line in f if "/pyarrow/" in line and ".so" in line}
+
+
+def loaded_after_fork(payload):
+    # The worker's parent is the fork server: what the worker mapped beyond it, it imported.
+    return {"late": sorted(extensions(os.getpid()) - extensions(os.getppid()))}
+
+
+def main():
+    path = os.path.join(sys.argv[1], "rows.parquet")
+    pq.write_table(pa.table({"x": list(range(64))}), path, row_group_size=16)
+    pipeline = zephon.Pipeline(
+        ArrowSource(path, chunk_size=16),
+        [fetch(), map_transform(loaded_after_fork)],
+        lanes=2,
+        workers="process",
+        timeout=60.0,  # no head start: every sample is read by a worker
+    )
+    with pipeline.iter() as loader:
+        late = {name for record in loader for name in record.payload["late"]}
+    print(sorted(late))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/<pid>/maps")
+def test_a_worker_reading_arrow_files_imports_no_pyarrow_extension_after_the_fork(tmp_path):
+    import subprocess
+    import sys
+
+    from worker_kit import script_env
+
+    script = tmp_path / "preload_probe.py"
+    script.write_text(PRELOAD_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -266,8 +266,9 @@ class ArrowSource(FileSource):
     """
 
     #: What a worker process reading these files imports (lazily here): its fork server
-    #: imports it once for all workers.
-    worker_modules = ("pyarrow", "pyarrow.parquet", "pyarrow.ipc")
+    #: imports it once for all workers. ``pyarrow.compute`` is what ``Table.take`` imports, and
+    #: every read of rows goes through it.
+    worker_modules = ("pyarrow", "pyarrow.compute", "pyarrow.parquet", "pyarrow.ipc")
     #: Decoded (projected) groups kept across reads, so chunks smaller than a group reuse it.
     GROUP_CACHE = 2
     #: Parsed Parquet footers kept; an evicted one is read again from the file when needed.
