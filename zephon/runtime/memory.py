@@ -3,8 +3,9 @@
 C allocators keep freed memory for reuse: glibc's ``malloc`` holds on to free pages between live
 allocations of its heap, and Arrow's memory pool to whole segments. A worker process that
 tokenized a chunk of documents can sit on tens of MiB it will not need again before its working
-set grows back. ``give_back`` returns such memory where nothing is waiting on this process: a
-worker that is ahead of the loader, a head start that is over.
+set grows back. ``give_back`` returns such memory in processes Zephon owns, where the allocator's
+locks are not shared with a training loop: a worker process as its lane starts a chunk, and the
+loader's process once, when a head start is over.
 """
 
 from __future__ import annotations
