@@ -11,9 +11,11 @@ loader's process once, when a head start is over.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 _trim: Any = None  # glibc's malloc_trim, looked up on first use; False where there is none
+_last = float("-inf")  # when ``give_back_at_most_every`` last gave back (monotonic seconds)
 
 
 def _malloc_trim() -> Any:
@@ -42,3 +44,13 @@ def give_back() -> None:
     arrow = sys.modules.get("pyarrow")
     if arrow is not None:
         arrow.default_memory_pool().release_unused()
+
+
+def give_back_at_most_every(seconds: float) -> None:
+    """``give_back``, unless this process did within the last ``seconds``: a trim walks the
+    whole heap, so small chunks each giving back would spend more time there than reading."""
+    global _last
+    now = time.monotonic()
+    if now - _last >= seconds:
+        _last = now
+        give_back()

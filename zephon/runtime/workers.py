@@ -38,8 +38,11 @@ from zephon.errors import PlanError, ZephonError
 from zephon.plan import Plan
 from zephon.runtime.control import ChunkOpened
 from zephon.runtime.lane import LaneRunner
-from zephon.runtime.memory import give_back
+from zephon.runtime.memory import give_back_at_most_every
 
+#: A worker process hands freed memory back to the OS as its lane starts a chunk, at most this
+#: often.
+GIVE_BACK_SECONDS = 1.0
 #: Seconds a worker gets to stop by itself once asked, before a worker process is terminated.
 STOP_TIMEOUT = 0.1
 _TERMINATE_WAIT = 0.05  # SIGTERM ends a Python process at once unless it handles the signal
@@ -687,8 +690,8 @@ def _stream(conn: Connection, lane_items: Iterator[list], lane_id: int, prefetch
                 f"({type(exc).__name__}: {exc}): with workers='process' payloads must be "
                 "picklable"
             ) from exc
-        if items and type(items[0]) is ChunkOpened:
-            give_back()  # a chunk's transient memory is free again: this process is ours
+        if items and type(items[0]) is ChunkOpened:  # what the last chunk took is free again
+            give_back_at_most_every(GIVE_BACK_SECONDS)
         try:
             while credits == 0 or conn.poll():
                 conn.recv()  # an acknowledgement: the loader took an item list
