@@ -175,7 +175,7 @@ def main():
     path = os.path.join(sys.argv[1], "rows.parquet")
     pq.write_table(pa.table({"x": list(range(64))}), path, row_group_size=16)
     pipeline = zephon.Pipeline(
-        ArrowSource(path, chunk_size=16),
+        ArrowSource(path, chunk_size=16, shuffle=True, seed=3),  # rows gathered: Table.take
         [fetch(), map_transform(loaded_after_fork)],
         lanes=2,
         workers="process",

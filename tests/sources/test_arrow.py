@@ -21,6 +21,8 @@ import pyarrow.feather as feather
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pipeline_kit import run_with_timeout
 
 import zephon
@@ -170,6 +172,62 @@ def test_payload_rule_numeric_lists_become_arrays_everything_else_python(tmp_pat
     assert [p["name"] for p in out] == ["x", None, "z", "w"]
     assert [p["blob"] for p in out] == [b"\x00", b"", None, b"q"]
     assert out[0]["nested"] == {"k": 1} and out[2]["nested"] is None
+
+
+def _mixed_rows(n: int) -> pa.Table:
+    """Columns of every payload kind, nulls placed differently in each, in two record batches."""
+    table = pa.table(
+        {
+            "ints": pa.array(
+                [
+                    None if i % 5 == 1 else [i, None] if i % 7 == 2 else list(range(i % 4))
+                    for i in range(n)
+                ],
+                type=pa.list_(pa.int16()),
+            ),
+            "fixed": pa.array(
+                [None if i % 6 == 3 else [float(i), -float(i)] for i in range(n)],
+                type=pa.list_(pa.float64(), 2),
+            ),
+            "flags": pa.array(
+                [[i % 2 == 0] * (i % 3) for i in range(n)], type=pa.large_list(pa.bool_())
+            ),
+            "name": [None if i % 4 == 0 else f"row {i}" for i in range(n)],
+        }
+    )
+    return pa.concat_tables([table.slice(0, n // 2), table.slice(n // 2)])
+
+
+def _same_payloads(got: list[dict], want: list[dict]) -> bool:
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return (
+                isinstance(a, np.ndarray)
+                and isinstance(b, np.ndarray)
+                and a.dtype == b.dtype
+                and np.array_equal(a, b)
+            )
+        return a == b
+
+    return len(got) == len(want) and all(
+        g.keys() == w.keys() and all(same(g[k], w[k]) for k in g) for g, w in zip(got, want)
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 29), st.integers(1, 30))
+def test_consecutive_rows_read_by_slicing_equal_rows_gathered_by_take(start, length):
+    from zephon.sources.arrow import table_rows
+
+    table = _mixed_rows(30)
+    length = min(length, 30 - start)
+    rows = np.arange(start, start + length)
+    names = ["ints", "fixed", "flags", "name"]
+    sliced = table_rows(table, rows, names)  # consecutive: a slice of the table
+    # The same rows asked for in reverse are not consecutive: they go through take.
+    gathered = table_rows(table, rows[::-1], names)[::-1]
+    assert length == 1 or _same_payloads(sliced, gathered)
+    assert _same_payloads(sliced, [table_rows(table, np.array([r, r]), names)[0] for r in rows])
 
 
 def test_list_arrays_are_copies_that_do_not_pin_the_decoded_group(tmp_path):

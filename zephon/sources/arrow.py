@@ -266,8 +266,8 @@ class ArrowSource(FileSource):
     """
 
     #: What a worker process reading these files imports (lazily here): its fork server
-    #: imports it once for all workers. ``pyarrow.compute`` is what ``Table.take`` imports, and
-    #: every read of rows goes through it.
+    #: imports it once for all workers. ``pyarrow.compute`` is what ``Table.take`` imports, which
+    #: gathers rows that are not consecutive (a shuffled source).
     worker_modules = ("pyarrow", "pyarrow.compute", "pyarrow.parquet", "pyarrow.ipc")
     #: Decoded (projected) groups kept across reads, so chunks smaller than a group reuse it.
     GROUP_CACHE = 2
@@ -868,9 +868,23 @@ def table_rows(table: pa.Table, indices: np.ndarray, names: Sequence[str]) -> li
     docstring for the value rule)."""
     if not names:
         return [{} for _ in range(len(indices))]
-    picked = table.take(_index_array(indices))
+    picked = _contiguous(table, indices)
+    if picked is None:
+        picked = table.take(_index_array(indices))
     columns = [_column_values(picked.column(name)) for name in names]
     return [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)]
+
+
+def _contiguous(table: pa.Table, indices: np.ndarray) -> pa.Table | None:
+    """A zero-copy slice of ``table`` when ``indices`` are consecutive rows (a chunk read in
+    order: no gather, and no import of ``pyarrow.compute``, which ``take`` needs), else None."""
+    n = len(indices)
+    if not n:
+        return None
+    first = int(indices[0])
+    if int(indices[-1]) - first != n - 1 or (n > 2 and not (np.diff(indices) == 1).all()):
+        return None
+    return table.slice(first, n)
 
 
 def _index_array(indices: np.ndarray) -> pa.Array:
