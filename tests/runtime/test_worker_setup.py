@@ -175,7 +175,7 @@ def main():
     path = os.path.join(sys.argv[1], "rows.parquet")
     pq.write_table(pa.table({"x": list(range(64))}), path, row_group_size=16)
     pipeline = zephon.Pipeline(
-        ArrowSource(path, chunk_size=16, shuffle=True, seed=3),  # rows gathered: Table.take
+        ArrowSource(path, chunk_size=16),
         [fetch(), map_transform(loaded_after_fork)],
         lanes=2,
         workers="process",
@@ -192,7 +192,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/<pid>/maps")
-def test_a_worker_reading_arrow_files_imports_no_pyarrow_extension_after_the_fork(tmp_path):
+def test_a_worker_reading_in_order_imports_no_pyarrow_extension_after_its_fork(tmp_path):
     import subprocess
     import sys
 
