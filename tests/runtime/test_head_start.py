@@ -55,9 +55,12 @@ SCRIPT = textwrap.dedent("""
         kw = {"timeout": 60.0} if mode == "timeout" else {}
         loader = pipeline("inline" if mode == "inline" else "process", **kw).iter(state=state)
         items = []
+        workers_at_first = None
         with loader:
             for step, item in enumerate(loader, 1):
                 items.append(repr(fingerprint_item(item)))
+                if step == 1:  # worker processes are the fork server's children
+                    workers_at_first = sum(len(children(k)) for k in children(os.getpid()))
                 if mode == "inline" and step == 23:
                     zephon.save_checkpoint(
                         os.path.join(os.path.dirname(out), "state.json"), loader.state_dict()
@@ -67,7 +70,17 @@ SCRIPT = textwrap.dedent("""
                 for op, s in loader.stats()["operators"].items()
             }
         with open(out, "w") as f:
-            json.dump({"pid": os.getpid(), "items": items, "counts": counts}, f)
+            json.dump(
+                {"pid": os.getpid(), "items": items, "counts": counts, "first": workers_at_first},
+                f,
+            )
+
+    def children(pid):
+        out = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(k) for k in f.read().split()]
+        return out
 
     if __name__ == "__main__":  # worker processes re-import this module
         main()
@@ -83,6 +96,10 @@ def run_script(tmp_path, mode: str) -> tuple[list[str], set[int], int, dict]:
     """The items a fresh interpreter delivers in ``mode``, the pids that read samples, its pid
     and its loader's operator counts."""
     (tmp_path / "head_kit.py").write_text(KIT)
+    # In "slow" mode the fork server takes seconds to start, as one importing torch might: every
+    # process on the path imports sitecustomize at its start, and this one sleeps in the server.
+    slow = "import sys, time\nif 'forkserver' in ' '.join(sys.orig_argv):\n    time.sleep(3)\n"
+    (tmp_path / "sitecustomize.py").write_text(slow if mode == "slow" else "")
     (tmp_path / "train.py").write_text(SCRIPT)
     log = tmp_path / f"{mode}.log"
     env = script_env()
@@ -122,3 +139,14 @@ def test_with_a_timeout_every_sample_is_read_by_a_worker(tmp_path):
     items, readers, me, _ = run_script(tmp_path, "timeout")
     assert items == full
     assert me not in readers, "nothing could interrupt an operator stuck in the loader's thread"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/task")
+def test_the_first_batch_does_not_wait_for_the_fork_server(tmp_path):
+    full, _, _, _ = run_script(tmp_path, "inline")
+    # The fork server sleeps 3 s before it can fork any worker.
+    items, readers, me, _ = run_script(tmp_path, "slow")
+    first = json.loads((tmp_path / "slow.json").read_text())["first"]
+    assert first == 0, "the first batch came before any worker process existed"
+    assert items == full
+    assert me in readers and len(readers - {me}) == 2

@@ -1,11 +1,12 @@
 """A process lane's first reads, done in the loader's process while the worker processes start.
 
 A worker process is a fresh interpreter that imports the plan's modules before it reads anything:
-a fraction of a second in which the first batch could only wait. Instead, a thread of the loader
-reads the lane delivered from first while the other lanes' workers start; that lane's worker is
-started afterwards, from the last snapshot (``Holdings``) of what the thread read, as a restore
-would. The lane's stream is the same item for item: what the thread read goes out first, the
-worker's items follow.
+a fraction of a second in which the first batch could only wait. Instead, the loader reads the
+lane delivered from first itself while the workers start on a thread
+(``supervision.WorkerStarts``); that lane's worker is started afterwards, from the last snapshot
+(``Holdings``) of what the loader read, as a restore would. The lane's stream is the same item for
+item: what the loader read goes out first, without waiting for any worker, and the worker's items
+follow.
 
 Only where nothing is lost by it: the plan snapshots its holders (no epoch replay to redo), has no
 ``timeout`` (nothing could interrupt a stuck operator in the loader's process), every lane has a
@@ -16,14 +17,12 @@ to the worker, which meets it again and reports it as usual.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from zephon.plan import Plan
 from zephon.runtime.control import Holdings, LaneEnd, RunStart
 from zephon.runtime.holdings import packed
 from zephon.runtime.lane import LaneRunner
-from zephon.runtime.memory import give_back
 from zephon.runtime.workers import boot_fork_server
 from zephon.types import SampleRecord
 
@@ -37,29 +36,6 @@ def applies(plan: Plan, n_lanes: int, preload: list[str]) -> bool:
         and n_lanes <= plan.processes
         and boot_fork_server(preload)
     )
-
-
-class HeadStart:
-    """``read_ahead`` of lane ``lane_id`` on a thread of its own; ``result()`` waits for it."""
-
-    def __init__(self, plan: Plan, lane_id: int, start: dict[str, Any]):
-        self._result: tuple[list, dict] | None = None
-        self._thread = threading.Thread(
-            target=self._run,
-            args=(plan, lane_id, start),
-            name=f"zephon-head-start-{lane_id}",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def _run(self, plan: Plan, lane_id: int, start: dict[str, Any]) -> None:
-        self._result = read_ahead(plan, lane_id, start)
-        give_back()  # Arrow's pool keeps a heap per thread: this one's, before the thread ends
-
-    def result(self) -> tuple[list, dict] | None:
-        self._thread.join()
-        give_back()  # the lane's worker goes on from here: what the reads took is free
-        return self._result
 
 
 #: At most this many item lists are read ahead (a lane that emits nothing for long is left to its

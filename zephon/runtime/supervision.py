@@ -6,11 +6,13 @@ being delivered, and adds the lane to any error that comes out of the runner.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from zephon.errors import ZephonError
 from zephon.plan import Plan
 from zephon.runtime import head_start
+from zephon.runtime.memory import give_back
 from zephon.runtime.workers import PlanParcel, close_lanes, open_lane, open_lanes
 
 
@@ -24,12 +26,16 @@ class LaneFeed:
         self.pos = 0
         self.start_at: dict[str, Any] = {}  # where the runner starts (set on restore)
         self.runner: Any = None  # the running lane (inline, thread or process)
+        self.starting: WorkerStarts | None = None  # set while its worker starts on a thread
         self.closed = False
 
     def start(self) -> None:
-        """Start the lane's runner unless it runs already."""
+        """Start the lane's runner unless it runs already (or wait for a start under way)."""
         if self.closed:
             raise ZephonError(f"lane {self.lane_id} was closed")
+        if self.starting is not None:
+            self.starting.wait()
+            self.starting = None
         if self.runner is None:
             self.runner = open_lane(self.plan, self.lane_id, **self.start_at)
 
@@ -66,7 +72,7 @@ def start_feeds(feeds: list[LaneFeed], first: LaneFeed | None = None) -> None:
     if not waiting:
         return
     plan = waiting[0].plan
-    # The plan is pickled before a head start reads from it on another thread.
+    # The plan is pickled once, here, before a head start and the worker starts run side by side.
     parcel = PlanParcel(plan) if plan.workers == "process" else None
     head = (
         first
@@ -75,24 +81,76 @@ def start_feeds(feeds: list[LaneFeed], first: LaneFeed | None = None) -> None:
         and head_start.applies(plan, len(waiting), parcel.preload)
         else None
     )
-    ahead = None if head is None else head_start.HeadStart(plan, head.lane_id, head.start_at)
     rest = [feed for feed in waiting if feed is not head]
-    try:
+    if head is None:
         runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in rest], parcel)
-    finally:
-        read = None if ahead is None else ahead.result()
-    for feed, runner in zip(rest, runners):
-        feed.runner = runner
-    if head is not None:
+        for feed, runner in zip(rest, runners):
+            feed.runner = runner
+        return
+    starts = WorkerStarts(plan, rest, head, parcel)
+    try:
+        read = head_start.read_ahead(plan, head.lane_id, head.start_at)
         if read is not None:
             (head.buf, head.start_at), head.pos = read, 0
-        (head.runner,) = open_lanes(plan, [(head.lane_id, head.start_at)], parcel)
+    finally:
+        starts.head_ready.set()
+    give_back()  # the head's worker goes on from here: what the reads took is free
+
+
+class WorkerStarts:
+    """The worker processes of ``rest``, then ``head``'s once its head start is over
+    (``head_ready``), started on a thread: the fork server forks the first worker only once it has
+    imported the plan's modules, and what the head start read can be delivered meanwhile. Each
+    feed's ``start()`` waits for this; an error here is raised there."""
+
+    def __init__(self, plan: Plan, rest: list[LaneFeed], head: LaneFeed, parcel: PlanParcel | None):
+        self.head_ready = threading.Event()
+        self.error: BaseException | None = None
+        self._cancelled = False
+        for feed in (*rest, head):
+            feed.starting = self
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(plan, rest, head, parcel),
+            name=f"zephon-worker-starts-{head.lane_id}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _run(
+        self, plan: Plan, rest: list[LaneFeed], head: LaneFeed, parcel: PlanParcel | None
+    ) -> None:
+        try:
+            runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in rest], parcel)
+            for feed, runner in zip(rest, runners):
+                feed.runner = runner
+            self.head_ready.wait()
+            if not self._cancelled:
+                (head.runner,) = open_lanes(plan, [(head.lane_id, head.start_at)], parcel)
+        except BaseException as exc:  # raised by the feeds' start()
+            self.error = exc
+
+    def wait(self) -> None:
+        """Until every worker is started; the error that stopped a start, if one did."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        """The lanes close: the head's worker is not started if it was not yet; wait for the
+        thread, so that every worker it started is on its feed to be stopped."""
+        self._cancelled = True
+        self.head_ready.set()
+        self._thread.join()
 
 
 def close_feeds(feeds: list[LaneFeed]) -> None:
     """Stop the runners of many lanes at once, under one deadline (``workers.close_lanes``)."""
     runners = []
     for feed in feeds:
+        if feed.starting is not None:  # what a start under way opened is stopped here too
+            feed.starting.cancel()
+            feed.starting = None
         if feed.runner is not None:
             runners.append(feed.runner)
         feed.runner = None
