@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent("""
         with loader:
             for step, item in enumerate(loader, 1):
                 items.append(repr(fingerprint_item(item)))
-                if step == 1:  # worker processes are the fork server's children
+                if step == 1 and mode == "slow":  # workers are the fork server's children
                     workers_at_first = sum(len(children(k)) for k in children(os.getpid()))
                 if mode == "inline" and step == 23:
                     zephon.save_checkpoint(
