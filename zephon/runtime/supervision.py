@@ -83,9 +83,7 @@ def start_feeds(feeds: list[LaneFeed], first: LaneFeed | None = None) -> None:
     )
     rest = [feed for feed in waiting if feed is not head]
     if head is None:
-        runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in rest], parcel)
-        for feed, runner in zip(rest, runners):
-            feed.runner = runner
+        _open_runners(plan, rest, parcel)
         return
     starts = WorkerStarts(plan, rest, head, parcel)
     try:
@@ -95,6 +93,13 @@ def start_feeds(feeds: list[LaneFeed], first: LaneFeed | None = None) -> None:
     finally:
         starts.head_ready.set()
     give_back()  # the head's worker goes on from here: what the reads took is free
+
+
+def _open_runners(plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel | None) -> None:
+    """Start the runners of ``feeds`` where they start (``start_at``), sharing the workers."""
+    runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in feeds], parcel)
+    for feed, runner in zip(feeds, runners):
+        feed.runner = runner
 
 
 class WorkerStarts:
@@ -121,12 +126,10 @@ class WorkerStarts:
         self, plan: Plan, rest: list[LaneFeed], head: LaneFeed, parcel: PlanParcel | None
     ) -> None:
         try:
-            runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in rest], parcel)
-            for feed, runner in zip(rest, runners):
-                feed.runner = runner
+            _open_runners(plan, rest, parcel)
             self.head_ready.wait()
             if not self._cancelled:
-                (head.runner,) = open_lanes(plan, [(head.lane_id, head.start_at)], parcel)
+                _open_runners(plan, [head], parcel)
         except BaseException as exc:  # raised by the feeds' start()
             self.error = exc
 
