@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -9,17 +10,19 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
 import pytest
 from pipeline_kit import DropMultiples, PackPairs, SplitInChildren, WindowShuffle, fingerprint_item
-from worker_kit import assert_no_leftover_workers, script_env
+from worker_kit import assert_no_leftover_workers, script_env, wait_until
 
 import zephon
-from zephon.errors import OperatorError, PlanError
+from zephon.errors import OperatorError, PlanError, ZephonError
 from zephon.ops.basic import fetch, map_transform
 from zephon.ops.batching import batch
+from zephon.runtime.workers import close_lanes, open_lanes
 from zephon.sources.memory import RangeSource
 
 KINDS = ["inline", "thread", "process"]
@@ -38,6 +41,25 @@ def explode_on_13(payload: dict) -> dict:
     if payload["idx"] == 13:
         raise ValueError("thirteen")
     return payload
+
+
+class HoldRecordZero:
+    """Record 0 (lane 0's first) waits for the file ``release``; every other record appends its
+    idx to ``log`` and carries 1 MiB, so one item list of 8 is far more than a pipe holds."""
+
+    def __init__(self, where: str):
+        self.release = os.path.join(where, "release")
+        self.log = os.path.join(where, "log")
+
+    def __call__(self, payload: dict) -> dict:
+        if payload["idx"] == 0:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.release) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return payload
+        with open(self.log, "a") as f:
+            f.write(f"{payload['idx']}\n")
+        return {**payload, "vec": np.full(1 << 18, payload["idx"], dtype=np.float32)}
 
 
 def make(workers: str, n: int = 300, **kw) -> zephon.Pipeline:
@@ -182,3 +204,71 @@ def test_sigkilled_training_process_resumes_identically_and_leaves_no_workers(tm
     tail = [repr(x) for x in items(make("process", n=3000).iter(state=state))]
     full = [repr(x) for x in items(iter(make("inline", n=3000)))]
     assert logged + tail == full
+
+
+def test_a_lane_ahead_of_the_delivery_order_keeps_working_while_another_is_awaited(tmp_path):
+    # Lane 0 is stuck on its first record and the loader waits for it; lane 1 may still run
+    # ``prefetch`` item lists ahead instead of stalling on its first write to a full pipe.
+    hold = HoldRecordZero(str(tmp_path))
+    plan = zephon.Pipeline(
+        RangeSource(64, chunk_size=8), [fetch(), map_transform(hold)], lanes=2, workers="process"
+    ).compile()
+    logged: list[int] = []
+
+    def lane_1_records() -> list[int]:
+        with contextlib.suppress(FileNotFoundError), open(hold.log) as f:
+            return [int(line) for line in f.read().split()]
+        return []
+
+    def release() -> None:
+        # two item lists sent and a third made: 3 chunks of lane 1 (8 records each)
+        wait_until(lambda: len(lane_1_records()) >= 24, 30)
+        logged.extend(lane_1_records())
+        open(hold.release, "w").close()
+
+    lanes = open_lanes(plan, [(0, {}), (1, {})])
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    try:
+        first = [item.payload["idx"] for item in next(lanes[0]) if hasattr(item, "payload")]
+        releaser.join()
+        rest = [
+            [item.payload["idx"] for items in lane for item in items if hasattr(item, "payload")]
+            for lane in lanes
+        ]
+    finally:
+        close_lanes(lanes)
+    assert logged[:24] == [*range(8, 16), *range(24, 32), *range(40, 48)]
+    assert first + rest[0] == [i for i in range(64) if i // 8 % 2 == 0]
+    assert rest[1] == [i for i in range(64) if i // 8 % 2 == 1]
+
+
+def test_a_worker_killed_while_another_lane_is_awaited_is_reported_by_its_own_lane(tmp_path):
+    hold = HoldRecordZero(str(tmp_path))
+    plan = zephon.Pipeline(
+        RangeSource(64, chunk_size=8), [fetch(), map_transform(hold)], lanes=2, workers="process"
+    ).compile()
+    lanes = open_lanes(plan, [(0, {}), (1, {})])
+    spent: list[float] = []
+
+    def kill_lane_1_then_release() -> None:
+        wait_until(lambda: os.path.exists(hold.log), 30)
+        os.kill(lanes[1].pid, signal.SIGKILL)
+        wait_until(lambda: not os.path.exists(f"/proc/{lanes[1].pid}/status"), 30)
+        before = time.process_time()
+        time.sleep(1.0)  # the loader keeps waiting for lane 0, its pipe to lane 1 at its end
+        spent.append(time.process_time() - before)
+        open(hold.release, "w").close()
+
+    releaser = threading.Thread(target=kill_lane_1_then_release)
+    releaser.start()
+    try:
+        first = next(lanes[0])
+        releaser.join()
+        with pytest.raises(ZephonError, match=r"lane 1 \(pid \d+\) died: it was killed by SIGKILL"):
+            for _ in lanes[1]:
+                pass
+        assert [r.payload["idx"] for r in first if hasattr(r, "payload")] == list(range(8))
+    finally:
+        close_lanes(lanes)
+    assert spent[0] < 0.5  # it waited, rather than spinning on the ended pipe

@@ -956,6 +956,29 @@ class PlanParcel:
             raise PlanError(_unpicklable_message(plan, exc)) from None
         self.preload = plan_modules(plan)
         self.environment = worker_environment(plan.processes)
+        self.neighbours = Neighbours()
+
+
+class Neighbours:
+    """The process lanes started with one parcel, for one loader. While ``next()`` waits for one
+    of them, the others' finished item lists are taken off their pipes: a worker ahead of the
+    delivery order would otherwise stall on a full pipe (a socket buffer holds about 200 KB, an
+    item list of a text pipeline often more) until the loader comes round to its lane."""
+
+    def __init__(self) -> None:
+        self._lanes: list[weakref.ref[ProcessLane]] = []
+
+    def add(self, lane: ProcessLane) -> None:
+        self._lanes.append(weakref.ref(lane))
+
+    def arriving(self, waiting: ProcessLane) -> dict[Connection, ProcessLane]:
+        """The other lanes that may still send, by the loader's end of their pipes."""
+        lanes = (ref() for ref in list(self._lanes))
+        return {
+            lane._conn: lane
+            for lane in lanes
+            if lane is not None and lane is not waiting and lane._may_send()
+        }
 
 
 def _start_process(
@@ -1003,25 +1026,33 @@ class ProcessLane:
     """
 
     def __init__(self, plan: Plan, lane_id: int, *, parcel: PlanParcel | None = None, **start: Any):
+        parcel = parcel or PlanParcel(plan)
         proc, (conn,) = _start_process(plan, [(lane_id, start)], parcel)
-        self._attach(plan, lane_id, proc, conn, _SharedProcess(1))
+        self._attach(plan, lane_id, proc, conn, _SharedProcess(1), parcel.neighbours)
 
     @classmethod
     def group(
         cls, plan: Plan, members: list[tuple[int, dict]], parcel: PlanParcel | None = None
     ) -> list[ProcessLane]:
         """Several lanes in one worker process (each on a thread of its own there)."""
+        parcel = parcel or PlanParcel(plan)
         proc, conns = _start_process(plan, members, parcel)
         shared = _SharedProcess(len(members))
         lanes = []
         for (lane_id, _), conn in zip(members, conns):
             lane = cls.__new__(cls)
-            lane._attach(plan, lane_id, proc, conn, shared)
+            lane._attach(plan, lane_id, proc, conn, shared, parcel.neighbours)
             lanes.append(lane)
         return lanes
 
     def _attach(
-        self, plan: Plan, lane_id: int, proc: Any, conn: Connection, shared: _SharedProcess
+        self,
+        plan: Plan,
+        lane_id: int,
+        proc: Any,
+        conn: Connection,
+        shared: _SharedProcess,
+        neighbours: Neighbours,
     ) -> None:
         self.lane_id = lane_id
         self.timeout = plan.timeout
@@ -1035,6 +1066,9 @@ class ProcessLane:
         self._stalled: ZephonError | None = None
         self._closed = False
         self._ended = False
+        self._gone = False  # the pipe ended while receiving ahead: next() reports why
+        self._neighbours = neighbours
+        neighbours.add(self)
         self._finalizer = weakref.finalize(self, _stop_workers, [self._worker], STOP_TIMEOUT)
 
     @property
@@ -1049,19 +1083,30 @@ class ProcessLane:
         """Item lists the worker finished that ``next()`` has not taken yet. Messages waiting in
         the pipe are received (not acknowledged, so the worker stays ``prefetch`` lists ahead at
         most) and kept in order for ``next()``."""
-        if not (self._closed or self._ended):
-            try:
-                while self._conn.poll(0):
-                    kind, value = _receive(self._conn, self.timeout)
-                    if kind == _READY:
-                        self._ready = True
-                    else:
-                        self._waiting.append((kind, value))
-            except MessageStalled:
-                self._stalled = self._stall()
-            except (EOFError, OSError):
-                pass  # next() reports the lost worker
+        self._receive_arrived()
         return sum(1 for kind, _ in self._waiting if kind == "items")
+
+    def _may_send(self) -> bool:
+        """Whether a message may still arrive (the worker neither ended nor failed)."""
+        if self._closed or self._ended or self._gone or self._stalled is not None:
+            return False
+        return not self._waiting or self._waiting[-1][0] == "items"
+
+    def _receive_arrived(self) -> None:
+        """Move the messages waiting in the pipe to ``_waiting``."""
+        if not self._may_send():
+            return
+        try:
+            while self._conn.poll(0):
+                kind, value = _receive(self._conn, self.timeout)
+                if kind == _READY:
+                    self._ready = True
+                else:
+                    self._waiting.append((kind, value))
+        except MessageStalled:
+            self._stalled = self._stall()
+        except (EOFError, OSError):
+            self._gone = True  # next() reports the lost worker
 
     def __next__(self) -> list:
         if self._stalled is not None:  # seen by queued(): next() reports it
@@ -1091,12 +1136,18 @@ class ProcessLane:
         end = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             wait = None if end is None else max(0.0, end - time.monotonic())
-            ready = wait_for_any([conn, self._sentinel], wait)
+            others = self._neighbours.arriving(self)
+            ready = wait_for_any([conn, self._sentinel, *others], wait)
             if not ready:
                 assert self.timeout is not None
                 raise _timed_out(self.lane_id, f"pid {self.pid}", self.timeout)
             if self._sentinel in ready:  # a worker never exits unless stopped: it died
                 raise self._lost()
+            for other in ready:
+                if other in others:
+                    others[other]._receive_arrived()
+            if conn not in ready:
+                continue
             try:
                 kind, value = _receive(conn, self.timeout)
             except MessageStalled:
