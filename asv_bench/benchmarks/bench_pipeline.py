@@ -222,6 +222,7 @@ class TextPipeline:
             "lanes": one["seconds"] / two["seconds"],
             "first_batch": two["first_batch"] / one["first_batch"],
             "memory": two["pss"] / one["pss"],
+            "memory_over_bound": two["pss"] / tb.memory_bound(one, 2)[0],
             "ceiling": pb.process_ceiling(2048),
             "restore_inline": restore[("inline", 1)],
             "restore_inline_over_grain": restore[("inline", 1)] / grain,
@@ -257,6 +258,11 @@ class TextPipeline:
         return r["memory"]
 
     track_memory_process_over_inline.unit = "x"  # type: ignore[attr-defined]
+
+    def track_memory_process_over_bound(self, r: dict[str, float]) -> float:
+        return r["memory_over_bound"]
+
+    track_memory_process_over_bound.unit = "x"  # type: ignore[attr-defined]
 
     def track_restore_worst_step_inline(self, r: dict[str, float]) -> float:
         return r["restore_inline"]

@@ -729,23 +729,29 @@ def text_rows(quick: bool) -> list[Row]:
             )
         )
         if not threads:
-            memory = two["pss"] / one["pss"]
-            rows.append(
-                Row(
-                    "text lanes: memory (PSS, loader + fork server + workers) 2 process vs inline",
-                    f"{two['pss'] / 2**20:.0f} MiB",
-                    f"{one['pss'] / 2**20:.0f} MiB",
-                    f"{memory:.2f}×",
-                    "≤ 1.5×",
-                    memory <= 1.5,
-                    "peak of samples every 64 batches; of it, the loader's process "
-                    f"{two['pss_loader'] / 2**20:.0f} MiB, the fork server, resource tracker "
-                    f"and workers {(two['pss'] - two['pss_loader']) / 2**20:.0f} MiB",
-                )
-            )
+            rows.append(_lanes_memory_row(tb, one, two))
     n_batches = max(1, int(len(lengths) * statistics.mean(lengths) / tb.SEQ_LEN / 8))
     rows += _text_restore_rows(tb, data, tok_path, n_batches, repeats)
     return rows
+
+
+def _lanes_memory_row(tb: Any, one: dict[str, Any], two: dict[str, Any]) -> Row:
+    """Two process lanes' peak memory against one inline lane's, and ``tb.memory_bound``."""
+    mib = 2**20
+    bound, data = tb.memory_bound(one, 2)
+    return Row(
+        "text lanes: memory (PSS, loader + fork server + workers) 2 process vs inline",
+        f"{two['pss'] / mib:.0f} MiB",
+        f"{one['pss'] / mib:.0f} MiB",
+        f"{two['pss'] / one['pss']:.2f}×",
+        "≤ 1.5× + data",
+        two["pss"] <= bound,
+        f"bound {bound / mib:.0f} MiB = 1.5 × {one['pss_before'] / mib:.0f} MiB (inline before "
+        f"its first read) + 2 workers × {data / mib:.0f} MiB (a lane's data: inline peak less "
+        f"that); of the peak, the loader's process {two['pss_loader'] / mib:.0f} MiB, the fork "
+        f"server, resource tracker and workers {(two['pss'] - two['pss_loader']) / mib:.0f} MiB; "
+        "peak of samples every 64 batches",
+    )
 
 
 def _text_restore_rows(

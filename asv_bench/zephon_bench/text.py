@@ -221,6 +221,7 @@ def _child(config: dict[str, Any]) -> None:
             if total > peak:
                 peak, peak_loader = total, loader
 
+        before = _pss_bytes(os.getpid())  # the modules, the tokenizer: nothing read yet
         start = time.perf_counter()
         loader = pipeline.iter()
         first = None
@@ -237,6 +238,7 @@ def _child(config: dict[str, Any]) -> None:
             first_batch=first,
             pss=peak,
             pss_loader=peak_loader,
+            pss_before=before,
         )
     print(json.dumps(result))
 
@@ -423,6 +425,15 @@ def measure_in_fresh_process(
     )
     result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def memory_bound(inline: dict[str, Any], workers: int) -> tuple[float, float]:
+    """The memory ``workers`` process lanes may take, from an inline run's ``_child`` result:
+    1.5× what that run held before its first read (modules, the tokenizer), plus one lane's data
+    (its peak less that) for each worker, as each holds a whole lane's working set. The bound and
+    the lane's data, in bytes."""
+    data = inline["pss"] - inline["pss_before"]
+    return 1.5 * inline["pss_before"] + workers * data, data
 
 
 def median_runs(repeats: int, **kwargs: Any) -> dict[str, Any]:
