@@ -25,7 +25,7 @@ KIT = textwrap.dedent("""
 
     def tokens(payload):
         with open(os.environ["HEAD_START_LOG"], "a") as log:  # which process read this sample
-            log.write(f"{os.getpid()}\\n")
+            log.write(f"{os.getpid()} {payload['idx']}\\n")
         idx = payload["idx"]
         return {"tokens": np.arange(idx, idx + 1 + idx * 7919 % 97, dtype=np.int32)}
 
@@ -89,6 +89,12 @@ def _no_leftover_workers():
 def run_script(tmp_path, mode: str) -> tuple[list[str], set[int], int, dict]:
     """The items a fresh interpreter delivers in ``mode``, the pids that read samples, its pid
     and its loader's operator counts."""
+    reads, items, me, counts = run_logged(tmp_path, mode)
+    return items, {pid for pid, _ in reads}, me, counts
+
+
+def run_logged(tmp_path, mode: str) -> tuple[list[tuple[int, int]], list[str], int, dict]:
+    """``run_script``, with every read of a sample as (pid, idx), in the order they happened."""
     (tmp_path / "head_kit.py").write_text(KIT)
     # In "slow" mode the fork server takes seconds to start, as one importing torch might: every
     # process on the path imports sitecustomize at its start, and this one sleeps in the server.
@@ -106,7 +112,8 @@ def run_script(tmp_path, mode: str) -> tuple[list[str], set[int], int, dict]:
         timeout=120,
     )  # fmt: skip
     got = json.loads(out.read_text())
-    return got["items"], {int(p) for p in log.read_text().split()}, got["pid"], got["counts"]
+    reads = [(int(p), int(i)) for p, i in (line.split() for line in log.read_text().splitlines())]
+    return reads, got["items"], got["pid"], got["counts"]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no fork server")
@@ -117,6 +124,20 @@ def test_the_loader_reads_the_first_lane_ahead_and_the_stream_is_unchanged(tmp_p
     assert got == counts, "what the loader read ahead counts once in the operators' stats"
     assert me in readers, "the loader's process read the first lane's first samples"
     assert len(readers - {me}) == 2, "both lanes' workers read the rest"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no fork server")
+def test_the_first_lanes_worker_is_handed_what_the_loader_held_instead_of_reading_it_again(
+    tmp_path,
+):
+    full, _, _, _ = run_script(tmp_path, "inline")
+    reads, items, me, _ = run_logged(tmp_path, "process")
+    assert items == full
+    ahead = {idx for pid, idx in reads if pid == me}
+    assert ahead, "the loader read ahead"
+    again = [idx for pid, idx in reads if pid != me and idx in ahead]
+    assert again == [], "samples the loader read were transformed again in a worker"
+    assert len(reads) == len({idx for _, idx in reads}) == 4000
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no fork server")

@@ -4,9 +4,10 @@ A worker process is a fresh interpreter that imports the plan's modules before i
 a fraction of a second in which the first batch could only wait. Instead, the loader reads the
 lane delivered from first itself while the workers start on a thread
 (``supervision.WorkerStarts``); that lane's worker is started afterwards, from the last snapshot
-(``Holdings``) of what the loader read, as a restore would. The lane's stream is the same item for
-item: what the loader read goes out first, without waiting for any worker, and the worker's items
-follow.
+(``Holdings``) of what the loader read, as a restore would, except that the worker is handed the
+records the operators held there instead of reading and transforming them again. The lane's stream
+is the same item for item: what the loader read goes out first, without waiting for any worker,
+and the worker's items follow.
 
 Only where nothing is lost by it: the plan snapshots its holders (no epoch replay to redo), has no
 ``timeout`` (nothing could interrupt a stuck operator in the loader's process), every lane has a
@@ -21,7 +22,7 @@ from typing import Any
 
 from zephon.plan import Plan
 from zephon.runtime.control import Holdings, LaneEnd, RunStart
-from zephon.runtime.holdings import packed
+from zephon.runtime.holdings import kept_records, packed
 from zephon.runtime.lane import LaneRunner
 from zephon.runtime.workers import boot_fork_server
 from zephon.types import SampleRecord
@@ -52,6 +53,7 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
     runner = LaneRunner(plan, lane_id, **start)
     stream = runner.run()
     items: list = []
+    kept: list = []
     ready = 0  # real records among items
     try:
         for _ in range(MAX_LISTS):
@@ -62,6 +64,7 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
             ready += sum(type(item) is SampleRecord and not item.meta.is_tombstone for item in got)
             # A list that ends with a snapshot: the runner's stats are the snapshot's too.
             if ready >= need and got and type(got[-1]) is Holdings:
+                kept = kept_records(runner.ops)  # what the snapshot describes, as it is
                 break
         else:
             return None
@@ -70,7 +73,12 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
     finally:
         stream.close()
     snapshot: Holdings = items[-1]
-    held = {"next": snapshot.next_local, "offset": snapshot.offset, "ops": packed(snapshot.ops)}
+    held = {
+        "next": snapshot.next_local,
+        "offset": snapshot.offset,
+        "ops": packed(snapshot.ops),
+        "kept": kept,
+    }
     first, *rest = runner.runs
     resumed = {
         **start,
@@ -79,3 +87,10 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
         "op_stats": runner.op_stats,
     }
     return items, resumed
+
+
+def release_kept(start: dict[str, Any]) -> None:
+    """Drop the held records from a runner start of ``read_ahead`` once its worker has them."""
+    for run in start.get("runs", ()):
+        if run.get("held"):
+            run["held"].pop("kept", None)

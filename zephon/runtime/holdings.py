@@ -74,6 +74,16 @@ def snapshot_of(ops: Sequence[Operator]) -> list[dict[str, Any] | None]:
     return out
 
 
+def kept_records(ops: Sequence[Operator]) -> list[list[SampleRecord] | None]:
+    """Per operator, the records it holds right now (``None`` for one that keeps no state): a
+    lane continuing in another process can be given them instead of rebuilding them."""
+    out: list[list[SampleRecord] | None] = []
+    for op in ops:
+        held = op.holdings() if op.traits.stateful else None
+        out.append(None if held is None else list(held[0]))
+    return out
+
+
 def flattened(snapshot: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
     """A raw snapshot with its cursors as one int list (``flat_cursors``) and their digest."""
     out: list[dict[str, Any] | None] = []
@@ -118,11 +128,17 @@ def packed(snapshot: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]
 
 
 def rebuild(
-    ops: list[Operator], fetch: Any, source: Any, held: list[Any], lane_id: int
+    ops: list[Operator],
+    fetch: Any,
+    source: Any,
+    held: list[Any],
+    lane_id: int,
+    kept: list[list[SampleRecord] | None] | None = None,
 ) -> list[int]:
     """Give each holder among ``ops`` its records back: re-read their samples, run them through
     the operators before it (pure ones; holders before it pass records through unchanged), and
-    ``restore_holdings``. Returns per operator how many closing contributors it now holds (the
+    ``restore_holdings``; or, where ``kept`` (``kept_records`` at the snapshot) has them, those
+    records themselves. Returns per operator how many closing contributors it now holds (the
     lane's audit starts from there). ``ReplayDivergenceError`` when a record cannot be rebuilt as
     it was."""
     chunks: dict[int, Any] = {}
@@ -130,16 +146,10 @@ def rebuild(
     for j, entry in enumerate(held):
         if entry is None:
             continue
-        wanted = unpack_cursors(entry["records"])
-        records = _reread(wanted, fetch, source, chunks)
-        for op in ops[:j]:
-            if records and not op.traits.stateful:
-                records = [r for r in op.process_many(records) if not r.meta.is_tombstone]
-        by_key = {_key(r.meta.cursor): r for r in records}
-        missing = [w for w in wanted if w not in by_key]
-        if missing:
-            raise _diverged(lane_id, ops[j], f"records {missing[:3]} could not be rebuilt")
-        mine = [by_key[w] for w in wanted]
+        mine = kept[j] if kept is not None else None
+        if mine is None:
+            wanted = unpack_cursors(entry["records"])
+            mine = _rebuilt(ops, j, wanted, fetch, source, chunks, lane_id)
         got = f"{digest_cursors([r.meta.cursor for r in mine]) & MASK64:016x}"
         if got != entry["digest"]:
             raise _diverged(lane_id, ops[j], "the rebuilt records are not the ones it held")
@@ -151,6 +161,28 @@ def rebuild(
             1 for rec in mine for ref in rec.meta.contribution_refs() if ref.is_last_child
         )
     return closing
+
+
+def _rebuilt(
+    ops: list[Operator],
+    j: int,
+    wanted: list[Key],
+    fetch: Any,
+    source: Any,
+    chunks: dict[int, Any],
+    lane_id: int,
+) -> list[SampleRecord]:
+    """The records ``wanted`` as operator ``j`` received them: read again and run through the
+    pure operators before it."""
+    records = _reread(wanted, fetch, source, chunks)
+    for op in ops[:j]:
+        if records and not op.traits.stateful:
+            records = [r for r in op.process_many(records) if not r.meta.is_tombstone]
+    by_key = {_key(r.meta.cursor): r for r in records}
+    missing = [w for w in wanted if w not in by_key]
+    if missing:
+        raise _diverged(lane_id, ops[j], f"records {missing[:3]} could not be rebuilt")
+    return [by_key[w] for w in wanted]
 
 
 def _key(cursor: SampleCursor) -> Key:

@@ -164,7 +164,9 @@ class LaneRunner:
         epoch = k // per_epoch
         self._start_epoch(epoch)
         if held is not None:  # continue after a snapshot: the holders get their records back
-            self._closing_in = rebuild(self.ops, self.fetch, source, held["ops"], self.lane_id)
+            self._closing_in = rebuild(
+                self.ops, self.fetch, source, held["ops"], self.lane_id, held.get("kept")
+            )
         snapshots = plan.restores_holdings
         spacing, piece, split_at = _snapshot_spacing(plan, self.ops)
         since_snapshot = 0

@@ -130,6 +130,7 @@ class WorkerStarts:
             self.head_ready.wait()
             if not self._cancelled:
                 _open_runners(plan, [head], parcel)
+                head_start.release_kept(head.start_at)  # the worker has them: free them here
         except BaseException as exc:  # raised by the feeds' start()
             self.error = exc
 
