@@ -87,10 +87,3 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
         "op_stats": runner.op_stats,
     }
     return items, resumed
-
-
-def release_kept(start: dict[str, Any]) -> None:
-    """Drop the held records from a runner start of ``read_ahead`` once its worker has them."""
-    for run in start.get("runs", ()):
-        if run.get("held"):
-            run["held"].pop("kept", None)

@@ -62,25 +62,29 @@ def snapshot_of(ops: Sequence[Operator]) -> list[dict[str, Any] | None]:
     """Per operator, what it holds (``None`` for one that keeps no state), raw: the held records'
     cursors as they are (cursors never change). Flattening and digesting them (``flattened``)
     waits until a checkpoint is taken, or until the snapshot leaves a worker process."""
-    out: list[dict[str, Any] | None] = []
+    return [
+        None if held is None else {"cursors": cursors_of(held[0]), "state": held[1]}
+        for held in _holdings(ops)
+    ]
+
+
+def kept_records(ops: Sequence[Operator]) -> list[list[SampleRecord] | None]:
+    """Per operator, the records it holds right now (``None`` for one that keeps no state): a
+    lane continuing in another process can be given them instead of rebuilding them."""
+    # Copies: the operators' own lists change once the lane goes on (or is closed).
+    return [None if held is None else list(held[0]) for held in _holdings(ops)]
+
+
+def _holdings(ops: Sequence[Operator]) -> list[tuple[list[SampleRecord], Any] | None]:
+    """Per operator, ``holdings()`` with its records as a list (``None`` for one without)."""
+    out: list[tuple[list[SampleRecord], Any] | None] = []
     for op in ops:
         held = op.holdings() if op.traits.stateful else None
         if held is None:
             out.append(None)
             continue
         records, state = held
-        records = records if type(records) is list else list(records)
-        out.append({"cursors": cursors_of(records), "state": state})
-    return out
-
-
-def kept_records(ops: Sequence[Operator]) -> list[list[SampleRecord] | None]:
-    """Per operator, the records it holds right now (``None`` for one that keeps no state): a
-    lane continuing in another process can be given them instead of rebuilding them."""
-    out: list[list[SampleRecord] | None] = []
-    for op in ops:
-        held = op.holdings() if op.traits.stateful else None
-        out.append(None if held is None else list(held[0]))
+        out.append((records if type(records) is list else list(records), state))
     return out
 
 

@@ -24,7 +24,8 @@ class LaneFeed:
         self.lane_id = lane_id
         self.buf: list[Any] = []
         self.pos = 0
-        self.start_at: dict[str, Any] = {}  # where the runner starts (set on restore)
+        # Where the runner starts (set on restore, or by a head start); the runner takes it.
+        self.start_at: dict[str, Any] = {}
         self.runner: Any = None  # the running lane (inline, thread or process)
         self.starting: WorkerStarts | None = None  # set while its worker starts on a thread
         self.closed = False
@@ -38,6 +39,7 @@ class LaneFeed:
             self.starting = None
         if self.runner is None:
             self.runner = open_lane(self.plan, self.lane_id, **self.start_at)
+            self.start_at = {}  # the runner has it (with any records a head start handed over)
 
     def refill(self) -> None:
         """The next item list from the runner (started on first use)."""
@@ -99,7 +101,7 @@ def _open_runners(plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel | None) 
     """Start the runners of ``feeds`` where they start (``start_at``), sharing the workers."""
     runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in feeds], parcel)
     for feed, runner in zip(feeds, runners):
-        feed.runner = runner
+        feed.runner, feed.start_at = runner, {}  # the runner has it, as in start()
 
 
 class WorkerStarts:
@@ -130,7 +132,6 @@ class WorkerStarts:
             self.head_ready.wait()
             if not self._cancelled:
                 _open_runners(plan, [head], parcel)
-                head_start.release_kept(head.start_at)  # the worker has them: free them here
         except BaseException as exc:  # raised by the feeds' start()
             self.error = exc
 

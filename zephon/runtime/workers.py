@@ -982,12 +982,11 @@ class Neighbours:
 
 
 def _start_process(
-    plan: Plan, members: list[tuple[int, dict]], parcel: PlanParcel | None = None
+    plan: Plan, members: list[tuple[int, dict]], parcel: PlanParcel
 ) -> tuple[Any, list[Connection]]:
     """Start one worker process for the lanes ``members`` (lane id, runner start); the process
     and the loader's end of each lane's pipe."""
     global _server_started
-    parcel = parcel or PlanParcel(plan)
     ctx = _context(parcel.preload)
     _server_started = True
     pipes = [ctx.Pipe(duplex=True) for _ in members]
