@@ -4,12 +4,14 @@ list taken from the plan, and the thread pools of tokenizers sized to the CPUs."
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from worker_kit import assert_no_leftover_workers
+from worker_kit import assert_no_leftover_workers, script_env
 
 import zephon
 from zephon.ops import batch, fetch, map_transform, tokenize
@@ -193,11 +195,6 @@ if __name__ == "__main__":
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/<pid>/maps")
 def test_a_worker_reading_in_order_imports_no_pyarrow_extension_after_its_fork(tmp_path):
-    import subprocess
-    import sys
-
-    from worker_kit import script_env
-
     script = tmp_path / "preload_probe.py"
     script.write_text(PRELOAD_SCRIPT)
     done = subprocess.run(
