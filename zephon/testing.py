@@ -222,7 +222,7 @@ def _suspects(pipeline: Pipeline) -> str:
     fetcher: Any = copy.deepcopy(plan.fetch)
     fetcher.bind(source)
     chunk = source.chunk(0)
-    records = fetcher.fetch(0, chunk.pointers, 0)
+    records = list(fetcher.fetch(0, chunk.pointers, 0))
     named = []
     for op in plan.chain:
         if op.traits.stateful:

@@ -5,11 +5,18 @@ from __future__ import annotations
 import numpy as np
 
 from zephon._core.cursor import SampleCursor
-from zephon._core.records import ContributorRef, SampleBatch, SampleMeta, SampleRecord
+from zephon._core.records import (
+    ContributorRef,
+    RecordRun,
+    SampleBatch,
+    SampleMeta,
+    SampleRecord,
+)
 from zephon.validation import check_int
 
 __all__ = [
     "ContributorRef",
+    "RecordRun",
     "SampleBatch",
     "SampleCursor",
     "SampleMeta",

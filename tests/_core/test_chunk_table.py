@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -802,3 +802,52 @@ def test_concurrent_closes_and_reads_of_one_table_are_serialized_and_exact() -> 
     from threads_kit import run_threads
 
     assert run_threads(TABLE_HAMMER) == {"errors": [], "refused": [], "problems": []}
+
+
+@given(
+    st.integers(1, 200),
+    st.lists(st.integers(0, 199), max_size=3),
+    st.integers(0, 200),
+    st.integers(0, 199),
+    st.integers(0, 201),
+)
+def test_close_span_is_closing_each_offset_when_all_are_open_and_nothing_otherwise(
+    n: int, closed: list[int], watermark: int, lo: int, hi: int
+) -> None:
+    def table() -> ChunkTable:
+        t = ChunkTable()
+        t.open_chunk(0, 0, n, 0)
+        for offset in closed:
+            if offset < n:
+                t.close(0, offset)
+        t.close_below(0, min(watermark, n))
+        return t
+
+    def seen(t: ChunkTable) -> tuple:
+        return t.open_offsets(0).tolist(), t.n_open_offsets, t.is_complete(0)
+
+    lo, hi = min(lo, n - 1), min(hi, n)
+    by_span, one_by_one = table(), table()
+    all_open = all(one_by_one.offset_state(0, o) != CLOSED for o in range(lo, hi))
+    assert by_span.close_span(0, lo, hi) is all_open
+    if all_open:
+        for offset in range(lo, hi):
+            one_by_one.close(0, offset)
+    assert seen(by_span) == seen(one_by_one)
+    assert [by_span.offset_state(0, o) for o in range(n)] == [
+        one_by_one.offset_state(0, o) for o in range(n)
+    ]
+
+
+def test_close_span_leaves_an_evicted_chunk_and_rejects_offsets_it_never_had() -> None:
+    t = ChunkTable()
+    t.open_chunk(0, 0, 2, 0)
+    t.open_chunk(1, 1, 4, 0)
+    t.close_below(0, 2)
+    t.evict_complete_prefix()
+    assert t.close_span(0, 0, 2) is False
+    with pytest.raises(ValueError, match="outside"):
+        t.close_span(1, 2, 5)
+    with pytest.raises(ValueError, match="negative"):
+        t.close_span(1, -1, 2)
+    assert t.open_offsets(1).tolist() == [0, 1, 2, 3]

@@ -6,15 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from zephon._core.chunk_table import CLOSED, ChunkTable
 from zephon._core.delivery import DeliveryBook, DeliveryCounters, gather
-from zephon._core.records import records_for_chunk
+from zephon._core.records import expand_runs, records_for_chunk
 from zephon.ops.children import tombstones_for_record
 from zephon.runtime.control import LANE_END, ChunkOpened, LaneEnd, RunStart
-from zephon.types import SampleCursor, SampleMeta, SampleRecord
+from zephon.types import RecordRun, SampleCursor, SampleMeta, SampleRecord
 
 
 def roots(chunk_id: int, n: int, components: list[Any] | None = None) -> list[SampleRecord]:
@@ -182,3 +183,101 @@ def test_gather_leaves_every_type_it_is_told_to_even_behind_pending_records():
     opened = ChunkOpened(0, 0, 2, 0)
     assert gather([opened, records[1]], 0, pending, 1, 4, (LaneEnd, RunStart)) == (2, 2)
     assert pending == [records[0], opened, records[1]]
+
+
+# --- runs of records (RecordRun): the same bookkeeping as their records one by one -----------
+
+
+@st.composite
+def deliveries(draw: st.DrawFn) -> tuple[list[int], list[tuple[int, int, int]], list]:
+    """Chunk sizes, the runs delivered (chunk, first offset, length: in order, with gaps), and
+    offsets closed before delivery (to provoke early-close violations)."""
+    sizes = draw(st.lists(st.integers(1, 9), min_size=1, max_size=4))
+    spans = []
+    for chunk_id, n in enumerate(sizes):
+        offset = draw(st.integers(0, n - 1))
+        while offset < n:
+            length = draw(st.integers(1, n - offset))
+            spans.append((chunk_id, offset, length))
+            offset += length + draw(st.integers(0, 2))
+    closed = draw(
+        st.lists(st.tuples(st.integers(0, len(sizes) - 1), st.integers(0, 8)), max_size=2)
+    )
+    return sizes, spans, [(c, o) for c, o in closed if o < sizes[c]]
+
+
+def _book_of(sizes: list[int], closed: list, monotone: bool) -> DeliveryBook:
+    table = ChunkTable()
+    for chunk_id, n in enumerate(sizes):
+        table.open_chunk(chunk_id, chunk_id, n, 0)
+    for chunk_id, offset in closed:
+        table.close(chunk_id, offset)
+    return make_book(table, monotone)
+
+
+def _state(book: DeliveryBook) -> tuple:
+    book.counters.flush()
+    table = book.table
+    return (
+        {c: table.open_offsets(c).tolist() for c in table.inflight_chunk_ids().tolist()},
+        table.n_evicted,
+        table.watermark,
+        book.window_totals(),
+        book.window_len,
+        book.last_cursor,
+        book.counters.delivered,
+        book.counters.evicted,
+        book.counters.mix_samples,
+        [(v[0], v[1].meta, v[2], v[3]) if v[0] == "early-close" else v for v in book.violations],
+    )
+
+
+@given(deliveries(), st.booleans())
+def test_a_run_is_booked_as_its_records_one_by_one(drawn: Any, monotone: bool) -> None:
+    sizes, spans, closed = drawn
+    items = []
+    for chunk_id, first, length in spans:
+        pointers = np.array([[1, chunk_id, first + i] for i in range(length)], dtype=np.int64)
+        comps = ["web" if (first + i) % 3 else "books" for i in range(length)]
+        payloads = [{"i": first + i} for i in range(length)]
+        items.append(RecordRun(chunk_id, pointers, payloads, 0, comps, first))
+    by_run, by_record = _book_of(sizes, closed, monotone), _book_of(sizes, closed, monotone)
+    assert by_run.deliver(items) == len(items)
+    records = expand_runs(items)
+    assert by_record.deliver(records) == len(records)
+    assert _state(by_run) == _state(by_record)
+
+
+def test_a_run_into_a_chunk_never_announced_fails_like_its_first_record() -> None:
+    run = RecordRun(5, np.zeros((2, 3), dtype=np.int64), [None, None], 0, [None, None])
+    book = make_book(ChunkTable())
+    with pytest.raises(ValueError, match="5") as by_run:
+        book.deliver([run])
+    with pytest.raises(ValueError) as by_record:
+        make_book(ChunkTable()).deliver(run.records())
+    assert str(by_run.value) == str(by_record.value)
+
+
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=5), st.integers(1, 6), st.data())
+def test_gather_splits_runs_into_the_batches_their_records_make(
+    lengths: list[int], batch_size: int, data: st.DataObject
+) -> None:
+    items: list[Any] = []
+    for chunk_id, n in enumerate(lengths):
+        pointers = np.array([[0, chunk_id, i] for i in range(n)], dtype=np.int64)
+        items.append(RecordRun(chunk_id, pointers, list(range(n)), 0, [None] * n))
+        if data.draw(st.booleans()):
+            items.append(ChunkOpened(chunk_id + 1, chunk_id + 1, 1, 0))
+
+    def batches(buf: list[Any]) -> list[list]:
+        out, pos = [], 0
+        while pos < len(buf):
+            pending: list[Any] = []
+            pos, _ = gather(buf, pos, pending, 0, batch_size, (LaneEnd,))
+            if not pending:  # a leading control item: the caller books it
+                pos += 1
+                continue
+            out.append([x if type(x) is ChunkOpened else x.meta for x in expand_runs(pending)])
+        return out
+
+    assert batches(list(items)) == batches(expand_runs(items))

@@ -19,6 +19,7 @@ from pipeline_kit import DropMultiples, PackPairs, SplitInChildren, WindowShuffl
 from worker_kit import assert_no_leftover_workers, script_env, wait_until
 
 import zephon
+from zephon._core.records import expand_runs
 from zephon.errors import OperatorError, PlanError, ZephonError
 from zephon.ops.basic import fetch, map_transform
 from zephon.ops.batching import batch
@@ -230,10 +231,15 @@ def test_a_lane_ahead_of_the_delivery_order_keeps_working_while_another_is_await
     releaser = threading.Thread(target=release)
     releaser.start()
     try:
-        first = [item.payload["idx"] for item in next(lanes[0]) if hasattr(item, "payload")]
+        first = [r.payload["idx"] for r in expand_runs(next(lanes[0])) if hasattr(r, "payload")]
         releaser.join()
         rest = [
-            [item.payload["idx"] for items in lane for item in items if hasattr(item, "payload")]
+            [
+                r.payload["idx"]
+                for items in lane
+                for r in expand_runs(items)
+                if hasattr(r, "payload")
+            ]
             for lane in lanes
         ]
     finally:
@@ -268,7 +274,9 @@ def test_a_worker_killed_while_another_lane_is_awaited_is_reported_by_its_own_la
         with pytest.raises(ZephonError, match=r"lane 1 \(pid \d+\) died: it was killed by SIGKILL"):
             for _ in lanes[1]:
                 pass
-        assert [r.payload["idx"] for r in first if hasattr(r, "payload")] == list(range(8))
+        assert [r.payload["idx"] for r in expand_runs(first) if hasattr(r, "payload")] == [
+            *range(8)
+        ]
     finally:
         close_lanes(lanes)
     assert spent[0] < 0.5  # it waited, rather than spinning on the ended pipe

@@ -78,5 +78,6 @@ cdef class ChunkTable:
     cdef int c_close(self, offset_t chunk_id, offset_t offset) except -1
     cdef int c_offset_state(self, offset_t chunk_id, offset_t offset) except -1
     cdef int c_close_below(self, offset_t chunk_id, offset_t offset) except -1
+    cdef int c_close_span(self, offset_t chunk_id, offset_t lo, offset_t hi) except -1
     # evict_complete_prefix without the id array: how many left (the newest is _last_evicted_id).
     cdef Py_ssize_t c_evict_complete_prefix(self) except -1

@@ -432,6 +432,30 @@ cdef class ChunkTable:
         self._n_open -= 1
         return OFFSET_OPEN
 
+    cdef int c_close_span(self, offset_t chunk_id, offset_t lo, offset_t hi) except -1:
+        """Close offsets ``[lo, hi)`` (``0 <= lo``) of chunk ``chunk_id`` if every one of them is
+        open: 1. Otherwise nothing changes (0), and the caller closes them one by one to learn
+        which was closed already, or that the chunk was evicted."""
+        cdef Py_ssize_t p
+        cdef ChunkEntry* e
+        cdef offset_t counted
+        if lo >= hi:
+            return 1
+        if self._owner:
+            self._wait_for_holder()
+        p = self._slot_of(chunk_id, hi - 1)
+        if p < 0:
+            return 0
+        e = &self._ring[p]
+        if _popcount_range(e.bits, lo, hi):
+            return 0
+        _set_range(e.bits, lo, hi)
+        counted = hi - (lo if lo > e.wm else e.wm)  # those below the watermark it counted
+        if counted > 0:
+            e.n_closed += counted
+            self._n_open -= counted
+        return 1
+
     cdef Py_ssize_t _slot_of(self, offset_t chunk_id, offset_t offset) except -2:
         """Ring slot of an inflight chunk with ``offset`` in range, -1 for an evicted chunk;
         ValueError for an offset out of range or a chunk this table never held."""
@@ -587,6 +611,13 @@ cdef class ChunkTable:
         closed (CLOSED afterwards); one closed explicitly before the watermark passed stays CLOSED.
         """
         return self.c_close(chunk_id, offset)
+
+    def close_span(self, offset_t chunk_id, offset_t lo, offset_t hi) -> bool:
+        """Close offsets ``[lo, hi)`` at once if every one of them is open (True); otherwise
+        change nothing (False). What delivery does for a run of records of one chunk."""
+        if lo < 0:
+            raise ValueError(f"offset {lo} of chunk {chunk_id} is negative")
+        return self.c_close_span(chunk_id, lo, hi) == 1
 
     def offset_state(self, offset_t chunk_id, offset_t offset) -> int:
         """The state `close` would report for this offset, without changing anything."""

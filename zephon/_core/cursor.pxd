@@ -16,3 +16,22 @@ cdef class SampleCursor:
 
 cdef SampleCursor make_cursor(offset_t chunk_id, offset_t chunk_offset,
                               offset_t dataset_id, offset_t shard_id, offset_t sample_idx)
+
+
+cdef inline uint64_t _mix(uint64_t h, uint64_t v) noexcept nogil:
+    # splitmix64 finaliser over a running state: stable across processes and machines.
+    h ^= v + <uint64_t>0x9E3779B97F4A7C15 + (h << 6) + (h >> 2)
+    h = (h ^ (h >> 30)) * <uint64_t>0xBF58476D1CE4E5B9
+    h = (h ^ (h >> 27)) * <uint64_t>0x94D049BB133111EB
+    return h ^ (h >> 31)
+
+
+cdef inline uint64_t root_hash(offset_t chunk_id, offset_t chunk_offset,
+                               const offset_t* sid) noexcept nogil:
+    # The stable hash of a cursor with no lineage, from its fields alone (inlined where
+    # delivery books a run of records).
+    cdef uint64_t h = _mix(<uint64_t>chunk_id, <uint64_t>chunk_offset)
+    h = _mix(h, 0)
+    h = _mix(h, <uint64_t>sid[0])
+    h = _mix(h, <uint64_t>sid[1])
+    return _mix(h, <uint64_t>sid[2])

@@ -18,18 +18,6 @@ cimport numpy as cnp
 
 cnp.import_array()
 
-DEF MIX1 = 0xBF58476D1CE4E5B9
-DEF MIX2 = 0x94D049BB133111EB
-
-
-cdef inline uint64_t _mix(uint64_t h, uint64_t v) noexcept nogil:
-    # splitmix64 finaliser over a running state: stable across processes and machines.
-    h ^= v + <uint64_t>0x9E3779B97F4A7C15 + (h << 6) + (h >> 2)
-    h = (h ^ (h >> 30)) * <uint64_t>MIX1
-    h = (h ^ (h >> 27)) * <uint64_t>MIX2
-    return h ^ (h >> 31)
-
-
 cdef inline int _cmp_i64(offset_t a, offset_t b) noexcept nogil:
     return (a > b) - (a < b)
 
@@ -127,6 +115,9 @@ cdef class SampleCursor:
             PyMem_Free(self.lin)
 
     cdef void _rehash(self) noexcept:
+        if self.nlin == 0:
+            self.hashval = root_hash(self.chunk_id, self.chunk_offset, self.sid)
+            return
         cdef uint64_t h = _mix(<uint64_t>self.chunk_id, <uint64_t>self.chunk_offset)
         cdef Py_ssize_t i
         h = _mix(h, <uint64_t>self.nlin)

@@ -4,7 +4,7 @@ cimport cython
 from zephon._core._types cimport offset_t, uint64_t
 from zephon._core.chunk_table cimport ChunkTable
 from zephon._core.cursor cimport SampleCursor
-from zephon._core.records cimport SampleMeta, SampleRecord
+from zephon._core.records cimport RecordRun, SampleMeta, SampleRecord
 
 
 # One entry of a lane's replay window: what it delivered from one chunk (monotone) or epoch.
@@ -29,6 +29,7 @@ cdef class DeliveryCounters:
 
     cdef int _flush(self) except -1
     cpdef count_delivered(self, SampleMeta meta)
+    cdef int count_plain(self, list components, Py_ssize_t start, Py_ssize_t stop) except -1
     cpdef count_tombstone(self, SampleMeta meta)
     cdef int _count_heritage(self, object tag, str kind, object counts) except -1
 
@@ -50,4 +51,5 @@ cdef class DeliveryBook:
     cdef void _window_drop_through(self, offset_t unit) noexcept
     cdef int _evict_prefix(self) except -1
     cdef int _record(self, SampleRecord rec, bint count) except -1
+    cdef int _record_run(self, RecordRun run, bint count) except -1
     cdef int _tombstone(self, SampleRecord tomb, bint count) except -1

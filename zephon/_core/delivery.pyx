@@ -17,8 +17,8 @@ from libc.stdlib cimport free, realloc
 
 from zephon._core._types cimport offset_t, uint64_t
 from zephon._core.chunk_table cimport OFFSET_CLOSED, OFFSET_EVICTED, ChunkTable
-from zephon._core.cursor cimport SampleCursor
-from zephon._core.records cimport ContributorRef, SampleMeta, SampleRecord
+from zephon._core.cursor cimport SampleCursor, make_cursor, root_hash
+from zephon._core.records cimport ContributorRef, RecordRun, SampleMeta, SampleRecord
 
 
 def heritage_key(tag, kind, component):
@@ -97,6 +97,19 @@ cdef class DeliveryCounters:
                 self._flush()
             self._run_component = comp
             self._run_n += 1
+
+    cdef int count_plain(self, list components, Py_ssize_t start, Py_ssize_t stop) except -1:
+        """``count_delivered`` for plain records (no mixture counts) of
+        ``components[start:stop]``."""
+        cdef Py_ssize_t i
+        self.delivered += stop - start
+        for i in range(start, stop):
+            comp = components[i]
+            if self._run_n and comp is not self._run_component:
+                self._flush()
+            self._run_component = comp
+            self._run_n += 1
+        return 0
 
     cpdef count_tombstone(self, SampleMeta meta):
         """A tombstone was delivered; its counted tags are counted per tag. A counted tombstone
@@ -273,6 +286,38 @@ cdef class DeliveryBook:
             self.counters.count_delivered(meta)
         return 0
 
+    cdef int _record_run(self, RecordRun run, bint count) except -1:
+        # What ``_record`` does for each record of the run, the first one through ``_record``
+        # itself. The rest are in one chunk at the offsets after it, in order: each closes its
+        # offset and adds its cursor to the window, the watermark moves to the last one, and none
+        # can change the watermark's chunk (so none evicts) or break the order.
+        cdef Py_ssize_t i, n = run.n
+        cdef ChunkTable table = self.table
+        cdef offset_t cid = run.chunk_id, off = run.first_offset
+        cdef const offset_t* p = run._p
+        cdef uint64_t digest = 0
+        cdef int state
+        cdef SampleRecord rec
+        self._record(run.record_at(0), count)
+        if n == 1:
+            return 0
+        if not table.c_close_span(cid, off + 1, off + n):  # one was closed already: which?
+            for i in range(1, n):
+                state = table.c_close(cid, off + i)
+                if state == OFFSET_CLOSED or state == OFFSET_EVICTED:
+                    rec = run.record_at(i)
+                    self.violations.append(("early-close", rec, rec.meta.cursor, state))
+        for i in range(1, n):
+            digest += root_hash(cid, off + i, p + 3 * i)
+        self._window_add(cid if self.monotone else self.epochs_done, n - 1, digest)
+        p += 3 * (n - 1)
+        self.last_cursor = make_cursor(cid, off + n - 1, p[0], p[1], p[2])
+        if self.monotone:
+            table.c_close_below(cid, off + n - 1)
+        if count:
+            self.counters.count_plain(run._components, run._lo + 1, run._lo + n)
+        return 0
+
     cdef int _tombstone(self, SampleRecord tomb, bint count) except -1:
         # A tombstone only closes offsets: it never moves the replay cursor or evicts by itself.
         cdef SampleMeta meta = tomb.meta
@@ -298,9 +343,10 @@ cdef class DeliveryBook:
         self._tombstone(tomb, count)
 
     def deliver(self, list items not None, Py_ssize_t start=0, Py_ssize_t stop=-1):
-        """Bookkeeping for ``items[start:stop]`` handed over, in stream order: real records and
-        tombstones. Stops before the first item that is neither and returns its index (``stop``
-        when there is none), so the caller handles control items where they are."""
+        """Bookkeeping for ``items[start:stop]`` handed over, in stream order: real records,
+        runs of them and tombstones. Stops before the first item that is none of these and
+        returns its index (``stop`` when there is none), so the caller handles control items
+        where they are."""
         cdef Py_ssize_t i, n = len(items)
         cdef SampleRecord rec
         if stop < 0 or stop > n:
@@ -308,6 +354,9 @@ cdef class DeliveryBook:
         for i in range(start, stop):
             item = items[i]
             if type(item) is not SampleRecord:
+                if type(item) is RecordRun:
+                    self._record_run(<RecordRun>item, True)
+                    continue
                 return i
             rec = <SampleRecord>item
             if rec.meta.is_tombstone:
@@ -323,15 +372,24 @@ def gather(list buf not None, Py_ssize_t pos, list pending not None, Py_ssize_t 
 
     Stops before an item it leaves to the caller: a tombstone or control item while ``pending``
     holds no record (those are booked at once, not held), and an item whose type is in ``leave``
-    (the lane's end, the start of a run). Returns the new ``(pos, n_pending)``; nothing is booked
-    here.
+    (the lane's end, the start of a run). A ``RecordRun`` longer than the batch needs is split:
+    its head goes to ``pending`` and its tail takes its place in ``buf``. Returns the new
+    ``(pos, n_pending)``; nothing is booked here.
     """
-    cdef Py_ssize_t n = len(buf)
+    cdef Py_ssize_t n = len(buf), k
     while pos < n and n_pending < batch_size:
         item = buf[pos]
         if type(item) is SampleRecord and not (<SampleRecord>item).meta.is_tombstone:
             pending.append(item)
             n_pending += 1
+        elif type(item) is RecordRun:
+            k = (<RecordRun>item).n
+            if n_pending + k > batch_size:
+                head, buf[pos] = (<RecordRun>item).split(batch_size - n_pending)
+                pending.append(head)
+                return pos, batch_size
+            pending.append(item)
+            n_pending += k
         elif n_pending and type(item) not in leave:
             pending.append(item)
         else:

@@ -1,4 +1,6 @@
 # Layouts of the record model, published for cimport by the delivery bookkeeping.
+cimport cython
+
 from zephon._core._types cimport offset_t
 from zephon._core.cursor cimport SampleCursor
 
@@ -26,8 +28,25 @@ cdef class SampleRecord:
     cdef readonly object payload
 
 
+@cython.final
+cdef class RecordRun:
+    cdef readonly offset_t chunk_id
+    cdef readonly offset_t first_offset
+    cdef readonly offset_t lane_id
+    cdef readonly Py_ssize_t n       # records in the run
+    cdef list _payloads              # the run's payloads are _payloads[_lo : _lo + n]
+    cdef list _components            # and its components _components[_lo : _lo + n]
+    cdef Py_ssize_t _lo
+    cdef object _pointers            # (rows, 3) int64, C-contiguous, kept alive for _p
+    cdef const offset_t* _p          # the pointer row of the run's first record
+
+    cdef SampleRecord record_at(self, Py_ssize_t i)
+    cdef RecordRun _part(self, Py_ssize_t lo, Py_ssize_t hi)
+
+
 cdef class SampleBatch:
-    cdef readonly tuple records
+    cdef tuple _records           # None until first asked for, when the batch is one run
+    cdef RecordRun _run
     cdef readonly object payload
 
 

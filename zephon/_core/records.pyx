@@ -6,9 +6,17 @@ immutable: their attributes are read-only, and "changing" one means building a n
 
 cimport cython
 
+from zephon._core._types cimport offset_t
 from zephon._core.cursor cimport SampleCursor, make_cursor
 
+import collections.abc as _abc
 import operator
+
+import numpy as np
+
+cimport numpy as cnp
+
+cnp.import_array()
 
 _NO_TAGS = frozenset()
 
@@ -269,14 +277,24 @@ cdef class SampleBatch:
     """Consecutive records grouped for the training loop; each keeps its own cursor and meta."""
 
     def __init__(self, records, payload):
-        self.records = tuple(records)
-        for i, r in enumerate(self.records):
+        self._records = tuple(records)
+        for i, r in enumerate(self._records):
             if not isinstance(r, SampleRecord):
                 raise TypeError(f"SampleBatch records[{i}] must be a SampleRecord, got {r!r}")
         self.payload = payload
 
+    @property
+    def records(self):
+        """The batch's records, in delivery order (a tuple of ``SampleRecord``)."""
+        if self._records is None:  # delivered as one run: its records are made when asked for
+            self._records = tuple(self._run.records())
+            self._run = None
+        return self._records
+
     def __len__(self):
-        return len(self.records)
+        if self._records is None:
+            return len(self._run.payloads)
+        return len(self._records)
 
     def __iter__(self):
         return iter(self.records)
@@ -291,43 +309,180 @@ cdef class SampleBatch:
         return f"SampleBatch({len(self.records)} records, payload={_short(self.payload)})"
 
 
-def records_for_chunk(chunk_id, const offset_t[:, :] pointers, list payloads, lane_id,
-                      list components, first_offset=0):
+def records_for_chunk(chunk_id, pointers, list payloads, lane_id, list components,
+                      first_offset=0):
     """Root records for rows of a chunk: cursor ``(chunk_id, first_offset + i, pointers[i])``.
 
     This is what ``fetch`` builds per sample, so it is done here without per-record parsing.
     """
-    cdef Py_ssize_t i, n = pointers.shape[0]
-    if pointers.shape[1] != 3:
-        raise ValueError(f"pointers must have shape (n, 3), got (n, {pointers.shape[1]})")
-    if len(payloads) != n or len(components) != n:
-        raise ValueError(
-            f"{n} pointers but {len(payloads)} payloads and {len(components)} components"
-        )
-    cdef offset_t cid = chunk_id, first = first_offset, lane = lane_id
-    if cid < 0 or first < 0 or lane < 0:
-        raise ValueError("chunk_id, first_offset and lane_id must be >= 0")
-    cdef list out = [None] * n
-    cdef SampleRecord rec
-    for i in range(n):
-        if pointers[i, 0] < 0 or pointers[i, 1] < 0 or pointers[i, 2] < 0:
-            raise ValueError(f"pointer row {i} of chunk {cid} has a negative field")
-        rec = SampleRecord.__new__(SampleRecord)
+    return RecordRun(chunk_id, pointers, payloads, lane_id, components, first_offset).records()
+
+
+@cython.final
+cdef class RecordRun:
+    """Root records of one chunk at consecutive offsets, kept as columns: what ``fetch`` reads.
+
+    Record ``i`` has the cursor ``(chunk_id, first_offset + i, pointers[i])``, lane ``lane_id``,
+    payload ``payloads[i]`` and component ``components[i]``, and closes its own offset. Nothing
+    per record is built until something asks for records (``records()``, indexing, iterating),
+    so operators that only map payloads (``Operator.maps_payloads``), batching and delivery
+    bookkeeping go through a run without making a record, a meta or a cursor per sample.
+    It is a read-only ``Sequence`` of ``SampleRecord``; ``split`` shares its columns.
+    """
+
+    def __init__(self, chunk_id, pointers, list payloads not None, lane_id,
+                 list components not None, first_offset=0):
+        rows = np.ascontiguousarray(pointers, dtype=np.int64)
+        if rows.ndim != 2 or rows.shape[1] != 3:
+            raise ValueError(f"pointers must have shape (n, 3), got {rows.shape}")
+        cdef Py_ssize_t i, n = rows.shape[0]
+        if len(payloads) != n or len(components) != n:
+            raise ValueError(
+                f"{n} pointers but {len(payloads)} payloads and {len(components)} components"
+            )
+        cdef offset_t cid = chunk_id, first = first_offset, lane = lane_id
+        if cid < 0 or first < 0 or lane < 0:
+            raise ValueError("chunk_id, first_offset and lane_id must be >= 0")
+        cdef const offset_t[:, ::1] view = rows
+        for i in range(n):
+            if view[i, 0] < 0 or view[i, 1] < 0 or view[i, 2] < 0:
+                raise ValueError(f"pointer row {i} of chunk {cid} has a negative field")
+        self.chunk_id = cid
+        self.first_offset = first
+        self.lane_id = lane
+        self.n = n
+        self._payloads = payloads
+        self._components = components
+        self._lo = 0
+        self._pointers = rows
+        self._p = &view[0, 0] if n else NULL
+
+    cdef SampleRecord record_at(self, Py_ssize_t i):
+        cdef const offset_t* p = self._p + 3 * i
+        cdef SampleRecord rec = SampleRecord.__new__(SampleRecord)
         rec.meta = make_meta(
-            make_cursor(cid, first + i, pointers[i, 0], pointers[i, 1], pointers[i, 2]),
-            lane, components[i],
+            make_cursor(self.chunk_id, self.first_offset + i, p[0], p[1], p[2]),
+            self.lane_id, self._components[self._lo + i],
         )
-        rec.payload = payloads[i]
-        out[i] = rec
+        rec.payload = self._payloads[self._lo + i]
+        return rec
+
+    cdef RecordRun _part(self, Py_ssize_t lo, Py_ssize_t hi):
+        # Records lo..hi-1 of this run, sharing its columns.
+        cdef RecordRun part = RecordRun.__new__(RecordRun)
+        part.chunk_id = self.chunk_id
+        part.first_offset = self.first_offset + lo
+        part.lane_id = self.lane_id
+        part.n = hi - lo
+        part._payloads = self._payloads
+        part._components = self._components
+        part._lo = self._lo + lo
+        part._pointers = self._pointers
+        part._p = self._p + 3 * lo
+        return part
+
+    @property
+    def payloads(self):
+        """The records' payloads, in order (a list; the run's own when it is not a part)."""
+        if self._lo == 0 and self.n == len(self._payloads):
+            return self._payloads
+        return self._payloads[self._lo : self._lo + self.n]
+
+    @property
+    def components(self):
+        """The records' mixture components, in order."""
+        return self._components[self._lo : self._lo + self.n]
+
+    def records(self):
+        """The run as a list of ``SampleRecord``."""
+        cdef Py_ssize_t i
+        cdef list out = [None] * self.n
+        for i in range(self.n):
+            out[i] = self.record_at(i)
+        return out
+
+    def with_payloads(self, list payloads not None):
+        """The same records carrying ``payloads`` (one per record, in order)."""
+        if len(payloads) != self.n:
+            raise ValueError(f"{len(payloads)} payloads for a run of {self.n} records")
+        cdef RecordRun out = self._part(0, self.n)
+        out._payloads = payloads
+        out._components = self.components if self._lo else self._components
+        out._lo = 0
+        return out
+
+    def split(self, Py_ssize_t k):
+        """``(first k records, the rest)`` as two runs sharing this one's columns;
+        ``0 < k < len(self)``."""
+        if k <= 0 or k >= self.n:
+            raise ValueError(f"a run of {self.n} records splits at 1..{self.n - 1}, not at {k}")
+        return self._part(0, k), self._part(k, self.n)
+
+    @property
+    def pointers(self):
+        """The ``(n, 3)`` pointer rows of the run's records."""
+        cdef Py_ssize_t row = 0
+        if self._p != NULL:
+            row = (self._p - <const offset_t*>cnp.PyArray_DATA(self._pointers)) // 3
+        return self._pointers[row : row + self.n]
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        cdef Py_ssize_t i
+        if isinstance(index, slice):
+            return [self.record_at(i) for i in range(*index.indices(self.n))]
+        i = index
+        if i < 0:
+            i += self.n
+        if i < 0 or i >= self.n:
+            raise IndexError(f"record {index} of a run of {self.n}")
+        return self.record_at(i)
+
+    def __iter__(self):
+        return iter(self.records())
+
+    def __reduce__(self):
+        return (RecordRun, (self.chunk_id, self.pointers, self.payloads, self.lane_id,
+                            self.components, self.first_offset))
+
+    def __repr__(self):
+        return (f"RecordRun(chunk {self.chunk_id}, offsets {self.first_offset}.."
+                f"{self.first_offset + self.n - 1}, lane {self.lane_id})")
+
+
+_abc.Sequence.register(RecordRun)
+
+
+def expand_runs(list items):
+    """``items`` with every ``RecordRun`` replaced by its records (``items`` itself when it
+    holds none): what code that looks at records one by one starts with."""
+    cdef Py_ssize_t i, n = len(items)
+    for i in range(n):
+        if type(items[i]) is RecordRun:
+            break
+    else:
+        return items
+    cdef list out = items[:i]
+    for j in range(i, n):
+        item = items[j]
+        if type(item) is RecordRun:
+            out.extend((<RecordRun>item).records())
+        else:
+            out.append(item)
     return out
 
 
 def count_closing(records):
-    """How many closing contributors a list of records (tombstones included) carries."""
+    """How many closing contributors a list of records (tombstones and runs included) carries."""
     cdef Py_ssize_t total = 0
     cdef SampleRecord rec
     cdef ContributorRef ref
     for obj in records:
+        if type(obj) is RecordRun:  # each of its records closes its own offset
+            total += (<RecordRun>obj).n
+            continue
         rec = <SampleRecord?>obj
         if rec.meta.contributors is None:
             total += 1
@@ -375,11 +530,36 @@ def map_payloads(fn, list records, Py_ssize_t start, list out):
     return n, None
 
 
-def make_batch(list records, payload):
-    """A ``SampleBatch`` of ``records`` (real ``SampleRecord``s, as delivery gathered them)
-    without the constructor's per-record type checks."""
+def map_each(fn, list payloads):
+    """``[fn(p) for p in payloads]`` in one C loop: what ``map_transform`` does to a run.
+
+    Stops at the first payload for which ``fn`` returns None or raises, and returns
+    ``(out, i, exc)``: the new payloads (complete when ``i == len(payloads)``), that payload's
+    index and the exception raised (None when ``fn`` returned None).
+    """
+    cdef Py_ssize_t i = 0, n = len(payloads)
+    cdef list out = [None] * n
+    try:
+        while i < n:
+            new = fn(payloads[i])
+            if new is None:
+                return out, i, None
+            out[i] = new
+            i += 1
+    except Exception as exc:
+        return out, i, exc
+    return out, n, None
+
+
+def make_batch(records, payload):
+    """A ``SampleBatch`` of ``records`` (real ``SampleRecord``s as delivery gathered them, or
+    one ``RecordRun``, whose records are made only if asked for) without the constructor's
+    per-record type checks."""
     cdef SampleBatch b = SampleBatch.__new__(SampleBatch)
-    b.records = tuple(records)
+    if type(records) is RecordRun:
+        b._run = records
+    else:
+        b._records = tuple(<list?>records)
     b.payload = payload
     return b
 

@@ -5,14 +5,14 @@ end)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
 from zephon.errors import OperatorError
 from zephon.identity import identify
-from zephon.types import SampleRecord
+from zephon.types import RecordRun, SampleRecord
 from zephon.validation import check_int
 
 __all__ = [
@@ -60,6 +60,10 @@ class Operator:
     groups_at_delivery: ClassVar[bool] = False
     #: Tombstone tags whose delivered count ``Loader.stats()`` reports under the tag's name.
     counted_tags: ClassVar[tuple[str, ...]] = ()
+    #: The operator turns each payload into one new payload and nothing else: it keeps no state,
+    #: changes no metadata and never drops, splits or reorders. The lane runner may then hand it
+    #: a run of fetched records (``map_payloads``) instead of a list of records.
+    maps_payloads: bool = False
 
     lane_id: int = 0
     epoch: int = 0
@@ -79,6 +83,14 @@ class Operator:
 
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
         raise NotImplementedError(f"{type(self).__name__} must implement process_many (abstract)")
+
+    def map_payloads(self, run: RecordRun) -> list[Any]:
+        """For ``maps_payloads`` operators: the new payload of each record of ``run`` (a
+        ``RecordRun``: its ``payloads``, and its records when one is needed to name it in an
+        error), in order."""
+        raise NotImplementedError(
+            f"{type(self).__name__} sets maps_payloads but lacks map_payloads"
+        )
 
     def flush(self) -> list[SampleRecord]:
         """Emit whatever the operator still holds; called at every epoch marker and lane end."""
@@ -178,9 +190,12 @@ class PointerReader(Protocol):
     def bind(self, source: Any) -> None:
         """Attach the pipeline's source before the lane's first chunk."""
 
-    def fetch(self, chunk_id: int, pointers: np.ndarray, first_offset: int) -> list[SampleRecord]:
+    def fetch(
+        self, chunk_id: int, pointers: np.ndarray, first_offset: int
+    ) -> Sequence[SampleRecord]:
         """Records for rows ``first_offset ..`` of chunk ``chunk_id``: the i-th record's cursor is
-        ``SampleCursor(chunk_id, first_offset + i, pointer_i, ())``."""
+        ``SampleCursor(chunk_id, first_offset + i, pointer_i, ())``. A list of records, or a
+        ``RecordRun`` (the same records, none of them built yet)."""
         ...
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.records import map_payloads, records_for_chunk
-from zephon.errors import FetchError
+from zephon._core.records import RecordRun, map_each, map_payloads
+from zephon.errors import FetchError, OperatorError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import tombstones_for_record
 from zephon.types import SampleRecord
@@ -43,8 +43,8 @@ class Fetch(Operator):
         """Attach the pipeline's source (its reader is the default, its components are used)."""
         self._source = source
 
-    def fetch(self, chunk_id: int, pointers: np.ndarray, first_offset: int) -> list[SampleRecord]:
-        """Records for rows ``first_offset ..`` of chunk ``chunk_id``."""
+    def fetch(self, chunk_id: int, pointers: np.ndarray, first_offset: int) -> RecordRun:
+        """Records for rows ``first_offset ..`` of chunk ``chunk_id``, as one run."""
         read = self.reader or self._source.read
         payloads = self._read_with_retries(read, pointers)
         if len(payloads) != len(pointers):
@@ -53,7 +53,7 @@ class Fetch(Operator):
                 f"(chunk {chunk_id}, first pointer {pointers[0].tolist()})"
             )
         components = self._source.components(pointers)
-        return records_for_chunk(
+        return RecordRun(
             chunk_id,
             pointers,
             payloads if type(payloads) is list else list(payloads),
@@ -108,6 +108,16 @@ class MapTransform(Operator):
             preserves_cursor_order=True, preserves_indexability=not drop_none, workers=workers
         )
 
+    @property
+    def maps_payloads(self) -> bool:  # type: ignore[override]
+        return not self.drop_none  # dropping a record takes its tombstones: process_many
+
+    def map_payloads(self, run: RecordRun) -> list[Any]:
+        out, i, exc = map_each(self.fn, run.payloads)
+        if i < len(out):
+            raise self._refused(run[i], exc)
+        return out
+
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
         # The per-record loop runs in C; it stops at a record that fails or maps to None.
         fn = self.fn
@@ -115,15 +125,21 @@ class MapTransform(Operator):
         i, exc = map_payloads(fn, records, 0, out)
         while i < len(records):
             rec = records[i]
-            if exc is not None:
-                raise record_error(self, rec, exc) from exc
-            if not self.drop_none:
-                raise record_error(
-                    self, rec, ValueError("returned None (pass drop_none=True to drop records)")
-                )
+            if exc is not None or not self.drop_none:
+                raise self._refused(rec, exc)
             out.extend(tombstones_for_record(rec))
             i, exc = map_payloads(fn, records, i + 1, out)
         return out
+
+    def _refused(self, rec: SampleRecord, exc: Exception | None) -> OperatorError:
+        """The error for ``rec``: ``fn`` raised ``exc``, or returned None without ``drop_none``."""
+        if exc is None:
+            return record_error(
+                self, rec, ValueError("returned None (pass drop_none=True to drop records)")
+            )
+        error = record_error(self, rec, exc)
+        error.__cause__ = exc
+        return error
 
 
 def map_transform(

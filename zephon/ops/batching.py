@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from zephon._core.collate import UNDECIDED, collate_dicts
-from zephon._core.records import payloads_of
+from zephon._core.records import RecordRun, payloads_of
 from zephon.ops.base import Operator, OpTraits
 from zephon.types import SampleRecord
 from zephon.validation import check_int
@@ -21,6 +21,8 @@ def default_collate(records: Sequence[SampleRecord]) -> Any:
     list."""
     if type(records) is list:
         return collate_payloads(payloads_of(records))
+    if type(records) is RecordRun:
+        return collate_payloads(list(records.payloads))  # the batch's own list
     return collate_payloads([r.payload for r in records])
 
 

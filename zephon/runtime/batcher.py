@@ -8,9 +8,11 @@ empty, which is why replaying to the replay cursor and batching afresh gives the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from zephon._core.delivery import gather
+from zephon._core.records import RecordRun, expand_runs
 from zephon.errors import OperatorError
 from zephon.ops.base import Grouper
 from zephon.runtime.control import LaneEnd, RunStart
@@ -50,17 +52,19 @@ class FinalBatcher:
         """A tombstone or control item that arrived after a pending record waits with it."""
         self.pending.append(item)
 
-    def take(self) -> tuple[list[Any], list[SampleRecord]]:
-        """Empty the pending batch: everything in it (to book) and its real records."""
+    def take(self) -> tuple[list[Any], Sequence[SampleRecord]]:
+        """Empty the pending batch: everything in it (to book) and its real records (a list, or
+        the one ``RecordRun`` the batch is)."""
         items, self.pending = self.pending, []
-        if len(items) == self.n_pending:  # records only, the usual case
-            records = items
-        else:
-            records = [r for r in items if type(r) is SampleRecord and not r.meta.is_tombstone]
-        self.n_pending = 0
+        n, self.n_pending = self.n_pending, 0
+        if len(items) == 1 and type(items[0]) is RecordRun:  # one run, the usual case
+            return items, items[0]
+        records = expand_runs(items)
+        if records is not items or len(items) != n:
+            records = [r for r in records if type(r) is SampleRecord and not r.meta.is_tombstone]
         return items, records
 
-    def collate(self, records: list[SampleRecord]) -> Any:
+    def collate(self, records: Sequence[SampleRecord]) -> Any:
         """The batch payload; a failure is an ``OperatorError`` naming the first record."""
         grouper: Any = self.grouper
         try:

@@ -16,7 +16,7 @@ from typing import Any
 
 from zephon._core.cursor import cursors_for_chunk, digest_cursors
 from zephon._core.delivery import DeliveryCounters
-from zephon._core.records import make_batch
+from zephon._core.records import expand_runs, make_batch
 from zephon.errors import CheckpointCorruptError
 from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
@@ -168,7 +168,7 @@ class LaneDelivery:
         if batcher is not None and batcher.n_pending:
             if batcher.drop_remainder:
                 items, _ = batcher.take()
-                for item in items:
+                for item in expand_runs(items):
                     if type(item) is not SampleRecord:
                         self.book.control(item)
                         continue

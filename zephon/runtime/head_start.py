@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zephon._core.records import RecordRun
 from zephon.plan import Plan
 from zephon.runtime.control import Holdings, LaneEnd, RunStart
 from zephon.runtime.holdings import kept_records, packed
@@ -61,7 +62,12 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
             if any(type(item) is RunStart or type(item) is LaneEnd for item in got):
                 return None  # a run's end, or the lane's, comes first: leave it to the worker
             items += got
-            ready += sum(type(item) is SampleRecord and not item.meta.is_tombstone for item in got)
+            ready += sum(
+                len(item)
+                if type(item) is RecordRun
+                else type(item) is SampleRecord and not item.meta.is_tombstone
+                for item in got
+            )
             # A list that ends with a snapshot: the runner's stats are the snapshot's too.
             if ready >= need and got and type(got[-1]) is Holdings:
                 kept = kept_records(runner.ops)  # what the snapshot describes, as it is

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import bisect
 import copy
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
 
-from zephon._core.records import count_closing, next_control
+from zephon._core.records import RecordRun, count_closing, expand_runs, next_control
 from zephon.errors import FetchError, OperatorError, ZephonError
 from zephon.ops.base import Operator, record_error
 from zephon.plan import Plan
@@ -117,6 +117,10 @@ class LaneRunner:
             else None
             for op in plan.chain
         ]
+        # Operators a run of fetched records goes through as its payload list.
+        self._by_payload = [
+            op.maps_payloads and pool is None for op, pool in zip(plan.chain, self._pools)
+        ]
         # Per operator: records in, records out, seconds inside process_many/flush.
         self.op_stats: list[list[float]] = (
             [list(s) for s in op_stats] if op_stats else [[0, 0, 0.0] for _ in plan.chain]
@@ -192,6 +196,8 @@ class LaneRunner:
                 records = self._push(
                     0, self._fetch(position, chunk.pointers[begin:end], begin), split_at
                 )
+                if piece < mb:  # cut into pieces by cursor below
+                    records = expand_runs(records)
                 # One item list per read, pieces and snapshots in order: a process lane's
                 # ``prefetch`` counts lists, so a list is what a micro-batch makes.
                 made, opened = opened, []
@@ -231,9 +237,10 @@ class LaneRunner:
             if out:
                 yield out
 
-    def _fetch(self, position: int, pointers: Any, start: int) -> list[SampleRecord]:
+    def _fetch(self, position: int, pointers: Any, start: int) -> list:
         try:
-            return self.fetch.fetch(position, pointers, start)
+            read = self.fetch.fetch(position, pointers, start)
+            return [read] if type(read) is RecordRun else read
         except ZephonError as exc:
             raise exc.add_context(lane=self.lane_id, chunk=position) from exc.__cause__
         except Exception as exc:
@@ -259,6 +266,9 @@ class LaneRunner:
 
     def _apply(self, j: int, items: list) -> list:
         """Operator ``j`` over runs of real records; everything else keeps its place."""
+        if self._by_payload[j] and len(items) == 1 and type(items[0]) is RecordRun:
+            return self._call(j, items[0])
+        items = expand_runs(items)
         n = len(items)
         stop = next_control(items, 0)
         if stop == n:
@@ -276,11 +286,14 @@ class LaneRunner:
                 break
         return out
 
-    def _call(self, j: int, records: list[SampleRecord]) -> list:
+    def _call(self, j: int, records: list[SampleRecord] | RecordRun) -> list:
+        """Operator ``j`` over a list of real records, or over a run (``maps_payloads``)."""
         op = self.ops[j]
         began = perf_counter()
         try:
-            if self._pools[j] is not None and len(records) > 1:
+            if isinstance(records, RecordRun):
+                out = op.map_payloads(records)
+            elif self._pools[j] is not None and len(records) > 1:
                 out = self._pooled(j, records)
             else:
                 out = op.process_many(records)
@@ -307,9 +320,24 @@ class LaneRunner:
             ).add_context(lane=self.lane_id) from exc
         stats = self.op_stats[j]
         stats[0] += len(records)
-        stats[1] += len(out)
         stats[2] += perf_counter() - began
+        if isinstance(records, RecordRun):
+            stats[1] += len(records)
+            return [self._mapped_run(j, records, out)]
+        stats[1] += len(out)
         return self._audit(j, records, out)
+
+    def _mapped_run(self, j: int, run: RecordRun, payloads: Any) -> RecordRun:
+        if type(payloads) is not list or len(payloads) != len(run):
+            raise OperatorError(
+                f"operator {self.labels[j]!r} mapped a run of {len(run)} records starting at "
+                f"{run[0].meta.cursor!r} to {payloads!r:.80}: map_payloads must return a list "
+                "of one payload per record",
+                operator=self.labels[j],
+            ).add_context(lane=self.lane_id)
+        self._closing_in[j] += len(run)  # each record of a run closes its own offset
+        self._closing_out[j] += len(run)
+        return run.with_payloads(payloads)
 
     def _pooled(self, j: int, records: list[SampleRecord]) -> list:
         # Contiguous slices on worker threads, results re-emitted in input order. Only for
@@ -343,7 +371,7 @@ class LaneRunner:
         return emitted
 
     def _locate_error(
-        self, op: Operator, records: list[SampleRecord], exc: Exception
+        self, op: Operator, records: Sequence[SampleRecord], exc: Exception
     ) -> OperatorError:
         culprit = records[0]
         if not op.traits.stateful:  # safe to rerun: find the record that fails

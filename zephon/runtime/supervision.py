@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from zephon._core.records import RecordRun
 from zephon.errors import ZephonError
 from zephon.plan import Plan
 from zephon.runtime import head_start
@@ -51,9 +52,13 @@ class LaneFeed:
         self.pos = 0
 
     def next_item(self) -> Any:
+        """The next item, a run of records coming as its records one by one."""
         if self.pos >= len(self.buf):
             self.refill()
         item = self.buf[self.pos]
+        if type(item) is RecordRun:
+            self.buf[self.pos : self.pos + 1] = records = item.records()
+            item = records[0]
         self.pos += 1
         return item
 

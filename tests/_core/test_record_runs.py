@@ -1,0 +1,164 @@
+"""``RecordRun`` (zephon/_core/records.pyx): a run of root records kept as columns must be, record
+for record, what building each record with the public constructors gives; and so must everything
+made from it (splits, new payloads, pickles, batches)."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zephon._core.records import count_closing, expand_runs, make_batch, map_each
+from zephon.types import RecordRun, SampleCursor, SampleMeta, SampleRecord
+
+
+def reference(
+    chunk_id: int, pointers: Any, payloads: list, lane: int, comps: list, first: int
+) -> list[tuple[SampleMeta, Any]]:
+    """Each record's meta and payload, built field by field."""
+    return [
+        (
+            SampleMeta(
+                SampleCursor(chunk_id, first + i, (int(row[0]), int(row[1]), int(row[2])), ()),
+                lane_id=lane,
+                component=comps[i],
+            ),
+            payloads[i],
+        )
+        for i, row in enumerate(pointers)
+    ]
+
+
+def seen(records: Sequence[SampleRecord]) -> list[tuple[SampleMeta, Any]]:
+    return [(r.meta, r.payload) for r in records]
+
+
+@st.composite
+def runs(draw: st.DrawFn, min_size: int = 1) -> tuple[RecordRun, list[tuple[SampleMeta, Any]]]:
+    n = draw(st.integers(min_size, 12))
+    rows = draw(st.lists(st.tuples(*[st.integers(0, 2**40)] * 3), min_size=n, max_size=n))
+    pointers = np.array(rows, dtype=np.int64).reshape(n, 3)
+    chunk_id, lane, first = (
+        draw(st.integers(0, 2**40)),
+        draw(st.integers(0, 9)),
+        draw(st.integers(0, 1000)),
+    )
+    payloads = [{"i": i} for i in range(n)]
+    comps = draw(st.lists(st.sampled_from([None, "web", 3]), min_size=n, max_size=n))
+    run = RecordRun(chunk_id, pointers, payloads, lane, comps, first)
+    return run, reference(chunk_id, pointers, payloads, lane, comps, first)
+
+
+@given(runs())
+def test_a_runs_records_are_the_records_built_field_by_field(drawn: Any) -> None:
+    run, expected = drawn
+    assert len(run) == len(expected)
+    assert seen(run.records()) == expected
+    assert seen(list(run)) == expected
+    assert seen([run[i] for i in range(len(run))]) == expected
+    assert seen([run[-1]]) == expected[-1:]
+    assert seen(run[1::2]) == expected[1::2]
+    for rec in run:
+        assert rec.meta.contributors is None and not rec.is_tombstone
+        assert rec.payload is expected[rec.meta.cursor.chunk_offset - run.first_offset][1]
+    assert isinstance(run, Sequence)
+
+
+@given(runs(min_size=2), st.data())
+def test_a_split_run_is_the_same_records_in_two_runs(drawn: Any, data: st.DataObject) -> None:
+    run, expected = drawn
+    k = data.draw(st.integers(1, len(run) - 1))
+    head, tail = run.split(k)
+    assert seen(head) == expected[:k] and seen(tail) == expected[k:]
+    assert tail.first_offset == run.first_offset + k
+    assert tail.pointers.tolist() == run.pointers[k:].tolist()
+    if len(tail) > 1:  # a tail splits again, as delivery does batch after batch
+        a, b = tail.split(1)
+        assert seen(a) + seen(b) == expected[k:]
+
+
+@given(runs())
+def test_a_run_survives_pickle_and_with_payloads_keeps_its_records(drawn: Any) -> None:
+    run, expected = drawn
+    parts = [run] if len(run) == 1 else list(run.split(len(run) // 2 or 1))
+    for part in parts:
+        back = pickle.loads(pickle.dumps(part))
+        assert seen(back) == seen(part)
+    new = run.with_payloads([{"n": i} for i in range(len(run))])
+    assert [r.meta for r in new] == [m for m, _ in expected]
+    assert [r.payload for r in new] == [{"n": i} for i in range(len(run))]
+
+
+def test_a_run_split_out_of_range_or_given_the_wrong_payloads_says_so() -> None:
+    run = RecordRun(0, np.zeros((3, 3), dtype=np.int64), [1, 2, 3], 0, [None] * 3)
+    for k in (0, 3, -1):
+        with pytest.raises(ValueError, match=r"splits at 1\.\.2"):
+            run.split(k)
+    with pytest.raises(ValueError, match="2 payloads for a run of 3"):
+        run.with_payloads([1, 2])
+    with pytest.raises(IndexError):
+        run[3]
+
+
+def test_a_run_rejects_what_records_for_chunk_rejects() -> None:
+    one = np.zeros((1, 3), dtype=np.int64)
+    with pytest.raises(ValueError, match="shape"):
+        RecordRun(0, np.zeros((1, 2), dtype=np.int64), [None], 0, [None])
+    with pytest.raises(ValueError, match="1 pointers but 2 payloads"):
+        RecordRun(0, one, [None, None], 0, [None])
+    with pytest.raises(ValueError, match="row 0"):
+        RecordRun(0, np.array([[0, 0, -1]]), [None], 0, [None])
+    for chunk_id, lane, first in ((-1, 0, 0), (0, -1, 0), (0, 0, -1)):
+        with pytest.raises(ValueError, match=">= 0"):
+            RecordRun(chunk_id, one, [None], lane, [None], first)
+
+
+@given(st.lists(runs() | st.sampled_from(["control", None]), max_size=6))
+def test_expand_runs_puts_each_runs_records_in_its_place(items: list) -> None:
+    mixed = [x[0] if isinstance(x, tuple) else x for x in items]
+    expected = [y for x in items for y in (x[1] if isinstance(x, tuple) else [x])]
+    out = expand_runs(mixed)
+    assert [seen([r])[0] if isinstance(r, SampleRecord) else r for r in out] == expected
+    assert count_closing([r for r in mixed if isinstance(r, RecordRun)]) == sum(
+        isinstance(r, SampleRecord) for r in out
+    )
+    if not any(isinstance(x, RecordRun) for x in mixed):
+        assert out is mixed
+
+
+@given(st.lists(st.integers(-5, 20), max_size=30), st.sampled_from([None, 7, 13]))
+def test_map_each_is_a_list_comprehension_that_stops_at_none_or_an_error(
+    values: list[int], bad: int | None
+) -> None:
+    def fn(v: int) -> Any:
+        if v < 0:
+            return None
+        if v == bad:
+            raise KeyError(v)
+        return v * 2
+
+    out, i, exc = map_each(fn, values)
+    stop = next((k for k, v in enumerate(values) if v < 0 or v == bad), len(values))
+    assert i == stop and out[:i] == [v * 2 for v in values[:i]]
+    if stop == len(values):
+        assert exc is None and out == [v * 2 for v in values]
+    else:
+        assert (exc is None) == (values[stop] < 0)
+
+
+@given(runs())
+def test_a_batch_made_of_a_run_shows_its_records_and_pickles_like_one_of_records(
+    drawn: Any,
+) -> None:
+    run, expected = drawn
+    batch = make_batch(run, "payload")
+    assert len(batch) == len(expected)
+    assert seen(batch.records) == expected
+    assert seen(list(batch)) == expected and batch.records is batch.records
+    back = pickle.loads(pickle.dumps(make_batch(run, "payload")))
+    assert seen(back.records) == expected and back.payload == "payload"
