@@ -383,9 +383,7 @@ cdef class RecordRun:
 
     @property
     def payloads(self):
-        """The records' payloads, in order (a list; the run's own when it is not a part)."""
-        if self._lo == 0 and self.n == len(self._payloads):
-            return self._payloads
+        """The records' payloads, in order (a new list)."""
         return self._payloads[self._lo : self._lo + self.n]
 
     @property

@@ -21,8 +21,8 @@ def default_collate(records: Sequence[SampleRecord]) -> Any:
     list."""
     if type(records) is list:
         return collate_payloads(payloads_of(records))
-    if type(records) is RecordRun:
-        return collate_payloads(list(records.payloads))  # the batch's own list
+    if type(records) is RecordRun:  # a batch that is one run
+        return collate_payloads(records.payloads)
     return collate_payloads([r.payload for r in records])
 
 

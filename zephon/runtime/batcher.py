@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from zephon._core.delivery import gather
 from zephon._core.records import RecordRun, expand_runs
 from zephon.errors import OperatorError
 from zephon.ops.base import Grouper
@@ -31,14 +30,6 @@ class FinalBatcher:
         self.drop_remainder = grouper.drop_remainder
         self.pending: list[Any] = []  # records, and what arrived after the first of them
         self.n_pending = 0  # real records in ``pending``
-
-    def gather(self, buf: list[Any], pos: int) -> int:
-        """Move records (and what follows them) from ``buf[pos:]`` into the pending batch until it
-        is full or an item needs the caller; returns the new position (compiled loop)."""
-        pos, self.n_pending = gather(
-            buf, pos, self.pending, self.n_pending, self.batch_size, LEAVE_TO_CALLER
-        )
-        return pos
 
     @property
     def full(self) -> bool:

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from zephon._core.cursor import cursors_for_chunk, digest_cursors
-from zephon._core.delivery import DeliveryCounters
+from zephon._core.delivery import DeliveryCounters, gather
 from zephon._core.records import expand_runs, make_batch
 from zephon.errors import CheckpointCorruptError
 from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
-from zephon.runtime.batcher import FinalBatcher
+from zephon.runtime.batcher import LEAVE_TO_CALLER, FinalBatcher
 from zephon.runtime.bookkeeping import LaneBook
 from zephon.runtime.control import EpochEnd, LaneEnd, RunStart
 from zephon.runtime.layout import Layout, Run
@@ -58,8 +58,15 @@ class LaneDelivery:
                 # The common case in one compiled loop: records into the pending batch.
                 if feed.pos >= len(feed.buf):
                     feed.refill()
-                feed.pos = batcher.gather(feed.buf, feed.pos)
-                if batcher.full:
+                feed.pos, batcher.n_pending = gather(
+                    feed.buf,
+                    feed.pos,
+                    batcher.pending,
+                    batcher.n_pending,
+                    batcher.batch_size,
+                    LEAVE_TO_CALLER,
+                )
+                if batcher.n_pending == batcher.batch_size:
                     return self._hand_over()
                 if feed.pos == len(feed.buf):
                     continue
