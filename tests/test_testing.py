@@ -118,6 +118,32 @@ def test_each_broken_rule_is_explained(op, message):
         check_operator(op, records())
 
 
+class Doubles(Operator):
+    """Says it only maps payloads; ``map_payloads`` and ``process_many`` are set per instance."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+    maps_payloads = True
+
+    def __init__(self, run_factor: int = 2, drops: bool = False) -> None:
+        self.run_factor = run_factor
+        self.drops = drops
+
+    def map_payloads(self, run):
+        return [{"y": p["idx"] * self.run_factor} for p in run.payloads]
+
+    def process_many(self, recs):
+        kept = recs[1:] if self.drops else recs
+        return [r.with_payload({"y": r.payload["idx"] * 2}) for r in kept]
+
+
+def test_a_payload_mapper_passes_when_both_paths_agree_and_is_explained_when_not():
+    check_operator(Doubles(), records())
+    with pytest.raises(AssertionError, match=r"other payloads than process_many for the 12"):
+        check_operator(Doubles(run_factor=3), records())
+    with pytest.raises(AssertionError, match="metadata unchanged"):
+        check_operator(Doubles(drops=True), records())
+
+
 class ForgetsItsTotal(Operator):
     """Stateful and in order: a running total of idx that it forgets to carry across epochs."""
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon.ops.base import Operator
-from zephon.types import SampleBatch, SampleRecord
+from zephon.types import RecordRun, SampleBatch, SampleRecord
 
 if TYPE_CHECKING:
     from zephon.planner import Pipeline
@@ -36,9 +36,12 @@ def check_operator(op: Operator, records: Sequence[SampleRecord], *, lane_id: in
     lane, a base offset never closed (a dropped record without its tombstone), a base offset
     closed before its last record, output out of order despite ``preserves_cursor_order``, or (for
     ``stateful`` operators) a ``carry_state`` that does not survive a round trip into the next
-    epoch."""
+    epoch; for ``maps_payloads`` operators, ``map_payloads`` on the records as one run giving
+    other payloads than ``process_many``, or ``process_many`` changing a record's metadata."""
     if any(r.meta.is_tombstone for r in records):
         raise ValueError("check_operator takes real records; operators never receive tombstones")
+    if op.maps_payloads:
+        _check_payload_mapping(op, records, lane_id)
     first = _run(op, records, lane_id)
     second = _run(op, records, lane_id)
     name = op.name
@@ -104,6 +107,58 @@ def check_operator(op: Operator, records: Sequence[SampleRecord], *, lane_id: in
 
     if op.traits.stateful:
         _carry_round_trip(op, records, lane_id)
+
+
+def _check_payload_mapping(op: Operator, records: Sequence[SampleRecord], lane_id: int) -> None:
+    """``map_payloads`` over the records as runs (root records, consecutive offsets of a chunk)
+    gives what ``process_many`` gives them, which keeps every record's metadata."""
+    by_record = _run(op, records, lane_id)
+    if [r.meta for r in by_record] != [r.meta for r in records]:
+        raise AssertionError(
+            f"{op.name}: sets maps_payloads but process_many does not return one record per "
+            "record with its metadata unchanged (no drops, splits, reordering or new metas)"
+        )
+    i = 0
+    while i < len(records):  # the longest runs the records make, as fetch would read them
+        j = i + 1
+        if _follows(records[i], records[i]):  # a plain root record: a run starts here
+            while j < len(records) and _follows(records[j - 1], records[j]):
+                j += 1
+            part = records[i:j]
+            cursor = part[0].meta.cursor
+            run = RecordRun(
+                cursor.chunk_id,
+                [r.meta.cursor.sample_id for r in part],
+                [r.payload for r in part],
+                part[0].meta.lane_id,
+                [r.meta.component for r in part],
+                cursor.chunk_offset,
+            )
+            fresh = copy.deepcopy(op)
+            fresh.start_epoch(lane_id, 0)
+            got = [_comparable(p) for p in fresh.map_payloads(run)]
+            if got != [_comparable(r.payload) for r in by_record[i:j]]:
+                raise AssertionError(
+                    f"{op.name}: map_payloads gives other payloads than process_many for the "
+                    f"{j - i} records from {cursor!r} taken as one run"
+                )
+        i = j
+
+
+def _follows(prev: SampleRecord, rec: SampleRecord) -> bool:
+    """``rec`` is a plain root record that a run holding ``prev`` may hold next (or, for ``prev``
+    itself, one that may start a run)."""
+    a, b = prev.meta, rec.meta
+    plain = b.contributors is None and not b.tags and b.component_sample_counts is None
+    plain = plain and b.component_token_counts is None and not b.cursor.lineage
+    if prev is rec:
+        return plain
+    return (
+        plain
+        and a.lane_id == b.lane_id
+        and a.cursor.chunk_id == b.cursor.chunk_id
+        and b.cursor.chunk_offset == a.cursor.chunk_offset + 1
+    )
 
 
 def _comparable(value: Any) -> Any:
