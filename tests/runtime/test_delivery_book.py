@@ -203,6 +203,8 @@ def deliveries(draw: st.DrawFn) -> tuple[list[int], list[tuple[int, int, int]], 
     closed = draw(
         st.lists(st.tuples(st.integers(0, len(sizes) - 1), st.integers(0, 8)), max_size=2)
     )
+    if draw(st.booleans()):  # out of order: order violations, runs into evicted chunks
+        spans = draw(st.permutations(spans))
     return sizes, spans, [(c, o) for c, o in closed if o < sizes[c]]
 
 

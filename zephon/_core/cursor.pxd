@@ -26,6 +26,22 @@ cdef inline uint64_t _mix(uint64_t h, uint64_t v) noexcept nogil:
     return h ^ (h >> 31)
 
 
+cdef inline int root_cmp(offset_t chunk_id, offset_t chunk_offset, const offset_t* sid,
+                         SampleCursor other) noexcept:
+    # SampleCursor.cmp of the cursor with no lineage these fields make, against ``other``.
+    if chunk_id != other.chunk_id:
+        return -1 if chunk_id < other.chunk_id else 1
+    if chunk_offset != other.chunk_offset:
+        return -1 if chunk_offset < other.chunk_offset else 1
+    if other.nlin:
+        return -1  # no lineage sorts before any lineage
+    cdef int i
+    for i in range(3):
+        if sid[i] != other.sid[i]:
+            return -1 if sid[i] < other.sid[i] else 1
+    return 0
+
+
 cdef inline uint64_t root_hash(offset_t chunk_id, offset_t chunk_offset,
                                const offset_t* sid) noexcept nogil:
     # The stable hash of a cursor with no lineage, from its fields alone (inlined where

@@ -12,12 +12,13 @@ import json as _json
 
 cimport cython
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.ref cimport PyObject
 from libc.stdlib cimport free, realloc
 
 from zephon._core._types cimport offset_t, uint64_t
 from zephon._core.chunk_table cimport OFFSET_CLOSED, OFFSET_EVICTED, ChunkTable
-from zephon._core.cursor cimport SampleCursor, make_cursor, root_hash
+from zephon._core.cursor cimport SampleCursor, make_cursor, root_cmp, root_hash
 from zephon._core.records cimport ContributorRef, RecordRun, SampleMeta, SampleRecord
 
 
@@ -49,6 +50,14 @@ cdef inline int _add_count(dict totals, object key, object n) except -1:
     else:
         PyDict_SetItem(totals, key, <object>old + n)
     return 0
+
+
+cdef inline bint _is_int(object obj, offset_t value) except -1:
+    """``obj`` is an ``int`` (not a bool) equal to ``value``."""
+    cdef int overflow = 0
+    if type(obj) is not int:
+        return False
+    return PyLong_AsLongLongAndOverflow(obj, &overflow) == value and not overflow
 
 
 @cython.final
@@ -108,6 +117,20 @@ cdef class DeliveryCounters:
             if self._run_n and comp is not self._run_component:
                 self._flush()
             self._run_component = comp
+            self._run_n += 1
+        return 0
+
+    cdef int count_dataset_ids(self, const offset_t* rows, Py_ssize_t n) except -1:
+        """``count_plain`` for records whose component is their dataset id: ``rows[3 * i]``."""
+        cdef Py_ssize_t i
+        cdef offset_t d
+        self.delivered += n
+        for i in range(n):
+            d = rows[3 * i]
+            if self._run_n and not _is_int(self._run_component, d):
+                self._flush()
+            if not self._run_n:
+                self._run_component = d
             self._run_n += 1
         return 0
 
@@ -287,10 +310,11 @@ cdef class DeliveryBook:
         return 0
 
     cdef int _record_run(self, RecordRun run, bint count) except -1:
-        # What ``_record`` does for each record of the run, the first one through ``_record``
-        # itself. The rest are in one chunk at the offsets after it, in order: each closes its
-        # offset and adds its cursor to the window, the watermark moves to the last one, and none
-        # can change the watermark's chunk (so none evicts) or break the order.
+        # What ``_record`` does for each record of the run, from the fields: no record is made
+        # unless a violation must name it. The first record goes as in ``_record``. The rest are
+        # in its chunk at the offsets after it, in order: each closes its offset and adds its
+        # cursor to the window, the watermark moves to the last one, and none can change the
+        # watermark's chunk (so none evicts) or break the order.
         cdef Py_ssize_t i, n = run.n
         cdef ChunkTable table = self.table
         cdef offset_t cid = run.chunk_id, off = run.first_offset
@@ -298,8 +322,26 @@ cdef class DeliveryBook:
         cdef uint64_t digest = 0
         cdef int state
         cdef SampleRecord rec
-        self._record(run.record_at(0), count)
+        cdef SampleCursor last
+        state = table.c_close(cid, off)
+        if state == OFFSET_CLOSED or state == OFFSET_EVICTED:
+            rec = run.record_at(0)
+            self.violations.append(("early-close", rec, rec.meta.cursor, state))
+        self._window_add(cid if self.monotone else self.epochs_done, 1, root_hash(cid, off, p))
+        if self.monotone:
+            last = self.last_cursor
+            if last is not None and root_cmp(cid, off, p, last) < 0:
+                self.violations.append(("order", run.record_at(0).meta.cursor, last))
+            table.c_close_below(cid, off)
+            if cid != self._low_chunk:
+                self._low_chunk = cid
+                self._evict_prefix()
+        if count and run._components is None:
+            self.counters.count_dataset_ids(p, n)
+        elif count:
+            self.counters.count_plain(run._components, run._lo, run._lo + n)
         if n == 1:
+            self.last_cursor = make_cursor(cid, off, p[0], p[1], p[2])
             return 0
         if not table.c_close_span(cid, off + 1, off + n):  # one was closed already: which?
             for i in range(1, n):
@@ -314,8 +356,6 @@ cdef class DeliveryBook:
         self.last_cursor = make_cursor(cid, off + n - 1, p[0], p[1], p[2])
         if self.monotone:
             table.c_close_below(cid, off + n - 1)
-        if count:
-            self.counters.count_plain(run._components, run._lo + 1, run._lo + n)
         return 0
 
     cdef int _tombstone(self, SampleRecord tomb, bint count) except -1:

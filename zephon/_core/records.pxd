@@ -35,7 +35,8 @@ cdef class RecordRun:
     cdef readonly offset_t lane_id
     cdef readonly Py_ssize_t n       # records in the run
     cdef list _payloads              # the run's payloads are _payloads[_lo : _lo + n]
-    cdef list _components            # and its components _components[_lo : _lo + n]
+    cdef list _components            # and its components _components[_lo : _lo + n], or None:
+                                     # each record's dataset id is its component
     cdef Py_ssize_t _lo
     cdef object _pointers            # (rows, 3) int64, C-contiguous, kept alive for _p
     cdef const offset_t* _p          # the pointer row of the run's first record

@@ -80,7 +80,7 @@ class RecordRun(Sequence[SampleRecord]):
         pointers: npt.ArrayLike,
         payloads: list[Any],
         lane_id: int,
-        components: list[Any],
+        components: list[Any] | None,
         first_offset: int = 0,
     ) -> None: ...
     @property

@@ -323,20 +323,21 @@ cdef class RecordRun:
     """Root records of one chunk at consecutive offsets, kept as columns: what ``fetch`` reads.
 
     Record ``i`` has the cursor ``(chunk_id, first_offset + i, pointers[i])``, lane ``lane_id``,
-    payload ``payloads[i]`` and component ``components[i]``, and closes its own offset. Nothing
+    payload ``payloads[i]`` and component ``components[i]`` (with ``components=None``, its
+    dataset id: ``pointers[i][0]``), and closes its own offset. Nothing
     per record is built until something asks for records (``records()``, indexing, iterating),
     so operators that only map payloads (``Operator.maps_payloads``), batching and delivery
     bookkeeping go through a run without making a record, a meta or a cursor per sample.
     It is a read-only ``Sequence`` of ``SampleRecord``; ``split`` shares its columns.
     """
 
-    def __init__(self, chunk_id, pointers, list payloads not None, lane_id,
-                 list components not None, first_offset=0):
+    def __init__(self, chunk_id, pointers, list payloads not None, lane_id, list components,
+                 first_offset=0):
         rows = np.ascontiguousarray(pointers, dtype=np.int64)
         if rows.ndim != 2 or rows.shape[1] != 3:
             raise ValueError(f"pointers must have shape (n, 3), got {rows.shape}")
         cdef Py_ssize_t i, n = rows.shape[0]
-        if len(payloads) != n or len(components) != n:
+        if len(payloads) != n or (components is not None and len(components) != n):
             raise ValueError(
                 f"{n} pointers but {len(payloads)} payloads and {len(components)} components"
             )
@@ -362,7 +363,7 @@ cdef class RecordRun:
         cdef SampleRecord rec = SampleRecord.__new__(SampleRecord)
         rec.meta = make_meta(
             make_cursor(self.chunk_id, self.first_offset + i, p[0], p[1], p[2]),
-            self.lane_id, self._components[self._lo + i],
+            self.lane_id, p[0] if self._components is None else self._components[self._lo + i],
         )
         rec.payload = self._payloads[self._lo + i]
         return rec
@@ -388,7 +389,9 @@ cdef class RecordRun:
 
     @property
     def components(self):
-        """The records' mixture components, in order."""
+        """The records' mixture components, in order (a new list)."""
+        if self._components is None:
+            return [self._p[3 * i] for i in range(self.n)]
         return self._components[self._lo : self._lo + self.n]
 
     def records(self):
@@ -405,7 +408,8 @@ cdef class RecordRun:
             raise ValueError(f"{len(payloads)} payloads for a run of {self.n} records")
         cdef RecordRun out = self._part(0, self.n)
         out._payloads = payloads
-        out._components = self.components if self._lo else self._components
+        out._components = self.components if self._lo and self._components is not None \
+            else self._components
         out._lo = 0
         return out
 
@@ -442,8 +446,9 @@ cdef class RecordRun:
         return iter(self.records())
 
     def __reduce__(self):
-        return (RecordRun, (self.chunk_id, self.pointers, self.payloads, self.lane_id,
-                            self.components, self.first_offset))
+        comps = None if self._components is None else self.components
+        return (RecordRun, (self.chunk_id, self.pointers, self.payloads, self.lane_id, comps,
+                            self.first_offset))
 
     def __repr__(self):
         return (f"RecordRun(chunk {self.chunk_id}, offsets {self.first_offset}.."

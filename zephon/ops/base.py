@@ -209,8 +209,8 @@ class Grouper(Protocol):
     batch_size: int
     drop_remainder: bool
 
-    def collate(self, records: list[SampleRecord]) -> Any:
-        """The payload of a batch of records."""
+    def collate(self, records: Sequence[SampleRecord]) -> Any:
+        """The payload of a batch of records (a list, or a ``RecordRun``)."""
         ...
 
 

@@ -12,6 +12,7 @@ from zephon._core.records import RecordRun, map_each, map_payloads
 from zephon.errors import FetchError, OperatorError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import tombstones_for_record
+from zephon.sources.base import WorkSource
 from zephon.types import SampleRecord
 from zephon.validation import check_int
 
@@ -42,6 +43,8 @@ class Fetch(Operator):
     def bind(self, source: Any) -> None:
         """Attach the pipeline's source (its reader is the default, its components are used)."""
         self._source = source
+        # A source whose components are its dataset ids leaves them to the run's pointer rows.
+        self._ids_are_components = type(source).components is WorkSource.components
 
     def fetch(self, chunk_id: int, pointers: np.ndarray, first_offset: int) -> RecordRun:
         """Records for rows ``first_offset ..`` of chunk ``chunk_id``, as one run."""
@@ -52,13 +55,13 @@ class Fetch(Operator):
                 f"reader returned {len(payloads)} payloads for {len(pointers)} pointers "
                 f"(chunk {chunk_id}, first pointer {pointers[0].tolist()})"
             )
-        components = self._source.components(pointers)
+        components = None if self._ids_are_components else self._source.components(pointers)
         return RecordRun(
             chunk_id,
             pointers,
             payloads if type(payloads) is list else list(payloads),
             self.lane_id,
-            components if type(components) is list else list(components),
+            components if components is None or type(components) is list else list(components),
             first_offset,
         )
 

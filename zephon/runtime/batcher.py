@@ -55,12 +55,14 @@ class FinalBatcher:
             records = [r for r in records if type(r) is SampleRecord and not r.meta.is_tombstone]
         return items, records
 
-    def collate(self, records: Sequence[SampleRecord]) -> Any:
-        """The batch payload; a failure is an ``OperatorError`` naming the first record."""
-        grouper: Any = self.grouper
+    def hand_over(self) -> tuple[list[Any], Sequence[SampleRecord], Any]:
+        """``take()`` and the batch payload; a failure to collate is an ``OperatorError`` naming
+        the first record."""
+        items, records = self.take()
         try:
-            return grouper.collate(records)
+            return items, records, self.grouper.collate(records)
         except Exception as exc:
+            grouper: Any = self.grouper
             first = records[0].meta.cursor
             name = getattr(grouper, "name", type(grouper).__name__)
             raise OperatorError(

@@ -162,8 +162,7 @@ class LaneDelivery:
 
     def _hand_over(self) -> SampleBatch:
         assert self.batcher is not None
-        items, records = self.batcher.take()
-        payload = self.batcher.collate(records)  # before any bookkeeping: a failure books nothing
+        items, records, payload = self.batcher.hand_over()  # a failure to collate books nothing
         self.book.deliver(items)
         self.restored_state = None
         self.delivered += 1

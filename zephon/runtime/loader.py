@@ -102,34 +102,14 @@ class Loader:
 
     def __next__(self) -> Any:  # SampleBatch when the pipeline ends in batch, else SampleRecord
         with self._lock:
-            if self._failure is not None:
-                raise ZephonError(
-                    f"this loader failed earlier ({type(self._failure).__name__}: "
-                    f"{self._failure}); its state_dict() still says where it was"
-                ) from self._failure
-            if self._closed:
-                if all(lane.ended for lane in self.lanes):
-                    raise StopIteration
-                raise ZephonError(
-                    "this loader was closed; resume from its state_dict() with pipeline.iter()"
-                )
+            if self._failure is not None or self._closed or not self._started:
+                self._first_or_refused()
             lanes = self.lanes
-            n = len(lanes)
             try:
-                if not self._started:
-                    self._started = True
-                    self._log_start()
-                    # every lane's worker starts working at once
-                    start_feeds(
-                        [lane.feed for lane in lanes if not lane.ended],
-                        lanes[self.next_lane].feed,
-                    )
-                    for lane in lanes:  # a restored lane is back at its position first
-                        self._catch_up(lane)
-                for _ in range(n):  # one full round at most: each lane delivers or has ended
+                for _ in lanes:  # one full round at most: each lane delivers or has ended
                     lane = lanes[self.next_lane]
                     out = lane.next_delivery()
-                    self.next_lane = (self.next_lane + 1) % n
+                    self.next_lane = (self.next_lane + 1) % len(lanes)
                     book = lane.book
                     if book.found:
                         self.policy.report(book.take_violations())
@@ -142,6 +122,32 @@ class Loader:
                 self._fail(exc)
                 raise
             raise StopIteration
+
+    def _first_or_refused(self) -> None:
+        """Before a delivery: refuse one from a failed or closed loader, start the lanes on the
+        first."""
+        if self._failure is not None:
+            raise ZephonError(
+                f"this loader failed earlier ({type(self._failure).__name__}: "
+                f"{self._failure}); its state_dict() still says where it was"
+            ) from self._failure
+        if self._closed:
+            if all(lane.ended for lane in self.lanes):
+                raise StopIteration
+            raise ZephonError(
+                "this loader was closed; resume from its state_dict() with pipeline.iter()"
+            )
+        lanes = self.lanes
+        self._started = True
+        try:
+            self._log_start()
+            # every lane's worker starts working at once
+            start_feeds([lane.feed for lane in lanes if not lane.ended], lanes[self.next_lane].feed)
+            for lane in lanes:  # a restored lane is back at its position first
+                self._catch_up(lane)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def _catch_up(self, lane: LaneDelivery) -> None:
         replay = lane.replay
