@@ -234,14 +234,18 @@ def _state(book: DeliveryBook) -> tuple:
     )
 
 
-@given(deliveries(), st.booleans())
-def test_a_run_is_booked_as_its_records_one_by_one(drawn: Any, monotone: bool) -> None:
+@given(deliveries(), st.booleans(), st.sampled_from(["named", "dataset ids", "one dataset"]))
+def test_a_run_is_booked_as_its_records_one_by_one(
+    drawn: Any, monotone: bool, components: str
+) -> None:
     sizes, spans, closed = drawn
     items = []
     for chunk_id, first, length in spans:
-        pointers = np.array([[1, chunk_id, first + i] for i in range(length)], dtype=np.int64)
-        comps = ["web" if (first + i) % 3 else "books" for i in range(length)]
-        payloads = [{"i": first + i} for i in range(length)]
+        offsets = range(first, first + length)
+        ids = [0 if components == "one dataset" else (o // 2) % 3 * 300 for o in offsets]
+        pointers = np.array([[d, chunk_id, o] for d, o in zip(ids, offsets)], dtype=np.int64)
+        comps = ["web" if o % 3 else "books" for o in offsets] if components == "named" else None
+        payloads = [{"i": o} for o in offsets]
         items.append(RecordRun(chunk_id, pointers, payloads, 0, comps, first))
     by_run, by_record = _book_of(sizes, closed, monotone), _book_of(sizes, closed, monotone)
     assert by_run.deliver(items) == len(items)

@@ -122,16 +122,21 @@ cdef class DeliveryCounters:
 
     cdef int count_dataset_ids(self, const offset_t* rows, Py_ssize_t n) except -1:
         """``count_plain`` for records whose component is their dataset id: ``rows[3 * i]``."""
-        cdef Py_ssize_t i
-        cdef offset_t d
+        cdef Py_ssize_t i, start = 0
+        cdef offset_t d, current = rows[0]
         self.delivered += n
-        for i in range(n):
+        if self._run_n and not _is_int(self._run_component, current):
+            self._flush()
+        if not self._run_n:
+            self._run_component = current
+        for i in range(1, n):  # a run of one component is counted at its end
             d = rows[3 * i]
-            if self._run_n and not _is_int(self._run_component, d):
+            if d != current:
+                self._run_n += i - start
                 self._flush()
-            if not self._run_n:
-                self._run_component = d
-            self._run_n += 1
+                self._run_component = current = d
+                start = i
+        self._run_n += n - start
         return 0
 
     cpdef count_tombstone(self, SampleMeta meta):

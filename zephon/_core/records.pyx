@@ -18,6 +18,8 @@ cimport numpy as cnp
 
 cnp.import_array()
 
+cdef type _ndarray = np.ndarray
+
 _NO_TAGS = frozenset()
 
 
@@ -333,7 +335,10 @@ cdef class RecordRun:
 
     def __init__(self, chunk_id, pointers, list payloads not None, lane_id, list components,
                  first_offset=0):
-        rows = np.ascontiguousarray(pointers, dtype=np.int64)
+        rows = pointers
+        if not (type(rows) is _ndarray and cnp.PyArray_TYPE(<cnp.ndarray>rows) == cnp.NPY_INT64
+                and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>rows)):  # a chunk's rows already are
+            rows = np.ascontiguousarray(pointers, dtype=np.int64)
         if rows.ndim != 2 or rows.shape[1] != 3:
             raise ValueError(f"pointers must have shape (n, 3), got {rows.shape}")
         cdef Py_ssize_t i, n = rows.shape[0]
@@ -344,9 +349,9 @@ cdef class RecordRun:
         cdef offset_t cid = chunk_id, first = first_offset, lane = lane_id
         if cid < 0 or first < 0 or lane < 0:
             raise ValueError("chunk_id, first_offset and lane_id must be >= 0")
-        cdef const offset_t[:, ::1] view = rows
+        cdef const offset_t* p = <const offset_t*>cnp.PyArray_DATA(<cnp.ndarray>rows)
         for i in range(n):
-            if view[i, 0] < 0 or view[i, 1] < 0 or view[i, 2] < 0:
+            if p[3 * i] < 0 or p[3 * i + 1] < 0 or p[3 * i + 2] < 0:
                 raise ValueError(f"pointer row {i} of chunk {cid} has a negative field")
         self.chunk_id = cid
         self.first_offset = first
@@ -356,7 +361,7 @@ cdef class RecordRun:
         self._components = components
         self._lo = 0
         self._pointers = rows
-        self._p = &view[0, 0] if n else NULL
+        self._p = p if n else NULL
 
     cdef SampleRecord record_at(self, Py_ssize_t i):
         cdef const offset_t* p = self._p + 3 * i

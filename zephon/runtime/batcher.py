@@ -58,7 +58,12 @@ class FinalBatcher:
     def hand_over(self) -> tuple[list[Any], Sequence[SampleRecord], Any]:
         """``take()`` and the batch payload; a failure to collate is an ``OperatorError`` naming
         the first record."""
-        items, records = self.take()
+        items = self.pending
+        if len(items) == 1 and type(items[0]) is RecordRun:  # take() of the usual batch
+            records: Sequence[SampleRecord] = items[0]
+            self.pending, self.n_pending = [], 0
+        else:
+            items, records = self.take()
         try:
             return items, records, self.grouper.collate(records)
         except Exception as exc:
