@@ -18,15 +18,15 @@ from zephon.types import RecordRun, SampleCursor, SampleMeta, SampleRecord
 
 
 def reference(
-    chunk_id: int, pointers: Any, payloads: list, lane: int, comps: list, first: int
+    chunk_id: int, pointers: Any, payloads: list, lane: int, comps: list | None, first: int
 ) -> list[tuple[SampleMeta, Any]]:
-    """Each record's meta and payload, built field by field."""
+    """Each record's meta and payload, built field by field (no components: the dataset id)."""
     return [
         (
             SampleMeta(
                 SampleCursor(chunk_id, first + i, (int(row[0]), int(row[1]), int(row[2])), ()),
                 lane_id=lane,
-                component=comps[i],
+                component=int(row[0]) if comps is None else comps[i],
             ),
             payloads[i],
         )
@@ -49,7 +49,7 @@ def runs(draw: st.DrawFn, min_size: int = 1) -> tuple[RecordRun, list[tuple[Samp
         draw(st.integers(0, 1000)),
     )
     payloads = [{"i": i} for i in range(n)]
-    comps = draw(st.lists(st.sampled_from([None, "web", 3]), min_size=n, max_size=n))
+    comps = draw(st.none() | st.lists(st.sampled_from([None, "web", 3]), min_size=n, max_size=n))
     run = RecordRun(chunk_id, pointers, payloads, lane, comps, first)
     return run, reference(chunk_id, pointers, payloads, lane, comps, first)
 
@@ -111,6 +111,8 @@ def test_a_run_rejects_what_records_for_chunk_rejects() -> None:
         RecordRun(0, np.zeros((1, 2), dtype=np.int64), [None], 0, [None])
     with pytest.raises(ValueError, match="1 pointers but 2 payloads"):
         RecordRun(0, one, [None, None], 0, [None])
+    with pytest.raises(ValueError, match="1 pointers but 2 payloads and 1 components"):
+        RecordRun(0, one, [None, None], 0, None)  # components from the dataset ids
     with pytest.raises(ValueError, match="row 0"):
         RecordRun(0, np.array([[0, 0, -1]]), [None], 0, [None])
     for chunk_id, lane, first in ((-1, 0, 0), (0, -1, 0), (0, 0, -1)):

@@ -287,3 +287,13 @@ def test_gather_splits_runs_into_the_batches_their_records_make(
         return out
 
     assert batches(list(items)) == batches(expand_runs(items))
+
+
+def test_an_empty_run_books_nothing() -> None:
+    table = ChunkTable()
+    table.open_chunk(0, 0, 2, 0)
+    book = make_book(table)
+    empty = RecordRun(0, np.zeros((0, 3), dtype=np.int64), [], 0, None, 1)
+    assert book.deliver([empty]) == 1
+    assert table.open_offsets(0).tolist() == [0, 1]
+    assert (book.counters.delivered, book.window_totals(), book.last_cursor) == (0, (0, 0), None)

@@ -328,6 +328,8 @@ cdef class DeliveryBook:
         cdef int state
         cdef SampleRecord rec
         cdef SampleCursor last
+        if n == 0:
+            return 0
         state = table.c_close(cid, off)
         if state == OFFSET_CLOSED or state == OFFSET_EVICTED:
             rec = run.record_at(0)

@@ -295,7 +295,7 @@ cdef class SampleBatch:
 
     def __len__(self):
         if self._records is None:
-            return len(self._run.payloads)
+            return self._run.n
         return len(self._records)
 
     def __iter__(self):
@@ -326,10 +326,10 @@ cdef class RecordRun:
 
     Record ``i`` has the cursor ``(chunk_id, first_offset + i, pointers[i])``, lane ``lane_id``,
     payload ``payloads[i]`` and component ``components[i]`` (with ``components=None``, its
-    dataset id: ``pointers[i][0]``), and closes its own offset. Nothing
-    per record is built until something asks for records (``records()``, indexing, iterating),
-    so operators that only map payloads (``Operator.maps_payloads``), batching and delivery
-    bookkeeping go through a run without making a record, a meta or a cursor per sample.
+    dataset id: ``pointers[i][0]``), and closes its own offset. Nothing per record is built until
+    something asks for records (``records()``, indexing, iterating), so operators that only map
+    payloads (``Operator.maps_payloads``), batching and delivery bookkeeping go through a run
+    without making a record, a meta or a cursor per sample.
     It is a read-only ``Sequence`` of ``SampleRecord``; ``split`` shares its columns.
     """
 
@@ -344,7 +344,8 @@ cdef class RecordRun:
         cdef Py_ssize_t i, n = rows.shape[0]
         if len(payloads) != n or (components is not None and len(components) != n):
             raise ValueError(
-                f"{n} pointers but {len(payloads)} payloads and {len(components)} components"
+                f"{n} pointers but {len(payloads)} payloads and "
+                f"{n if components is None else len(components)} components"
             )
         cdef offset_t cid = chunk_id, first = first_offset, lane = lane_id
         if cid < 0 or first < 0 or lane < 0:

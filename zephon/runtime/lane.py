@@ -240,7 +240,9 @@ class LaneRunner:
     def _fetch(self, position: int, pointers: Any, start: int) -> list:
         try:
             read = self.fetch.fetch(position, pointers, start)
-            return [read] if type(read) is RecordRun else read
+            if type(read) is RecordRun:
+                return [read] if len(read) else []
+            return read
         except ZephonError as exc:
             raise exc.add_context(lane=self.lane_id, chunk=position) from exc.__cause__
         except Exception as exc:
