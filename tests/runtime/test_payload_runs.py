@@ -84,3 +84,16 @@ class WrongLength(Operator):
 def test_a_payload_mapper_that_loses_a_payload_is_an_operator_error() -> None:
     with pytest.raises(OperatorError, match=r"'wrong' mapped a run of 64 records .* one payload"):
         run(iter(pipeline(WrongLength())))
+
+
+class FlagOnly(OneByOne):
+    """Says it only maps payloads and keeps the default ``map_payloads`` (from process_many)."""
+
+    maps_payloads = True
+
+
+def test_the_default_map_payloads_is_process_many_on_the_runs_records() -> None:
+    assert run(iter(pipeline(FlagOnly()))) == run(iter(pipeline(OneByOne())))
+    loader = iter(pipeline(FlagOnly()))
+    run(loader)
+    assert [s["records_in"] for s in loader.stats()["operators"].values()] == [500]

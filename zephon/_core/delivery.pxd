@@ -29,6 +29,7 @@ cdef class DeliveryCounters:
 
     cdef int _flush(self) except -1
     cpdef count_delivered(self, SampleMeta meta)
+    cdef int _count_component(self, object comp) except -1
     cdef int count_plain(self, list components, Py_ssize_t start, Py_ssize_t stop) except -1
     cdef int count_dataset_ids(self, const offset_t* rows, Py_ssize_t n) except -1
     cpdef count_tombstone(self, SampleMeta meta)

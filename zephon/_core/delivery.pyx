@@ -101,11 +101,15 @@ cdef class DeliveryCounters:
             for comp, n in samples.items():
                 _add_count(self.mix_samples, comp, n)
         else:
-            comp = meta.component
-            if self._run_n and comp is not self._run_component:
-                self._flush()
-            self._run_component = comp
-            self._run_n += 1
+            self._count_component(meta.component)
+
+    cdef int _count_component(self, object comp) except -1:
+        # A plain record of ``comp``: the open run goes on, or one of ``comp`` starts.
+        if self._run_n and comp is not self._run_component:
+            self._flush()
+        self._run_component = comp
+        self._run_n += 1
+        return 0
 
     cdef int count_plain(self, list components, Py_ssize_t start, Py_ssize_t stop) except -1:
         """``count_delivered`` for plain records (no mixture counts) of
@@ -113,11 +117,7 @@ cdef class DeliveryCounters:
         cdef Py_ssize_t i
         self.delivered += stop - start
         for i in range(start, stop):
-            comp = components[i]
-            if self._run_n and comp is not self._run_component:
-                self._flush()
-            self._run_component = comp
-            self._run_n += 1
+            self._count_component(components[i])
         return 0
 
     cdef int count_dataset_ids(self, const offset_t* rows, Py_ssize_t n) except -1:

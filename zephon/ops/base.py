@@ -87,10 +87,10 @@ class Operator:
     def map_payloads(self, run: RecordRun) -> list[Any]:
         """For ``maps_payloads`` operators: the new payload of each record of ``run`` (a
         ``RecordRun``: its ``payloads``, and its records when one is needed to name it in an
-        error), in order."""
-        raise NotImplementedError(
-            f"{type(self).__name__} sets maps_payloads but lacks map_payloads"
-        )
+        error), in order. This default takes them from ``process_many`` on the run's records,
+        which such an operator returns one for one with their metadata; override it to skip
+        building the records."""
+        return [r.payload for r in self.process_many(run.records())]
 
     def flush(self) -> list[SampleRecord]:
         """Emit whatever the operator still holds; called at every epoch marker and lane end."""

@@ -43,23 +43,21 @@ class FinalBatcher:
         """A tombstone or control item that arrived after a pending record waits with it."""
         self.pending.append(item)
 
-    def take(self) -> tuple[list[Any], Sequence[SampleRecord]]:
-        """Empty the pending batch: everything in it (to book) and its real records (a list, or
-        the one ``RecordRun`` the batch is)."""
+    def take(self) -> tuple[list[Any], list[SampleRecord]]:
+        """Empty the pending batch: everything in it (to book) and its real records."""
         items, self.pending = self.pending, []
         n, self.n_pending = self.n_pending, 0
-        if len(items) == 1 and type(items[0]) is RecordRun:  # one run, the usual case
-            return items, items[0]
         records = expand_runs(items)
         if records is not items or len(items) != n:
             records = [r for r in records if type(r) is SampleRecord and not r.meta.is_tombstone]
         return items, records
 
     def hand_over(self) -> tuple[list[Any], Sequence[SampleRecord], Any]:
-        """``take()`` and the batch payload; a failure to collate is an ``OperatorError`` naming
-        the first record."""
+        """Empty the pending batch: everything in it (to book), its real records (the one
+        ``RecordRun`` the batch is, the usual case, or a list: ``take()``) and their payload; a
+        failure to collate is an ``OperatorError`` naming the first record."""
         items = self.pending
-        if len(items) == 1 and type(items[0]) is RecordRun:  # take() of the usual batch
+        if len(items) == 1 and type(items[0]) is RecordRun:
             records: Sequence[SampleRecord] = items[0]
             self.pending, self.n_pending = [], 0
         else:

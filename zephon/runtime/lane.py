@@ -330,16 +330,18 @@ class LaneRunner:
         return self._audit(j, records, out)
 
     def _mapped_run(self, j: int, run: RecordRun, payloads: Any) -> RecordRun:
-        if type(payloads) is not list or len(payloads) != len(run):
+        try:
+            mapped = run.with_payloads(payloads)  # a list of one payload per record, or raises
+        except (TypeError, ValueError):
             raise OperatorError(
                 f"operator {self.labels[j]!r} mapped a run of {len(run)} records starting at "
                 f"{run[0].meta.cursor!r} to {payloads!r:.80}: map_payloads must return a list "
                 "of one payload per record",
                 operator=self.labels[j],
-            ).add_context(lane=self.lane_id)
+            ).add_context(lane=self.lane_id) from None
         self._closing_in[j] += len(run)  # each record of a run closes its own offset
         self._closing_out[j] += len(run)
-        return run.with_payloads(payloads)
+        return mapped
 
     def _pooled(self, j: int, records: list[SampleRecord]) -> list:
         # Contiguous slices on worker threads, results re-emitted in input order. Only for
