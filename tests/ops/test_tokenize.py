@@ -430,3 +430,21 @@ def test_traits_order_preserving_stateless_and_indexable_only_when_1_to_1():
 def test_check_operator_passes(op):
     texts = ["", "a", "abcdefgh", "the quick brown fox", "héllo wörld"]
     check_operator(op, text_records(texts, chunk_id=3), lane_id=0)
+
+
+def test_copies_of_the_operator_share_a_hugging_face_tokenizer_and_copy_any_other():
+    # Each lane runs a copy of the operator. A Hugging Face Tokenizer does not change when it
+    # encodes, so the copies share it (copying would re-parse its vocabulary per lane); a
+    # tokenizer that may keep state is copied with the operator.
+    import copy
+
+    hf = tokenize(bpe_tokenizer())
+    twin = copy.deepcopy(hf)
+    assert twin.tokenizer is hf.tokenizer
+    assert twin is not hf and twin.traits == hf.traits and twin.name == hf.name
+    texts = text_records(["the lazy fox", "dog " * 9])
+    for a, b in zip(twin.process_many(texts), hf.process_many(texts), strict=True):
+        np.testing.assert_array_equal(a.payload["tokens"], b.payload["tokens"])
+    transformers_tok = PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer(), eos_token="[EOS]")
+    for op in (tokenize(ByteTokenizer()), tokenize(transformers_tok)):
+        assert copy.deepcopy(op).tokenizer is not op.tokenizer

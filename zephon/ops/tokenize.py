@@ -12,6 +12,7 @@ sums for ``stats()["mixture"]`` and which the packers and ``ensure_mixture`` rea
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from zephon._core.tokens import UNDECIDED, int32_ids
 from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
@@ -311,8 +313,8 @@ def _ids_of(encoded: Any) -> Any:
 def _fill(ids: Any, n: int, eos: int | None, limit: int | None) -> np.ndarray:
     """One new ``int32`` array: ``ids`` (``n`` of them) then ``eos``, cut to ``limit`` tokens.
 
-    The ids are converted once, straight into the output (a list of ints, or an array cast on
-    the copy); the eos is appended before the cut, so a cut document ends without it.
+    The ids (an integer array) are cast once, on the copy into the output; the eos is appended
+    before the cut, so a cut document ends without it.
     """
     total = n if eos is None else n + 1
     if limit is not None and total > limit:
@@ -327,9 +329,15 @@ def _fill(ids: Any, n: int, eos: int | None, limit: int | None) -> np.ndarray:
 
 
 def _checked_fill(encoded: Any, eos: int | None, limit: int | None) -> np.ndarray:
-    """``_fill`` for an untrusted encoder result: 1-D integer ids in ``[0, 2**31)``, checked on
-    the ids themselves (reductions, no copy) before the one conversion into the output."""
-    ids = np.asarray(_ids_of(encoded))
+    """``_fill`` for an encoder result: 1-D integer ids in ``[0, 2**31)``. A list of ints is
+    checked and converted in one compiled pass; anything else is checked on the ids themselves
+    (reductions, no copy) before the one conversion into the output."""
+    ids = _ids_of(encoded)
+    if type(ids) is list:
+        out = int32_ids(ids, eos, limit)
+        if out is not UNDECIDED:
+            return out
+    ids = np.asarray(ids)
     if ids.ndim != 1:
         raise ValueError(f"the tokenizer returned an array of shape {ids.shape}, not a sequence")
     if ids.size:
@@ -384,10 +392,6 @@ class Tokenize(Operator):
         self.append_eos = bool(append_eos)
         self._mode = _encoder_mode(tokenizer)
         _refuse_batch_padding(tokenizer)
-        # A Hugging Face tokenizer's ids are unsigned 32-bit ints (never negative): they need no
-        # per-document range check, and one >= 2**31 fails the int32 assignment (OverflowError,
-        # numpy >= 2).
-        self._trusted_ids = _is_hf_tokenizer(tokenizer) and self._mode.startswith("encode_batch")
 
         eos = find_eos(tokenizer, eos_id) if self.append_eos else None
         if self.append_eos and eos is None:
@@ -408,6 +412,19 @@ class Tokenize(Operator):
             preserves_indexability=not self.split_long_samples,
             workers=workers,
         )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tokenize:
+        # Each lane runs its own copy of the operator. A Hugging Face ``Tokenizer`` encodes
+        # without changing itself, so the copies share it: copying one re-parses its whole
+        # vocabulary. Any other tokenizer (one that may keep state) is copied with the operator.
+        tok = self.tokenizer
+        if type(tok).__module__ == "tokenizers" and type(tok).__qualname__ == "Tokenizer":
+            memo[id(tok)] = tok
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
 
     def _ends_with_eos(self, eos: int) -> bool:
         """Whether the tokenizer itself ends every encoding with ``eos`` (probed on the empty
@@ -493,15 +510,10 @@ class Tokenize(Operator):
         # Truncation happens in the one conversion; splitting cuts views of the whole document.
         piece_len = self.max_len if self.split_long_samples else None
         limit = None if self.split_long_samples else self.max_len
-        trusted = self._trusted_ids
         out: list[SampleRecord] = []
         for rec, result in zip(records, encoded, strict=True):
             try:
-                if trusted:  # a Hugging Face Encoding: its ids list, checked at construction
-                    ids = result.ids
-                    tokens = _fill(ids, len(ids), eos, limit)
-                else:
-                    tokens = _checked_fill(result, eos, limit)
+                tokens = _checked_fill(result, eos, limit)
             except (AttributeError, TypeError, ValueError, OverflowError) as exc:
                 raise record_error(self, rec, exc) from exc
             meta = rec.meta
