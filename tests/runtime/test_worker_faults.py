@@ -454,15 +454,14 @@ def test_a_message_cut_off_mid_way_times_out_instead_of_blocking():
     import multiprocessing as mp
     import struct
 
-    from zephon.runtime.workers import MessageStalled, _encode, _receive
+    from zephon.runtime.workers import MessageStalled, _encode, _receive, _write
 
     reader, writer = mp.Pipe(duplex=False)
     try:
-        (kind, size, sizes), data, raws = _encode("items", [np.arange(50_000)])
-        writer.send((kind, size, sizes))
-        writer.send_bytes(data)
-        raw = bytes(raws[0])
-        os.write(writer.fileno(), struct.pack("!i", len(raw)) + raw[:1000])  # then stops
+        header, parts = _encode("items", [np.arange(50_000)])
+        writer.send(header)
+        body = b"".join(parts)
+        os.write(writer.fileno(), struct.pack("!i", len(body)) + body[:1000])  # then stops
         t0 = time.monotonic()
         with pytest.raises(MessageStalled):
             _receive(reader, 0.3)
@@ -473,20 +472,28 @@ def test_a_message_cut_off_mid_way_times_out_instead_of_blocking():
     # and a whole message still arrives as it was sent
     reader, writer = mp.Pipe(duplex=False)
     try:
-        (kind, size, sizes), data, raws = _encode("items", [np.arange(50_000), "x"])
-
-        def send() -> None:  # more than a pipe holds: from another thread, as a worker would
-            writer.send((kind, size, sizes))
-            writer.send_bytes(data)
-            for raw in raws:
-                writer.send_bytes(raw)
-
-        sender = threading.Thread(target=send)
+        # More than a pipe holds, from another thread as a worker would send it; arrays of
+        # every size (none at all included), each arriving in a writable buffer of its own.
+        arrays = [np.arange(50_000), np.arange(0), np.arange(7), np.arange(300_000)]
+        message = _encode("items", [*arrays, "x"])
+        sender = threading.Thread(target=_write, args=(writer, message))
         sender.start()
         got_kind, value = _receive(reader, 5.0)
         sender.join()
-        assert got_kind == "items" and value[1] == "x"
-        np.testing.assert_array_equal(value[0], np.arange(50_000))
+        assert got_kind == "items" and value[-1] == "x"
+        for got, want in zip(value, arrays, strict=False):
+            np.testing.assert_array_equal(got, want)
+            assert got.flags.writeable
+        got_arrays = value[: len(arrays)]
+        assert not any(
+            np.shares_memory(a, b) for i, a in enumerate(got_arrays) for b in got_arrays[i + 1 :]
+        )
+        # and without a deadline, as lanes that wait for ever read it
+        sender = threading.Thread(target=_write, args=(writer, message))
+        sender.start()
+        _, again = _receive(reader)
+        sender.join()
+        np.testing.assert_array_equal(again[3], arrays[3])
     finally:
         reader.close()
         writer.close()

@@ -555,21 +555,21 @@ class _LoaderGone(Exception):
     """The loader closed its end of the pipe: the worker stops."""
 
 
-def _encode(kind: str, value: Any) -> tuple[tuple, bytes, list[memoryview]]:
-    """Pickle protocol 5 with out-of-band buffers: numpy data goes to the pipe without a copy."""
+def _encode(kind: str, value: Any) -> tuple[tuple, list[Any]]:
+    """Pickle protocol 5 with out-of-band buffers (numpy data is not copied into the pickle):
+    a header, then the pickle and the buffers, to be sent as one body."""
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
-    return (kind, len(data), [r.nbytes for r in raws]), data, raws
+    return (kind, len(data), [r.nbytes for r in raws]), [data, *raws]
 
 
-def _write(conn: Connection, message: tuple[tuple, bytes, list[memoryview]]) -> None:
-    header, data, raws = message
+def _write(conn: Connection, message: tuple[tuple, list[Any]]) -> None:
+    header, parts = message
     try:
         conn.send(header)
-        conn.send_bytes(data)
-        for raw in raws:
-            conn.send_bytes(raw)
+        # One body, however many arrays: a message of packed rows holds hundreds of them.
+        conn.send_bytes(parts[0] if len(parts) == 1 else b"".join(parts))
     except (OSError, EOFError):
         raise _LoaderGone from None
 
@@ -579,53 +579,67 @@ class MessageStalled(Exception):
 
 
 def _receive(conn: Connection, patience: float | None = None) -> tuple[str, Any]:
-    """One message (``_encode``'s header, pickle and out-of-band buffers). With ``patience``,
-    ``MessageStalled`` when the rest has not arrived that many seconds after the header."""
+    """One message (``_encode``'s header, then its body). With ``patience``, ``MessageStalled``
+    when the body has not arrived that many seconds after the header."""
     kind, size, sizes = conn.recv()  # small: written to the pipe in one piece
     deadline = None if patience is None else time.monotonic() + patience
     data = bytearray(size)
-    _recv_bytes_into(conn, data, deadline)
-    buffers = []
-    for n in sizes:
-        buf = bytearray(n)  # writable, so arrays arrive as ordinary writable numpy arrays
-        _recv_bytes_into(conn, buf, deadline)
-        buffers.append(buf)
+    # Each buffer its own bytearray: writable, so arrays arrive as ordinary writable numpy
+    # arrays, and holding one array holds no other.
+    buffers = [bytearray(n) for n in sizes]
+    _recv_body_into(conn, [data, *buffers], deadline)
     return kind, pickle.loads(data, buffers=buffers)
 
 
-def _recv_bytes_into(conn: Connection, buf: bytearray, deadline: float | None) -> None:
-    """``conn.recv_bytes_into(buf)`` for a message of exactly ``len(buf)`` bytes, giving up at
-    ``deadline``. On POSIX the pipe is read here, in ``Connection``'s framing (a 4-byte
-    big-endian length, or -1 and an 8-byte one, then the bytes)."""
-    if deadline is None or sys.platform == "win32":
-        if len(buf):
-            conn.recv_bytes_into(buf)
-        else:
-            conn.recv_bytes()
+def _recv_body_into(conn: Connection, parts: list[bytearray], deadline: float | None) -> None:
+    """One message of exactly ``sum(map(len, parts))`` bytes into ``parts``, in order, giving up
+    at ``deadline``. On POSIX the pipe is read here, in ``Connection``'s framing (a 4-byte
+    big-endian length, or -1 and an 8-byte one, then the bytes), scattered into the parts."""
+    total = sum(map(len, parts))
+    if sys.platform == "win32":
+        body = conn.recv_bytes()
+        if len(body) != total:
+            raise OSError(f"a message of {len(body)} bytes where {total} were announced")
+        at = 0
+        for part in parts:
+            part[:] = body[at : at + len(part)]
+            at += len(part)
         return
     fd = conn.fileno()
     head = bytearray(4)
-    _read_exactly(fd, memoryview(head), deadline)
+    _read_exactly(fd, [memoryview(head)], deadline)
     (n,) = struct.unpack("!i", head)
     if n == -1:
         head = bytearray(8)
-        _read_exactly(fd, memoryview(head), deadline)
+        _read_exactly(fd, [memoryview(head)], deadline)
         (n,) = struct.unpack("!Q", head)
-    if n != len(buf):
-        raise OSError(f"a message of {n} bytes where {len(buf)} were announced")
-    _read_exactly(fd, memoryview(buf), deadline)
+    if n != total:
+        raise OSError(f"a message of {n} bytes where {total} were announced")
+    _read_exactly(fd, [memoryview(p) for p in parts if len(p)], deadline)
 
 
-def _read_exactly(fd: int, view: memoryview, deadline: float) -> None:
-    got = 0
-    while got < len(view):
-        wait = deadline - time.monotonic()
-        if wait <= 0 or not select.select([fd], [], [], wait)[0]:
-            raise MessageStalled(f"{got} of {len(view)} bytes arrived")
-        n = os.readv(fd, [view[got:]])
+#: The most buffers one ``readv`` may fill.
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
+
+
+def _read_exactly(fd: int, views: list[memoryview], deadline: float | None) -> None:
+    """Fill ``views`` from ``fd``, in order; without a ``deadline`` as long as that takes."""
+    total = sum(map(len, views))
+    got = i = 0
+    while i < len(views):
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                raise MessageStalled(f"{got} of {total} bytes arrived")
+        n = os.readv(fd, views[i : i + _IOV_MAX])
         if n == 0:
             raise EOFError("the pipe closed inside a message")
         got += n
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
 
 
 def _loader_alive(pid: int) -> bool:
@@ -747,7 +761,7 @@ def _process_main(
         thread.join()
 
 
-def _write_or_leave(conn: Connection, message: tuple[tuple, bytes, list[memoryview]]) -> None:
+def _write_or_leave(conn: Connection, message: tuple[tuple, list[Any]]) -> None:
     with contextlib.suppress(_LoaderGone):  # the lane's own loop finds the loader gone
         _write(conn, message)
 
