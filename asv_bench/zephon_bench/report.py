@@ -706,13 +706,12 @@ def text_rows(quick: bool) -> list[Row]:
     )
     ceiling = pb.process_ceiling(2048 if quick else 4096)
     for threads in (False, True):
-        one = tb.median_runs(
-            repeats, data=data, tokenizer=tok_path, lanes=1, workers="inline", threads=threads
+        common = {"data": data, "tokenizer": tok_path, "threads": threads}
+        one, two, speed = tb.alternating_runs(
+            repeats,
+            {"lanes": 1, "workers": "inline", **common},
+            {"lanes": 2, "workers": "process", **common},
         )
-        two = tb.median_runs(
-            repeats, data=data, tokenizer=tok_path, lanes=2, workers="process", threads=threads
-        )
-        speed = one["seconds"] / two["seconds"]
         label = "on" if threads else "off"
         rows.append(
             Row(
@@ -725,7 +724,8 @@ def text_rows(quick: bool) -> list[Row]:
                 f"the machine's two-process ceiling: {ceiling:.2f}×; first batch "
                 f"{_seconds(two['first_batch'])} vs {_seconds(one['first_batch'])} "
                 f"({two['first_batch'] / one['first_batch']:.2f}×, target ≤ 2×); whole runs in "
-                "fresh processes (fork server start included)",
+                f"fresh processes (fork server start included), the two in turns: the median of "
+                f"{repeats} rounds' ratios",
             )
         )
         if not threads:

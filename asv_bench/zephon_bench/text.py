@@ -39,6 +39,7 @@ __all__ = [
     "corpus",
     "load_tokenizer",
     "measure_in_fresh_process",
+    "alternating_runs",
     "median_runs",
     "run_pipeline",
     "text_pipeline",
@@ -438,7 +439,24 @@ def memory_bound(inline: dict[str, Any], workers: int) -> tuple[float, float]:
 
 def median_runs(repeats: int, **kwargs: Any) -> dict[str, Any]:
     """Medians over ``repeats`` fresh-process runs of one configuration (per step, for lists)."""
-    runs = [measure_in_fresh_process(**kwargs) for _ in range(repeats)]
+    return _medians([measure_in_fresh_process(**kwargs) for _ in range(repeats)])
+
+
+def alternating_runs(
+    repeats: int, first: dict[str, Any], second: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """``repeats`` rounds of two configurations in turns (fresh processes, ``first`` then
+    ``second``), so that both see the machine as it was that round: the medians of each
+    (``median_runs``) and the median of the rounds' ``first["seconds"] / second["seconds"]``."""
+    pairs = [
+        (measure_in_fresh_process(**first), measure_in_fresh_process(**second))
+        for _ in range(repeats)
+    ]
+    ratio = statistics.median(a["seconds"] / b["seconds"] for a, b in pairs)
+    return _medians([a for a, _ in pairs]), _medians([b for _, b in pairs]), ratio
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         k: [statistics.median(v) for v in zip(*(r[k] for r in runs))]
         if isinstance(runs[0][k], list)
