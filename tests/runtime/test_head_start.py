@@ -57,11 +57,19 @@ SCRIPT = textwrap.dedent("""
         loader = pipeline("inline" if mode == "inline" else "process", **kw).iter(state=state)
         items = []
         workers_at_first = None
+        lanes_before_workers = set()  # lanes whose batches came before any worker existed
+        workers_came = False
         with loader:
             for step, item in enumerate(loader, 1):
                 items.append(repr(fingerprint_item(item)))
-                if step == 1 and mode == "slow":
-                    workers_at_first = len(worker_processes())
+                if mode == "slow" and not workers_came:
+                    workers = len(worker_processes())
+                    if step == 1:
+                        workers_at_first = workers
+                    if workers:  # from here on (until they finish and exit)
+                        workers_came = True
+                    else:
+                        lanes_before_workers.update(r.meta.lane_id for r in item)
                 if mode == "inline" and step == 23:
                     zephon.save_checkpoint(
                         os.path.join(os.path.dirname(out), "state.json"), loader.state_dict()
@@ -72,7 +80,13 @@ SCRIPT = textwrap.dedent("""
             }
         with open(out, "w") as f:
             json.dump(
-                {"pid": os.getpid(), "items": items, "counts": counts, "first": workers_at_first},
+                {
+                    "pid": os.getpid(),
+                    "items": items,
+                    "counts": counts,
+                    "first": workers_at_first,
+                    "lanes_before_workers": sorted(lanes_before_workers),
+                },
                 f,
             )
 
@@ -161,7 +175,19 @@ def test_the_first_batch_does_not_wait_for_the_fork_server(tmp_path):
     full, _, _, _ = run_script(tmp_path, "inline")
     # The fork server sleeps 3 s before it can fork any worker.
     items, readers, me, _ = run_script(tmp_path, "slow")
-    first = json.loads((tmp_path / "slow.json").read_text())["first"]
-    assert first == 0, "the first batch came before any worker process existed"
+    got = json.loads((tmp_path / "slow.json").read_text())
+    assert got["first"] == 0, "the first batch came before any worker process existed"
+    # and so did the second lane's first batches: the loader read that lane ahead too, its
+    # worker waiting for the fork server like the first lane's
+    assert got["lanes_before_workers"] == [0, 1]
     assert items == full
     assert me in readers and len(readers - {me}) == 2
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no fork server")
+def test_no_sample_the_loader_read_ahead_in_any_lane_is_transformed_again(tmp_path):
+    full, _, _, counts = run_script(tmp_path, "inline")
+    reads, items, me, got = run_logged(tmp_path, "slow")
+    assert items == full
+    assert got == counts, "what the loader read ahead counts once in the operators' stats"
+    assert len(reads) == len({idx for _, idx in reads}) == 4000

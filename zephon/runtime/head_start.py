@@ -1,9 +1,10 @@
 """A process lane's first reads, done in the loader's process while the worker processes start.
 
 A worker process is a fresh interpreter that imports the plan's modules before it reads anything:
-a fraction of a second in which the first batch could only wait. Instead, the loader reads the
+a fraction of a second in which the first batches could only wait. Instead, the loader reads the
 lane delivered from first itself while the workers start on a thread
-(``supervision.WorkerStarts``); that lane's worker is started afterwards, from the last snapshot
+(``supervision.WorkerStarts``), and so any other lane it needs before the fork server can fork
+that lane's worker. Such a lane's worker is started afterwards, from the last snapshot
 (``Holdings``) of what the loader read, as a restore would, except that the worker is handed the
 records the operators held there instead of reading and transforming them again. The lane's stream
 is the same item for item: what the loader read goes out first, without waiting for any worker,

@@ -14,7 +14,13 @@ from zephon.errors import ZephonError
 from zephon.plan import Plan
 from zephon.runtime import head_start
 from zephon.runtime.memory import give_back
-from zephon.runtime.workers import PlanParcel, close_lanes, open_lane, open_lanes
+from zephon.runtime.workers import (
+    PlanParcel,
+    close_lanes,
+    open_lane,
+    open_lanes,
+    wait_for_fork_server,
+)
 
 
 class LaneFeed:
@@ -43,13 +49,29 @@ class LaneFeed:
             self.start_at = {}  # the runner has it (with any records a head start handed over)
 
     def refill(self) -> None:
-        """The next item list from the runner (started on first use)."""
+        """The next item list from the runner (started on first use). While its worker process
+        waits for the fork server, the lane's first lists are read here (``head_start``)."""
+        if self.starting is not None and self.starting.claim(self) and self.read_ahead():
+            return
         self.start()
         try:
             self.buf = next(self.runner)
         except ZephonError as exc:
             raise exc.add_context(lane=self.lane_id) from exc.__cause__
         self.pos = 0
+
+    def read_ahead(self) -> bool:
+        """Read the lane's first lists in this process (its worker, not yet started, continues
+        after them); False when nothing was read."""
+        try:
+            read = head_start.read_ahead(self.plan, self.lane_id, self.start_at)
+            if read is not None:
+                (self.buf, self.start_at), self.pos = read, 0
+        finally:
+            assert self.starting is not None
+            self.starting.read_over(self)
+        give_back()  # the worker goes on from here: what the reads took is free
+        return read is not None
 
     def next_item(self) -> Any:
         """The next item, a run of records coming as its records one by one."""
@@ -74,32 +96,24 @@ class LaneFeed:
 def start_feeds(feeds: list[LaneFeed], first: LaneFeed | None = None) -> None:
     """Start the runners of many lanes at once, sharing the plan's worker processes or threads
     (``workers.open_lanes``). ``first``, the lane delivered from first, may be read in this
-    process while the other lanes' worker processes start (``head_start``)."""
+    process while the worker processes start, and so may the others until their workers can
+    (``head_start``)."""
     waiting = [feed for feed in feeds if feed.runner is None and not feed.closed]
     if not waiting:
         return
     plan = waiting[0].plan
     # The plan is pickled once, here, before a head start and the worker starts run side by side.
     parcel = PlanParcel(plan) if plan.workers == "process" else None
-    head = (
-        first
-        if parcel is not None
-        and first in waiting
-        and head_start.applies(plan, len(waiting), parcel.preload)
-        else None
-    )
-    rest = [feed for feed in waiting if feed is not head]
-    if head is None:
-        _open_runners(plan, rest, parcel)
+    if (
+        parcel is None
+        or first not in waiting
+        or not head_start.applies(plan, len(waiting), parcel.preload)
+    ):
+        _open_runners(plan, waiting, parcel)
         return
-    starts = WorkerStarts(plan, rest, head, parcel)
-    try:
-        read = head_start.read_ahead(plan, head.lane_id, head.start_at)
-        if read is not None:
-            (head.buf, head.start_at), head.pos = read, 0
-    finally:
-        starts.head_ready.set()
-    give_back()  # the head's worker goes on from here: what the reads took is free
+    starts = WorkerStarts(plan, [first, *(f for f in waiting if f is not first)], parcel)
+    starts.claim(first)
+    first.read_ahead()
 
 
 def _open_runners(plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel | None) -> None:
@@ -110,33 +124,56 @@ def _open_runners(plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel | None) 
 
 
 class WorkerStarts:
-    """The worker processes of ``rest``, then ``head``'s once its head start is over
-    (``head_ready``), started on a thread: the fork server forks the first worker only once it has
-    imported the plan's modules, and what the head start read can be delivered meanwhile. Each
-    feed's ``start()`` waits for this; an error here is raised there."""
+    """The worker processes of ``feeds``, started on a thread once the fork server forks (it
+    imports the plan's modules first). Until then the loader may claim a lane and read its first
+    lists itself (``LaneFeed.read_ahead``): that lane's worker is started when the read is over,
+    from where it ended. Each feed's ``start()`` waits for this; an error here is raised there."""
 
-    def __init__(self, plan: Plan, rest: list[LaneFeed], head: LaneFeed, parcel: PlanParcel | None):
-        self.head_ready = threading.Event()
+    def __init__(self, plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel):
         self.error: BaseException | None = None
         self._cancelled = False
-        for feed in (*rest, head):
+        self._lock = threading.Lock()
+        # Per lane: None once the thread starts its worker as it is; an event, set when the
+        # read is over, while the loader reads it ahead.
+        self._owners: dict[int, threading.Event | None] = {}
+        for feed in feeds:
             feed.starting = self
         self._thread = threading.Thread(
             target=self._run,
-            args=(plan, rest, head, parcel),
-            name=f"zephon-worker-starts-{head.lane_id}",
+            args=(plan, feeds, parcel),
+            name=f"zephon-worker-starts-{feeds[0].lane_id}",
             daemon=True,
         )
         self._thread.start()
 
-    def _run(
-        self, plan: Plan, rest: list[LaneFeed], head: LaneFeed, parcel: PlanParcel | None
-    ) -> None:
+    def claim(self, feed: LaneFeed) -> bool:
+        """Whether the loader may read ``feed`` ahead: its worker is not being started yet."""
+        with self._lock:
+            if self._cancelled or feed.lane_id in self._owners:
+                return False
+            self._owners[feed.lane_id] = threading.Event()
+            return True
+
+    def read_over(self, feed: LaneFeed) -> None:
+        """The loader's read of ``feed`` is over: its worker may start."""
+        read = self._owners[feed.lane_id]
+        assert read is not None
+        read.set()
+
+    def _run(self, plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel) -> None:
         try:
-            _open_runners(plan, rest, parcel)
-            self.head_ready.wait()
-            if not self._cancelled:
-                _open_runners(plan, [head], parcel)
+            wait_for_fork_server(parcel.preload)
+            with self._lock:  # the lanes nobody reads ahead are started first, as they are
+                unclaimed = [feed for feed in feeds if feed.lane_id not in self._owners]
+                self._owners.update((feed.lane_id, None) for feed in unclaimed)
+            if unclaimed and not self._cancelled:
+                _open_runners(plan, unclaimed, parcel)
+            for feed in feeds:
+                read = self._owners[feed.lane_id]
+                if read is not None:
+                    read.wait()
+                    if not self._cancelled:
+                        _open_runners(plan, [feed], parcel)
         except BaseException as exc:  # raised by the feeds' start()
             self.error = exc
 
@@ -147,10 +184,13 @@ class WorkerStarts:
             raise self.error
 
     def cancel(self) -> None:
-        """The lanes close: the head's worker is not started if it was not yet; wait for the
-        thread, so that every worker it started is on its feed to be stopped."""
-        self._cancelled = True
-        self.head_ready.set()
+        """The lanes close: workers not started yet are not; wait for the thread, so that every
+        worker it started is on its feed to be stopped."""
+        with self._lock:
+            self._cancelled = True
+            for read in self._owners.values():
+                if read is not None:
+                    read.set()
         self._thread.join()
 
 

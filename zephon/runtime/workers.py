@@ -447,6 +447,18 @@ def boot_fork_server(preload: list[str]) -> bool:
     return True
 
 
+def _nothing() -> None:
+    pass
+
+
+def wait_for_fork_server(preload: list[str]) -> None:
+    """Return once this process's fork server forks processes: it has imported ``preload``.
+    Nothing else tells when it is ready, so a process that does nothing is started and joined."""
+    probe = _context(preload).Process(target=_nothing, name="zephon-fork-server-probe")
+    probe.start()
+    probe.join()
+
+
 _WALK_DEPTH = 3  # source/operator -> its attributes -> theirs: where tokenizers and readers sit
 _WALK_ITEMS = 8  # items looked at per list, tuple or dict (they are usually alike)
 
