@@ -35,11 +35,11 @@ from zephon.sources.arrow import ArrowSource
 
 __all__ = [
     "SEQ_LEN",
+    "alternating_runs",
     "bare_limit",
     "corpus",
     "load_tokenizer",
     "measure_in_fresh_process",
-    "alternating_runs",
     "median_runs",
     "run_pipeline",
     "text_pipeline",

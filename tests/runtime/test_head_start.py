@@ -191,3 +191,5 @@ def test_no_sample_the_loader_read_ahead_in_any_lane_is_transformed_again(tmp_pa
     assert items == full
     assert got == counts, "what the loader read ahead counts once in the operators' stats"
     assert len(reads) == len({idx for _, idx in reads}) == 4000
+    readers = [pid for pid, _ in reads]
+    assert readers[0] == me and len(set(readers) - {me}) == 2, "the loader first, then workers"
