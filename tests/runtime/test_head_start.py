@@ -63,7 +63,9 @@ SCRIPT = textwrap.dedent("""
             for step, item in enumerate(loader, 1):
                 items.append(repr(fingerprint_item(item)))
                 if mode == "slow" and not workers_came:
-                    workers = len(worker_processes())
+                    # Workers are what the fork server forked: the server itself may only just
+                    # be starting (before its exec it looks like this script).
+                    workers = sum(p.ppid() != os.getpid() for p in worker_processes())
                     if step == 1:
                         workers_at_first = workers
                     if workers:  # from here on (until they finish and exit)

@@ -26,18 +26,17 @@ from zephon.plan import Plan
 from zephon.runtime.control import Holdings, LaneEnd, RunStart
 from zephon.runtime.holdings import kept_records, packed
 from zephon.runtime.lane import LaneRunner
-from zephon.runtime.workers import boot_fork_server
+from zephon.runtime.workers import fork_server_cold
 from zephon.types import SampleRecord
 
 
-def applies(plan: Plan, n_lanes: int, preload: list[str]) -> bool:
-    """Whether starting ``n_lanes`` process lanes of ``plan`` gains from a head start; if so,
-    this process's fork server is booted now, and imports ``preload`` meanwhile."""
+def applies(plan: Plan, n_lanes: int) -> bool:
+    """Whether starting ``n_lanes`` process lanes of ``plan`` gains from a head start."""
     return (
         plan.timeout is None
         and plan.restores_holdings
         and n_lanes <= plan.processes
-        and boot_fork_server(preload)
+        and fork_server_cold()
     )
 
 

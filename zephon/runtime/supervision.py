@@ -16,6 +16,7 @@ from zephon.runtime import head_start
 from zephon.runtime.memory import give_back
 from zephon.runtime.workers import (
     PlanParcel,
+    boot_fork_server,
     close_lanes,
     open_lane,
     open_lanes,
@@ -104,16 +105,17 @@ def start_feeds(feeds: list[LaneFeed], first: LaneFeed | None = None) -> None:
     plan = waiting[0].plan
     # The plan is pickled once, here, before a head start and the worker starts run side by side.
     parcel = PlanParcel(plan) if plan.workers == "process" else None
-    if (
-        parcel is None
-        or first not in waiting
-        or not head_start.applies(plan, len(waiting), parcel.preload)
-    ):
+    if parcel is None or first not in waiting or not head_start.applies(plan, len(waiting)):
         _open_runners(plan, waiting, parcel)
         return
     starts = WorkerStarts(plan, [first, *(f for f in waiting if f is not first)], parcel)
     starts.claim(first)
-    first.read_ahead()
+    try:
+        first.read_ahead()
+    finally:
+        # The fork server boots once the first lane's read is over: its imports would take a
+        # core from that read, and the first batch would wait for them.
+        starts.begin()
 
 
 def _open_runners(plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel | None) -> None:
@@ -124,10 +126,11 @@ def _open_runners(plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel | None) 
 
 
 class WorkerStarts:
-    """The worker processes of ``feeds``, started on a thread once the fork server forks (it
-    imports the plan's modules first). Until then the loader may claim a lane and read its first
-    lists itself (``LaneFeed.read_ahead``): that lane's worker is started when the read is over,
-    from where it ended. Each feed's ``start()`` waits for this; an error here is raised there."""
+    """The worker processes of ``feeds``, started on a thread (``begin``) that boots the fork
+    server and waits until it forks (it imports the plan's modules first). Until then the loader
+    may claim a lane and read its first lists itself (``LaneFeed.read_ahead``): that lane's
+    worker is started when the read is over, from where it ended. Each feed's ``start()`` waits
+    for this; an error here is raised there."""
 
     def __init__(self, plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel):
         self.error: BaseException | None = None
@@ -144,6 +147,9 @@ class WorkerStarts:
             name=f"zephon-worker-starts-{feeds[0].lane_id}",
             daemon=True,
         )
+
+    def begin(self) -> None:
+        """Boot the fork server and start the workers, on the thread."""
         self._thread.start()
 
     def claim(self, feed: LaneFeed) -> bool:
@@ -162,6 +168,7 @@ class WorkerStarts:
 
     def _run(self, plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel) -> None:
         try:
+            boot_fork_server(parcel.preload)
             wait_for_fork_server(parcel.preload)
             with self._lock:  # the lanes nobody reads ahead are started first, as they are
                 unclaimed = [feed for feed in feeds if feed.lane_id not in self._owners]
@@ -179,7 +186,7 @@ class WorkerStarts:
 
     def wait(self) -> None:
         """Until every worker is started; the error that stopped a start, if one did."""
-        self._thread.join()
+        self._joined()
         if self.error is not None:
             raise self.error
 
@@ -191,7 +198,11 @@ class WorkerStarts:
             for read in self._owners.values():
                 if read is not None:
                     read.set()
-        self._thread.join()
+        self._joined()
+
+    def _joined(self) -> None:
+        if self._thread.ident is not None:  # begun
+            self._thread.join()
 
 
 def close_feeds(feeds: list[LaneFeed]) -> None:

@@ -431,6 +431,15 @@ def _context(preload: list[str] | None = None) -> Any:
 _server_started = False  # this process started its fork server (it lives as long as we do)
 
 
+def fork_server_cold() -> bool:
+    """Whether this process has not started its fork server yet, on a platform that has one."""
+    return (
+        not _server_started
+        and sys.platform != "win32"
+        and "forkserver" in mp.get_all_start_methods()
+    )
+
+
 def boot_fork_server(preload: list[str]) -> bool:
     """Start this process's fork server and return at once, while it imports ``preload`` (what
     the workers need); False when it was started before or the platform has none."""
