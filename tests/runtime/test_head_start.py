@@ -133,13 +133,16 @@ def run_logged(tmp_path, mode: str) -> tuple[list[tuple[int, int]], list[str], i
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no fork server")
-def test_the_loader_reads_the_first_lane_ahead_and_the_stream_is_unchanged(tmp_path):
+@pytest.mark.parametrize("mode", ["process", "slow"])  # slow: the loader reads both lanes ahead
+def test_the_loader_reads_ahead_and_the_stream_is_unchanged(tmp_path, mode):
     full, _, _, counts = run_script(tmp_path, "inline")
-    items, readers, me, got = run_script(tmp_path, "process")
+    reads, items, me, got = run_logged(tmp_path, mode)
     assert items == full
     assert got == counts, "what the loader read ahead counts once in the operators' stats"
-    assert me in readers, "the loader's process read the first lane's first samples"
-    assert len(readers - {me}) == 2, "both lanes' workers read the rest"
+    assert len(reads) == len({idx for _, idx in reads}) == 4000, "no sample was read twice"
+    readers = [pid for pid, _ in reads]
+    assert readers[0] == me, "the loader's process read the first lane's first samples"
+    assert len(set(readers) - {me}) == 2, "both lanes' workers read the rest"
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no fork server")
@@ -184,14 +187,3 @@ def test_the_first_batch_does_not_wait_for_the_fork_server(tmp_path):
     assert got["lanes_before_workers"] == [0, 1]
     assert items == full
     assert me in readers and len(readers - {me}) == 2
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="no fork server")
-def test_no_sample_the_loader_read_ahead_in_any_lane_is_transformed_again(tmp_path):
-    full, _, _, counts = run_script(tmp_path, "inline")
-    reads, items, me, got = run_logged(tmp_path, "slow")
-    assert items == full
-    assert got == counts, "what the loader read ahead counts once in the operators' stats"
-    assert len(reads) == len({idx for _, idx in reads}) == 4000
-    readers = [pid for pid, _ in reads]
-    assert readers[0] == me and len(set(readers) - {me}) == 2, "the loader first, then workers"
