@@ -121,7 +121,7 @@ def _check_payload_mapping(op: Operator, records: Sequence[SampleRecord], lane_i
     i = 0
     while i < len(records):  # the longest runs the records make, as fetch would read them
         j = i + 1
-        if _follows(records[i], records[i]):  # a plain root record: a run starts here
+        if _plain_root(records[i]):  # a run starts here
             while j < len(records) and _follows(records[j - 1], records[j]):
                 j += 1
             part = records[i:j]
@@ -145,16 +145,24 @@ def _check_payload_mapping(op: Operator, records: Sequence[SampleRecord], lane_i
         i = j
 
 
-def _follows(prev: SampleRecord, rec: SampleRecord) -> bool:
-    """``rec`` is a plain root record that a run holding ``prev`` may hold next (or, for ``prev``
-    itself, one that may start a run)."""
-    a, b = prev.meta, rec.meta
-    plain = b.contributors is None and not b.tags and b.component_sample_counts is None
-    plain = plain and b.component_token_counts is None and not b.cursor.lineage
-    if prev is rec:
-        return plain
+def _plain_root(rec: SampleRecord) -> bool:
+    """``rec`` is what a run holds: a root record closing its own offset, with no tags or
+    mixture counts."""
+    m = rec.meta
     return (
-        plain
+        m.contributors is None
+        and not m.tags
+        and m.component_sample_counts is None
+        and m.component_token_counts is None
+        and not m.cursor.lineage
+    )
+
+
+def _follows(prev: SampleRecord, rec: SampleRecord) -> bool:
+    """``rec`` is a plain root record that a run holding ``prev`` may hold next."""
+    a, b = prev.meta, rec.meta
+    return (
+        _plain_root(rec)
         and a.lane_id == b.lane_id
         and a.cursor.chunk_id == b.cursor.chunk_id
         and b.cursor.chunk_offset == a.cursor.chunk_offset + 1

@@ -16,11 +16,10 @@ from zephon.runtime import head_start
 from zephon.runtime.memory import give_back
 from zephon.runtime.workers import (
     PlanParcel,
-    boot_fork_server,
     close_lanes,
     open_lane,
     open_lanes,
-    wait_for_fork_server,
+    start_fork_server,
 )
 
 
@@ -168,8 +167,7 @@ class WorkerStarts:
 
     def _run(self, plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel) -> None:
         try:
-            boot_fork_server(parcel.preload)
-            wait_for_fork_server(parcel.preload)
+            start_fork_server(parcel.preload)
             with self._lock:  # the lanes nobody reads ahead are started first, as they are
                 unclaimed = [feed for feed in feeds if feed.lane_id not in self._owners]
                 self._owners.update((feed.lane_id, None) for feed in unclaimed)

@@ -417,11 +417,15 @@ class ThreadLane:
 # ------------------------------------------------------------------------------ process lanes
 
 
+def _has_fork_server() -> bool:
+    return sys.platform != "win32" and "forkserver" in mp.get_all_start_methods()
+
+
 def _context(preload: list[str] | None = None) -> Any:
     # forkserver: safe when the parent has threads, and fast because its server has imported what
     # the workers need (zephon, and the plan's modules) before it forks them. The list only counts
     # until the server starts, with the first worker of this process.
-    if sys.platform != "win32" and "forkserver" in mp.get_all_start_methods():
+    if _has_fork_server():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["zephon", *(preload or [])])
         return ctx
@@ -433,37 +437,21 @@ _server_started = False  # this process started its fork server (it lives as lon
 
 def fork_server_cold() -> bool:
     """Whether this process has not started its fork server yet, on a platform that has one."""
-    return (
-        not _server_started
-        and sys.platform != "win32"
-        and "forkserver" in mp.get_all_start_methods()
-    )
-
-
-def boot_fork_server(preload: list[str]) -> bool:
-    """Start this process's fork server and return at once, while it imports ``preload`` (what
-    the workers need); False when it was started before or the platform has none."""
-    global _server_started
-    if _server_started:
-        return False
-    ctx = _context(preload)
-    if ctx.get_start_method() != "forkserver":
-        return False
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
-    _server_started = True
-    return True
+    return not _server_started and _has_fork_server()
 
 
 def _nothing() -> None:
     pass
 
 
-def wait_for_fork_server(preload: list[str]) -> None:
-    """Return once this process's fork server forks processes: it has imported ``preload``.
-    Nothing else tells when it is ready, so a process that does nothing is started and joined."""
-    probe = _context(preload).Process(target=_nothing, name="zephon-fork-server-probe")
+def start_fork_server(preload: list[str]) -> None:
+    """Start this process's fork server unless it runs, and return once it forks processes: it
+    has imported ``preload`` (what the workers need). Nothing else tells when it is ready, so a
+    process that does nothing is started (which starts the server) and joined."""
+    global _server_started
+    ctx = _context(preload)
+    _server_started = True
+    probe = ctx.Process(target=_nothing, name="zephon-fork-server-probe")
     probe.start()
     probe.join()
 
