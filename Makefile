@@ -17,6 +17,10 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py
 
 build: $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace --parallel 2
+	@# An editable install leaves zephon's modules uncompiled, and where PYTHONDONTWRITEBYTECODE
+	@# is set nothing caches them: every new process (a fork server, a worker, a test's
+	@# subprocess) would compile them again, a tenth of a second each.
+	$(BIN)/python -m compileall -q zephon
 
 lint: build
 	$(BIN)/ruff check zephon tests asv_bench

@@ -37,6 +37,7 @@ from zephon.sources.memory import RangeSource
 __all__ = [
     "BATCH_SIZE",
     "CHUNK_SIZE",
+    "RATIOS",
     "bare_chain",
     "bare_trivial",
     "burn",
@@ -260,10 +261,20 @@ def torchdata_map_batch(n: int, *, batch_size: int = BATCH_SIZE) -> Any:
     return tn.Loader(node)
 
 
+#: The ratios ``measure_ratios`` gives, each as (numerator, denominator).
+RATIOS = {
+    "trivial/bare": ("trivial", "bare"),
+    "default/bare": ("default", "bare"),
+    "torchdata/default": ("torchdata", "default"),
+}
+
+
 def measure_ratios(n: int = 300_000, *, repeats: int = 5) -> dict[str, float]:
     """Seconds per record (medians, runs alternating) of the pipeline with the trivial and the
     default collate, of the bare chain with the trivial collate, and of torchdata.nodes with
-    the default collate (``nan`` without torchdata)."""
+    the default collate (``nan`` without torchdata); and each of ``RATIOS`` as the median of the
+    rounds' own ratios, so that a machine whose speed drifts between rounds moves both sides of
+    a ratio alike."""
     runs: dict[str, list[float]] = {"trivial": [], "default": [], "bare": [], "torchdata": []}
     torchdata_map_batch(1)  # import torch and torchdata before the clock starts
     for _ in range(repeats):
@@ -281,7 +292,10 @@ def measure_ratios(n: int = 300_000, *, repeats: int = 5) -> dict[str, float]:
                 continue
             drain(it)
             runs[key].append((time.perf_counter() - start) / n)
-    return {k: statistics.median(v) for k, v in runs.items()}
+    out = {k: statistics.median(v) for k, v in runs.items()}
+    for name, (top, bottom) in RATIOS.items():
+        out[name] = statistics.median(a / b for a, b in zip(runs[top], runs[bottom]))
+    return out
 
 
 WORDS = ("zephon", "packs", "tokens", "into", "bins", "and", "restores", "exactly")
