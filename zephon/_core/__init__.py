@@ -6,7 +6,17 @@ fails with an error that says how to build them instead of a bare ImportError.
 
 import importlib
 
-_MODULES = ("cursor", "records", "chunk_table", "delivery", "binfill", "packfill")
+_MODULES = (
+    "cursor",
+    "records",
+    "chunk_table",
+    "delivery",
+    "binfill",
+    "packfill",
+    "collate",
+    "tokens",
+    "pointers",
+)
 
 
 def check_build() -> None:

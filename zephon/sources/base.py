@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from zephon._core.pointers import first_foreign_row
 from zephon.errors import FetchError
 from zephon.sources.permutation import derive_key, permute
 from zephon.types import WorkChunk
@@ -181,9 +182,9 @@ class IndexedSource(WorkSource):
         # The sample_idx column of rows this source produced; anything else is a FetchError.
         rows = check_pointers(pointers, self)
         n = self.num_samples()
-        bad = (rows[:, 0] != self.dataset_id) | (rows[:, 2] < 0) | (rows[:, 2] >= n)
-        if bad.any():
-            row = rows[np.flatnonzero(bad)[0]].tolist()
+        bad = first_foreign_row(rows, self.dataset_id, n)
+        if bad >= 0:
+            row = rows[bad].tolist()
             raise FetchError(
                 f"{self!r} cannot read pointer {tuple(row)}: it holds dataset_id "
                 f"{self.dataset_id}, sample_idx in [0, {n}); route pointers to the source that "

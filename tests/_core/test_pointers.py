@@ -1,0 +1,46 @@
+"""The compiled pointer-row check against the rule written out in Python."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from zephon._core.pointers import first_foreign_row
+
+
+def reference(rows: np.ndarray, dataset_id: int, num_samples: int) -> int:
+    """The first row naming another dataset or a sample outside ``[0, num_samples)``, else -1."""
+    for i, (ds, _shard, idx) in enumerate(rows.tolist()):
+        if ds != dataset_id or not 0 <= idx < num_samples:
+            return i
+    return -1
+
+
+# Mostly rows of dataset 1 with samples near [0, 10), so that both outcomes are common.
+values = st.one_of(st.integers(-2, 12), st.sampled_from([-(2**63), 2**63 - 1]))
+row_arrays = hnp.arrays(np.int64, st.tuples(st.integers(0, 40), st.just(3)), elements=values)
+
+
+@given(row_arrays, st.integers(-1, 2), st.integers(0, 11))
+def test_the_first_foreign_row_is_the_one_the_rule_names(rows, dataset_id, num_samples):
+    assert first_foreign_row(rows, dataset_id, num_samples) == reference(
+        rows, dataset_id, num_samples
+    )
+
+
+@given(row_arrays, st.integers(0, 12))
+def test_a_strided_view_is_read_as_the_rows_it_shows(rows, num_samples):
+    every_other = rows[::2]
+    assert first_foreign_row(every_other, 1, num_samples) == reference(every_other, 1, num_samples)
+
+
+def test_rows_of_another_width_or_dtype_are_refused():
+    with pytest.raises(ValueError, match="3 columns"):
+        first_foreign_row(np.zeros((2, 4), dtype=np.int64), 0, 5)
+    with pytest.raises(ValueError, match="mismatch"):
+        first_foreign_row(np.zeros((2, 3), dtype=np.int32), 0, 5)
+    with pytest.raises(ValueError):
+        first_foreign_row(np.zeros(3, dtype=np.int64), 0, 5)
