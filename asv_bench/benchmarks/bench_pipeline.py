@@ -220,6 +220,7 @@ class TextPipeline:
             "e2e": run["tokens"] / run["seconds"] / limit,
             "fill": run["fill"],
             "lanes": one["seconds"] / two["seconds"],
+            "lanes_steady": one["steady_seconds"] / two["steady_seconds"],
             "first_batch": two["first_batch"] / one["first_batch"],
             "memory": two["pss"] / one["pss"],
             "memory_over_bound": two["pss"] / tb.memory_bound(one, 2)[0],
@@ -243,6 +244,11 @@ class TextPipeline:
         return r["lanes"]
 
     track_two_process_lanes_over_inline.unit = "x"  # type: ignore[attr-defined]
+
+    def track_two_process_lanes_over_inline_after_start(self, r: dict[str, float]) -> float:
+        return r["lanes_steady"]
+
+    track_two_process_lanes_over_inline_after_start.unit = "x"  # type: ignore[attr-defined]
 
     def track_machine_ceiling(self, r: dict[str, float]) -> float:
         return r["ceiling"]

@@ -725,7 +725,10 @@ def text_rows(quick: bool) -> list[Row]:
                 speed >= (1.0 if threads else 1.5),
                 f"the machine's two-process ceiling: {ceiling:.2f}×; first batch "
                 f"{_seconds(two['first_batch'])} vs {_seconds(one['first_batch'])} "
-                f"({two['first_batch'] / one['first_batch']:.2f}×, target ≤ 2×); whole runs in "
+                f"({two['first_batch'] / one['first_batch']:.2f}×, target ≤ 2×); from batch "
+                f"{tb.STEADY_FROM} on {_seconds(two['steady_seconds'])} vs "
+                f"{_seconds(one['steady_seconds'])} "
+                f"({one['steady_seconds'] / two['steady_seconds']:.2f}×); whole runs in "
                 f"fresh processes (fork server start included), the two in turns: the median of "
                 f"{repeats} rounds' ratios",
             )

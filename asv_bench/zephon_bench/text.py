@@ -35,6 +35,7 @@ from zephon.sources.arrow import ArrowSource
 
 __all__ = [
     "SEQ_LEN",
+    "STEADY_FROM",
     "alternating_runs",
     "bare_limit",
     "corpus",
@@ -173,6 +174,11 @@ def run_pipeline(pipeline: zephon.Pipeline, *, state: Any = None) -> dict[str, f
     }
 
 
+#: The batch from which a run counts as started (``steady_seconds``): workers, the fork server and
+#: the first reads are behind it.
+STEADY_FROM = 50
+
+
 def _pss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -226,17 +232,22 @@ def _child(config: dict[str, Any]) -> None:
         start = time.perf_counter()
         loader = pipeline.iter()
         first = None
+        steady_from = None
         count = 0
         with loader:
             for _ in loader:
                 if first is None:
                     first = time.perf_counter() - start
                 count += 1
+                if count == STEADY_FROM:
+                    steady_from = time.perf_counter()
                 if count % 64 == 1:
                     sample()
+        end = time.perf_counter()
         result.update(
-            seconds=time.perf_counter() - start,
+            seconds=end - start,
             first_batch=first,
+            steady_seconds=end - (steady_from or start),
             pss=peak,
             pss_loader=peak_loader,
             pss_before=before,
