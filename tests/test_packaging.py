@@ -95,6 +95,13 @@ def test_pyproject_names_the_distribution_the_cli_reports():
     assert names == [DISTRIBUTION]
 
 
+def test_the_build_check_covers_every_kernel():
+    # `import zephon` checks each listed kernel, so that a missing build fails with how to fix it.
+    from zephon._core import _MODULES
+
+    assert sorted(_MODULES) == KERNELS
+
+
 def test_every_pip_install_in_the_docs_names_the_distribution():
     pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
     pages += sorted((REPO / ".github" / "workflows").glob("*.yml"))

@@ -1,4 +1,5 @@
-"""Compiled kernels: the cursor, the records, the per-lane chunk table and the bin-fill loops.
+"""Compiled kernels: the cursor, the records, the per-lane chunk table, delivery bookkeeping, the
+bin-fill loops, the collate, token ids and pointer-row checks.
 
 There is no pure-Python fallback. If the extension modules were not built, importing any of them
 fails with an error that says how to build them instead of a bare ImportError.
