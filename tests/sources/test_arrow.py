@@ -859,3 +859,52 @@ def test_arrays_read_from_their_buffers_equal_pyarrows_own_conversion(typ):
             got = _to_numpy(piece)
             assert got.dtype == piece.to_numpy(zero_copy_only=False).dtype
             np.testing.assert_array_equal(got, piece.to_numpy(zero_copy_only=False))
+
+
+NO_THREADS_SCRIPT = """
+import os, sys
+import pyarrow as pa
+import zephon
+from zephon.sources import ArrowSource
+
+# Room for one thread per column task on Arrow's CPU pool; its IO pool may start one thread.
+pa.set_cpu_count(8)
+pa.set_io_thread_count(1)
+
+def threads():
+    tasks = os.listdir("/proc/self/task")
+    return {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks}
+
+sources = [ArrowSource(path) for path in sys.argv[1:]]
+for source in sources:
+    source.total_chunks()  # a file's metadata (and its digest table) is read once, before this
+before = threads()
+for source in sources:
+    for p in range(source.total_chunks()):
+        source.read(source.chunk(p).pointers)
+# pyarrow's jemalloc starts its background thread on first use, whichever pool is the default.
+new = [name for t, name in threads().items() if t not in before]
+print(sorted(name for name in new if name != "jemalloc_bg_thd"))
+"""
+
+
+def test_reading_decodes_on_the_calling_thread(tmp_path):
+    # Decoding on Arrow's CPU pool adds threads beside the lanes, each with allocator heaps of its
+    # own: two process lanes of the text benchmark held 25-30 MiB more with it.
+    table = make_table(0, 400)
+    paths = [
+        write(tmp_path / f"t.{fmt}", table, fmt, group=50)
+        # Not Feather: its first metadata pass decompresses batches on the pool, before the count.
+        for fmt in ("parquet", "arrow_file", "arrow_stream")
+    ]
+    script = tmp_path / "no_threads.py"
+    script.write_text(NO_THREADS_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() in ("[]", "['python']")  # at most the IO pool's thread

@@ -19,7 +19,10 @@ sidecar (beside the file or in ``index_dir``); later opens read only the footer 
 Reading. Files are opened through ``open_file`` (a memory map by default) per ``read`` and closed
 before it returns. ``read`` groups pointers by file and group and reads only the groups they touch,
 with the ``columns`` projection pushed into the Parquet/IPC reader, one group at a time, so the
-memory of a read is bounded by the groups it touches. Every byte pyarrow reads inside a digested
+memory of a read is bounded by the groups it touches. Groups are decoded on the calling thread,
+not on Arrow's CPU thread pool: a pipeline's lanes are its parallelism, and memory freed on a pool
+thread stays with that thread's allocator heap, out of reach of the trims that hand a worker's
+freed memory back. Every byte pyarrow reads inside a digested
 range is served from that whole range, copied once out of the file and compared with its digest
 first: a file changed since its digests were taken (even rewritten with the same footer, even
 behind a sidecar that kept its mtime) raises ``FetchError`` naming the file, the group and the
@@ -714,13 +717,11 @@ class _GroupReader:
             if self._impl is None:
                 self._impl = self._parquet_file()
             wanted = None if columns is None else list(columns)
-            table = self._impl.read_row_group(g, columns=wanted)
+            table = self._impl.read_row_group(g, columns=wanted, use_threads=False)
         elif info.kind == IPC_FILE:
             if self._impl is None:
-                options = None
-                if columns is not None:
-                    idx = [info.columns.index(c) for c in columns]
-                    options = pa.ipc.IpcReadOptions(included_fields=idx)
+                idx = None if columns is None else [info.columns.index(c) for c in columns]
+                options = pa.ipc.IpcReadOptions(included_fields=idx, use_threads=False)
                 self._impl = pa.ipc.open_file(self.file, options=options)
                 if self._impl.num_record_batches != len(info.group_ends):
                     raise _CorruptFile(
@@ -756,7 +757,8 @@ class _GroupReader:
         if info.has_dictionaries():  # dictionaries live in earlier messages: walk the stream
             if self._impl is None or self._impl[0] > g:
                 self.file.seek(0)
-                self._impl = [0, pa.ipc.open_stream(self.file)]
+                options = pa.ipc.IpcReadOptions(use_threads=False)
+                self._impl = [0, pa.ipc.open_stream(self.file, options=options)]
             while self._impl[0] < g:
                 self._impl[1].read_next_batch()
                 self._impl[0] += 1
@@ -1229,7 +1231,8 @@ def _ipc_rows(f: pa.NativeFile, layout: _Layout) -> list[int]:
     # Row count of every record batch, in reading order, decoding one column of each.
     import pyarrow as pa
 
-    options = pa.ipc.IpcReadOptions(included_fields=[0]) if layout.columns else None
+    fields = [0] if layout.columns else None
+    options = pa.ipc.IpcReadOptions(included_fields=fields, use_threads=False)
     if layout.kind == IPC_FILE:
         reader = pa.ipc.open_file(f, options=options)
         return [reader.get_batch(k).num_rows for k in range(reader.num_record_batches)]
