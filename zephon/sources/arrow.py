@@ -721,8 +721,7 @@ class _GroupReader:
         elif info.kind == IPC_FILE:
             if self._impl is None:
                 idx = None if columns is None else [info.columns.index(c) for c in columns]
-                options = pa.ipc.IpcReadOptions(included_fields=idx, use_threads=False)
-                self._impl = pa.ipc.open_file(self.file, options=options)
+                self._impl = pa.ipc.open_file(self.file, options=_ipc_options(idx))
                 if self._impl.num_record_batches != len(info.group_ends):
                     raise _CorruptFile(
                         f"{self._impl.num_record_batches} record batches, its metadata said "
@@ -757,8 +756,7 @@ class _GroupReader:
         if info.has_dictionaries():  # dictionaries live in earlier messages: walk the stream
             if self._impl is None or self._impl[0] > g:
                 self.file.seek(0)
-                options = pa.ipc.IpcReadOptions(use_threads=False)
-                self._impl = [0, pa.ipc.open_stream(self.file, options=options)]
+                self._impl = [0, pa.ipc.open_stream(self.file, options=_ipc_options())]
             while self._impl[0] < g:
                 self._impl[1].read_next_batch()
                 self._impl[0] += 1
@@ -1227,12 +1225,19 @@ def _batch_spans(
     return spans, batch.num_rows
 
 
+def _ipc_options(fields: list[int] | None = None) -> pa.ipc.IpcReadOptions:
+    """IPC read options: the given fields only (all when None), decoded on the calling thread
+    (see the module docstring)."""
+    import pyarrow as pa
+
+    return pa.ipc.IpcReadOptions(included_fields=fields, use_threads=False)
+
+
 def _ipc_rows(f: pa.NativeFile, layout: _Layout) -> list[int]:
     # Row count of every record batch, in reading order, decoding one column of each.
     import pyarrow as pa
 
-    fields = [0] if layout.columns else None
-    options = pa.ipc.IpcReadOptions(included_fields=fields, use_threads=False)
+    options = _ipc_options([0] if layout.columns else None)
     if layout.kind == IPC_FILE:
         reader = pa.ipc.open_file(f, options=options)
         return [reader.get_batch(k).num_rows for k in range(reader.num_record_batches)]
