@@ -20,7 +20,7 @@ __all__ = ["check_bool", "check_int"]
 def check_int(
     value: Any,
     what: str,
-    owner: str,
+    owner: object,
     *,
     minimum: int | None = None,
     maximum: int | None = None,
@@ -29,7 +29,8 @@ def check_int(
 
     Anything with ``__index__`` counts as an int (numpy integers too) except booleans, which are
     refused so that ``passes=True`` is not silently ``1``. TypeError when ``value`` is not an int,
-    ValueError when it is out of range; both name ``owner`` and ``what``.
+    ValueError when it is out of range; both name ``owner`` and ``what``. ``owner`` is a name, or
+    an object whose ``str()`` is one: it is formatted only when the check fails.
     """
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{owner}: {what} must be an int, got {value!r}")
@@ -44,7 +45,7 @@ def check_int(
     return v
 
 
-def check_bool(value: Any, what: str, owner: str) -> bool:
+def check_bool(value: Any, what: str, owner: object) -> bool:
     """``value`` as a Python bool (``numpy.bool_`` accepted); TypeError naming ``owner`` and
     ``what`` for anything else, including the ints 0 and 1."""
     if not isinstance(value, (bool, np.bool_)):

@@ -11,7 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zephon._core.chunk_table import CLOSED, ChunkTable
-from zephon._core.delivery import DeliveryBook, DeliveryCounters, gather
+from zephon._core.delivery import (
+    CollateFailed,
+    DeliveryBook,
+    DeliveryCounters,
+    gather,
+    hand_over_run,
+)
 from zephon._core.records import expand_runs, records_for_chunk
 from zephon.ops.children import tombstones_for_record
 from zephon.runtime.control import LANE_END, ChunkOpened, LaneEnd, RunStart
@@ -297,3 +303,74 @@ def test_an_empty_run_books_nothing() -> None:
     assert book.deliver([empty]) == 1
     assert table.open_offsets(0).tolist() == [0, 1]
     assert (book.counters.delivered, book.window_totals(), book.last_cursor) == (0, (0, 0), None)
+
+
+def _chunk_runs(lengths: list[int]) -> tuple[list[int], list[Any]]:
+    """One run per chunk (chunk ``k`` holds ``lengths[k]`` records), each a whole chunk."""
+    runs: list[Any] = []
+    for chunk_id, n in enumerate(lengths):
+        pointers = np.array([[chunk_id % 2, chunk_id, i] for i in range(n)], dtype=np.int64)
+        runs.append(RecordRun(chunk_id, pointers, [{"i": i} for i in range(n)], 0, None))
+    return lengths, runs
+
+
+def payloads_of_run(records: Any) -> list[Any]:
+    return [r.payload for r in records]
+
+
+def _by_gather(buf: list[Any], pos: int, batch_size: int, book: DeliveryBook) -> Any:
+    # What delivery does without the one-call path: gather, then collate and book the batch.
+    pending: list[Any] = []
+    pos, n = gather(buf, pos, pending, 0, batch_size, (LaneEnd,))
+    assert n == batch_size
+    records = expand_runs(pending)
+    book.deliver(pending)
+    return pos, [r.payload for r in records], [r.meta for r in records]
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(1, 5), st.booleans())
+def test_handing_over_the_head_of_a_run_is_gather_then_booking(
+    lengths: list[int], batch_size: int, monotone: bool
+) -> None:
+    sizes, runs = _chunk_runs(lengths)
+    fast_buf, slow_buf = list(runs), list(runs)
+    fast, slow = _book_of(sizes, [], monotone), _book_of(sizes, [], monotone)
+    fast_pos = slow_pos = 0
+    while fast_pos < len(fast_buf):
+        done = hand_over_run(fast_buf, fast_pos, batch_size, payloads_of_run, fast)
+        if done is None:  # the rest of this run is shorter than a batch: nothing was touched
+            assert len(fast_buf[fast_pos]) < batch_size and _state(fast) == _state(slow)
+            fast_pos = slow_pos = fast_pos + 1
+            continue
+        fast_pos, batch = done
+        slow_pos, payloads, metas = _by_gather(slow_buf, slow_pos, batch_size, slow)
+        assert fast_pos == slow_pos
+        assert batch.payload == payloads  # the collate saw the batch's records
+        assert [r.meta for r in batch.records] == metas
+        assert _state(fast) == _state(slow)
+
+
+def test_handing_over_leaves_what_is_not_the_head_of_a_long_enough_run() -> None:
+    _, (run,) = _chunk_runs([3])
+    book = _book_of([3], [], True)
+    opened = ChunkOpened(1, 1, 2, 0)
+    for buf, pos, size in (([run], 1, 2), ([opened, run], 0, 2), ([run], 0, 4)):
+        before = list(buf)
+        assert hand_over_run(buf, pos, size, payloads_of_run, book) is None
+        assert buf == before
+    assert _state(book) == _state(_book_of([3], [], True))
+
+
+def test_a_collate_that_raises_books_nothing_and_moves_nothing() -> None:
+    _, (run,) = _chunk_runs([5])
+    book = _book_of([5], [], True)
+    buf = [run]
+
+    def collate(records: Any) -> Any:
+        raise KeyError("field 'h'")
+
+    with pytest.raises(CollateFailed) as failed:
+        hand_over_run(buf, 0, 2, collate, book)
+    assert isinstance(failed.value.__cause__, KeyError)
+    assert [r.meta for r in failed.value.records] == [r.meta for r in run.records()[:2]]
+    assert buf == [run] and _state(book) == _state(_book_of([5], [], True))

@@ -8,7 +8,7 @@ import numpy.typing as npt
 
 from zephon._core.chunk_table import ChunkTable
 from zephon._core.cursor import SampleCursor
-from zephon._core.records import SampleMeta, SampleRecord
+from zephon._core.records import RecordRun, SampleBatch, SampleMeta, SampleRecord
 
 def heritage_key(tag: str, kind: str, component: str | int) -> str: ...
 def parse_heritage_key(key: Any) -> tuple[str, str, str | int] | None: ...
@@ -56,3 +56,13 @@ def gather(
     batch_size: int,
     leave: tuple[type, ...],
 ) -> tuple[int, int]: ...
+
+class CollateFailed(Exception):
+    """The collate of a batch raised; ``records`` is the batch, the collate's error the cause."""
+
+    records: RecordRun
+    def __init__(self, records: RecordRun) -> None: ...
+
+def hand_over_run(
+    buf: list[Any], pos: int, batch_size: int, collate: Any, book: DeliveryBook
+) -> tuple[int, SampleBatch] | None: ...

@@ -19,7 +19,13 @@ from libc.stdlib cimport free, realloc
 from zephon._core._types cimport offset_t, uint64_t
 from zephon._core.chunk_table cimport OFFSET_CLOSED, OFFSET_EVICTED, ChunkTable
 from zephon._core.cursor cimport SampleCursor, make_cursor, root_cmp, root_hash
-from zephon._core.records cimport ContributorRef, RecordRun, SampleMeta, SampleRecord
+from zephon._core.records cimport (
+    ContributorRef,
+    RecordRun,
+    SampleBatch,
+    SampleMeta,
+    SampleRecord,
+)
 
 
 def heritage_key(tag, kind, component):
@@ -443,3 +449,40 @@ def gather(list buf not None, Py_ssize_t pos, list pending not None, Py_ssize_t 
             break
         pos += 1
     return pos, n_pending
+
+
+class CollateFailed(Exception):
+    """The collate of a batch raised; ``records`` is the batch, the collate's error the cause."""
+
+    def __init__(self, records):
+        super().__init__(records)
+        self.records = records
+
+
+def hand_over_run(list buf not None, Py_ssize_t pos, Py_ssize_t batch_size, collate,
+                  DeliveryBook book not None):
+    """The usual hand-over in one call: nothing is pending and ``buf[pos]`` is a run of at least
+    ``batch_size`` records. Its first ``batch_size`` records are collated, booked and returned as
+    ``(pos, SampleBatch)``, ``buf[pos:]`` then holding the rest. Returns None, having done
+    nothing, when the case does not apply. A collate that raises raises ``CollateFailed`` before
+    anything is booked or moved; a booking error propagates as ``DeliveryBook.deliver``'s does.
+    """
+    if pos >= len(buf) or type(buf[pos]) is not RecordRun:
+        return None
+    cdef RecordRun run = <RecordRun>buf[pos]
+    if run.n < batch_size:
+        return None
+    cdef RecordRun head = run if run.n == batch_size else run._part(0, batch_size)
+    try:
+        payload = collate(head)
+    except Exception as exc:
+        raise CollateFailed(head) from exc
+    book._record_run(head, True)
+    if head is run:
+        pos += 1
+    else:
+        buf[pos] = run._part(batch_size, run.n)
+    cdef SampleBatch out = SampleBatch.__new__(SampleBatch)
+    out._run = head
+    out.payload = payload
+    return pos, out

@@ -26,6 +26,7 @@ class FinalBatcher:
 
     def __init__(self, grouper: Grouper):
         self.grouper = grouper
+        self.collate = grouper.collate
         self.batch_size = grouper.batch_size
         self.drop_remainder = grouper.drop_remainder
         self.pending: list[Any] = []  # records, and what arrived after the first of them
@@ -63,14 +64,18 @@ class FinalBatcher:
         else:
             items, records = self.take()
         try:
-            return items, records, self.grouper.collate(records)
+            return items, records, self.collate(records)
         except Exception as exc:
-            grouper: Any = self.grouper
-            first = records[0].meta.cursor
-            name = getattr(grouper, "name", type(grouper).__name__)
-            raise OperatorError(
-                f"operator {name!r} failed to collate {len(records)} records starting at "
-                f"{first!r} (sample_id={first.sample_id}): {type(exc).__name__}: {exc}",
-                operator=name,
-                cursor=first,
-            ) from exc
+            raise self.collate_failed(records, exc) from exc
+
+    def collate_failed(self, records: Sequence[SampleRecord], exc: Exception) -> OperatorError:
+        """The error for a collate of ``records`` that raised ``exc``, naming the first record."""
+        grouper: Any = self.grouper
+        first = records[0].meta.cursor
+        name = getattr(grouper, "name", type(grouper).__name__)
+        return OperatorError(
+            f"operator {name!r} failed to collate {len(records)} records starting at "
+            f"{first!r} (sample_id={first.sample_id}): {type(exc).__name__}: {exc}",
+            operator=name,
+            cursor=first,
+        )

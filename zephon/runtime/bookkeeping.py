@@ -74,13 +74,13 @@ class LaneBook:
         try:
             self.book.record(rec, delivered)
         except (KeyError, ValueError, IndexError) as exc:
-            raise self._invented(rec, exc) from None
+            raise self.invented(rec, exc) from None
 
     def tombstone(self, tomb: SampleRecord, delivered: bool = True) -> None:
         try:
             self.book.tombstone(tomb, delivered)
         except (KeyError, ValueError, IndexError) as exc:
-            raise self._invented(tomb, exc) from None
+            raise self.invented(tomb, exc) from None
 
     def deliver(self, items: list[Any]) -> None:
         """Everything a batch hands over, in stream order: records, tombstones, control items."""
@@ -89,12 +89,14 @@ class LaneBook:
             try:
                 i = self.book.deliver(items, i)  # a control item may start a run's new book
             except (KeyError, ValueError, IndexError) as exc:
-                raise self._invented(None, exc) from None
+                raise self.invented(None, exc) from None
             if i < n:
                 self.control(items[i])
                 i += 1
 
-    def _invented(self, rec: SampleRecord | None, exc: Exception) -> ContractViolation:
+    def invented(self, rec: SampleRecord | None, exc: Exception) -> ContractViolation:
+        """The error for a record (or, with None, a record of a batch) whose booking raised
+        ``exc``: it carries a contributor the lane never announced."""
         what = (
             f"record {rec.meta.cursor!r} (sample_id={rec.meta.cursor.sample_id})"
             if rec

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from zephon._core.cursor import cursors_for_chunk, digest_cursors
-from zephon._core.delivery import DeliveryCounters, gather
+from zephon._core.delivery import CollateFailed, DeliveryCounters, gather, hand_over_run
 from zephon._core.records import expand_runs, make_batch
 from zephon.errors import CheckpointCorruptError
 from zephon.ops.children import tombstones_for_record
@@ -55,9 +55,25 @@ class LaneDelivery:
         feed, book, batcher = self.feed, self.book, self.batcher
         while True:
             if batcher is not None:
-                # The common case in one compiled loop: records into the pending batch.
                 if feed.pos >= len(feed.buf):
                     feed.refill()
+                if not batcher.n_pending:
+                    # The usual case in one compiled call: the batch is the head of a run.
+                    try:
+                        done = hand_over_run(
+                            feed.buf, feed.pos, batcher.batch_size, batcher.collate, book.book
+                        )
+                    except CollateFailed as exc:
+                        cause: Any = exc.__cause__
+                        raise batcher.collate_failed(exc.records, cause) from cause
+                    except (KeyError, ValueError, IndexError) as exc:
+                        raise book.invented(None, exc) from None
+                    if done is not None:
+                        feed.pos, out = done
+                        self.restored_state = None
+                        self.delivered += 1
+                        return out
+                # Otherwise in one compiled loop: records into the pending batch.
                 feed.pos, batcher.n_pending = gather(
                     feed.buf,
                     feed.pos,

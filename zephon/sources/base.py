@@ -92,7 +92,7 @@ class WorkSource(ABC):
         source, different when its parameters or data differ."""
 
     def _check_position(self, position: int) -> int:
-        p = check_int(position, "chunk position", repr(self), minimum=0)
+        p = check_int(position, "chunk position", self, minimum=0)
         total = self.total_chunks()
         if total is not None and p >= total:
             raise IndexError(f"{self!r}: chunk position {p} is past the end ({total} chunks)")
@@ -157,9 +157,9 @@ class IndexedSource(WorkSource):
         """The sample indices (int64) at pass-order positions ``[start, stop)`` of pass
         ``pass_idx``; a pass is a permutation of ``[0, num_samples())``."""
         n = self.num_samples()
-        q = check_int(pass_idx, "pass_idx", repr(self))
-        start = check_int(start, "start", repr(self))
-        stop = check_int(stop, "stop", repr(self))
+        q = check_int(pass_idx, "pass_idx", self)
+        start = check_int(start, "start", self)
+        stop = check_int(stop, "stop", self)
         if q < 0 or (self.passes is not None and q >= self.passes):
             raise IndexError(f"{self!r}: pass {q} does not exist (passes={self.passes})")
         if not 0 <= start <= stop <= n:
