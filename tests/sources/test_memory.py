@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import zephon
 from zephon.errors import FetchError, PlanError
+from zephon.ops import fetch
 from zephon.sources import IndexedSource, ListSource, RangeSource, WorkSource
 from zephon.types import WorkChunk
 
@@ -328,3 +329,24 @@ def test_a_work_source_must_implement_the_protocol():
     tiny = Tiny(chunk_size=2, dataset_id=7)
     assert tiny.total_chunks() == 2
     assert tiny.chunk(1).pointers.tolist() == [[7, 0, 2]]
+
+
+@pytest.mark.parametrize("failures", [0, 1, 2, 3, 4])
+def test_fetch_tries_a_read_that_raises_os_error_retries_plus_one_times(failures):
+    source = RangeSource(4, chunk_size=4)
+    calls = []
+
+    def reader(pointers):
+        calls.append(len(pointers))
+        if len(calls) <= failures:
+            raise OSError(f"transient {len(calls)}")
+        return source.read(pointers)
+
+    pipeline = zephon.Pipeline(source, [fetch(reader, retries=3)])
+    if failures <= 3:
+        assert [r.payload["idx"] for r in pipeline] == [0, 1, 2, 3]
+        assert calls == [4] * (failures + 1)
+    else:
+        with pytest.raises(FetchError, match=r"after 4 attempts: transient 4"):
+            list(pipeline)
+        assert calls == [4] * 4

@@ -16,6 +16,8 @@ cdef class SampleCursor:
 
 cdef SampleCursor make_cursor(offset_t chunk_id, offset_t chunk_offset,
                               offset_t dataset_id, offset_t shard_id, offset_t sample_idx)
+cdef SampleCursor hashed_root_cursor(offset_t chunk_id, offset_t chunk_offset,
+                                     const offset_t* sid, uint64_t hashval)
 
 
 cdef inline uint64_t _mix(uint64_t h, uint64_t v) noexcept nogil:

@@ -215,6 +215,20 @@ cdef SampleCursor make_cursor(offset_t chunk_id, offset_t chunk_offset,
     return c
 
 
+cdef SampleCursor hashed_root_cursor(offset_t chunk_id, offset_t chunk_offset,
+                                     const offset_t* sid, uint64_t hashval):
+    """``make_cursor`` for a caller that has its ``root_hash`` already (delivery books a run)."""
+    cdef SampleCursor c = SampleCursor.__new__(SampleCursor)
+    c.chunk_id = chunk_id
+    c.chunk_offset = chunk_offset
+    c.sid[0] = sid[0]
+    c.sid[1] = sid[1]
+    c.sid[2] = sid[2]
+    c.nlin = 0
+    c.hashval = hashval
+    return c
+
+
 def cursors_for_chunk(chunk_id, const offset_t[:, :] pointers, first_offset=0):
     """Root cursors for rows ``first_offset..`` of a chunk's ``(n, 3)`` int64 pointer array."""
     cdef offset_t cid = _as_field(chunk_id, "chunk_id")

@@ -18,7 +18,13 @@ from libc.stdlib cimport free, realloc
 
 from zephon._core._types cimport offset_t, uint64_t
 from zephon._core.chunk_table cimport OFFSET_CLOSED, OFFSET_EVICTED, ChunkTable
-from zephon._core.cursor cimport SampleCursor, make_cursor, root_cmp, root_hash
+from zephon._core.cursor cimport (
+    SampleCursor,
+    hashed_root_cursor,
+    make_cursor,
+    root_cmp,
+    root_hash,
+)
 from zephon._core.records cimport (
     ContributorRef,
     RecordRun,
@@ -330,7 +336,7 @@ cdef class DeliveryBook:
         cdef ChunkTable table = self.table
         cdef offset_t cid = run.chunk_id, off = run.first_offset
         cdef const offset_t* p = run._p
-        cdef uint64_t digest = 0
+        cdef uint64_t digest = 0, h = 0
         cdef int state
         cdef SampleRecord rec
         cdef SampleCursor last
@@ -363,10 +369,10 @@ cdef class DeliveryBook:
                     rec = run.record_at(i)
                     self.violations.append(("early-close", rec, rec.meta.cursor, state))
         for i in range(1, n):
-            digest += root_hash(cid, off + i, p + 3 * i)
+            h = root_hash(cid, off + i, p + 3 * i)
+            digest += h
         self._window_add(cid if self.monotone else self.epochs_done, n - 1, digest)
-        p += 3 * (n - 1)
-        self.last_cursor = make_cursor(cid, off + n - 1, p[0], p[1], p[2])
+        self.last_cursor = hashed_root_cursor(cid, off + n - 1, p + 3 * (n - 1), h)
         if self.monotone:
             table.c_close_below(cid, off + n - 1)
         return 0

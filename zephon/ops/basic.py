@@ -49,7 +49,12 @@ class Fetch(Operator):
     def fetch(self, chunk_id: int, pointers: np.ndarray, first_offset: int) -> RecordRun:
         """Records for rows ``first_offset ..`` of chunk ``chunk_id``, as one run."""
         read = self.reader or self._source.read
-        payloads = self._read_with_retries(read, pointers)
+        try:
+            payloads = read(pointers)
+        except FetchError:
+            raise
+        except OSError as exc:  # perhaps transient: try again
+            payloads = self._read_again(read, pointers, exc)
         if len(payloads) != len(pointers):
             raise FetchError(
                 f"reader returned {len(payloads)} payloads for {len(pointers)} pointers "
@@ -65,22 +70,24 @@ class Fetch(Operator):
             first_offset,
         )
 
-    def _read_with_retries(self, read: Callable[[np.ndarray], list], pointers: np.ndarray) -> list:
+    def _read_again(
+        self, read: Callable[[np.ndarray], list], pointers: np.ndarray, failed: OSError
+    ) -> list:
+        # After a first attempt failed: ``retries`` more, backing off between attempts.
         delay = 0.05
-        for attempt in range(self.retries + 1):
+        for _ in range(self.retries):
+            time.sleep(delay)
+            delay *= 2
             try:
                 return read(pointers)
             except FetchError:
                 raise
             except OSError as exc:
-                if attempt == self.retries:
-                    raise FetchError(
-                        f"could not read pointers {pointers[0].tolist()}..{pointers[-1].tolist()} "
-                        f"after {self.retries + 1} attempts: {exc}"
-                    ) from exc
-                time.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
+                failed = exc
+        raise FetchError(
+            f"could not read pointers {pointers[0].tolist()}..{pointers[-1].tolist()} "
+            f"after {self.retries + 1} attempts: {failed}"
+        ) from failed
 
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
         raise TypeError("fetch consumes pointers; the lane runner calls fetch() instead")

@@ -19,11 +19,15 @@ __all__ = ["Batch", "batch", "collate_payloads", "default_collate"]
 def default_collate(records: Sequence[SampleRecord]) -> Any:
     """Dict payloads become a dict of columns (see ``collate_payloads``); other payloads become a
     list."""
-    if type(records) is list:
-        return collate_payloads(payloads_of(records))
-    if type(records) is RecordRun:  # a batch that is one run
-        return collate_payloads(records.payloads)
-    return collate_payloads([r.payload for r in records])
+    if type(records) is RecordRun:  # a batch that is one run: the usual case
+        payloads = records.payloads
+    elif type(records) is list:
+        payloads = payloads_of(records)
+    else:
+        payloads = [r.payload for r in records]
+    # ``collate_payloads(payloads)``, inlined: this runs once per batch.
+    out = collate_dicts(payloads, _column)
+    return out if out is not UNDECIDED else collate_by_rule(payloads)
 
 
 # Python scalar types whose columns become arrays, and the dtype they take (as torch's
