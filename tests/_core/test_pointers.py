@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from zephon._core.pointers import first_foreign_row
+from zephon._core.pointers import first_foreign_row, own_sample_indices
 
 
 def reference(rows: np.ndarray, dataset_id: int, num_samples: int) -> int:
@@ -44,3 +44,31 @@ def test_rows_of_another_width_or_dtype_are_refused():
         first_foreign_row(np.zeros((2, 3), dtype=np.int32), 0, 5)
     with pytest.raises(ValueError):
         first_foreign_row(np.zeros(3, dtype=np.int64), 0, 5)
+
+
+def reference_indices(rows: np.ndarray, dataset_id: int, num_samples: int) -> list[int] | int:
+    """The sample indices as ints when every row is the source's, else the first foreign row."""
+    bad = reference(rows, dataset_id, num_samples)
+    return [idx for _ds, _shard, idx in rows.tolist()] if bad < 0 else bad
+
+
+@given(row_arrays, st.integers(-1, 2), st.integers(0, 11), st.booleans())
+def test_own_sample_indices_are_the_column_or_the_first_foreign_row(
+    rows, dataset_id, num_samples, strided
+):
+    rows = rows[::2] if strided else rows
+    got = own_sample_indices(rows, dataset_id, num_samples)
+    assert got == reference_indices(rows, dataset_id, num_samples)
+    assert type(got) is int or all(type(i) is int for i in got)
+
+
+def test_own_sample_indices_refuse_anything_but_int64_rows_of_three():
+    for bad in (
+        np.zeros((2, 4), dtype=np.int64),
+        np.zeros((2, 3), dtype=np.int32),
+        np.zeros((2, 3), dtype=np.float64),
+        np.zeros(3, dtype=np.int64),
+        [[0, 0, 1]],
+    ):
+        with pytest.raises(ValueError, match="int64 array of shape"):
+            own_sample_indices(bad, 0, 5)

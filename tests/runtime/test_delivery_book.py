@@ -233,6 +233,7 @@ def _state(book: DeliveryBook) -> tuple:
         book.window_totals(),
         book.window_len,
         book.last_cursor,
+        None if book.last_cursor is None else book.last_cursor.stable_hash,
         book.counters.delivered,
         book.counters.evicted,
         book.counters.mix_samples,

@@ -8,6 +8,12 @@ and temporaries per micro-batch; here it is one pass that stops at the first row
 cimport cython
 from libc.stdint cimport int64_t
 
+import numpy as np
+
+cimport numpy as cnp
+
+cnp.import_array()
+
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
@@ -24,3 +30,26 @@ def first_foreign_row(const int64_t[:, :] rows, int64_t dataset_id, int64_t num_
         if rows[i, 0] != dataset_id or idx < 0 or idx >= num_samples:
             return i
     return -1
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def own_sample_indices(rows, int64_t dataset_id, int64_t num_samples):
+    """The sample indices of int64 ``(n, 3)`` ``rows`` as a list of ints when every row is the
+    source's (``first_foreign_row`` is -1); otherwise that first foreign row's index, an int.
+    One pass and one list, for the sources that index a Python sequence with them."""
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.int64 or rows.ndim != 2 \
+            or rows.shape[1] != 3:
+        raise ValueError(f"pointer rows must be an int64 array of shape (n, 3), got {rows!r:.60}")
+    cdef cnp.ndarray arr = np.ascontiguousarray(rows)
+    cdef const int64_t* p = <const int64_t*>cnp.PyArray_DATA(arr)
+    cdef Py_ssize_t i, n = arr.shape[0]
+    cdef int64_t idx
+    for i in range(n):
+        idx = p[3 * i + 2]
+        if p[3 * i] != dataset_id or idx < 0 or idx >= num_samples:
+            return i
+    cdef list out = [None] * n
+    for i in range(n):
+        out[i] = p[3 * i + 2]
+    return out

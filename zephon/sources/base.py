@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.pointers import first_foreign_row
+from zephon._core.pointers import first_foreign_row, own_sample_indices
 from zephon.errors import FetchError
 from zephon.sources.permutation import derive_key, permute
 from zephon.types import WorkChunk
@@ -181,16 +181,25 @@ class IndexedSource(WorkSource):
     def _sample_indices(self, pointers: np.ndarray) -> np.ndarray:
         # The sample_idx column of rows this source produced; anything else is a FetchError.
         rows = check_pointers(pointers, self)
-        n = self.num_samples()
-        bad = first_foreign_row(rows, self.dataset_id, n)
+        bad = first_foreign_row(rows, self.dataset_id, self.num_samples())
         if bad >= 0:
-            row = rows[bad].tolist()
-            raise FetchError(
-                f"{self!r} cannot read pointer {tuple(row)}: it holds dataset_id "
-                f"{self.dataset_id}, sample_idx in [0, {n}); route pointers to the source that "
-                "produced them"
-            )
+            raise self._foreign(rows[bad])
         return rows[:, 2]
+
+    def _sample_index_list(self, pointers: np.ndarray) -> list[int]:
+        # ``_sample_indices`` as a list of ints, in one compiled pass (what in-memory reads use).
+        rows = check_pointers(pointers, self)
+        indices = own_sample_indices(rows, self.dataset_id, self.num_samples())
+        if isinstance(indices, int):
+            raise self._foreign(rows[indices])
+        return indices
+
+    def _foreign(self, row: np.ndarray) -> FetchError:
+        return FetchError(
+            f"{self!r} cannot read pointer {tuple(row.tolist())}: it holds dataset_id "
+            f"{self.dataset_id}, sample_idx in [0, {self.num_samples()}); route pointers to the "
+            "source that produced them"
+        )
 
     def _describe_base(self) -> dict[str, Any]:
         return {

@@ -51,7 +51,7 @@ class RangeSource(IndexedSource):
 
     def read(self, pointers: np.ndarray) -> list[Any]:
         """``make(idx)`` (or ``{"idx": idx}``) for each row's sample_idx, in row order."""
-        indices = self._sample_indices(pointers).tolist()
+        indices = self._sample_index_list(pointers)
         if self.make is None:
             return [{"idx": i} for i in indices]
         make = self.make
@@ -102,7 +102,7 @@ class ListSource(IndexedSource):
     def read(self, pointers: np.ndarray) -> list[Any]:
         """``items[idx]`` for each row's sample_idx, in row order."""
         items = self.items
-        return [items[i] for i in self._sample_indices(pointers).tolist()]
+        return [items[i] for i in self._sample_index_list(pointers)]
 
     def describe(self) -> dict[str, Any]:
         """Class, length, chunking/shuffle parameters and a content fingerprint (see
