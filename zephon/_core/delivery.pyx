@@ -28,9 +28,9 @@ from zephon._core.cursor cimport (
 from zephon._core.records cimport (
     ContributorRef,
     RecordRun,
-    SampleBatch,
     SampleMeta,
     SampleRecord,
+    run_batch,
 )
 
 
@@ -498,7 +498,4 @@ def hand_over_run(list buf not None, Py_ssize_t pos, Py_ssize_t batch_size, coll
         pos += 1
     else:
         buf[pos] = run._part(batch_size, run.n)
-    cdef SampleBatch out = SampleBatch.__new__(SampleBatch)
-    out._run = head
-    out.payload = payload
-    return pos, out
+    return pos, run_batch(head, payload)

@@ -52,3 +52,4 @@ cdef class SampleBatch:
 
 
 cdef SampleMeta make_meta(SampleCursor cursor, offset_t lane_id, object component)
+cdef SampleBatch run_batch(RecordRun run, object payload)

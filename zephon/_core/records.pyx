@@ -564,11 +564,18 @@ def make_batch(records, payload):
     """A ``SampleBatch`` of ``records`` (real ``SampleRecord``s as delivery gathered them, or
     one ``RecordRun``, whose records are made only if asked for) without the constructor's
     per-record type checks."""
-    cdef SampleBatch b = SampleBatch.__new__(SampleBatch)
     if type(records) is RecordRun:
-        b._run = records
-    else:
-        b._records = tuple(<list?>records)
+        return run_batch(<RecordRun>records, payload)
+    cdef SampleBatch b = SampleBatch.__new__(SampleBatch)
+    b._records = tuple(<list?>records)
+    b.payload = payload
+    return b
+
+
+cdef SampleBatch run_batch(RecordRun run, object payload):
+    """The ``SampleBatch`` that is ``run`` (its records are made only if asked for)."""
+    cdef SampleBatch b = SampleBatch.__new__(SampleBatch)
+    b._run = run
     b.payload = payload
     return b
 
