@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -59,10 +61,11 @@ def test_own_sample_indices_are_the_column_or_the_first_foreign_row(
     rows = rows[::2] if strided else rows
     got = own_sample_indices(rows, dataset_id, num_samples)
     assert got == reference_indices(rows, dataset_id, num_samples)
-    assert type(got) is int or all(type(i) is int for i in got)
+    assert isinstance(got, int) or all(type(i) is int for i in got)
 
 
 def test_own_sample_indices_refuse_anything_but_int64_rows_of_three():
+    bad: Any
     for bad in (
         np.zeros((2, 4), dtype=np.int64),
         np.zeros((2, 3), dtype=np.int32),
