@@ -204,15 +204,11 @@ cdef class SampleCursor:
 cdef SampleCursor make_cursor(offset_t chunk_id, offset_t chunk_offset,
                               offset_t dataset_id, offset_t shard_id, offset_t sample_idx):
     """A root cursor (empty lineage) without argument parsing, for the hot paths of fetch."""
-    cdef SampleCursor c = SampleCursor.__new__(SampleCursor)
-    c.chunk_id = chunk_id
-    c.chunk_offset = chunk_offset
-    c.sid[0] = dataset_id
-    c.sid[1] = shard_id
-    c.sid[2] = sample_idx
-    c.nlin = 0
-    c._rehash()
-    return c
+    cdef offset_t sid[3]
+    sid[0] = dataset_id
+    sid[1] = shard_id
+    sid[2] = sample_idx
+    return hashed_root_cursor(chunk_id, chunk_offset, sid, root_hash(chunk_id, chunk_offset, sid))
 
 
 cdef SampleCursor hashed_root_cursor(offset_t chunk_id, offset_t chunk_offset,

@@ -21,7 +21,6 @@ from zephon._core.chunk_table cimport OFFSET_CLOSED, OFFSET_EVICTED, ChunkTable
 from zephon._core.cursor cimport (
     SampleCursor,
     hashed_root_cursor,
-    make_cursor,
     root_cmp,
     root_hash,
 )
@@ -346,7 +345,8 @@ cdef class DeliveryBook:
         if state == OFFSET_CLOSED or state == OFFSET_EVICTED:
             rec = run.record_at(0)
             self.violations.append(("early-close", rec, rec.meta.cursor, state))
-        self._window_add(cid if self.monotone else self.epochs_done, 1, root_hash(cid, off, p))
+        h = root_hash(cid, off, p)
+        self._window_add(cid if self.monotone else self.epochs_done, 1, h)
         if self.monotone:
             last = self.last_cursor
             if last is not None and root_cmp(cid, off, p, last) < 0:
@@ -360,7 +360,7 @@ cdef class DeliveryBook:
         elif count:
             self.counters.count_plain(run._components, run._lo, run._lo + n)
         if n == 1:
-            self.last_cursor = make_cursor(cid, off, p[0], p[1], p[2])
+            self.last_cursor = hashed_root_cursor(cid, off, p, h)
             return 0
         if not table.c_close_span(cid, off + 1, off + n):  # one was closed already: which?
             for i in range(1, n):

@@ -10,19 +10,12 @@ from libc.stdint cimport int64_t
 
 import numpy as np
 
-cimport numpy as cnp
-
-cnp.import_array()
-
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def first_foreign_row(const int64_t[:, :] rows, int64_t dataset_id, int64_t num_samples):
-    """The index of the first row of int64 ``(n, 3)`` ``rows`` whose dataset id is not
-    ``dataset_id`` or whose sample index is outside ``[0, num_samples)``; -1 when every row is
-    the source's."""
-    if rows.shape[1] != 3:
-        raise ValueError(f"pointer rows must have 3 columns, got {rows.shape[1]}")
+cdef Py_ssize_t _first_foreign(
+    const int64_t[:, :] rows, int64_t dataset_id, int64_t num_samples
+) noexcept nogil:
     cdef Py_ssize_t i
     cdef int64_t idx
     for i in range(rows.shape[0]):
@@ -30,6 +23,15 @@ def first_foreign_row(const int64_t[:, :] rows, int64_t dataset_id, int64_t num_
         if rows[i, 0] != dataset_id or idx < 0 or idx >= num_samples:
             return i
     return -1
+
+
+def first_foreign_row(const int64_t[:, :] rows, int64_t dataset_id, int64_t num_samples):
+    """The index of the first row of int64 ``(n, 3)`` ``rows`` whose dataset id is not
+    ``dataset_id`` or whose sample index is outside ``[0, num_samples)``; -1 when every row is
+    the source's."""
+    if rows.shape[1] != 3:
+        raise ValueError(f"pointer rows must have 3 columns, got {rows.shape[1]}")
+    return _first_foreign(rows, dataset_id, num_samples)
 
 
 @cython.boundscheck(False)
@@ -41,15 +43,11 @@ def own_sample_indices(rows, int64_t dataset_id, int64_t num_samples):
     if not isinstance(rows, np.ndarray) or rows.dtype != np.int64 or rows.ndim != 2 \
             or rows.shape[1] != 3:
         raise ValueError(f"pointer rows must be an int64 array of shape (n, 3), got {rows!r:.60}")
-    cdef cnp.ndarray arr = np.ascontiguousarray(rows)
-    cdef const int64_t* p = <const int64_t*>cnp.PyArray_DATA(arr)
-    cdef Py_ssize_t i, n = arr.shape[0]
-    cdef int64_t idx
-    for i in range(n):
-        idx = p[3 * i + 2]
-        if p[3 * i] != dataset_id or idx < 0 or idx >= num_samples:
-            return i
-    cdef list out = [None] * n
-    for i in range(n):
-        out[i] = p[3 * i + 2]
+    cdef const int64_t[:, :] view = rows
+    cdef Py_ssize_t i, bad = _first_foreign(view, dataset_id, num_samples)
+    if bad >= 0:
+        return bad
+    cdef list out = [None] * view.shape[0]
+    for i in range(view.shape[0]):
+        out[i] = view[i, 2]
     return out

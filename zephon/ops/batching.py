@@ -25,9 +25,7 @@ def default_collate(records: Sequence[SampleRecord]) -> Any:
         payloads = payloads_of(records)
     else:
         payloads = [r.payload for r in records]
-    # ``collate_payloads(payloads)``, inlined: this runs once per batch.
-    out = collate_dicts(payloads, _column)
-    return out if out is not UNDECIDED else collate_by_rule(payloads)
+    return collate_payloads(payloads)
 
 
 # Python scalar types whose columns become arrays, and the dtype they take (as torch's
