@@ -43,16 +43,38 @@ def _worker_count(processes: int | None, rank_lanes: int) -> int:
 _HEX = frozenset("0123456789abcdef")
 
 
-def _abridged(tree: Any) -> Any:
+def _abridged(tree: Any, longest: int | None = None) -> Any:
     """``tree`` with long hex digests cut to 12 digits: enough to tell which file or parameter
-    changed, at a fraction of the size a checkpoint pays for it per file."""
+    changed, at a fraction of the size a checkpoint pays for it per file. With ``longest``, a
+    list of more items is kept as its length and digest."""
     if isinstance(tree, dict):
-        return {k: _abridged(v) for k, v in tree.items()}
+        return {k: _abridged(v, longest) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_abridged(v) for v in tree]
+        if longest is not None and len(tree) > longest:
+            return f"{len(tree)} items, sha256 {digest(tree)[:12]}"
+        return [_abridged(v, longest) for v in tree]
     if isinstance(tree, str) and len(tree) > 16 and set(tree) <= _HEX:
         return tree[:12]
     return tree
+
+
+#: The most a checkpoint carries of the described pipeline, packed. A source holding its data (a
+#: ``make`` over a list of arrays, thousands of files) would otherwise put all of it in every
+#: checkpoint; past this, long lists are kept by length and digest, then nothing is kept.
+DESCRIBED_BUDGET = 64 * 1024
+
+
+def _described(plain: Any, size: int) -> dict[str, str]:
+    """The packed description a plan carries for naming what changed, within the budget
+    (``size``: the length of ``plain`` as JSON text)."""
+    # Past 8 times the budget as text, a description is mostly digests, which barely compress:
+    # packing it whole only to throw it away would cost a large source seconds per plan.
+    whole: tuple[int | None, ...] = (None,) if size <= 8 * DESCRIBED_BUDGET else ()
+    for longest in (*whole, 256, 16):
+        packed = pack_json(_abridged(plain, longest))
+        if len(packed) <= DESCRIBED_BUDGET:
+            return {"described": packed}
+    return {}  # the digests still tell a mismatch; the message names the part, not the field
 
 
 def _restores_holdings(chain: tuple[Operator, ...]) -> bool:
@@ -284,10 +306,10 @@ class Pipeline:
         }
         try:
             tree = {"source": source, "operators": operators}
-            plain = json.loads(json.dumps(tree, sort_keys=True, default=str, allow_nan=False))
+            text = json.dumps(tree, sort_keys=True, default=str, allow_nan=False)
         except (TypeError, ValueError):
             return parts, {}
-        return parts, {"described": pack_json(_abridged(plain))}
+        return parts, _described(json.loads(text), len(text))
 
     @property
     def fingerprint(self) -> str:

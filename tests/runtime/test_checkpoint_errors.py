@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 from pipeline_kit import WindowShuffle
 
@@ -126,3 +127,32 @@ def test_count_pairs_are_the_same_before_and_after_a_json_round_trip():
     pairs = encode_pairs(counts)
     assert json.loads(json.dumps(pairs)) == pairs
     assert dict(check_pairs(pairs, "mixture.samples")) == counts
+
+
+class _RowsAt:
+    """A ``make`` that holds its data: a source's description then identifies every row."""
+
+    def __init__(self, rows: list) -> None:
+        self.rows = rows
+
+    def __call__(self, idx: int) -> object:
+        return self.rows[idx]
+
+
+def _holding(rows: list) -> zephon.Pipeline:
+    return zephon.Pipeline(RangeSource(len(rows), make=_RowsAt(rows), chunk_size=64), [fetch()])
+
+
+def test_a_source_holding_its_data_keeps_the_checkpoint_small() -> None:
+    # Its description names every row by digest (about 200 KB packed); a checkpoint carries a
+    # bounded part of it.
+    rows = [{"tokens": np.arange(i, i + 3, dtype=np.int32)} for i in range(10_000)]
+    loader = iter(_holding(rows))
+    next(loader)
+    state = loader.state_dict()
+    assert len(json.dumps(state)) < 32 * 1024
+    changed: list[dict[str, np.ndarray]] = [dict(r) for r in rows]
+    changed[5_000] = {"tokens": np.arange(7, dtype=np.int64)}
+    with pytest.raises(CheckpointMismatchError, match=r"source field 'make'") as raised:
+        _holding(changed).iter(state=state)
+    assert "'10000 items, sha256 " in str(raised.value)  # the long list, by length and digest
