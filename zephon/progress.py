@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["bar", "show_progress"]
+__all__ = ["bar", "progress_shown", "show_progress"]
 
 _enabled = False
 
@@ -16,6 +16,11 @@ def show_progress(enabled: bool = True) -> None:
     """Show progress bars on stderr from now on (or stop showing them)."""
     global _enabled
     _enabled = enabled
+
+
+def progress_shown() -> bool:
+    """Whether progress bars are shown (``show_progress``)."""
+    return _enabled
 
 
 def bar(total: int | None, desc: str, unit: str = "rec") -> Any:

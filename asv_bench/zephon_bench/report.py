@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from zephon.progress import bar as progress_bar
+from zephon.progress import progress_shown, show_progress
 from zephon_bench import pipeline as pb
 
 
@@ -884,16 +885,23 @@ def run_bench(
         if not only or any(word in name for word in only)
     }
     shown = progress_bar(len(chosen), "zephon bench", unit="section")
-    for name, section in chosen.items():
-        print(f"  measuring {name} ...", file=out, flush=True)
-        t0 = time.perf_counter()
-        args: tuple[Any, ...] = (quick, out) if section is packing_rows else (quick,)
-        rows.extend(section(*args))
-        print(f"    done in {time.perf_counter() - t0:.1f} s", file=out, flush=True)
+    # The sections' own bars (a restore's replay, timed dozens of times) would only be noise
+    # in the output, and drawing them would be timed too.
+    was_shown = progress_shown()
+    show_progress(False)
+    try:
+        for name, section in chosen.items():
+            print(f"  measuring {name} ...", file=out, flush=True)
+            t0 = time.perf_counter()
+            args: tuple[Any, ...] = (quick, out) if section is packing_rows else (quick,)
+            rows.extend(section(*args))
+            print(f"    done in {time.perf_counter() - t0:.1f} s", file=out, flush=True)
+            if shown is not None:
+                shown.update(1)
+    finally:
+        show_progress(was_shown)
         if shown is not None:
-            shown.update(1)
-    if shown is not None:
-        shown.close()
+            shown.close()
     print("", file=out)
     print(format_table(rows), file=out)
     judged = [r for r in rows if r.passed is not None]
