@@ -69,8 +69,8 @@ def _described(plain: Any, size: int) -> dict[str, str]:
     (``size``: the length of ``plain`` as JSON text)."""
     # Past 8 times the budget as text, a description is mostly digests, which barely compress:
     # packing it whole only to throw it away would cost a large source seconds per plan.
-    whole: tuple[int | None, ...] = (None,) if size <= 8 * DESCRIBED_BUDGET else ()
-    for longest in (*whole, 256, 16):
+    limits = (None, 256, 16) if size <= 8 * DESCRIBED_BUDGET else (256, 16)
+    for longest in limits:
         packed = pack_json(_abridged(plain, longest))
         if len(packed) <= DESCRIBED_BUDGET:
             return {"described": packed}
