@@ -119,3 +119,18 @@ def test_a_list_that_is_not_dicts_is_left_to_the_rule_and_kept():
 def test_bad_input_raises_type_error():
     with pytest.raises(TypeError):
         collate_dicts((1, 2), _column)  # type: ignore[arg-type]
+
+
+def test_int64_bounds_fill_the_column_and_one_past_names_the_field():
+    low, high = -(2**63), 2**63 - 1
+    out = collate_payloads([{"a": 0.5, "b": low}, {"a": 1.5, "b": high}])
+    assert out["b"].dtype == np.int64 and out["b"].tolist() == [low, high]
+    assert out["a"].tolist() == [0.5, 1.5]
+    # Past the bound in a later row and a later column: the error still names the field.
+    with pytest.raises(OverflowError, match="field 'b'"):
+        collate_payloads([{"a": 1, "b": 1}, {"a": 2, "b": low - 1}])
+
+
+def test_a_row_whose_value_changes_type_leaves_the_column_a_list():
+    out = collate_payloads([{"a": 1, "b": 2}, {"a": 3, "b": 4.0}])
+    assert out["a"].dtype == np.int64 and out["b"] == [2, 4.0]

@@ -10,7 +10,8 @@ is handed back to the Python rule, so the result is always the rule's.
 cimport cython
 from cpython.dict cimport PyDict_Next, PyDict_Size
 from cpython.float cimport PyFloat_AS_DOUBLE
-from cpython.long cimport PyLong_AsLongLong, PyLong_AsLongLongAndOverflow
+from cpython.long cimport PyLong_AsLongLong
+from cpython.object cimport PyTypeObject
 from cpython.ref cimport PyObject
 
 import numpy as np
@@ -99,56 +100,67 @@ cdef object _column(object key, list values, Py_ssize_t n, object rule):
 DEF MAX_DIRECT = 16  # columns the direct loop fills at most
 
 
+cdef extern from "Python.h":
+    # Borrowed references and no checks, for the direct loop: it holds ``payloads`` (and so each
+    # dict, key and value) while it runs, and checks every type itself.
+    PyTypeObject PyLong_Type
+    PyTypeObject PyFloat_Type
+    PyTypeObject* type_of "Py_TYPE"(PyObject*)
+    PyObject* list_item "PyList_GET_ITEM"(object, Py_ssize_t)
+    Py_ssize_t dict_size "PyDict_GET_SIZE"(PyObject*)
+    int dict_next "PyDict_Next"(PyObject*, Py_ssize_t*, PyObject**, PyObject**)
+    double float_value "PyFloat_AS_DOUBLE"(PyObject*)
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef object _direct(list payloads, Py_ssize_t n):
     """The columns, filled straight into arrays, when every value of the first payload is an exact
     int (int64) or float (float64) and every payload has its keys in its order with values of the
     same types; None otherwise, for the general loop to decide (it gives the same result)."""
-    cdef object first = payloads[0]
-    cdef Py_ssize_t nk = PyDict_Size(first), pos = 0, i, j = 0
+    cdef PyObject* first = list_item(payloads, 0)
+    cdef Py_ssize_t nk = dict_size(first), pos = 0, i, j = 0
     if nk == 0 or nk > MAX_DIRECT:
         return None
     cdef PyObject* k
     cdef PyObject* v
-    cdef bint floats[MAX_DIRECT]
+    cdef PyObject* p
+    cdef PyTypeObject* kinds[MAX_DIRECT]
+    cdef PyObject* keyp[MAX_DIRECT]
     cdef void* data[MAX_DIRECT]
-    cdef int overflow = 0
-    cdef long long x
     cdef cnp.npy_intp size = n
-    cdef list keys = [None] * nk, arrays = [None] * nk
-    while PyDict_Next(first, &pos, &k, &v):
-        kind = type(<object>v)
-        if kind is not int and kind is not float:
+    cdef dict out = {}
+    while dict_next(first, &pos, &k, &v):
+        kinds[j] = type_of(v)
+        if kinds[j] != &PyLong_Type and kinds[j] != &PyFloat_Type:
             return None
-        floats[j] = kind is float
-        arr = cnp.PyArray_EMPTY(1, &size, cnp.NPY_FLOAT64 if floats[j] else cnp.NPY_INT64, 0)
-        keys[j] = <object>k
-        arrays[j] = arr
+        arr = cnp.PyArray_EMPTY(
+            1, &size, cnp.NPY_INT64 if kinds[j] == &PyLong_Type else cnp.NPY_FLOAT64, 0
+        )
+        out[<object>k] = arr
+        keyp[j] = k
         data[j] = cnp.PyArray_DATA(<cnp.ndarray>arr)
         j += 1
-    for i in range(n):
-        p = payloads[i]
-        if PyDict_Size(p) != nk:
-            return None
-        pos = 0
-        j = 0
-        while PyDict_Next(p, &pos, &k, &v):
-            if not _same_key(<object>k, keys[j]):
+    try:
+        for i in range(n):
+            p = list_item(payloads, i)
+            if dict_size(p) != nk:
                 return None
-            if floats[j]:
-                if type(<object>v) is not float:
+            pos = 0
+            j = 0
+            while dict_next(p, &pos, &k, &v):
+                if k != keyp[j] and not _same_key(<object>k, <object>keyp[j]):
                     return None
-                (<double*>data[j])[i] = PyFloat_AS_DOUBLE(<object>v)
-            else:
-                if type(<object>v) is not int:
+                if type_of(v) != kinds[j]:
                     return None
-                x = PyLong_AsLongLongAndOverflow(<object>v, &overflow)
-                if overflow:
-                    return None  # the general loop names the field
-                (<long long*>data[j])[i] = x
-            j += 1
-    return {keys[j]: arrays[j] for j in range(nk)}
+                if kinds[j] == &PyFloat_Type:
+                    (<double*>data[j])[i] = float_value(v)
+                else:  # Cython's conversion reads small ints' digits directly
+                    (<long long*>data[j])[i] = <long long><object>v
+                j += 1
+    except OverflowError:
+        return None  # the general loop names the field
+    return out
 
 
 @cython.boundscheck(False)
