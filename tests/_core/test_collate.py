@@ -22,7 +22,13 @@ def same(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+        return (
+            a.dtype.str == b.dtype.str
+            and a.shape == b.shape
+            and a.flags.c_contiguous == b.flags.c_contiguous
+            and a.tobytes() == b.tobytes()
+            and (not np.ma.isMaskedArray(a) or a.mask.tolist() == b.mask.tolist())
+        )
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, list):
@@ -47,6 +53,11 @@ values = st.one_of(
     st.sampled_from([np.int32(3), np.float32(1.5), np.bool_(True), np.str_("s")]),
     st.integers(0, 3).map(lambda n: np.arange(n, dtype=np.int64)),
     st.integers(0, 2).map(lambda n: np.zeros(n, dtype=np.float32)),
+    st.sampled_from(["<i4", ">i4", "U2", "O", "?", "M8[s]"]).map(lambda d: np.zeros((2, 2), d)),
+    st.just(np.arange(8, dtype=np.int16).reshape(2, 4)[:, ::2]),  # not contiguous, shape (2, 2)
+    st.just(np.ones((2, 2), np.int16).T),  # Fortran order
+    st.just(np.asarray(5.0)),  # 0-d
+    st.just(np.ma.masked_array([1, 2], mask=[0, 1])),  # a subclass
 )
 # Equal keys that are different objects (str built at run time), ints equal to floats and bools.
 keys = st.sampled_from(["a", "b", "".join(["a"]), "".join(["b", ""]), 1, 1.0, True, 2])

@@ -13,6 +13,7 @@ from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.long cimport PyLong_AsLongLong
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport PyObject
+from libc.string cimport memcpy
 
 import numpy as np
 
@@ -69,6 +70,24 @@ cdef object _bool_column(list values, Py_ssize_t n):
     return arr
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef object _stack(list values, Py_ssize_t n, cnp.ndarray first):
+    """``np.stack(values)`` for ``n`` exact arrays of ``first``'s shape and (builtin, native,
+    reference-free) dtype, each C-contiguous: one allocation, each row copied as bytes. None
+    when a row is laid out otherwise (numpy's stack then decides the result's layout)."""
+    out = np.empty((n,) + (<object>first).shape, (<object>first).dtype)
+    cdef char* dst = <char*>cnp.PyArray_DATA(<cnp.ndarray>out)
+    cdef Py_ssize_t row = cnp.PyArray_NBYTES(first), i
+    cdef cnp.ndarray v
+    for i in range(n):
+        v = <cnp.ndarray>values[i]
+        if not cnp.PyArray_IS_C_CONTIGUOUS(v):
+            return None
+        memcpy(dst + i * row, cnp.PyArray_DATA(v), row)
+    return out
+
+
 cdef object _column(object key, list values, Py_ssize_t n, object rule):
     """The column for ``values`` (all of one exact type decides); numpy scalars, and ints
     outside int64 (whose error names the field), go to ``rule(key, values)``."""
@@ -89,10 +108,19 @@ cdef object _column(object key, list values, Py_ssize_t n, object rule):
         return _bool_column(values, n)
     if kind is _ndarray:
         shape, dtype = (<object>first).shape, (<object>first).dtype
+        exact = True
         for i in range(1, n):
             v = values[i]
             if not isinstance(v, np.ndarray) or v.shape != shape or v.dtype != dtype:
                 return values
+            exact = exact and type(v) is _ndarray
+        # numpy's own stack for subclasses, objects (references to count), dtypes it normalises
+        # (byte order, structured and flexible types) and rows not in C order; copied here
+        # otherwise.
+        if exact and dtype.isbuiltin == 1 and not dtype.hasobject:
+            out = _stack(values, n, <cnp.ndarray>first)
+            if out is not None:
+                return out
         return np.stack(values)
     return rule(key, tuple(values)) if isinstance(first, np.generic) else values
 
