@@ -57,7 +57,7 @@ values = st.one_of(
     st.just(np.arange(8, dtype=np.int16).reshape(2, 4)[:, ::2]),  # not contiguous, shape (2, 2)
     st.just(np.ones((2, 2), np.int16).T),  # Fortran order
     st.just(np.asarray(5.0)),  # 0-d
-    st.just(np.ma.masked_array([1, 2], mask=[0, 1])),  # a subclass
+    st.just(np.ma.masked_array([1, 2], mask=[False, True])),  # a subclass
 )
 # Equal keys that are different objects (str built at run time), ints equal to floats and bools.
 keys = st.sampled_from(["a", "b", "".join(["a"]), "".join(["b", ""]), 1, 1.0, True, 2])
