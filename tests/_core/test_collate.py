@@ -145,3 +145,22 @@ def test_int64_bounds_fill_the_column_and_one_past_names_the_field():
 def test_a_row_whose_value_changes_type_leaves_the_column_a_list():
     out = collate_payloads([{"a": 1, "b": 2}, {"a": 3, "b": 4.0}])
     assert out["a"].dtype == np.int64 and out["b"] == [2, 4.0]
+
+
+def test_a_key_whose_hash_mutates_the_batch_does_not_crash_the_compiled_loop():
+    payloads: list[Any] = []
+
+    class Hostile:
+        def __hash__(self) -> int:
+            payloads.clear()  # drops every dict the loop is reading
+            return 1
+
+        def __eq__(self, other: object) -> bool:
+            payloads.clear()
+            return self is other
+
+    key = Hostile()
+    for _ in range(50):  # a read of freed memory need not fail the first time
+        payloads[:] = [{"a": 1, key: 2} for _ in range(32)]
+        collate_dicts(payloads, _column)  # the batch's only references are in the list
+        assert payloads == []

@@ -129,10 +129,12 @@ DEF MAX_DIRECT = 16  # columns the direct loop fills at most
 
 
 cdef extern from "Python.h":
-    # Borrowed references and no checks, for the direct loop: it holds ``payloads`` (and so each
-    # dict, key and value) while it runs, and checks every type itself.
+    # Borrowed references and no checks, for the direct loop: its caller holds ``payloads`` (and
+    # so each dict, key and value), none of the payloads' own code runs inside it (keys are exact
+    # strs, values exact ints and floats), and it checks every type itself.
     PyTypeObject PyLong_Type
     PyTypeObject PyFloat_Type
+    PyTypeObject PyUnicode_Type
     PyTypeObject* type_of "Py_TYPE"(PyObject*)
     PyObject* list_item "PyList_GET_ITEM"(object, Py_ssize_t)
     Py_ssize_t dict_size "PyDict_GET_SIZE"(PyObject*)
@@ -143,9 +145,10 @@ cdef extern from "Python.h":
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef object _direct(list payloads, Py_ssize_t n):
-    """The columns, filled straight into arrays, when every value of the first payload is an exact
-    int (int64) or float (float64) and every payload has its keys in its order with values of the
-    same types; None otherwise, for the general loop to decide (it gives the same result)."""
+    """The columns, filled straight into arrays, when the first payload's keys are exact strs and
+    its values exact ints (int64) or floats (float64), and every payload has its keys in its order
+    with values of the same types; None otherwise, for the general loop to decide (it gives the
+    same result)."""
     cdef PyObject* first = list_item(payloads, 0)
     cdef Py_ssize_t nk = dict_size(first), pos = 0, i, j = 0
     if nk == 0 or nk > MAX_DIRECT:
@@ -161,6 +164,8 @@ cdef object _direct(list payloads, Py_ssize_t n):
     while dict_next(first, &pos, &k, &v):
         kinds[j] = type_of(v)
         if kinds[j] != &PyLong_Type and kinds[j] != &PyFloat_Type:
+            return None
+        if type_of(k) != &PyUnicode_Type:  # hashing another key could run Python code
             return None
         arr = cnp.PyArray_EMPTY(
             1, &size, cnp.NPY_INT64 if kinds[j] == &PyLong_Type else cnp.NPY_FLOAT64, 0
