@@ -164,3 +164,11 @@ def test_a_key_whose_hash_mutates_the_batch_does_not_crash_the_compiled_loop():
         payloads[:] = [{"a": 1, key: 2} for _ in range(32)]
         collate_dicts(payloads, _column)  # the batch's only references are in the list
         assert payloads == []
+
+
+def test_a_subclass_row_after_a_plain_array_is_stacked_by_numpy():
+    plain = np.arange(2, dtype=np.int64)
+    masked = np.ma.masked_array(np.arange(2, dtype=np.int64), mask=[False, True])
+    payloads = [{"a": plain}, {"a": masked}]
+    got, want = collate_payloads(payloads), collate_by_rule(payloads)
+    assert same(got, want), (got, want)

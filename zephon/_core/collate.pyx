@@ -8,8 +8,6 @@ is handed back to the Python rule, so the result is always the rule's.
 """
 
 cimport cython
-from cpython.dict cimport PyDict_Next, PyDict_Size
-from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.long cimport PyLong_AsLongLong
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport PyObject
@@ -27,11 +25,30 @@ cdef type _ndarray = np.ndarray
 UNDECIDED = object()
 
 
-cdef inline bint _same_key(object k, object key):
+cdef extern from "Python.h":
+    # Borrowed references and no checks. The loops below use them only on objects their caller
+    # holds (``payloads``, and so each dict, key and value), and check every type themselves;
+    # the direct loop also runs none of the payloads' own code (its keys are exact strs, its
+    # values exact ints and floats).
+    PyTypeObject PyLong_Type
+    PyTypeObject PyFloat_Type
+    PyTypeObject PyUnicode_Type
+    PyTypeObject* type_of "Py_TYPE"(PyObject*)
+    PyObject* list_item "PyList_GET_ITEM"(object, Py_ssize_t)
+    Py_ssize_t dict_size "PyDict_GET_SIZE"(PyObject*)
+    int dict_next "PyDict_Next"(PyObject*, Py_ssize_t*, PyObject**, PyObject**)
+    double float_value "PyFloat_AS_DOUBLE"(PyObject*)
+
+
+cdef inline bint _same_key(PyObject* k, PyObject* key):
     # Identity, or equal exact strs (keys parsed per row are equal strings, not one object).
-    if k is key:
+    if k == key:
         return True
-    return type(k) is str and type(key) is str and <str>k == <str>key
+    return (
+        type_of(k) == &PyUnicode_Type
+        and type_of(key) == &PyUnicode_Type
+        and <str><object>k == <str><object>key
+    )
 
 
 @cython.boundscheck(False)
@@ -54,7 +71,7 @@ cdef object _float_column(list values, Py_ssize_t n):
     cdef double* out = <double*>cnp.PyArray_DATA(arr)
     cdef Py_ssize_t i
     for i in range(n):
-        out[i] = PyFloat_AS_DOUBLE(values[i])
+        out[i] = float_value(list_item(values, i))
     return arr
 
 
@@ -73,18 +90,22 @@ cdef object _bool_column(list values, Py_ssize_t n):
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef object _stack(list values, Py_ssize_t n, cnp.ndarray first):
-    """``np.stack(values)`` for ``n`` exact arrays of ``first``'s shape and (builtin, native,
-    reference-free) dtype, each C-contiguous: one allocation, each row copied as bytes. None
-    when a row is laid out otherwise (numpy's stack then decides the result's layout)."""
-    out = np.empty((n,) + (<object>first).shape, (<object>first).dtype)
+    """``np.stack(values)`` for ``n`` arrays of ``first``'s shape and dtype, by one allocation and
+    a byte copy per row, when that is numpy's result: every row an exact, C-contiguous ndarray of
+    a builtin, native dtype without objects. None otherwise: numpy's stack normalises byte order
+    and structured types, keeps subclasses, counts object references and chooses the layout of
+    rows in other orders."""
+    dtype = (<object>first).dtype
+    if dtype.isbuiltin != 1 or dtype.hasobject:
+        return None
+    out = np.empty((n,) + (<object>first).shape, dtype)
     cdef char* dst = <char*>cnp.PyArray_DATA(<cnp.ndarray>out)
     cdef Py_ssize_t row = cnp.PyArray_NBYTES(first), i
-    cdef cnp.ndarray v
     for i in range(n):
-        v = <cnp.ndarray>values[i]
-        if not cnp.PyArray_IS_C_CONTIGUOUS(v):
+        v = values[i]
+        if type(v) is not _ndarray or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>v):
             return None
-        memcpy(dst + i * row, cnp.PyArray_DATA(v), row)
+        memcpy(dst + i * row, cnp.PyArray_DATA(<cnp.ndarray>v), row)
     return out
 
 
@@ -108,38 +129,16 @@ cdef object _column(object key, list values, Py_ssize_t n, object rule):
         return _bool_column(values, n)
     if kind is _ndarray:
         shape, dtype = (<object>first).shape, (<object>first).dtype
-        exact = True
         for i in range(1, n):
             v = values[i]
             if not isinstance(v, np.ndarray) or v.shape != shape or v.dtype != dtype:
                 return values
-            exact = exact and type(v) is _ndarray
-        # numpy's own stack for subclasses, objects (references to count), dtypes it normalises
-        # (byte order, structured and flexible types) and rows not in C order; copied here
-        # otherwise.
-        if exact and dtype.isbuiltin == 1 and not dtype.hasobject:
-            out = _stack(values, n, <cnp.ndarray>first)
-            if out is not None:
-                return out
-        return np.stack(values)
+        out = _stack(values, n, <cnp.ndarray>first)
+        return np.stack(values) if out is None else out
     return rule(key, tuple(values)) if isinstance(first, np.generic) else values
 
 
 DEF MAX_DIRECT = 16  # columns the direct loop fills at most
-
-
-cdef extern from "Python.h":
-    # Borrowed references and no checks, for the direct loop: its caller holds ``payloads`` (and
-    # so each dict, key and value), none of the payloads' own code runs inside it (keys are exact
-    # strs, values exact ints and floats), and it checks every type itself.
-    PyTypeObject PyLong_Type
-    PyTypeObject PyFloat_Type
-    PyTypeObject PyUnicode_Type
-    PyTypeObject* type_of "Py_TYPE"(PyObject*)
-    PyObject* list_item "PyList_GET_ITEM"(object, Py_ssize_t)
-    Py_ssize_t dict_size "PyDict_GET_SIZE"(PyObject*)
-    int dict_next "PyDict_Next"(PyObject*, Py_ssize_t*, PyObject**, PyObject**)
-    double float_value "PyFloat_AS_DOUBLE"(PyObject*)
 
 
 @cython.boundscheck(False)
@@ -182,7 +181,7 @@ cdef object _direct(list payloads, Py_ssize_t n):
             pos = 0
             j = 0
             while dict_next(p, &pos, &k, &v):
-                if k != keyp[j] and not _same_key(<object>k, <object>keyp[j]):
+                if not _same_key(k, keyp[j]):
                     return None
                 if type_of(v) != kinds[j]:
                     return None
@@ -216,18 +215,18 @@ def collate_dicts(list payloads, rule):
     if direct is not None:
         return direct
     first = payloads[0]
-    nk = PyDict_Size(first)
+    nk = dict_size(<PyObject*>first)
     cdef list keys = list(first)
     cdef list columns = [[None] * n for j in range(nk)]
     cdef list col
     for i in range(n):
         p = payloads[i]
-        if PyDict_Size(p) != nk:
+        if dict_size(<PyObject*>p) != nk:
             return payloads  # different keys: stays a list
         pos = 0
         j = 0
-        while PyDict_Next(p, &pos, &k, &v):
-            if not _same_key(<object>k, keys[j]):
+        while dict_next(<PyObject*>p, &pos, &k, &v):
+            if not _same_key(k, <PyObject*>keys[j]):
                 return UNDECIDED if i and _undecided_keys(<object>k, keys[j]) else payloads
             col = <list>columns[j]
             col[i] = <object>v
