@@ -187,3 +187,57 @@ def test_the_first_batch_does_not_wait_for_the_fork_server(tmp_path):
     assert got["lanes_before_workers"] == [0, 1]
     assert items == full
     assert me in readers and len(readers - {me}) == 2
+
+
+ARROW_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zephon
+    from zephon.ops import batch, fetch, map_transform, pack_sequences
+    from zephon.sources import ArrowSource
+
+    class KeepingSource(ArrowSource):
+        GROUP_CACHE = 1000  # every group read stays decoded, unless the caches are dropped
+        opened = 0  # files opened for reading, in this process
+
+        def open_file(self, path):
+            KeepingSource.opened += 1
+            return super().open_file(path)
+
+    def tokens(row):
+        idx = row["idx"]
+        return {"tokens": np.arange(idx, idx + 1 + idx % 37, dtype=np.int32)}
+
+    def main():
+        path = sys.argv[1]
+        pq.write_table(pa.table({"idx": list(range(4000))}), path, row_group_size=100)
+        src = KeepingSource(path, chunk_size=200)
+        ops = [fetch(), map_transform(tokens), pack_sequences(64, open_bins=4, pad_id=0), batch(4)]
+        pipeline = zephon.Pipeline(src, ops, lanes=2, workers="process", processes=2)
+        at_start = KeepingSource.opened
+        with pipeline.iter() as loader:
+            batches = sum(1 for _ in loader)
+        ahead = KeepingSource.opened - at_start
+        (row,) = src.read(np.array([[0, 0, 0]]))  # the loader's first read began here
+        print(json.dumps({"batches": batches, "ahead": ahead, "row": row,
+                          "again": KeepingSource.opened - at_start - ahead}))
+
+    if __name__ == "__main__":  # worker processes re-import this module
+        main()
+""")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no fork server")
+def test_once_the_workers_read_the_loader_keeps_nothing_it_read_ahead(tmp_path):
+    script = tmp_path / "arrow_train.py"
+    script.write_text(ARROW_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "rows.parquet")],
+        env=script_env(), capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["batches"] > 0 and got["row"] == {"idx": 0}
+    assert got["ahead"] > 0, "the loader read the first lane ahead from the file"
+    assert got["again"] == 1, "a group the loader decoded was held after the workers took over"

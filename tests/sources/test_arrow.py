@@ -346,6 +346,40 @@ def test_chunks_smaller_than_a_row_group_decode_it_once(tmp_path):
     assert src.opened == 1 + 4  # the metadata scan, then once per row group
 
 
+def test_dropped_read_caches_are_read_again_with_the_same_rows(tmp_path):
+    path = write(tmp_path / "big.parquet", random_table(4_000), "parquet", group=1_000)
+    src = CountingArrowSource(path, chunk_size=100)
+    rows = np.array([[0, 0, 1_500], [0, 0, 2_500]])  # two row groups, both kept decoded
+    first = src.read(rows)
+    opened = src.opened
+    assert src.read(rows) == first and src.opened == opened  # from the decoded groups
+    src.drop_read_caches()
+    assert src.read(rows) == first
+    assert src.opened == opened + 1  # read from the file again
+    assert src.describe() == CountingArrowSource(path, chunk_size=100).describe()
+
+
+def test_a_mixture_drops_the_read_caches_of_each_component(tmp_path):
+    from zephon.sources.mixture import MixtureSource
+
+    comps = {
+        name: CountingArrowSource(
+            write(tmp_path / f"{name}.parquet", random_table(400), "parquet", group=100),
+            dataset_id=k,
+            chunk_size=50,
+        )
+        for k, name in enumerate("ab")
+    }
+    mix = MixtureSource(comps, {"a": 0.5, "b": 0.5}, chunk_size=40)
+    rows = mix.chunk(0).pointers
+    first = mix.read(rows)
+    opened = {name: c.opened for name, c in comps.items()}
+    assert mix.read(rows) == first and {n: c.opened for n, c in comps.items()} == opened
+    mix.drop_read_caches()
+    assert mix.read(rows) == first
+    assert {n: c.opened - opened[n] for n, c in comps.items()} == {"a": 1, "b": 1}
+
+
 def test_a_transient_os_error_is_left_to_fetch_to_retry(tmp_path):
     path = write(tmp_path / "t.parquet", make_table(0, 10), "parquet", group=4)
 

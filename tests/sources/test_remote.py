@@ -118,6 +118,26 @@ def test_a_server_that_is_gone_is_a_fetch_error_naming_the_uri(tmp_path, bucket,
     assert time.monotonic() - began < 60
 
 
+def test_dropping_the_read_caches_forgets_the_bytes_fetched_ahead(tmp_path, bucket, failing_proxy):
+    local = shards(tmp_path / "data", [40], group=5)  # one file of 8 row groups
+    uri = bucket.upload(local, "h")
+    bucket.point_at(failing_proxy.endpoint)
+    src = ArrowSource(uri, chunk_size=5)
+    assert src.num_samples() == 40
+
+    def read(idx: int) -> tuple[dict, int]:
+        """Sample ``idx``, and how many requests for the file's bytes its read made."""
+        failing_proxy.requests.clear()
+        (payload,) = src.read(np.array([[0, 0, idx]]))
+        return payload, len([r for r in failing_proxy.requests if r.startswith("GET /")])
+
+    assert read(0)[1] > 0  # group 0, and the groups after it fetched ahead
+    assert read(12) == ({"idx": 12, "text": "row 12"}, 0)  # group 2: fetched ahead
+    src.drop_read_caches()
+    payload, requests = read(17)  # group 3 was fetched ahead too, and is forgotten
+    assert payload == {"idx": 17, "text": "row 17"} and requests > 0
+
+
 def test_the_metadata_cache_lets_a_restart_skip_the_footers(tmp_path, bucket, failing_proxy):
     local = shards(tmp_path / "data", [5] * 6)
     uri = bucket.upload(local, "f")

@@ -70,7 +70,6 @@ class LaneFeed:
         finally:
             assert self.starting is not None
             self.starting.read_over(self)
-        give_back()  # the worker goes on from here: what the reads took is free
         return read is not None
 
     def next_item(self) -> Any:
@@ -133,6 +132,8 @@ class WorkerStarts:
 
     def __init__(self, plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel):
         self.error: BaseException | None = None
+        self._source = plan.source
+        self._freed = False
         self._cancelled = False
         self._lock = threading.Lock()
         # Per lane: None once the thread starts its worker as it is; an event, set when the
@@ -183,10 +184,19 @@ class WorkerStarts:
             self.error = exc
 
     def wait(self) -> None:
-        """Until every worker is started; the error that stopped a start, if one did."""
+        """Until every worker is started; the error that stopped a start, if one did. The first
+        time, the loader's process then frees what its reads ahead kept and took."""
         self._joined()
         if self.error is not None:
             raise self.error
+        if not self._freed:
+            self._freed = True
+            # Every lane is its worker's now and this process reads no more: its source forgets
+            # what the reads kept (decoded row groups, bytes fetched ahead), and the memory goes
+            # back here, in the thread that read (Arrow's mimalloc pool returns only the calling
+            # thread's free pages).
+            self._source.drop_read_caches()
+            give_back()
 
     def cancel(self) -> None:
         """The lanes close: workers not started yet are not; wait for the thread, so that every

@@ -595,6 +595,13 @@ class ArrowSource(FileSource):
             while len(self._groups) > self.GROUP_CACHE:
                 self._groups.popitem(last=False)
 
+    def drop_read_caches(self) -> None:
+        """Forget the decoded groups and the bytes fetched ahead; footers stay."""
+        with self._cache_lock:
+            self._groups.clear()
+            self._ahead.clear()
+            self._ahead_bytes = 0
+
     def describe(self) -> dict[str, Any]:
         """Class, chunking/shuffle parameters, columns, and per file its name relative to the
         dataset root, format, size, row count, group count and the digest of its footer and

@@ -80,6 +80,13 @@ class WorkSource(ABC):
         """The mixture component of each pointer row: by default the row's ``dataset_id``."""
         return check_pointers(pointers, self)[:, 0].tolist()
 
+    def drop_read_caches(self) -> None:
+        """Forget what reads kept for the reads after them (decoded data, bytes fetched ahead),
+        but not what describes the data: reading the same samples again reads them again. A
+        process that will not read from this source for a while calls it to free that memory
+        (the loader, once the workers read); this default keeps nothing."""
+        return None
+
     def target_mixture(self) -> tuple[str, dict[Any, float]] | None:
         """``(by, shares)`` when the source draws its components towards target shares (``by``
         is ``"tokens"`` or ``"samples"``), else None (this default); ``Loader.stats()`` reports

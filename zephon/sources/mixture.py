@@ -352,6 +352,11 @@ class MixtureSource(WorkSource):
                 out[w] = value
         return out
 
+    def drop_read_caches(self) -> None:
+        """Each component forgets what its reads kept."""
+        for src in self._sources:
+            src.drop_read_caches()
+
     def components(self, pointers: np.ndarray) -> list[Any]:
         """The component name of each pointer row (by its dataset_id)."""
         rows = check_pointers(pointers, self)
