@@ -380,6 +380,21 @@ def test_a_mixture_drops_the_read_caches_of_each_component(tmp_path):
     assert {n: c.opened - opened[n] for n, c in comps.items()} == {"a": 1, "b": 1}
 
 
+@pytest.mark.parametrize("how", ["end", "close"])
+def test_a_loader_that_ends_or_closes_leaves_no_decoded_groups_behind(tmp_path, how):
+    path = write(tmp_path / "t.parquet", make_table(0, 400), "parquet", group=100)
+    src = CountingArrowSource(path, chunk_size=50)
+    src.GROUP_CACHE = 1000  # every group read stays decoded, unless the caches are dropped
+    with zephon.Pipeline(src, [fetch(), batch(10)]).iter() as loader:
+        for step, _ in enumerate(loader, 1):
+            if how == "close" and step == 3:
+                loader.close()
+                break
+        opened = src.opened
+        assert src.read(np.array([[0, 0, 0]]))[0]["idx"] == 0
+        assert src.opened == opened + 1, "the loader's groups were still held"
+
+
 def test_a_transient_os_error_is_left_to_fetch_to_retry(tmp_path):
     path = write(tmp_path / "t.parquet", make_table(0, 10), "parquet", group=4)
 

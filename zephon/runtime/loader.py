@@ -123,6 +123,7 @@ class Loader:
             except BaseException as exc:
                 self._fail(exc)
                 raise
+            self._release_source()  # the stream is over
             raise StopIteration
         finally:
             lock.release()
@@ -201,6 +202,12 @@ class Loader:
 
     def _stop_lanes(self) -> None:
         close_feeds([lane.feed for lane in self.lanes])
+        self._release_source()
+
+    def _release_source(self) -> None:
+        # This loader reads its source no more, and what the reads kept for later ones (decoded
+        # row groups, bytes fetched ahead) would otherwise live as long as the pipeline does.
+        self.plan.source.drop_read_caches()
 
     def close(self) -> None:
         """Stop every lane's worker. The state still describes the last item handed over."""

@@ -84,7 +84,8 @@ class WorkSource(ABC):
         """Forget what reads kept for the reads after them (decoded data, bytes fetched ahead),
         but not what describes the data: reading the same samples again reads them again. A
         process that will not read from this source for a while calls it to free that memory
-        (the loader, once the workers read); this default keeps nothing."""
+        (a loader whose stream ended or that was closed, and the loader's process once its
+        workers read); this default keeps nothing."""
         return None
 
     def target_mixture(self) -> tuple[str, dict[Any, float]] | None:
