@@ -278,22 +278,17 @@ def measure_ratios(n: int = 300_000, *, repeats: int = 5) -> dict[str, float]:
     moves both sides of a ratio alike. ``torchdata/bare_default`` is the ceiling of the
     torchdata row: how far any engine could get ahead of torchdata on this work if it added
     nothing at all to the reads, the map and the collate."""
-    runs: dict[str, list[float]] = {
-        "trivial": [],
-        "default": [],
-        "bare": [],
-        "bare_default": [],
-        "torchdata": [],
+    makers: dict[str, Callable[[], Any]] = {
+        "trivial": lambda: iter(overhead_pipeline_with(n, trivial_collate)),
+        "default": lambda: iter(overhead_pipeline_with(n, None)),
+        "bare": lambda: bare_trivial(n),
+        "bare_default": lambda: bare_chain(n),
+        "torchdata": lambda: torchdata_map_batch(n),
     }
+    runs: dict[str, list[float]] = {key: [] for key in makers}
     torchdata_map_batch(1)  # import torch and torchdata before the clock starts
     for _ in range(repeats):
-        for key, make in (
-            ("trivial", lambda: iter(overhead_pipeline_with(n, trivial_collate))),
-            ("default", lambda: iter(overhead_pipeline_with(n, None))),
-            ("bare", lambda: bare_trivial(n)),
-            ("bare_default", lambda: bare_chain(n)),
-            ("torchdata", lambda: torchdata_map_batch(n)),
-        ):
+        for key, make in makers.items():
             gc.collect()
             start = time.perf_counter()
             it = make()
