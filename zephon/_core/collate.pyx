@@ -148,6 +148,10 @@ cdef object _direct(list payloads, Py_ssize_t n):
     its values exact ints (int64) or floats (float64), and every payload has its keys in its order
     with values of the same types; None otherwise, for the general loop to decide (it gives the
     same result)."""
+    # Made before the first borrowed pointer is taken: it is the only allocation here that can
+    # start a garbage collection (ndarrays are not tracked by the collector, and inserting exact
+    # str keys runs no Python code), so no finalizer can run while the loops below hold them.
+    cdef dict out = {}
     cdef PyObject* first = list_item(payloads, 0)
     cdef Py_ssize_t nk = dict_size(first), pos = 0, i, j = 0
     if nk == 0 or nk > MAX_DIRECT:
@@ -159,7 +163,6 @@ cdef object _direct(list payloads, Py_ssize_t n):
     cdef PyObject* keyp[MAX_DIRECT]
     cdef void* data[MAX_DIRECT]
     cdef cnp.npy_intp size = n
-    cdef dict out = {}
     while dict_next(first, &pos, &k, &v):
         kinds[j] = type_of(v)
         if kinds[j] != &PyLong_Type and kinds[j] != &PyFloat_Type:
