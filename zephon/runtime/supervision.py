@@ -7,7 +7,7 @@ being delivered, and adds the lane to any error that comes out of the runner.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zephon._core.records import RecordRun
 from zephon.errors import ZephonError
@@ -21,6 +21,9 @@ from zephon.runtime.workers import (
     open_lanes,
     start_fork_server,
 )
+
+if TYPE_CHECKING:
+    from zephon.sources.base import WorkSource
 
 
 class LaneFeed:
@@ -132,8 +135,7 @@ class WorkerStarts:
 
     def __init__(self, plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel):
         self.error: BaseException | None = None
-        self._source = plan.source
-        self._freed = False
+        self._reads_kept: WorkSource | None = plan.source  # until the first wait() drops them
         self._cancelled = False
         self._lock = threading.Lock()
         # Per lane: None once the thread starts its worker as it is; an event, set when the
@@ -189,13 +191,13 @@ class WorkerStarts:
         self._joined()
         if self.error is not None:
             raise self.error
-        if not self._freed:
-            self._freed = True
+        if self._reads_kept is not None:
+            source, self._reads_kept = self._reads_kept, None
             # Every lane is its worker's now and this process reads no more: its source forgets
             # what the reads kept (decoded row groups, bytes fetched ahead), and the memory goes
             # back here, in the thread that read (Arrow's mimalloc pool returns only the calling
             # thread's free pages).
-            self._source.drop_read_caches()
+            source.drop_read_caches()
             give_back()
 
     def cancel(self) -> None:
