@@ -203,7 +203,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the performance benchmarks, each against a baseline in the same "
         "process, and print one table of medians, ratios and targets.",
     )
-    bench.add_argument("--quick", action="store_true", help="smaller sizes, a minute or two")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller sizes, a few minutes (the full run: about a quarter of an hour)",
+    )
     return parser
 
 
