@@ -10,9 +10,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Reinstall only when the packaging metadata changes; `build` recompiles changed .pyx files.
+# The editable installs leave the kernels out (ZEPHON_NO_EXTENSIONS): pip would compile them in
+# a throw-away directory at every install, and `build` compiles them in place anyway.
+PIP_EDITABLE := ZEPHON_NO_EXTENSIONS=1 $(BIN)/python -m pip install -q --no-build-isolation -e
 $(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel "Cython>=3.0" "numpy>=2.0"
-	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test]"
+	$(PIP_EDITABLE) ".[test]"
 	touch $(STAMP)
 
 build: $(STAMP)
@@ -32,7 +35,7 @@ lint: build
 TEST_STAMP := $(VENV)/.zephon-test-extras
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test,torch,docs]"
+	$(PIP_EDITABLE) ".[test,torch,docs]"
 	touch $(TEST_STAMP) $(DOCS_STAMP)  # the docs extra came with it: no third build
 
 test: $(TEST_STAMP) lint docs
@@ -41,7 +44,7 @@ test: $(TEST_STAMP) lint docs
 # The docs extra (sphinx, myst-parser) goes into the same venv; autodoc imports the built package.
 DOCS_STAMP := $(VENV)/.zephon-docs-installed
 $(DOCS_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q --no-build-isolation -e ".[docs]"
+	$(PIP_EDITABLE) ".[docs]"
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP) build

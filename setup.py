@@ -4,6 +4,8 @@ Environment switches:
   ZEPHON_CYTHON_DEBUG=1  bounds/wraparound/initialized checks on, -O0 -g
   ZEPHON_SANITIZE=1      build with AddressSanitizer and UBSan
   ZEPHON_ONLY=a,b        build only these kernel modules (faster edit-compile loops)
+  ZEPHON_NO_EXTENSIONS=1 install without the kernels (the Makefile's pip installs use it: its
+                         build step compiles them in place, once, instead of every install)
 """
 
 import os
@@ -19,6 +21,7 @@ HERE = Path(__file__).parent
 DEBUG = os.environ.get("ZEPHON_CYTHON_DEBUG") == "1"
 SANITIZE = os.environ.get("ZEPHON_SANITIZE") == "1"
 ONLY = {name for name in os.environ.get("ZEPHON_ONLY", "").split(",") if name}
+NO_EXTENSIONS = os.environ.get("ZEPHON_NO_EXTENSIONS") == "1"
 
 directives = {
     "language_level": 3,
@@ -52,7 +55,6 @@ extensions = [
 ]
 
 
-
 class ParallelBuildExt(build_ext):
     """Compiles the extensions on every CPU unless ``--parallel`` says otherwise: every pip install
     of the project builds them, and on two cores that takes half the time."""
@@ -64,6 +66,8 @@ class ParallelBuildExt(build_ext):
 
 
 setup(
-    ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=0),
+    ext_modules=[]
+    if NO_EXTENSIONS
+    else cythonize(extensions, compiler_directives=directives, nthreads=0),
     cmdclass={"build_ext": ParallelBuildExt},
 )
