@@ -173,10 +173,10 @@ CRASH_SCRIPT = textwrap.dedent("""
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its reaper counts as gone
+            return f.read().split()[2] != "Z"
+    except (ProcessLookupError, FileNotFoundError):  # gone, also when reaped between the looks
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its reaper counts as gone
-        return f.read().split()[2] != "Z"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and SIGKILL")
