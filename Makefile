@@ -36,7 +36,7 @@ TEST_STAMP := $(VENV)/.zephon-test-extras
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(PIP_EDITABLE) ".[test,torch,docs]"
-	touch $(TEST_STAMP) $(DOCS_STAMP)  # the docs extra came with it: no third build
+	touch $(TEST_STAMP) $(DOCS_STAMP)  # the docs extra came with it: no third install
 
 test: $(TEST_STAMP) lint docs
 	$(BIN)/python -m pytest -p no:cacheprovider
