@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -58,10 +59,20 @@ def build_frontend() -> None:
         _run(sys.executable, "-m", "pip", "install", "-q", "build", cwd=REPO)
 
 
+#: What a checkout holds that no build reads (environments, caches, build directories).
+_NOT_COPIED = shutil.ignore_patterns(
+    ".git", ".venv", "build", "_build", ".mypy_cache", ".ruff_cache", ".hypothesis", ".asv"
+)
+
+
 @pytest.fixture(scope="module")
 def sdist(build_frontend: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Built from a copy of the checkout, its generated files included (the sdist must leave them
+    # out): the build regenerates C files with its own Cython, and must not do so in the checkout.
+    tree = tmp_path_factory.mktemp("checkout") / "zephon"
+    shutil.copytree(REPO, tree, ignore=_NOT_COPIED, symlinks=True)
     out = tmp_path_factory.mktemp("sdist")
-    _build("--sdist", "--outdir", out, REPO, cwd=REPO)
+    _build("--sdist", "--outdir", out, tree, cwd=tree)
     (path,) = out.glob(f"{FILE_STEM}-*.tar.gz")
     return path
 
