@@ -9,10 +9,11 @@ STAMP  := $(VENV)/.zephon-installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall only when the packaging metadata changes; `build` recompiles changed .pyx files.
 # The editable installs leave the kernels out (ZEPHON_NO_EXTENSIONS): pip would compile them in
 # a throw-away directory at every install, and `build` compiles them in place anyway.
 PIP_EDITABLE := ZEPHON_NO_EXTENSIONS=1 $(BIN)/python -m pip install -q --no-build-isolation -e
+
+# Reinstall only when the packaging metadata changes; `build` recompiles changed .pyx files.
 $(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel "Cython>=3.0" "numpy>=2.0"
 	$(PIP_EDITABLE) ".[test]"

@@ -608,15 +608,8 @@ def test_a_bin_fill_does_not_pickle() -> None:
 # Concurrent use: a fill written by one thread while others take its bins and read it.
 
 FILL_HAMMER = """
-import sys
-
 from zephon._core.binfill import FlatPacker
 from zephon._core.packfill import BinFill
-
-# The taker and the reader never block: at the default switch interval each holds the GIL for
-# 5 ms at every turn and the writer crawls (about 25 s). Short turns interleave the three more
-# often and let the writer finish in a few seconds.
-sys.setswitchinterval(2e-4)
 
 SEQ = 64
 fill = BinFill(SEQ, pad_id=-1)

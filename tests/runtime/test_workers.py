@@ -14,6 +14,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 from pipeline_kit import DropMultiples, PackPairs, SplitInChildren, WindowShuffle, fingerprint_item
 from worker_kit import assert_no_leftover_workers, script_env, wait_until
@@ -171,11 +172,9 @@ CRASH_SCRIPT = textwrap.dedent("""
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its reaper counts as gone
-            return f.read().split()[2] != "Z"
-    except (ProcessLookupError, FileNotFoundError):  # gone, also when reaped between the looks
+    try:  # a zombie waiting for its reaper counts as gone
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # also when it is reaped while being looked at
         return False
 
 
@@ -194,10 +193,9 @@ def test_sigkilled_training_process_resumes_identically_and_leaves_no_workers(tm
     assert len(pids) >= 2
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    gone_by = time.monotonic() + 5
-    while any(_alive(pid) for pid in pids) and time.monotonic() < gone_by:
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids), "worker processes outlived the killed loader"
+    assert wait_until(lambda: not any(_alive(pid) for pid in pids), 5.0), (
+        "worker processes outlived the killed loader"
+    )
 
     step = int((tmp_path / "step.txt").read_text())
     logged = (tmp_path / "delivered.txt").read_text().splitlines()[:step]
