@@ -132,6 +132,21 @@ def test_worker_processes_keep_the_users_thread_settings(monkeypatch, no_user_th
     assert seen["RAYON_NUM_THREADS"] == {"3"} and seen["TOKENIZERS_PARALLELISM"] == {"true"}
 
 
+def blas_threads(payload: dict) -> dict:
+    from threadpoolctl import threadpool_info
+
+    pools = [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+    return {**payload, "blas": max(pools)}
+
+
+def test_worker_processes_size_the_blas_pool_the_fork_server_loaded(no_user_thread_settings):
+    # numpy, and its BLAS with a pool as large as the machine, were loaded in the fork server
+    # before any worker existed; each worker still runs its share of the CPUs.
+    with pipeline_of(blas_threads).iter() as loader:
+        seen = {int(n) for b in loader for n in b.payload["blas"]}
+    assert seen == {int(worker_environment(2)["OPENBLAS_NUM_THREADS"])}
+
+
 def test_the_preload_list_names_what_the_plan_holds(tmp_path):
     texts = [f"document {i} of the corpus" for i in range(50)]
     path = tmp_path / "docs.parquet"

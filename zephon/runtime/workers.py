@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from zephon.errors import PlanError, ZephonError
 from zephon.plan import Plan
+from zephon.runtime.blas_threads import limit_loaded_blas
 from zephon.runtime.control import ChunkOpened
 from zephon.runtime.lane import LaneRunner
 from zephon.runtime.memory import give_back_at_most_every
@@ -746,8 +747,10 @@ def _process_main(
     # stops its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_loader(loader_pid)
-    # Before anything starts a thread pool: pools read these when they are first used.
+    # Before anything starts a thread pool: pools read these when they are first used. BLAS
+    # was loaded with numpy in the fork server, and is told instead.
     os.environ.update(environment)
+    limit_loaded_blas(environment)
     for conn, _, _ in members:
         _write_or_leave(conn, _encode(_READY, None))
     plan = _load_plan(plan_bytes, [lane_id for _, lane_id, _ in members])
