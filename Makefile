@@ -27,7 +27,7 @@ build: $(STAMP)
 	$(BIN)/python -m compileall -q zephon
 
 lint: build
-	$(BIN)/ruff check zephon tests asv_bench
+	$(BIN)/ruff check zephon tests asv_bench docs/examples
 	$(BIN)/ruff format --check zephon tests asv_bench
 	$(BIN)/mypy
 

@@ -1,4 +1,4 @@
-from zephon.ops import OpTraits, Operator
+from zephon.ops import Operator, OpTraits
 
 
 class SortByLength(Operator):

@@ -1,4 +1,4 @@
-from zephon.ops import OpTraits, Operator, spawn_child, tombstones_for_record
+from zephon.ops import Operator, OpTraits, spawn_child, tombstones_for_record
 from zephon.types import SampleRecord
 
 
