@@ -14,8 +14,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from worker_kit import assert_no_leftover_workers, script_env
 
 import zephon
-from zephon.ops import batch, fetch, map_transform, tokenize
-from zephon.runtime.workers import THREAD_VARIABLES, plan_modules, worker_environment
+from zephon.ops import batch, fetch, filter_records, map_transform, tokenize
+from zephon.runtime.workers import THREAD_VARIABLES, WIDENED, plan_modules, worker_environment
 from zephon.sources import ArrowSource
 from zephon.sources.memory import RangeSource
 
@@ -130,6 +130,80 @@ def test_worker_processes_keep_the_users_thread_settings(monkeypatch, no_user_th
     with pipeline_of(thread_settings).iter() as loader:
         seen = _collect(loader)
     assert seen["RAYON_NUM_THREADS"] == {"3"} and seen["TOKENIZERS_PARALLELISM"] == {"true"}
+
+
+def in_lane_0_or_its_first_chunk(payload: dict) -> bool:
+    return (payload["idx"] // 8) % 2 == 0 or payload["idx"] < 16  # chunks of 8, two lanes
+
+
+def lane_0_settings(pipeline: zephon.Pipeline) -> list[dict[str, str]]:
+    """The thread settings lane 0's records saw, in order, while lane 1 ends after one batch."""
+    with pipeline.iter() as loader:
+        return [
+            {name: b.payload[name][0] for name in THREAD_NAMES}
+            for b in loader
+            if (b.payload["idx"][0] // 8) % 2 == 0
+        ]
+
+
+def uneven_lanes() -> zephon.Pipeline:
+    return zephon.Pipeline(
+        RangeSource(1024, chunk_size=8),
+        [
+            fetch(),
+            filter_records(in_lane_0_or_its_first_chunk),
+            map_transform(thread_settings),
+            batch(8),
+        ],
+        lanes=2,
+        workers="process",
+        processes=2,
+    )
+
+
+def test_a_finished_worker_leaves_its_cpus_to_the_tokenizer_of_the_one_still_running(
+    no_user_thread_settings,
+):
+    seen = lane_0_settings(uneven_lanes())
+    two, one = worker_environment(2), worker_environment(1)
+    assert seen[0] == two
+    # Lane 1 ended at its second turn: lane 0's worker reads the news before its next list.
+    assert seen[-1] == {**two, **{name: one[name] for name in WIDENED}}
+    assert all(
+        s[name] == two[name] for s in seen for name in THREAD_VARIABLES if name not in WIDENED
+    )
+
+
+def not_in_lane_1_after_its_first_chunk(payload: dict) -> bool:
+    return (payload["idx"] // 8) % 4 != 1 or payload["idx"] < 16  # chunks of 8, four lanes
+
+
+def test_a_worker_leaves_its_cpus_only_once_all_its_lanes_ended(no_user_thread_settings):
+    pipeline = zephon.Pipeline(
+        RangeSource(1024, chunk_size=8),
+        [
+            fetch(),
+            filter_records(not_in_lane_1_after_its_first_chunk),
+            map_transform(thread_settings),
+            batch(8),
+        ],
+        lanes=4,
+        workers="process",
+        processes=2,  # lanes 0 and 1 on one worker, 2 and 3 on the other
+    )
+    with pipeline.iter() as loader:
+        seen = _collect(loader)
+    assert seen == {name: {value} for name, value in worker_environment(2).items()}
+
+
+def test_a_finished_worker_leaves_the_users_thread_settings_alone(
+    monkeypatch, no_user_thread_settings
+):
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setenv("RAYON_NUM_THREADS", "1")
+    seen = lane_0_settings(uneven_lanes())
+    assert {s["TOKENIZERS_PARALLELISM"] for s in seen} == {"false"}
+    assert {s["RAYON_NUM_THREADS"] for s in seen} == {"1"}
 
 
 def blas_threads(payload: dict) -> dict:

@@ -61,7 +61,10 @@ def limit_loaded_blas(environment: dict[str, str]) -> list[str]:
             threads = _threads(environment.get(variable))
             if part not in name or threads is None:
                 continue
-            library = ctypes.CDLL(path)  # loaded already: a handle on the same copy
+            try:
+                library = ctypes.CDLL(path)  # loaded already: a handle on the same copy
+            except OSError:  # the file was replaced or removed since it was loaded
+                continue
             setter = next((getattr(library, s) for s in setters if hasattr(library, s)), None)
             if setter is not None:
                 setter(ctypes.c_int(threads))

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from zephon.errors import PlanError, ZephonError
 from zephon.plan import Plan
 from zephon.runtime.blas_threads import limit_loaded_blas
-from zephon.runtime.control import ChunkOpened
+from zephon.runtime.control import ChunkOpened, LaneEnd
 from zephon.runtime.lane import LaneRunner
 from zephon.runtime.memory import give_back_at_most_every
 
@@ -56,6 +56,7 @@ _EXIT_MAIN_REIMPORTED = 78
 _ACK = "ack"
 _READY = "ready"
 _END = "end"  # the runner is exhausted: next() raises StopIteration from now on
+_THREADS = "threads"  # from the loader: thread variables to set (other workers have finished)
 
 
 class _Worker(Protocol):
@@ -718,12 +719,22 @@ def _stream(conn: Connection, lane_items: Iterator[list], lane_id: int, prefetch
             give_back_at_most_every(GIVE_BACK_SECONDS)
         try:
             while credits == 0 or conn.poll():
-                conn.recv()  # an acknowledgement: the loader took an item list
-                credits += 1
+                credits += _from_loader(conn.recv())
         except (OSError, EOFError):
             raise _LoaderGone from None
         _write(conn, message)
         credits -= 1
+
+
+def _from_loader(message: Any) -> int:
+    """Act on a message from the loader: 1 for an acknowledgement (the loader took an item list,
+    and one more may go), 0 for thread variables to set (``Neighbours.lane_ended``)."""
+    if message == _ACK:
+        return 1
+    kind, environment = message
+    if kind == _THREADS:
+        os.environ.update(environment)  # read by the tokenizer at its next encode_batch
+    return 0
 
 
 def _send_error(conn: Connection, exc: BaseException) -> None:
@@ -827,6 +838,7 @@ class _SharedProcess:
 
     def __init__(self, n_lanes: int):
         self.open = n_lanes
+        self.producing = n_lanes  # lanes that have not sent their end yet
         self.exitcode: int | None = None  # once reaped (and closed)
 
 
@@ -982,17 +994,27 @@ class PlanParcel:
             raise PlanError(_unpicklable_message(plan, exc)) from None
         self.preload = plan_modules(plan)
         self.environment = worker_environment(plan.processes)
-        self.neighbours = Neighbours()
+        self.neighbours = Neighbours(min(plan.processes, len(plan.rank_lanes)), self.environment)
+
+
+#: The thread variables a worker may be given more of when other workers have finished: the
+#: tokenizer's, whose output does not depend on how many threads encode. BLAS and OpenMP keep
+#: their first size, as a reduction's result can depend on how it was split.
+WIDENED = ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM")
 
 
 class Neighbours:
-    """The process lanes started with one parcel, for one loader. While ``next()`` waits for one
-    of them, the others' finished item lists are taken off their pipes: a worker ahead of the
-    delivery order would otherwise stall on a full pipe (a socket buffer holds about 200 KB, an
-    item list of a text pipeline often more) until the loader comes round to its lane."""
+    """The process lanes started with one parcel, for one loader, on at most ``processes`` worker
+    processes. While ``next()`` waits for one of them, the others' finished item lists are taken
+    off their pipes: a worker ahead of the delivery order would otherwise stall on a full pipe (a
+    socket buffer holds about 200 KB, an item list of a text pipeline often more) until the
+    loader comes round to its lane. A worker that has sent the end of all its lanes leaves its
+    CPUs to those still producing (``lane_ended``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, processes: int, environment: dict[str, str]) -> None:
         self._lanes: list[weakref.ref[ProcessLane]] = []
+        self._producing = processes
+        self._widened = {name: environment[name] for name in WIDENED}  # what the workers have
 
     def add(self, lane: ProcessLane) -> None:
         self._lanes.append(weakref.ref(lane))
@@ -1005,6 +1027,27 @@ class Neighbours:
             for lane in lanes
             if lane is not None and lane is not waiting and lane._may_send()
         }
+
+    def lane_ended(self, lane: ProcessLane) -> None:
+        """``lane`` sent its end. When that was its worker's last lane, the workers still
+        producing share the CPUs anew (``worker_environment``), in the ``WIDENED`` variables
+        the user did not set; a tokenizer with one thread so far starts its pool at the next
+        call."""
+        shared = lane._worker.shared
+        shared.producing -= 1
+        if shared.producing:
+            return
+        self._producing -= 1
+        if self._producing < 1:
+            return
+        wider = worker_environment(self._producing)
+        widened = {name: wider[name] for name in WIDENED}
+        if widened == self._widened:
+            return
+        self._widened = widened
+        for other in (ref() for ref in list(self._lanes)):
+            if other is not None and other._may_send():
+                other.tell((_THREADS, widened))
 
 
 def _start_process(
@@ -1092,6 +1135,7 @@ class ProcessLane:
         self._closed = False
         self._ended = False
         self._gone = False  # the pipe ended while receiving ahead: next() reports why
+        self._finished = False  # the lane's last list (or its end) came: nothing more is made
         self._neighbours = neighbours
         neighbours.add(self)
         self._finalizer = weakref.finalize(self, _stop_workers, [self._worker], STOP_TIMEOUT)
@@ -1128,6 +1172,7 @@ class ProcessLane:
                     self._ready = True
                 else:
                     self._waiting.append((kind, value))
+                    self._arrived(kind, value)
         except MessageStalled:
             self._stalled = self._stall()
         except (EOFError, OSError):
@@ -1180,8 +1225,24 @@ class ProcessLane:
             except (EOFError, OSError):
                 raise self._lost() from None
             if kind != _READY:
+                self._arrived(kind, value)
                 return kind, value
             self._ready = True
+
+    def _arrived(self, kind: str, value: Any) -> None:
+        """A message came off the pipe. After the lane's last list (its end) the worker has
+        nothing more to do for it: the loader may deliver that list much later."""
+        if self._finished:
+            return
+        if kind == _END or (kind == "items" and value and type(value[-1]) is LaneEnd):
+            self._finished = True
+            self._neighbours.lane_ended(self)
+
+    def tell(self, message: tuple[str, Any]) -> None:
+        """Send the worker a message beside the acknowledgements (``_from_loader``); a worker
+        that is gone is left for ``next()`` to report."""
+        with contextlib.suppress(OSError):
+            self._conn.send(message)
 
     def _stall(self) -> ZephonError:
         """The error for a message that stopped arriving half-way, after stopping the lane (the
