@@ -20,6 +20,7 @@ from zephon.sources import ArrowSource
 from zephon.sources.memory import RangeSource
 
 THREAD_NAMES = (*THREAD_VARIABLES, "TOKENIZERS_PARALLELISM")
+KEPT = [name for name in THREAD_VARIABLES if name not in WIDENED]  # BLAS, OpenMP: never widened
 
 
 @pytest.fixture(autouse=True)
@@ -116,10 +117,9 @@ def test_worker_processes_run_with_the_sized_thread_pools(no_user_thread_setting
     share = worker_environment(2)
     # Each lane's first batch is made before any lane can end (a worker runs at most `prefetch`
     # lists ahead); after one worker ends, the other's tokenizer may take its CPUs.
-    firsts = [next(b for b in batches if (b["idx"][0] // 8) % 2 == lane) for lane in (0, 1)]
+    firsts = [next(b for b in batches if lane_of(b["idx"][0], 2) == lane) for lane in (0, 1)]
     assert [{name: b[name][0] for name in THREAD_NAMES} for b in firsts] == [share, share]
-    kept = [name for name in THREAD_VARIABLES if name not in WIDENED]  # BLAS, OpenMP
-    assert all(set(b[name]) == {share[name]} for b in batches for name in kept)
+    assert all(set(b[name]) == {share[name]} for b in batches for name in KEPT)
 
 
 def _collect(loader) -> dict[str, set[str]]:
@@ -138,8 +138,13 @@ def test_worker_processes_keep_the_users_thread_settings(monkeypatch, no_user_th
     assert seen["RAYON_NUM_THREADS"] == {"3"} and seen["TOKENIZERS_PARALLELISM"] == {"true"}
 
 
+def lane_of(idx: int, lanes: int) -> int:
+    """The lane that reads sample ``idx`` in these tests' pipelines (chunks of 8, in order)."""
+    return (idx // 8) % lanes
+
+
 def in_lane_0_or_its_first_chunk(payload: dict) -> bool:
-    return (payload["idx"] // 8) % 2 == 0 or payload["idx"] < 16  # chunks of 8, two lanes
+    return lane_of(payload["idx"], 2) == 0 or payload["idx"] < 16
 
 
 def lane_0_settings(pipeline: zephon.Pipeline) -> list[dict[str, str]]:
@@ -148,7 +153,7 @@ def lane_0_settings(pipeline: zephon.Pipeline) -> list[dict[str, str]]:
         return [
             {name: b.payload[name][0] for name in THREAD_NAMES}
             for b in loader
-            if (b.payload["idx"][0] // 8) % 2 == 0
+            if lane_of(b.payload["idx"][0], 2) == 0
         ]
 
 
@@ -175,14 +180,12 @@ def test_a_finished_worker_leaves_its_cpus_to_the_tokenizer_of_the_one_still_run
     assert seen[0] == two
     # Lane 1 ended at its second turn: lane 0's worker reads the news before its next list.
     assert seen[-1] == {**two, **{name: one[name] for name in WIDENED}}
-    assert all(
-        s[name] == two[name] for s in seen for name in THREAD_VARIABLES if name not in WIDENED
-    )
+    assert all(s[name] == two[name] for s in seen for name in KEPT)
 
 
 def lane_0_longest(payload: dict) -> bool:
-    """Chunks of 8 on four lanes: lane 1 keeps its first chunk, lanes 2 and 3 the first half."""
-    lane = (payload["idx"] // 8) % 4
+    """Four lanes: lane 1 keeps its first chunk, lanes 2 and 3 the first half."""
+    lane = lane_of(payload["idx"], 4)
     return lane == 0 or payload["idx"] < (16 if lane == 1 else 512)
 
 
@@ -197,7 +200,7 @@ def test_a_worker_leaves_its_cpus_only_once_all_its_lanes_ended(no_user_thread_s
     with pipeline.iter() as loader:
         batches = [b.payload for b in loader]
     # Lane 1 ends first, but lane 0 keeps its worker busy until after lanes 2 and 3 have ended.
-    later = [b for b in batches if (b["idx"][0] // 8) % 4 in (2, 3)]
+    later = [b for b in batches if lane_of(b["idx"][0], 4) in (2, 3)]
     share = worker_environment(2)
     assert len(later) == 32
     assert all(set(b[name]) == {share[name]} for b in later for name in THREAD_NAMES)

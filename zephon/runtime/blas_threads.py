@@ -54,19 +54,28 @@ def limit_loaded_blas(environment: dict[str, str]) -> list[str]:
     """Give each loaded BLAS library the thread count its variable has in ``environment``; the
     libraries changed. A library without a known setter, or a variable that is not a positive
     count, is left as it is."""
+    wanted = {
+        part: (n, setters)
+        for part, (variable, setters) in _SETTERS.items()
+        if (n := _threads(environment.get(variable))) is not None
+    }
     changed = []
     for path in loaded_libraries():
         name = os.path.basename(path).lower()
-        for part, (variable, setters) in _SETTERS.items():
-            threads = _threads(environment.get(variable))
-            if part not in name or threads is None:
-                continue
-            try:
-                library = ctypes.CDLL(path)  # loaded already: a handle on the same copy
-            except OSError:  # the file was replaced or removed since it was loaded
-                continue
-            setter = next((getattr(library, s) for s in setters if hasattr(library, s)), None)
-            if setter is not None:
-                setter(ctypes.c_int(threads))
+        for part, (threads, setters) in wanted.items():
+            if part in name and _set_threads(path, setters, threads):
                 changed.append(path)
     return changed
+
+
+def _set_threads(path: str, setters: tuple[str, ...], threads: int) -> bool:
+    """Call the first of ``setters`` that the library at ``path`` exports; whether one was."""
+    try:
+        library = ctypes.CDLL(path)  # loaded already: a handle on the same copy
+    except OSError:  # the file was replaced or removed since it was loaded
+        return False
+    setter = next((getattr(library, s) for s in setters if hasattr(library, s)), None)
+    if setter is None:
+        return False
+    setter(ctypes.c_int(threads))
+    return True

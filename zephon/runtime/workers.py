@@ -1168,11 +1168,8 @@ class ProcessLane:
         try:
             while self._conn.poll(0):
                 kind, value = _receive(self._conn, self.timeout)
-                if kind == _READY:
-                    self._ready = True
-                else:
+                if self._arrived(kind, value):
                     self._waiting.append((kind, value))
-                    self._arrived(kind, value)
         except MessageStalled:
             self._stalled = self._stall()
         except (EOFError, OSError):
@@ -1224,19 +1221,22 @@ class ProcessLane:
                 raise self._stall() from None
             except (EOFError, OSError):
                 raise self._lost() from None
-            if kind != _READY:
-                self._arrived(kind, value)
+            if self._arrived(kind, value):
                 return kind, value
-            self._ready = True
 
-    def _arrived(self, kind: str, value: Any) -> None:
-        """A message came off the pipe. After the lane's last list (its end) the worker has
-        nothing more to do for it: the loader may deliver that list much later."""
-        if self._finished:
-            return
-        if kind == _END or (kind == "items" and value and type(value[-1]) is LaneEnd):
+    def _arrived(self, kind: str, value: Any) -> bool:
+        """A message came off the pipe: whether it is for ``next()`` (the worker's ready signal
+        is noted here). After the lane's last list (its end) the worker has nothing more to do
+        for it, although the loader may deliver that list much later: its neighbours hear so."""
+        if kind == _READY:
+            self._ready = True
+            return False
+        if not self._finished and (
+            kind == _END or (kind == "items" and value and type(value[-1]) is LaneEnd)
+        ):
             self._finished = True
             self._neighbours.lane_ended(self)
+        return True
 
     def tell(self, message: tuple[str, Any]) -> None:
         """Send the worker a message beside the acknowledgements (``_from_loader``); a worker
