@@ -4,18 +4,22 @@ C allocators keep freed memory for reuse: glibc's ``malloc`` holds on to free pa
 allocations of its heap, and Arrow's memory pool to whole segments. A worker process that
 tokenized a chunk of documents can sit on tens of MiB it will not need again before its working
 set grows back. ``give_back`` returns such memory in processes Zephon owns, where the allocator's
-locks are not shared with a training loop: a worker process as its lane starts a chunk, and the
-loader's process once, when a head start is over.
+locks are not shared with a training loop: a worker process as its lane starts a chunk and
+whenever its memory has grown far beyond what it held after the last give-back, and the loader's
+process once, when a head start is over.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
 
 _trim: Any = None  # glibc's malloc_trim, looked up on first use; False where there is none
 _last = float("-inf")  # when ``give_back_at_most_every`` last gave back (monotonic seconds)
+_held_after: int | None = None  # ``private_resident_bytes()`` right after the last give-back
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _malloc_trim() -> Any:
@@ -36,14 +40,42 @@ def _malloc_trim() -> Any:
     return _trim
 
 
+def private_resident_bytes() -> int | None:
+    """This process's resident memory that is its own (not file-backed or shared: heap, Arrow's
+    pool, thread stacks); None where ``/proc`` does not say."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            _, resident, shared, *_ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return (int(resident) - int(shared)) * _PAGE
+
+
 def give_back() -> None:
     """Return free heap pages (glibc) and Arrow's unused pool memory to the operating system."""
+    global _held_after
     trim = _malloc_trim()
     if trim:
         trim(0)
     arrow = sys.modules.get("pyarrow")
     if arrow is not None:
         arrow.default_memory_pool().release_unused()
+    _held_after = private_resident_bytes()
+
+
+def give_back_once_grown(limit: int) -> None:
+    """``give_back`` once this process holds ``limit`` bytes more than right after it last gave
+    back (or than at its first call). What an unusually large piece of work took (one huge
+    document's tokenization) goes back soon after; what the usual work takes again and again stays
+    mapped, as handing it back would cost a page fault per page each time it is touched again."""
+    global _held_after
+    held = private_resident_bytes()
+    if held is None:
+        return
+    if _held_after is None:
+        _held_after = held
+    elif held - _held_after >= limit:
+        give_back()
 
 
 def give_back_at_most_every(seconds: float) -> None:

@@ -39,11 +39,15 @@ from zephon.plan import Plan
 from zephon.runtime.blas_threads import limit_loaded_blas
 from zephon.runtime.control import ChunkOpened, LaneEnd
 from zephon.runtime.lane import LaneRunner
-from zephon.runtime.memory import give_back_at_most_every
+from zephon.runtime.memory import give_back_at_most_every, give_back_once_grown
 
 #: A worker process hands freed memory back to the OS as its lane starts a chunk, at most this
-#: often.
+#: often, ...
 GIVE_BACK_SECONDS = 1.0
+#: ... and after an item list once it holds this many bytes more than right after it last did:
+#: what a tokenizer took for a micro-batch of large documents (about 60 bytes per character)
+#: goes back before the next, instead of staying mapped until the next chunk starts.
+GIVE_BACK_GROWTH = 32 << 20
 #: Seconds a worker gets to stop by itself once asked, before a worker process is terminated.
 STOP_TIMEOUT = 0.1
 _TERMINATE_WAIT = 0.05  # SIGTERM ends a Python process at once unless it handles the signal
@@ -724,6 +728,7 @@ def _stream(conn: Connection, lane_items: Iterator[list], lane_id: int, prefetch
             raise _LoaderGone from None
         _write(conn, message)
         credits -= 1
+        give_back_once_grown(GIVE_BACK_GROWTH)
 
 
 def _from_loader(message: Any) -> int:
