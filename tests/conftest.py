@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from worker_kit import assert_no_leftover_workers
 
 settings.register_profile(
     "zephon",
@@ -32,6 +33,13 @@ def private_cache(tmp_path_factory, monkeypatch) -> Path:
     where = tmp_path_factory.mktemp("zephon-cache")
     monkeypatch.setenv("ZEPHON_CACHE_DIR", str(where))
     return where
+
+
+@pytest.fixture
+def no_leftover_workers() -> Iterator[None]:
+    """The test leaves no lane thread and no worker process behind (modules that start workers
+    use it for every test: ``pytestmark = pytest.mark.usefixtures("no_leftover_workers")``)."""
+    yield from assert_no_leftover_workers()
 
 
 def free_port() -> int:

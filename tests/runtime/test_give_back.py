@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import pytest
-from worker_kit import assert_no_leftover_workers
 
 import zephon
 from zephon.ops import batch, fetch, map_transform
@@ -72,11 +71,6 @@ def test_give_back_returns_the_free_pages_between_live_allocations() -> None:
 _pinned: list[bytearray] = []
 
 
-@pytest.fixture
-def no_leftover_workers():
-    yield from assert_no_leftover_workers()
-
-
 def held_after_bloat(payload: dict) -> dict:
     """Record 40 leaves about 80 MB of freed heap blocks, pinned in place by a live one every
     128 KB; every record says where it ran and how much memory that process holds."""
@@ -88,9 +82,8 @@ def held_after_bloat(payload: dict) -> dict:
     return {"idx": idx, "pid": os.getpid(), "held": private_resident_bytes()}
 
 
-def test_a_worker_gives_back_what_one_list_took_before_it_makes_the_next(
-    no_leftover_workers,
-) -> None:
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_a_worker_gives_back_what_one_list_took_before_it_makes_the_next() -> None:
     pipeline = zephon.Pipeline(
         RangeSource(64, chunk_size=64),  # one chunk: no chunk start gives back after record 40
         [fetch(), map_transform(held_after_bloat), batch(4)],

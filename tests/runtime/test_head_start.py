@@ -14,7 +14,7 @@ import sys
 import textwrap
 
 import pytest
-from worker_kit import assert_no_leftover_workers, script_env
+from worker_kit import script_env
 
 KIT = textwrap.dedent("""
     import os
@@ -97,9 +97,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_workers():
-    yield from assert_no_leftover_workers()
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 
 def run_script(tmp_path, mode: str) -> tuple[list[str], set[int], int, dict]:

@@ -9,12 +9,11 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pipeline_kit import fingerprint_item, run
-from worker_kit import assert_no_leftover_workers, lane_threads, wait_until, worker_processes
+from worker_kit import lane_threads, wait_until, worker_processes
 
 import zephon
 from zephon.ops.basic import fetch, map_transform
@@ -48,9 +47,7 @@ def _pipeline(flag: Path | None = None, **kw: object) -> zephon.Pipeline:
     )
 
 
-@pytest.fixture(autouse=True)
-def _no_leftovers() -> Iterator[None]:
-    yield from assert_no_leftover_workers()
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 
 @pytest.fixture(scope="module")

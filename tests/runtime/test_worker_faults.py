@@ -23,13 +23,7 @@ import warnings
 import numpy as np
 import pytest
 from pipeline_kit import fingerprint_item
-from worker_kit import (
-    assert_no_leftover_workers,
-    lane_threads,
-    script_env,
-    wait_until,
-    worker_processes,
-)
+from worker_kit import lane_threads, script_env, wait_until, worker_processes
 
 import zephon
 from zephon.errors import OperatorError, PlanError, ZephonError
@@ -39,10 +33,7 @@ from zephon.runtime.workers import ProcessLane, close_lanes, open_lane
 from zephon.sources import RangeSource
 from zephon.types import SampleRecord
 
-
-@pytest.fixture(autouse=True)
-def _no_leftover_workers():
-    yield from assert_no_leftover_workers()
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 
 # ------------------------------------------------------------------------------ operators

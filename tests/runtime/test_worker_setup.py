@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from worker_kit import assert_no_leftover_workers, script_env
+from worker_kit import script_env
 
 import zephon
 from zephon.ops import batch, fetch, filter_records, map_transform, tokenize
@@ -23,9 +23,7 @@ THREAD_NAMES = (*THREAD_VARIABLES, "TOKENIZERS_PARALLELISM")
 KEPT = [name for name in THREAD_VARIABLES if name not in WIDENED]  # BLAS, OpenMP: never widened
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_workers():
-    yield from assert_no_leftover_workers()
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 
 @pytest.fixture

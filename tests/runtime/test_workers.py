@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import pytest
 from pipeline_kit import DropMultiples, PackPairs, SplitInChildren, WindowShuffle, fingerprint_item
-from worker_kit import assert_no_leftover_workers, script_env, wait_until
+from worker_kit import script_env, wait_until
 
 import zephon
 from zephon._core.records import expand_runs
@@ -30,9 +30,7 @@ from zephon.sources.memory import RangeSource
 KINDS = ["inline", "thread", "process"]
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_workers():
-    yield from assert_no_leftover_workers()
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 
 def with_array(payload: dict) -> dict:
