@@ -6,7 +6,9 @@
   work; the target is at most 1 µs per record more (``track_overhead_per_record``);
 - ``Restore``: ``pipeline.iter(state=...)`` + the first ``next()`` at different steps, on the
   monotone and the epoch path; ``state_dict()`` and its size (target: ≤ 16 KiB per lane);
-- ``PeakMemory``: peak RSS of long runs (target: flat, ≤ 10 % more at 5M records than at 1M).
+- ``PeakMemory``: peak RSS of long runs (target: flat, ≤ 10 % more at 5M records than at 1M);
+- ``TextPipeline``: the text pipeline on 8 MB of standard-library text (see its docstring);
+- ``FillAt2048``: fill at 2048 on that text, its pieces and its files whole, against Grain.
 
 The workloads are ``zephon_bench.pipeline``'s, the ones ``zephon bench`` prints.
 """
@@ -291,3 +293,53 @@ class TextPipeline:
         return r["restore_process_minus_inline"]
 
     track_restore_process_minus_inline.unit = "s"  # type: ignore[attr-defined]
+
+
+class FillAt2048:
+    """``pack_sequences(2048)`` best fit with 64 open bins on 8 MB of standard-library text
+    tokenized by the text pipeline's BPE: the corpus' pieces, and its files left whole (one
+    document per file, almost half of them longer than a row). Fill with documents whole against
+    Grain's best fit on the same tokens, and with ``cut_to_fill=True`` (target: ≥ 0.99 at ≥ 10×
+    Grain's tokens/s)."""
+
+    params = (["pieces", "files"],)
+    param_names = ["corpus"]
+    timeout = 600
+
+    def setup_cache(self) -> dict[str, dict[str, Any]]:
+        from zephon_bench import text as tb
+
+        data, tok_path = tb.corpus(8.0)
+        tok = tb.load_tokenizer(tok_path)
+        return {
+            "pieces": tb.fill_versus_grain(tb.token_payloads(data, tok)),
+            "files": tb.fill_versus_grain(tb.file_payloads(8.0, tok)),
+        }
+
+    def track_fill_documents_whole(self, r: dict[str, dict[str, Any]], corpus: str) -> float:
+        return r[corpus]["whole"]["fill"]
+
+    track_fill_documents_whole.unit = "fill"  # type: ignore[attr-defined]
+
+    def track_fill_documents_whole_minus_grain(
+        self, r: dict[str, dict[str, Any]], corpus: str
+    ) -> float:
+        grain = r[corpus]["grain"]
+        return float("nan") if grain is None else r[corpus]["whole"]["fill"] - grain["fill"]
+
+    track_fill_documents_whole_minus_grain.unit = "fill"  # type: ignore[attr-defined]
+
+    def track_fill_cut_to_fill(self, r: dict[str, dict[str, Any]], corpus: str) -> float:
+        return r[corpus]["cut"]["fill"]
+
+    track_fill_cut_to_fill.unit = "fill"  # type: ignore[attr-defined]
+
+    def track_cut_to_fill_speedup_over_grain(
+        self, r: dict[str, dict[str, Any]], corpus: str
+    ) -> float:
+        grain = r[corpus]["grain"]
+        if grain is None:
+            return float("nan")
+        return r[corpus]["cut"]["tokens_per_s"] / grain["tokens_per_s"]
+
+    track_cut_to_fill_speedup_over_grain.unit = "x"  # type: ignore[attr-defined]

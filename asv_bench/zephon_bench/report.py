@@ -609,14 +609,10 @@ def storage_rows(quick: bool) -> list[Row]:
 # ------------------------------------------------------------------------------ text pipeline
 
 
-def _median_by_speed(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run of median ``tokens_per_s`` (its fill and speed belong together)."""
-    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
-
-
 def text_rows(quick: bool) -> list[Row]:
     """The text pipeline (``zephon_bench.text``): end to end against the bare limit, fill at
-    2048 against Grain's best-fit on the same tokens, two process lanes against one inline
+    2048 against Grain's best-fit on the same tokens (the corpus' pieces, and its files whole),
+    two process lanes against one inline
     lane (time, first batch, memory; the machine's two-process ceiling beside them) and restore
     at a late step against an early one, inline and with process lanes."""
     from zephon_bench import text as tb
@@ -630,7 +626,7 @@ def text_rows(quick: bool) -> list[Row]:
     repeats = 1 if quick else 3
     data, tok_path = tb.corpus(megabytes)
     tok = tb.load_tokenizer(tok_path)
-    ours, bare, fills = [], [], []
+    ours, bare = [], []
     # The end-to-end ratio is the row closest to its target: more rounds than the others.
     for _ in range(3 if quick else 5):
         start = time.perf_counter()
@@ -638,7 +634,6 @@ def text_rows(quick: bool) -> list[Row]:
         bare.append(n_tokens / (time.perf_counter() - start))
         run = tb.run_pipeline(tb.text_pipeline(data, tok))
         ours.append(run["tokens"] / run["seconds"])
-        fills.append(run["fill"])
     e2e = statistics.median(ours) / statistics.median(bare)
     rows = [
         Row(
@@ -652,63 +647,16 @@ def text_rows(quick: bool) -> list[Row]:
             f"medians of {len(bare)} alternating rounds",
         )
     ]
-    from zephon_bench.packing import run_grain_pack, run_zephon_pack
-
     payloads = tb.token_payloads(data, tok)
     lengths = [len(p["tokens"]) for p in payloads]
-    # Grain refuses documents longer than a row: it gets them cut into rows first, which is
-    # what pack_sequences does with them (full rows of their own, then the rest).
-    pieces = [
-        {"tokens": p["tokens"][i : i + tb.SEQ_LEN]}
-        for p in payloads
-        for i in range(0, len(p["tokens"]), tb.SEQ_LEN)
+    pieces = tb.fill_versus_grain(payloads)
+    files = tb.fill_versus_grain(tb.file_payloads(megabytes, tok))
+    rows += [
+        _whole_fill_row("text fill at 2048 (pack_sequences best_fit, 64 bins)", pieces),
+        _cut_to_fill_row("text fill at 2048", pieces),
+        _whole_fill_row("whole-file fill at 2048 (one document per file), documents whole", files),
+        _cut_to_fill_row("whole-file fill at 2048", files),
     ]
-    piece_lengths = [len(p["tokens"]) for p in pieces]
-    grain_runs, cuts = [], []
-    for _ in range(3):  # alternating rounds: one run of each is easily disturbed
-        grain_runs.append(
-            run_grain_pack("best_fit", piece_lengths, tb.SEQ_LEN, 64, payloads=pieces)
-        )
-        cuts.append(
-            run_zephon_pack(  # epochs as long as the text pipeline's: 8 chunks of 1,024
-                "best_fit",
-                lengths,
-                tb.SEQ_LEN,
-                64,
-                payloads=payloads,
-                cut_to_fill=True,
-                batch_size=8,
-                epoch_sequences=8 * tb.ROW_GROUP,
-            )
-        )
-    grain = None if grain_runs[0] is None else _median_by_speed(grain_runs)
-    cut = _median_by_speed(cuts)
-    rows.append(
-        Row(
-            "text fill at 2048 (pack_sequences best_fit, 64 bins)",
-            f"{fills[0]:.4f}",
-            "grain missing" if grain is None else f"{grain['fill']:.4f}",
-            "" if grain is None else f"{fills[0] - grain['fill']:+.4f}",
-            "≥ Grain best-fit",
-            None if grain is None else fills[0] >= grain["fill"] - 1e-9,
-            "baseline: Grain BestFitPackIterDataset on the same token arrays",
-        )
-    )
-    rows.append(
-        Row(
-            "text fill at 2048, pack_sequences(cut_to_fill=True), 64 bins",
-            f"{cut['fill']:.4f}",
-            "grain missing" if grain is None else _si(grain["tokens_per_s"], "tok/s"),
-            "" if grain is None else f"{cut['tokens_per_s'] / grain['tokens_per_s']:.1f}× Grain",
-            "fill ≥ 0.99 at ≥ 10× Grain",
-            None
-            if grain is None
-            else cut["fill"] >= 0.99 and cut["tokens_per_s"] >= 10 * grain["tokens_per_s"],
-            f"ours {_si(cut['tokens_per_s'], 'tok/s')} (fetch→pack→batch on the corpus' token "
-            f"arrays); Grain: best-fit on the same tokens cut into rows first; the median of "
-            f"{len(cuts)} alternating runs each",
-        )
-    )
     ceiling = pb.process_ceiling(2048 if quick else 4096)
     for threads in (False, True):
         common = {"data": data, "tokenizer": tok_path, "threads": threads}
@@ -741,6 +689,39 @@ def text_rows(quick: bool) -> list[Row]:
     n_batches = max(1, int(len(lengths) * statistics.mean(lengths) / tb.SEQ_LEN / 8))
     rows += _text_restore_rows(tb, data, tok_path, n_batches, repeats)
     return rows
+
+
+def _whole_fill_row(what: str, m: dict[str, Any]) -> Row:
+    """Fill with documents whole against Grain's best fit (``text.fill_versus_grain``)."""
+    grain, ours = m["grain"], m["whole"]
+    return Row(
+        what,
+        f"{ours['fill']:.4f}",
+        "grain missing" if grain is None else f"{grain['fill']:.4f}",
+        "" if grain is None else f"{ours['fill'] - grain['fill']:+.4f}",
+        "≥ Grain best-fit",
+        None if grain is None else ours["fill"] >= grain["fill"] - 1e-9,
+        f"{m['documents']:,} documents, {m['long']:,} longer than a row; baseline: Grain "
+        "BestFitPackIterDataset on the same tokens cut into rows first",
+    )
+
+
+def _cut_to_fill_row(what: str, m: dict[str, Any]) -> Row:
+    """Fill with ``cut_to_fill=True`` and its speed against Grain's (``text.fill_versus_grain``)."""
+    grain, cut = m["grain"], m["cut"]
+    return Row(
+        f"{what}, pack_sequences(cut_to_fill=True), 64 bins",
+        f"{cut['fill']:.4f}",
+        "grain missing" if grain is None else _si(grain["tokens_per_s"], "tok/s"),
+        "" if grain is None else f"{cut['tokens_per_s'] / grain['tokens_per_s']:.1f}× Grain",
+        "fill ≥ 0.99 at ≥ 10× Grain",
+        None
+        if grain is None
+        else cut["fill"] >= 0.99 and cut["tokens_per_s"] >= 10 * grain["tokens_per_s"],
+        f"ours {_si(cut['tokens_per_s'], 'tok/s')} (fetch→pack→batch on the corpus' token "
+        "arrays); Grain: best-fit on the same tokens cut into rows first; the median of "
+        "3 alternating runs each",
+    )
 
 
 def _lanes_memory_row(tb: Any, one: dict[str, Any], two: dict[str, Any]) -> Row:

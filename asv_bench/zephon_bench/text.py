@@ -7,6 +7,8 @@ against baselines run in the same process.
 - end to end: the pipeline's tokens/s against the bare limit, ``pyarrow`` reading the same row
   groups and ``Tokenizer.encode_batch`` on each (no records, no packing);
 - fill at 2048: ``pack_sequences(2048)`` on the corpus' token counts, as packed rows deliver;
+  and on a second corpus of the same files left whole, one document per file
+  (``file_payloads``), where almost half the documents are longer than a row;
 - lanes: two process lanes against one inline lane (tokenizer threads off, and on), time, first
   batch and memory (PSS of the loader and every worker process), each run in a fresh process;
 - restore: at steps across the run, as after a preemption (a new pipeline, ``iter(state)`` +
@@ -39,6 +41,8 @@ __all__ = [
     "alternating_runs",
     "bare_limit",
     "corpus",
+    "file_payloads",
+    "fill_versus_grain",
     "load_tokenizer",
     "measure_in_fresh_process",
     "median_runs",
@@ -60,10 +64,11 @@ def _cache_dir() -> Path:
     return where
 
 
-def _documents(limit_bytes: int) -> list[str]:
-    """Pieces of the standard library's source files, in sorted path order, up to ``limit``."""
+def _source_files(limit_bytes: int) -> list[str]:
+    """The standard library's ``.py`` files, whole, in sorted path order, until ``limit_bytes``
+    of them are read."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    docs: list[str] = []
+    texts: list[str] = []
     total = 0
     for path in sorted(root.rglob("*.py")):
         if "site-packages" in path.parts:
@@ -72,6 +77,18 @@ def _documents(limit_bytes: int) -> list[str]:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
+        texts.append(text)
+        total += len(text.encode())
+        if total >= limit_bytes:
+            break
+    return texts
+
+
+def _documents(limit_bytes: int) -> list[str]:
+    """The corpus' documents: each of ``_source_files`` cut at blank lines into pieces of at least
+    ``PIECE_CHARS`` characters (the last piece of a file may be shorter)."""
+    docs: list[str] = []
+    for text in _source_files(limit_bytes):
         piece: list[str] = []
         size = 0
         for block in text.split("\n\n"):
@@ -82,9 +99,6 @@ def _documents(limit_bytes: int) -> list[str]:
                 piece, size = [], 0
         if piece:
             docs.append("\n\n".join(piece))
-        total += len(text.encode())
-        if total >= limit_bytes:
-            break
     return docs
 
 
@@ -488,4 +502,73 @@ def token_payloads(data: str, tokenizer: Any) -> list[dict[str, Any]]:
             texts = f.read_row_group(g, columns=["text"]).column(0).to_pylist()
             for e in tokenizer.encode_batch(texts):
                 out.append({"tokens": np.array([*e.ids, eos], dtype=np.int32)})
+    return out
+
+
+def file_payloads(megabytes: float, tokenizer: Any) -> list[dict[str, Any]]:
+    """The files of ``corpus(megabytes)`` left whole, one document per file, as ``{"tokens":
+    int32[...]}`` payloads (eos appended) of the corpus' tokenizer. The token ids are cached
+    beside the corpus (``encode_batch`` on 32 MB of whole files takes several seconds)."""
+    import numpy as np
+
+    data, _ = corpus(megabytes)
+    cache = Path(data).with_suffix(".files.npz")
+    if not cache.exists():
+        eos = tokenizer.token_to_id("<|endoftext|>")
+        ids = [[*e.ids, eos] for e in tokenizer.encode_batch(_source_files(int(megabytes * 1e6)))]
+        tmp = cache.with_suffix(".tmp.npz")
+        np.savez(
+            tmp,
+            tokens=np.fromiter((t for doc in ids for t in doc), np.int32),
+            lengths=np.array([len(doc) for doc in ids], dtype=np.int64),
+        )
+        os.replace(tmp, cache)
+    with np.load(cache) as saved:
+        tokens, lengths = saved["tokens"], saved["lengths"]
+    ends = np.cumsum(lengths)
+    return [{"tokens": tokens[end - n : end].copy()} for n, end in zip(lengths.tolist(), ends)]
+
+
+def _median_by_speed(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median ``tokens_per_s`` (its fill and speed belong together)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+
+
+def fill_versus_grain(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """``pack_sequences(2048)`` best fit with 64 open bins on ``payloads`` (token arrays), documents
+    whole and with ``cut_to_fill=True``, against Grain's best fit on the same tokens; three
+    alternating rounds, each the run of median speed (``grain`` None without grain)."""
+    from zephon_bench.packing import run_grain_pack, run_zephon_pack
+
+    lengths = [len(p["tokens"]) for p in payloads]
+    # Grain refuses documents longer than a row: it gets them cut into rows first, which is
+    # what pack_sequences does with them (full rows of their own, then the rest).
+    pieces = [
+        {"tokens": p["tokens"][i : i + SEQ_LEN]}
+        for p in payloads
+        for i in range(0, len(p["tokens"]), SEQ_LEN)
+    ]
+    piece_lengths = [len(p["tokens"]) for p in pieces]
+    runs: dict[str, list[Any]] = {"grain": [], "whole": [], "cut": []}
+    for _ in range(3):  # alternating rounds: one run of each is easily disturbed
+        runs["grain"].append(
+            run_grain_pack("best_fit", piece_lengths, SEQ_LEN, 64, payloads=pieces)
+        )
+        for kind in ("whole", "cut"):
+            runs[kind].append(
+                run_zephon_pack(  # epochs as long as the text pipeline's: 8 chunks of 1,024
+                    "best_fit",
+                    lengths,
+                    SEQ_LEN,
+                    64,
+                    payloads=payloads,
+                    cut_to_fill=kind == "cut",
+                    batch_size=8,
+                    epoch_sequences=8 * ROW_GROUP,
+                )
+            )
+    out = {kind: _median_by_speed(r) for kind, r in runs.items() if r[0] is not None}
+    out.setdefault("grain", None)
+    out["documents"] = len(payloads)
+    out["long"] = sum(n > SEQ_LEN for n in lengths)
     return out
