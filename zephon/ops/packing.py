@@ -1,7 +1,7 @@
 """The packers: ``pack_sequences`` (online best-fit / first-fit bins) and ``pack_flat`` (cut a
 concatenated stream), on the compiled placement kernels of ``zephon._core.binfill`` and the
-compiled token fill of ``zephon._core.packfill``: per micro-batch, Python makes one kernel call and
-one fill call, and per emitted bin it builds the packed record's metadata.
+compiled token fill of ``zephon._core.packfill``: per micro-batch, Python makes one kernel call,
+one fill call and, when bins close, one call that builds their records (``zephon._core.packrows``).
 
 Both emit records with payload ``{"tokens", "segment_ids", "positions"}`` (``int32[seq_len]``):
 segment ids number a bin's fragments 1, 2, 3 ... and are 0 on padding; positions restart at 0 for
@@ -39,10 +39,11 @@ import numpy as np
 
 from zephon._core.binfill import BinPacker, FlatPacker
 from zephon._core.packfill import BinFill, field_lengths, token_lengths
+from zephon._core.packrows import packed_records
 from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import split_in_proportion
-from zephon.types import ContributorRef, SampleMeta, SampleRecord
+from zephon.types import SampleMeta, SampleRecord
 from zephon.validation import check_int
 
 __all__ = ["PackFlat", "PackSequences", "pack_flat", "pack_sequences"]
@@ -368,65 +369,13 @@ class _Packer(Operator):
         return self._emit(closed) if len(closed) else []
 
     def _emit(self, bin_ids: np.ndarray) -> list[SampleRecord]:
-        """The packed records of the bins ``bin_ids``, in that order (their payload blocks are
-        handed over by the fill, not copied)."""
+        """The packed records of the bins ``bin_ids``, in that order: their payload blocks are
+        handed over by the fill, not copied, and their metadata is built in C
+        (``zephon._core.packrows``)."""
         blocks, bin_records, frags = self._bins().take(bin_ids)
-        rows = frags.tolist()
-        lane_id = self.lane_id
         # Side rows in block order; float32 fields are views of their row's bits.
-        sides = [(name, self._side_dtype(name) == "float32") for name in self.extra_fields]
-        out = []
-        at = 0
-        for block, recs in zip(blocks, bin_records):
-            refs: list[ContributorRef] = []
-            samples: dict[Hashable, int] = {}
-            tokens: dict[Hashable, int] | None = {}
-            primary = recs[0].meta.cursor.child(rows[at][0])
-            for rec in recs:
-                start, size, n = rows[at]
-                at += 1
-                meta = rec.meta
-                if start + size == n:  # the fragment that ends its input keeps the closing flags
-                    refs += meta.contribution_refs()
-                else:
-                    refs += [
-                        ContributorRef(r.cursor, False) if r.is_last_child else r
-                        for r in meta.contribution_refs()
-                    ]
-                sc = meta.component_sample_counts
-                tc = meta.component_token_counts
-                if sc is None and tc is None:  # untokenized input of one component
-                    comp = meta.component
-                    samples[comp] = samples.get(comp, 0) + 1
-                    tokens = None
-                elif (sc is None or len(sc) == 1) and (tc is None or len(tc) == 1):
-                    # One component (the common case): a fragment is one sample of it.
-                    comp = next(iter(sc)) if sc else next(iter(tc))
-                    samples[comp] = samples.get(comp, 0) + 1
-                    if tc is None:
-                        tokens = None
-                    elif tokens is not None:
-                        tokens[comp] = tokens.get(comp, 0) + size
-                else:
-                    if tc is None:
-                        tokens = None
-                    _count_spread(meta, n, start, size, samples, tokens)
-            payload = {"tokens": block[0], "segment_ids": block[1], "positions": block[2]}
-            for k, (name, is_float) in enumerate(sides, 3):
-                payload[name] = block[k].view(np.float32) if is_float else block[k]
-            out.append(
-                SampleRecord(
-                    SampleMeta(
-                        primary,
-                        lane_id=lane_id,
-                        contributors=refs,
-                        component_sample_counts=samples,
-                        component_token_counts=tokens,
-                    ),
-                    payload,
-                )
-            )
-        return out
+        sides = tuple((name, self._side_dtype(name) == "float32") for name in self.extra_fields)
+        return packed_records(blocks, bin_records, frags, self.lane_id, sides, _count_spread)
 
     def _leaving_bins(self) -> np.ndarray:
         """The ids of the bins a flush emits: every open one."""
