@@ -295,6 +295,16 @@ class TextPipeline:
     track_restore_process_minus_inline.unit = "s"  # type: ignore[attr-defined]
 
 
+def _track_corpus(key: str, unit: str) -> Any:
+    """An asv ``track_`` method returning number ``key`` of the benchmark's corpus."""
+
+    def track(self: Any, r: dict[str, dict[str, float]], corpus: str) -> float:
+        return r[corpus][key]
+
+    track.unit = unit  # type: ignore[attr-defined]
+    return track
+
+
 class FillAt2048:
     """``pack_sequences(2048)`` best fit with 64 open bins on 8 MB of standard-library text
     tokenized by the text pipeline's BPE: the corpus' pieces, and its files left whole (one
@@ -306,40 +316,27 @@ class FillAt2048:
     param_names = ["corpus"]
     timeout = 600
 
-    def setup_cache(self) -> dict[str, dict[str, Any]]:
+    def setup_cache(self) -> dict[str, dict[str, float]]:
         from zephon_bench import text as tb
 
         data, tok_path = tb.corpus(8.0)
         tok = tb.load_tokenizer(tok_path)
-        return {
-            "pieces": tb.fill_versus_grain(tb.token_payloads(data, tok)),
-            "files": tb.fill_versus_grain(tb.file_payloads(8.0, tok)),
-        }
+        out = {}
+        for corpus, payloads in (
+            ("pieces", tb.token_payloads(data, tok)),
+            ("files", tb.file_payloads(8.0, tok)),
+        ):
+            m = tb.fill_versus_grain(payloads)
+            grain = m["grain"] or {"fill": float("nan"), "tokens_per_s": float("nan")}
+            out[corpus] = {
+                "whole": m["whole"]["fill"],
+                "whole_minus_grain": m["whole"]["fill"] - grain["fill"],
+                "cut": m["cut"]["fill"],
+                "cut_over_grain": m["cut"]["tokens_per_s"] / grain["tokens_per_s"],
+            }
+        return out
 
-    def track_fill_documents_whole(self, r: dict[str, dict[str, Any]], corpus: str) -> float:
-        return r[corpus]["whole"]["fill"]
-
-    track_fill_documents_whole.unit = "fill"  # type: ignore[attr-defined]
-
-    def track_fill_documents_whole_minus_grain(
-        self, r: dict[str, dict[str, Any]], corpus: str
-    ) -> float:
-        grain = r[corpus]["grain"]
-        return float("nan") if grain is None else r[corpus]["whole"]["fill"] - grain["fill"]
-
-    track_fill_documents_whole_minus_grain.unit = "fill"  # type: ignore[attr-defined]
-
-    def track_fill_cut_to_fill(self, r: dict[str, dict[str, Any]], corpus: str) -> float:
-        return r[corpus]["cut"]["fill"]
-
-    track_fill_cut_to_fill.unit = "fill"  # type: ignore[attr-defined]
-
-    def track_cut_to_fill_speedup_over_grain(
-        self, r: dict[str, dict[str, Any]], corpus: str
-    ) -> float:
-        grain = r[corpus]["grain"]
-        if grain is None:
-            return float("nan")
-        return r[corpus]["cut"]["tokens_per_s"] / grain["tokens_per_s"]
-
-    track_cut_to_fill_speedup_over_grain.unit = "x"  # type: ignore[attr-defined]
+    track_fill_documents_whole = _track_corpus("whole", "fill")
+    track_fill_documents_whole_minus_grain = _track_corpus("whole_minus_grain", "fill")
+    track_fill_cut_to_fill = _track_corpus("cut", "fill")
+    track_cut_to_fill_speedup_over_grain = _track_corpus("cut_over_grain", "x")
