@@ -612,9 +612,9 @@ def storage_rows(quick: bool) -> list[Row]:
 def text_rows(quick: bool) -> list[Row]:
     """The text pipeline (``zephon_bench.text``): end to end against the bare limit, fill at
     2048 against Grain's best-fit on the same tokens (the corpus' pieces, and its files whole),
-    two process lanes against one inline
-    lane (time, first batch, memory; the machine's two-process ceiling beside them) and restore
-    at a late step against an early one, inline and with process lanes."""
+    two process lanes against one inline lane (time, first batch, memory; the machine's
+    two-process ceiling beside them) and restore at a late step against an early one, inline and
+    with process lanes."""
     from zephon_bench import text as tb
 
     try:

@@ -490,18 +490,23 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def token_payloads(data: str, tokenizer: Any) -> list[dict[str, Any]]:
-    """The corpus as ``{"tokens": int32[...]}`` payloads (eos appended), for other packers."""
+def _token_arrays(tokenizer: Any, texts: list[str]) -> list[Any]:
+    """``texts`` encoded by ``tokenizer``, each an int32 array of its ids with the eos appended."""
     import numpy as np
-    import pyarrow.parquet as pq
 
     eos = tokenizer.token_to_id("<|endoftext|>")
+    return [np.array([*e.ids, eos], dtype=np.int32) for e in tokenizer.encode_batch(texts)]
+
+
+def token_payloads(data: str, tokenizer: Any) -> list[dict[str, Any]]:
+    """The corpus as ``{"tokens": int32[...]}`` payloads (eos appended), for other packers."""
+    import pyarrow.parquet as pq
+
     out = []
     with pq.ParquetFile(data) as f:
         for g in range(f.num_row_groups):
             texts = f.read_row_group(g, columns=["text"]).column(0).to_pylist()
-            for e in tokenizer.encode_batch(texts):
-                out.append({"tokens": np.array([*e.ids, eos], dtype=np.int32)})
+            out += [{"tokens": a} for a in _token_arrays(tokenizer, texts)]
     return out
 
 
@@ -514,14 +519,9 @@ def file_payloads(megabytes: float, tokenizer: Any) -> list[dict[str, Any]]:
     data, _ = corpus(megabytes)
     cache = Path(data).with_suffix(".files.npz")
     if not cache.exists():
-        eos = tokenizer.token_to_id("<|endoftext|>")
-        ids = [[*e.ids, eos] for e in tokenizer.encode_batch(_source_files(int(megabytes * 1e6)))]
+        arrays = _token_arrays(tokenizer, _source_files(int(megabytes * 1e6)))
         tmp = cache.with_suffix(".tmp.npz")
-        np.savez(
-            tmp,
-            tokens=np.fromiter((t for doc in ids for t in doc), np.int32),
-            lengths=np.array([len(doc) for doc in ids], dtype=np.int64),
-        )
+        np.savez(tmp, tokens=np.concatenate(arrays), lengths=np.array(list(map(len, arrays))))
         os.replace(tmp, cache)
     with np.load(cache) as saved:
         tokens, lengths = saved["tokens"], saved["lengths"]

@@ -16,14 +16,11 @@ cimport cython
 cimport numpy as cnp
 from zephon._core._types cimport offset_t
 from zephon._core.cursor cimport SampleCursor
-from zephon._core.records cimport ContributorRef, SampleMeta, SampleRecord
+from zephon._core.records cimport ContributorRef, SampleMeta, SampleRecord, make_meta
 
 import numpy as np
 
 cnp.import_array()
-
-cdef frozenset _NO_TAGS = frozenset()
-
 
 cdef inline object _row(cnp.ndarray block, Py_ssize_t k, int typenum):
     # Row ``k`` of a C-contiguous int32 block, as a view of it (``block[k]``, or its bits as
@@ -142,13 +139,8 @@ def packed_records(list blocks not None, list bin_records not None,
         for k in range(3, n_block_rows):
             name, is_float = sides[k - 3]
             payload[name] = _row(block, k, cnp.NPY_FLOAT32 if is_float else cnp.NPY_INT32)
-        made = SampleMeta.__new__(SampleMeta)
-        made.cursor = <SampleCursor?>primary
-        made.lane_id = lane_id
+        made = make_meta(<SampleCursor?>primary, lane_id, None)
         made.contributors = tuple(refs)
-        made.tags = _NO_TAGS
-        made.is_tombstone = False
-        made.component = None
         made.component_sample_counts = samples
         made.component_token_counts = tokens
         packed = SampleRecord.__new__(SampleRecord)
