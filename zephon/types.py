@@ -7,6 +7,7 @@ import numpy as np
 from zephon._core.cursor import SampleCursor
 from zephon._core.records import (
     ContributorRef,
+    JoinedRuns,
     RecordRun,
     SampleBatch,
     SampleMeta,
@@ -16,6 +17,7 @@ from zephon.validation import check_int
 
 __all__ = [
     "ContributorRef",
+    "JoinedRuns",
     "RecordRun",
     "SampleBatch",
     "SampleCursor",

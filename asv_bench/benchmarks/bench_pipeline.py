@@ -67,6 +67,14 @@ class Overhead:
 
     track_overhead_per_record.unit = "µs"  # type: ignore[attr-defined]
 
+    def track_large_batch_over_bare(self) -> float:
+        """The same with batches of ``LARGE_BATCH`` (four reads each), over the bare chain with
+        batches of that size; target: ≤ 2."""
+        o = pb.measure_overhead(200_000, repeats=5, batch_size=pb.LARGE_BATCH)
+        return o["ours"] / o["bare"]
+
+    track_large_batch_over_bare.unit = "x"  # type: ignore[attr-defined]
+
     def track_speedup_over_grain(self) -> float:
         """Records/s over Grain's checkpointable map-and-batch; target: ≥ 5 (0 without grain)."""
         result = pb.measure_grain(50_000, repeats=3)

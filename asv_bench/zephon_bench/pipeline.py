@@ -37,6 +37,7 @@ from zephon.sources.memory import RangeSource
 __all__ = [
     "BATCH_SIZE",
     "CHUNK_SIZE",
+    "LARGE_BATCH",
     "RATIOS",
     "bare_chain",
     "bare_trivial",
@@ -62,6 +63,9 @@ __all__ = [
 ]
 
 BATCH_SIZE = 32
+#: A batch larger than a micro-batch (256 records unless the pipeline says otherwise): each batch
+#: is gathered from four reads.
+LARGE_BATCH = 1024
 CHUNK_SIZE = 1024
 #: Records of a source that is never exhausted by a benchmark (a RangeSource holds no data).
 UNBOUNDED = 1 << 40

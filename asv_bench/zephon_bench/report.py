@@ -394,6 +394,18 @@ def pipeline_rows(quick: bool) -> list[Row]:
             "baseline: bare generator chain (same reads, map, batching, collate)",
         )
     ]
+    large = pb.measure_overhead(n // 2, repeats=5 if quick else 7, batch_size=pb.LARGE_BATCH)
+    rows.append(
+        Row(
+            f"overhead ratio: fetch→map→batch({pb.LARGE_BATCH}), each batch four reads of 256",
+            _seconds(large["ours"]),
+            _seconds(large["bare"]),
+            f"{large['ours'] / large['bare']:.2f}×",
+            "≤ 2×",
+            large["ours"] <= 2 * large["bare"],
+            "bare: the same chain with batches of the same size (medians of runs in turns)",
+        )
+    )
     repeats = 3 if quick else 7
     r = pb.measure_ratios(100_000 if quick else 300_000, repeats=repeats)
     trivial, default = r["trivial/bare"], r["default/bare"]

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zephon._core.records import count_closing, expand_runs, make_batch, map_each
+from zephon._core.records import JoinedRuns, count_closing, expand_runs, make_batch, map_each
 from zephon.types import RecordRun, SampleCursor, SampleMeta, SampleRecord
 
 
@@ -164,3 +164,33 @@ def test_a_batch_made_of_a_run_shows_its_records_and_pickles_like_one_of_records
     assert seen(list(batch)) == expected and batch.records is batch.records
     back = pickle.loads(pickle.dumps(make_batch(run, "payload")))
     assert seen(back.records) == expected and back.payload == "payload"
+
+
+@given(st.lists(runs(), min_size=1, max_size=4), st.data())
+def test_joined_runs_are_their_runs_records_one_after_another(
+    drawn: list, data: st.DataObject
+) -> None:
+    joined = JoinedRuns([run for run, _ in drawn])
+    expected = [pair for _, pairs in drawn for pair in pairs]
+    assert len(joined) == len(expected) and isinstance(joined, Sequence)
+    assert seen(joined.records()) == expected and seen(list(joined)) == expected
+    i = data.draw(st.integers(-len(expected), len(expected) - 1))
+    assert seen([joined[i]]) == [expected[i]]
+    assert seen(joined[1::3]) == expected[1::3]
+    assert joined.payloads == [p for _, p in expected]
+    assert [len(r) for r in joined.runs] == [len(pairs) for _, pairs in drawn]
+    assert seen(pickle.loads(pickle.dumps(joined))) == expected
+    batch = make_batch(joined, "payload")
+    assert len(batch) == len(expected) and seen(batch.records) == expected
+    assert seen(pickle.loads(pickle.dumps(batch)).records) == expected
+
+
+def test_joined_runs_refuse_what_is_not_a_run_and_indices_out_of_range() -> None:
+    run = RecordRun(0, np.zeros((2, 3), dtype=np.int64), ["a", "b"], 0, None)
+    with pytest.raises(TypeError, match="item 1 must be a RecordRun"):
+        JoinedRuns([run, run[0]])  # type: ignore[list-item]
+    joined = JoinedRuns([run, run])
+    for index in (4, -5):
+        with pytest.raises(IndexError, match="of 4 joined records"):
+            joined[index]
+    assert len(JoinedRuns([])) == 0 and JoinedRuns([]).payloads == []

@@ -7,15 +7,15 @@ import json
 from typing import Any
 
 import pytest
-from pipeline_kit import run
+from pipeline_kit import assert_resumes_at, run
 
 import zephon
 from zephon.errors import OperatorError
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import fetch, map_transform
-from zephon.ops.batching import batch
+from zephon.ops.batching import batch, default_collate
 from zephon.sources.memory import RangeSource
-from zephon.types import RecordRun, SampleRecord
+from zephon.types import JoinedRuns, RecordRun, SampleRecord
 
 
 def double(payload: dict) -> dict:
@@ -97,3 +97,26 @@ def test_the_default_map_payloads_is_process_many_on_the_runs_records() -> None:
     loader = iter(pipeline(FlagOnly()))
     run(loader)
     assert [s["records_in"] for s in loader.stats()["operators"].values()] == [500]
+
+
+@pytest.mark.parametrize("size", [24, 150])  # crosses the end of a read; spans several reads
+def test_a_batch_across_runs_hands_its_collate_the_runs_joined(size: int) -> None:
+    seen: list[type] = []
+
+    def collate(records: Any) -> Any:
+        seen.append(type(records))
+        return default_collate(records)
+
+    def batched(op: Operator, collate: Any = None) -> zephon.Pipeline:
+        return zephon.Pipeline(
+            RangeSource(500, chunk_size=64),
+            [fetch(), op, batch(size, collate=collate)],
+            micro_batch=32,
+        )
+
+    full = run(iter(batched(map_transform(double), collate)))
+    assert JoinedRuns in seen and SampleRecord not in seen
+    seen.clear()
+    assert full == run(iter(batched(OneByOne(), collate)))
+    assert set(seen) == {list}  # records one by one: the reference
+    assert_resumes_at(batched(map_transform(double)), [1, 2, len(full) - 1], full)

@@ -45,9 +45,15 @@ cdef class RecordRun:
     cdef RecordRun _part(self, Py_ssize_t lo, Py_ssize_t hi)
 
 
+@cython.final
+cdef class JoinedRuns:
+    cdef list _runs                  # RecordRuns, in order
+    cdef readonly Py_ssize_t n       # records in all of them
+
+
 cdef class SampleBatch:
-    cdef tuple _records           # None until first asked for, when the batch is one run
-    cdef RecordRun _run
+    cdef tuple _records           # None until first asked for, when the batch is runs
+    cdef object _lazy             # then: the RecordRun or JoinedRuns it was delivered as
     cdef readonly object payload
 
 

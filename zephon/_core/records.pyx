@@ -288,14 +288,14 @@ cdef class SampleBatch:
     @property
     def records(self):
         """The batch's records, in delivery order (a tuple of ``SampleRecord``)."""
-        if self._records is None:  # delivered as one run: its records are made when asked for
-            self._records = tuple(self._run.records())
-            self._run = None
+        if self._records is None:  # delivered as runs: their records are made when asked for
+            self._records = tuple(self._lazy.records())
+            self._lazy = None
         return self._records
 
     def __len__(self):
         if self._records is None:
-            return self._run.n
+            return len(self._lazy)
         return len(self._records)
 
     def __iter__(self):
@@ -464,6 +464,74 @@ cdef class RecordRun:
 _abc.Sequence.register(RecordRun)
 
 
+@cython.final
+cdef class JoinedRuns:
+    """Runs read one after another, as one read-only ``Sequence`` of their records: what a
+    batch that spans several reads hands its collate. As with a single run, nothing per record
+    is built until something asks for records; ``payloads`` joins the runs' payload columns."""
+
+    def __init__(self, runs):
+        cdef list kept = list(runs)
+        cdef Py_ssize_t n = 0
+        for i, run in enumerate(kept):
+            if type(run) is not RecordRun:
+                raise TypeError(f"JoinedRuns item {i} must be a RecordRun, got {run!r:.80}")
+            n += (<RecordRun>run).n
+        self._runs = kept
+        self.n = n
+
+    @property
+    def runs(self):
+        """The runs, in order (a new list)."""
+        return list(self._runs)
+
+    @property
+    def payloads(self):
+        """The records' payloads, in order (a new list)."""
+        cdef list out = []
+        cdef RecordRun run
+        for r in self._runs:
+            run = <RecordRun>r
+            out.extend(run._payloads[run._lo : run._lo + run.n])
+        return out
+
+    def records(self):
+        """The records as a list of ``SampleRecord``."""
+        cdef list out = []
+        for run in self._runs:
+            out.extend((<RecordRun>run).records())
+        return out
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        cdef Py_ssize_t i
+        if isinstance(index, slice):
+            return self.records()[index]
+        i = index
+        if i < 0:
+            i += self.n
+        if i < 0 or i >= self.n:
+            raise IndexError(f"record {index} of {self.n} joined records")
+        for run in self._runs:
+            if i < (<RecordRun>run).n:
+                return (<RecordRun>run).record_at(i)
+            i -= (<RecordRun>run).n
+
+    def __iter__(self):
+        return iter(self.records())
+
+    def __reduce__(self):
+        return (JoinedRuns, (self._runs,))
+
+    def __repr__(self):
+        return f"JoinedRuns({len(self._runs)} runs, {self.n} records)"
+
+
+_abc.Sequence.register(JoinedRuns)
+
+
 def expand_runs(list items):
     """``items`` with every ``RecordRun`` replaced by its records (``items`` itself when it
     holds none): what code that looks at records one by one starts with."""
@@ -562,12 +630,13 @@ def map_each(fn, list payloads):
 
 def make_batch(records, payload):
     """A ``SampleBatch`` of ``records`` (real ``SampleRecord``s as delivery gathered them, or
-    one ``RecordRun``, whose records are made only if asked for) without the constructor's
-    per-record type checks."""
-    if type(records) is RecordRun:
-        return run_batch(<RecordRun>records, payload)
+    a ``RecordRun`` or ``JoinedRuns``, whose records are made only if asked for) without the
+    constructor's per-record type checks."""
     cdef SampleBatch b = SampleBatch.__new__(SampleBatch)
-    b._records = tuple(<list?>records)
+    if type(records) is RecordRun or type(records) is JoinedRuns:
+        b._lazy = records
+    else:
+        b._records = tuple(<list?>records)
     b.payload = payload
     return b
 
@@ -575,7 +644,7 @@ def make_batch(records, payload):
 cdef SampleBatch run_batch(RecordRun run, object payload):
     """The ``SampleBatch`` that is ``run`` (its records are made only if asked for)."""
     cdef SampleBatch b = SampleBatch.__new__(SampleBatch)
-    b._run = run
+    b._lazy = run
     b.payload = payload
     return b
 

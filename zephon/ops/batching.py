@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from zephon._core.collate import UNDECIDED, collate_dicts
-from zephon._core.records import RecordRun, payloads_of
+from zephon._core.records import JoinedRuns, RecordRun, payloads_of
 from zephon.ops.base import Operator, OpTraits
 from zephon.types import SampleRecord
 from zephon.validation import check_int
@@ -19,7 +19,7 @@ __all__ = ["Batch", "batch", "collate_payloads", "default_collate"]
 def default_collate(records: Sequence[SampleRecord]) -> Any:
     """Dict payloads become a dict of columns (see ``collate_payloads``); other payloads become a
     list."""
-    if type(records) is RecordRun:  # a batch that is one run: the usual case
+    if type(records) is RecordRun or type(records) is JoinedRuns:  # no record built
         payloads = records.payloads
     elif type(records) is list:
         payloads = payloads_of(records)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from zephon._core.records import RecordRun, expand_runs
+from zephon._core.records import JoinedRuns, RecordRun, expand_runs
 from zephon.errors import OperatorError
 from zephon.ops.base import Grouper
 from zephon.runtime.control import LaneEnd, RunStart
@@ -44,25 +44,24 @@ class FinalBatcher:
         """A tombstone or control item that arrived after a pending record waits with it."""
         self.pending.append(item)
 
-    def take(self) -> tuple[list[Any], list[SampleRecord]]:
-        """Empty the pending batch: everything in it (to book) and its real records."""
+    def take(self) -> tuple[list[Any], Sequence[SampleRecord]]:
+        """Empty the pending batch: everything in it (to book) and its real records, as the runs
+        they came in when every one of them did (no record is built), else as a list."""
         items, self.pending = self.pending, []
         n, self.n_pending = self.n_pending, 0
-        records = expand_runs(items)
+        runs = [item for item in items if type(item) is RecordRun]
+        if runs and sum(map(len, runs)) == n:
+            return items, runs[0] if len(runs) == 1 else JoinedRuns(runs)
+        records: list[Any] = expand_runs(items)
         if records is not items or len(items) != n:
             records = [r for r in records if type(r) is SampleRecord and not r.meta.is_tombstone]
         return items, records
 
     def hand_over(self) -> tuple[list[Any], Sequence[SampleRecord], Any]:
-        """Empty the pending batch: everything in it (to book), its real records (the one
-        ``RecordRun`` the batch is, the usual case, or a list: ``take()``) and their payload; a
-        failure to collate is an ``OperatorError`` naming the first record."""
-        items = self.pending
-        if len(items) == 1 and type(items[0]) is RecordRun:
-            records: Sequence[SampleRecord] = items[0]
-            self.pending, self.n_pending = [], 0
-        else:
-            items, records = self.take()
+        """Empty the pending batch: everything in it (to book), its real records (as ``take()``
+        gives them) and their payload; a failure to collate is an ``OperatorError`` naming the
+        first record."""
+        items, records = self.take()
         try:
             return items, records, self.collate(records)
         except Exception as exc:
