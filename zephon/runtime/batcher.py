@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from zephon._core.handover import PendingBatch
 from zephon._core.records import JoinedRuns, RecordRun, expand_runs
 from zephon.errors import OperatorError
 from zephon.ops.base import Grouper
@@ -21,7 +22,7 @@ from zephon.types import SampleRecord
 LEAVE_TO_CALLER = (LaneEnd, RunStart)
 
 
-class FinalBatcher:
+class FinalBatcher(PendingBatch):
     """The pending batch of one lane for a ``Grouper`` (the pipeline's last operator)."""
 
     def __init__(self, grouper: Grouper):

@@ -16,6 +16,7 @@ from typing import Any
 
 from zephon._core.cursor import cursors_for_chunk, digest_cursors
 from zephon._core.delivery import CollateFailed, DeliveryCounters, gather, hand_over_run
+from zephon._core.handover import LaneOutlet
 from zephon._core.records import expand_runs, make_batch
 from zephon.errors import CheckpointCorruptError
 from zephon.ops.children import tombstones_for_record
@@ -30,7 +31,7 @@ from zephon.runtime.supervision import LaneFeed
 from zephon.types import SampleBatch, SampleCursor, SampleRecord
 
 
-class LaneDelivery:
+class LaneDelivery(LaneOutlet):
     """The delivery side of lane ``lane_id``: feed, replay filter, bookkeeping and batcher."""
 
     def __init__(self, plan: Plan, lane_id: int, counters: DeliveryCounters):
@@ -46,8 +47,10 @@ class LaneDelivery:
         self.restored_state: dict[str, Any] | None = None  # until something new is delivered
 
     # ----------------------------------------------------------------------------- delivery
-    def next_delivery(self) -> SampleRecord | SampleBatch | None:
-        """The lane's next record or batch for the training loop, or None when the lane is done."""
+    def _next_delivery(self) -> SampleRecord | SampleBatch | None:
+        """``next_delivery()`` in every case: the lane's next record or batch for the training
+        loop, or None when the lane is done. (``LaneOutlet.next_delivery`` hands over the head
+        of a run itself and calls this for everything else.)"""
         if self.ended:
             return None
         if self.replay is not None:

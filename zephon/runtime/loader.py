@@ -15,6 +15,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from zephon._core.delivery import DeliveryCounters, parse_heritage_key
+from zephon._core.handover import LoaderStep
 from zephon.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -72,7 +73,7 @@ _STATE_KEYS = frozenset(
 _JOB_KEYS = _STATE_KEYS - {"rank", "world_size", "next_lane"}
 
 
-class Loader:
+class Loader(LoaderStep):
     """An iterator over what the training loop consumes: ``SampleBatch``es when the pipeline ends
     in a grouper (``batch``), else ``SampleRecord``s. Tombstones are never delivered.
 
@@ -99,34 +100,6 @@ class Loader:
     # ----------------------------------------------------------------------------- iteration
     def __iter__(self) -> Loader:
         return self
-
-    def __next__(self) -> Any:  # SampleBatch when the pipeline ends in batch, else SampleRecord
-        lock = self._lock
-        lock.acquire()  # not ``with``: this runs once per batch, and ``with`` costs twice as much
-        try:
-            if self._failure is not None or self._closed or not self._started:
-                self._first_or_refused()
-            lanes = self.lanes
-            try:
-                for _ in lanes:  # one full round at most: each lane delivers or has ended
-                    lane = lanes[self.next_lane]
-                    out = lane.next_delivery()
-                    self.next_lane = (self.next_lane + 1) % len(lanes)
-                    book = lane.book
-                    if book.found:
-                        self.policy.report(book.take_violations())
-                    if book.opened:  # the lanes hold more chunks only after an announcement
-                        book.opened = False
-                        self._note_inflight()
-                    if out is not None:
-                        return out
-            except BaseException as exc:
-                self._fail(exc)
-                raise
-            self._release_source()  # the stream is over
-            raise StopIteration
-        finally:
-            lock.release()
 
     def _first_or_refused(self) -> None:
         """Before a delivery: refuse one from a failed or closed loader, start the lanes on the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
+from zephon._core.handover import FeedBuffer
 from zephon._core.records import RecordRun
 from zephon.errors import ZephonError
 from zephon.plan import Plan
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from zephon.sources.base import WorkSource
 
 
-class LaneFeed:
+class LaneFeed(FeedBuffer):
     """The items of lane ``lane_id``, one list at a time (``buf``, read from ``pos``)."""
 
     def __init__(self, plan: Plan, lane_id: int):

@@ -1,0 +1,125 @@
+"""The loader's compiled step (``zephon._core.handover``): handing over the head of a run without
+a Python frame must deliver, book and report exactly what the lane's Python delivery does for
+every batch (the reference: ``LaneDelivery._next_delivery`` for every step)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pipeline_kit import DropMultiples, fingerprint_item
+
+import zephon
+from zephon._core.handover import LaneOutlet, LoaderStep
+from zephon.errors import OperatorError
+from zephon.ops.basic import fetch, map_transform
+from zephon.ops.batching import batch
+from zephon.runtime.delivery import LaneDelivery
+from zephon.sources.memory import RangeSource
+
+
+def double(payload: dict) -> dict:
+    return {"idx": payload["idx"], "x": 2 * payload["idx"]}
+
+
+def steps(loader: Any) -> Iterator[tuple[tuple, str]]:
+    """Each delivery with the loader's state right after it (as JSON text)."""
+    for item in loader:
+        yield fingerprint_item(item), json.dumps(loader.state_dict(), sort_keys=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(0, 300),
+    chunk_size=st.sampled_from([7, 32, 64]),
+    micro_batch=st.sampled_from([8, 16, 256]),
+    batch_size=st.integers(1, 40),
+    lanes=st.integers(1, 3),
+    drop=st.booleans(),
+    drop_remainder=st.booleans(),
+)
+def test_the_compiled_step_delivers_and_books_what_the_python_step_does(
+    n: int,
+    chunk_size: int,
+    micro_batch: int,
+    batch_size: int,
+    lanes: int,
+    drop: bool,
+    drop_remainder: bool,
+) -> None:
+    def pipeline() -> zephon.Pipeline:
+        ops: list[Any] = [fetch(), map_transform(double)]
+        if drop:  # tombstones between the records: batches that are not one run
+            ops.append(DropMultiples(5))
+        ops.append(batch(batch_size, drop_remainder=drop_remainder))
+        return zephon.Pipeline(
+            RangeSource(n, chunk_size=chunk_size), ops, lanes=lanes, micro_batch=micro_batch
+        )
+
+    compiled = list(steps(iter(pipeline())))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LaneDelivery, "next_delivery", LaneDelivery._next_delivery)
+        reference = list(steps(iter(pipeline())))
+    assert compiled == reference
+
+
+def test_the_python_step_is_what_the_reference_runs() -> None:
+    # The reference above must really bypass the compiled hand-over.
+    calls = []
+    original = LaneDelivery._next_delivery
+
+    def counted(self: LaneDelivery) -> Any:
+        calls.append(1)
+        return original(self)
+
+    pipeline = zephon.Pipeline(RangeSource(64, chunk_size=64), [fetch(), batch(8)])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LaneDelivery, "_next_delivery", counted)
+        assert len(list(iter(pipeline))) == 8
+        fast = len(calls)
+        calls.clear()
+        mp.setattr(LaneDelivery, "next_delivery", counted)
+        assert len(list(iter(pipeline))) == 8
+    assert fast < 8 <= len(calls)  # most compiled steps never reach Python
+
+
+def test_a_collate_that_fails_in_the_compiled_step_names_the_batch_and_books_nothing() -> None:
+    def picky(records: Any) -> Any:
+        if records[0].payload["idx"] >= 16:
+            raise ValueError("not this one")
+        return len(records)
+
+    loader = iter(
+        zephon.Pipeline(RangeSource(64, chunk_size=64), [fetch(), batch(8, collate=picky)])
+    )
+    assert [next(loader).payload, next(loader).payload] == [8, 8]
+    before = loader.state_dict()
+    with pytest.raises(OperatorError, match=r"8 records starting at .*sample_id=\(0, 0, 16\).*not"):
+        next(loader)
+    assert loader.state_dict() == before  # the failed batch was not booked
+    with pytest.raises(zephon.errors.ZephonError, match="failed earlier"):
+        next(loader)
+    loader.close()
+
+
+class Step(LoaderStep):
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = exc
+
+
+def test_the_compiled_bases_refuse_what_is_not_a_lane() -> None:
+    step = Step()
+    step.lanes = [object()]
+    step._started = True
+    step._lock = threading.Lock()
+    with pytest.raises(TypeError, match="LaneOutlet"):
+        next(step)  # type: ignore[call-overload]
+    assert isinstance(step._failure, TypeError)  # a failed step is a failed loader
+    lane = LaneOutlet()
+    with pytest.raises(NotImplementedError):
+        lane.next_delivery()  # nothing to hand over: the Python path, which a subclass defines

@@ -1,0 +1,40 @@
+from typing import Any
+
+class FeedBuffer:
+    """The item list a lane's feed is delivering (``buf``) and the position in it (``pos``)."""
+
+    buf: list[Any]
+    pos: int
+
+class PendingBatch:
+    """A lane's pending batch: ``n_pending`` real records wait in ``pending`` for ``batch_size``;
+    ``collate`` makes the batch's payload."""
+
+    pending: list[Any]
+    n_pending: int
+    batch_size: int
+    collate: Any
+
+class LaneOutlet:
+    """One lane's delivery: its feed, its batcher (or None) and its book."""
+
+    feed: Any
+    batcher: Any
+    book: Any
+    ended: bool
+    replay: Any
+    restored_state: dict[str, Any] | None
+    delivered: int
+    def next_delivery(self) -> Any: ...
+    def _next_delivery(self) -> Any: ...
+
+class LoaderStep:
+    """The loader's ``__next__``: a round over its lanes until one delivers."""
+
+    lanes: list[Any]
+    next_lane: int
+    _lock: Any
+    _failure: BaseException | None
+    _closed: bool
+    _started: bool
+    def __next__(self) -> Any: ...

@@ -1,0 +1,133 @@
+"""The loader's step, compiled: one batch handed to the training loop in the usual case without a
+Python frame.
+
+A loader runs one step per batch. In the usual case the step is short: take the loader's lock,
+pick the next lane, hand over the head of the run at that lane's feed position (collate, book,
+wrap; ``delivery.hand_over_run``), look at two flags, release the lock. Written in Python that
+took about as long as booking the batch itself, so the state those steps read lives in the
+compiled bases below; the runtime's classes derive from them and keep every other case (the
+first step, a refill, a pending batch, control items, the end, errors) in Python.
+"""
+
+cimport cython
+
+from zephon._core.delivery cimport DeliveryBook
+
+from zephon._core.delivery import CollateFailed, hand_over_run
+
+
+cdef class FeedBuffer:
+    """The item list a lane's feed is delivering (``buf``) and the position in it (``pos``)."""
+
+    cdef public list buf
+    cdef public Py_ssize_t pos
+
+    def __cinit__(self):
+        self.buf = []
+
+
+cdef class PendingBatch:
+    """A lane's pending batch: ``n_pending`` real records wait in ``pending`` for ``batch_size``;
+    ``collate`` makes the batch's payload."""
+
+    cdef public list pending
+    cdef public Py_ssize_t n_pending
+    cdef public Py_ssize_t batch_size
+    cdef public object collate
+
+    def __cinit__(self):
+        self.pending = []
+
+
+cdef class LaneOutlet:
+    """One lane's delivery: its ``feed`` (a ``FeedBuffer``), its ``batcher`` (a ``PendingBatch``
+    or None) and its ``book`` (whose ``book`` attribute is the lane's current ``DeliveryBook``).
+
+    ``next_delivery()`` hands over the head of the run at the feed position when nothing else
+    needs doing, and leaves every other case to ``_next_delivery()``, which a subclass defines.
+    """
+
+    cdef public FeedBuffer feed
+    cdef public PendingBatch batcher
+    cdef public object book
+    cdef public bint ended              # the lane's stream ended (not: the lane was closed)
+    cdef public object replay           # a replay filter still to run, or None
+    cdef public object restored_state   # the state restored from, until something new goes out
+    cdef public Py_ssize_t delivered    # items handed over, over the whole run
+
+    cpdef object next_delivery(self):
+        """The lane's next record or batch for the training loop, or None when it is done."""
+        cdef FeedBuffer feed = self.feed
+        cdef PendingBatch batcher = self.batcher
+        if (self.ended or self.replay is not None or batcher is None or batcher.n_pending
+                or feed.pos >= len(feed.buf)):
+            return self._next_delivery()
+        cdef DeliveryBook book = <DeliveryBook?>self.book.book
+        try:
+            done = hand_over_run(feed.buf, feed.pos, batcher.batch_size, batcher.collate, book)
+        except CollateFailed as exc:
+            cause = exc.__cause__
+            raise self.batcher.collate_failed(exc.records, cause) from cause
+        except (KeyError, ValueError, IndexError) as exc:
+            raise self.book.invented(None, exc) from None
+        if done is None:
+            return self._next_delivery()
+        feed.pos = (<tuple>done)[0]
+        self.restored_state = None
+        self.delivered += 1
+        return (<tuple>done)[1]
+
+    def _next_delivery(self):
+        raise NotImplementedError
+
+
+cdef class LoaderStep:
+    """The loader's ``__next__``: a round over its ``lanes`` (``LaneOutlet``s) from
+    ``next_lane`` under ``_lock``, until one delivers. A loader that has not started, has failed
+    or was closed goes through ``_first_or_refused()`` first; a lane's contract violations go to
+    ``policy.report``, and a chunk it announced to ``_note_inflight()``. A subclass defines those
+    methods, ``_fail(exc)`` and ``_release_source()``.
+    """
+
+    cdef public list lanes
+    cdef public Py_ssize_t next_lane
+    cdef public object _lock
+    cdef public object _failure
+    cdef public bint _closed
+    cdef public bint _started
+
+    def __cinit__(self):
+        self.lanes = []
+
+    def __next__(self):
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._failure is not None or self._closed or not self._started:
+                self._first_or_refused()
+            return self._round()
+        finally:
+            lock.release()
+
+    cdef object _round(self):
+        cdef list lanes = self.lanes
+        cdef Py_ssize_t n = len(lanes), i
+        cdef LaneOutlet lane
+        try:
+            for i in range(n):
+                lane = <LaneOutlet?>lanes[self.next_lane]
+                out = lane.next_delivery()
+                self.next_lane = (self.next_lane + 1) % n
+                book = lane.book
+                if book.found:
+                    self.policy.report(book.take_violations())
+                if book.opened:  # the lanes hold more chunks only after an announcement
+                    book.opened = False
+                    self._note_inflight()
+                if out is not None:
+                    return out
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._release_source()  # the stream is over
+        raise StopIteration
