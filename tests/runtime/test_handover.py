@@ -118,7 +118,7 @@ def test_the_compiled_bases_refuse_what_is_not_a_lane() -> None:
     step._started = True
     step._lock = threading.Lock()
     with pytest.raises(TypeError, match="LaneOutlet"):
-        next(step)  # type: ignore[call-overload]
+        next(step)
     assert isinstance(step._failure, TypeError)  # a failed step is a failed loader
     lane = LaneOutlet()
     with pytest.raises(NotImplementedError):
