@@ -105,3 +105,20 @@ def test_batch_size_must_be_at_least_one():
         batch(0)
     with pytest.raises(TypeError, match=r"^batch: batch_size must be an int, got 2\.5$"):
         batch(2.5)  # type: ignore[arg-type]
+
+
+def test_the_default_collate_enters_the_fingerprint_by_name_a_passed_one_by_its_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def fingerprint(collate: Any = None) -> str:
+        return zephon.Pipeline(RangeSource(8), [fetch(), batch(4, collate=collate)]).fingerprint
+
+    def mine(records: Any) -> Any:
+        return default_collate(records)
+
+    default, passed = fingerprint(), fingerprint(mine)
+    # Another version of the library's collate: checkpoints taken before it still load.
+    monkeypatch.setattr(default_collate, "__code__", (lambda records: list(records)).__code__)
+    assert fingerprint() == default
+    monkeypatch.setattr(mine, "__code__", (lambda records: list(records)).__code__)
+    assert fingerprint(mine) != passed  # a function the user passes still goes by its code

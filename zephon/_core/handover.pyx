@@ -114,7 +114,7 @@ cdef class LoaderStep:
         cdef Py_ssize_t n = len(lanes), i
         cdef LaneOutlet lane
         try:
-            for i in range(n):
+            for i in range(n):  # one full round at most: each lane delivers or has ended
                 lane = <LaneOutlet?>lanes[self.next_lane]
                 out = lane.next_delivery()
                 self.next_lane = (self.next_lane + 1) % n

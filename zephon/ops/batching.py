@@ -119,6 +119,15 @@ class Batch(Operator):
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
         raise TypeError("batch groups records at delivery; it never runs inside a lane")
 
+    def describe(self) -> dict[str, Any]:
+        """As ``Operator.describe``, with the default collate by name: the library's own code
+        changes between versions, and checkpoints must not depend on that (a collate you pass
+        still enters by its code)."""
+        out = super().describe()
+        if self.collate is default_collate:
+            out["params"]["collate"] = f"{__name__}.default_collate"
+        return out
+
 
 def batch(
     batch_size: int,

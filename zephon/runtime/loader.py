@@ -78,7 +78,9 @@ class Loader(LoaderStep):
     in a grouper (``batch``), else ``SampleRecord``s. Tombstones are never delivered.
 
     After an error, ``next()`` keeps raising (the loader does not pretend the stream ended) until
-    it is closed; a closed loader raises ``ZephonError`` rather than ending quietly.
+    it is closed; a closed loader raises ``ZephonError`` rather than ending quietly. ``next()``
+    itself is compiled (``LoaderStep.__next__``) and calls back into this class for everything
+    but the usual step.
     """
 
     def __init__(self, plan: Plan):
