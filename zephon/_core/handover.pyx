@@ -9,7 +9,6 @@ compiled bases below; the runtime's classes derive from them and keep every othe
 first step, a refill, a pending batch, control items, the end, errors) in Python.
 """
 
-cimport cython
 
 from zephon._core.delivery cimport DeliveryBook
 
@@ -19,9 +18,6 @@ from zephon._core.delivery import CollateFailed, hand_over_run
 cdef class FeedBuffer:
     """The item list a lane's feed is delivering (``buf``) and the position in it (``pos``)."""
 
-    cdef public list buf
-    cdef public Py_ssize_t pos
-
     def __cinit__(self):
         self.buf = []
 
@@ -29,11 +25,6 @@ cdef class FeedBuffer:
 cdef class PendingBatch:
     """A lane's pending batch: ``n_pending`` real records wait in ``pending`` for ``batch_size``;
     ``collate`` makes the batch's payload."""
-
-    cdef public list pending
-    cdef public Py_ssize_t n_pending
-    cdef public Py_ssize_t batch_size
-    cdef public object collate
 
     def __cinit__(self):
         self.pending = []
@@ -46,14 +37,6 @@ cdef class LaneOutlet:
     ``next_delivery()`` hands over the head of the run at the feed position when nothing else
     needs doing, and leaves every other case to ``_next_delivery()``, which a subclass defines.
     """
-
-    cdef public FeedBuffer feed
-    cdef public PendingBatch batcher
-    cdef public object book
-    cdef public bint ended              # the lane's stream ended (not: the lane was closed)
-    cdef public object replay           # a replay filter still to run, or None
-    cdef public object restored_state   # the state restored from, until something new goes out
-    cdef public Py_ssize_t delivered    # items handed over, over the whole run
 
     cpdef object next_delivery(self):
         """The lane's next record or batch for the training loop, or None when it is done."""
@@ -88,13 +71,6 @@ cdef class LoaderStep:
     ``policy.report``, and a chunk it announced to ``_note_inflight()``. A subclass defines those
     methods, ``_fail(exc)`` and ``_release_source()``.
     """
-
-    cdef public list lanes
-    cdef public Py_ssize_t next_lane
-    cdef public object _lock
-    cdef public object _failure
-    cdef public bint _closed
-    cdef public bint _started
 
     def __cinit__(self):
         self.lanes = []

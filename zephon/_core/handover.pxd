@@ -1,0 +1,35 @@
+# Layouts of the loader's compiled step, published for cimport.
+
+cdef class FeedBuffer:
+    cdef public list buf
+    cdef public Py_ssize_t pos
+
+
+cdef class PendingBatch:
+    cdef public list pending
+    cdef public Py_ssize_t n_pending
+    cdef public Py_ssize_t batch_size
+    cdef public object collate
+
+
+cdef class LaneOutlet:
+    cdef public FeedBuffer feed
+    cdef public PendingBatch batcher
+    cdef public object book
+    cdef public bint ended              # the lane's stream ended (not: the lane was closed)
+    cdef public object replay           # a replay filter still to run, or None
+    cdef public object restored_state   # the state restored from, until something new goes out
+    cdef public Py_ssize_t delivered    # items handed over, over the whole run
+
+    cpdef object next_delivery(self)
+
+
+cdef class LoaderStep:
+    cdef public list lanes
+    cdef public Py_ssize_t next_lane
+    cdef public object _lock
+    cdef public object _failure
+    cdef public bint _closed
+    cdef public bint _started
+
+    cdef object _round(self)
