@@ -22,6 +22,7 @@ cdef class LaneOutlet:
     cdef public Py_ssize_t delivered    # items handed over, over the whole run
 
     cpdef object next_delivery(self)
+    cpdef object hand_over_head(self)
 
 
 cdef class LoaderStep:

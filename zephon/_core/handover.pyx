@@ -9,7 +9,6 @@ compiled bases below; the runtime's classes derive from them and keep every othe
 first step, a refill, a pending batch, control items, the end, errors) in Python.
 """
 
-
 from zephon._core.delivery cimport DeliveryBook
 
 from zephon._core.delivery import CollateFailed, hand_over_run
@@ -40,11 +39,20 @@ cdef class LaneOutlet:
 
     cpdef object next_delivery(self):
         """The lane's next record or batch for the training loop, or None when it is done."""
+        if self.ended or self.replay is not None:
+            return self._next_delivery()
+        out = self.hand_over_head()
+        return self._next_delivery() if out is None else out
+
+    cpdef object hand_over_head(self):
+        """The usual hand-over: when nothing is pending and the feed position holds a run at least
+        a batch long, its head as the next batch, collated and booked (``hand_over_run``);
+        otherwise None, having done nothing. A collate that fails is an ``OperatorError`` naming
+        the batch's first record, with nothing booked."""
         cdef FeedBuffer feed = self.feed
         cdef PendingBatch batcher = self.batcher
-        if (self.ended or self.replay is not None or batcher is None or batcher.n_pending
-                or feed.pos >= len(feed.buf)):
-            return self._next_delivery()
+        if batcher is None or batcher.n_pending or feed.pos >= len(feed.buf):
+            return None
         cdef DeliveryBook book = <DeliveryBook?>self.book.book
         try:
             done = hand_over_run(feed.buf, feed.pos, batcher.batch_size, batcher.collate, book)
@@ -54,7 +62,7 @@ cdef class LaneOutlet:
         except (KeyError, ValueError, IndexError) as exc:
             raise self.book.invented(None, exc) from None
         if done is None:
-            return self._next_delivery()
+            return None
         feed.pos = (<tuple>done)[0]
         self.restored_state = None
         self.delivered += 1

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from zephon._core.cursor import cursors_for_chunk, digest_cursors
-from zephon._core.delivery import CollateFailed, DeliveryCounters, gather, hand_over_run
+from zephon._core.delivery import DeliveryCounters, gather
 from zephon._core.handover import LaneOutlet
 from zephon._core.records import expand_runs, make_batch
 from zephon.errors import CheckpointCorruptError
@@ -50,7 +50,7 @@ class LaneDelivery(LaneOutlet):
     def _next_delivery(self) -> SampleRecord | SampleBatch | None:
         """``next_delivery()`` in every case: the lane's next record or batch for the training
         loop, or None when the lane is done. (``LaneOutlet.next_delivery`` hands over the head
-        of a run itself and calls this for everything else.)"""
+        of a run itself, ``hand_over_head``, and calls this for everything else.)"""
         if self.ended:
             return None
         if self.replay is not None:
@@ -61,20 +61,8 @@ class LaneDelivery(LaneOutlet):
                 if feed.pos >= len(feed.buf):
                     feed.refill()
                 if not batcher.n_pending:
-                    # The usual case in one compiled call: the batch is the head of a run.
-                    try:
-                        done = hand_over_run(
-                            feed.buf, feed.pos, batcher.batch_size, batcher.collate, book.book
-                        )
-                    except CollateFailed as exc:
-                        cause: Any = exc.__cause__
-                        raise batcher.collate_failed(exc.records, cause) from cause
-                    except (KeyError, ValueError, IndexError) as exc:
-                        raise book.invented(None, exc) from None
-                    if done is not None:
-                        feed.pos, out = done
-                        self.restored_state = None
-                        self.delivered += 1
+                    out = self.hand_over_head()  # the usual case, in one compiled call
+                    if out is not None:
                         return out
                 # Otherwise in one compiled loop: records into the pending batch.
                 feed.pos, batcher.n_pending = gather(
