@@ -1,6 +1,7 @@
 """The loader's compiled step (``zephon._core.handover``): handing over the head of a run without
 a Python frame must deliver, book and report exactly what the lane's Python delivery does for
-every batch (the reference: ``LaneDelivery._next_delivery`` for every step)."""
+every batch (the reference: ``hand_over_head`` switched off, so that every step goes through
+``LaneDelivery.next_delivery``, the pending batch and the batcher's hand-over)."""
 
 from __future__ import annotations
 
@@ -63,15 +64,20 @@ def test_the_compiled_step_delivers_and_books_what_the_python_step_does(
 
     compiled = list(steps(iter(pipeline())))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LaneDelivery, "next_delivery", LaneDelivery._next_delivery)
+        mp.setattr(LaneDelivery, "hand_over_head", nothing_to_hand_over)
         reference = list(steps(iter(pipeline())))
     assert compiled == reference
 
 
+def nothing_to_hand_over(self: LaneDelivery) -> None:
+    return None
+
+
 def test_the_python_step_is_what_the_reference_runs() -> None:
-    # The reference above must really bypass the compiled hand-over.
+    # The reference above must really bypass the compiled hand-over, and the compiled step must
+    # really skip the Python method.
     calls = []
-    original = LaneDelivery._next_delivery
+    original = LaneDelivery.next_delivery
 
     def counted(self: LaneDelivery) -> Any:
         calls.append(1)
@@ -79,11 +85,11 @@ def test_the_python_step_is_what_the_reference_runs() -> None:
 
     pipeline = zephon.Pipeline(RangeSource(64, chunk_size=64), [fetch(), batch(8)])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LaneDelivery, "_next_delivery", counted)
+        mp.setattr(LaneDelivery, "next_delivery", counted)
         assert len(list(iter(pipeline))) == 8
         fast = len(calls)
         calls.clear()
-        mp.setattr(LaneDelivery, "next_delivery", counted)
+        mp.setattr(LaneDelivery, "hand_over_head", nothing_to_hand_over)
         assert len(list(iter(pipeline))) == 8
     assert fast < 8 <= len(calls)  # most compiled steps never reach Python
 
@@ -120,6 +126,4 @@ def test_the_compiled_bases_refuse_what_is_not_a_lane() -> None:
     with pytest.raises(TypeError, match="LaneOutlet"):
         next(step)
     assert isinstance(step._failure, TypeError)  # a failed step is a failed loader
-    lane = LaneOutlet()
-    with pytest.raises(NotImplementedError):
-        lane.next_delivery()  # nothing to hand over: the Python path, which a subclass defines
+    assert LaneOutlet().hand_over_head() is None  # no batcher, no feed: nothing to hand over

@@ -55,3 +55,7 @@ cdef class DeliveryBook:
     cdef int _record(self, SampleRecord rec, bint count) except -1
     cdef int _record_run(self, RecordRun run, bint count) except -1
     cdef int _tombstone(self, SampleRecord tomb, bint count) except -1
+
+
+cpdef object hand_over_run(list buf, Py_ssize_t pos, Py_ssize_t batch_size, object collate,
+                           DeliveryBook book)

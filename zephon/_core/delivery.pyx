@@ -475,14 +475,17 @@ class CollateFailed(Exception):
         self.records = records
 
 
-def hand_over_run(list buf not None, Py_ssize_t pos, Py_ssize_t batch_size, collate,
-                  DeliveryBook book not None):
+cpdef object hand_over_run(list buf, Py_ssize_t pos, Py_ssize_t batch_size, object collate,
+                           DeliveryBook book):
     """The usual hand-over in one call: nothing is pending and ``buf[pos]`` is a run of at least
     ``batch_size`` records. Its first ``batch_size`` records are collated, booked and returned as
     ``(pos, SampleBatch)``, ``buf[pos:]`` then holding the rest. Returns None, having done
     nothing, when the case does not apply. A collate that raises raises ``CollateFailed`` before
     anything is booked or moved; a booking error propagates as ``DeliveryBook.deliver``'s does.
+    (Compiled callers call it in C: ``cpdef``.)
     """
+    if buf is None or book is None:
+        raise TypeError("hand_over_run needs a list and a DeliveryBook, not None")
     if pos >= len(buf) or type(buf[pos]) is not RecordRun:
         return None
     cdef RecordRun run = <RecordRun>buf[pos]

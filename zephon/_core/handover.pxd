@@ -21,7 +21,6 @@ cdef class LaneOutlet:
     cdef public object restored_state   # the state restored from, until something new goes out
     cdef public Py_ssize_t delivered    # items handed over, over the whole run
 
-    cpdef object next_delivery(self)
     cpdef object hand_over_head(self)
 
 

@@ -25,9 +25,7 @@ class LaneOutlet:
     replay: Any
     restored_state: dict[str, Any] | None
     delivered: int
-    def next_delivery(self) -> Any: ...
     def hand_over_head(self) -> Any: ...
-    def _next_delivery(self) -> Any: ...
 
 class LoaderStep:
     """The loader's ``__next__``: a round over its lanes until one delivers."""

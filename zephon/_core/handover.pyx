@@ -9,9 +9,9 @@ compiled bases below; the runtime's classes derive from them and keep every othe
 first step, a refill, a pending batch, control items, the end, errors) in Python.
 """
 
-from zephon._core.delivery cimport DeliveryBook
+from zephon._core.delivery cimport DeliveryBook, hand_over_run
 
-from zephon._core.delivery import CollateFailed, hand_over_run
+from zephon._core.delivery import CollateFailed
 
 
 cdef class FeedBuffer:
@@ -32,26 +32,17 @@ cdef class PendingBatch:
 cdef class LaneOutlet:
     """One lane's delivery: its ``feed`` (a ``FeedBuffer``), its ``batcher`` (a ``PendingBatch``
     or None) and its ``book`` (whose ``book`` attribute is the lane's current ``DeliveryBook``).
-
-    ``next_delivery()`` hands over the head of the run at the feed position when nothing else
-    needs doing, and leaves every other case to ``_next_delivery()``, which a subclass defines.
-    """
-
-    cpdef object next_delivery(self):
-        """The lane's next record or batch for the training loop, or None when it is done."""
-        if self.ended or self.replay is not None:
-            return self._next_delivery()
-        out = self.hand_over_head()
-        return self._next_delivery() if out is None else out
+    ``hand_over_head()`` is the usual step; the runtime's subclass delivers everything else."""
 
     cpdef object hand_over_head(self):
-        """The usual hand-over: when nothing is pending and the feed position holds a run at least
-        a batch long, its head as the next batch, collated and booked (``hand_over_run``);
-        otherwise None, having done nothing. A collate that fails is an ``OperatorError`` naming
-        the batch's first record, with nothing booked."""
+        """The usual hand-over: when the lane is running, nothing is pending and the feed position
+        holds a run at least a batch long, its head as the next batch, collated and booked
+        (``hand_over_run``); otherwise None, having done nothing. A collate that fails is an
+        ``OperatorError`` naming the batch's first record, with nothing booked."""
         cdef FeedBuffer feed = self.feed
         cdef PendingBatch batcher = self.batcher
-        if batcher is None or batcher.n_pending or feed.pos >= len(feed.buf):
+        if (self.ended or self.replay is not None or batcher is None or batcher.n_pending
+                or feed.pos >= len(feed.buf)):
             return None
         cdef DeliveryBook book = <DeliveryBook?>self.book.book
         try:
@@ -68,14 +59,12 @@ cdef class LaneOutlet:
         self.delivered += 1
         return (<tuple>done)[1]
 
-    def _next_delivery(self):
-        raise NotImplementedError
-
 
 cdef class LoaderStep:
-    """The loader's ``__next__``: a round over its ``lanes`` (``LaneOutlet``s) from
-    ``next_lane`` under ``_lock``, until one delivers. A loader that has not started, has failed
-    or was closed goes through ``_first_or_refused()`` first; a lane's contract violations go to
+    """The loader's ``__next__``: a round over its ``lanes`` from ``next_lane`` under ``_lock``,
+    until one delivers. Each lane is a ``LaneOutlet`` with a ``next_delivery()`` method, which
+    is called when ``hand_over_head()`` has nothing. A loader that has not started, has failed or
+    was closed goes through ``_first_or_refused()`` first; a lane's contract violations go to
     ``policy.report``, and a chunk it announced to ``_note_inflight()``. A subclass defines those
     methods, ``_fail(exc)`` and ``_release_source()``.
     """
@@ -100,7 +89,9 @@ cdef class LoaderStep:
         try:
             for i in range(n):  # one full round at most: each lane delivers or has ended
                 lane = <LaneOutlet?>lanes[self.next_lane]
-                out = lane.next_delivery()
+                out = lane.hand_over_head()
+                if out is None:  # anything but the usual step: the lane's own next_delivery()
+                    out = lane.next_delivery()
                 self.next_lane = (self.next_lane + 1) % n
                 book = lane.book
                 if book.found:

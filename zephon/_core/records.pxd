@@ -58,4 +58,4 @@ cdef class SampleBatch:
 
 
 cdef SampleMeta make_meta(SampleCursor cursor, offset_t lane_id, object component)
-cdef SampleBatch run_batch(RecordRun run, object payload)
+cdef SampleBatch run_batch(object runs, object payload)  # runs: a RecordRun or JoinedRuns

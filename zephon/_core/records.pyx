@@ -632,19 +632,19 @@ def make_batch(records, payload):
     """A ``SampleBatch`` of ``records`` (real ``SampleRecord``s as delivery gathered them, or
     a ``RecordRun`` or ``JoinedRuns``, whose records are made only if asked for) without the
     constructor's per-record type checks."""
-    cdef SampleBatch b = SampleBatch.__new__(SampleBatch)
     if type(records) is RecordRun or type(records) is JoinedRuns:
-        b._lazy = records
-    else:
-        b._records = tuple(<list?>records)
+        return run_batch(records, payload)
+    cdef SampleBatch b = SampleBatch.__new__(SampleBatch)
+    b._records = tuple(<list?>records)
     b.payload = payload
     return b
 
 
-cdef SampleBatch run_batch(RecordRun run, object payload):
-    """The ``SampleBatch`` that is ``run`` (its records are made only if asked for)."""
+cdef SampleBatch run_batch(object runs, object payload):
+    """The ``SampleBatch`` that is ``runs``, a ``RecordRun`` or ``JoinedRuns`` (its records are
+    made only if asked for)."""
     cdef SampleBatch b = SampleBatch.__new__(SampleBatch)
-    b._lazy = run
+    b._lazy = runs
     b.payload = payload
     return b
 

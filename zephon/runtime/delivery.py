@@ -47,10 +47,9 @@ class LaneDelivery(LaneOutlet):
         self.restored_state: dict[str, Any] | None = None  # until something new is delivered
 
     # ----------------------------------------------------------------------------- delivery
-    def _next_delivery(self) -> SampleRecord | SampleBatch | None:
-        """``next_delivery()`` in every case: the lane's next record or batch for the training
-        loop, or None when the lane is done. (``LaneOutlet.next_delivery`` hands over the head
-        of a run itself, ``hand_over_head``, and calls this for everything else.)"""
+    def next_delivery(self) -> SampleRecord | SampleBatch | None:
+        """The lane's next record or batch for the training loop, or None when the lane is done.
+        (The loader tries the usual step, ``hand_over_head``, before calling this.)"""
         if self.ended:
             return None
         if self.replay is not None:
