@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zephon._core.collate import UNDECIDED, collate_dicts
-from zephon.ops.batching import _column, collate_by_rule, collate_payloads
+from zephon._core.collate import UNDECIDED, collate_dicts, collate_run
+from zephon.ops.batching import _column, collate_by_rule, collate_payloads, default_collate
+from zephon.types import RecordRun
 
 
 class Subclassed(dict):
@@ -36,7 +37,7 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b) or (a != a and b != b)
 
 
-def outcome(fn: Any, payloads: list[Any]) -> tuple[str, Any]:
+def outcome(fn: Any, payloads: Any) -> tuple[str, Any]:
     try:
         return "ok", fn(payloads)
     except Exception as exc:
@@ -172,3 +173,33 @@ def test_a_subclass_row_after_a_plain_array_is_stacked_by_numpy():
     payloads = [{"a": plain}, {"a": masked}]
     got, want = collate_payloads(payloads), collate_by_rule(payloads)
     assert same(got, want), (got, want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches(), st.lists(payload(), max_size=3), st.lists(payload(), max_size=3))
+def test_a_part_of_a_run_collates_as_its_payloads_do(
+    payloads: list[Any], before: list[Any], after: list[Any]
+) -> None:
+    # The part's payloads sit in the middle of the run's list: read there, not copied first.
+    whole = [*before, *payloads, *after]
+    pointers = np.zeros((len(whole), 3), dtype=np.int64)
+    part = RecordRun(0, pointers, whole, 0, None)
+    if payloads and before:
+        part = part.split(len(before))[1]
+    if payloads and after:
+        part = part.split(len(payloads))[0]
+    if not payloads:
+        part = RecordRun(0, pointers[:0], [], 0, None)
+    assert part.payloads == payloads
+    got, want = outcome(default_collate, part), outcome(collate_by_rule, payloads)
+    assert got[0] == want[0]
+    assert same(got[1], want[1]) if got[0] == "ok" else got[1] == want[1], (got, want)
+    kernel = outcome(lambda p: collate_run(p, _column), part)  # or it leaves the batch to the rule
+    assert kernel == ("ok", UNDECIDED) or kernel[0] == want[0]
+
+
+def test_a_run_whose_payloads_stay_a_list_gives_a_list_of_them():
+    payloads: list[Any] = [{"a": 1}, {"b": 2}, 3]
+    run = RecordRun(0, np.zeros((3, 3), dtype=np.int64), payloads, 0, None)
+    assert collate_run(run.split(2)[0], _column) == payloads[:2]
+    assert collate_run(run, _column) is UNDECIDED  # not all dicts: the rule decides

@@ -13,7 +13,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zephon._core.records import JoinedRuns, count_closing, expand_runs, make_batch, map_each
+from zephon._core.records import (
+    JoinedRuns,
+    count_closing,
+    expand_runs,
+    make_batch,
+    map_each,
+    map_run,
+)
 from zephon.types import RecordRun, SampleCursor, SampleMeta, SampleRecord
 
 
@@ -151,6 +158,33 @@ def test_map_each_is_a_list_comprehension_that_stops_at_none_or_an_error(
         assert exc is None and out == [v * 2 for v in values]
     else:
         assert (exc is None) == (values[stop] < 0)
+
+
+@given(
+    st.lists(st.integers(-5, 20), min_size=1, max_size=30),
+    st.data(),
+    st.sampled_from([None, 7, 13]),
+)
+def test_map_run_maps_the_payloads_of_any_part_of_a_run_as_map_each_does(
+    values: list[int], data: st.DataObject, bad: int | None
+) -> None:
+    def fn(v: int) -> Any:
+        if v < 0:
+            return None
+        if v == bad:
+            raise KeyError(v)
+        return v * 2
+
+    run = RecordRun(0, np.zeros((len(values), 3), dtype=np.int64), values, 0, None)
+    lo = data.draw(st.integers(0, len(values) - 1))
+    hi = data.draw(st.integers(lo + 1, len(values)))
+    part = run.split(lo)[1] if lo else run
+    part = part.split(hi - lo)[0] if hi < len(values) else part
+    out, i, exc = map_run(fn, part)
+    want_out, want_i, want_exc = map_each(fn, values[lo:hi])
+    assert (out[:i], i, type(exc)) == (want_out[:want_i], want_i, type(want_exc))
+    with pytest.raises(TypeError):
+        map_run(fn, values)  # type: ignore[arg-type]
 
 
 @given(runs())

@@ -3,6 +3,9 @@
 from collections.abc import Callable
 from typing import Any
 
+from zephon._core.records import RecordRun
+
 UNDECIDED: object
 
 def collate_dicts(payloads: list[Any], rule: Callable[[Any, tuple[Any, ...]], Any]) -> Any: ...
+def collate_run(run: RecordRun, rule: Callable[[Any, tuple[Any, ...]], Any]) -> Any: ...

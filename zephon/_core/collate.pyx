@@ -13,6 +13,8 @@ from cpython.object cimport PyTypeObject
 from cpython.ref cimport PyObject
 from libc.string cimport memcpy
 
+from zephon._core.records cimport RecordRun
+
 import numpy as np
 
 cimport numpy as cnp
@@ -30,6 +32,7 @@ cdef extern from "Python.h":
     # holds (``payloads``, and so each dict, key and value), and check every type themselves;
     # the direct loop also runs none of the payloads' own code (its keys are exact strs, its
     # values exact ints and floats).
+    PyTypeObject PyDict_Type
     PyTypeObject PyLong_Type
     PyTypeObject PyFloat_Type
     PyTypeObject PyUnicode_Type
@@ -143,16 +146,18 @@ DEF MAX_DIRECT = 16  # columns the direct loop fills at most
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef object _direct(list payloads, Py_ssize_t n):
-    """The columns, filled straight into arrays, when the first payload's keys are exact strs and
-    its values exact ints (int64) or floats (float64), and every payload has its keys in its order
-    with values of the same types; None otherwise, for the general loop to decide (it gives the
-    same result)."""
+cdef object _direct(list payloads, Py_ssize_t lo, Py_ssize_t n):
+    """The columns of ``payloads[lo : lo + n]``, filled straight into arrays, when every payload
+    is an exact dict, the first one's keys are exact strs and its values exact ints (int64) or
+    floats (float64), and every payload has its keys in its order with values of the same types;
+    None otherwise, for the general loop to decide (it gives the same result)."""
     # Made before the first borrowed pointer is taken: it is the only allocation here that can
     # start a garbage collection (ndarrays are not tracked by the collector, and inserting exact
     # str keys runs no Python code), so no finalizer can run while the loops below hold them.
     cdef dict out = {}
-    cdef PyObject* first = list_item(payloads, 0)
+    cdef PyObject* first = list_item(payloads, lo)
+    if type_of(first) != &PyDict_Type:
+        return None
     cdef Py_ssize_t nk = dict_size(first), pos = 0, i, j = 0
     if nk == 0 or nk > MAX_DIRECT:
         return None
@@ -178,8 +183,8 @@ cdef object _direct(list payloads, Py_ssize_t n):
         j += 1
     try:
         for i in range(n):
-            p = list_item(payloads, i)
-            if dict_size(p) != nk:
+            p = list_item(payloads, lo + i)
+            if type_of(p) != &PyDict_Type or dict_size(p) != nk:
                 return None
             pos = 0
             j = 0
@@ -198,39 +203,58 @@ cdef object _direct(list payloads, Py_ssize_t n):
     return out
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def collate_dicts(list payloads, rule):
     """Columns of ``payloads`` as ``collate_payloads`` makes them (a dict ``{key: column}``),
     ``payloads`` itself when they stay a list, or ``UNDECIDED`` when the Python rule must decide
     for the whole batch. ``rule(key, values)`` is the rule's column function, called for the
     columns this kernel leaves to it.
     """
-    cdef Py_ssize_t n = len(payloads), nk, i, j, pos
+    out = _collate(payloads, 0, len(payloads), rule)
+    return payloads if out is _STAYS else out
+
+
+def collate_run(RecordRun run not None, rule):
+    """``collate_dicts(run.payloads, rule)`` reading the run's payloads where they are, without
+    making a list of them first (a list it returns when they stay one)."""
+    out = _collate(run._payloads, run._lo, run.n, rule)
+    return run._payloads[run._lo : run._lo + run.n] if out is _STAYS else out
+
+
+# What ``_collate`` returns when the payloads stay the list they are.
+cdef object _STAYS = object()
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef object _collate(list payloads, Py_ssize_t lo, Py_ssize_t n, rule):
+    # ``collate_dicts`` over payloads[lo : lo + n]: the columns, ``_STAYS`` or ``UNDECIDED``.
+    cdef Py_ssize_t nk, i, j, pos
     cdef PyObject* k
     cdef PyObject* v
+    if lo < 0 or n < 0 or lo + n > len(payloads):  # the loops below read items unchecked
+        raise IndexError(f"payloads[{lo}:{lo + n}] is outside a list of {len(payloads)}")
     if n == 0:
-        return payloads
-    for i in range(n):
-        if type(payloads[i]) is not dict:
-            return UNDECIDED
-    direct = _direct(payloads, n)
+        return _STAYS
+    direct = _direct(payloads, lo, n)  # checks the payloads' types itself, in the same pass
     if direct is not None:
         return direct
-    first = payloads[0]
+    for i in range(n):
+        if type(payloads[lo + i]) is not dict:
+            return UNDECIDED
+    first = payloads[lo]
     nk = dict_size(<PyObject*>first)
     cdef list keys = list(first)
     cdef list columns = [[None] * n for j in range(nk)]
     cdef list col
     for i in range(n):
-        p = payloads[i]
+        p = payloads[lo + i]
         if dict_size(<PyObject*>p) != nk:
-            return payloads  # different keys: stays a list
+            return _STAYS  # different keys: stays a list
         pos = 0
         j = 0
         while dict_next(<PyObject*>p, &pos, &k, &v):
             if not _same_key(k, <PyObject*>keys[j]):
-                return UNDECIDED if i and _undecided_keys(<object>k, keys[j]) else payloads
+                return UNDECIDED if i and _undecided_keys(<object>k, keys[j]) else _STAYS
             col = <list>columns[j]
             col[i] = <object>v
             j += 1

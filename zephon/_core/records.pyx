@@ -614,11 +614,22 @@ def map_each(fn, list payloads):
     ``(out, i, exc)``: the new payloads (complete when ``i == len(payloads)``), that payload's
     index and the exception raised (None when ``fn`` returned None).
     """
-    cdef Py_ssize_t i = 0, n = len(payloads)
+    return _map_slice(fn, payloads, 0, len(payloads))
+
+
+def map_run(fn, RecordRun run not None):
+    """``map_each(fn, run.payloads)`` reading the run's payloads where they are: no list of them
+    is made first (making one touches every payload once more, out of cache by then)."""
+    return _map_slice(fn, run._payloads, run._lo, run.n)
+
+
+cdef tuple _map_slice(fn, list payloads, Py_ssize_t lo, Py_ssize_t n):
+    # ``map_each`` over payloads[lo : lo + n].
+    cdef Py_ssize_t i = 0
     cdef list out = [None] * n
     try:
         while i < n:
-            new = fn(payloads[i])
+            new = fn(payloads[lo + i])
             if new is None:
                 return out, i, None
             out[i] = new

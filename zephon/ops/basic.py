@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.records import RecordRun, map_each, map_payloads
+from zephon._core.records import RecordRun, map_payloads, map_run
 from zephon.errors import FetchError, OperatorError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import tombstones_for_record
@@ -123,7 +123,7 @@ class MapTransform(Operator):
         return not self.drop_none  # dropping a record takes its tombstones: process_many
 
     def map_payloads(self, run: RecordRun) -> list[Any]:
-        out, i, exc = map_each(self.fn, run.payloads)
+        out, i, exc = map_run(self.fn, run)
         if i < len(out):
             raise self._refused(run[i], exc)
         return out

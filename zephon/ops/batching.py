@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.collate import UNDECIDED, collate_dicts
+from zephon._core.collate import UNDECIDED, collate_dicts, collate_run
 from zephon._core.records import JoinedRuns, RecordRun, payloads_of
 from zephon.ops.base import Operator, OpTraits
 from zephon.types import SampleRecord
@@ -19,7 +19,10 @@ __all__ = ["Batch", "batch", "collate_payloads", "default_collate"]
 def default_collate(records: Sequence[SampleRecord]) -> Any:
     """Dict payloads become a dict of columns (see ``collate_payloads``); other payloads become a
     list."""
-    if type(records) is RecordRun or type(records) is JoinedRuns:  # no record built
+    if type(records) is RecordRun:  # no record built, the payloads read where they are
+        out = collate_run(records, _column)
+        return collate_by_rule(records.payloads) if out is UNDECIDED else out
+    if type(records) is JoinedRuns:
         payloads = records.payloads
     elif type(records) is list:
         payloads = payloads_of(records)
