@@ -140,10 +140,10 @@ def test_expand_runs_puts_each_runs_records_in_its_place(items: list) -> None:
         assert out is mixed
 
 
-@given(st.lists(st.integers(-5, 20), max_size=30), st.sampled_from([None, 7, 13]))
-def test_map_each_is_a_list_comprehension_that_stops_at_none_or_an_error(
-    values: list[int], bad: int | None
-) -> None:
+def doubled_or_refused(bad: int | None) -> Any:
+    """The map of the two tests below: doubles, returns None for a negative value and raises
+    for ``bad``."""
+
     def fn(v: int) -> Any:
         if v < 0:
             return None
@@ -151,6 +151,14 @@ def test_map_each_is_a_list_comprehension_that_stops_at_none_or_an_error(
             raise KeyError(v)
         return v * 2
 
+    return fn
+
+
+@given(st.lists(st.integers(-5, 20), max_size=30), st.sampled_from([None, 7, 13]))
+def test_map_each_is_a_list_comprehension_that_stops_at_none_or_an_error(
+    values: list[int], bad: int | None
+) -> None:
+    fn = doubled_or_refused(bad)
     out, i, exc = map_each(fn, values)
     stop = next((k for k, v in enumerate(values) if v < 0 or v == bad), len(values))
     assert i == stop and out[:i] == [v * 2 for v in values[:i]]
@@ -168,13 +176,7 @@ def test_map_each_is_a_list_comprehension_that_stops_at_none_or_an_error(
 def test_map_run_maps_the_payloads_of_any_part_of_a_run_as_map_each_does(
     values: list[int], data: st.DataObject, bad: int | None
 ) -> None:
-    def fn(v: int) -> Any:
-        if v < 0:
-            return None
-        if v == bad:
-            raise KeyError(v)
-        return v * 2
-
+    fn = doubled_or_refused(bad)
     run = RecordRun(0, np.zeros((len(values), 3), dtype=np.int64), values, 0, None)
     lo = data.draw(st.integers(0, len(values) - 1))
     hi = data.draw(st.integers(lo + 1, len(values)))
