@@ -18,7 +18,6 @@ from zephon._core.records import (
     count_closing,
     expand_runs,
     make_batch,
-    map_each,
     map_run,
 )
 from zephon.types import RecordRun, SampleCursor, SampleMeta, SampleRecord
@@ -140,10 +139,14 @@ def test_expand_runs_puts_each_runs_records_in_its_place(items: list) -> None:
         assert out is mixed
 
 
-def doubled_or_refused(bad: int | None) -> Any:
-    """The map of the two tests below: doubles, returns None for a negative value and raises
-    for ``bad``."""
-
+@given(
+    st.lists(st.integers(-5, 20), min_size=1, max_size=30),
+    st.data(),
+    st.sampled_from([None, 7, 13]),
+)
+def test_map_run_is_a_list_comprehension_over_any_part_of_a_run_that_stops_at_none_or_an_error(
+    values: list[int], data: st.DataObject, bad: int | None
+) -> None:
     def fn(v: int) -> Any:
         if v < 0:
             return None
@@ -151,40 +154,19 @@ def doubled_or_refused(bad: int | None) -> Any:
             raise KeyError(v)
         return v * 2
 
-    return fn
-
-
-@given(st.lists(st.integers(-5, 20), max_size=30), st.sampled_from([None, 7, 13]))
-def test_map_each_is_a_list_comprehension_that_stops_at_none_or_an_error(
-    values: list[int], bad: int | None
-) -> None:
-    fn = doubled_or_refused(bad)
-    out, i, exc = map_each(fn, values)
-    stop = next((k for k, v in enumerate(values) if v < 0 or v == bad), len(values))
-    assert i == stop and out[:i] == [v * 2 for v in values[:i]]
-    if stop == len(values):
-        assert exc is None and out == [v * 2 for v in values]
-    else:
-        assert (exc is None) == (values[stop] < 0)
-
-
-@given(
-    st.lists(st.integers(-5, 20), min_size=1, max_size=30),
-    st.data(),
-    st.sampled_from([None, 7, 13]),
-)
-def test_map_run_maps_the_payloads_of_any_part_of_a_run_as_map_each_does(
-    values: list[int], data: st.DataObject, bad: int | None
-) -> None:
-    fn = doubled_or_refused(bad)
     run = RecordRun(0, np.zeros((len(values), 3), dtype=np.int64), values, 0, None)
     lo = data.draw(st.integers(0, len(values) - 1))
     hi = data.draw(st.integers(lo + 1, len(values)))
     part = run.split(lo)[1] if lo else run
     part = part.split(hi - lo)[0] if hi < len(values) else part
     out, i, exc = map_run(fn, part)
-    want_out, want_i, want_exc = map_each(fn, values[lo:hi])
-    assert (out[:i], i, type(exc)) == (want_out[:want_i], want_i, type(want_exc))
+    mine = values[lo:hi]  # the part's payloads, sitting in the middle of the run's list
+    stop = next((k for k, v in enumerate(mine) if v < 0 or v == bad), len(mine))
+    assert i == stop and out[:i] == [v * 2 for v in mine[:i]]
+    if stop == len(mine):
+        assert exc is None and out == [v * 2 for v in mine]
+    else:
+        assert (exc is None) == (mine[stop] < 0)
     with pytest.raises(TypeError):
         map_run(fn, values)  # type: ignore[arg-type]
 

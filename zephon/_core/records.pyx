@@ -607,25 +607,17 @@ def map_payloads(fn, list records, Py_ssize_t start, list out):
     return n, None
 
 
-def map_each(fn, list payloads):
-    """``[fn(p) for p in payloads]`` in one C loop: what ``map_transform`` does to a run.
+def map_run(fn, RecordRun run not None):
+    """``[fn(p) for p in run.payloads]`` in one C loop, reading the payloads where they sit in the
+    run (a list of them made first would touch every payload once more, out of cache by then):
+    what ``map_transform`` does to a run.
 
     Stops at the first payload for which ``fn`` returns None or raises, and returns
-    ``(out, i, exc)``: the new payloads (complete when ``i == len(payloads)``), that payload's
-    index and the exception raised (None when ``fn`` returned None).
+    ``(out, i, exc)``: the new payloads (complete when ``i == len(run)``), that payload's index
+    and the exception raised (None when ``fn`` returned None).
     """
-    return _map_slice(fn, payloads, 0, len(payloads))
-
-
-def map_run(fn, RecordRun run not None):
-    """``map_each(fn, run.payloads)`` reading the run's payloads where they are: no list of them
-    is made first (making one touches every payload once more, out of cache by then)."""
-    return _map_slice(fn, run._payloads, run._lo, run.n)
-
-
-cdef tuple _map_slice(fn, list payloads, Py_ssize_t lo, Py_ssize_t n):
-    # ``map_each`` over payloads[lo : lo + n].
-    cdef Py_ssize_t i = 0
+    cdef list payloads = run._payloads
+    cdef Py_ssize_t i = 0, lo = run._lo, n = run.n
     cdef list out = [None] * n
     try:
         while i < n:
