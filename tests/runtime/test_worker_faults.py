@@ -29,7 +29,9 @@ import zephon
 from zephon.errors import OperatorError, PlanError, ZephonError
 from zephon.ops import Operator, OpTraits, fetch, map_transform
 from zephon.planner import Plan
-from zephon.runtime.workers import ProcessLane, close_lanes, open_lane
+from zephon.runtime.lane_stop import close_lanes
+from zephon.runtime.process_lanes import ProcessLane
+from zephon.runtime.workers import open_lane
 from zephon.sources import RangeSource
 from zephon.types import SampleRecord
 
@@ -445,17 +447,17 @@ def test_a_message_cut_off_mid_way_times_out_instead_of_blocking():
     import multiprocessing as mp
     import struct
 
-    from zephon.runtime.workers import MessageStalled, _encode, _receive, _write
+    from zephon.runtime.wire import MessageStalled, encode, receive, write
 
     reader, writer = mp.Pipe(duplex=False)
     try:
-        header, parts = _encode("items", [np.arange(50_000)])
+        header, parts = encode("items", [np.arange(50_000)])
         writer.send(header)
         body = b"".join(parts)
         os.write(writer.fileno(), struct.pack("!i", len(body)) + body[:1000])  # then stops
         t0 = time.monotonic()
         with pytest.raises(MessageStalled):
-            _receive(reader, 0.3)
+            receive(reader, 0.3)
         assert 0.3 <= time.monotonic() - t0 < 1.0
     finally:
         reader.close()
@@ -466,10 +468,10 @@ def test_a_message_cut_off_mid_way_times_out_instead_of_blocking():
         # More than a pipe holds, from another thread as a worker would send it; arrays of
         # every size (none at all included), each arriving in a writable buffer of its own.
         arrays = [np.arange(50_000), np.arange(0), np.arange(7), np.arange(300_000)]
-        message = _encode("items", [*arrays, "x"])
-        sender = threading.Thread(target=_write, args=(writer, message))
+        message = encode("items", [*arrays, "x"])
+        sender = threading.Thread(target=write, args=(writer, message))
         sender.start()
-        got_kind, value = _receive(reader, 5.0)
+        got_kind, value = receive(reader, 5.0)
         sender.join()
         assert got_kind == "items" and value[-1] == "x"
         for got, want in zip(value, arrays, strict=False):
@@ -480,9 +482,9 @@ def test_a_message_cut_off_mid_way_times_out_instead_of_blocking():
             np.shares_memory(a, b) for i, a in enumerate(got_arrays) for b in got_arrays[i + 1 :]
         )
         # and without a deadline, as lanes that wait for ever read it
-        sender = threading.Thread(target=_write, args=(writer, message))
+        sender = threading.Thread(target=write, args=(writer, message))
         sender.start()
-        _, again = _receive(reader)
+        _, again = receive(reader)
         sender.join()
         np.testing.assert_array_equal(again[3], arrays[3])
     finally:

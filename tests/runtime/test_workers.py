@@ -24,7 +24,8 @@ from zephon._core.records import expand_runs
 from zephon.errors import OperatorError, PlanError, ZephonError
 from zephon.ops.basic import fetch, map_transform
 from zephon.ops.batching import batch
-from zephon.runtime.workers import close_lanes, open_lanes
+from zephon.runtime.lane_stop import close_lanes
+from zephon.runtime.workers import open_lanes
 from zephon.sources.memory import RangeSource
 
 KINDS = ["inline", "thread", "process"]

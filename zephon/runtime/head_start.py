@@ -24,9 +24,9 @@ from typing import Any
 from zephon._core.records import RecordRun
 from zephon.plan import Plan
 from zephon.runtime.control import Holdings, LaneEnd, RunStart
+from zephon.runtime.fork_server import fork_server_cold
 from zephon.runtime.holdings import kept_records, packed
 from zephon.runtime.lane import LaneRunner
-from zephon.runtime.workers import fork_server_cold
 from zephon.types import SampleRecord
 
 

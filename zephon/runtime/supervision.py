@@ -14,14 +14,11 @@ from zephon._core.records import RecordRun
 from zephon.errors import ZephonError
 from zephon.plan import Plan
 from zephon.runtime import head_start
+from zephon.runtime.fork_server import start_fork_server
+from zephon.runtime.lane_stop import close_lanes
 from zephon.runtime.memory import give_back
-from zephon.runtime.workers import (
-    PlanParcel,
-    close_lanes,
-    open_lane,
-    open_lanes,
-    start_fork_server,
-)
+from zephon.runtime.plan_parcel import PlanParcel
+from zephon.runtime.workers import open_lane, open_lanes
 
 if TYPE_CHECKING:
     from zephon.sources.base import WorkSource
@@ -217,7 +214,7 @@ class WorkerStarts:
 
 
 def close_feeds(feeds: list[LaneFeed]) -> None:
-    """Stop the runners of many lanes at once, under one deadline (``workers.close_lanes``)."""
+    """Stop the runners of many lanes at once, under one deadline (``lane_stop.close_lanes``)."""
     runners = []
     for feed in feeds:
         if feed.starting is not None:  # what a start under way opened is stopped here too

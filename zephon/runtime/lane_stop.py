@@ -1,0 +1,103 @@
+"""Every kind of lane's worker: how it is named, stopped, and its failures described.
+
+Stopping is two-phase, so that many lanes stop in the time of one: ``request_stop()`` tells the
+worker and never blocks; ``join(deadline)`` waits for it and, past the deadline, terminates and
+then kills a worker process. ``close_lanes`` does both for many lanes at once, a lane's
+``close()`` for one. No worker holds a reference to its lane, so a lane that becomes unreachable
+is stopped by its finalizer at once, without waiting for a cyclic GC pass; finalizers act only in
+the process that started the workers, never in a ``fork()``ed child.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+from zephon.errors import ZephonError
+
+#: Seconds a worker gets to stop by itself once asked, before a worker process is terminated.
+STOP_TIMEOUT = 0.1
+_TERMINATE_WAIT = 0.05  # SIGTERM ends a Python process at once unless it handles the signal
+_KILL_WAIT = 1.0  # SIGKILL cannot be refused; only a process stuck in the kernel outlasts this
+WORKER_NAME = "zephon-lane-"
+
+
+class LaneWorker(Protocol):
+    """What stopping needs of a worker; held by the lane's finalizer, so never the lane itself."""
+
+    #: Whether ``terminate`` and ``kill`` can end the worker (a process) or not (a thread).
+    forcible: bool
+
+    def request_stop(self) -> None: ...
+
+    def wait(self, deadline: float) -> bool: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def join_workers(workers: list[LaneWorker], deadline: float) -> bool:
+    """Wait until ``deadline`` (``time.monotonic()``) for ``workers`` to stop; terminate the
+    worker processes still running, then kill those that outlast it. Whether every worker has
+    stopped: a thread still running past the deadline is left to stop by itself."""
+    late = [w for w in workers if not w.wait(deadline)]
+    running = [w for w in late if w.forcible]
+    for escalate, grace in (("terminate", _TERMINATE_WAIT), ("kill", _KILL_WAIT)):
+        if not running:
+            break
+        for worker in running:
+            getattr(worker, escalate)()
+        later = time.monotonic() + grace
+        running = [w for w in running if not w.wait(later)]
+    return not running and all(w.forcible for w in late)
+
+
+def stop_workers(workers: list[LaneWorker], timeout: float) -> None:
+    """A lane's finalizer: ask every worker to stop, then join them with one deadline."""
+    for worker in workers:
+        worker.request_stop()
+    join_workers(workers, time.monotonic() + timeout)
+
+
+class _Lane(Protocol):
+    def request_stop(self) -> None: ...
+
+    def _release(self) -> list[LaneWorker]: ...
+
+
+def close_lanes(lanes: Iterable[_Lane], timeout: float = STOP_TIMEOUT) -> None:
+    """Stop many lanes in the time of one: ask every lane's worker to stop, then wait for all of
+    them with a single deadline ``timeout`` seconds away, past which worker processes still
+    running are terminated, then killed. Idempotent; a lane may appear more than once.
+
+    The loader's ``close()`` should call this once with all its lanes rather than closing them
+    one after the other, which adds up one deadline per busy lane.
+    """
+    lanes = list(lanes)
+    for lane in lanes:
+        lane.request_stop()
+    workers = [worker for lane in lanes for worker in lane._release()]
+    join_workers(workers, time.monotonic() + timeout)
+
+
+def closed_error(lane_id: int) -> ZephonError:
+    return ZephonError(f"lane {lane_id} is closed: it delivers nothing after close()")
+
+
+def exit_outside_operator(lane_id: int, exc: SystemExit) -> ZephonError:
+    # An operator's sys.exit is reported by the lane runner, naming the operator and the record.
+    return ZephonError(
+        f"lane {lane_id} called sys.exit({exc.code!r}) outside any operator (in the source or "
+        "an operator's start_epoch): a lane may not end the training process, raise an "
+        "exception instead"
+    )
+
+
+def timed_out(lane_id: int, where: str, timeout: float) -> ZephonError:
+    return ZephonError(
+        f"lane {lane_id} ({where}) produced nothing for {timeout:g} s, the pipeline's timeout: "
+        "its worker is stuck in an operator or stopped (SIGSTOP, a debugger). If the lane is "
+        "only slow, raise Pipeline(timeout=...)"
+    )

@@ -1,0 +1,109 @@
+"""Messages between the loader and a worker process, over a pipe: a small header, then one body
+holding the pickle and its out-of-band buffers (numpy data is never copied into the pickle)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import struct
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+ACK = "ack"  # from the loader: it took an item list, so one more may be sent
+READY = "ready"  # from a worker: it runs (a death after this is not a failed start)
+END = "end"  # the runner is exhausted: next() raises StopIteration from now on
+THREADS = "threads"  # from the loader: thread variables to set (other workers have finished)
+
+
+class LoaderGone(Exception):
+    """The loader closed its end of the pipe: the worker stops."""
+
+
+def encode(kind: str, value: Any) -> tuple[tuple, list[Any]]:
+    """Pickle protocol 5 with out-of-band buffers (numpy data is not copied into the pickle):
+    a header, then the pickle and the buffers, to be sent as one body."""
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    return (kind, len(data), [r.nbytes for r in raws]), [data, *raws]
+
+
+def write(conn: Connection, message: tuple[tuple, list[Any]]) -> None:
+    header, parts = message
+    try:
+        conn.send(header)
+        # One body, however many arrays: a message of packed rows holds hundreds of them.
+        conn.send_bytes(parts[0] if len(parts) == 1 else b"".join(parts))
+    except (OSError, EOFError):
+        raise LoaderGone from None
+
+
+class MessageStalled(Exception):
+    """The rest of a message did not arrive before the deadline (its sender stopped mid-way)."""
+
+
+def receive(conn: Connection, patience: float | None = None) -> tuple[str, Any]:
+    """One message (``encode``'s header, then its body). With ``patience``, ``MessageStalled``
+    when the body has not arrived that many seconds after the header."""
+    kind, size, sizes = conn.recv()  # small: written to the pipe in one piece
+    deadline = None if patience is None else time.monotonic() + patience
+    data = bytearray(size)
+    # Each buffer its own bytearray: writable, so arrays arrive as ordinary writable numpy
+    # arrays, and holding one array holds no other.
+    buffers = [bytearray(n) for n in sizes]
+    _recv_body_into(conn, [data, *buffers], deadline)
+    return kind, pickle.loads(data, buffers=buffers)
+
+
+def _recv_body_into(conn: Connection, parts: list[bytearray], deadline: float | None) -> None:
+    """One message of exactly ``sum(map(len, parts))`` bytes into ``parts``, in order, giving up
+    at ``deadline``. On POSIX the pipe is read here, in ``Connection``'s framing (a 4-byte
+    big-endian length, or -1 and an 8-byte one, then the bytes), scattered into the parts."""
+    total = sum(map(len, parts))
+    if sys.platform == "win32":
+        body = conn.recv_bytes()
+        if len(body) != total:
+            raise OSError(f"a message of {len(body)} bytes where {total} were announced")
+        at = 0
+        for part in parts:
+            part[:] = body[at : at + len(part)]
+            at += len(part)
+        return
+    fd = conn.fileno()
+    head = bytearray(4)
+    _read_exactly(fd, [memoryview(head)], deadline)
+    (n,) = struct.unpack("!i", head)
+    if n == -1:
+        head = bytearray(8)
+        _read_exactly(fd, [memoryview(head)], deadline)
+        (n,) = struct.unpack("!Q", head)
+    if n != total:
+        raise OSError(f"a message of {n} bytes where {total} were announced")
+    _read_exactly(fd, [memoryview(p) for p in parts if len(p)], deadline)
+
+
+#: The most buffers one ``readv`` may fill.
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
+
+
+def _read_exactly(fd: int, views: list[memoryview], deadline: float | None) -> None:
+    """Fill ``views`` from ``fd``, in order; without a ``deadline`` as long as that takes."""
+    total = sum(map(len, views))
+    got = i = 0
+    while i < len(views):
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                raise MessageStalled(f"{got} of {total} bytes arrived")
+        n = os.readv(fd, views[i : i + _IOV_MAX])
+        if n == 0:
+            raise EOFError("the pipe closed inside a message")
+        got += n
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]

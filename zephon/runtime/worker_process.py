@@ -1,0 +1,196 @@
+"""The life of a worker process: it loads the plan once, runs its lanes, streams their item lists
+to the loader within their credit, and dies with the loader."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+from zephon.errors import PlanError, ZephonError
+from zephon.plan import Plan
+from zephon.runtime.blas_threads import limit_loaded_blas
+from zephon.runtime.control import ChunkOpened
+from zephon.runtime.lane import LaneRunner
+from zephon.runtime.lane_stop import exit_outside_operator
+from zephon.runtime.memory import give_back_at_most_every, give_back_once_grown
+from zephon.runtime.wire import ACK, END, READY, THREADS, LoaderGone, encode, write
+
+#: A worker process hands freed memory back to the OS as its lane starts a chunk, at most this
+#: often, ...
+GIVE_BACK_SECONDS = 1.0
+#: ... and after an item list once it holds this many bytes more than right after it last did:
+#: what a tokenizer took for a micro-batch of large documents (about 60 bytes per character)
+#: goes back before the next, instead of staying mapped until the next chunk starts.
+GIVE_BACK_GROWTH = 32 << 20
+# Exit status of a worker that found itself re-running the main script while starting (EX_CONFIG).
+EXIT_MAIN_REIMPORTED = 78
+
+
+def _loader_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed loader waiting to be reaped is a zombie: gone all the same
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _die_with_loader(loader_pid: int) -> None:
+    """Exit as soon as the loader's process is gone, however it died (SIGKILL included)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            # Our parent is the fork server, which exits when the loader dies; the kernel then
+            # kills us at once.
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass  # the watchdog below covers it
+
+    def watch() -> None:  # portable, and covers a spawned worker whose parent is the loader
+        while _loader_alive(loader_pid):
+            threading.Event().wait(0.25)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="zephon-loader-watch", daemon=True).start()
+
+
+def _load_plan(plan_bytes: bytes, lane_ids: list[int]) -> Plan | PlanError:
+    """The plan, loaded once for all the lanes of a worker process, or the error to report."""
+    try:
+        plan: Plan = pickle.loads(plan_bytes)
+        return plan
+    except Exception as exc:
+        which = ", ".join(map(str, lane_ids))
+        error = PlanError(
+            f"the worker process of lane(s) {which} could not load the pipeline "
+            f"({type(exc).__name__}: {exc}): operators, sources and the callables they hold "
+            "must be importable by their module's name in a fresh process"
+        )
+        error.__cause__ = exc
+        return error
+
+
+def _stream(conn: Connection, lane_items: Iterator[list], lane_id: int, prefetch: int) -> None:
+    """Send the lane's item lists with at most ``prefetch`` not yet taken by the loader."""
+    credits = prefetch
+    for items in lane_items:
+        try:
+            message = encode("items", items)
+        except Exception as exc:
+            raise ZephonError(
+                f"lane {lane_id} produced records that cannot be pickled to reach the loader "
+                f"({type(exc).__name__}: {exc}): with workers='process' payloads must be "
+                "picklable"
+            ) from exc
+        if items and type(items[0]) is ChunkOpened:  # what the last chunk took is free again
+            give_back_at_most_every(GIVE_BACK_SECONDS)
+        try:
+            while credits == 0 or conn.poll():
+                credits += _from_loader(conn.recv())
+        except (OSError, EOFError):
+            raise LoaderGone from None
+        write(conn, message)
+        credits -= 1
+        give_back_once_grown(GIVE_BACK_GROWTH)
+
+
+def _from_loader(message: Any) -> int:
+    """Act on a message from the loader: 1 for an acknowledgement (the loader took an item list,
+    and one more may go), 0 for thread variables to set (``Neighbours.lane_ended``)."""
+    if message == ACK:
+        return 1
+    kind, environment = message
+    if kind == THREADS:
+        os.environ.update(environment)  # read by the tokenizer at its next encode_batch
+    return 0
+
+
+def _send_error(conn: Connection, exc: BaseException) -> None:
+    try:
+        message = encode("error", exc)
+    except Exception as why:
+        message = encode("error", ZephonError(f"{type(exc).__name__}: {exc} (unpicklable: {why})"))
+    write(conn, message)
+
+
+def process_main(
+    members: list[tuple[Connection, int, dict]],
+    plan_bytes: bytes,
+    prefetch: int,
+    loader_pid: int,
+    environment: dict[str, str],
+) -> None:
+    """A worker process: one lane, or several lanes each on a thread of its own (so that a lane
+    blocked sending to the loader never holds up another). The plan is loaded once, for all."""
+    # Ctrl-C in a terminal reaches the whole process group: the loader's process handles it and
+    # stops its workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_loader(loader_pid)
+    # Before anything starts a thread pool: pools read these when they are first used. BLAS
+    # was loaded with numpy in the fork server, and is told instead.
+    os.environ.update(environment)
+    limit_loaded_blas(environment)
+    for conn, _, _ in members:
+        _write_or_leave(conn, encode(READY, None))
+    plan = _load_plan(plan_bytes, [lane_id for _, lane_id, _ in members])
+    del plan_bytes
+    if len(members) == 1:
+        _lane_main(*members[0], plan, prefetch)
+        return
+    threads = [
+        threading.Thread(
+            target=_lane_main,
+            args=(conn, lane_id, start, plan, prefetch),
+            name=f"zephon-worker-lane-{lane_id}",
+            daemon=True,
+        )
+        for conn, lane_id, start in members
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _write_or_leave(conn: Connection, message: tuple[tuple, list[Any]]) -> None:
+    with contextlib.suppress(LoaderGone):  # the lane's own loop finds the loader gone
+        write(conn, message)
+
+
+def _lane_main(
+    conn: Connection, lane_id: int, start: dict, plan: Plan | PlanError, prefetch: int
+) -> None:
+    try:
+        if isinstance(plan, PlanError):
+            raise plan
+        with contextlib.closing(LaneRunner(plan, lane_id, **start).run()) as lane_items:
+            _stream(conn, lane_items, lane_id, prefetch)
+        write(conn, encode(END, None))
+    except LoaderGone:
+        return
+    except BaseException as exc:
+        error = exit_outside_operator(lane_id, exc) if isinstance(exc, SystemExit) else exc
+        try:
+            _send_error(conn, error)
+        except LoaderGone:
+            return
+    # Done or failed: stay until the loader closes its end, so that what we sent is read first
+    # and our exit never looks like a death.
+    try:
+        while True:
+            conn.recv()
+    except (EOFError, OSError):
+        pass
