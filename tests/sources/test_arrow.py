@@ -897,7 +897,7 @@ def test_reading_files_does_not_import_pandas(tmp_path):
     ids=str,
 )
 def test_arrays_read_from_their_buffers_equal_pyarrows_own_conversion(typ):
-    from zephon.sources.arrow import _to_numpy
+    from zephon.sources.arrow_rows import _to_numpy
 
     rng = np.random.default_rng(7)
     for n in (0, 1, 7, 8, 9, 100):
