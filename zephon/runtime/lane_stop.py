@@ -83,10 +83,12 @@ def close_lanes(lanes: Iterable[_Lane], timeout: float = STOP_TIMEOUT) -> None:
 
 
 def closed_error(lane_id: int) -> ZephonError:
+    """The error of ``next()`` on a lane after its ``close()``."""
     return ZephonError(f"lane {lane_id} is closed: it delivers nothing after close()")
 
 
 def exit_outside_operator(lane_id: int, exc: SystemExit) -> ZephonError:
+    """The error for a ``sys.exit`` in a lane's source or an operator's ``start_epoch``."""
     # An operator's sys.exit is reported by the lane runner, naming the operator and the record.
     return ZephonError(
         f"lane {lane_id} called sys.exit({exc.code!r}) outside any operator (in the source or "
@@ -96,6 +98,7 @@ def exit_outside_operator(lane_id: int, exc: SystemExit) -> ZephonError:
 
 
 def timed_out(lane_id: int, where: str, timeout: float) -> ZephonError:
+    """The error for a lane whose worker (``where``) sent nothing within the plan's timeout."""
     return ZephonError(
         f"lane {lane_id} ({where}) produced nothing for {timeout:g} s, the pipeline's timeout: "
         "its worker is stuck in an operator or stopped (SIGSTOP, a debugger). If the lane is "

@@ -20,6 +20,8 @@ from zephon.runtime.worker_process import EXIT_MAIN_REIMPORTED
 
 
 def unguarded_main() -> str:
+    """Why a worker process could not start: the main script, imported again in it, started the
+    pipeline once more."""
     script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
     return (
         f"workers='process' starts each worker process by importing {script} again, and its "

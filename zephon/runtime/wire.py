@@ -32,6 +32,7 @@ def encode(kind: str, value: Any) -> tuple[tuple, list[Any]]:
 
 
 def write(conn: Connection, message: tuple[tuple, list[Any]]) -> None:
+    """Send an ``encode``d message; ``LoaderGone`` when the other end has closed the pipe."""
     header, parts = message
     try:
         conn.send(header)

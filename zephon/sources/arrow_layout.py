@@ -178,6 +178,7 @@ class FileInfo:
 
 
 def group_name(info: FileInfo, g: int) -> str:
+    """``row group g`` or ``record batch g``, as errors name a group of the file."""
     return f"{'row group' if info.kind == PARQUET else 'record batch'} {g}"
 
 
@@ -208,6 +209,7 @@ def parquet_footer(f: pa.NativeFile, size: int) -> tuple[bytes, Any]:
 
 
 def parquet_layout(f: pa.NativeFile, size: int) -> FileLayout:
+    """A Parquet file's layout, from its footer alone."""
     footer, md = parquet_footer(f, size)
     rows = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
     if sum(rows) != md.num_rows:
@@ -220,6 +222,7 @@ def parquet_layout(f: pa.NativeFile, size: int) -> FileLayout:
 
 
 def ipc_file_layout(f: pa.NativeFile, size: int) -> FileLayout:
+    """An Arrow IPC file's layout, from its footer alone."""
     import pyarrow as pa
 
     tail = read_span(f, size - 10, 10).to_pybytes() if size >= 18 else b""
@@ -247,6 +250,8 @@ def ipc_file_layout(f: pa.NativeFile, size: int) -> FileLayout:
 
 
 def ipc_stream_layout(f: pa.NativeFile, size: int) -> FileLayout:
+    """An Arrow IPC stream's layout, from its schema message (its groups are known only once
+    the whole stream has been read)."""
     import pyarrow as pa
 
     f.seek(0)
