@@ -232,3 +232,39 @@ def test_the_codecs_round_trip_and_refuse_garbage():
         unpack_ints(pack_ints([-1]))
     with pytest.raises(ValueError):
         unpack_cursors(pack_ints([3, 1, 5, 0]))  # a lineage of 5 that is not there
+
+
+class _ReadSizes(Operator):
+    """Keeps no state and changes nothing: notes how many records each call gets."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+    seen: list[int] = []
+
+    def process_many(self, records):
+        _ReadSizes.seen.append(len(records))
+        return records
+
+
+def test_after_a_restore_the_chunk_is_read_in_pieces_until_its_end():
+    # The first batch after a restore waits for what the lane reads after the snapshot: reads of
+    # a piece each (not the rest of a micro-batch, or the next whole one, in the next chunk too)
+    # keep that short. The first call after a restore is the rebuild of what the packer held;
+    # every read after it holds at most one piece, and the stream goes on as it would have.
+    tokens = [{"tokens": np.arange(1 + (i * 7919) % 90, dtype=np.int32)} for i in range(6000)]
+    chain = [fetch(), _ReadSizes(), pack_sequences(256, pad_id=0, open_bins=8), batch(4)]
+    pipeline = zephon.Pipeline(ListSource(tokens, chunk_size=1024), chain, epoch_chunks=6)
+    assert pipeline.compile().restores_holdings
+    full = run(iter(pipeline))
+    after: list[list[int]] = []
+    for step in range(3, len(full) - 1, 7):
+        loader = iter(pipeline)
+        head = run(loader, step)
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        _ReadSizes.seen = []
+        resumed = pipeline.iter(state=state)
+        first = fingerprint_item(next(resumed))
+        after.append(_ReadSizes.seen[1:])
+        assert [*head, first, *run(resumed)] == full, f"resume at step {step}"
+    too_large = [sizes for sizes in after if max(sizes, default=0) > SNAPSHOT_RECORDS]
+    assert not too_large, too_large

@@ -175,6 +175,7 @@ class LaneRunner:
         spacing, piece, split_at = _snapshot_spacing(plan, self.ops)
         since_snapshot = 0
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
+        first_reads = mb if piece < mb else 0  # records still read a piece at a time
         while stop is None or k < stop:
             position = geometry.position(k)
             chunk = source.chunk(position)
@@ -189,10 +190,12 @@ class LaneRunner:
             begin = first
             while begin < n:
                 end = min(n, (begin // mb + 1) * mb)  # boundaries stay aligned after a skip
-                # Right after a restore only the piece the snapshot is in is read: the rest of
-                # its micro-batch may not be needed before the next delivery.
-                if begin == resumed_at and k == start and piece < mb:
+                # The first delivery of a run (after a restore: of what follows the snapshot)
+                # waits for what the lane reads first: a micro-batch's worth of records is read
+                # a piece at a time, so that it waits for a piece, not a whole micro-batch.
+                if first_reads > 0:
                     end = min(end, (begin // piece + 1) * piece)
+                    first_reads -= end - begin
                 records = self._push(
                     0, self._fetch(position, chunk.pointers[begin:end], begin), split_at
                 )
