@@ -11,6 +11,7 @@ the process that started the workers, never in a ``fork()``ed child.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -80,6 +81,41 @@ def close_lanes(lanes: Iterable[_Lane], timeout: float = STOP_TIMEOUT) -> None:
         lane.request_stop()
     workers = [worker for lane in lanes for worker in lane._release()]
     join_workers(workers, time.monotonic() + timeout)
+
+
+class WorkerLane:
+    """What a thread lane and a process lane share: stopping their worker. ``_watch`` is called
+    once as the lane is set up; from then on the worker is stopped by ``close()``, by
+    ``close_lanes``, or by the lane's finalizer when the lane is collected unclosed (the
+    finalizer holds the worker, never the lane)."""
+
+    _worker: LaneWorker
+    _closed: bool
+
+    def _watch(self, worker: LaneWorker) -> None:
+        self._worker = worker
+        self._closed = False
+        self._finalizer = weakref.finalize(self, stop_workers, [worker], STOP_TIMEOUT)
+
+    def request_stop(self) -> None:
+        """Tell the worker to stop; never blocks."""
+        self._closed = True
+        self._worker.request_stop()
+
+    def join(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (``time.monotonic()``) for the worker to stop; whether it did.
+        A worker process still running then is terminated, then killed; a thread busy inside an
+        operator stops by itself once the operator returns."""
+        return join_workers(self._release(), deadline)
+
+    def _release(self) -> list[LaneWorker]:
+        # The lane's worker, once: later calls (and the finalizer) have nothing left to stop.
+        return [self._worker] if self._finalizer.detach() is not None else []
+
+    def close(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop the lane, giving its worker ``timeout`` seconds (then a worker process is
+        terminated); idempotent."""
+        close_lanes([self], timeout)
 
 
 def closed_error(lane_id: int) -> ZephonError:

@@ -20,13 +20,9 @@ from zephon.plan import Plan
 from zephon.runtime.control import LaneEnd
 from zephon.runtime.fork_server import worker_context
 from zephon.runtime.lane_stop import (
-    STOP_TIMEOUT,
     WORKER_NAME,
-    LaneWorker,
-    close_lanes,
+    WorkerLane,
     closed_error,
-    join_workers,
-    stop_workers,
     timed_out,
 )
 from zephon.runtime.neighbours import Neighbours
@@ -165,7 +161,7 @@ def _start_process(
     return proc, [parent for parent, _ in pipes]
 
 
-class ProcessLane:
+class ProcessLane(WorkerLane):
     """The lane runs in a worker process; at most ``prefetch`` item lists are in flight.
 
     The worker dies with the lane: on ``close()``, on an error, when the lane is collected, and
@@ -173,6 +169,8 @@ class ProcessLane:
     worker that dies is reported by ``next()`` at once, with its exit code or signal. The plan's
     ``timeout`` applies to every ``next()``, the first one (the worker's start-up) included.
     """
+
+    _worker: _ProcessWorker
 
     def __init__(self, plan: Plan, lane_id: int, *, parcel: PlanParcel | None = None, **start: Any):
         parcel = parcel or PlanParcel(plan)
@@ -209,17 +207,15 @@ class ProcessLane:
         self.pid: int = proc.pid
         self._sentinel = proc.sentinel
         self._proc = proc
-        self._worker = _ProcessWorker(proc, conn, shared)
         self._ready = False  # the worker said it runs: a death before that is a failed start
         self._waiting: collections.deque[tuple[str, Any]] = collections.deque()  # see queued()
         self._stalled: ZephonError | None = None
-        self._closed = False
         self._ended = False
         self._gone = False  # the pipe ended while receiving ahead: next() reports why
         self._finished = False  # the lane's last list (or its end) came: nothing more is made
         self._neighbours = neighbours
         neighbours.add(self)
-        self._finalizer = weakref.finalize(self, stop_workers, [self._worker], STOP_TIMEOUT)
+        self._watch(_ProcessWorker(proc, conn, shared))
 
     @property
     def exitcode(self) -> int | None:
@@ -353,22 +349,3 @@ class ProcessLane:
             f"{who} died: it {_how_it_ended(code)}. The lane cannot go on: resume from the last "
             "checkpoint, or run with workers='inline' to debug the failing operator in this process"
         )
-
-    def request_stop(self) -> None:
-        """Tell the worker to stop (closing the loader's end of the pipe); never blocks."""
-        self._closed = True
-        self._worker.request_stop()
-
-    def join(self, deadline: float) -> bool:
-        """Wait until ``deadline`` (``time.monotonic()``) for the worker to exit, then terminate
-        and kill it; whether it is gone."""
-        return join_workers(self._release(), deadline)
-
-    def _release(self) -> list[LaneWorker]:
-        # The lane's worker, once: later calls (and the finalizer) have nothing left to stop.
-        return [self._worker] if self._finalizer.detach() is not None else []
-
-    def close(self, timeout: float = STOP_TIMEOUT) -> None:
-        """Stop the lane, giving the worker ``timeout`` seconds before it is terminated;
-        idempotent."""
-        close_lanes([self], timeout)

@@ -11,7 +11,6 @@ import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,14 +18,10 @@ from zephon.errors import ZephonError
 from zephon.plan import Plan
 from zephon.runtime.lane import LaneRunner
 from zephon.runtime.lane_stop import (
-    STOP_TIMEOUT,
     WORKER_NAME,
-    LaneWorker,
-    close_lanes,
+    WorkerLane,
     closed_error,
     exit_outside_operator,
-    join_workers,
-    stop_workers,
     timed_out,
 )
 from zephon.runtime.wire import END
@@ -157,7 +152,7 @@ class _ThreadWorker:
     kill = terminate
 
 
-class ThreadLane:
+class ThreadLane(WorkerLane):
     """The lane runs in a worker thread and hands over item lists through a bounded queue.
 
     Like every kind of lane, an iterator that ends when the lane runner is exhausted.
@@ -203,10 +198,8 @@ class ThreadLane:
         self.timeout = plan.timeout
         self._channel = channel
         self._thread = thread
-        self._worker = _ThreadWorker(thread, channel)
-        self._closed = False
         self._ended = False
-        self._finalizer = weakref.finalize(self, stop_workers, [self._worker], STOP_TIMEOUT)
+        self._watch(_ThreadWorker(thread, channel))
 
     def __iter__(self) -> ThreadLane:
         return self
@@ -244,21 +237,3 @@ class ThreadLane:
             self._ended = True
             raise StopIteration
         return value
-
-    def request_stop(self) -> None:
-        """Tell the worker thread to stop at its next hand-over; never blocks."""
-        self._closed = True
-        self._worker.request_stop()
-
-    def join(self, deadline: float) -> bool:
-        """Wait until ``deadline`` (``time.monotonic()``) for the thread to end; whether it did.
-        A thread busy inside an operator ends by itself once the operator returns."""
-        return join_workers(self._release(), deadline)
-
-    def _release(self) -> list[LaneWorker]:
-        # The lane's worker, once: later calls (and the finalizer) have nothing left to stop.
-        return [self._worker] if self._finalizer.detach() is not None else []
-
-    def close(self, timeout: float = STOP_TIMEOUT) -> None:
-        """Stop the lane, waiting at most ``timeout`` seconds for the thread; idempotent."""
-        close_lanes([self], timeout)
