@@ -93,10 +93,6 @@ def open_lanes(
     k = max(1, min(plan.processes, len(members)))
     if plan.workers == "process" and parcel is None:
         parcel = PlanParcel(plan)
-    if k == len(members):
-        if parcel is None:
-            return [open_lane(plan, lane_id, **start) for lane_id, start in members]
-        return [ProcessLane(plan, lane_id, parcel=parcel, **start) for lane_id, start in members]
     lanes: list[Any] = []
     size, extra = divmod(len(members), k)
     at = 0

@@ -291,14 +291,9 @@ def agreeing(info: FileInfo, layout: FileLayout) -> FileInfo | None:
 def lazy_parquet_info(layout: FileLayout, size: int, mtime_ns: int) -> FileInfo:
     """A Parquet file's info from its footer alone: the ranges of its column chunks, whose
     digests are taken the first time each is read, and the footer's, known now."""
-    footer_start, footer_end = layout.anchor
-    spans = _parquet_spans(layout.metadata, footer_start)
-    spans.append((footer_start, footer_end - footer_start, FOOTER, -1, -1))
-    spans = sorted(s for s in spans if s[1] > 0)
-    for (a, n, *_), (b, *_) in itertools.pairwise(spans):
-        if b < a + n:
-            raise CorruptFile(f"bytes {a}..{a + n} and {b}.. of its metadata overlap")
-    starts, lengths, roles, groups, columns = (list(c) for c in zip(*spans, strict=True))
+    footer_start = layout.anchor[0]
+    spans = [*_parquet_spans(layout.metadata, footer_start), _footer_span(layout)]
+    starts, lengths, roles, groups, columns = _table_columns(spans)
     table = DigestTable.unknown(starts, lengths)
     k = starts.index(footer_start)
     table.digests[k] = layout.anchor_digest
@@ -309,27 +304,22 @@ def lazy_parquet_info(layout: FileLayout, size: int, mtime_ns: int) -> FileInfo:
 def digest_file(f: pa.NativeFile, layout: FileLayout, size: int, mtime_ns: int) -> FileInfo:
     """Read the whole file once: the ranges of its digest table, their digests and (IPC) the row
     count of every record batch."""
-    footer_start, footer_end = layout.anchor
+    footer_start = layout.anchor[0]
     if layout.kind == PARQUET:
-        spans = _parquet_spans(layout.metadata, footer_start)
-        spans.append((footer_start, footer_end - footer_start, FOOTER, -1, -1))
+        spans = [*_parquet_spans(layout.metadata, footer_start), _footer_span(layout)]
         rows = layout.group_rows
     else:
         stream = layout.kind == IPC_STREAM
         spans, walked = _ipc_spans(f, 0 if stream else 8, None if stream else footer_start, layout)
         if not stream:
-            spans.append((footer_start, footer_end - footer_start, FOOTER, -1, -1))
+            spans.append(_footer_span(layout))
         if None in walked or (layout.groups is not None and len(walked) != layout.groups):
             rows = _ipc_rows(f, layout)  # dictionary batches: count with the full reader
         else:
             rows = [n for n in walked if n is not None]
         if len(rows) != len(walked):
             raise CorruptFile(f"{len(rows)} record batches decode, {len(walked)} were found")
-    spans = sorted(s for s in spans if s[1] > 0)
-    for (a, n, *_), (b, *_) in itertools.pairwise(spans):
-        if b < a + n:
-            raise CorruptFile(f"bytes {a}..{a + n} and {b}.. of its metadata overlap")
-    starts, lengths, roles, groups, columns = (list(c) for c in zip(*spans, strict=True))
+    starts, lengths, roles, groups, columns = _table_columns(spans)
     try:
         table = DigestTable.build(lambda at, n: read_span(f, at, n), starts, lengths)
     except EOFError:
@@ -339,6 +329,22 @@ def digest_file(f: pa.NativeFile, layout: FileLayout, size: int, mtime_ns: int) 
     if table.span(k) != layout.anchor or table.digests[k] != layout.anchor_digest:
         raise CorruptFile("the file changed while its digests were being taken")
     return info
+
+
+def _footer_span(layout: FileLayout) -> tuple[int, int, int, int, int]:
+    """The span of a file's footer (Parquet's, or an IPC file's), from its layout's anchor."""
+    start, end = layout.anchor
+    return (start, end - start, FOOTER, -1, -1)
+
+
+def _table_columns(spans: list[tuple[int, int, int, int, int]]) -> list[list[int]]:
+    """The non-empty ``spans`` in file order as five columns (starts, lengths, roles, groups,
+    leaf columns); ``CorruptFile`` when two of them overlap."""
+    spans = sorted(s for s in spans if s[1] > 0)
+    for (a, n, *_), (b, *_) in itertools.pairwise(spans):
+        if b < a + n:
+            raise CorruptFile(f"bytes {a}..{a + n} and {b}.. of its metadata overlap")
+    return [list(c) for c in zip(*spans, strict=True)]
 
 
 def _parquet_spans(md: Any, footer_start: int) -> list[tuple[int, int, int, int, int]]:
