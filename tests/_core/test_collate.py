@@ -203,3 +203,56 @@ def test_a_run_whose_payloads_stay_a_list_gives_a_list_of_them():
     run = RecordRun(0, np.zeros((3, 3), dtype=np.int64), payloads, 0, None)
     assert collate_run(run.split(2)[0], _column) == payloads[:2]
     assert collate_run(run, _column) is UNDECIDED  # not all dicts: the rule decides
+
+
+def packed_rows(n: int) -> list[np.ndarray]:
+    """The token rows of ``n`` packed records, in the order a packer emitted them (each input
+    fills a row of its own)."""
+    from zephon.ops import pack_sequences
+    from zephon.types import SampleCursor, SampleMeta, SampleRecord
+
+    inputs = [
+        SampleRecord(SampleMeta(SampleCursor(0, i, (0, 0, i))), {"tokens": np.full(6, i, np.int32)})
+        for i in range(n)
+    ]
+    return [rec.payload["tokens"] for rec in pack_sequences(6, pad_id=-1).process_many(inputs)]
+
+
+def test_rows_a_packer_handed_over_back_to_back_collate_into_a_view_of_them() -> None:
+    rows = packed_rows(5)
+    (out,) = collate_dicts([{"t": r} for r in rows], _column).values()
+    assert same(out, np.stack(rows))
+    assert np.shares_memory(out, rows[0]) and out.flags.writeable and out.flags.c_contiguous
+
+
+@pytest.mark.parametrize(
+    "pick",
+    [
+        pytest.param(lambda rows: rows[::-1], id="reversed"),
+        pytest.param(lambda rows: [rows[0], rows[2]], id="a-gap"),
+        pytest.param(lambda rows: [rows[0], rows[1][:-1]], id="not-a-whole-row"),
+        pytest.param(lambda rows: [rows[0], rows[1].copy()], id="one-a-copy"),
+        pytest.param(lambda rows: [np.asarray(r).view() for r in rows], id="views-of-views"),
+    ],
+)
+def test_rows_not_back_to_back_in_one_arena_are_copied(pick: Any) -> None:
+    values = pick(packed_rows(4))
+    out = collate_payloads([{"t": v} for v in values])["t"]
+    if all(v.shape == values[0].shape for v in values):
+        assert same(out, np.stack(values))
+        assert not any(np.shares_memory(out, v) for v in values)
+
+
+def test_consecutive_views_of_a_users_array_are_copied() -> None:
+    # Nothing says a user's array will not change after the batch: only a packer's arena is used.
+    data = np.arange(12, dtype=np.int32).reshape(3, 4)
+    out = collate_payloads([{"t": row} for row in data])["t"]
+    assert same(out, data.copy()) and not np.shares_memory(out, data)
+
+
+def test_read_only_rows_are_copied_into_a_writeable_batch() -> None:
+    rows = packed_rows(3)
+    for r in rows:
+        r.flags.writeable = False
+    out = collate_payloads([{"t": r} for r in rows])["t"]
+    assert out.flags.writeable and not np.shares_memory(out, rows[0])

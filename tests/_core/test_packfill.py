@@ -407,6 +407,51 @@ def test_a_bin_stays_open_across_writes_and_blocks_are_never_shared() -> None:
     assert not np.shares_memory(blocks[0], blocks[1])
 
 
+def test_bins_taken_one_after_another_are_rows_back_to_back_in_one_arena() -> None:
+    fill = BinFill(4, side_pads=(0.5,))
+    arrays = token_arrays([3, 2, 4])
+    rows = np.array([[0, 0, 3, 0, 0], [1, 0, 2, 1, 0], [2, 0, 4, 2, 0]], dtype=np.int64)
+    fill.write(rows, arrays, ["a", "b", "c"], side_arrays(arrays, (0.5,)))
+    first, _, _ = fill.take(np.array([1], dtype=np.int64))
+    later, _, _ = fill.take(np.array([2, 0], dtype=np.int64))
+    blocks = first + later
+    assert len({id(b.base) for b in blocks}) == 1 and type(blocks[0].base).__name__ == "RowArena"
+    for field in range(4):  # each field's rows follow each other in the order the bins left
+        starts = [b[field].__array_interface__["data"][0] for b in blocks]
+        assert np.diff(starts).tolist() == [4 * 4, 4 * 4]
+    assert [b[0].tolist() for b in blocks] == [[1000, 1001, 0, 0], [2000, 2001, 2002, 2003],
+                                               [0, 1, 2, 0]]  # fmt: skip
+    assert blocks[0][3].view(np.float32).tolist() == [125.0, 125.125, 0.5, 0.5]
+
+
+def test_memory_a_view_still_holds_is_never_written_again() -> None:
+    # Enough bins for many arenas: the first block, still held, keeps its values, and every
+    # block taken later is its own memory.
+    fill = BinFill(1024)
+    fill.write(np.array([[0, 0, 5, 0, 0]], dtype=np.int64), token_arrays([5]), ["first"])
+    (kept,), _, _ = fill.take(np.array([0], dtype=np.int64))
+    expected = kept.copy()
+    for bin_id in range(1, 2000):
+        fill.write(
+            np.array([[0, 0, 7, bin_id, 0]], dtype=np.int64), token_arrays([7], bin_id), [bin_id]
+        )
+        (block,), _, _ = fill.take(np.array([bin_id], dtype=np.int64))
+        assert not np.shares_memory(block, kept)
+        assert block[0, :8].tolist() == [bin_id * 1000 + k for k in range(7)] + [0]
+    assert np.array_equal(kept, expected)
+
+
+def test_an_item_is_read_when_its_bin_leaves() -> None:
+    # The fill holds the item's array, not a copy: what the array holds when the bin is taken is
+    # what the block gets (the packers hand over arrays nothing writes to afterwards).
+    fill = BinFill(4)
+    (array,) = token_arrays([2])
+    fill.write(np.array([[0, 0, 2, 0, 0]], dtype=np.int64), [array], ["x"])
+    del array  # the fill keeps it alive
+    (block,), _, _ = fill.take(np.array([0], dtype=np.int64))
+    assert block[0].tolist() == [0, 1, 0, 0]
+
+
 def test_slots_are_recycled_without_stale_tokens() -> None:
     fill = BinFill(4, pad_id=9)
     for base in range(50):

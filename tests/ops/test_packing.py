@@ -7,6 +7,7 @@ Tests that pack hand-made tokens pass ``pad_id=`` themselves."""
 from __future__ import annotations
 
 import copy
+import itertools
 from collections import Counter
 from typing import Any
 
@@ -577,3 +578,28 @@ def test_check_operator_passes_with_side_fields(packer):
         else pack_sequences(8, pad_id=0, extra_fields=SIDES)
     )
     check_operator(op, with_sides(token_records([0, 9, 17, 2, 8, 0])))
+
+
+def test_batches_of_packed_rows_held_together_keep_their_values_and_share_no_memory():
+    # Packed rows are written into arenas that are reused once no batch views them: batches a
+    # training loop keeps must not change, whatever is packed after them.
+    rng = np.random.default_rng(7)
+    docs = [
+        {"tokens": rng.integers(0, 1000, int(n), dtype=np.int32)}
+        for n in rng.integers(1, 300, 3000)
+    ]
+
+    def pipeline() -> zephon.Pipeline:
+        ops = [fetch(), pack_sequences(256, pad_id=0, extra_fields=None), zephon.ops.batch(8)]
+        return zephon.Pipeline(ListSource(docs, chunk_size=128), ops)
+
+    copied = [{k: np.array(v, copy=True) for k, v in b.payload.items()} for b in pipeline()]
+    held = [b.payload for b in pipeline()]
+    assert len(held) == len(copied) > 100
+    assert sum(isinstance(p["tokens"].base, type(None)) for p in held) < len(held)  # views
+    for got, want in zip(held, copied):
+        assert got.keys() == want.keys()
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+    arrays = [p["tokens"] for p in held]
+    for a, b in itertools.pairwise(arrays):
+        assert not np.shares_memory(a, b)

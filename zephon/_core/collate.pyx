@@ -4,7 +4,9 @@
 dicts with ``str`` keys, columns of Python ints, floats, bools, same-shape arrays or anything
 that stays a list) without building a key tuple, a type set and an iterator per batch. A case it
 does not cover (a dict subclass, non-``str`` keys that are not the same objects, numpy scalars)
-is handed back to the Python rule, so the result is always the rule's.
+is handed back to the Python rule, so the result is always the rule's. One case is not a copy:
+rows a packer handed over one after another come out as a view of the memory they sit in
+(``zephon._core.packfill.RowArena``), equal to the rule's stack of them.
 """
 
 cimport cython
@@ -13,6 +15,7 @@ from cpython.object cimport PyTypeObject
 from cpython.ref cimport PyObject
 from libc.string cimport memcpy
 
+from zephon._core.packfill cimport RowArena
 from zephon._core.records cimport RecordRun
 
 import numpy as np
@@ -101,6 +104,9 @@ cdef object _stack(list values, Py_ssize_t n, cnp.ndarray first):
     dtype = (<object>first).dtype
     if dtype.isbuiltin != 1 or dtype.hasobject:
         return None
+    rows = _arena_rows(values, n, first)
+    if rows is not None:
+        return rows
     out = np.empty((n,) + (<object>first).shape, dtype)
     cdef char* dst = <char*>cnp.PyArray_DATA(<cnp.ndarray>out)
     cdef Py_ssize_t row = cnp.PyArray_NBYTES(first), i
@@ -109,6 +115,39 @@ cdef object _stack(list values, Py_ssize_t n, cnp.ndarray first):
         if type(v) is not _ndarray or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>v):
             return None
         memcpy(dst + i * row, cnp.PyArray_DATA(<cnp.ndarray>v), row)
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef object _arena_rows(list values, Py_ssize_t n, cnp.ndarray first):
+    """``values`` as one view, when they are whole rows a packer handed over one after another:
+    1-D, C-contiguous and writeable views of one ``RowArena`` (which nothing writes to once a row
+    is handed over), each starting where the one before ends. None otherwise. The view equals
+    ``np.stack(values)`` and, like it, shares memory with none of the other batches."""
+    cdef PyObject* base = cnp.PyArray_BASE(first)
+    if base == NULL or type_of(base) != <PyTypeObject*>RowArena or cnp.PyArray_NDIM(first) != 1:
+        return None
+    cdef char* start = <char*>cnp.PyArray_DATA(first)
+    cdef Py_ssize_t row = cnp.PyArray_NBYTES(first), i
+    for i in range(n):
+        v = values[i]
+        if (
+            type(v) is not _ndarray
+            or cnp.PyArray_BASE(<cnp.ndarray>v) != base
+            or <char*>cnp.PyArray_DATA(<cnp.ndarray>v) != start + i * row
+            or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>v)
+            or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>v)
+        ):
+            return None
+    cdef cnp.npy_intp dims[2]
+    dims[0] = n
+    dims[1] = cnp.PyArray_DIM(first, 0)
+    out = cnp.PyArray_New(
+        _ndarray, 2, dims, cnp.PyArray_TYPE(first), NULL, start, cnp.PyArray_ITEMSIZE(first),
+        cnp.NPY_ARRAY_CARRAY, None
+    )
+    cnp.set_array_base(out, <object>base)
     return out
 
 

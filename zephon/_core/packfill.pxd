@@ -7,6 +7,12 @@ from zephon._core._types cimport offset_t, token_t
 cdef enum:
     BLOCK_ROWS = 3
 
+# Bytes a RowArena holds at most, unless one bin's block alone is larger. It holds a power of two
+# of bins (64 of 2,048 tokens in three fields), so that batches of a power of two that start at
+# its first row never straddle two arenas.
+cdef enum:
+    ARENA_BYTES = 2 << 20
+
 # Value types of a side field's row (its 4-byte values are copied as raw bits).
 cdef enum:
     SIDE_INT32 = 0
@@ -32,22 +38,33 @@ ctypedef struct LiveBin:
     Py_ssize_t slot
 
 
-# One fragment of a bin: where it starts in its item, its length, the item's length.
+# One fragment of a bin: where it starts in its item, its length, the item's length, and its
+# first token in the item's array (which BinFill._sources holds until the bin is taken).
 ctypedef struct Frag:
     offset_t start
     offset_t size
     offset_t item_len
+    const token_t* src
 
 
 # The state of one slot. A slot holds an open bin or is free; slots are recycled.
 ctypedef struct Slot:
-    token_t* data          # the bin's (3 + n_side, seq_len) block, owned by BinFill._blocks[slot]
-    offset_t used          # tokens written so far; fragments sit back to back from 0
-    token_t n_segments     # non-empty fragments so far: the last segment id given out
+    offset_t used          # tokens placed so far; fragments sit back to back from 0
     Frag* frags            # the bin's fragments in bin order (a buffer kept across reuses)
+    const token_t** side_src  # per fragment, n_side pointers: its first value of each side field
     Py_ssize_t n_frags
     Py_ssize_t cap_frags
     bint taken             # scratch flag of take()
+
+
+# The memory of the blocks that take() hands over: (3 + n_side, rows, seq_len) int32, field by
+# field, bins in the order they were taken. Views of it have it as their base: collate knows by
+# it that rows taken one after another are back to back and never written again.
+cdef class RowArena:
+    cdef readonly object array     # the ndarray that owns the memory
+    cdef char* data
+    cdef Py_ssize_t rows           # bins it holds
+    cdef Py_ssize_t next_row       # the next bin's row
 
 
 cdef class BinFill:
@@ -65,7 +82,9 @@ cdef class BinFill:
     cdef Py_ssize_t _n_slots       # slots allocated (open + free)
     cdef Py_ssize_t* _free         # stack of free slots
     cdef Py_ssize_t _n_free
-    cdef list _blocks              # per slot: its bin's ndarray block, or None when free
+    cdef list _sources             # per slot: the arrays its fragments read, or None when free
+    cdef RowArena _arena           # where take() writes the next bins (None until the first)
+    cdef list _retired             # arenas written to the end: views may still hold them
     cdef list _records             # per slot: the item of each fragment, in bin order
     # Held by every method that reads or changes the bins, GIL-free copies included; _owner is
     # the holding thread's ident, 0 when free.
@@ -78,8 +97,9 @@ cdef class BinFill:
     cdef int _reserve_frags(self, Slot* slot, Py_ssize_t n) except -1
     cdef tuple _held_sides(self, object sides, Py_ssize_t n_items, const offset_t[::1] lengths)
     cdef Py_ssize_t _find(self, offset_t bin_id) noexcept nogil
-    cdef void _copy(self, const offset_t[:, ::1] placements, const offset_t[::1] lengths,
-                    const size_t[::1] data, const size_t[:, ::1] side_data,
-                    const Py_ssize_t[::1] target, const Py_ssize_t[::1] slot_of) noexcept nogil
-    cdef void _pad(self, token_t* data, offset_t used) noexcept nogil
+    cdef void _attach(self, const offset_t[:, ::1] placements, const offset_t[::1] lengths,
+                      const size_t[::1] data, const size_t[:, ::1] side_data,
+                      const Py_ssize_t[::1] target, const Py_ssize_t[::1] slot_of) noexcept nogil
+    cdef RowArena _arena_for(self, Py_ssize_t rows)
+    cdef void _fill(self, const Slot* slot, token_t* dst, Py_ssize_t stride) noexcept nogil
     cdef tuple _take(self, const offset_t[::1] bin_ids, Py_ssize_t[::1] idx)

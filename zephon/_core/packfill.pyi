@@ -15,13 +15,21 @@ def field_lengths(
 ) -> _Int64Array:
     """Lengths of 1-D, C-contiguous, native-order ``dtype`` arrays; TypeError naming a bad one."""
 
-class BinFill:
-    """Payload blocks and fragment lists of a packer's open bins, filled from placement rows.
+class RowArena:
+    """Memory that ``BinFill.take`` writes bins into one after another, field by field: the base
+    of every block and row view it hands over (a batch of rows back to back is a view of it)."""
 
-    ``write`` copies the tokens of a micro-batch's placement rows into ``(3 + n_side, seq_len)``
-    int32 blocks (tokens, segment_ids, positions, then one row per side field: an int padding value
-    makes an int32 row, a float a float32 row stored as its bits) without the GIL; ``take`` hands
-    finished bins over, padded.
+    @property
+    def array(self) -> npt.NDArray[np.int32]: ...
+
+class BinFill:
+    """Fragment lists of a packer's open bins, from placement rows, and their payload blocks.
+
+    ``write`` adds the fragments of a micro-batch's placement rows to their bins, holding the items'
+    arrays; ``take`` hands finished bins over as ``(3 + n_side, seq_len)`` int32 blocks (tokens,
+    segment_ids, positions, then one row per side field: an int padding value makes an int32 row, a
+    float a float32 row stored as its bits), padded, copying the tokens without the GIL into the
+    next rows of a ``RowArena``.
     """
 
     def __init__(

@@ -1,13 +1,16 @@
 """Token fill of packed bins: the packers' per-fragment work, in C.
 
-``BinFill`` owns one ``(3 + n_side, seq_len)`` int32 block per open bin (rows ``tokens``,
-``segment_ids``, ``positions``, then one row per side field) and, per bin, its fragments: the item
-each came from and ``(frag_start, frag_len, item_len)``. ``write`` applies the placement rows a
-kernel of ``zephon._core.binfill`` returned for one micro-batch, copying each fragment's tokens
-straight from its item's int32 array without the GIL, and the same range of each of the item's
-side arrays (per-token values such as a loss mask: int32, or float32 copied as their raw bits);
-``take`` hands finished bins over, padded. Tokens are copied once: a bin's block is allocated when
-the bin opens and becomes the packed record's payload when it leaves.
+``BinFill`` keeps, per open bin, its fragments: the item each came from, ``(frag_start, frag_len,
+item_len)`` and where the fragment's tokens (and the same range of each of the item's side arrays:
+per-token values such as a loss mask, int32, or float32 copied as their raw bits) sit in the
+item's arrays, which it holds. ``write`` applies the placement rows a kernel of
+``zephon._core.binfill`` returned for one micro-batch; ``take`` hands finished bins over as
+``(3 + n_side, seq_len)`` int32 blocks (rows ``tokens``, ``segment_ids``, ``positions``, then one
+row per side field), padded.
+
+Tokens are copied once, when their bin leaves, without the GIL: into the next free rows of a
+``RowArena``, field by field, so the bins taken one after another sit back to back. A batch of
+them is then a view of the arena, not a copy (``zephon._core.collate``).
 
 Calls from several threads are safe: every method that reads or changes the bins holds the fill's
 lock from its first read to its last write, GIL-free copies included, so concurrent calls run one
@@ -41,6 +44,14 @@ cdef enum:
     BAD_BIN = 3
     BAD_OFFSET = 4
     BAD_OVERFLOW = 5
+
+
+cdef extern from "Python.h":
+    Py_ssize_t _refcount "Py_REFCNT"(PyObject*)
+    PyObject* PyList_GET_ITEM(object, Py_ssize_t)
+
+# Arenas no view holds any more that a fill keeps for reuse, beyond the one it reuses.
+DEF SPARE_ARENAS = 2
 
 
 cdef inline Py_ssize_t _search(const LiveBin* live, Py_ssize_t n, offset_t bin_id) noexcept nogil:
@@ -160,6 +171,20 @@ def field_lengths(list arrays not None, str dtype not None):
     return out
 
 
+cdef class RowArena:
+    """Memory that ``BinFill.take`` writes bins into, one after another (see the module
+    docstring); the base of every block and row view it hands over."""
+
+    def __cinit__(self, Py_ssize_t fields, Py_ssize_t rows, Py_ssize_t seq_len):
+        self.array = np.empty((fields, rows, seq_len), dtype=np.int32)
+        self.data = <char*>cnp.PyArray_DATA(<cnp.ndarray>self.array)
+        self.rows = rows
+        self.next_row = 0
+
+    def __reduce__(self):
+        raise TypeError("a RowArena is a packer's scratch memory and cannot be pickled")
+
+
 cdef tuple _side_pad(object value, Py_ssize_t k):
     """(kind, 4 bytes as an int32) of side field ``k``'s padding value: an int is an int32 field,
     a float a float32 field."""
@@ -183,11 +208,12 @@ cdef tuple _side_pad(object value, Py_ssize_t k):
 cdef class BinFill:
     """Payload blocks and fragment lists of a packer's open bins, filled from placement rows.
 
-    Invariant: every open bin's block holds, from offset 0 and back to back, the tokens of its
+    Invariant: a taken bin's block holds, from offset 0 and back to back, the tokens of its
     fragments in placement order, segment ids 1, 2, 3 ... for its non-empty fragments, positions
     restarting at 0 per fragment, and in each side row the same range of the fragment's side
-    array; bins open in ascending id order and each id opens at most once between two ``clear``
-    calls. A call that raises changes nothing.
+    array, then padding; bins open in ascending id order and each id opens at most once between
+    two ``clear`` calls. A call that raises changes nothing. The items' arrays are read when their
+    bins are taken: they must not change in between.
 
     ``side_pads`` gives one padding value per side field, in row order: an int makes an int32
     row, a float a float32 row (its bits sit in the int32 block; view the row as float32).
@@ -225,8 +251,10 @@ cdef class BinFill:
         self._n_slots = 0
         self._free = NULL
         self._n_free = 0
-        self._blocks = []
+        self._sources = []
         self._records = []
+        self._arena = None
+        self._retired = []
         self._lock = PyThread_allocate_lock()
         if self._lock == NULL:
             raise MemoryError("BinFill cannot allocate its lock")
@@ -237,6 +265,7 @@ cdef class BinFill:
         if self._slots != NULL:
             for k in range(self._n_slots):
                 PyMem_Free(self._slots[k].frags)
+                PyMem_Free(self._slots[k].side_src)
         PyMem_Free(self._slots)
         PyMem_Free(self._free)
         PyMem_Free(self._live)
@@ -347,7 +376,7 @@ cdef class BinFill:
         return rows, items
 
     def used(self, bin_id):
-        """Tokens written so far to the open bin ``bin_id``; KeyError if that bin is not open."""
+        """Tokens placed so far in the open bin ``bin_id``; KeyError if that bin is not open."""
         cdef offset_t b = operator.index(bin_id)
         cdef offset_t used = -1
         cdef Py_ssize_t k
@@ -392,14 +421,13 @@ cdef class BinFill:
                 raise MemoryError(f"BinFill cannot allocate {cap} bin slots")
             self._free = <Py_ssize_t*>p
             for k in range(self._n_slots, cap):
-                self._slots[k].data = NULL
                 self._slots[k].used = 0
-                self._slots[k].n_segments = 0
                 self._slots[k].frags = NULL
+                self._slots[k].side_src = NULL
                 self._slots[k].n_frags = 0
                 self._slots[k].cap_frags = 0
                 self._slots[k].taken = False
-                self._blocks.append(None)
+                self._sources.append(None)
                 self._records.append(None)
             # Push the new slots so that the lowest index is used first.
             for k in range(cap - 1, self._n_slots - 1, -1):
@@ -418,6 +446,11 @@ cdef class BinFill:
         if p == NULL:
             raise MemoryError(f"BinFill cannot hold {cap} fragments in one bin")
         slot.frags = <Frag*>p
+        if self._n_side:
+            p = PyMem_Realloc(slot.side_src, cap * self._n_side * sizeof(token_t*))
+            if p == NULL:
+                raise MemoryError(f"BinFill cannot hold {cap} fragments in one bin")
+            slot.side_src = <const token_t**>p
         slot.cap_frags = cap
         return 0
 
@@ -427,10 +460,11 @@ cdef class BinFill:
         C-contiguous ``(k, 5)``) of one micro-batch.
 
         Item ``i``'s tokens are ``arrays[i]`` (a 1-D, C-contiguous, native-order int32 ndarray,
-        read in place); each row copies its fragment into its bin and attaches ``items[item]`` to
-        that bin. ``sides`` holds one list per side field (in row order), whose ``i``-th array is
-        item ``i``'s values of that field: a 1-D, C-contiguous, native array of the field's dtype
-        and of the same length as ``arrays[i]``; each row copies the same range of it. A bin not
+        read in place when its bin is taken); each row adds its fragment to its bin and attaches
+        ``items[item]`` to that bin. ``sides`` holds one list per side field (in row order), whose
+        ``i``-th array is item ``i``'s values of that field: a 1-D, C-contiguous, native array of
+        the field's dtype and of the same length as ``arrays[i]``; each row takes the same range
+        of it. A bin not
         open yet is opened and must have a larger id than every bin opened before; each row's
         ``bin_offset`` must be where its bin's fragments end so far, and no fragment may pass
         ``seq_len``. Raises TypeError for a bad array and ValueError for a side array of the wrong
@@ -482,10 +516,6 @@ cdef class BinFill:
         cdef Py_ssize_t[::1] slot_of
         cdef Py_ssize_t k
         cdef Slot* slot
-        cdef cnp.ndarray block
-        cdef cnp.npy_intp dims[2]
-        dims[0] = BLOCK_ROWS + n_side
-        dims[1] = seq_len
         self._enter()
         try:
             # Scratch of the validation pass: each row's target (an open bin's index in _live, or
@@ -556,10 +586,9 @@ cdef class BinFill:
                     why = f"the fragment ends at {row[4]} + {row[2]}, past seq_len {seq_len}"
                 raise ValueError(f"BinFill.write: placement row {r} {row}: {why}")
 
-            # Allocate everything before changing anything: open-bin entries, slots, blocks and
-            # fragment buffers (growing a buffer changes nothing visible).
+            # Allocate everything before changing anything: open-bin entries, slots and fragment
+            # buffers (growing a buffer changes nothing visible).
             self._reserve(n_live + n_new, n_new)
-            blocks = [cnp.PyArray_EMPTY(2, dims, cnp.NPY_INT32, 0) for j in range(n_new)]
             slot_arr = np.empty(n_live + n_new, dtype=np.intp)
             slot_of = slot_arr
             for t in range(n_live):
@@ -569,16 +598,13 @@ cdef class BinFill:
             for t in range(n_live + n_new):
                 if count[t]:
                     self._reserve_frags(&self._slots[slot_of[t]], count[t])
-            # Commit: the new bins take their slots and blocks (ids ascending: _live stays sorted).
+            # Commit: the new bins take their slots (ids ascending: _live stays sorted).
             for j in range(n_new):
                 k = slot_of[n_live + j]
-                block = blocks[j]
                 slot = &self._slots[k]
-                slot.data = <token_t*>cnp.PyArray_DATA(block)
                 slot.used = 0
-                slot.n_segments = 0
                 slot.n_frags = 0
-                self._blocks[k] = block
+                self._sources[k] = []
                 self._records[k] = []
                 self._live[n_live + j].bin_id = new_ids[j]
                 self._live[n_live + j].slot = k
@@ -587,11 +613,18 @@ cdef class BinFill:
             if n_new:
                 self._max_id = new_ids[n_new - 1]
             with nogil:
-                self._copy(placements, lengths, data, side_data, target, slot_of)
-            # The items of the fragments, in row order (so in bin order within each bin).
+                self._attach(placements, lengths, data, side_data, target, slot_of)
+            # The items of the fragments, in row order (so in bin order within each bin), and the
+            # arrays the fragments will be read from.
             records = self._records
+            sources = self._sources
             for r in range(n_rows):
-                (<list>records[slot_of[target[r]]]).append(held_items[placements[r, ROW_ITEM]])
+                k = slot_of[target[r]]
+                i = placements[r, ROW_ITEM]
+                (<list>records[k]).append(held_items[i])
+                (<list>sources[k]).append(held[i])
+                for f in range(n_side):
+                    (<list>sources[k]).append((<tuple>held_sides[f])[i])
         finally:
             self._exit()
 
@@ -625,45 +658,29 @@ cdef class BinFill:
                     )
         return held
 
-    cdef void _copy(self, const offset_t[:, ::1] placements, const offset_t[::1] lengths,
-                    const size_t[::1] data, const size_t[:, ::1] side_data,
-                    const Py_ssize_t[::1] target, const Py_ssize_t[::1] slot_of) noexcept nogil:
+    cdef void _attach(self, const offset_t[:, ::1] placements, const offset_t[::1] lengths,
+                      const size_t[::1] data, const size_t[:, ::1] side_data,
+                      const Py_ssize_t[::1] target, const Py_ssize_t[::1] slot_of) noexcept nogil:
         # Rows were validated: every fragment lies inside its item's tokens and its bin, and the
         # item's side arrays are as long as its tokens.
-        cdef offset_t seq_len = self._seq_len
-        cdef Py_ssize_t r, f
-        cdef offset_t item, start, size, off, p
-        cdef token_t seg
-        cdef token_t* dst
+        cdef Py_ssize_t r, f, n_side = self._n_side
+        cdef offset_t item, start
         cdef Slot* slot
         cdef Frag* frag
         for r in range(placements.shape[0]):
             item = placements[r, ROW_ITEM]
             start = placements[r, ROW_START]
-            size = placements[r, ROW_SIZE]
-            off = placements[r, ROW_OFFSET]
             slot = &self._slots[slot_of[target[r]]]
-            dst = slot.data
-            if size:
-                memcpy(dst + off, (<const token_t*>data[item]) + start, size * sizeof(token_t))
-                slot.n_segments += 1
-                seg = slot.n_segments
-                dst += seq_len + off
-                for p in range(size):
-                    dst[p] = seg
-                dst += seq_len
-                for p in range(size):
-                    dst[p] = <token_t>p
-                # Side rows: the same range of each side array, as raw 4-byte values.
-                for f in range(self._n_side):
-                    dst += seq_len
-                    memcpy(dst, (<const token_t*>side_data[f, item]) + start,
-                           size * sizeof(token_t))
-            slot.used = off + size
             frag = &slot.frags[slot.n_frags]
             frag.start = start
-            frag.size = size
+            frag.size = placements[r, ROW_SIZE]
             frag.item_len = lengths[item]
+            frag.src = (<const token_t*>data[item]) + start
+            for f in range(n_side):
+                slot.side_src[slot.n_frags * n_side + f] = (
+                    (<const token_t*>side_data[f, item]) + start
+                )
+            slot.used = placements[r, ROW_OFFSET] + frag.size
             slot.n_frags += 1
 
     def take(self, const offset_t[::1] bin_ids not None):
@@ -671,8 +688,9 @@ cdef class BinFill:
 
         Returns ``(blocks, items, frags)``: per bin its ``(3 + n_side, seq_len)`` int32 block (rows
         tokens, segment_ids, positions and the side fields; padded with ``pad_id`` / 0 / 0 and each
-        side field's padding value after the last fragment) and the list
-        of its fragments' items in bin order; ``frags`` is an int64 ``(m, 3)`` array of
+        side field's padding value after the last fragment), a view of the ``RowArena`` the bins
+        are written into one after another (each row is C-contiguous; the block is not), and the
+        list of its fragments' items in bin order; ``frags`` is an int64 ``(m, 3)`` array of
         ``(frag_start, frag_len, item_len)`` for all their fragments, bin after bin. KeyError for a
         bin that is not open, ValueError for one given twice; nothing changes then.
         """
@@ -685,7 +703,9 @@ cdef class BinFill:
 
     cdef tuple _take(self, const offset_t[::1] bin_ids, Py_ssize_t[::1] idx):
         cdef Py_ssize_t n = bin_ids.shape[0], i, k, t, total = 0, dup = -1, row = 0
+        cdef Py_ssize_t fields = BLOCK_ROWS + self._n_side
         cdef Slot* slot
+        cdef RowArena arena
         for i in range(n):
             t = self._find(bin_ids[i])
             if t < 0:
@@ -702,36 +722,58 @@ cdef class BinFill:
             for k in range(dup):
                 self._slots[idx[k]].taken = False
             raise ValueError(f"BinFill.take: bin {bin_ids[dup]} is given twice")
+        cdef list blocks = []
+        cdef cnp.npy_intp dims[2]
+        cdef cnp.npy_intp strides[2]
+        dims[0] = fields
+        dims[1] = self._seq_len
+        strides[1] = sizeof(token_t)
         try:
             frags = np.empty((total, FRAG_COLUMNS), dtype=np.int64)
+            # Where each bin goes: the next row of an arena, blocks as views of it. The arenas
+            # the bins need are allocated before any bin is written or released.
+            dst_arr = np.empty(n, dtype=np.uintp)
+            stride_arr = np.empty(n, dtype=np.intp)
+            for i in range(n):
+                arena = self._arena_for(1)
+                stride_arr[i] = arena.rows * self._seq_len
+                strides[0] = stride_arr[i] * sizeof(token_t)
+                dst_arr[i] = <size_t>(
+                    arena.data + arena.next_row * self._seq_len * sizeof(token_t)
+                )
+                block = cnp.PyArray_New(
+                    np.ndarray, 2, dims, cnp.NPY_INT32, strides, <void*><size_t>dst_arr[i],
+                    sizeof(token_t), cnp.NPY_ARRAY_WRITEABLE | cnp.NPY_ARRAY_ALIGNED, None
+                )
+                cnp.set_array_base(block, arena)
+                blocks.append(block)
+                arena.next_row += 1
         except BaseException:
             for i in range(n):
                 self._slots[idx[i]].taken = False
             raise
         cdef offset_t[:, ::1] fv = frags
-        blocks = []
-        items = []
+        cdef size_t[::1] dst = dst_arr
+        cdef Py_ssize_t[::1] stride = stride_arr
         with nogil:
             for i in range(n):
                 slot = &self._slots[idx[i]]
-                self._pad(slot.data, slot.used)
+                self._fill(slot, <token_t*>dst[i], stride[i])
                 for k in range(slot.n_frags):
                     fv[row, 0] = slot.frags[k].start
                     fv[row, 1] = slot.frags[k].size
                     fv[row, 2] = slot.frags[k].item_len
                     row += 1
-        blocks_of = self._blocks
+        items = []
+        sources_of = self._sources
         records_of = self._records
         for i in range(n):
             k = idx[i]
-            blocks.append(blocks_of[k])
             items.append(records_of[k])
-            blocks_of[k] = None
+            sources_of[k] = None
             records_of[k] = None
             slot = &self._slots[k]
-            slot.data = NULL
             slot.used = 0
-            slot.n_segments = 0
             slot.n_frags = 0
             self._free[self._n_free] = k
             self._n_free += 1
@@ -748,21 +790,75 @@ cdef class BinFill:
             self._n_live = t
         return blocks, items, frags
 
-    cdef void _pad(self, token_t* data, offset_t used) noexcept nogil:
-        # Padding: pad_id tokens, segment id 0, position 0, each side field's padding value.
-        cdef offset_t seq_len = self._seq_len, p
-        cdef token_t pad_id = self._pad_id, side_pad
-        cdef Py_ssize_t f
-        cdef token_t* row
-        for p in range(used, seq_len):
-            data[p] = pad_id
-            data[seq_len + p] = 0
-            data[2 * seq_len + p] = 0
-        for f in range(self._n_side):
-            row = data + (BLOCK_ROWS + f) * seq_len
-            side_pad = self._side_pads[f]
-            for p in range(used, seq_len):
-                row[p] = side_pad
+    cdef RowArena _arena_for(self, Py_ssize_t rows):
+        """The arena whose next ``rows`` rows are free: the current one, else one used before that
+        no view holds any more (its memory is mapped and warm already), else a new one of a power
+        of two of rows (``ARENA_BYTES``, at least ``rows``)."""
+        cdef Py_ssize_t fields = BLOCK_ROWS + self._n_side, size = 1, i, free = 0
+        cdef Py_ssize_t bin_bytes = fields * self._seq_len * sizeof(token_t)
+        cdef RowArena arena = self._arena
+        if arena is not None and arena.next_row + rows <= arena.rows:
+            return arena
+        while 2 * size * bin_bytes <= ARENA_BYTES:
+            size *= 2
+        size = max(size, rows)
+        retired = self._retired
+        if arena is not None:
+            retired.append(arena)
+        arena = None
+        # An arena only the list refers to has no view left: nothing can read it any more.
+        for i in range(len(retired)):
+            if _refcount(PyList_GET_ITEM(retired, i)) == 1:
+                if arena is None and (<RowArena>retired[i]).rows == size:
+                    arena = retired[i]
+                    retired[i] = None
+                else:
+                    free += 1
+                    if free > SPARE_ARENAS:
+                        retired[i] = None
+        self._retired = [a for a in retired if a is not None]
+        if arena is None:
+            arena = RowArena(fields, size, self._seq_len)
+        arena.next_row = 0
+        self._arena = arena
+        return arena
+
+    cdef void _fill(self, const Slot* slot, token_t* dst, Py_ssize_t stride) noexcept nogil:
+        # The bin's block at dst, its rows ``stride`` tokens apart: the fragments' tokens, segment
+        # ids 1, 2, ... for the non-empty ones, positions from 0 per fragment and the side values,
+        # then padding: pad_id tokens, segment id 0, position 0, each side field's padding value.
+        cdef offset_t seq_len = self._seq_len, off = 0, size, p
+        cdef Py_ssize_t k, f, n_side = self._n_side
+        cdef token_t seg = 0, pad
+        cdef token_t* tokens = dst
+        cdef token_t* segments = dst + stride
+        cdef token_t* positions = dst + 2 * stride
+        cdef token_t* side
+        cdef const Frag* frag
+        for k in range(slot.n_frags):
+            frag = &slot.frags[k]
+            size = frag.size
+            if not size:
+                continue
+            memcpy(tokens + off, frag.src, size * sizeof(token_t))
+            seg += 1
+            for p in range(size):
+                segments[off + p] = seg
+                positions[off + p] = <token_t>p
+            for f in range(n_side):
+                memcpy(dst + (BLOCK_ROWS + f) * stride + off, slot.side_src[k * n_side + f],
+                       size * sizeof(token_t))
+            off += size
+        pad = self._pad_id
+        for p in range(off, seq_len):
+            tokens[p] = pad
+            segments[p] = 0
+            positions[p] = 0
+        for f in range(n_side):
+            side = dst + (BLOCK_ROWS + f) * stride
+            pad = self._side_pads[f]
+            for p in range(off, seq_len):
+                side[p] = pad
 
     def clear(self):
         """Drop every open bin without handing it over; bin ids may start again at 0."""
@@ -770,11 +866,9 @@ cdef class BinFill:
         self._enter()
         for i in range(self._n_live):
             k = self._live[i].slot
-            self._slots[k].data = NULL
             self._slots[k].used = 0
-            self._slots[k].n_segments = 0
             self._slots[k].n_frags = 0
-            self._blocks[k] = None
+            self._sources[k] = None
             self._records[k] = None
             self._free[self._n_free] = k
             self._n_free += 1

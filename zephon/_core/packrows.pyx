@@ -22,16 +22,24 @@ import numpy as np
 
 cnp.import_array()
 
-cdef inline object _row(cnp.ndarray block, Py_ssize_t k, int typenum):
-    # Row ``k`` of a C-contiguous int32 block, as a view of it (``block[k]``, or its bits as
-    # float32).
+cdef inline object _row(cnp.ndarray block, object owner, Py_ssize_t k, int typenum):
+    # Row ``k`` of an int32 block whose rows are C-contiguous, as a view of it (``block[k]``, or
+    # its bits as float32) whose base is ``owner``, what holds the block's memory.
     cdef cnp.npy_intp n = cnp.PyArray_DIM(block, 1)
     cdef char* data = <char*>cnp.PyArray_DATA(block) + k * cnp.PyArray_STRIDE(block, 0)
     cdef cnp.ndarray view = cnp.PyArray_New(
         np.ndarray, 1, &n, typenum, NULL, data, 4, cnp.NPY_ARRAY_CARRAY, None
     )
-    cnp.set_array_base(view, block)
+    cnp.set_array_base(view, owner)
     return view
+
+
+cdef inline object _owner(cnp.ndarray block):
+    # What holds a block's memory: the block, or what it is a view of. numpy keeps a view's base
+    # as given when that is not an ndarray (a BinFill's RowArena), and collate looks for it there.
+    if cnp.PyArray_CHKFLAGS(block, cnp.NPY_ARRAY_OWNDATA) or cnp.PyArray_BASE(block) == NULL:
+        return block
+    return <object>cnp.PyArray_BASE(block)
 
 
 cdef cnp.ndarray _block(object block, Py_ssize_t rows):
@@ -39,12 +47,14 @@ cdef cnp.ndarray _block(object block, Py_ssize_t rows):
         type(block) is np.ndarray
         and cnp.PyArray_NDIM(<cnp.ndarray>block) == 2
         and cnp.PyArray_TYPE(<cnp.ndarray>block) == cnp.NPY_INT32
-        and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>block)
+        and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>block)
+        and cnp.PyArray_ISALIGNED(<cnp.ndarray>block)
+        and cnp.PyArray_STRIDE(<cnp.ndarray>block, 1) == 4
         and cnp.PyArray_DIM(<cnp.ndarray>block, 0) == rows
     ):
         raise TypeError(
-            f"packed_records: a bin's block must be a C-contiguous int32 array of {rows} rows, "
-            f"got {block!r:.80}"
+            f"packed_records: a bin's block must be an int32 array of {rows} rows, each "
+            f"C-contiguous, got {block!r:.80}"
         )
     return <cnp.ndarray>block
 
@@ -131,14 +141,15 @@ def packed_records(list blocks not None, list bin_records not None,
                 if tc is None:
                     tokens = None
                 spread(meta, n, start, size, samples, tokens)
+        owner = _owner(block)
         payload = {
-            "tokens": _row(block, 0, cnp.NPY_INT32),
-            "segment_ids": _row(block, 1, cnp.NPY_INT32),
-            "positions": _row(block, 2, cnp.NPY_INT32),
+            "tokens": _row(block, owner, 0, cnp.NPY_INT32),
+            "segment_ids": _row(block, owner, 1, cnp.NPY_INT32),
+            "positions": _row(block, owner, 2, cnp.NPY_INT32),
         }
         for k in range(3, n_block_rows):
             name, is_float = sides[k - 3]
-            payload[name] = _row(block, k, cnp.NPY_FLOAT32 if is_float else cnp.NPY_INT32)
+            payload[name] = _row(block, owner, k, cnp.NPY_FLOAT32 if is_float else cnp.NPY_INT32)
         made = make_meta(<SampleCursor?>primary, lane_id, None)
         made.contributors = tuple(refs)
         made.component_sample_counts = samples
