@@ -61,7 +61,8 @@ ctypedef struct Slot:
 # field, bins in the order they were taken. Views of it have it as their base: collate knows by
 # it that rows taken one after another are back to back and never written again.
 cdef class RowArena:
-    cdef readonly object array     # the ndarray that owns the memory
+    cdef object array              # the ndarray that owns the memory (never handed out: a view
+                                   # of it would not hold the arena, and could see it reused)
     cdef char* data
     cdef Py_ssize_t rows           # bins it holds
     cdef Py_ssize_t next_row       # the next bin's row

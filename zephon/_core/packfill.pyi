@@ -19,9 +19,6 @@ class RowArena:
     """Memory that ``BinFill.take`` writes bins into one after another, field by field: the base
     of every block and row view it hands over (a batch of rows back to back is a view of it)."""
 
-    @property
-    def array(self) -> npt.NDArray[np.int32]: ...
-
 class BinFill:
     """Fragment lists of a packer's open bins, from placement rows, and their payload blocks.
 
