@@ -722,39 +722,38 @@ cdef class BinFill:
             for k in range(dup):
                 self._slots[idx[k]].taken = False
             raise ValueError(f"BinFill.take: bin {bin_ids[dup]} is given twice")
-        cdef list blocks = []
+        cdef list blocks = [None] * n
         cdef cnp.npy_intp dims[2]
         cdef cnp.npy_intp strides[2]
+        cdef size_t[::1] dst
+        cdef Py_ssize_t[::1] stride
+        cdef offset_t[:, ::1] fv
         dims[0] = fields
         dims[1] = self._seq_len
         strides[1] = sizeof(token_t)
         try:
             frags = np.empty((total, FRAG_COLUMNS), dtype=np.int64)
+            fv = frags
             # Where each bin goes: the next row of an arena, blocks as views of it. The arenas
             # the bins need are allocated before any bin is written or released.
-            dst_arr = np.empty(n, dtype=np.uintp)
-            stride_arr = np.empty(n, dtype=np.intp)
+            dst = np.empty(n, dtype=np.uintp)
+            stride = np.empty(n, dtype=np.intp)
             for i in range(n):
                 arena = self._arena_for(1)
-                stride_arr[i] = arena.rows * self._seq_len
-                strides[0] = stride_arr[i] * sizeof(token_t)
-                dst_arr[i] = <size_t>(
-                    arena.data + arena.next_row * self._seq_len * sizeof(token_t)
-                )
+                stride[i] = arena.rows * self._seq_len
+                strides[0] = stride[i] * sizeof(token_t)
+                dst[i] = <size_t>(arena.data + arena.next_row * self._seq_len * sizeof(token_t))
                 block = cnp.PyArray_New(
-                    np.ndarray, 2, dims, cnp.NPY_INT32, strides, <void*><size_t>dst_arr[i],
+                    np.ndarray, 2, dims, cnp.NPY_INT32, strides, <void*>dst[i],
                     sizeof(token_t), cnp.NPY_ARRAY_WRITEABLE | cnp.NPY_ARRAY_ALIGNED, None
                 )
                 cnp.set_array_base(block, arena)
-                blocks.append(block)
+                blocks[i] = block
                 arena.next_row += 1
         except BaseException:
             for i in range(n):
                 self._slots[idx[i]].taken = False
             raise
-        cdef offset_t[:, ::1] fv = frags
-        cdef size_t[::1] dst = dst_arr
-        cdef Py_ssize_t[::1] stride = stride_arr
         with nogil:
             for i in range(n):
                 slot = &self._slots[idx[i]]
