@@ -576,6 +576,14 @@ def test_close_many_accepts_strided_views() -> None:
     pairs = i64([[10, 1], [10, 3], [10, 5]])
     assert table.close_many(pairs[:, 0], pairs[:, 1]) == 3
     assert table.open_offsets(10).tolist() == [0, 2, 4, 6, 7, 8, 9]
+    # Walked backwards too, and a bad pair in a reversed view is still refused before any mark.
+    backwards = i64([[10, 9], [10, 8], [10, 2]])[::-1]
+    assert table.close_many(backwards[:, 0], backwards[:, 1]) == 3
+    assert table.open_offsets(10).tolist() == [0, 4, 6, 7]
+    bad = i64([[10, 12], [10, 0]])[::-1]
+    with pytest.raises(ValueError):
+        table.close_many(bad[:, 0], bad[:, 1])
+    assert table.open_offsets(10).tolist() == [0, 4, 6, 7]
 
 
 def test_close_many_on_large_inputs_releases_the_gil_and_still_counts() -> None:

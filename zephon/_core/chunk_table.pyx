@@ -342,66 +342,78 @@ cdef class ChunkTable:
         self, const offset_t[:] chunk_ids, const offset_t[:] offsets
     ) noexcept nogil:
         """Index of the first (chunk id, offset) pair that close_many must reject, or -1."""
-        cdef Py_ssize_t i, n = chunk_ids.shape[0], p = -2
-        cdef offset_t cid, cur = -1
-        cdef uint64_t size = 0
-        cdef bint have = False
-        for i in range(n):
-            cid = chunk_ids[i]
-            if not have or cid != cur:
-                p = self._find(cid)
-                if p == -2:
-                    return i
-                cur = cid
-                have = True
-                # An evicted chunk takes any offset >= 0: as unsigned, negatives are >= 2**63.
-                size = <uint64_t>self._ring[p].n if p >= 0 else (<uint64_t>1 << 63)
-            if <uint64_t>offsets[i] >= size:
+        cdef Py_ssize_t i = 0, n = chunk_ids.shape[0], p
+        cdef offset_t cid
+        cdef uint64_t size
+        if n == 0:
+            return -1
+        # Walked as in _apply_many.
+        cdef const char* cp = <const char*>&chunk_ids[0]
+        cdef const char* op = <const char*>&offsets[0]
+        cdef Py_ssize_t cs = chunk_ids.strides[0], os = offsets.strides[0]
+        while i < n:
+            cid = (<const offset_t*>cp)[0]
+            p = self._find(cid)
+            if p == -2:
                 return i
+            # An evicted chunk takes any offset >= 0: as unsigned, negatives are >= 2**63.
+            size = <uint64_t>self._ring[p].n if p >= 0 else (<uint64_t>1 << 63)
+            while i < n and (<const offset_t*>cp)[0] == cid:
+                if <uint64_t>(<const offset_t*>op)[0] >= size:
+                    return i
+                cp += cs
+                op += os
+                i += 1
         return -1
 
     cdef offset_t _apply_many(
         self, const offset_t[:] chunk_ids, const offset_t[:] offsets
     ) noexcept nogil:
         """Set the bits of validated pairs; returns how many offsets were open before."""
-        cdef Py_ssize_t i, n = chunk_ids.shape[0], p
-        cdef offset_t cid, cur = -1, off, wm = 0, newly = 0, total = 0, wi, cur_wi = -1
-        cdef ChunkEntry* e = NULL
-        cdef word_t* bits = NULL
+        cdef Py_ssize_t i = 0, n = chunk_ids.shape[0], p
+        cdef offset_t cid, off, wm, newly, total = 0, wi, cur_wi
+        cdef ChunkEntry* e
+        cdef word_t* bits
         cdef word_t w = 0
-        cdef bint have = False
-        for i in range(n):
-            cid = chunk_ids[i]
-            if not have or cid != cur:
-                if e != NULL:
+        if n == 0:
+            return 0
+        # Pointers walked by byte strides: the loop keeps them in registers (indexing the
+        # memoryviews reloads their strides from the stack at every pair).
+        cdef const char* cp = <const char*>&chunk_ids[0]
+        cdef const char* op = <const char*>&offsets[0]
+        cdef Py_ssize_t cs = chunk_ids.strides[0], os = offsets.strides[0]
+        while i < n:
+            # A run of pairs of one chunk.
+            cid = (<const offset_t*>cp)[0]
+            p = self._find(cid)
+            if p < 0:  # an evicted chunk: nothing to close
+                while i < n and (<const offset_t*>cp)[0] == cid:
+                    cp += cs
+                    op += os
+                    i += 1
+                continue
+            e = &self._ring[p]
+            bits = e.bits
+            wm = e.wm
+            cur_wi = -1  # no word loaded yet
+            newly = 0
+            while i < n and (<const offset_t*>cp)[0] == cid:
+                off = (<const offset_t*>op)[0]
+                cp += cs
+                op += os
+                i += 1
+                wi = off >> 6
+                # The current word stays in a register while offsets stay in it (no
+                # store-to-load stall on runs of neighbouring offsets).
+                if wi != cur_wi:
                     if cur_wi >= 0:
                         bits[cur_wi] = w
-                    e.n_closed += newly
-                    total += newly
-                newly = 0
-                p = self._find(cid)
-                e = &self._ring[p] if p >= 0 else NULL
-                if e != NULL:
-                    bits = e.bits
-                    wm = e.wm
-                    cur_wi = -1  # no word loaded yet
-                cur = cid
-                have = True
-            if e == NULL:
-                continue  # an evicted chunk: nothing to close
-            off = offsets[i]
-            wi = off >> 6
-            # The current word stays in a register while offsets stay in it (no store-to-load
-            # stall on runs of neighbouring offsets).
-            if wi != cur_wi:
-                if cur_wi >= 0:
-                    bits[cur_wi] = w
-                cur_wi = wi
-                w = bits[wi]
-            # Branch-free: count the bit if it was clear and not already closed by the watermark.
-            newly += <offset_t>(((w >> (off & 63)) & 1) ^ 1) & <offset_t>(off >= wm)
-            w |= (<word_t>1) << (off & 63)
-        if e != NULL:
+                    cur_wi = wi
+                    w = bits[wi]
+                # Branch-free: count the bit if it was clear and not already closed by the
+                # watermark.
+                newly += <offset_t>(((w >> (off & 63)) & 1) ^ 1) & <offset_t>(off >= wm)
+                w |= (<word_t>1) << (off & 63)
             if cur_wi >= 0:
                 bits[cur_wi] = w
             e.n_closed += newly
