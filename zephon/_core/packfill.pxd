@@ -85,6 +85,7 @@ cdef class BinFill:
     cdef Py_ssize_t _n_free
     cdef list _sources             # per slot: the arrays its fragments read, or None when free
     cdef RowArena _arena           # where take() writes the next bins (None until the first)
+    cdef Py_ssize_t _arena_rows    # bins per arena (see ARENA_BYTES)
     cdef list _retired             # arenas written to the end: views may still hold them
     cdef list _records             # per slot: the item of each fragment, in bin order
     # Held by every method that reads or changes the bins, GIL-free copies included; _owner is
@@ -101,6 +102,6 @@ cdef class BinFill:
     cdef void _attach(self, const offset_t[:, ::1] placements, const offset_t[::1] lengths,
                       const size_t[::1] data, const size_t[:, ::1] side_data,
                       const Py_ssize_t[::1] target, const Py_ssize_t[::1] slot_of) noexcept nogil
-    cdef RowArena _arena_for(self, Py_ssize_t rows)
+    cdef RowArena _arena_for(self)
     cdef void _fill(self, const Slot* slot, token_t* dst, Py_ssize_t stride) noexcept nogil
     cdef tuple _take(self, const offset_t[::1] bin_ids, Py_ssize_t[::1] idx)

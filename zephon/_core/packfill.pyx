@@ -48,7 +48,6 @@ cdef enum:
 
 cdef extern from "Python.h":
     Py_ssize_t _refcount "Py_REFCNT"(PyObject*)
-    PyObject* PyList_GET_ITEM(object, Py_ssize_t)
 
 # Arenas no view holds any more that a fill keeps for reuse, beyond the one it reuses.
 DEF SPARE_ARENAS = 2
@@ -206,7 +205,8 @@ cdef tuple _side_pad(object value, Py_ssize_t k):
 
 
 cdef class BinFill:
-    """Payload blocks and fragment lists of a packer's open bins, filled from placement rows.
+    """Fragment lists of a packer's open bins, from placement rows, and the payload blocks of
+    the bins that leave.
 
     Invariant: a taken bin's block holds, from offset 0 and back to back, the tokens of its
     fragments in placement order, segment ids 1, 2, 3 ... for its non-empty fragments, positions
@@ -243,6 +243,11 @@ cdef class BinFill:
                 self._side_pads[k] = bits
         self._side_pad_values = pads
         self._seq_len = n
+        # Bins per arena: the largest power of two whose blocks fit in ARENA_BYTES (at least 1).
+        bin_bytes = (BLOCK_ROWS + self._n_side) * n * sizeof(token_t)
+        self._arena_rows = 1
+        while 2 * self._arena_rows * bin_bytes <= ARENA_BYTES:
+            self._arena_rows *= 2
         self._pad_id = pad
         self._max_id = -1
         self._live = NULL
@@ -726,10 +731,12 @@ cdef class BinFill:
         cdef cnp.npy_intp dims[2]
         cdef cnp.npy_intp strides[2]
         cdef size_t[::1] dst
-        cdef Py_ssize_t[::1] stride
         cdef offset_t[:, ::1] fv
+        # A block's rows are a field apart in its arena: arena_rows rows of seq_len tokens.
+        cdef Py_ssize_t stride = self._arena_rows * self._seq_len
         dims[0] = fields
         dims[1] = self._seq_len
+        strides[0] = stride * sizeof(token_t)
         strides[1] = sizeof(token_t)
         try:
             frags = np.empty((total, FRAG_COLUMNS), dtype=np.int64)
@@ -737,11 +744,8 @@ cdef class BinFill:
             # Where each bin goes: the next row of an arena, blocks as views of it. The arenas
             # the bins need are allocated before any bin is written or released.
             dst = np.empty(n, dtype=np.uintp)
-            stride = np.empty(n, dtype=np.intp)
             for i in range(n):
-                arena = self._arena_for(1)
-                stride[i] = arena.rows * self._seq_len
-                strides[0] = stride[i] * sizeof(token_t)
+                arena = self._arena_for()
                 dst[i] = <size_t>(arena.data + arena.next_row * self._seq_len * sizeof(token_t))
                 block = cnp.PyArray_New(
                     np.ndarray, 2, dims, cnp.NPY_INT32, strides, <void*>dst[i],
@@ -757,7 +761,7 @@ cdef class BinFill:
         with nogil:
             for i in range(n):
                 slot = &self._slots[idx[i]]
-                self._fill(slot, <token_t*>dst[i], stride[i])
+                self._fill(slot, <token_t*>dst[i], stride)
                 for k in range(slot.n_frags):
                     fv[row, 0] = slot.frags[k].start
                     fv[row, 1] = slot.frags[k].size
@@ -789,35 +793,29 @@ cdef class BinFill:
             self._n_live = t
         return blocks, items, frags
 
-    cdef RowArena _arena_for(self, Py_ssize_t rows):
-        """The arena whose next ``rows`` rows are free: the current one, else one used before that
-        no view holds any more (its memory is mapped and warm already), else a new one of a power
-        of two of rows (``ARENA_BYTES``, at least ``rows``)."""
-        cdef Py_ssize_t fields = BLOCK_ROWS + self._n_side, size = 1, i, free = 0
-        cdef Py_ssize_t bin_bytes = fields * self._seq_len * sizeof(token_t)
+    cdef RowArena _arena_for(self):
+        """The arena whose next row is free: the current one, else one used before that no view
+        holds any more (its memory is mapped and warm already), else a new one."""
         cdef RowArena arena = self._arena
-        if arena is not None and arena.next_row + rows <= arena.rows:
+        cdef Py_ssize_t spare = 0
+        if arena is not None and arena.next_row < arena.rows:
             return arena
-        while 2 * size * bin_bytes <= ARENA_BYTES:
-            size *= 2
-        size = max(size, rows)
-        retired = self._retired
         if arena is not None:
-            retired.append(arena)
+            self._retired.append(arena)
         arena = None
-        # An arena only the list refers to has no view left: nothing can read it any more.
-        for i in range(len(retired)):
-            if _refcount(PyList_GET_ITEM(retired, i)) == 1:
-                if arena is None and (<RowArena>retired[i]).rows == size:
-                    arena = retired[i]
-                    retired[i] = None
-                else:
-                    free += 1
-                    if free > SPARE_ARENAS:
-                        retired[i] = None
-        self._retired = [a for a in retired if a is not None]
+        kept = []
+        for held in self._retired:
+            # Only this list and the loop refer to an arena no view holds: nothing can read it.
+            if _refcount(<PyObject*>held) > 2:
+                kept.append(held)
+            elif arena is None:
+                arena = held
+            elif spare < SPARE_ARENAS:
+                kept.append(held)
+                spare += 1
+        self._retired = kept
         if arena is None:
-            arena = RowArena(fields, size, self._seq_len)
+            arena = RowArena(BLOCK_ROWS + self._n_side, self._arena_rows, self._seq_len)
         arena.next_row = 0
         self._arena = arena
         return arena
