@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zephon._core.binfill import BinPacker, FlatPacker
-from zephon._core.packfill import BinFill, field_lengths, token_lengths
+from zephon._core.packfill import BinFill, field_lengths, payload_fields, token_lengths
+from zephon.types import SampleCursor, SampleMeta, SampleRecord
 
 Row = tuple[int, int, int, int, int]  # (item, frag_start, frag_len, bin_id, bin_offset)
 
@@ -530,6 +531,111 @@ def test_contents_names_each_item_once_in_bin_order_and_rebuilds_the_bins(
 def test_token_lengths_reads_the_arrays_in_place() -> None:
     assert token_lengths(token_arrays([0, 5, 2])).tolist() == [0, 5, 2]
     assert token_lengths([]).dtype == np.int64
+
+
+def ref_payload_fields(
+    records: list[SampleRecord], field: str, sides: tuple[tuple[str, str], ...]
+) -> tuple[list[Any], list[int], list[list[Any]]] | None:
+    """The common case ``payload_fields`` reads, stated plainly: dict payloads whose fields are
+    1-D, C-contiguous, native arrays of their dtype, the side fields as long as the tokens."""
+
+    def flat(a: Any, dtype: str) -> bool:
+        return (
+            isinstance(a, np.ndarray)
+            and a.ndim == 1
+            and a.dtype == np.dtype(dtype)
+            and a.dtype.isnative
+            and a.flags.c_contiguous
+        )
+
+    arrays: list[Any] = []
+    lengths: list[int] = []
+    per_side: list[list[Any]] = [[] for _ in sides]
+    for rec in records:
+        payload = rec.payload
+        if type(payload) is not dict or not flat(payload.get(field), "int32"):
+            return None
+        arrays.append(payload[field])
+        lengths.append(len(payload[field]))
+        for values, (name, dtype) in zip(per_side, sides):
+            value: Any = payload.get(name)
+            if not flat(value, dtype) or len(value) != lengths[-1]:
+                return None
+            values.append(value)
+    return arrays, lengths, per_side
+
+
+class _Mapping(dict[str, Any]):
+    """A dict subclass: not the common case (its lookups may run Python code)."""
+
+
+def _odd_values(n: int, dtype: str) -> list[Any]:
+    """What a field of ``dtype`` and ``n`` tokens must not hold to be read in place: one value too
+    many, the other dtype, or not a flat native array at all."""
+    other = "float32" if dtype == "int32" else "int32"
+    return [np.arange(n + 1).astype(dtype), np.arange(n).astype(other), *BAD_ARRAYS.values()]
+
+
+@st.composite
+def payload_records(draw: st.DrawFn) -> tuple[list[SampleRecord], tuple[tuple[str, str], ...]]:
+    """Records in the common case, then now and then one of them spoilt: a field missing or odd,
+    or a payload that is not a plain dict."""
+    sides = tuple(
+        (name, draw(st.sampled_from(["int32", "float32"])))
+        for name in draw(st.lists(st.sampled_from(["mask", "weights"]), unique=True, max_size=2))
+    )
+    fields = [("tokens", "int32"), *sides]
+    payloads: list[Any] = []
+    for _ in range(draw(st.integers(0, 6))):
+        n = draw(st.integers(0, 4))
+        payloads.append({name: np.arange(n).astype(dtype) for name, dtype in fields})
+    spoil = draw(st.booleans())
+    if payloads and spoil:
+        i = draw(st.integers(0, len(payloads) - 1))
+        name, dtype = draw(st.sampled_from(fields))
+        n = len(payloads[i]["tokens"])
+        how = draw(st.sampled_from(["missing", "odd", "mapping", "tuple"]))
+        if how == "missing":
+            del payloads[i][name]
+        elif how == "odd":
+            payloads[i][name] = draw(st.sampled_from(_odd_values(n, dtype)))
+        elif how == "mapping":
+            payloads[i] = _Mapping(payloads[i])
+        else:
+            payloads[i] = tuple(payloads[i].values())
+    records = [
+        SampleRecord(SampleMeta(SampleCursor(0, i, (0, 0, 9))), payload)
+        for i, payload in enumerate(payloads)
+    ]
+    return records, sides
+
+
+@settings(max_examples=300, deadline=None)
+@given(payload_records())
+def test_payload_fields_reads_exactly_the_common_case(
+    case: tuple[list[SampleRecord], tuple[tuple[str, str], ...]],
+) -> None:
+    records, sides = case
+    want = ref_payload_fields(records, "tokens", sides)
+    got = payload_fields(records, "tokens", sides)  # type: ignore[arg-type]
+    if want is None:
+        assert got is None
+        return
+    assert got is not None
+    arrays, lengths, per_side = got
+    assert [id(a) for a in arrays] == [id(a) for a in want[0]]  # read in place, not copied
+    assert lengths.dtype == np.int64 and lengths.tolist() == want[1]
+    assert [[id(a) for a in side] for side in per_side] == [[id(a) for a in s] for s in want[2]]
+
+
+def test_payload_fields_rejects_what_is_not_a_record_or_a_side_dtype() -> None:
+    good = SampleRecord(
+        SampleMeta(SampleCursor(0, 0, (0, 0, 9))), {"tokens": np.zeros(2, np.int32)}
+    )
+    with pytest.raises(TypeError):
+        payload_fields([good, {"tokens": np.zeros(2, np.int32)}], "tokens", ())
+    with pytest.raises(ValueError, match="dtype"):
+        payload_fields([good], "tokens", (("tokens", "int64"),))  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------------

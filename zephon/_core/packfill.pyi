@@ -15,6 +15,12 @@ def field_lengths(
 ) -> _Int64Array:
     """Lengths of 1-D, C-contiguous, native-order ``dtype`` arrays; TypeError naming a bad one."""
 
+def payload_fields(
+    records: list[Any], field: str, sides: tuple[tuple[str, Literal["int32", "float32"]], ...]
+) -> tuple[list[_Int32Array], _Int64Array, list[list[npt.NDArray[Any]]]] | None:
+    """A packer's token arrays, their lengths and its side fields' arrays, read from dict payloads
+    already in shape (1-D, C-contiguous, native, of the right dtype and length); None otherwise."""
+
 class RowArena:
     """Memory that ``BinFill.take`` writes bins into one after another, field by field: the base
     of every block and row view it hands over (a batch of rows back to back is a view of it)."""

@@ -17,13 +17,16 @@ lock from its first read to its last write, GIL-free copies included, so concurr
 after the other; a thread waits for the lock without the GIL, so the holder can always finish.
 """
 
+cimport cython
 cimport numpy as cnp
+from cpython.dict cimport PyDict_GetItem
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.pythread cimport (
     PyThread_allocate_lock,
     PyThread_free_lock,
 )
 from zephon._core._lock cimport drop_lock, take_lock
+from zephon._core.records cimport SampleRecord
 from libc.stdint cimport INT32_MAX, INT32_MIN
 from cpython.ref cimport PyObject
 from libc.stdlib cimport qsort
@@ -106,9 +109,13 @@ cdef inline bint _is_flat_array(object a, int typenum) noexcept:
     if not cnp.PyArray_Check(a):
         return False
     cdef cnp.ndarray arr = <cnp.ndarray>a
+    # The type number compared first: numpy's own equivalence test costs more than the rest.
     return (
         cnp.PyArray_NDIM(arr) == 1
-        and cnp.PyArray_EquivTypenums(cnp.PyArray_TYPE(arr), typenum)
+        and (
+            cnp.PyArray_TYPE(arr) == typenum
+            or cnp.PyArray_EquivTypenums(cnp.PyArray_TYPE(arr), typenum)
+        )
         and cnp.PyArray_ISNOTSWAPPED(arr)
         and cnp.PyArray_IS_C_CONTIGUOUS(arr)
     )
@@ -168,6 +175,51 @@ def field_lengths(list arrays not None, str dtype not None):
             _not_flat(f"arrays[{i}]", a, "field_lengths", dtype)
         view[i] = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
     return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def payload_fields(list records not None, str field not None, tuple sides not None):
+    """What a packer's fill reads of ``records``, in the common case, checked in C: each payload a
+    dict whose ``field`` is a 1-D, C-contiguous, native int32 ndarray and whose side fields, the
+    ``(name, dtype)`` pairs of ``sides`` (``"int32"`` or ``"float32"``), are such ndarrays of
+    their dtype, as long as its tokens.
+
+    Returns ``(arrays, lengths, side_arrays)``: the token arrays, their int64 lengths and, per side
+    field, the records' arrays of it; or None as soon as one record is not like that, for the
+    caller to convert its values or name what is wrong.
+    """
+    cdef Py_ssize_t n = len(records), n_side = len(sides), i, f
+    cdef list arrays = [None] * n
+    cdef list side_arrays = [[None] * n for f in range(n_side)]
+    cdef list names = [name for name, _ in sides]
+    typenums_arr = np.array([_side_typenum(dtype) for _, dtype in sides], dtype=np.intc)
+    cdef const int[::1] typenums = typenums_arr
+    cdef PyObject* found
+    cdef object payload, a
+    out = np.empty(n, dtype=np.int64)
+    cdef offset_t[::1] lengths = out
+    # Record by record, so that each payload is read once while it is in the cache.
+    for i in range(n):
+        payload = (<SampleRecord?>records[i]).payload
+        if type(payload) is not dict:
+            return None
+        found = PyDict_GetItem(payload, field)
+        if found == NULL or not _is_token_array(<object>found):
+            return None
+        a = <object>found
+        arrays[i] = a
+        lengths[i] = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
+        for f in range(n_side):
+            found = PyDict_GetItem(payload, names[f])
+            if (
+                found == NULL
+                or not _is_flat_array(<object>found, typenums[f])
+                or cnp.PyArray_DIM(<cnp.ndarray>found, 0) != lengths[i]
+            ):
+                return None
+            (<list>side_arrays[f])[i] = <object>found
+    return arrays, out, side_arrays
 
 
 cdef class RowArena:

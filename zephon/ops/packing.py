@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Hashable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from zephon._core.binfill import BinPacker, FlatPacker
-from zephon._core.packfill import BinFill, field_lengths, token_lengths
+from zephon._core.packfill import BinFill, field_lengths, payload_fields, token_lengths
 from zephon._core.packrows import packed_records
 from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits, record_error
@@ -191,7 +191,7 @@ class _Packer(Operator):
             del out["params"]["extra_fields"]
         return out
 
-    def _side_dtype(self, name: str) -> str:
+    def _side_dtype(self, name: str) -> Literal["int32", "float32"]:
         return "float32" if isinstance(self.extra_fields[name], float) else "int32"
 
     @property
@@ -298,6 +298,10 @@ class _Packer(Operator):
     ) -> tuple[list[np.ndarray], np.ndarray, list[list[np.ndarray]] | tuple[()]]:
         """What ``BinFill.write`` reads of ``records``: their token arrays, the lengths of those,
         and per side field their arrays of it."""
+        sides = tuple((name, self._side_dtype(name)) for name in self.extra_fields)
+        common = payload_fields(records, self.field, sides)
+        if common is not None:
+            return common
         arrays, lengths = self._gather(records)
         return arrays, lengths, (self._gather_sides(records, lengths) if self.extra_fields else ())
 
@@ -312,7 +316,7 @@ class _Packer(Operator):
             try:
                 # The common case, checked in C: arrays of the right dtype and length already.
                 values = [rec.payload[name] for rec in records]
-                if np.array_equal(field_lengths(values, dtype), lengths):  # type: ignore[arg-type]
+                if np.array_equal(field_lengths(values, dtype), lengths):
                     sides.append(values)
                     continue
             except (KeyError, TypeError, IndexError):
