@@ -190,35 +190,46 @@ def payload_fields(list records not None, str field not None, tuple sides not No
     caller to convert its values or name what is wrong.
     """
     cdef Py_ssize_t n = len(records), n_side = len(sides), i, f
+    cdef list payloads = [None] * n
     cdef list arrays = [None] * n
-    cdef list side_arrays = [[None] * n for f in range(n_side)]
-    cdef list names = [name for name, _ in sides]
-    typenums_arr = np.array([_side_typenum(dtype) for _, dtype in sides], dtype=np.intc)
-    cdef const int[::1] typenums = typenums_arr
+    cdef list side_arrays = []
+    cdef list values
     cdef PyObject* found
-    cdef object payload, a
+    cdef object payload, a, name
+    cdef int typenum
     out = np.empty(n, dtype=np.int64)
     cdef offset_t[::1] lengths = out
-    # Record by record, so that each payload is read once while it is in the cache.
+    # Stage by stage, each a loop of short independent steps: the payloads and arrays are mostly
+    # out of the cache, and the processor then waits for many of them at once.
     for i in range(n):
         payload = (<SampleRecord?>records[i]).payload
         if type(payload) is not dict:
             return None
-        found = PyDict_GetItem(payload, field)
-        if found == NULL or not _is_token_array(<object>found):
+        payloads[i] = payload
+    for i in range(n):
+        found = PyDict_GetItem(payloads[i], field)
+        if found == NULL:
             return None
-        a = <object>found
-        arrays[i] = a
+        arrays[i] = <object>found
+    for i in range(n):
+        a = arrays[i]
+        if not _is_token_array(a):
+            return None
         lengths[i] = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
-        for f in range(n_side):
-            found = PyDict_GetItem(payload, names[f])
-            if (
-                found == NULL
-                or not _is_flat_array(<object>found, typenums[f])
-                or cnp.PyArray_DIM(<cnp.ndarray>found, 0) != lengths[i]
-            ):
+    for f in range(n_side):
+        name, dtype = sides[f]
+        typenum = _side_typenum(dtype)
+        values = [None] * n
+        for i in range(n):
+            found = PyDict_GetItem(payloads[i], name)
+            if found == NULL:
                 return None
-            (<list>side_arrays[f])[i] = <object>found
+            values[i] = <object>found
+        for i in range(n):
+            a = values[i]
+            if not _is_flat_array(a, typenum) or cnp.PyArray_DIM(<cnp.ndarray>a, 0) != lengths[i]:
+                return None
+        side_arrays.append(values)
     return arrays, out, side_arrays
 
 
