@@ -179,6 +179,21 @@ def field_lengths(list arrays not None, str dtype not None):
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
+cdef list _values_of(list payloads, object name):
+    # Each dict payload's value of ``name``, or None when one has none.
+    cdef Py_ssize_t i, n = len(payloads)
+    cdef list values = [None] * n
+    cdef PyObject* found
+    for i in range(n):
+        found = PyDict_GetItem(payloads[i], name)
+        if found == NULL:
+            return None
+        values[i] = <object>found
+    return values
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
 def payload_fields(list records not None, str field not None, tuple sides not None):
     """What a packer's fill reads of ``records``, in the common case, checked in C: each payload a
     dict whose ``field`` is a 1-D, C-contiguous, native int32 ndarray and whose side fields, the
@@ -189,13 +204,11 @@ def payload_fields(list records not None, str field not None, tuple sides not No
     field, the records' arrays of it; or None as soon as one record is not like that, for the
     caller to convert its values or name what is wrong.
     """
-    cdef Py_ssize_t n = len(records), n_side = len(sides), i, f
+    cdef Py_ssize_t n = len(records), i, f
     cdef list payloads = [None] * n
-    cdef list arrays = [None] * n
+    cdef list arrays, values
     cdef list side_arrays = []
-    cdef list values
-    cdef PyObject* found
-    cdef object payload, a, name
+    cdef object payload, a
     cdef int typenum
     out = np.empty(n, dtype=np.int64)
     cdef offset_t[::1] lengths = out
@@ -206,25 +219,20 @@ def payload_fields(list records not None, str field not None, tuple sides not No
         if type(payload) is not dict:
             return None
         payloads[i] = payload
-    for i in range(n):
-        found = PyDict_GetItem(payloads[i], field)
-        if found == NULL:
-            return None
-        arrays[i] = <object>found
+    arrays = _values_of(payloads, field)
+    if arrays is None:
+        return None
     for i in range(n):
         a = arrays[i]
         if not _is_token_array(a):
             return None
         lengths[i] = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
-    for f in range(n_side):
+    for f in range(len(sides)):
         name, dtype = sides[f]
         typenum = _side_typenum(dtype)
-        values = [None] * n
-        for i in range(n):
-            found = PyDict_GetItem(payloads[i], name)
-            if found == NULL:
-                return None
-            values[i] = <object>found
+        values = _values_of(payloads, name)
+        if values is None:
+            return None
         for i in range(n):
             a = values[i]
             if not _is_flat_array(a, typenum) or cnp.PyArray_DIM(<cnp.ndarray>a, 0) != lengths[i]:
