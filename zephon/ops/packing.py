@@ -286,7 +286,7 @@ class _Packer(Operator):
         lengths."""
         field = self.field
         try:
-            # The common case, checked in C: every field already a contiguous int32 array.
+            # Ready arrays (checked in C) in payloads other than plain dicts, such as mappings.
             arrays = [rec.payload[field] for rec in records]
             return arrays, token_lengths(arrays)
         except (KeyError, TypeError, IndexError):
@@ -314,7 +314,7 @@ class _Packer(Operator):
         for name in self.extra_fields:
             dtype = self._side_dtype(name)
             try:
-                # The common case, checked in C: arrays of the right dtype and length already.
+                # Arrays of the right dtype and length already, when only another field is not.
                 values = [rec.payload[name] for rec in records]
                 if np.array_equal(field_lengths(values, dtype), lengths):
                     sides.append(values)
