@@ -286,7 +286,7 @@ class _Packer(Operator):
         lengths."""
         field = self.field
         try:
-            # Ready arrays (checked in C) in payloads other than plain dicts, such as mappings.
+            # Ready token arrays (checked in C) where payload_fields declined: mappings, sides.
             arrays = [rec.payload[field] for rec in records]
             return arrays, token_lengths(arrays)
         except (KeyError, TypeError, IndexError):
