@@ -258,7 +258,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zephon
 from zephon.ops import fetch, map_transform
-from zephon.sources import ArrowSource
+from zephon.sources import ArrowSource, MixtureSource
 
 
 def extensions(pid):
@@ -284,10 +284,15 @@ class LoadedAfterFork:
 
 
 def main():
-    path = os.path.join(sys.argv[1], "rows.parquet")
-    pq.write_table(pa.table({"x": list(range(64))}), path, row_group_size=16)
+    paths = [os.path.join(sys.argv[1], f"rows{k}.parquet") for k in range(2)]
+    for path in paths:
+        pq.write_table(pa.table({"x": list(range(64))}), path, row_group_size=16)
+    files = [ArrowSource(path, chunk_size=16, dataset_id=k) for k, path in enumerate(paths)]
+    source = ArrowSource(paths[0], chunk_size=16)
+    if sys.argv[2] == "mixture":
+        source = MixtureSource({"a": files[0], "b": files[1]}, {"a": 0.5, "b": 0.5}, chunk_size=16)
     pipeline = zephon.Pipeline(
-        ArrowSource(path, chunk_size=16),
+        source,
         [fetch(), map_transform(LoadedAfterFork())],
         lanes=2,
         workers="process",
@@ -308,11 +313,12 @@ if __name__ == "__main__":
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/<pid>/maps")
-def test_a_worker_reading_in_order_imports_nothing_after_its_fork(tmp_path):
+@pytest.mark.parametrize("source", ["file", "mixture"])
+def test_a_worker_reading_in_order_imports_nothing_after_its_fork(tmp_path, source):
     script = tmp_path / "preload_probe.py"
     script.write_text(PRELOAD_SCRIPT)
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
+        [sys.executable, str(script), str(tmp_path), source],
         capture_output=True,
         text=True,
         env=script_env(),

@@ -491,7 +491,8 @@ class PackSequences(_Packer):
         rows = _consolidated(rows, self.seq_len)
         fill.clear()
         fill.write(rows, arrays, items, sides)
-        return np.unique(rows[:, 3])
+        # np.unique's result, without its import of numpy.ma in a worker process.
+        return np.array(sorted(set(rows[:, 3].tolist())), dtype=np.int64)
 
     def _new_kernel(self) -> BinPacker:
         return BinPacker(

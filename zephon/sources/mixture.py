@@ -344,7 +344,7 @@ class MixtureSource(WorkSource):
         rows = check_pointers(pointers, self)
         out: list[Any] = [None] * len(rows)
         ids = rows[:, 0]
-        for did in np.unique(ids).tolist():
+        for did in sorted(set(ids.tolist())):  # not np.unique: it imports numpy.ma in a worker
             i = self._component_of(did, rows[ids == did][0])
             where = np.flatnonzero(ids == did)
             payloads = self._sources[i].read(rows[where])
