@@ -160,6 +160,7 @@ class _Packer(Operator):
     field: str
     pad_id: int | None
     extra_fields: dict[str, int | float]
+    _sides: tuple[tuple[str, Literal["int32", "float32"]], ...]
     _pad: int | None
     _kernel: Any
     _fill: BinFill | None
@@ -174,6 +175,11 @@ class _Packer(Operator):
         self.field = field
         self.pad_id = pad_id  # as given: part of the fingerprint, never changed by planning
         self.extra_fields = _checked_extra_fields(self.name, field, extra_fields)
+        # (name, dtype) per side field, in row order: an int padding makes an int32 row.
+        self._sides = tuple(
+            (name, "float32" if isinstance(pad, float) else "int32")
+            for name, pad in self.extra_fields.items()
+        )
         self._pad = pad_id  # the id padding is written with: pad_id, else the tokenizer's
         self._fill = self._new_fill()
 
@@ -190,9 +196,6 @@ class _Packer(Operator):
         if not self.extra_fields:
             del out["params"]["extra_fields"]
         return out
-
-    def _side_dtype(self, name: str) -> Literal["int32", "float32"]:
-        return "float32" if isinstance(self.extra_fields[name], float) else "int32"
 
     @property
     def effective_pad_id(self) -> int | None:
@@ -295,15 +298,14 @@ class _Packer(Operator):
 
     def _inputs(
         self, records: list[SampleRecord]
-    ) -> tuple[list[np.ndarray], np.ndarray, list[list[np.ndarray]] | tuple[()]]:
+    ) -> tuple[list[np.ndarray], np.ndarray, list[list[np.ndarray]]]:
         """What ``BinFill.write`` reads of ``records``: their token arrays, the lengths of those,
         and per side field their arrays of it."""
-        sides = tuple((name, self._side_dtype(name)) for name in self.extra_fields)
-        common = payload_fields(records, self.field, sides)
+        common = payload_fields(records, self.field, self._sides)
         if common is not None:
             return common
         arrays, lengths = self._gather(records)
-        return arrays, lengths, (self._gather_sides(records, lengths) if self.extra_fields else ())
+        return arrays, lengths, self._gather_sides(records, lengths)
 
     def _gather_sides(
         self, records: list[SampleRecord], lengths: np.ndarray
@@ -311,8 +313,7 @@ class _Packer(Operator):
         """Per side field, the records' arrays of it (1-D, contiguous, the field's dtype, as long
         as their tokens), in the order of ``extra_fields``."""
         sides = []
-        for name in self.extra_fields:
-            dtype = self._side_dtype(name)
+        for name, dtype in self._sides:
             try:
                 # Arrays of the right dtype and length already, when only another field is not.
                 values = [rec.payload[name] for rec in records]
@@ -378,7 +379,7 @@ class _Packer(Operator):
         (``zephon._core.packrows``)."""
         blocks, bin_records, frags = self._bins().take(bin_ids)
         # Side rows in block order; float32 fields are views of their row's bits.
-        sides = tuple((name, self._side_dtype(name) == "float32") for name in self.extra_fields)
+        sides = tuple((name, dtype == "float32") for name, dtype in self._sides)
         return packed_records(blocks, bin_records, frags, self.lane_id, sides, _count_spread)
 
     def _leaving_bins(self) -> np.ndarray:
