@@ -28,7 +28,7 @@ from zephon.ops import (
 from zephon.runtime import lane as lane_module
 from zephon.runtime.control import Holdings
 from zephon.runtime.holdings import flat_cursors, unpack_cursors
-from zephon.runtime.lane import READ_RECORDS, SNAPSHOT_RECORDS, LaneRunner, real_records
+from zephon.runtime.lane import READ_RECORDS, SNAPSHOT_RECORDS, LaneRunner
 from zephon.sources.memory import ListSource
 from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleCursor
@@ -167,74 +167,36 @@ class CallSizes(Operator):
         return records
 
 
-def call_sizes_pipeline(
-    chunk_size: int, micro_batch: int = 256, *, seq_len: int = 64, n: int = 3000
-) -> zephon.Pipeline:
-    tokens = [{"tokens": np.arange(1 + i % 50, dtype=np.int32)} for i in range(n)]
-    chain = [fetch(), CallSizes(), pack_sequences(seq_len, pad_id=0), batch(4)]
+def call_sizes_pipeline(chunk_size: int, micro_batch: int = 256) -> zephon.Pipeline:
+    tokens = [{"tokens": np.arange(1 + i % 50, dtype=np.int32)} for i in range(3000)]
+    chain = [fetch(), CallSizes(), pack_sequences(64, pad_id=0), batch(4)]
     source = ListSource(tokens, chunk_size=chunk_size)
     return zephon.Pipeline(source, chain, epoch_chunks=4, micro_batch=micro_batch)
 
 
-@pytest.fixture
-def spread_calls(monkeypatch):
-    """A tokenizer here would spread each call over two threads."""
-    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
-    monkeypatch.setenv("RAYON_NUM_THREADS", "2")
-
-
-@pytest.mark.usefixtures("spread_calls")
-@pytest.mark.parametrize(("micro_batch", "seq_len"), [(256, 64), (100, 64), (256, 4096)])
-def test_a_transform_before_the_first_holder_gets_whole_reads_once_a_first_batch_is_made(
-    micro_batch, seq_len
+@pytest.mark.parametrize("micro_batch", [256, 100])
+def test_a_transform_before_the_first_holder_gets_whole_reads_once_the_first_micro_batch_is_out(
+    micro_batch,
 ):
-    # A tokenizer on its own threads idles at the end of every call, so the transform gets a whole
-    # number of micro-batches up to READ_RECORDS samples per call, never across a chunk's end. Not
-    # before a first batch's worth of rows is made (rows of 4,096 tokens take hundreds of these
-    # samples each): a first batch, after a restore too, waits for no more than it needs.
-    pipeline = call_sizes_pipeline(chunk_size=2048, micro_batch=micro_batch, seq_len=seq_len)
+    # A tokenizer on its own threads idles at the end of every call: after the first micro-batch
+    # (read a piece at a time, so the first batch waits for a piece) the transform gets a whole
+    # number of micro-batches up to READ_RECORDS samples per call, never across a chunk's end.
+    pipeline = call_sizes_pipeline(chunk_size=2048, micro_batch=micro_batch)
     runner = LaneRunner(pipeline.compile(), 0)
-    lists, warm, made, sizes = [], 0, 0, []
-    for items in runner.run():  # reads happen as the lists are asked for
-        lists.append(items)
-        transform = runner.ops[0]
-        assert isinstance(transform, CallSizes)
-        sizes = transform.sizes
-        if made < 4:  # the reads up to the one that makes a first batch's worth
-            made += real_records(items)
-            warm = len(sizes)
-    # Until then: the first micro-batch a piece at a time, then a micro-batch per read.
+    lists = list(runner.run())
+    group = READ_RECORDS // micro_batch * micro_batch
     pieces = [
         min(SNAPSHOT_RECORDS, micro_batch - at) for at in range(0, micro_batch, SNAPSHOT_RECORDS)
     ]
-    warm = max(warm, len(pieces))
-    assert sizes[:warm] == [*pieces, *[micro_batch] * (warm - len(pieces))]
-    if seq_len > 64:
-        assert warm > len(pieces) + 1
-    group = READ_RECORDS // micro_batch * micro_batch
-    reads, at = [], sum(sizes[:warm])
-    for n in (2048, 3000 - 2048):
-        while at < n:
-            reads.append(min(n, (at // group + 1) * group) - at)
-            at += reads[-1]
-        at = 0
-    assert sizes[warm:] == reads
-    assert max(sizes) == group > 2 * micro_batch
+    reads = [min(group, n - at) for n in (2048, 3000 - 2048) for at in range(0, n, group)]
+    reads[0] -= micro_batch
+    transform = runner.ops[0]
+    assert isinstance(transform, CallSizes)
+    assert transform.sizes == [*pieces, *reads]
     # What comes after it still goes micro-batch by micro-batch, one item list each.
     assert max(sum(type(item) is Holdings for item in items) for items in lists) == len(pieces)
 
 
-def test_a_tokenizer_on_one_thread_gets_one_micro_batch_per_call(monkeypatch):
-    # Without a tail to save, larger reads would only make a process lane's lists come in bursts.
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    runner = LaneRunner(call_sizes_pipeline(chunk_size=2048).compile(), 0)
-    drain = list(runner.run())
-    transform = runner.ops[0]
-    assert drain and isinstance(transform, CallSizes)
-    assert max(transform.sizes) == 256
-
-
-@pytest.mark.usefixtures("spread_calls")
 def test_whole_reads_change_nothing_delivered_and_restore_exactly(monkeypatch):
     pipeline = call_sizes_pipeline(chunk_size=2048)
     full = run(iter(pipeline))

@@ -16,12 +16,7 @@ from worker_kit import script_env
 import zephon
 from zephon.ops import batch, fetch, filter_records, map_transform, tokenize
 from zephon.runtime.fork_server import plan_modules
-from zephon.runtime.thread_budget import (
-    THREAD_VARIABLES,
-    WIDENED,
-    calls_spread,
-    worker_environment,
-)
+from zephon.runtime.thread_budget import THREAD_VARIABLES, WIDENED, worker_environment
 from zephon.sources import ArrowSource
 from zephon.sources.memory import RangeSource
 
@@ -97,19 +92,6 @@ def test_worker_environment_gives_each_worker_its_share_of_the_cpus(no_user_thre
         threads = max(1, cpus() // processes)
         assert {env[name] for name in THREAD_VARIABLES} == {str(threads)}
         assert env["TOKENIZERS_PARALLELISM"] == ("true" if threads > 1 else "false")
-
-
-def test_a_tokenizer_spreads_its_calls_unless_told_not_to_or_given_one_thread():
-    many = {"RAYON_NUM_THREADS": "2"}
-    assert calls_spread(many)
-    assert calls_spread({**many, "TOKENIZERS_PARALLELISM": "true"})
-    for off in ("false", "FALSE", "0", "off", "no", ""):
-        assert not calls_spread({**many, "TOKENIZERS_PARALLELISM": off})
-    assert not calls_spread({"RAYON_NUM_THREADS": "1"})
-    assert calls_spread({}) == (cpus() > 1)  # unset: the tokenizer takes every usable CPU
-    assert calls_spread({"RAYON_NUM_THREADS": "many"}) == (cpus() > 1)  # not a count: the same
-    # What a worker is given: one thread when the workers fill the CPUs.
-    assert calls_spread(worker_environment(2, {})) == (cpus() // 2 > 1)
 
 
 def test_worker_environment_keeps_what_the_user_set():

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from zephon._core.records import RecordRun
 from zephon.plan import Plan
 from zephon.runtime.control import Holdings, LaneEnd, RunStart
 from zephon.runtime.fork_server import fork_server_cold
 from zephon.runtime.holdings import kept_records, packed
-from zephon.runtime.lane import LaneRunner, batch_records, real_records
+from zephon.runtime.lane import LaneRunner
+from zephon.types import SampleRecord
 
 
 def applies(plan: Plan, n_lanes: int) -> bool:
@@ -48,7 +50,7 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
     snapshot and a first batch's worth of records came before it: the items read, and the runner
     start that continues after them; None when no list did within ``MAX_LISTS``, or the lane
     failed."""
-    need = batch_records(plan)
+    need = plan.batcher.batch_size if plan.batcher is not None else 1
     runner = LaneRunner(plan, lane_id, **start)
     stream = runner.run()
     items: list = []
@@ -60,7 +62,12 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
             if any(type(item) is RunStart or type(item) is LaneEnd for item in got):
                 return None  # a run's end, or the lane's, comes first: leave it to the worker
             items += got
-            ready += real_records(got)
+            ready += sum(
+                len(item)
+                if type(item) is RecordRun
+                else type(item) is SampleRecord and not item.meta.is_tombstone
+                for item in got
+            )
             # A list that ends with a snapshot: the runner's stats are the snapshot's too.
             if ready >= need and got and type(got[-1]) is Holdings:
                 kept = kept_records(runner.ops)  # what the snapshot describes, as it is

@@ -24,7 +24,6 @@ from zephon.plan import Plan
 from zephon.runtime.control import ChunkOpened, EpochEnd, Holdings, LaneEnd, OverClose, RunStart
 from zephon.runtime.holdings import rebuild, snapshot_of
 from zephon.runtime.layout import Layout
-from zephon.runtime.thread_budget import calls_spread
 from zephon.types import SampleRecord
 
 #: Samples read between two snapshots of what the stateful operators hold, when the chain has
@@ -37,14 +36,10 @@ from zephon.types import SampleRecord
 #: restore, and snapshots once per micro-batch.
 SNAPSHOT_RECORDS = 64
 
-#: Samples of a chunk the operators before the first stateful one get per call, where the rest
-#: get pieces, while a tokenizer's own threads spread each call (``calls_spread``) and once a run
-#: has made its first batch's worth of records: a whole number of micro-batches, so that the
-#: rest still get one micro-batch at a time. The tokenizer's threads idle at the end of each call
-#: while its longest text finishes: fewer, larger calls idle less. On one thread a call has no
-#: such tail, and larger reads would only make a process lane's lists come in bursts. Until the
-#: first batch's worth reads stay small, so that a first batch (after a restore too, or in a
-#: process lane's head start) waits for no more than it needs.
+#: Samples of a chunk the operators before the first stateful one get per call once a run's
+#: first micro-batch is out, where the rest get pieces: a whole number of micro-batches, so that
+#: the rest still get one micro-batch at a time. A tokenizer on its own threads leaves them idle
+#: at the end of each call while the call's longest text finishes: fewer, larger calls idle less.
 READ_RECORDS = 1024
 
 
@@ -58,21 +53,6 @@ def _split_at(items: list, lo: int, offset: int) -> int:
         if type(item) is SampleRecord and item.meta.cursor.chunk_offset >= offset:
             return i
     return len(items)
-
-
-def batch_records(plan: Plan) -> int:
-    """The records a first batch takes: the batch size, or one without a batcher."""
-    return plan.batcher.batch_size if plan.batcher is not None else 1
-
-
-def real_records(items: list) -> int:
-    """How many real records (no tombstones, no control items) ``items`` holds."""
-    return sum(
-        len(item)
-        if type(item) is RecordRun
-        else type(item) is SampleRecord and not item.meta.is_tombstone
-        for item in items
-    )
 
 
 def _snapshot_spacing(plan: Plan, ops: list[Operator]) -> tuple[int, int, int]:
@@ -203,7 +183,6 @@ class LaneRunner:
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
         first_reads = mb if piece < mb else 0  # records still read a piece at a time
         group = mb * max(1, READ_RECORDS // mb)
-        warming = batch_records(plan)  # records to make before reads grow to ``group``
         while stop is None or k < stop:
             position = geometry.position(k)
             chunk = source.chunk(position)
@@ -216,7 +195,6 @@ class LaneRunner:
                 stats = [list(s) for s in self.op_stats]
                 opened = [ChunkOpened(position, k, n, epoch, first, stats)]
             begin = first
-            spread = calls_spread()  # per chunk: a worker's tokenizer may get more threads
             while begin < n:
                 end = min(n, (begin // mb + 1) * mb)  # boundaries stay aligned after a skip
                 # The first delivery of a run (after a restore: of what follows the snapshot)
@@ -225,7 +203,7 @@ class LaneRunner:
                 if first_reads > 0:
                     end = min(end, (begin // piece + 1) * piece)
                     first_reads -= end - begin
-                elif split_at and warming <= 0 and spread:
+                elif split_at:
                     end = min(n, (begin // group + 1) * group)
                 records = self._push(
                     0, self._fetch(position, chunk.pointers[begin:end], begin), split_at
@@ -240,10 +218,7 @@ class LaneRunner:
                 while at < end:
                     cut = min(end, (at // piece + 1) * piece, (at // mb + 1) * mb)
                     upto = len(records) if cut == end else _split_at(records, taken, cut)
-                    out = self._push(split_at, records[taken:upto])
-                    if warming > 0:
-                        warming -= real_records(out)
-                    made += out
+                    made += self._push(split_at, records[taken:upto])
                     taken = upto
                     # A snapshot once ``spacing`` samples went through since the last, at
                     # the end of a piece; never at the end of an epoch or of the run (a restore

@@ -4,7 +4,6 @@ the workers together fit the CPUs."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 
 #: The thread pools of tokenizers and numerical libraries, by the variables that size them.
 THREAD_VARIABLES = (
@@ -32,23 +31,6 @@ def worker_environment(processes: int, environ: dict[str, str] | None = None) ->
     wanted = {name: str(threads) for name in THREAD_VARIABLES}
     wanted["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
     return {name: environ.get(name, value) for name, value in wanted.items()}
-
-
-#: How tokenizers read ``TOKENIZERS_PARALLELISM`` as off.
-_OFF = ("", "0", "f", "false", "n", "no", "off")
-
-
-def calls_spread(environ: dict[str, str] | None = None) -> bool:
-    """Whether a tokenizer's own thread pool in this process spreads one call over more than one
-    thread: unless ``TOKENIZERS_PARALLELISM`` is off or ``RAYON_NUM_THREADS`` is 1, it takes the
-    usable CPUs (a worker process's variables come from ``worker_environment``)."""
-    env: Mapping[str, str] = os.environ if environ is None else environ
-    parallelism = env.get("TOKENIZERS_PARALLELISM")
-    if parallelism is not None and parallelism.strip().lower() in _OFF:
-        return False
-    rayon = env.get("RAYON_NUM_THREADS", "").strip()
-    threads = int(rayon) if rayon.isdigit() and int(rayon) > 0 else _usable_cpus()
-    return threads > 1
 
 
 #: The thread variables a worker may be given more of when other workers have finished: the
