@@ -25,10 +25,9 @@ from zephon.ops import (
     shuffle,
     tokenize,
 )
-from zephon.runtime import lane as lane_module
 from zephon.runtime.control import Holdings
 from zephon.runtime.holdings import flat_cursors, unpack_cursors
-from zephon.runtime.lane import READ_RECORDS, SNAPSHOT_RECORDS, LaneRunner
+from zephon.runtime.lane import SNAPSHOT_RECORDS, LaneRunner
 from zephon.sources.memory import ListSource
 from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleCursor
@@ -151,58 +150,6 @@ def test_snapshots_are_close_only_where_a_restore_would_redo_a_transform():
     )
     full = run(iter(pipeline))
     assert_resumes_at(pipeline, [0, 5, 100, len(full) - 2], full)
-
-
-class CallSizes(Operator):
-    """Keeps no state and is not batch-sensitive: notes how many records each call gets."""
-
-    name = "call_sizes"
-    traits = OpTraits(preserves_cursor_order=True)
-
-    def __init__(self) -> None:
-        self.sizes: list[int] = []
-
-    def process_many(self, records: list) -> list:
-        self.sizes.append(len(records))
-        return records
-
-
-def call_sizes_pipeline(chunk_size: int, micro_batch: int = 256) -> zephon.Pipeline:
-    tokens = [{"tokens": np.arange(1 + i % 50, dtype=np.int32)} for i in range(3000)]
-    chain = [fetch(), CallSizes(), pack_sequences(64, pad_id=0), batch(4)]
-    source = ListSource(tokens, chunk_size=chunk_size)
-    return zephon.Pipeline(source, chain, epoch_chunks=4, micro_batch=micro_batch)
-
-
-@pytest.mark.parametrize("micro_batch", [256, 100])
-def test_a_transform_before_the_first_holder_gets_whole_reads_once_the_first_micro_batch_is_out(
-    micro_batch,
-):
-    # A tokenizer on its own threads idles at the end of every call: after the first micro-batch
-    # (read a piece at a time, so the first batch waits for a piece) the transform gets a whole
-    # number of micro-batches up to READ_RECORDS samples per call, never across a chunk's end.
-    pipeline = call_sizes_pipeline(chunk_size=2048, micro_batch=micro_batch)
-    runner = LaneRunner(pipeline.compile(), 0)
-    lists = list(runner.run())
-    group = READ_RECORDS // micro_batch * micro_batch
-    pieces = [
-        min(SNAPSHOT_RECORDS, micro_batch - at) for at in range(0, micro_batch, SNAPSHOT_RECORDS)
-    ]
-    reads = [min(group, n - at) for n in (2048, 3000 - 2048) for at in range(0, n, group)]
-    reads[0] -= micro_batch
-    transform = runner.ops[0]
-    assert isinstance(transform, CallSizes)
-    assert transform.sizes == [*pieces, *reads]
-    # What comes after it still goes micro-batch by micro-batch, one item list each.
-    assert max(sum(type(item) is Holdings for item in items) for items in lists) == len(pieces)
-
-
-def test_whole_reads_change_nothing_delivered_and_restore_exactly(monkeypatch):
-    pipeline = call_sizes_pipeline(chunk_size=2048)
-    full = run(iter(pipeline))
-    assert_resumes_at(pipeline, [0, 1, 70, 200, 333, len(full) - 1], full)
-    monkeypatch.setattr(lane_module, "READ_RECORDS", 256)  # one micro-batch per call
-    assert run(iter(pipeline)) == full
 
 
 @pytest.mark.parametrize("workers", ["thread", "process"])

@@ -48,9 +48,7 @@ class Operator:
     """Base class of pipeline operators.
 
     The lane runner calls ``start_epoch`` before each epoch, ``process_many`` on micro-batches of
-    real records (never tombstones; a stateless operator before the first stateful one may get
-    several of a chunk's micro-batches in one call), and ``flush`` at each epoch marker and at the
-    end of a lane.
+    real records (never tombstones), and ``flush`` at each epoch marker and at the end of a lane.
     An operator that drops a record must emit that record's tombstones (``tombstones_for_record``).
     """
 

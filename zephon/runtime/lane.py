@@ -30,17 +30,11 @@ from zephon.types import SampleRecord
 #: an operator that keeps no state: what a restore replays at most before it delivers again (a
 #: snapshot costs about what packing a few dozen sequences does). When no operator is
 #: batch-sensitive, the operators from the first stateful one on get a micro-batch in pieces of
-#: this many samples (those before it get whole reads, ``READ_RECORDS``), so that snapshots fall
-#: inside it and a restore re-reads only the piece it needs; otherwise snapshots wait for the
-#: end of a micro-batch. A chain of stateful operators alone redoes only their own work on a
-#: restore, and snapshots once per micro-batch.
+#: this many samples (those before it get it whole), so that snapshots fall inside it and a
+#: restore re-reads only the piece it needs; otherwise snapshots wait for the end of a
+#: micro-batch. A chain of stateful operators alone redoes only their own work on a restore,
+#: and snapshots once per micro-batch.
 SNAPSHOT_RECORDS = 64
-
-#: Samples of a chunk the operators before the first stateful one get per call once a run's
-#: first micro-batch is out, where the rest get pieces: a whole number of micro-batches, so that
-#: the rest still get one micro-batch at a time. A tokenizer on its own threads leaves them idle
-#: at the end of each call while the call's longest text finishes: fewer, larger calls idle less.
-READ_RECORDS = 1024
 
 
 def _split_at(items: list, lo: int, offset: int) -> int:
@@ -182,7 +176,6 @@ class LaneRunner:
         since_snapshot = 0
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
         first_reads = mb if piece < mb else 0  # records still read a piece at a time
-        group = mb * max(1, READ_RECORDS // mb)
         while stop is None or k < stop:
             position = geometry.position(k)
             chunk = source.chunk(position)
@@ -203,20 +196,17 @@ class LaneRunner:
                 if first_reads > 0:
                     end = min(end, (begin // piece + 1) * piece)
                     first_reads -= end - begin
-                elif split_at:
-                    end = min(n, (begin // group + 1) * group)
                 records = self._push(
                     0, self._fetch(position, chunk.pointers[begin:end], begin), split_at
                 )
                 if piece < mb:  # cut into pieces by cursor below
                     records = expand_runs(records)
-                # One item list per micro-batch (or per read, when less), pieces and snapshots
-                # in order: a process lane's ``prefetch`` counts lists, so a list is what a
-                # micro-batch makes.
+                # One item list per read, pieces and snapshots in order: a process lane's
+                # ``prefetch`` counts lists, so a list is what a micro-batch makes.
                 made, opened = opened, []
                 at, taken = begin, 0
                 while at < end:
-                    cut = min(end, (at // piece + 1) * piece, (at // mb + 1) * mb)
+                    cut = min(end, (at // piece + 1) * piece)
                     upto = len(records) if cut == end else _split_at(records, taken, cut)
                     made += self._push(split_at, records[taken:upto])
                     taken = upto
@@ -230,9 +220,8 @@ class LaneRunner:
                         made.append(Holdings(where[0], where[1], epoch, snapshot_of(self.ops)))
                         since_snapshot = 0
                     at = cut
-                    if made and (at == end or at % mb == 0):
-                        yield made
-                        made = []
+                if made:
+                    yield made
                 begin = end
             if opened:  # a chunk with nothing left to read
                 yield opened
