@@ -287,10 +287,11 @@ def main():
     paths = [os.path.join(sys.argv[1], f"rows{k}.parquet") for k in range(2)]
     for path in paths:
         pq.write_table(pa.table({"x": list(range(64))}), path, row_group_size=16)
-    files = [ArrowSource(path, chunk_size=16, dataset_id=k) for k, path in enumerate(paths)]
-    source = ArrowSource(paths[0], chunk_size=16)
     if sys.argv[2] == "mixture":
-        source = MixtureSource({"a": files[0], "b": files[1]}, {"a": 0.5, "b": 0.5}, chunk_size=16)
+        a, b = (ArrowSource(path, chunk_size=16, dataset_id=k) for k, path in enumerate(paths))
+        source = MixtureSource({"a": a, "b": b}, {"a": 0.5, "b": 0.5}, chunk_size=16)
+    else:
+        source = ArrowSource(paths[0], chunk_size=16)
     pipeline = zephon.Pipeline(
         source,
         [fetch(), map_transform(LoadedAfterFork())],

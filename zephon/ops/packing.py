@@ -492,8 +492,7 @@ class PackSequences(_Packer):
         rows = _consolidated(rows, self.seq_len)
         fill.clear()
         fill.write(rows, arrays, items, sides)
-        # np.unique's result, without its import of numpy.ma in a worker process.
-        return np.array(sorted(set(rows[:, 3].tolist())), dtype=np.int64)
+        return np.arange(rows[-1, 3] + 1, dtype=np.int64)  # _consolidated numbers bins 0, 1, ...
 
     def _new_kernel(self) -> BinPacker:
         return BinPacker(

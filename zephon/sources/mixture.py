@@ -345,8 +345,8 @@ class MixtureSource(WorkSource):
         out: list[Any] = [None] * len(rows)
         ids = rows[:, 0]
         for did in sorted(set(ids.tolist())):  # not np.unique: it imports numpy.ma in a worker
-            i = self._component_of(did, rows[ids == did][0])
             where = np.flatnonzero(ids == did)
+            i = self._component_of(did, rows[where[0]])
             payloads = self._sources[i].read(rows[where])
             for w, value in zip(where.tolist(), payloads, strict=True):
                 out[w] = value
