@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zephon._core.tokens import UNDECIDED, int32_ids
+from zephon._core.records import counted_meta
+from zephon._core.tokens import UNDECIDED, int32_ids, tokenized_records
+from zephon.types import ContributorRef, SampleCursor, SampleMeta, SampleRecord
 
 ID_LIMIT = 2**31
 
@@ -77,3 +79,127 @@ def test_a_bad_eos_or_limit_is_refused(eos, limit, error):
 def test_only_a_list_is_taken():
     with pytest.raises(TypeError):
         int32_ids((1, 2), None, None)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------- records of one tokenizer call
+class Encoding:
+    """What a Hugging Face tokenizer returns per text: an object whose ``ids`` is a list."""
+
+    def __init__(self, ids: Any):
+        self.ids = ids
+
+
+def counted_reference(meta: SampleMeta, n_tokens: int) -> SampleMeta:
+    """The meta a tokenized record carries: its own, heading one sample of its component."""
+    comp = meta.component
+    return SampleMeta(
+        meta.cursor,
+        lane_id=meta.lane_id,
+        contributors=meta.contributors,
+        tags=meta.tags,
+        component=comp,
+        component_sample_counts={comp: 1},
+        component_token_counts={comp: n_tokens},
+    )
+
+
+def records_reference(
+    records: list[SampleRecord], encoded: list[Any], field: str, eos: int | None, limit: int | None
+) -> list[SampleRecord]:
+    """Record by record until the first one left to the general path: ids that are not a list
+    of exact ints in range, or a payload that is not a dict."""
+    out = []
+    for rec, result in zip(records, encoded, strict=True):
+        ids = result if type(result) is list else getattr(result, "ids", None)
+        if type(ids) is not list or type(rec.payload) is not dict:
+            break
+        if any(type(i) is not int or not 0 <= i < ID_LIMIT for i in ids):
+            break
+        tokens = reference(ids, eos, limit)
+        out.append(
+            SampleRecord(counted_reference(rec.meta, len(tokens)), {**rec.payload, field: tokens})
+        )
+    return out
+
+
+def a_record(i: int, component: Any, payload: Any, tags: frozenset[str]) -> SampleRecord:
+    cursor = SampleCursor(7, i, (0, 3, 100 + i))
+    parent = ContributorRef(SampleCursor(6, i, (0, 3, 100 + i)), True)
+    meta = SampleMeta(
+        cursor,
+        lane_id=2,
+        contributors=(parent,) if i % 2 else None,
+        tags=tags,
+        component=component,
+        component_sample_counts={"stale": 9},
+        component_token_counts={"stale": 9},
+    )
+    return SampleRecord(meta, payload)
+
+
+odd_ids = st.one_of(
+    good_ids,
+    any_ids,
+    st.just((1, 2)),
+    st.just([1, np.int64(2)]),
+    st.just([True]),
+)
+results = st.tuples(odd_ids, st.booleans()).map(lambda t: Encoding(t[0]) if t[1] else t[0])
+payloads: st.SearchStrategy[Any] = st.one_of(
+    st.just({"text": "abc", "n": 1}),
+    st.just({"tokens": "old", "text": "x"}),  # the output field exists already: it is replaced
+    st.just({}),
+    st.just(("text",)),
+    st.none(),
+)
+calls = st.lists(
+    st.tuples(results, payloads, st.sampled_from([None, "web", 3]), st.sampled_from(["", "ab"])),
+    max_size=12,
+)
+
+
+@given(calls, eos_ids, limits)
+def test_a_calls_records_are_made_as_the_rule_says_up_to_the_first_irregular_one(call, eos, limit):
+    records = [
+        a_record(i, comp, payload, frozenset(tags))
+        for i, (_, payload, comp, tags) in enumerate(call)
+    ]
+    encoded = [result for result, *_ in call]
+    want = records_reference(records, encoded, "tokens", eos, limit)
+    got = tokenized_records(records, encoded, "tokens", eos, limit)
+    assert len(got) == len(want)
+    for g, w, source in zip(got, want, records):
+        assert g.meta == w.meta
+        assert list(g.payload) == list(w.payload)  # the keys in the same order
+        assert {k: v for k, v in g.payload.items() if k != "tokens"} == {
+            k: v for k, v in w.payload.items() if k != "tokens"
+        }
+        np.testing.assert_array_equal(g.payload["tokens"], w.payload["tokens"])
+        assert g.payload["tokens"].dtype == np.int32
+        assert g.payload is not source.payload  # the record read keeps its own payload
+
+
+def test_a_call_with_fewer_results_than_records_is_refused():
+    records = [a_record(i, None, {"text": "a"}, frozenset()) for i in range(3)]
+    with pytest.raises(ValueError, match="2 results for 3 records"):
+        tokenized_records(records, [[1], [2]], "tokens", None, None)
+
+
+@pytest.mark.parametrize(
+    ("eos", "limit", "error"), [(-1, None, ValueError), (0, -1, ValueError), ("0", None, TypeError)]
+)
+def test_a_bad_eos_or_limit_is_refused_for_a_whole_call(eos, limit, error):
+    records = [a_record(0, None, {"text": "a"}, frozenset())]
+    with pytest.raises(error):
+        tokenized_records(records, [[1]], "tokens", eos, limit)
+
+
+def test_anything_but_records_is_refused():
+    with pytest.raises(TypeError):
+        tokenized_records([{"text": "a"}], [[1]], "tokens", None, None)  # type: ignore[list-item]
+
+
+@given(st.sampled_from([None, "web", 3]), st.integers(0, 10**6))
+def test_the_counted_meta_is_the_one_the_constructor_builds(component, n):
+    meta = a_record(1, component, {}, frozenset({"t"})).meta
+    assert counted_meta(meta, n) == counted_reference(meta, n)

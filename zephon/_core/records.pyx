@@ -203,10 +203,7 @@ def _root_record_from_state(offset_t chunk_id, offset_t chunk_offset, offset_t d
 
 def _record_from_state(SampleMeta meta, payload):
     """Unpickle a SampleRecord (its meta is already a SampleMeta: no re-validation)."""
-    cdef SampleRecord r = SampleRecord.__new__(SampleRecord)
-    r.meta = meta
-    r.payload = payload
-    return r
+    return make_record(meta, payload)
 
 
 cdef SampleMeta make_meta(SampleCursor cursor, offset_t lane_id, object component):
@@ -221,6 +218,29 @@ cdef SampleMeta make_meta(SampleCursor cursor, offset_t lane_id, object componen
     m.component_sample_counts = None
     m.component_token_counts = None
     return m
+
+
+cpdef SampleMeta counted_meta(SampleMeta meta, object n_tokens):
+    """``meta`` for a record that is one sample of its component, ``n_tokens`` tokens long: the
+    mixture heritage a tokenizer gives each document it encodes (the rest of ``meta`` kept)."""
+    cdef SampleMeta m = SampleMeta.__new__(SampleMeta)
+    m.cursor = meta.cursor
+    m.lane_id = meta.lane_id
+    m.contributors = meta.contributors
+    m.tags = meta.tags
+    m.is_tombstone = False
+    m.component = meta.component
+    m.component_sample_counts = {meta.component: 1}
+    m.component_token_counts = {meta.component: n_tokens}
+    return m
+
+
+cdef SampleRecord make_record(SampleMeta meta, object payload):
+    """A record of a valid meta, without the constructor's checks."""
+    cdef SampleRecord r = SampleRecord.__new__(SampleRecord)
+    r.meta = meta
+    r.payload = payload
+    return r
 
 
 @cython.freelist(1024)

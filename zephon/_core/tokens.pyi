@@ -1,9 +1,14 @@
-"""Token ids into one ``int32`` array (compiled); ``zephon.ops.tokenize`` uses it per document."""
+"""Token ids into ``int32`` arrays (compiled); ``zephon.ops.tokenize`` uses them per call."""
 
 from typing import Any
 
 import numpy as np
 
+from zephon._core.records import SampleRecord
+
 UNDECIDED: object
 
 def int32_ids(ids: list[int], eos: int | None, limit: int | None) -> np.ndarray | Any: ...
+def tokenized_records(
+    records: list[SampleRecord], encoded: list[Any], field: str, eos: int | None, limit: int | None
+) -> list[SampleRecord]: ...

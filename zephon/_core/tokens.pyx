@@ -2,13 +2,17 @@
 
 A Hugging Face ``Encoding`` hands its ids over as a list of Python ints. Converting that list
 once, straight into the output (the end-of-sequence id included, cut to a limit), with the range
-check done on the same pass, is what ``tokenize`` does per document.
+check done on the same pass, is what ``tokenize`` does per document; ``tokenized_records`` does
+it for a whole tokenizer call, with the records that carry the arrays.
 """
 
 cimport cython
+from cpython.dict cimport PyDict_Copy
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.ref cimport PyObject
+
+from zephon._core.records cimport SampleRecord, counted_meta, make_record
 
 import numpy as np
 
@@ -22,8 +26,56 @@ cdef long long ID_LIMIT = 2147483648  # int32 ids are never negative: [0, 2**31)
 UNDECIDED = object()
 
 
+cdef long long _checked_eos(object eos) except -1:
+    """The end-of-sequence id as a C value (0 for ``None``), refused outside the id range."""
+    if eos is None:
+        return 0
+    cdef long long value = eos
+    if not 0 <= value < ID_LIMIT:
+        raise ValueError(f"the end-of-sequence id {value} falls outside [0, 2**31)")
+    return value
+
+
+cdef Py_ssize_t _checked_limit(object limit) except -2:
+    """The cut as a C value (-1 for ``None``), refused when negative."""
+    if limit is None:
+        return -1
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    return limit
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
+cdef object _converted(list ids, bint has_eos, long long eos, Py_ssize_t limit):
+    """``int32_ids`` once its eos and limit are checked (``limit`` -1: no cut); None where it
+    gives ``UNDECIDED``."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(ids)
+    cdef Py_ssize_t total = n + 1 if has_eos else n
+    cdef Py_ssize_t i, keep
+    cdef long long value
+    cdef int overflow = 0
+    cdef PyObject* item
+    if limit >= 0:
+        total = min(total, limit)
+    keep = min(n, total)
+    cdef cnp.npy_intp size = total
+    cdef cnp.ndarray arr = cnp.PyArray_EMPTY(1, &size, cnp.NPY_INT32, 0)
+    cdef int* out = <int*>cnp.PyArray_DATA(arr)
+    for i in range(n):  # every id is checked, also those a cut leaves out
+        item = PyList_GET_ITEM(ids, i)
+        if type(<object>item) is not int:
+            return None
+        value = PyLong_AsLongLongAndOverflow(<object>item, &overflow)
+        if overflow or not 0 <= value < ID_LIMIT:
+            raise ValueError(f"token ids include {<object>item} (at {i}), outside [0, 2**31)")
+        if i < keep:
+            out[i] = <int>value
+    if total > n:
+        out[n] = <int>eos
+    return arr
+
+
 def int32_ids(list ids, object eos, object limit):
     """``ids`` (a list of ints in ``[0, 2**31)``), then ``eos`` unless it is ``None``, cut to
     ``limit`` tokens unless that is ``None``, as a new ``int32`` array. The eos is placed before
@@ -32,33 +84,43 @@ def int32_ids(list ids, object eos, object limit):
     ``ValueError`` names the first id outside the range; ``UNDECIDED`` when an item is not an
     exact ``int`` (a bool, a numpy integer, anything else), for the caller's general path.
     """
-    cdef Py_ssize_t n = PyList_GET_SIZE(ids)
-    cdef Py_ssize_t total = n if eos is None else n + 1
-    cdef Py_ssize_t i, keep
-    cdef long long value, eos_value = 0
-    cdef int overflow = 0
-    cdef PyObject* item
-    if eos is not None:
-        eos_value = eos
-        if not 0 <= eos_value < ID_LIMIT:
-            raise ValueError(f"the end-of-sequence id {eos_value} falls outside [0, 2**31)")
-    if limit is not None:
-        if limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
-        total = min(total, <Py_ssize_t>limit)
-    keep = min(n, total)
-    cdef cnp.npy_intp size = total
-    cdef cnp.ndarray arr = cnp.PyArray_EMPTY(1, &size, cnp.NPY_INT32, 0)
-    cdef int* out = <int*>cnp.PyArray_DATA(arr)
-    for i in range(n):  # every id is checked, also those a cut leaves out
-        item = PyList_GET_ITEM(ids, i)
-        if type(<object>item) is not int:
-            return UNDECIDED
-        value = PyLong_AsLongLongAndOverflow(<object>item, &overflow)
-        if overflow or not 0 <= value < ID_LIMIT:
-            raise ValueError(f"token ids include {<object>item} (at {i}), outside [0, 2**31)")
-        if i < keep:
-            out[i] = <int>value
-    if total > n:
-        out[n] = <int>eos_value
-    return arr
+    arr = _converted(ids, eos is not None, _checked_eos(eos), _checked_limit(limit))
+    return UNDECIDED if arr is None else arr
+
+
+def tokenized_records(list records, list encoded, str field, object eos, object limit):
+    """The records of one tokenizer call: ``records[i]`` with ``field`` set to the ids of
+    ``encoded[i]`` (its ``ids`` list, or the list itself) as ``int32_ids`` converts them, and its
+    meta counting it as one sample of its component with that many tokens (``counted_meta``).
+
+    Made in order up to the first record left to the caller's general path, which also reports
+    errors with the record they belong to: ids that are not a list of exact ints in
+    ``[0, 2**31)``, a payload that is not a dict, or anything raised on the way. The list made
+    is as long as the records it covers.
+    """
+    cdef Py_ssize_t n = PyList_GET_SIZE(records)
+    if PyList_GET_SIZE(encoded) != n:
+        raise ValueError(f"{PyList_GET_SIZE(encoded)} results for {n} records")
+    cdef bint has_eos = eos is not None
+    cdef long long eos_value = _checked_eos(eos)
+    cdef Py_ssize_t cut = _checked_limit(limit)
+    cdef list out = []
+    cdef Py_ssize_t i
+    cdef SampleRecord rec
+    cdef dict payload
+    for i in range(n):
+        rec = <SampleRecord?>records[i]
+        if type(rec.payload) is not dict:
+            break
+        result = encoded[i]
+        try:
+            ids = result if type(result) is list else getattr(result, "ids", None)
+            tokens = _converted(ids, has_eos, eos_value, cut) if type(ids) is list else None
+        except Exception:  # the general path meets it again, and names the record
+            break
+        if tokens is None:
+            break
+        payload = PyDict_Copy(rec.payload)
+        payload[field] = tokens
+        out.append(make_record(counted_meta(rec.meta, len(tokens)), payload))
+    return out

@@ -30,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from zephon._core.records import counted_meta
 from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import spawn_child
-from zephon.ops.tokenize import _refuse_batch_padding, _tokenizer_digest, _with_counts, find_pad
+from zephon.ops.tokenize import _refuse_batch_padding, _tokenizer_digest, find_pad
 from zephon.types import SampleRecord
 from zephon.validation import check_int
 
@@ -431,7 +432,7 @@ class TokenizeChat(Operator):
 
     def _record(self, meta: Any, payload: Any, ids: np.ndarray, mask: np.ndarray) -> SampleRecord:
         return SampleRecord(
-            _with_counts(meta, len(ids)),
+            counted_meta(meta, len(ids)),
             {**payload, self.output_field: ids, self.mask_field: mask},
         )
 

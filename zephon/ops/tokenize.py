@@ -22,12 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.tokens import UNDECIDED, int32_ids
+from zephon._core.records import counted_meta
+from zephon._core.tokens import UNDECIDED, int32_ids, tokenized_records
 from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
 from zephon.ops.children import spawn_child
-from zephon.types import SampleMeta, SampleRecord
+from zephon.types import SampleRecord
 from zephon.validation import check_int
 
 __all__ = [
@@ -511,7 +512,14 @@ class Tokenize(Operator):
         piece_len = self.max_len if self.split_long_samples else None
         limit = None if self.split_long_samples else self.max_len
         out: list[SampleRecord] = []
-        for rec, result in zip(records, encoded, strict=True):
+        if piece_len is None and type(encoded) is list:
+            # The whole call in one compiled pass; it stops at a record only this loop handles
+            # (and reports, with the record), which continues from there.
+            out = tokenized_records(records, encoded, out_field, eos, limit)
+            if len(out) == len(records):
+                return out
+        done = len(out)
+        for rec, result in zip(records[done:], encoded[done:], strict=True):
             try:
                 tokens = _checked_fill(result, eos, limit)
             except (AttributeError, TypeError, ValueError, OverflowError) as exc:
@@ -520,30 +528,16 @@ class Tokenize(Operator):
             payload = rec.payload
             n = len(tokens)
             if piece_len is None or n <= piece_len:
-                out.append(SampleRecord(_with_counts(meta, n), {**payload, out_field: tokens}))
+                out.append(SampleRecord(counted_meta(meta, n), {**payload, out_field: tokens}))
             else:
                 k = math.ceil(n / piece_len)
                 for i in range(k):
                     piece = tokens[i * piece_len : (i + 1) * piece_len]
                     child = spawn_child(meta, i, is_last_child=i == k - 1)
                     out.append(
-                        SampleRecord(_with_counts(child, len(piece)), {**payload, out_field: piece})
+                        SampleRecord(counted_meta(child, len(piece)), {**payload, out_field: piece})
                     )
         return out
-
-
-def _with_counts(meta: SampleMeta, n_tokens: int) -> SampleMeta:
-    """``meta`` with the heritage of one sample of its component holding ``n_tokens`` tokens."""
-    comp = meta.component
-    return SampleMeta(
-        meta.cursor,
-        lane_id=meta.lane_id,
-        contributors=meta.contributors,
-        tags=meta.tags,
-        component=comp,
-        component_sample_counts={comp: 1},
-        component_token_counts={comp: n_tokens},
-    )
 
 
 def _tokenizer_digest(tokenizer: Any) -> str | None:
