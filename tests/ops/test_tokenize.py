@@ -328,6 +328,36 @@ def test_each_document_gets_its_own_writable_int32_array_with_the_eos():
     assert cut.payload["tokens"].base is None
 
 
+class MixedResults:
+    """An ``encode_batch`` whose results are lists of ints, except an array for a text with "#",
+    and ids out of range for a text with "!": the records after such a result are made in
+    Python, those before it in the compiled pass."""
+
+    def encode_batch(self, texts: list[str]) -> list[Any]:
+        out: list[Any] = []
+        for t in texts:
+            ids = [len(w) for w in t.split()]
+            out.append(np.array(ids) if "#" in t else [2**31] if "!" in t else ids)
+        return out
+
+
+def test_a_call_whose_results_change_kind_midway_keeps_every_record_in_order():
+    texts = ["a bb", "ccc", "# dd", "e fff", "", "# g"]
+    out = tokenize(MixedResults(), eos_id=0).process_many(text_records(texts))
+    assert [r.payload["tokens"].tolist() for r in out] == [[*word_lengths(t), 0] for t in texts]
+    assert [r.meta.cursor.chunk_offset for r in out] == list(range(len(texts)))
+    assert [r.payload["id"] for r in out] == list(range(len(texts)))
+    assert [r.meta.component_token_counts for r in out] == [
+        {"web": len(word_lengths(t)) + 1} for t in texts
+    ]
+
+
+def test_ids_out_of_range_midway_in_a_call_name_their_own_record():
+    texts = ["a", "bb", "c!", "d"]
+    with pytest.raises(OperatorError, match=r"SampleCursor\(0, 2, .*outside \[0, 2\*\*31\)"):
+        tokenize(MixedResults(), eos_id=0).process_many(text_records(texts))
+
+
 def test_the_fingerprint_follows_the_vocabulary_of_a_hugging_face_tokenizer():
     a, b = word_level_tokenizer(), bpe_tokenizer()
     assert tokenize(a).describe() == tokenize(word_level_tokenizer()).describe()
