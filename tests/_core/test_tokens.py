@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zephon._core.records import counted_meta
@@ -110,9 +110,16 @@ def records_reference(
     of exact ints in range, or a payload that is not a dict."""
     out = []
     for rec, result in zip(records, encoded, strict=True):
-        ids = result if type(result) is list else getattr(result, "ids", None)
-        if type(ids) is not list or type(rec.payload) is not dict:
+        if type(rec.payload) is not dict:
             break
+        if type(result) is np.ndarray:
+            if not taken_as_is(result):
+                break
+            ids = result.tolist()
+        else:
+            ids = result if type(result) is list else getattr(result, "ids", None)
+            if type(ids) is not list:
+                break
         if any(type(i) is not int or not 0 <= i < ID_LIMIT for i in ids):
             break
         tokens = reference(ids, eos, limit)
@@ -120,6 +127,19 @@ def records_reference(
             SampleRecord(counted_reference(rec.meta, len(tokens)), {**rec.payload, field: tokens})
         )
     return out
+
+
+def taken_as_is(ids: np.ndarray) -> bool:
+    """An array the compiled pass converts itself: 1-D, C-contiguous, aligned, native int32 or
+    int64."""
+    native = ids.dtype.byteorder in "=|"
+    return (
+        ids.ndim == 1
+        and ids.flags.c_contiguous
+        and ids.flags.aligned
+        and native
+        and ids.dtype.type in (np.int32, np.int64)
+    )
 
 
 def a_record(i: int, component: Any, payload: Any, tags: frozenset[str]) -> SampleRecord:
@@ -137,9 +157,32 @@ def a_record(i: int, component: Any, payload: Any, tags: frozenset[str]) -> Samp
     return SampleRecord(meta, payload)
 
 
+array_values = st.lists(st.sampled_from([0, 1, 255, 2**31 - 1, -1, 2**31]), max_size=12)
+array_kinds = st.sampled_from(
+    [
+        np.dtype(np.int32),
+        np.dtype(np.int64),
+        np.dtype(np.uint8),
+        np.dtype(np.uint32),
+        np.dtype(">i4"),
+        np.dtype(np.float32),
+    ]
+)
+
+
+def as_array(values: list[int], dtype: np.dtype, layout: str) -> np.ndarray:
+    """``values`` (cast where they fit, wrapped where they do not) as an array: flat, every
+    second item of a longer one (not contiguous), or a column."""
+    if layout == "strided":
+        return np.repeat(np.array(values).astype(dtype), 2)[::2]
+    arr = np.array(values).astype(dtype)
+    return arr.reshape(-1, 1) if layout == "column" else arr
+
+
 odd_ids = st.one_of(
     good_ids,
     any_ids,
+    st.builds(as_array, array_values, array_kinds, st.sampled_from(["flat", "strided", "column"])),
     st.just((1, 2)),
     st.just([1, np.int64(2)]),
     st.just([True]),
@@ -177,6 +220,25 @@ def test_a_calls_records_are_made_as_the_rule_says_up_to_the_first_irregular_one
         np.testing.assert_array_equal(g.payload["tokens"], w.payload["tokens"])
         assert g.payload["tokens"].dtype == np.int32
         assert g.payload is not source.payload  # the record read keeps its own payload
+
+
+@pytest.mark.parametrize("layout", ["flat", "strided", "column"])
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint8", "uint32", ">i4", "<i8", "float32"])
+@settings(max_examples=30)  # each of the 21 layouts and kinds
+@given(values=array_values)
+def test_arrays_are_taken_as_is_only_when_flat_native_int32_or_int64_in_range(
+    layout, dtype, values
+):
+    # The array, then a list the pass always takes: where the pass stops shows up as a count.
+    ids = [as_array(values, np.dtype(dtype), layout), [5, 6]]
+    records = [a_record(i, "web", {"text": "x"}, frozenset()) for i in range(2)]
+    want = records_reference(records, ids, "tokens", 0, None)
+    got = tokenized_records(records, ids, "tokens", 0, None)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.meta == w.meta
+        np.testing.assert_array_equal(g.payload["tokens"], w.payload["tokens"])
+        assert g.payload["tokens"].dtype == np.int32 and g.payload["tokens"].base is None
 
 
 def test_a_call_with_fewer_results_than_records_is_refused():

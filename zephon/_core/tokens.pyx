@@ -11,6 +11,7 @@ from cpython.dict cimport PyDict_Copy
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.ref cimport PyObject
+from libc.string cimport memcpy
 
 from zephon._core.records cimport SampleRecord, counted_meta, make_record
 
@@ -19,6 +20,8 @@ import numpy as np
 cimport numpy as cnp
 
 cnp.import_array()
+
+cdef type _ndarray = np.ndarray
 
 cdef long long ID_LIMIT = 2147483648  # int32 ids are never negative: [0, 2**31)
 
@@ -76,6 +79,46 @@ cdef object _converted(list ids, bint has_eos, long long eos, Py_ssize_t limit):
     return arr
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef object _converted_array(cnp.ndarray ids, bint has_eos, long long eos, Py_ssize_t limit):
+    """``_converted`` for a tokenizer that hands back arrays: a 1-D, C-contiguous, aligned,
+    native ``int32`` or ``int64`` array of ids in ``[0, 2**31)``. None for any other array, or
+    when an id falls outside the range: the general path converts or reports those."""
+    if cnp.PyArray_NDIM(ids) != 1 or not cnp.PyArray_ISCARRAY_RO(ids):
+        return None
+    cdef int kind = cnp.PyArray_TYPE(ids)
+    if kind != cnp.NPY_INT32 and kind != cnp.NPY_INT64:
+        return None
+    cdef Py_ssize_t n = cnp.PyArray_DIM(ids, 0)
+    cdef Py_ssize_t total = n + 1 if has_eos else n
+    cdef Py_ssize_t i, keep
+    if limit >= 0:
+        total = min(total, limit)
+    keep = min(n, total)
+    cdef const int* ids32 = <const int*>cnp.PyArray_DATA(ids)
+    cdef const long long* ids64 = <const long long*>cnp.PyArray_DATA(ids)
+    if kind == cnp.NPY_INT32:
+        for i in range(n):
+            if ids32[i] < 0:
+                return None
+    else:
+        for i in range(n):
+            if not 0 <= ids64[i] < ID_LIMIT:
+                return None
+    cdef cnp.npy_intp size = total
+    cdef cnp.ndarray arr = cnp.PyArray_EMPTY(1, &size, cnp.NPY_INT32, 0)
+    cdef int* out = <int*>cnp.PyArray_DATA(arr)
+    if kind == cnp.NPY_INT32:
+        memcpy(out, ids32, keep * sizeof(int))
+    else:
+        for i in range(keep):
+            out[i] = <int>ids64[i]
+    if total > n:
+        out[n] = <int>eos
+    return arr
+
+
 def int32_ids(list ids, object eos, object limit):
     """``ids`` (a list of ints in ``[0, 2**31)``), then ``eos`` unless it is ``None``, cut to
     ``limit`` tokens unless that is ``None``, as a new ``int32`` array. The eos is placed before
@@ -90,13 +133,14 @@ def int32_ids(list ids, object eos, object limit):
 
 def tokenized_records(list records, list encoded, str field, object eos, object limit):
     """The records of one tokenizer call: ``records[i]`` with ``field`` set to the ids of
-    ``encoded[i]`` (its ``ids`` list, or the list itself) as ``int32_ids`` converts them, and its
-    meta counting it as one sample of its component with that many tokens (``counted_meta``).
+    ``encoded[i]`` (its ``ids`` list, the list itself, or an ``int32`` or ``int64`` array) as
+    ``int32_ids`` converts them, and its meta counting it as one sample of its component with
+    that many tokens (``counted_meta``).
 
     Made in order up to the first record left to the caller's general path, which also reports
-    errors with the record they belong to: ids that are not a list of exact ints in
-    ``[0, 2**31)``, a payload that is not a dict, or anything raised on the way. The list made
-    is as long as the records it covers.
+    errors with the record they belong to: ids that are neither a list of exact ints nor such an
+    array, ids outside ``[0, 2**31)``, a payload that is not a dict, or anything raised on the
+    way. The list made is as long as the records it covers.
     """
     cdef Py_ssize_t n = PyList_GET_SIZE(records)
     if PyList_GET_SIZE(encoded) != n:
@@ -114,8 +158,11 @@ def tokenized_records(list records, list encoded, str field, object eos, object 
             break
         result = encoded[i]
         try:
-            ids = result if type(result) is list else getattr(result, "ids", None)
-            tokens = _converted(ids, has_eos, eos_value, cut) if type(ids) is list else None
+            if type(result) is _ndarray:
+                tokens = _converted_array(result, has_eos, eos_value, cut)
+            else:
+                ids = result if type(result) is list else getattr(result, "ids", None)
+                tokens = _converted(ids, has_eos, eos_value, cut) if type(ids) is list else None
         except Exception:  # the general path meets it again, and names the record
             break
         if tokens is None:
