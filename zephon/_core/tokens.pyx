@@ -48,20 +48,23 @@ cdef Py_ssize_t _checked_limit(object limit) except -2:
     return limit
 
 
+cdef inline Py_ssize_t _output_length(Py_ssize_t n, bint has_eos, Py_ssize_t limit):
+    """Tokens out of ``n`` ids: with the eos appended, then cut to ``limit`` (-1: no cut)."""
+    cdef Py_ssize_t total = n + 1 if has_eos else n
+    return total if limit < 0 else min(total, limit)
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef object _converted(list ids, bint has_eos, long long eos, Py_ssize_t limit):
     """``int32_ids`` once its eos and limit are checked (``limit`` -1: no cut); None where it
     gives ``UNDECIDED``."""
     cdef Py_ssize_t n = PyList_GET_SIZE(ids)
-    cdef Py_ssize_t total = n + 1 if has_eos else n
-    cdef Py_ssize_t i, keep
+    cdef Py_ssize_t total = _output_length(n, has_eos, limit)
+    cdef Py_ssize_t i, keep = min(n, total)
     cdef long long value
     cdef int overflow = 0
     cdef PyObject* item
-    if limit >= 0:
-        total = min(total, limit)
-    keep = min(n, total)
     cdef cnp.npy_intp size = total
     cdef cnp.ndarray arr = cnp.PyArray_EMPTY(1, &size, cnp.NPY_INT32, 0)
     cdef int* out = <int*>cnp.PyArray_DATA(arr)
@@ -91,11 +94,8 @@ cdef object _converted_array(cnp.ndarray ids, bint has_eos, long long eos, Py_ss
     if kind != cnp.NPY_INT32 and kind != cnp.NPY_INT64:
         return None
     cdef Py_ssize_t n = cnp.PyArray_DIM(ids, 0)
-    cdef Py_ssize_t total = n + 1 if has_eos else n
-    cdef Py_ssize_t i, keep
-    if limit >= 0:
-        total = min(total, limit)
-    keep = min(n, total)
+    cdef Py_ssize_t total = _output_length(n, has_eos, limit)
+    cdef Py_ssize_t i, keep = min(n, total)
     cdef const int* ids32 = <const int*>cnp.PyArray_DATA(ids)
     cdef const long long* ids64 = <const long long*>cnp.PyArray_DATA(ids)
     if kind == cnp.NPY_INT32:
