@@ -16,7 +16,7 @@ cimport cython
 cimport numpy as cnp
 from zephon._core._types cimport offset_t
 from zephon._core.cursor cimport SampleCursor
-from zephon._core.records cimport ContributorRef, SampleMeta, SampleRecord, make_meta
+from zephon._core.records cimport ContributorRef, SampleMeta, SampleRecord, make_meta, make_record
 
 import numpy as np
 
@@ -91,7 +91,7 @@ def packed_records(list blocks not None, list bin_records not None,
     cdef offset_t start, size, n
     cdef cnp.ndarray block
     cdef SampleMeta meta, made
-    cdef SampleRecord rec, packed
+    cdef SampleRecord rec
     cdef ContributorRef ref, ended
     cdef tuple own
     for b in range(n_bins):
@@ -154,10 +154,7 @@ def packed_records(list blocks not None, list bin_records not None,
         made.contributors = tuple(refs)
         made.component_sample_counts = samples
         made.component_token_counts = tokens
-        packed = SampleRecord.__new__(SampleRecord)
-        packed.meta = made
-        packed.payload = payload
-        out[b] = packed
+        out[b] = make_record(made, payload)
     if at != n_rows:
         raise ValueError(f"packed_records: {n_rows} fragment rows but the bins hold {at}")
     return out

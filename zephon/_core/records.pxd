@@ -59,5 +59,6 @@ cdef class SampleBatch:
 
 cdef SampleMeta make_meta(SampleCursor cursor, offset_t lane_id, object component)
 cpdef SampleMeta counted_meta(SampleMeta meta, object n_tokens)
-cdef SampleRecord make_record(SampleMeta meta, object payload)
 cdef SampleBatch run_batch(object runs, object payload)  # runs: a RecordRun or JoinedRuns
+
+cdef SampleRecord make_record(SampleMeta meta, object payload)

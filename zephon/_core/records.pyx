@@ -266,10 +266,7 @@ cdef class SampleRecord:
 
     def with_payload(self, payload):
         """The same record identity carrying a new payload."""
-        cdef SampleRecord r = SampleRecord.__new__(SampleRecord)
-        r.meta = self.meta
-        r.payload = payload
-        return r
+        return make_record(self.meta, payload)
 
     def __reduce__(self):
         # One flat reduce per record (meta state inlined) for the pipes of process lanes.
@@ -386,13 +383,13 @@ cdef class RecordRun:
 
     cdef SampleRecord record_at(self, Py_ssize_t i):
         cdef const offset_t* p = self._p + 3 * i
-        cdef SampleRecord rec = SampleRecord.__new__(SampleRecord)
-        rec.meta = make_meta(
-            make_cursor(self.chunk_id, self.first_offset + i, p[0], p[1], p[2]),
-            self.lane_id, p[0] if self._components is None else self._components[self._lo + i],
+        return make_record(
+            make_meta(
+                make_cursor(self.chunk_id, self.first_offset + i, p[0], p[1], p[2]),
+                self.lane_id, p[0] if self._components is None else self._components[self._lo + i],
+            ),
+            self._payloads[self._lo + i],
         )
-        rec.payload = self._payloads[self._lo + i]
-        return rec
 
     cdef RecordRun _part(self, Py_ssize_t lo, Py_ssize_t hi):
         # Records lo..hi-1 of this run, sharing its columns.
@@ -610,17 +607,14 @@ def map_payloads(fn, list records, Py_ssize_t start, list out):
     raised (None when ``fn`` returned None), so the caller can name the record.
     """
     cdef Py_ssize_t i = start, n = len(records)
-    cdef SampleRecord rec, new
+    cdef SampleRecord rec
     try:
         while i < n:
             rec = <SampleRecord?>records[i]
             payload = fn(rec.payload)
             if payload is None:
                 return i, None
-            new = SampleRecord.__new__(SampleRecord)
-            new.meta = rec.meta
-            new.payload = payload
-            out.append(new)
+            out.append(make_record(rec.meta, payload))
             i += 1
     except Exception as exc:
         return i, exc
