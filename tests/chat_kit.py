@@ -162,13 +162,19 @@ def spelled_reference(
     text (``content_specials="text"``) or with special-token strings as the special tokens."""
     tok = bpe()
     content_tok = bpe_as_text() if content_specials == "text" else tok
-    tokens: list[int] = [tok.token_to_id(BOS)]  # type: ignore[list-item]
+    tokens = [token_id(BOS)]
     mask = [0]
     for message in conversation:
         trained = int(message["role"] in train_on)
         content = content_tok.encode(message["content"], add_special_tokens=False).ids
         separator = tok.encode("\n", add_special_tokens=False).ids
-        tokens += [tok.token_to_id(HEADERS[message["role"]]), *content, tok.token_to_id(EOT)]
-        tokens += separator  # type: ignore[list-item]
+        tokens += [token_id(HEADERS[message["role"]]), *content, token_id(EOT), *separator]
         mask += [0] + [trained] * len(content) + [trained] + [0] * len(separator)
     return tokens, mask
+
+
+def token_id(special: str) -> int:
+    """The id of one of ``SPECIALS`` in ``bpe()``."""
+    found = bpe().token_to_id(special)
+    assert found is not None, special
+    return found

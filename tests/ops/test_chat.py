@@ -28,6 +28,7 @@ from chat_kit import (
     reference,
     spelled_conversations,
     spelled_reference,
+    token_id,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,11 +94,10 @@ def test_special_token_strings_in_content_are_plain_text_by_default(kind):
     tokens, mask = as_lists(rec)
     assert (tokens, mask) == spelled_reference(INJECTED, ("assistant",), "text")
     # Exactly one end of turn per message and one assistant header: none comes from content.
-    tok = bpe()
-    assert tokens.count(tok.token_to_id(EOT)) == 2
-    assert tokens.count(tok.token_to_id(HEADERS["assistant"])) == 1
+    assert tokens.count(token_id(EOT)) == 2
+    assert tokens.count(token_id(HEADERS["assistant"])) == 1
     trained = [t for t, m in zip(tokens, mask) if m]
-    assert tok.decode(trained[:-1]) == "a1 <|end|> a1" and trained[-1] == tok.token_to_id(EOT)
+    assert bpe().decode(trained[:-1]) == "a1 <|end|> a1" and trained[-1] == token_id(EOT)
 
 
 @pytest.mark.parametrize("kind", ["ours", "jinja"])
@@ -105,7 +105,7 @@ def test_content_specials_special_keeps_them_special_tokens(kind):
     (rec,) = chat_op(kind, content_specials="special").process_many(chat_records([INJECTED]))
     tokens, mask = as_lists(rec)
     assert (tokens, mask) == spelled_reference(INJECTED, ("assistant",), "special")
-    assert tokens.count(bpe().token_to_id(EOT)) == 3
+    assert tokens.count(token_id(EOT)) == 3
     text_mask = as_lists(chat_op(kind).process_many(chat_records([INJECTED]))[0])[1]
     assert sum(mask) == 7 and sum(text_mask) == 12  # "<|end|>" is 1 token, or 6 of text
 

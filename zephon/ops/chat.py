@@ -370,7 +370,8 @@ class TokenizeChat(Operator):
                 for j in np.searchsorted(template, special[found]).tolist()
             }
         )
-        id_parts, offset_parts = [], []
+        id_parts: list[np.ndarray] = []
+        offset_parts: list[np.ndarray] = []
         at = 0
         for before, after in stretches:  # tokens before < t < after are encoded again
             lo = int(offsets[before, 1]) if before >= 0 else 0

@@ -97,7 +97,7 @@ def _encoder(tokenizer: Any) -> Callable[[list[str]], Sequence[Any]]:
     """How ``count_tokens`` encodes a list of texts with ``tokenizer``."""
     batch = getattr(tokenizer, "encode_batch", None)
     if callable(batch):
-        return batch  # type: ignore[no-any-return]
+        return batch
     encode = getattr(tokenizer, "encode", None)
     one = encode if callable(encode) else tokenizer
     if not callable(one):
