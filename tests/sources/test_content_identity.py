@@ -19,7 +19,7 @@ import pytest
 from pipeline_kit import run_with_timeout
 
 import zephon
-from zephon.errors import CheckpointMismatchError
+from zephon.errors import CheckpointMismatchError, FetchError
 from zephon.ops import batch, fetch
 from zephon.sources import ArrowSource, HFDatasetSource, JsonlSource
 
@@ -170,3 +170,28 @@ def test_a_hugging_face_dataset_saved_again_with_reordered_rows_is_refused(tmp_p
     shutil.copytree(first, tmp_path / "elsewhere" / "copy", ignore=shutil.ignore_patterns("*.zsum"))
     rest = run_with_timeout(lambda: tail(source(tmp_path / "elsewhere" / "copy"), state))
     assert got + rest == list(range(ROWS))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_a_store_giving_no_version_or_mtime_is_judged_by_content(tmp_path, fmt):
+    import fsspec
+
+    memory = fsspec.filesystem("memory")  # its listing has no mtime, its info no version
+    local = dataset(tmp_path / "data", fmt)
+    changed = dataset(tmp_path / "changed", fmt, reordered=True)
+    name = f"a.{SUFFIX[fmt]}"
+
+    def put(where: Path) -> None:
+        for file in ("a", "b"):
+            path = where / f"{file}.{SUFFIX[fmt]}"
+            memory.pipe(f"/{tmp_path.name}/{path.name}", path.read_bytes())
+
+    put(local)
+    uri = f"memory:///{tmp_path.name}"
+    src = make(fmt, uri)
+    _, state = run_with_timeout(lambda: head(src))
+    put(changed)
+    # Running: the digests refuse what changed. At resume: digested again, the content differs.
+    with pytest.raises(FetchError, match=rf"{name}.*(changed since|no longer matches)"):
+        src.read(src.chunk(0).pointers)
+    refused(lambda: make(fmt, uri), state, name)

@@ -236,7 +236,7 @@ class ArrowSource(FileSource):
             raise self.os_error(exc, i) from exc
         try:
             version = self.object_version(i, f)
-            if cached is not None and cached.version == version:
+            if cached is not None and cached.version == version and self.cache_can_tell(i, version):
                 cached.location = where
                 return cached
             size = f.size()

@@ -555,6 +555,12 @@ class FileSource(IndexedSource):
         ``""`` when local or when the store gives none; see ``Locations.version``."""
         return self._locations.version(self.files()[file_index].path, opened)
 
+    def cache_can_tell(self, file_index: int, version: str) -> bool:
+        """Whether a cached entry can stand for file ``file_index``: the listing gives its mtime
+        or the store a ``version``, so a rewrite would show. A store that gives neither
+        (``memory://``) has its files digested again by every new source."""
+        return bool(version) or self.files()[file_index].mtime_ns is not None
+
     def check_version(
         self, file_index: int, opened: Any, pinned: str, pointer: np.ndarray | None = None
     ) -> None:

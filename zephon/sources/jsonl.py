@@ -302,9 +302,10 @@ class JsonlSource(FileSource):
             with self._open(i) as fh:
                 size, mtime_ns = self._stat(i, fh)
                 version = self.object_version(i, fh)
+                usable = self.cache_can_tell(i, version)
                 for where in self.sidecar_candidates(i, ".zidx"):
                     index = _read_zidx(where, size, mtime_ns)
-                    if index is not None and index.version == version:
+                    if index is not None and index.version == version and usable:
                         return index
                 fh.seek(0)
                 starts = scan_line_starts(fh)
