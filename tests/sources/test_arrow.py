@@ -633,7 +633,7 @@ FLIP_SCRIPT = textwrap.dedent(
     import os
     import sys
     import numpy as np
-    from zephon.errors import CheckpointMismatchError, FetchError
+    from zephon.errors import FetchError
     from zephon.sources import ArrowSource
 
     path, stride = sys.argv[1], int(sys.argv[2])

@@ -180,7 +180,7 @@ def test_an_object_overwritten_while_read_is_refused_naming_both_versions(tmp_pa
     assert src.read(np.array([[0, 0, 1]]))[0]["idx"] == 1
     text = (local / "b" / "part-000.jsonl").read_text()
     rows = [json.loads(line) for line in text.splitlines()]
-    rows.reverse()  # the same rows in another order: the same size
+    rows.reverse()  # the same rows in another order (a JSONL file of the same size)
     if kind == "parquet":
         buf = pa.BufferOutputStream()
         pq.write_table(pa.Table.from_pylist(rows), buf, row_group_size=5)
