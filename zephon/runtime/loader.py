@@ -39,6 +39,7 @@ from zephon.runtime.delivery import LaneDelivery
 from zephon.runtime.job import rank_turn
 from zephon.runtime.layout import Layout
 from zephon.runtime.relane import relane
+from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import (
     COUNTERS,
     check_int,
@@ -91,7 +92,10 @@ class Loader(LoaderStep):
         self.restored_replayed = 0
         self.max_inflight = 0
         self.next_lane = 0
-        self.lanes = [LaneDelivery(plan, lane, self.counts) for lane in plan.rank_lanes]
+        self.skips = SkipLog(self.counts, plan.max_skipped)
+        self.lanes = [
+            LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes
+        ]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
@@ -245,6 +249,7 @@ class Loader(LoaderStep):
             "mixture": {k: v / total for k, v in basis.items()} if total else {},
             "bytes_held": sum(lane.book.table.bytes_held for lane in self.lanes),
             "eviction_path": self.plan.eviction_path,
+            "skipped": self.skips.count,
         }
         for tag in self.plan.counted_tags:
             out[tag] = counts.tag_counts.get(tag, 0)
@@ -265,6 +270,14 @@ class Loader(LoaderStep):
             for lane in self.lanes
         }
         return out
+
+    def skipped(self) -> list[dict[str, Any]]:
+        """The latest skipped records (``Pipeline(on_error="skip")``), oldest first, at most
+        ``zephon.runtime.skips.KEEP``: each one's ``lane``, ``cursor``, ``sample_id``, the
+        ``operator`` that failed on it and its ``error``. Only those handed over since this loader
+        started: a restored run counts the earlier ones (``stats()["skipped"]``) but does not
+        list them."""
+        return list(self.skips.latest)
 
     def _mixture_components(self) -> dict[Hashable, dict[str, Any]]:
         """Delivered and dropped samples and tokens, realized and target share, per component."""
