@@ -2,7 +2,7 @@
 
 A policy is ``"raise"`` (the default: a failing record ends the run with ``OperatorError``) or
 ``"skip"`` (the record is dropped with its tombstones, logged and counted), for the whole
-pipeline or per operator name. Only ``fetch`` and operators that keep no state can skip: after
+pipeline or per operator name (an operator a mapping does not name raises). Only ``fetch`` and operators that keep no state can skip: after
 a failed call a stateful operator's state is unknown, so its errors always raise.
 """
 
@@ -36,22 +36,32 @@ def skip_policy(
             f"Pipeline on_error must be 'raise', 'skip' or a mapping of operator names to "
             f"them, got {on_error!r}"
         )
-    names = [fetch.name, *(op.name for op in chain)]
+    ops = [fetch, *chain]
     for name, policy in on_error.items():
         _check_policy(policy, f"Pipeline on_error[{name!r}]")
-        if name not in names:
+        if not any(_named(op, name) for op in ops):
             raise PlanError(
-                f"Pipeline on_error names operator {name!r}, which is not in the chain "
-                f"(operators that can skip: {', '.join(names)})"
+                f"Pipeline on_error names operator {name!r}, which is not in the pipeline "
+                f"(its operators: {', '.join(repr(op.name) for op in ops)})"
             )
-    for op in chain:
-        if op.traits.stateful and on_error.get(op.name) == "skip":
+
+    def skips(op: Operator) -> bool:
+        policy = [p for name, p in on_error.items() if _named(op, name)]
+        if "skip" in policy and op.traits.stateful:
             raise PlanError(
-                f"Pipeline on_error[{op.name!r}] cannot be 'skip': operator {op.name!r} keeps "
-                "state, which is unknown after a failed call. Move the work that fails into "
-                "an operator that keeps no state before it (a map_transform), and skip there"
+                f"Pipeline on_error cannot skip what operator {op.name!r} fails on: it keeps "
+                "state, which is unknown after a failed call. Move the work that fails into an "
+                "operator that keeps no state before it (a map_transform), and skip there"
             )
-    return on_error.get(fetch.name) == "skip", tuple(on_error.get(op.name) == "skip" for op in chain)
+        return "skip" in policy
+
+    return skips(fetch), tuple(skips(op) for op in chain)
+
+
+def _named(op: Operator, name: Any) -> bool:
+    """Whether ``name`` names ``op``: its whole name, or the name without the parameters in
+    parentheses (``"tokenize"`` for ``"tokenize(eos=256 '<eos>', ...)"``)."""
+    return name == op.name or name == op.name.split("(", 1)[0]
 
 
 def _check_policy(value: Any, where: str) -> None:

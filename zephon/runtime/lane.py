@@ -81,9 +81,12 @@ def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
 
 
 def _error_text(exc: BaseException) -> str:
-    """What a skipped record's report says of its error: its type and first line, at most 300
-    characters."""
+    """What a skipped record's report says of its error: its type and first line (without the
+    record, which the report names), at most 300 characters."""
     text = f"{type(exc).__name__}: {exc}".split("\n", 1)[0]
+    cursor = getattr(exc, "cursor", None)
+    if isinstance(exc, OperatorError) and cursor is not None:  # ``record_error``'s own text
+        text = text.split(f"(sample_id={cursor.sample_id}): ", 1)[-1]
     return text if len(text) <= 300 else text[:297] + "..."
 
 
