@@ -57,8 +57,9 @@ class Plan:
     #: Worker processes (``workers="process"``) or threads (``"thread"``) running this rank's
     #: lanes; never part of the fingerprint: the stream does not depend on it.
     processes: int = 1
-    #: A checkpoint taken with another lane count continues on this one (every sample still
-    #: delivered exactly once, batches differ); False refuses it. Not part of the fingerprint.
+    #: A checkpoint taken with another lane count continues on this one (every sample it delivers
+    #: still delivered exactly once, batches differ); False refuses it. Not part of the
+    #: fingerprint.
     relane: bool = True
     #: Every stateful operator can describe what it holds, and what it holds can be rebuilt
     #: from re-read samples: lanes send snapshots, and a restore rebuilds the operators instead

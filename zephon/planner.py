@@ -108,8 +108,8 @@ class Pipeline:
     worker; inline lanes run in the caller's thread and cannot time out.
 
     ``relane`` (default True): a checkpoint taken with another lane count continues on this
-    pipeline's ``lanes``, every sample still delivered exactly once but in different batches
-    (a warning says so); False makes it a ``CheckpointMismatchError``.
+    pipeline's ``lanes``, every sample it delivers still delivered exactly once but in
+    different batches (a warning says so); False makes it a ``CheckpointMismatchError``.
 
     ``on_error`` (``"raise"``, ``"skip"``, or a mapping of operator names to them): with
     ``"skip"`` a record that ``fetch`` or an operator keeping no state fails on is dropped with
@@ -246,7 +246,9 @@ class Pipeline:
         # Plan-time facts flow downstream: each operator may publish some (``provides()``, e.g.
         # a tokenizer's pad id) and is handed those of the operators before it
         # (``use_upstream_facts(facts)``, which raises PlanError when a fact it needs is missing).
-        facts: dict[str, Any] = {}
+        # The source's own target mixture comes first (``source_mixture``: ``(by, shares)`` or
+        # None), so that an operator correcting the mixture can tell how the source draws it.
+        facts: dict[str, Any] = {"source_mixture": self.source.target_mixture()}
         for op in ops:
             op.use_upstream_facts(dict(facts))
             facts.update(op.provides())

@@ -482,9 +482,11 @@ class Loader(LoaderStep):
             per_epoch=plan.epoch_chunks,
         )
         text = (
-            f"re-laning a checkpoint of {old} lanes onto {plan.lanes} lanes: every sample is "
-            "still delivered exactly once, but the batches differ from here on (what was in "
-            "flight finishes first, under the old lanes' seeds)"
+            f"re-laning a checkpoint of {old} lanes onto {plan.lanes} lanes: every sample the "
+            "pipeline delivers is delivered exactly once, but the batches differ from here on "
+            "(what was in flight finishes first, under the old lanes' seeds); operators that "
+            "drop records by running totals (ensure_mixture) restart them on the new lanes, so "
+            "which samples they drop can differ from the uninterrupted run's"
         )
         log.warning(text)
         warnings.warn(text, RelaneWarning, stacklevel=4)
