@@ -229,7 +229,8 @@ class Loader(LoaderStep):
         tombstones) and seconds spent; ``lanes`` each lane's delivered items, whether it ended,
         the items waiting in its current list (``buffered``), the item lists its worker has
         ready beyond it (``queued``, at most ``prefetch``; 0 for inline lanes) and its replay
-        progress after a restore.
+        progress after a restore. ``skipped`` counts the records skipped since the run started
+        (``Pipeline(on_error="skip")``; the latest are in ``skipped()``).
         ``mixture_components`` gives per component its delivered ``samples`` and ``tokens``, the
         ``dropped_samples``/``dropped_tokens`` that counted tombstones carried (what
         ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples

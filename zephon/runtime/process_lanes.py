@@ -262,10 +262,11 @@ class ProcessLane(WorkerLane):
             raise closed_error(self.lane_id)
         if self._ended:
             raise StopIteration
-        kind, value = self._next_in_order()
-        while kind == WARNINGS:  # raised here, where the training script's filters apply
-            reraise(value)
-            kind, value = self._next_in_order()
+        while True:
+            kind, value = self._waiting.popleft() if self._waiting else self._next_message()
+            if kind != WARNINGS:
+                break
+            reraise(value)  # here, where the training script's filters apply
         if kind == "error":
             self.close()
             raise value
@@ -277,9 +278,6 @@ class ProcessLane(WorkerLane):
         except OSError:
             raise self._lost() from None
         return value
-
-    def _next_in_order(self) -> tuple[str, Any]:
-        return self._waiting.popleft() if self._waiting else self._next_message()
 
     def _next_message(self) -> tuple[str, Any]:
         conn = self._conn
