@@ -2,8 +2,9 @@
 
 A policy is ``"raise"`` (the default: a failing record ends the run with ``OperatorError``) or
 ``"skip"`` (the record is dropped with its tombstones, logged and counted), for the whole
-pipeline or per operator name (an operator a mapping does not name raises). Only ``fetch`` and operators that keep no state can skip: after
-a failed call a stateful operator's state is unknown, so its errors always raise.
+pipeline or per operator name (an operator a mapping does not name raises). Only ``fetch`` and
+operators that keep no state can skip: after a failed call a stateful operator's state is
+unknown, so its errors always raise.
 """
 
 from __future__ import annotations

@@ -112,8 +112,9 @@ class Plan:
             lines.append(
                 "  restore rebuilds what the stateful operators hold (snapshots every 64 samples)"
             )
-        skipping = [op.name for op, skip in zip(ops, (self.skip_fetch_errors, *self.skip_errors))
-                    if skip]
+        skipping = [
+            op.name for op, skip in zip(ops, (self.skip_fetch_errors, *self.skip_errors)) if skip
+        ]
         if skipping:
             limit = "no limit" if self.max_skipped is None else f"at most {self.max_skipped}"
             lines.append(f"  skips records that fail in: {', '.join(skipping)} ({limit})")

@@ -63,12 +63,16 @@ def parquet(tmp_path: Path) -> Path:
 def test_skip_delivers_every_other_record_once_and_reports_the_skips(
     parquet: Path, workers: str, failing: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ops = [fetch(), map_transform(shout), tokenize(), batch(4)] if failing == "map_transform" else None
-    with caplog.at_level(logging.WARNING, logger="zephon"):
-        with pipeline(parquet, workers=workers, ops=ops, on_error={failing: "skip"}).iter() as loader:
-            delivered = rows_of(loader)
-            skipped = loader.skipped()
-            stats = loader.stats()
+    ops = (
+        [fetch(), map_transform(shout), tokenize(), batch(4)]
+        if failing == "map_transform"
+        else None
+    )
+    skipping = pipeline(parquet, workers=workers, ops=ops, on_error={failing: "skip"})
+    with caplog.at_level(logging.WARNING, logger="zephon"), skipping.iter() as loader:
+        delivered = rows_of(loader)
+        skipped = loader.skipped()
+        stats = loader.stats()
     assert sorted(delivered) == GOOD and len(delivered) == len(GOOD)
     assert stats["skipped"] == 3
     assert [s["sample_id"][2] for s in sorted(skipped, key=lambda s: s["sample_id"])] == list(BAD)
@@ -197,7 +201,7 @@ def test_a_storage_error_is_never_skipped(tmp_path: Path) -> None:
     source = JsonlSource(str(path), chunk_size=32)
     source.total_chunks()  # the line index is built: the file goes missing after
     path.unlink()
-    with pytest.raises(FetchError, match="FileNotFoundError|No such file"):
+    with pytest.raises(FetchError, match=r"FileNotFoundError|No such file"):
         list(zephon.Pipeline(source, [fetch(), batch(4)], on_error="skip", lanes=2))
 
 

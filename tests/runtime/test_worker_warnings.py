@@ -94,4 +94,6 @@ def test_the_worker_prints_nothing_itself(tmp_path: Path, filters: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "40"
-    assert done.stderr.count("UserWarning: row 7 looks odd") == (1 if filters == "default" else 0), done.stderr
+    assert done.stderr.count("UserWarning: row 7 looks odd") == (
+        1 if filters == "default" else 0
+    ), done.stderr

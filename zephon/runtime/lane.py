@@ -308,7 +308,10 @@ class LaneRunner:
                     return None
                 cursor = SampleCursor(position, start + i, tuple(pointers[i].tolist()), ())
                 tomb = tombstone_meta(ContributorRef(cursor, True), self.fetch.lane_id)
-                out += [Skipped(cursor, self.fetch.name, _error_text(exc)), SampleRecord(tomb, None)]
+                out += [
+                    Skipped(cursor, self.fetch.name, _error_text(exc)),
+                    SampleRecord(tomb, None),
+                ]
                 skipped += 1
             else:
                 out += [read] if type(read) is RecordRun else read

@@ -93,9 +93,7 @@ class Loader(LoaderStep):
         self.max_inflight = 0
         self.next_lane = 0
         self.skips = SkipLog(self.counts, plan.max_skipped)
-        self.lanes = [
-            LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes
-        ]
+        self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False

@@ -29,8 +29,8 @@ from zephon.runtime.main_script import main_script_left_out
 from zephon.runtime.neighbours import Neighbours
 from zephon.runtime.plan_parcel import PlanParcel, unguarded_main
 from zephon.runtime.wire import ACK, END, READY, WARNINGS, MessageStalled, receive
-from zephon.runtime.worker_warnings import reraise
 from zephon.runtime.worker_process import EXIT_MAIN_REIMPORTED, process_main
+from zephon.runtime.worker_warnings import reraise
 
 _EXIT_STATUS_WAIT = 1.0  # a dead worker's exit status follows the end of its pipe closely
 
