@@ -310,3 +310,16 @@ def test_skips_survive_a_sigkill_of_the_training_process(
     assert len(logged) == 3
     for row in BAD:
         assert sum(f"(sample_id=(0, 0, {row}))" in line for line in logged) == 1
+
+
+@pytest.mark.parametrize("lanes", [1, 3])  # 1: lane 0 also finishes lane 1's run after its own
+def test_a_relaned_run_does_not_report_a_skip_again(parquet: Path, lanes: int) -> None:
+    loader = pipeline(parquet).iter()
+    head = rows_of([next(loader) for _ in range(6)])  # past rows 5 and 40, before 77
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    with pytest.warns(zephon.RelaneWarning):
+        relaned = pipeline(parquet, lanes=lanes).iter(state=state)
+    rest = rows_of(relaned)
+    assert sorted(head + rest) == GOOD and len(head + rest) == len(GOOD)
+    assert [s["sample_id"][2] for s in relaned.skipped()] == [77]
