@@ -42,11 +42,9 @@ class LaneBook:
     epoch so that it shrinks when chunks are evicted and never grows with the run.
     """
 
-    def __init__(
-        self, plan: Plan, lane_id: int, counters: DeliveryCounters, skips: SkipLog | None = None
-    ):
+    def __init__(self, plan: Plan, lane_id: int, counters: DeliveryCounters, skips: SkipLog):
         self.lane_id = lane_id
-        self.skips = skips if skips is not None else SkipLog(counters, plan.max_skipped)
+        self.skips = skips  # the loader's, shared by its lanes
         self.monotone = plan.eviction_path == "monotone"
         self.per_epoch = plan.epoch_chunks
         self.labels = operator_labels(plan.chain)

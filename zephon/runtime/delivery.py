@@ -35,9 +35,7 @@ from zephon.types import SampleBatch, SampleCursor, SampleRecord
 class LaneDelivery(LaneOutlet):
     """The delivery side of lane ``lane_id``: feed, replay filter, bookkeeping and batcher."""
 
-    def __init__(
-        self, plan: Plan, lane_id: int, counters: DeliveryCounters, skips: SkipLog | None = None
-    ):
+    def __init__(self, plan: Plan, lane_id: int, counters: DeliveryCounters, skips: SkipLog):
         self.plan = plan
         self.lane_id = lane_id
         self.feed = LaneFeed(plan, lane_id)
