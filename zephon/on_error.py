@@ -42,8 +42,9 @@ def skip_policy(
         _check_policy(policy, f"Pipeline on_error[{name!r}]")
         if not any(_named(op, name) for op in ops):
             raise PlanError(
-                f"Pipeline on_error names operator {name!r}, which is not in the pipeline "
-                f"(its operators: {', '.join(repr(op.name) for op in ops)})"
+                f"Pipeline on_error names operator {name!r}, which is neither the pipeline's "
+                "reader nor one of the operators after it (a batch's collate cannot skip): "
+                f"name one of {', '.join(repr(op.name) for op in ops)}"
             )
 
     def skips(op: Operator) -> bool:
