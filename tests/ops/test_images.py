@@ -1,0 +1,188 @@
+"""Images as samples: real images drawn and encoded with Pillow (JPEG, PNG, WebP) in a Parquet
+file, decoded and augmented through pipelines; the pixels are a pure function of the seed and
+the sample's cursor, whatever the lanes, workers or resumes."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import zephon
+from zephon.errors import OperatorError
+from zephon.ops import (
+    batch,
+    center_crop,
+    decode_images,
+    fetch,
+    normalize,
+    random_flip,
+    random_resized_crop,
+    resize_images,
+)
+from zephon.sources import ArrowSource
+from zephon.testing import check_operator
+
+Image = pytest.importorskip("PIL.Image")
+ImageDraw = pytest.importorskip("PIL.ImageDraw")
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+def drawn(i: int) -> Image.Image:
+    """A picture that differs per index: a colored background, a rectangle and a line."""
+    w, h = 40 + (i * 7) % 50, 30 + (i * 11) % 40
+    image = Image.new("RGB", (w, h), ((i * 37) % 256, (i * 91) % 256, (i * 53) % 256))
+    draw = ImageDraw.Draw(image)
+    draw.rectangle([i % 10, i % 7, w // 2, h // 2], fill=(255 - i % 256, 20, 200))
+    draw.line([0, h - 1, w - 1, 0], fill=(0, 255, 0), width=2)
+    return image
+
+
+def encoded(i: int, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    drawn(i).save(buf, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    return buf.getvalue()
+
+
+@pytest.fixture
+def images(tmp_path: Path) -> Path:
+    n = 120
+    table = pa.table(
+        {
+            "image": [encoded(i, FORMATS[i % 3]) for i in range(n)],
+            "caption": [f"picture {i}" for i in range(n)],
+        }
+    )
+    path = tmp_path / "images.parquet"
+    pq.write_table(table, path, row_group_size=25)
+    return path
+
+
+def captions_and_images(records):
+    return [(r.payload["caption"], r.payload["image"]) for r in records]
+
+
+def augmented(path: Path, **kw) -> zephon.Pipeline:
+    ops = [
+        fetch(),
+        decode_images(),
+        resize_images(48, max_size=80),
+        random_resized_crop(32, scale=(0.3, 1.0), seed=7),
+        random_flip(seed=7),
+        batch(4, collate=captions_and_images),
+    ]
+    return zephon.Pipeline(ArrowSource([str(path)], chunk_size=16, shuffle=True, seed=3), ops, **kw)
+
+
+def by_caption(p: zephon.Pipeline, state=None) -> dict[str, bytes]:
+    with p.iter(state=state) as loader:
+        return {caption: image.tobytes() for b in loader for caption, image in b.payload}
+
+
+def test_decoding_gives_the_writers_pixels(images: Path):
+    p = zephon.Pipeline(ArrowSource([str(images)]), [fetch(), decode_images()])
+    got = {r.payload["caption"]: r.payload["image"] for r in p}
+    assert len(got) == 120
+    for i in (0, 3, 5):  # PNG and lossless WebP are exact
+        assert np.array_equal(got[f"picture {i}"], np.asarray(drawn(i)))
+    jpeg = got["picture 1"]
+    assert jpeg.shape == np.asarray(drawn(1)).shape and jpeg.dtype == np.uint8
+
+
+@pytest.mark.parametrize(("lanes", "workers"), [(3, "inline"), (2, "process"), (4, "thread")])
+def test_the_same_sample_gets_the_same_pixels_on_any_lanes_and_workers(images, lanes, workers):
+    reference = by_caption(augmented(images))
+    got = by_caption(augmented(images, lanes=lanes, workers=workers))
+    assert got == reference
+    shapes = {np.frombuffer(v, np.uint8).size for v in got.values()}
+    assert shapes == {32 * 32 * 3}
+
+
+def test_a_resumed_run_continues_with_bitwise_equal_pixels(images):
+    p = augmented(images, lanes=2, workers="process")
+    with p.iter() as loader:
+        head = [b.payload for _, b in zip(range(7), loader)]
+        state = loader.state_dict()
+    with p.iter(state=state) as resumed:
+        tail = [b.payload for b in resumed]
+    with p.iter() as full:
+        everything = [b.payload for b in full]
+    flat = lambda batches: [(c, img.tobytes()) for b in batches for c, img in b]  # noqa: E731
+    assert flat(head) + flat(tail) == flat(everything)
+
+
+def test_random_draws_differ_across_samples_and_seeds(images):
+    a = by_caption(augmented(images))
+    p = zephon.Pipeline(
+        ArrowSource([str(images)], chunk_size=16, shuffle=True, seed=3),
+        [fetch(), decode_images(), resize_images(48, max_size=80),
+         random_resized_crop(32, scale=(0.3, 1.0), seed=8), random_flip(seed=8)],
+    )  # fmt: skip
+    b = {r.payload["caption"]: r.payload["image"].tobytes() for r in p}
+    assert sum(a[k] != b[k] for k in a) > 100  # another seed, other crops
+
+
+def test_a_corrupt_image_is_named_or_dropped_with_its_tombstone(tmp_path: Path):
+    good = [encoded(i, "PNG") for i in range(10)]
+    good[4] = b"\x89PNG this is not an image"
+    path = tmp_path / "some-bad.parquet"
+    pq.write_table(pa.table({"image": good, "caption": [str(i) for i in range(10)]}), path)
+    raising = zephon.Pipeline(ArrowSource([str(path)]), [fetch(), decode_images()])
+    with pytest.raises(OperatorError, match=r"decode_images\(image\).*\(0, 0, 4\)"):
+        list(raising)
+    dropping = zephon.Pipeline(ArrowSource([str(path)]), [fetch(), decode_images(on_error="drop")])
+    with dropping.iter() as loader:
+        kept = [r.payload["caption"] for r in loader]
+        assert loader.stats()["tombstones"] == 1
+    assert kept == [str(i) for i in range(10) if i != 4]
+
+
+def test_max_pixels_scales_large_images_down(images):
+    p = zephon.Pipeline(ArrowSource([str(images)]), [fetch(), decode_images(max_pixels=500)])
+    assert all(r.payload["image"].shape[0] * r.payload["image"].shape[1] <= 500 for r in p)
+
+
+def test_center_crop_and_normalize_shape_the_encoder_input(images):
+    p = zephon.Pipeline(
+        ArrowSource([str(images)]),
+        [fetch(), decode_images(), center_crop(24), normalize([0.5, 0.5, 0.5], [0.25, 0.25, 0.25])],
+    )
+    out = [r.payload["image"] for r in p]
+    assert all(x.shape == (3, 24, 24) and x.dtype == np.float32 for x in out)
+    raw = np.asarray(drawn(0))
+    top, left = (raw.shape[0] - 24) // 2, (raw.shape[1] - 24) // 2
+    expected = (raw[top : top + 24, left : left + 24].transpose(2, 0, 1) / 255.0 - 0.5) / 0.25
+    assert np.allclose(out[0], expected, atol=1e-6)
+
+
+def test_a_list_of_images_gets_one_draw_per_image():
+    from zephon.types import SampleCursor, SampleMeta, SampleRecord
+
+    frames = [np.full((10, 12, 3), v, np.uint8) for v in range(4)]
+    rec = SampleRecord(SampleMeta(SampleCursor(0, 0, (0, 0, 0))), {"image": frames})
+    flip = random_flip(p=0.5, seed=1)
+    flip.start_epoch(0, 0)
+    (out,) = flip.process_many([rec])
+    assert len(out.payload["image"]) == 4
+    check_operator(random_flip(seed=2), [rec])
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="mode"):
+        decode_images(mode="CMYK")
+    with pytest.raises(ValueError, match="on_error"):
+        decode_images(on_error="skip")
+    with pytest.raises(ValueError, match="shortest_edge"):
+        resize_images()
+    with pytest.raises(ValueError, match="scale"):
+        random_resized_crop(8, scale=(0.5, 0.2))
+    with pytest.raises(ValueError, match="p must be"):
+        random_flip(1.5)
+    with pytest.raises(ValueError, match="std"):
+        normalize([0.5], [0.0])

@@ -1,0 +1,418 @@
+"""Images as samples: ``decode_images`` turns encoded bytes (or a path) into ``uint8`` HWC arrays,
+and the augmentations resize, crop, flip and normalize them.
+
+Every random choice is drawn from the operator's ``seed`` and the record's cursor (its chunk id,
+which counts passes, its offset and its lineage), never from a lane, a worker or a clock: a
+sample gets the same pixels on any lane count, worker kind and world size, after a resume and
+after a re-lane. A field holds one image or a list of images (an interleaved document); each
+image of a list gets its own draw.
+
+Pillow does the decoding and resampling (``pip install "zephon-loader[images]"``); it is imported
+when the first image is decoded, never by ``import zephon``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from zephon.ops.base import Operator, OpTraits, record_error
+from zephon.ops.children import tombstones_for_record
+from zephon.types import SampleCursor, SampleRecord
+from zephon.validation import check_int
+
+__all__ = [
+    "CenterCrop",
+    "DecodeImages",
+    "ImageTransform",
+    "Normalize",
+    "RandomFlip",
+    "RandomResizedCrop",
+    "ResizeImages",
+    "center_crop",
+    "decode_images",
+    "normalize",
+    "random_flip",
+    "random_resized_crop",
+    "resize_images",
+]
+
+_MODES = ("RGB", "RGBA", "L")
+_RESAMPLE = ("nearest", "bilinear", "bicubic", "lanczos")
+
+
+def _pil() -> Any:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ImportError(
+            'image operators need Pillow: pip install "zephon-loader[images]"'
+        ) from None
+    return Image
+
+
+def record_rng(seed: int, cursor: SampleCursor, purpose: str) -> np.random.Generator:
+    """The random generator of one record for one purpose: a pure function of the seed, the
+    cursor (chunk id, offset, lineage) and the purpose, equal in every process."""
+    tag = zlib.crc32(purpose.encode())
+    entropy = [seed & (2**64 - 1), tag, cursor.chunk_id, cursor.chunk_offset, *cursor.lineage]
+    return np.random.default_rng(np.random.SeedSequence(entropy))
+
+
+class _PerImage(Operator):
+    """An operator applying one function to each image of ``field`` (one image, or a list)."""
+
+    traits = OpTraits(preserves_cursor_order=True, preserves_indexability=True)
+    field: str
+
+    def _each(self, value: Any, fn: Callable[[Any, int], Any]) -> Any:
+        if isinstance(value, list):
+            return [fn(image, i) for i, image in enumerate(value)]
+        return fn(value, 0)
+
+    def _with(self, rec: SampleRecord, value: Any) -> SampleRecord:
+        payload = rec.payload
+        if not isinstance(payload, dict) or self.field not in payload:
+            fields = list(payload) if isinstance(payload, dict) else type(payload).__name__
+            raise record_error(
+                self, rec, KeyError(f"the payload has no field {self.field!r} (it has {fields})")
+            )
+        return rec.with_payload({**payload, self.field: value})
+
+
+class DecodeImages(_PerImage):
+    """Encoded images (bytes, a Hugging Face ``Image`` dict with ``bytes``/``path``, or a path)
+    to ``uint8`` arrays of shape ``(H, W, C)`` (``(H, W)`` for ``mode="L"``)."""
+
+    def __init__(
+        self,
+        field: str = "image",
+        *,
+        mode: str = "RGB",
+        max_pixels: int | None = None,
+        on_error: str = "raise",
+    ):
+        if mode not in _MODES:
+            raise ValueError(f"decode_images: mode must be one of {_MODES}, got {mode!r}")
+        if on_error not in ("raise", "drop"):
+            raise ValueError(f"decode_images: on_error must be 'raise' or 'drop', got {on_error!r}")
+        if max_pixels is not None:
+            max_pixels = check_int(max_pixels, "max_pixels", "decode_images", minimum=1)
+        self.field = field
+        self.mode = mode
+        self.max_pixels = max_pixels
+        self.on_error = on_error
+        self.name = f"decode_images({field})"
+        drops = on_error == "drop"
+        self.traits = OpTraits(preserves_cursor_order=True, preserves_indexability=not drops)
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        out: list[SampleRecord] = []
+        for rec in records:
+            try:
+                value = rec.payload[self.field] if isinstance(rec.payload, dict) else None
+                if value is None:
+                    raise KeyError(f"the payload has no field {self.field!r}")
+                decoded = self._each(value, lambda image, _: self._decode(image))
+            except Exception as exc:
+                if self.on_error == "drop":
+                    out.extend(tombstones_for_record(rec))
+                    continue
+                raise record_error(self, rec, exc) from exc
+            out.append(self._with(rec, decoded))
+        return out
+
+    def _decode(self, value: Any) -> np.ndarray:
+        Image = _pil()
+        if isinstance(value, dict):  # a Hugging Face Image feature
+            value = value.get("bytes") or value.get("path")
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            source: Any = io.BytesIO(value)
+        elif isinstance(value, str):
+            source = value
+        else:
+            raise TypeError(f"an image is encoded bytes or a path, got {type(value).__name__}")
+        with Image.open(source) as image:
+            if self.max_pixels is not None and image.width * image.height > self.max_pixels:
+                scale = math.sqrt(self.max_pixels / (image.width * image.height))
+                size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
+                image.draft(self.mode, size)  # JPEG decodes at a reduced scale directly
+                image = image.convert(self.mode).resize(size, Image.Resampling.BILINEAR)
+            else:
+                image = image.convert(self.mode)
+            return np.asarray(image, dtype=np.uint8).copy()
+
+
+def decode_images(
+    field: str = "image",
+    *,
+    mode: str = "RGB",
+    max_pixels: int | None = None,
+    on_error: str = "raise",
+) -> DecodeImages:
+    """Decode the image(s) in ``payload[field]`` (JPEG, PNG, WebP, ... bytes; a Hugging Face
+    ``Image`` dict; a file path) into ``uint8`` arrays in ``mode``; an image of more than
+    ``max_pixels`` pixels is scaled down to fit, keeping its aspect. A corrupt image is an
+    ``OperatorError`` naming the sample, or with ``on_error="drop"`` its record is dropped (with
+    its tombstones)."""
+    return DecodeImages(field, mode=mode, max_pixels=max_pixels, on_error=on_error)
+
+
+class ImageTransform(_PerImage):
+    """A deterministic function of each decoded image (``transform``), which for a random
+    transform (``seed`` given) also gets a generator drawn from the seed, the record's cursor
+    and the image's place in its list. Subclasses are the augmentations below."""
+
+    seed: int | None = None
+    kind = "image_transform"
+
+    def _named(self, field: str, seed: int | None = None) -> None:
+        self.field = field
+        self.name = f"{self.kind}({field})"
+        self.seed = None if seed is None else check_int(seed, "seed", self.kind)
+
+    def transform(self, image: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+        """The transformed image (abstract: each augmentation defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement transform (abstract)")
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        out = []
+        for rec in records:
+            value = rec.payload.get(self.field) if isinstance(rec.payload, dict) else None
+            try:
+                if value is None:
+                    raise KeyError(f"the payload has no field {self.field!r}")
+                result = self._each(value, functools.partial(self._apply, rec))
+            except Exception as exc:
+                raise record_error(self, rec, exc) from exc
+            out.append(self._with(rec, result))
+        return out
+
+    def _apply(self, rec: SampleRecord, image: Any, i: int) -> np.ndarray:
+        if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim not in (2, 3):
+            raise TypeError(
+                f"{self.name} takes decoded uint8 HWC images (decode_images first), got "
+                f"{type(image).__name__} {getattr(image, 'dtype', '')}"
+            )
+        seed = self.seed
+        rng = None if seed is None else record_rng(seed, rec.meta.cursor, f"{self.kind}:{i}")
+        return self.transform(image, rng)
+
+
+def _resample(name: str) -> Any:
+    if name not in _RESAMPLE:
+        raise ValueError(f"resample must be one of {_RESAMPLE}, got {name!r}")
+    return getattr(_pil().Resampling, name.upper())
+
+
+def _resized(image: np.ndarray, size: tuple[int, int], resample: str) -> np.ndarray:
+    """``image`` resized to ``(height, width)``."""
+    if image.shape[:2] == size:
+        return image
+    out = _pil().fromarray(image).resize((size[1], size[0]), _resample(resample))
+    return np.asarray(out, dtype=np.uint8)
+
+
+def _size(size: int | Sequence[int], owner: str) -> tuple[int, int]:
+    pair = (size, size) if isinstance(size, int) else tuple(size)
+    if len(pair) != 2:
+        raise ValueError(f"{owner}: size is an int or (height, width), got {size!r}")
+    return check_int(pair[0], "size", owner, minimum=1), check_int(
+        pair[1], "size", owner, minimum=1
+    )
+
+
+def _crop(image: np.ndarray, top: int, left: int, height: int, width: int) -> np.ndarray:
+    """The ``height`` x ``width`` window at ``(top, left)``; outside the image it is black."""
+    out = np.zeros((height, width, *image.shape[2:]), dtype=np.uint8)
+    src = image[max(top, 0) : top + height, max(left, 0) : left + width]
+    y, x = max(-top, 0), max(-left, 0)
+    out[y : y + src.shape[0], x : x + src.shape[1]] = src
+    return out
+
+
+class ResizeImages(ImageTransform):
+    """See ``resize_images``."""
+
+    kind = "resize_images"
+
+    def __init__(self, shortest_edge: int | None, max_size: int | None, field: str, resample: str):
+        if shortest_edge is None and max_size is None:
+            raise ValueError("resize_images needs shortest_edge=, max_size= or both")
+        self.shortest_edge = (
+            None
+            if shortest_edge is None
+            else check_int(shortest_edge, "shortest_edge", self.kind, minimum=1)
+        )
+        self.max_size = (
+            None if max_size is None else check_int(max_size, "max_size", self.kind, minimum=1)
+        )
+        _resample(resample)
+        self.resample = resample
+        self._named(field)
+
+    def transform(self, image: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+        h, w = image.shape[:2]
+        scale = 1.0 if self.shortest_edge is None else self.shortest_edge / min(h, w)
+        if self.max_size is not None and max(h, w) * scale > self.max_size:
+            scale = self.max_size / max(h, w)
+        size = (max(1, round(h * scale)), max(1, round(w * scale)))
+        return _resized(image, size, self.resample)
+
+
+def resize_images(
+    shortest_edge: int | None = None,
+    *,
+    max_size: int | None = None,
+    field: str = "image",
+    resample: str = "bicubic",
+) -> ResizeImages:
+    """Resize each image so its shorter edge is ``shortest_edge`` and its longer edge at most
+    ``max_size`` (keeping its aspect; either may be left out)."""
+    return ResizeImages(shortest_edge, max_size, field, resample)
+
+
+class CenterCrop(ImageTransform):
+    """See ``center_crop``."""
+
+    kind = "center_crop"
+
+    def __init__(self, size: int | Sequence[int], field: str):
+        self.size = _size(size, self.kind)
+        self._named(field)
+
+    def transform(self, image: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+        height, width = self.size
+        top, left = (image.shape[0] - height) // 2, (image.shape[1] - width) // 2
+        return _crop(image, top, left, height, width)
+
+
+def center_crop(size: int | Sequence[int], *, field: str = "image") -> CenterCrop:
+    """Crop the center ``size`` (an int, or ``(height, width)``) of each image; an image smaller
+    than that is padded with black around it."""
+    return CenterCrop(size, field)
+
+
+class RandomResizedCrop(ImageTransform):
+    """See ``random_resized_crop``."""
+
+    kind = "random_resized_crop"
+
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        scale: Sequence[float],
+        ratio: Sequence[float],
+        seed: int,
+        field: str,
+        resample: str,
+    ):
+        self.size = _size(size, self.kind)
+        lo, hi = (float(v) for v in scale)
+        r_lo, r_hi = (float(v) for v in ratio)
+        if not (0 < lo <= hi <= 1) or not (0 < r_lo <= r_hi):
+            raise ValueError(f"{self.kind}: scale {scale} or ratio {ratio} is out of range")
+        self.scale = (lo, hi)
+        self.ratio = (r_lo, r_hi)
+        _resample(resample)
+        self.resample = resample
+        self._named(field, seed)
+
+    def transform(self, image: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+        assert rng is not None
+        h, w = image.shape[:2]
+        (lo, hi), (r_lo, r_hi) = self.scale, self.ratio
+        for _ in range(10):
+            target = h * w * rng.uniform(lo, hi)
+            aspect = math.exp(rng.uniform(math.log(r_lo), math.log(r_hi)))
+            cw, ch = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+            if 0 < cw <= w and 0 < ch <= h:
+                top = int(rng.integers(0, h - ch + 1))
+                left = int(rng.integers(0, w - cw + 1))
+                break
+        else:  # the largest centered crop of an aspect within ratio
+            aspect = min(max(w / h, r_lo), r_hi)
+            cw, ch = min(w, round(h * aspect)), min(h, round(w / aspect))
+            top, left = (h - ch) // 2, (w - cw) // 2
+        return _resized(image[top : top + ch, left : left + cw], self.size, self.resample)
+
+
+def random_resized_crop(
+    size: int | Sequence[int],
+    *,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    seed: int = 0,
+    field: str = "image",
+    resample: str = "bilinear",
+) -> RandomResizedCrop:
+    """Crop a random area of each image (a ``scale`` share of it, of an aspect within
+    ``ratio``) and resize it to ``size``; the crop is drawn from ``seed`` and the record's
+    cursor. After ten draws that do not fit, the largest centered crop of an aspect within
+    ``ratio`` is taken."""
+    return RandomResizedCrop(size, scale, ratio, seed, field, resample)
+
+
+class RandomFlip(ImageTransform):
+    """See ``random_flip``."""
+
+    kind = "random_flip"
+
+    def __init__(self, p: float, horizontal: bool, seed: int, field: str):
+        if isinstance(p, bool) or not 0.0 <= float(p) <= 1.0:
+            raise ValueError(f"{self.kind}: p must be in [0, 1], got {p!r}")
+        self.p = float(p)
+        self.horizontal = bool(horizontal)
+        self._named(field, seed)
+
+    def transform(self, image: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+        assert rng is not None
+        if rng.random() < self.p:
+            return np.flip(image, axis=1 if self.horizontal else 0).copy()
+        return image
+
+
+def random_flip(
+    p: float = 0.5, *, horizontal: bool = True, seed: int = 0, field: str = "image"
+) -> RandomFlip:
+    """Flip each image (left-right, or top-bottom with ``horizontal=False``) with probability
+    ``p``, drawn from ``seed`` and the record's cursor."""
+    return RandomFlip(p, horizontal, seed, field)
+
+
+class Normalize(ImageTransform):
+    """See ``normalize``."""
+
+    kind = "normalize"
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], field: str):
+        m = [float(v) for v in mean]
+        s = [float(v) for v in std]
+        if len(m) != len(s) or not m or not all(v > 0 for v in s):
+            raise ValueError(
+                f"{self.kind}: mean {mean} and std {std} need one positive std per channel"
+            )
+        self.mean, self.std = m, s
+        self._named(field)
+
+    def transform(self, image: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+        chw = (image[None] if image.ndim == 2 else image.transpose(2, 0, 1)).astype(np.float32)
+        if chw.shape[0] != len(self.mean):
+            raise ValueError(
+                f"the image has {chw.shape[0]} channel(s), mean and std {len(self.mean)}"
+            )
+        m = np.asarray(self.mean, dtype=np.float32).reshape(-1, 1, 1)
+        s = np.asarray(self.std, dtype=np.float32).reshape(-1, 1, 1)
+        return (chw / np.float32(255.0) - m) / s
+
+
+def normalize(mean: Sequence[float], std: Sequence[float], *, field: str = "image") -> Normalize:
+    """Each ``uint8`` HWC image to a ``float32`` CHW array ``(x / 255 - mean) / std`` per
+    channel (the last step before a vision encoder)."""
+    return Normalize(mean, std, field)
