@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from zephon.errors import PlanError, ZephonError
+from zephon.errors import MidStepWarning, PlanError, ZephonError
 from zephon.planner import Pipeline
-from zephon.runtime.job import merge_states
+from zephon.runtime.job import items_into_step, merge_states
 from zephon.runtime.loader import Loader
 
 __all__ = ["ZephonIterableDataset", "as_torch_dataset", "job_state", "to_tensors"]
@@ -212,7 +212,9 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
     one, or a rank's state dict. Call it on every rank at the same global step (it is a
     collective) and save the result with the model checkpoint: any rank of a later run, on any
     world size that divides the job's lanes, resumes from it with ``pipeline.iter(state=...)``
-    (or ``dataset.load_state_dict(...)``).
+    (or ``dataset.load_state_dict(...)``). Called inside a global step (after a number of items
+    that is not a multiple of ``lanes // world_size``), it warns (``MidStepWarning``) and the
+    merge raises ``CheckpointError``.
     """
     import torch.distributed as dist
 
@@ -224,6 +226,15 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
     state = source if isinstance(source, dict) else source.state_dict()
     if isinstance(state, dict) and "dataset_state" in state and "format" not in state:
         state = state["dataset_state"]  # a StatefulDataLoader's state around our dataset's
+    inside = items_into_step(state) if isinstance(state, dict) else 0
+    if inside:
+        warnings.warn(
+            f"job_state() on rank {state.get('rank')} was called inside a global step: the rank "
+            f"had handed over {inside} of its {state['lanes'] // state['world_size']} items of "
+            "the step, and merging refuses such states. Call it right after an optimizer step",
+            MidStepWarning,
+            stacklevel=2,
+        )
     states: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, state, group=group)
     return merge_states(states)

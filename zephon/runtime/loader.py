@@ -36,7 +36,7 @@ from zephon.runtime.checkpoint import (
 )
 from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
-from zephon.runtime.job import rank_turn
+from zephon.runtime.job import job_step, rank_served, rank_turn
 from zephon.runtime.layout import Layout
 from zephon.runtime.relane import relane
 from zephon.runtime.state import (
@@ -71,6 +71,9 @@ _STATE_KEYS = frozenset(
     }
 )
 _JOB_KEYS = _STATE_KEYS - {"rank", "world_size", "next_lane"}
+# Written since states count global steps; a state without them is read the way it was written.
+_NEWER_STATE_KEYS = frozenset({"served"})
+_NEWER_JOB_KEYS = frozenset({"step"})
 
 
 class Loader(LoaderStep):
@@ -91,6 +94,9 @@ class Loader(LoaderStep):
         self.restored_replayed = 0
         self.max_inflight = 0
         self.next_lane = 0
+        # ``served`` (the items this rank handed over, in global steps of its world size) less
+        # what its lanes delivered: nonzero after a resume from a job state
+        self.served_offset = 0
         self.lanes = [LaneDelivery(plan, lane, self.counts) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self._lock = threading.Lock()  # one delivery, or one state, at a time
@@ -320,6 +326,13 @@ class Loader(LoaderStep):
             "replayed": self.replayed,
         }
 
+    @property
+    def served(self) -> int:
+        """Items this rank's ``next()`` calls handed over since the job started, as if every
+        earlier run of the job had had this world size: ``served // (lanes // world_size)`` is
+        the global step, whichever of the rank's lanes ended."""
+        return self.served_offset + sum(lane.delivered for lane in self.lanes)
+
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """A small JSON-serializable state: the position after the last item handed over.
@@ -343,6 +356,7 @@ class Loader(LoaderStep):
                     "lanes": plan.lanes,
                     "layout": self.layout.encode(),
                     "next_lane": self.next_lane,
+                    "served": self.served,
                     "lane_states": [lane.state() for lane in self.lanes],
                     "counters": self._counters(),
                     "tag_counts": encode_pairs(self.counts.tag_counts),
@@ -364,9 +378,11 @@ class Loader(LoaderStep):
         plan = self.plan
         job = body["format"] == JOB_FORMAT
         keys = _JOB_KEYS if job else _STATE_KEYS
-        if set(body) != keys:
+        newer = _NEWER_JOB_KEYS if job else _NEWER_STATE_KEYS
+        if not keys <= set(body) <= keys | newer:
             raise CheckpointCorruptError(
-                f"loader state must have exactly the fields {sorted(keys)}, got {sorted(body)}"
+                f"loader state must have exactly the fields {sorted(keys | newer)}, got "
+                f"{sorted(body)}"
             )
         relaning = plan.relane and type(body.get("lanes")) is int and body["lanes"] != plan.lanes
         check_identity(body, plan, relane=relaning)
@@ -394,11 +410,15 @@ class Loader(LoaderStep):
             mine = lane_states
             where = [f"lane_states[{i}]" for i in range(len(mine))]
         checked = [lane.restore(s, w, self.layout) for lane, s, w in zip(self.lanes, mine, where)]
+        delivered = sum(s["delivered"] for s in checked)
         if job:
             self.next_lane = rank_turn(checked)
+            self._check_job_turn(lane_states, checked)
+            self.served_offset = job_step(body) * len(self.lanes) - delivered
         else:
             self.next_lane = check_int(body["next_lane"], "next_lane", 0, len(self.lanes) - 1)
-        check_turn(self.next_lane, checked)
+            check_turn(self.next_lane, checked)
+            self.served_offset = rank_served(body) - delivered
         counters = body["counters"]
         if type(counters) is not dict or set(counters) != set(COUNTERS):
             raise corrupt("counters", f"must have exactly the fields {list(COUNTERS)}")
@@ -412,6 +432,23 @@ class Loader(LoaderStep):
         if job:
             return  # a job's counters belong to all its ranks: this rank counts afresh
         self._restore_counters(values, tag_counts, samples, tokens)
+
+    def _check_job_turn(self, lane_states: list[Any], checked: list[dict[str, Any]]) -> None:
+        """A job state holds whole global steps: this rank's lanes are level, one round behind
+        the other. Once a lane of the job ended, lanes of the old ranks delivered different
+        numbers of items per step, and any level is right."""
+        if any(type(s) is dict and s.get("finished") is True for s in lane_states):
+            return
+        try:
+            check_turn(self.next_lane, checked)
+        except CheckpointCorruptError:
+            counts = [s["delivered"] for s in checked]
+            raise CheckpointError(
+                f"this job state was merged from ranks checkpointed inside a global step (the "
+                f"lanes of rank {self.plan.rank} delivered {counts} items): resume each rank "
+                "from its own state on the world size it was taken with, or from a job state "
+                "taken right after an optimizer step"
+            ) from None
 
     def _restore_counters(
         self,
@@ -476,9 +513,11 @@ class Loader(LoaderStep):
         log.warning(text)
         warnings.warn(text, RelaneWarning, stacklevel=4)
         job = {k: v for k, v in body.items() if k in _JOB_KEYS}
+        step = job_step(body) if body["format"] == JOB_FORMAT else rank_served(body) // old
         return {
             **job,
             "format": JOB_FORMAT,
+            "step": step,
             "lanes": plan.lanes,
             "layout": new_layout.encode(),
             "lane_states": new_states,
