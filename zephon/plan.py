@@ -64,6 +64,10 @@ class Plan:
     #: from re-read samples: lanes send snapshots, and a restore rebuilds the operators instead
     #: of replaying the epoch. Not part of the fingerprint: the stream is the same either way.
     restores_holdings: bool = False
+    #: ``"carry"``: every lane hands over as many items as the job's shortest lane, so every
+    #: rank ends at the same global step; ``"allow"``: every lane runs to its end. Not part of
+    #: the fingerprint: it decides where the stream stops, never what comes before.
+    uneven_end: str = "allow"
 
     @property
     def rank_lanes(self) -> range:
@@ -104,6 +108,12 @@ class Plan:
             lines.append(
                 "  restore rebuilds what the stateful operators hold (snapshots every 64 samples)"
             )
+        if self.world_size > 1 and self.uneven_end == "carry":
+            lines.append(
+                "  even ends: every rank delivers the same global steps (the rest dropped)"
+            )
+        elif self.world_size > 1:
+            lines.append("  uneven ends: ranks may run out of data at different global steps")
         if self.workers != "inline":
             lines.append(f"  {self.processes} worker {self.workers}(s) for this rank's lanes")
         if self.timeout is not None:

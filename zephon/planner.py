@@ -28,6 +28,9 @@ DEPRECATED_DETERMINISTIC = (
 )
 
 
+UNEVEN_ENDS = ("carry", "allow")
+
+
 def _worker_count(processes: int | None, rank_lanes: int) -> int:
     """Workers for a rank's lanes: as asked (at most one per lane), else one per lane but no more
     than the CPUs this process may use."""
@@ -109,6 +112,14 @@ class Pipeline:
     ``relane`` (default True): a checkpoint taken with another lane count continues on this
     pipeline's ``lanes``, every sample still delivered exactly once but in different batches
     (a warning says so); False makes it a ``CheckpointMismatchError``.
+
+    ``uneven_end`` says what happens at the end of the data, where lanes hold different numbers
+    of items: ``"carry"`` (the default with ``world_size > 1`` when every chain operator is
+    1 -> 1) makes every lane hand over as many items as the job's shortest lane, so every rank
+    delivers the same global steps and none waits alone in a collective; a pass's remainder
+    is delivered in the next pass, and what is left at the end of the last pass is dropped and
+    counted (``stats()["dropped_at_end"]``). ``"allow"`` (the default otherwise) delivers
+    everything, and ranks may then end at different global steps.
     """
 
     def __init__(
@@ -129,6 +140,7 @@ class Pipeline:
         timeout: float | None = None,
         processes: int | None = None,
         relane: bool = True,
+        uneven_end: str | None = None,
     ):
         self.source = source
         self.ops = list(ops)
@@ -147,6 +159,7 @@ class Pipeline:
         self.timeout = timeout
         self.processes = processes
         self.relane = relane
+        self.uneven_end = uneven_end
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
@@ -260,6 +273,7 @@ class Pipeline:
             why = "every operator preserves cursor order and keeps no state"
         indexable = path == "monotone" and all(op.traits.preserves_indexability for op in chain)
 
+        uneven_end = self._uneven_end(chain, indexable, world_size)
         parts, described = self._fingerprint_parts(n_lanes)
         return Plan(
             source=self.source,
@@ -289,7 +303,27 @@ class Pipeline:
             timeout=None if timeout is None else float(timeout),
             relane=self.relane,
             restores_holdings=path == "epoch" and _restores_holdings(chain),
+            uneven_end=uneven_end,
         )
+
+    def _uneven_end(self, chain: tuple[Operator, ...], indexable: bool, world_size: int) -> str:
+        """``uneven_end`` resolved: ``"carry"`` needs every lane's item count, which only a plan
+        of 1 -> 1 operators knows without running them; one rank waits for no other, so its
+        default is ``"allow"``."""
+        asked = self.uneven_end
+        if asked is None:
+            return "carry" if world_size > 1 and indexable else "allow"
+        if asked not in UNEVEN_ENDS:
+            raise PlanError(f"Pipeline uneven_end must be one of {UNEVEN_ENDS}, got {asked!r}")
+        if asked == "carry" and not indexable:
+            unknown = [op.name for op in chain if not op.traits.preserves_indexability]
+            raise PlanError(
+                "Pipeline uneven_end='carry' needs to know how many items each lane holds, and "
+                f"{', '.join(unknown) or 'the eviction path'} may change the number of records "
+                "(filter, split or pack them): use uneven_end='allow' and end the training loop "
+                "together on every rank (an all-reduce of a 'data left' flag at each step)"
+            )
+        return asked
 
     def _fingerprint_parts(self, lanes: int) -> tuple[dict[str, Any], dict[str, Any]]:
         # The job's lane count is part of the stream's identity; the world size is not: the

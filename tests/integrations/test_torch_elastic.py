@@ -65,12 +65,14 @@ def make(**kw):
 
 
 def uneven(**kw):
-    """11 chunks of 10 on the 4 lanes: lanes 0..2 hold 3 chunks, lane 3 holds 2."""
+    """11 chunks of 10 on the 4 lanes: lanes 0..2 hold 3 chunks, lane 3 holds 2, and each lane
+    runs to its end (``uneven_end="allow"``)."""
     import zephon
     from zephon.ops import batch, fetch
     from zephon.sources import RangeSource
 
-    return zephon.Pipeline(RangeSource(110, chunk_size=10), [fetch(), batch(2)], lanes=N, **kw)
+    source = RangeSource(110, chunk_size=10)
+    return zephon.Pipeline(source, [fetch(), batch(2)], lanes=N, uneven_end="allow", **kw)
 
 
 def item(batch):

@@ -25,6 +25,9 @@ N = 4  # the job's lanes; 11 chunks of 10: lanes 0..2 hold 3 chunks, lane 3 hold
 
 
 def uneven(**kw: Any) -> zephon.Pipeline:
+    """Lanes that end at different global steps (``uneven_end="allow"``), or that every rank
+    ends together (``"carry"``)."""
+    kw.setdefault("uneven_end", "allow")
     return zephon.Pipeline(RangeSource(110, chunk_size=10), [fetch(), batch(2)], lanes=N, **kw)
 
 
@@ -44,49 +47,51 @@ def by_lane(items: list) -> dict[int, list]:
     return dict(out)
 
 
-def rank_streams(world: int, state: dict | None = None) -> list[list]:
+def rank_streams(world: int, state: dict | None = None, end: str = "allow") -> list[list]:
     return [
-        [fingerprint_item(x) for x in uneven(rank=r, world_size=world).iter(state=state)]
+        [
+            fingerprint_item(x)
+            for x in uneven(rank=r, world_size=world, uneven_end=end).iter(state=state)
+        ]
         for r in range(world)
     ]
 
 
-def lockstep(world: int) -> list[tuple[list[list], dict]]:
+def lockstep(world: int, end: str = "allow") -> list[tuple[list[list], dict]]:
     """Every rank runs global step after global step (``N // world`` items each) until all are
     done; after each step: what each rank delivered so far and the merged job state."""
     per = N // world
-    loaders = [iter(uneven(rank=r, world_size=world)) for r in range(world)]
+    loaders = [iter(uneven(rank=r, world_size=world, uneven_end=end)) for r in range(world)]
     heads: list[list] = [[] for _ in range(world)]
     out = []
     while True:
+        states = [json.loads(json.dumps(loader.state_dict())) for loader in loaders]
+        out.append(([list(h) for h in heads], zephon.merge_states(states)))
+        if all(lane["ended"] for loader in loaders for lane in loader.stats()["lanes"].values()):
+            break
         for loader, head in zip(loaders, heads):
             for _ in range(per):
                 item = next(loader, None)
                 if item is not None:
                     head.append(fingerprint_item(item))
-        states = [json.loads(json.dumps(loader.state_dict())) for loader in loaders]
-        out.append(([list(h) for h in heads], zephon.merge_states(states)))
-        if all(
-            loader.stats()["lanes"][g]["ended"]
-            for loader in loaders
-            for g in range(N)
-            if g in loader.stats()["lanes"]
-        ):
-            break
     for loader in loaders:
         loader.close()
     return out
 
 
-def test_lockstep_ranks_merge_at_every_global_step_through_the_end_of_the_pass() -> None:
-    full = rank_streams(2)
-    assert len(full[0]) > len(full[1])  # lane 3 ends first, lane 2 then delivers twice a step
-    taken = lockstep(2)
-    assert len(taken) > len(full[1]) // 2 + 2  # past the end of lane 3
+@pytest.mark.parametrize("end", ["allow", "carry"])
+def test_lockstep_ranks_merge_at_every_global_step_through_the_end_of_the_pass(end: str) -> None:
+    full = rank_streams(2, end=end)
+    if end == "allow":
+        assert len(full[0]) > len(full[1])  # lane 3 ends first, lane 2 then delivers twice
+    else:
+        assert len(full[0]) == len(full[1])
+    taken = lockstep(2, end)
+    assert len(taken) > len(full[1]) // 2  # through the end
     every = sorted(x for stream in full for x in stream)
     for k, (heads, job) in enumerate(taken):
         for world in (1, 2, 4):
-            tails = rank_streams(world, job)
+            tails = rank_streams(world, job, end)
             if world == 2:  # on the same ranks: each rank continues exactly
                 assert [h + t for h, t in zip(heads, tails)] == full, f"step {k}"
             delivered = [x for stream in heads + tails for x in stream]
@@ -188,3 +193,14 @@ def test_a_job_relaned_onto_more_lanes_than_chunks_left_merges_at_every_step() -
         if not got:
             break
     assert delivered == 55 - 40
+
+
+def test_a_one_rank_job_merged_inside_a_global_step_resumes_there() -> None:
+    full = [fingerprint_item(x) for x in shuffled(lanes=8, rank=0, world_size=1)]
+    loader = iter(shuffled(lanes=8, rank=0, world_size=1))
+    head = [fingerprint_item(next(loader)) for _ in range(13)]
+    job = zephon.merge_states([loader.state_dict()])
+    resumed = shuffled(lanes=8, rank=0, world_size=1).iter(state=job)
+    tail = [fingerprint_item(next(resumed)) for _ in range(3)]
+    assert resumed.state_dict()["served"] == 16  # two whole global steps of 8
+    assert head + tail + [fingerprint_item(x) for x in resumed] == full

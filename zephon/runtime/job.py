@@ -126,7 +126,7 @@ def _job_step(bodies: list[dict[str, Any]], per_rank: int) -> int:
         shown = ", ".join(f"rank {r} at step {s}" for r, (s, _) in sorted(steps.items()))
         raise CheckpointError(f"the ranks were checkpointed at different global steps: {shown}")
     inside = {r: m for r, (_, m) in steps.items() if m}
-    if inside:
+    if inside and len(bodies) > 1:  # one rank's position inside a step resumes on its own
         step = next(iter(steps.values()))[0]
         shown = ", ".join(f"rank {r} had handed over {m}" for r, m in sorted(inside.items()))
         raise CheckpointError(
@@ -141,15 +141,15 @@ def _job_step(bodies: list[dict[str, Any]], per_rank: int) -> int:
 
 
 def items_into_step(state: dict[str, Any]) -> int:
-    """How many of its items of the current global step a rank had handed over when ``state``
-    (its own, unsealed) was taken: 0 between global steps, and for a rank whose lanes all
-    ended."""
+    """How many of its items of the current global step a rank of a job of several ranks had
+    handed over when ``state`` (its own, unsealed) was taken: 0 between global steps, for a
+    rank whose lanes all ended, and for a job of one rank."""
     lanes, world_size = state.get("lanes"), state.get("world_size")
     lane_states = state.get("lane_states")
     if type(lanes) is not int or type(world_size) is not int or type(lane_states) is not list:
         return 0
-    if lanes < 1 or not 0 < world_size <= lanes:
-        return 0
+    if lanes < 1 or not 1 < world_size <= lanes:
+        return 0  # one rank alone waits for no other
     if all(type(s) is dict and s.get("finished") is True for s in lane_states):
         return 0
     return rank_served(state) % (lanes // world_size)

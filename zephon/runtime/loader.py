@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from zephon._core.delivery import DeliveryCounters, parse_heritage_key
-from zephon._core.handover import LoaderStep
+from zephon._core.handover import NO_LIMIT, LoaderStep
 from zephon.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -36,6 +36,7 @@ from zephon.runtime.checkpoint import (
 )
 from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
+from zephon.runtime.even_end import lane_items
 from zephon.runtime.job import job_step, rank_served, rank_turn
 from zephon.runtime.layout import Layout
 from zephon.runtime.relane import relane
@@ -99,11 +100,28 @@ class Loader(LoaderStep):
         self.served_offset = 0
         self.lanes = [LaneDelivery(plan, lane, self.counts) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
+        self._end_evenly()
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
         self._closed = False
         self._failure: BaseException | None = None
         self._untrusted: BaseException | None = None  # bookkeeping stopped half-way
+
+    def _end_evenly(self) -> None:
+        """With ``uneven_end="carry"``, every lane stops at the job's shortest lane's items, so
+        every rank delivers the same global steps (``runtime.even_end``)."""
+        items = lane_items(self.plan, self.layout) if self.plan.uneven_end == "carry" else None
+        steps = min(items) if items else NO_LIMIT
+        for lane in self.lanes:
+            lane.limit = steps
+            lane.surplus = items[lane.lane_id] - steps if items else 0
+        if items and sum(items) > steps * len(items):
+            log.info(
+                "even ends across ranks: every lane hands over %d item(s); %d item(s) at the end "
+                "of the data are dropped (uneven_end='carry')",
+                steps,
+                sum(items) - steps * len(items),
+            )
 
     # ----------------------------------------------------------------------------- iteration
     def __iter__(self) -> Loader:
@@ -231,7 +249,9 @@ class Loader(LoaderStep):
         tombstones) and seconds spent; ``lanes`` each lane's delivered items, whether it ended,
         the items waiting in its current list (``buffered``), the item lists its worker has
         ready beyond it (``queued``, at most ``prefetch``; 0 for inline lanes) and its replay
-        progress after a restore.
+        progress after a restore. ``dropped_at_end`` counts the items this rank's lanes left out
+        at the end of the data so that every rank delivers the same global steps
+        (``uneven_end="carry"``).
         ``mixture_components`` gives per component its delivered ``samples`` and ``tokens``, the
         ``dropped_samples``/``dropped_tokens`` that counted tombstones carried (what
         ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
@@ -251,6 +271,7 @@ class Loader(LoaderStep):
             "mixture": {k: v / total for k, v in basis.items()} if total else {},
             "bytes_held": sum(lane.book.table.bytes_held for lane in self.lanes),
             "eviction_path": self.plan.eviction_path,
+            "dropped_at_end": sum(lane.surplus for lane in self.lanes if lane.cut),
         }
         for tag in self.plan.counted_tags:
             out[tag] = counts.tag_counts.get(tag, 0)
@@ -390,6 +411,7 @@ class Loader(LoaderStep):
             body = self._relane(body)
             job = True
         self.layout = check_layout(body["layout"], plan.lanes, plan.source.total_chunks())
+        self._end_evenly()
         lane_states = body["lane_states"]
         if job:
             if type(lane_states) is not list or len(lane_states) != plan.lanes:
@@ -413,8 +435,10 @@ class Loader(LoaderStep):
         delivered = sum(s["delivered"] for s in checked)
         if job:
             self.next_lane = rank_turn(checked)
-            self._check_job_turn(lane_states, checked)
-            self.served_offset = job_step(body) * len(self.lanes) - delivered
+            # a job of one rank may have been merged inside a global step: the rank resumes
+            # there, as far into the step as its lanes' items say (unless lanes ended)
+            into_step = self._check_job_turn(lane_states, checked)
+            self.served_offset = job_step(body) * len(self.lanes) + into_step - delivered
         else:
             self.next_lane = check_int(body["next_lane"], "next_lane", 0, len(self.lanes) - 1)
             check_turn(self.next_lane, checked)
@@ -433,12 +457,12 @@ class Loader(LoaderStep):
             return  # a job's counters belong to all its ranks: this rank counts afresh
         self._restore_counters(values, tag_counts, samples, tokens)
 
-    def _check_job_turn(self, lane_states: list[Any], checked: list[dict[str, Any]]) -> None:
-        """A job state holds whole global steps: this rank's lanes are level, one round behind
-        the other. Once a lane of the job ended, lanes of the old ranks delivered different
-        numbers of items per step, and any level is right."""
+    def _check_job_turn(self, lane_states: list[Any], checked: list[dict[str, Any]]) -> int:
+        """How far into its global step this rank resumes (``next_lane``): its lanes are level,
+        or one round apart. Once a lane of the job ended, lanes of the old ranks delivered
+        different numbers of items per step: any level is right, and the step is whole."""
         if any(type(s) is dict and s.get("finished") is True for s in lane_states):
-            return
+            return 0
         try:
             check_turn(self.next_lane, checked)
         except CheckpointCorruptError:
@@ -449,6 +473,7 @@ class Loader(LoaderStep):
                 "from its own state on the world size it was taken with, or from a job state "
                 "taken right after an optimizer step"
             ) from None
+        return self.next_lane
 
     def _restore_counters(
         self,
