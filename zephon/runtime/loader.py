@@ -109,7 +109,8 @@ class Loader(LoaderStep):
 
     def _end_evenly(self) -> None:
         """With ``uneven_end="carry"``, every lane stops at the job's shortest lane's items, so
-        every rank delivers the same global steps (``runtime.even_end``)."""
+        every rank delivers the same global steps (``runtime.even_end``); a re-laned job's lanes
+        run to their ends."""
         items = lane_items(self.plan, self.layout) if self.plan.uneven_end == "carry" else None
         steps = min(items) if items else NO_LIMIT
         for lane in self.lanes:
@@ -411,7 +412,8 @@ class Loader(LoaderStep):
             body = self._relane(body)
             job = True
         self.layout = check_layout(body["layout"], plan.lanes, plan.source.total_chunks())
-        self._end_evenly()
+        if self.layout.current:
+            self._end_evenly()
         lane_states = body["lane_states"]
         if job:
             if type(lane_states) is not list or len(lane_states) != plan.lanes:
