@@ -28,7 +28,8 @@ def uneven(**kw: Any) -> zephon.Pipeline:
     """Lanes that end at different global steps (``uneven_end="allow"``), or that every rank
     ends together (``"carry"``)."""
     kw.setdefault("uneven_end", "allow")
-    return zephon.Pipeline(RangeSource(110, chunk_size=10), [fetch(), batch(2)], lanes=N, **kw)
+    kw.setdefault("lanes", N)
+    return zephon.Pipeline(RangeSource(110, chunk_size=10), [fetch(), batch(2)], **kw)
 
 
 def shuffled(**kw: Any) -> zephon.Pipeline:
@@ -166,30 +167,29 @@ def test_a_job_state_merged_inside_a_global_step_by_an_earlier_zephon_is_not_cal
 
 def test_a_job_relaned_onto_more_lanes_than_chunks_left_merges_at_every_step() -> None:
     loader = iter(uneven(rank=0, world_size=1))
-    for _ in range(40):  # every lane is in its last chunk
+    for _ in range(40):  # lane 3 has ended, lanes 0..2 are in their last chunk
         next(loader)
     state = loader.state_dict()
     loader.close()
+    world, per = 4, 2  # 8 new lanes: only 0, 1 and 2 have a run to finish
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RelaneWarning)
         loaders = [
-            zephon.Pipeline(
-                RangeSource(110, chunk_size=10),
-                [fetch(), batch(2)],
-                lanes=8,
-                rank=r,
-                world_size=2,
-            ).iter(state=state)
-            for r in range(2)
+            uneven(lanes=8, rank=r, world_size=world).iter(state=state) for r in range(world)
         ]
     delivered = 0
     while True:
         got = 0
         for loader in loaders:
-            for _ in range(4):
+            for _ in range(per):  # rank 1's lane 2 fills its step alone
                 got += next(loader, None) is not None
         delivered += got
-        zephon.merge_states([loader.state_dict() for loader in loaders])
+        job = zephon.merge_states([loader.state_dict() for loader in loaders])
+        for w in (1, 2, 8):
+            rest = sum(
+                len(list(uneven(lanes=8, rank=r, world_size=w).iter(state=job))) for r in range(w)
+            )
+            assert delivered + rest == 55 - 40, f"world_size={w}"
         if not got:
             break
     assert delivered == 55 - 40
