@@ -10,7 +10,7 @@ from zephon.ops import pack_sequences, shuffle, tokenize
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import fetch, filter_records, map_transform
 from zephon.ops.batching import batch
-from zephon.ops.children import spawn_child
+from zephon.ops.children import spawn_child, tombstones_for_record
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.testing import check_operator, check_resume
 from zephon.types import SampleCursor, SampleMeta, SampleRecord
@@ -178,6 +178,37 @@ def _resume_pipeline(op: Operator) -> zephon.Pipeline:
 def test_check_resume_names_the_operator_that_forgets_its_carry_state():
     with pytest.raises(AssertionError, match=r"item \d+ differs.*Suspect: ForgetsItsTotal"):
         check_resume(_resume_pipeline(ForgetsItsTotal()))
+
+
+class ForgetfulDedup(Operator):
+    """Drops a text it has delivered before, but its carry state forgets what it has seen."""
+
+    name = "dedup"
+    traits = OpTraits(preserves_cursor_order=True, stateful=True)
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def process_many(self, recs):
+        out = []
+        for rec in recs:
+            text = rec.payload["text"]
+            if text in self._seen:
+                out.extend(tombstones_for_record(rec))
+            else:
+                self._seen.add(text)
+                out.append(rec)
+        return out
+
+
+def test_check_resume_names_a_dedup_operator_that_forgets_its_carry_state():
+    # Repeats come only from later chunks, so the operator is right within any one epoch.
+    texts = [{"text": f"doc {i % 40}"} for i in range(160)]
+    pipeline = zephon.Pipeline(
+        ListSource(texts, chunk_size=8), [fetch(), ForgetfulDedup(), batch(2)], epoch_chunks=2
+    )
+    with pytest.raises(AssertionError, match=r"item \d+ differs.*Suspect: dedup"):
+        check_resume(pipeline)
 
 
 def test_check_resume_passes_the_built_ins():

@@ -28,6 +28,7 @@ from zephon.planner import Pipeline, Plan  # noqa: E402
 from zephon.progress import show_progress  # noqa: E402
 from zephon.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from zephon.runtime.job import merge_states  # noqa: E402
+from zephon.runtime.job_files import load_job_state, save_rank_state  # noqa: E402
 from zephon.runtime.loader import Loader  # noqa: E402
 
 __version__ = "0.1.0"
@@ -51,7 +52,9 @@ __all__ = [
     "ReplayDivergenceError",
     "ZephonError",
     "load_checkpoint",
+    "load_job_state",
     "merge_states",
     "save_checkpoint",
+    "save_rank_state",
     "show_progress",
 ]

@@ -10,12 +10,23 @@ how to pass ``rank=`` / ``world_size=``: a host never silently becomes rank 0 of
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from zephon.errors import PlanError
 
-__all__ = ["rank_from_env", "rank_from_jax", "rank_from_torch", "resolve_rank"]
+__all__ = [
+    "DataParallelRank",
+    "from_device_mesh",
+    "rank_from_env",
+    "rank_from_jax",
+    "rank_from_torch",
+    "resolve_rank",
+]
 
 _PASS_IT = "pass rank= and world_size= to zephon.Pipeline"
 
@@ -91,3 +102,53 @@ def rank_from_env() -> tuple[int, int] | None:
             f"RANK/WORLD_SIZE environment variables are not integers: {exc}; set them to "
             f"integers, or {_PASS_IT}"
         ) from None
+
+
+@dataclass(frozen=True)
+class DataParallelRank:
+    """This process's place among the data-parallel ranks of a parallel mesh: pass ``rank`` and
+    ``world_size`` to ``zephon.Pipeline`` and ``group`` to ``job_state(..., group=...)``."""
+
+    rank: int
+    world_size: int
+    group: Any  # the torch process group of this process's data-parallel peers
+
+
+def from_device_mesh(mesh: Any, dp_dims: str | Sequence[str] = ("dp",)) -> DataParallelRank:
+    """The data-parallel rank of this process in a torch ``DeviceMesh`` whose ``dp_dims`` (names
+    of its dimensions, in order) are the data-parallel ones; the others (tensor, pipeline,
+    context parallelism) hold ranks that must see the same batches. Call it on every rank of the
+    mesh at the same point (with several data-parallel dimensions it creates one process group
+    per data-parallel group, a collective call).
+
+    Ranks that differ only along the other dimensions get the same ``rank``, so their pipelines
+    deliver identical batches, and ``group`` gathers over the data-parallel peers only.
+    """
+    import torch.distributed as dist
+
+    names = list(getattr(mesh, "mesh_dim_names", None) or ())
+    dims = [dp_dims] if isinstance(dp_dims, str) else list(dp_dims)
+    if not names:
+        raise PlanError("from_device_mesh needs a DeviceMesh made with mesh_dim_names=")
+    unknown = [d for d in dims if d not in names]
+    if not dims or unknown or len(set(dims)) != len(dims):
+        raise PlanError(
+            f"from_device_mesh: dp_dims={dp_dims!r} must name distinct dimensions of the mesh "
+            f"(its dimensions: {names})"
+        )
+    rank, world_size = 0, 1
+    for dim in dims:  # the data-parallel coordinates, row-major in the order given
+        rank = rank * mesh.size(names.index(dim)) + mesh.get_local_rank(dim)
+        world_size *= mesh.size(names.index(dim))
+    if len(dims) == 1:
+        return DataParallelRank(rank, world_size, mesh.get_group(dims[0]))
+    grid = mesh.mesh.permute(
+        *[names.index(d) for d in names if d not in dims], *[names.index(d) for d in dims]
+    )
+    me, group = dist.get_rank(), None
+    for others in itertools.product(*(range(n) for n in grid.shape[: len(names) - len(dims)])):
+        members = [int(r) for r in grid[others].flatten().tolist()]
+        made = dist.new_group(members)  # every rank creates every group, in the same order
+        if me in members:
+            group = made
+    return DataParallelRank(rank, world_size, group)

@@ -190,32 +190,36 @@ def _item(item: Any) -> tuple:
 
 def _carry_round_trip(op: Operator, records: Sequence[SampleRecord], lane_id: int) -> None:
     """A stateful operator continued into a second epoch and a fresh copy restored from its
-    ``carry_state()`` (through JSON, as in a checkpoint) must emit the same second epoch."""
+    ``carry_state()`` (through JSON, as in a checkpoint) must emit the same second epoch: one of
+    new records, and one that sees the first epoch's records again (what a deduplicating or
+    counting operator remembers shows only on records it has seen)."""
     half = len(records) // 2
     first, second = list(records[:half]), list(records[half:])
-    original = copy.deepcopy(op)
-    original.start_epoch(lane_id, 0)
-    original.process_many(first)
-    original.flush()
-    carry = original.carry_state()
-    try:
-        saved = json.loads(json.dumps(carry))
-    except (TypeError, ValueError) as exc:
-        raise AssertionError(f"{op.name}: carry_state() is not JSON data: {exc}") from None
-    original.start_epoch(lane_id, 1)
-    expected = [*original.process_many(second), *original.flush()]
-    restored = copy.deepcopy(op)
-    if saved is not None:
-        restored.restore_carry(saved)
-    restored.start_epoch(lane_id, 1)
-    got = [*restored.process_many(second), *restored.flush()]
-    if [_comparable(r) for r in got] != [_comparable(r) for r in expected]:
-        what = "returns None" if saved is None else f"returns {str(saved)[:80]}"
-        raise AssertionError(
-            f"{op.name}: a copy restored from carry_state() (which {what}) emits a different "
-            "next epoch than the operator itself: carry_state() must return everything that "
-            "survives an epoch, and restore_carry() must restore it"
-        )
+    for later in (second, first):
+        original = copy.deepcopy(op)
+        original.start_epoch(lane_id, 0)
+        original.process_many(first)
+        original.flush()
+        carry = original.carry_state()
+        try:
+            saved = json.loads(json.dumps(carry))
+        except (TypeError, ValueError) as exc:
+            raise AssertionError(f"{op.name}: carry_state() is not JSON data: {exc}") from None
+        original.start_epoch(lane_id, 1)
+        expected = [*original.process_many(later), *original.flush()]
+        restored = copy.deepcopy(op)
+        if saved is not None:
+            restored.restore_carry(saved)
+        restored.start_epoch(lane_id, 1)
+        got = [*restored.process_many(later), *restored.flush()]
+        if [_comparable(r) for r in got] != [_comparable(r) for r in expected]:
+            what = "returns None" if saved is None else f"returns {str(saved)[:80]}"
+            again = "" if later is second else ", on records it saw in the epoch before,"
+            raise AssertionError(
+                f"{op.name}: a copy restored from carry_state() (which {what}) emits a "
+                f"different next epoch{again} than the operator itself: carry_state() must "
+                "return everything that survives an epoch, and restore_carry() must restore it"
+            )
 
 
 def check_resume(pipeline: Pipeline, steps: Sequence[int] | None = None) -> None:

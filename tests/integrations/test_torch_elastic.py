@@ -180,8 +180,12 @@ def test_job_state_takes_a_stateful_dataloader_in_a_one_process_group() -> None:
     finally:
         dist.destroy_process_group()
     full = [item(b) for b in make(rank=0, world_size=1)]
-    resumed = [item(b) for b in make(rank=0, world_size=1).iter(state=job)]
+    resumed = [item(b) for b in make(rank=0, world_size=1).iter(state=job["dataset_state"])]
     assert seen + resumed == full
-    assert job["format"] == "zephon-job-state"
+    assert job["dataset_state"]["format"] == "zephon-job-state"
+    # The job state has the dataloader's shape: the StatefulDataLoader it came from loads it.
+    again = StatefulDataLoader(as_torch_dataset(make()), batch_size=None, num_workers=0)
+    again.load_state_dict(job)
+    assert [b["idx"].tolist() for b in again] == full[len(seen) :]
     with pytest.raises(zephon.ZephonError, match="init_process_group"):
         job_state(dataloader)

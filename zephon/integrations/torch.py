@@ -161,10 +161,11 @@ class ZephonIterableDataset(IterableDataset[Any]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter()`` continue from ``state`` (checked against the pipeline then:
-        ``CheckpointMismatchError`` / ``CheckpointCorruptError`` when it does not fit)."""
+        ``CheckpointMismatchError`` / ``CheckpointCorruptError`` when it does not fit). A
+        ``StatefulDataLoader``'s state around this dataset's is taken too."""
         if not isinstance(state, dict):
             raise TypeError(f"load_state_dict needs the dict state_dict() returned, got {state!r}")
-        self._pending = state
+        self._pending = _unwrapped(state)
         self._final = None
         self._final_stats = None
 
@@ -198,6 +199,15 @@ def _called_by_a_batching_dataloader(dataset: ZephonIterableDataset) -> bool:
     return False
 
 
+def _is_dataloader_state(state: Any) -> bool:
+    """Whether ``state`` is a ``StatefulDataLoader``'s (its dataset's at ``dataset_state``)."""
+    return isinstance(state, dict) and "dataset_state" in state and "format" not in state
+
+
+def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
+    return state["dataset_state"] if _is_dataloader_state(state) else state
+
+
 def as_torch_dataset(pipeline: Pipeline) -> ZephonIterableDataset:
     """Wrap ``pipeline`` as a checkpointable torch ``IterableDataset`` yielding tensors; use it
     with ``batch_size=None, num_workers=0`` (see ``ZephonIterableDataset``)."""
@@ -212,9 +222,14 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
     one, or a rank's state dict. Call it on every rank at the same global step (it is a
     collective) and save the result with the model checkpoint: any rank of a later run, on any
     world size that divides the job's lanes, resumes from it with ``pipeline.iter(state=...)``
-    (or ``dataset.load_state_dict(...)``). Called inside a global step (after a number of items
-    that is not a multiple of ``lanes // world_size``), it warns (``MidStepWarning``) and the
-    merge raises ``CheckpointError``.
+    (or ``dataset.load_state_dict(...)``).
+
+    The result has the shape of ``source``'s state: given a ``StatefulDataLoader`` (or its
+    state), it is that loader's state with the job state at ``"dataset_state"``, so
+    ``dataloader.load_state_dict(job)`` resumes it; ``job["dataset_state"]`` is the job state
+    itself. Called inside a global step (after a number of items that is not a multiple of
+    ``lanes // world_size``), it warns (``MidStepWarning``) and the merge raises
+    ``CheckpointError``.
     """
     import torch.distributed as dist
 
@@ -224,17 +239,17 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
             "(call dist.init_process_group first), or use zephon.merge_states on saved states"
         )
     state = source if isinstance(source, dict) else source.state_dict()
-    if isinstance(state, dict) and "dataset_state" in state and "format" not in state:
-        state = state["dataset_state"]  # a StatefulDataLoader's state around our dataset's
-    inside = items_into_step(state) if isinstance(state, dict) else 0
+    inside = items_into_step(_unwrapped(state)) if isinstance(state, dict) else 0
     if inside:
+        mine = _unwrapped(state)
         warnings.warn(
-            f"job_state() on rank {state.get('rank')} was called inside a global step: the rank "
-            f"had handed over {inside} of its {state['lanes'] // state['world_size']} items of "
+            f"job_state() on rank {mine.get('rank')} was called inside a global step: the rank "
+            f"had handed over {inside} of its {mine['lanes'] // mine['world_size']} items of "
             "the step, and merging refuses such states. Call it right after an optimizer step",
             MidStepWarning,
             stacklevel=2,
         )
     states: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(states, state, group=group)
-    return merge_states(states)
+    dist.all_gather_object(states, _unwrapped(state), group=group)
+    job = merge_states(states)
+    return {**state, "dataset_state": job} if _is_dataloader_state(state) else job

@@ -1,7 +1,7 @@
 """Operators: the API for writing them, the children helpers, and the built-in factories."""
 
 from zephon.ops.base import Operator, OpTraits
-from zephon.ops.basic import fetch, filter_records, map_transform
+from zephon.ops.basic import fetch, filter_records, map_batch, map_transform
 from zephon.ops.batching import batch
 from zephon.ops.chat import ChatTemplate, TokenizeChat, tokenize_chat
 from zephon.ops.children import pack_meta, spawn_child, tombstone_meta, tombstones_for_record
@@ -28,6 +28,7 @@ __all__ = [
     "ensure_mixture",
     "fetch",
     "filter_records",
+    "map_batch",
     "map_transform",
     "pack_flat",
     "pack_meta",

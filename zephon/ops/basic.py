@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,9 +19,11 @@ from zephon.validation import check_int
 __all__ = [
     "Fetch",
     "FilterRecords",
+    "MapBatch",
     "MapTransform",
     "fetch",
     "filter_records",
+    "map_batch",
     "map_transform",
     "record_error",
 ]
@@ -161,6 +163,84 @@ def map_transform(
 ) -> MapTransform:
     """Apply ``fn`` to every payload; 1 -> 1, or 1 -> 0/1 with ``drop_none=True``."""
     return MapTransform(fn, drop_none=drop_none, workers=workers, name=name)
+
+
+class MapBatch(Operator):
+    """``payloads -> fn(payloads)`` once per micro-batch: ``fn`` takes the list of the micro-batch's
+    payloads and returns as many new payloads, in the same order (each record keeps its meta)."""
+
+    maps_payloads = True
+
+    def __init__(
+        self,
+        fn: Callable[[list[Any]], Sequence[Any]],
+        *,
+        batch_sensitive: bool = False,
+        workers: int | None = None,
+        name: str | None = None,
+    ):
+        if not callable(fn):
+            raise TypeError(f"map_batch needs a callable, got {fn!r}")
+        if not isinstance(batch_sensitive, bool):
+            raise TypeError(
+                f"map_batch: batch_sensitive must be True or False, got {batch_sensitive!r}"
+            )
+        self.fn = fn
+        self.batch_sensitive = batch_sensitive
+        self.name = name or f"map_batch({getattr(fn, '__qualname__', type(fn).__name__)})"
+        # A payload that depends on its neighbours needs micro-batches cut the same way on every
+        # run, and a restore that re-runs whole micro-batches rather than skipping at the source.
+        self.traits = OpTraits(
+            preserves_cursor_order=True,
+            batch_sensitive=batch_sensitive,
+            preserves_indexability=not batch_sensitive,
+            workers=workers,
+        )
+
+    def map_payloads(self, run: RecordRun) -> list[Any]:
+        return self._mapped(run.payloads, run)
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        payloads = self._mapped([r.payload for r in records], records)
+        return [r.with_payload(p) for r, p in zip(records, payloads)]
+
+    def _mapped(self, payloads: list[Any], records: Sequence[SampleRecord]) -> list[Any]:
+        if not payloads:
+            return []
+        try:
+            out = self.fn(payloads)
+        except Exception as exc:
+            raise self._refused(records, f"{type(exc).__name__}: {exc}") from exc
+        if isinstance(out, (str, bytes, dict)) or not isinstance(out, Sequence):
+            raise self._refused(records, f"returned {type(out).__name__}, not a list of payloads")
+        if len(out) != len(payloads):
+            raise self._refused(
+                records, f"returned {len(out)} payloads for {len(payloads)} (one per record needed)"
+            )
+        return out if type(out) is list else list(out)
+
+    def _refused(self, records: Sequence[SampleRecord], why: str) -> OperatorError:
+        first, last = records[0].meta.cursor, records[len(records) - 1].meta.cursor
+        return OperatorError(
+            f"operator {self.name!r} failed on the micro-batch of {len(records)} records from "
+            f"{first!r} (sample_id={first.sample_id}) to {last!r}: {why}",
+            operator=self.name,
+            cursor=first,
+        )
+
+
+def map_batch(
+    fn: Callable[[list[Any]], Sequence[Any]],
+    *,
+    batch_sensitive: bool = False,
+    workers: int | None = None,
+    name: str | None = None,
+) -> MapBatch:
+    """Apply ``fn`` to the list of each micro-batch's payloads (a vectorized transform, a model
+    run on many inputs at once); it returns one new payload per input, in order. With
+    ``batch_sensitive=True`` a payload may depend on the others in its micro-batch, and
+    micro-batches are then cut only by count and at chunk starts, the same on every run."""
+    return MapBatch(fn, batch_sensitive=batch_sensitive, workers=workers, name=name)
 
 
 class FilterRecords(Operator):

@@ -18,7 +18,7 @@ from zephon.errors import MixtureDropWarning
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
 from zephon.ops.children import split_in_proportion, tombstone_meta
-from zephon.types import ContributorRef, SampleRecord
+from zephon.types import ContributorRef, SampleMeta, SampleRecord
 from zephon.validation import check_int
 
 __all__ = ["DROP_WARN_FRACTION", "MIXTURE_DROP_TAG", "EnsureMixture", "ensure_mixture"]
@@ -252,20 +252,18 @@ class EnsureMixture(Operator):
         if tokens is None and self.by == "tokens":
             tokens = amounts
         samples = src.component_sample_counts or {src.component: 1}
-        closing = [ref for ref in src.contribution_refs() if ref.is_last_child] or [
-            ContributorRef(src.cursor, False)
-        ]
-        out = []
-        for i, ref in enumerate(closing):
-            meta = tombstone_meta(ref, src.lane_id)
-            if i == 0:
-                meta = meta.replace(
-                    tags=meta.tags | {MIXTURE_DROP_TAG},
-                    component_token_counts=dict(tokens) if tokens else None,
-                    component_sample_counts=dict(samples),
-                )
-            out.append(SampleRecord(meta, None))
-        return out
+        metas = [tombstone_meta(r, src.lane_id) for r in src.contribution_refs() if r.is_last_child]
+        if not metas:  # it owes none, but one that closes nothing still carries the counts
+            ref = ContributorRef(src.cursor, False)
+            metas = [
+                SampleMeta(src.cursor, lane_id=src.lane_id, contributors=(ref,), is_tombstone=True)
+            ]
+        metas[0] = metas[0].replace(
+            tags=metas[0].tags | {MIXTURE_DROP_TAG},
+            component_token_counts=dict(tokens) if tokens else None,
+            component_sample_counts=dict(samples),
+        )
+        return [SampleRecord(meta, None) for meta in metas]
 
     def _drop_entry(self, entry: _Entry) -> list[SampleRecord]:
         dropped = self._dropped

@@ -121,17 +121,21 @@ def _described(parts: dict[str, Any]) -> Any:
         return None
 
 
-def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically (temp file, fsync, rename) with a checksum."""
-    target = Path(path)
-    payload = _canonical(state)
+def checkpoint_bytes(state: dict[str, Any]) -> bytes:
+    """``state`` as the bytes of a checkpoint file: JSON with a checksum over the state."""
     envelope = {
         "format": FILE_FORMAT,
         "version": 1,
-        "sha256": hashlib.sha256(payload).hexdigest(),
+        "sha256": hashlib.sha256(_canonical(state)).hexdigest(),
         "state": state,
     }
-    data = _canonical(envelope)
+    return _canonical(envelope)
+
+
+def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically (temp file, fsync, rename) with a checksum."""
+    target = Path(path)
+    data = checkpoint_bytes(state)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
@@ -152,7 +156,11 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and verify a ``save_checkpoint`` file; ``CheckpointCorruptError`` if damaged."""
-    raw = Path(path).read_bytes()
+    return state_from_checkpoint_bytes(Path(path).read_bytes(), str(path))
+
+
+def state_from_checkpoint_bytes(raw: bytes, path: str) -> dict[str, Any]:
+    """The state a checkpoint file's bytes hold, verified; ``path`` names it in errors."""
     try:
         envelope = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -14,6 +14,7 @@ from zephon.errors import PlanError
 from zephon.plan import Plan
 from zephon.runtime.fork_server import plan_modules
 from zephon.runtime.lane_stop import WORKER_NAME
+from zephon.runtime.main_script import pickle_plan
 from zephon.runtime.neighbours import Neighbours
 from zephon.runtime.thread_budget import worker_environment
 from zephon.runtime.worker_process import EXIT_MAIN_REIMPORTED
@@ -93,13 +94,14 @@ def _unpicklable_message(plan: Plan, exc: Exception) -> str:
 
 
 class PlanParcel:
-    """What every worker process of one ``open_lanes`` call receives: the plan pickled once, the
-    modules its fork server preloads and the environment that sizes the workers' thread pools."""
+    """What every worker process of one ``open_lanes`` call receives: the plan pickled once
+    (and whether unpickling it needs the main script), the modules its fork server preloads and
+    the environment that sizes the workers' thread pools."""
 
     def __init__(self, plan: Plan):
         _refuse_unguarded_main()
         try:
-            self.plan_bytes = pickle.dumps(plan, protocol=5)
+            self.plan_bytes, self.needs_main = pickle_plan(plan)
         except Exception as exc:
             raise PlanError(_unpicklable_message(plan, exc)) from None
         self.preload = plan_modules(plan)

@@ -25,6 +25,7 @@ from zephon.runtime.lane_stop import (
     closed_error,
     timed_out,
 )
+from zephon.runtime.main_script import main_script_left_out
 from zephon.runtime.neighbours import Neighbours
 from zephon.runtime.plan_parcel import PlanParcel, unguarded_main
 from zephon.runtime.wire import ACK, END, READY, MessageStalled, receive
@@ -149,7 +150,8 @@ def _start_process(
         daemon=True,
     )
     try:
-        proc.start()
+        with main_script_left_out(not parcel.needs_main):
+            proc.start()
     except BaseException:
         for parent, _ in pipes:
             parent.close()

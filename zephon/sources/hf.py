@@ -17,7 +17,7 @@ What it refuses, with a ValueError saying what to do: a dataset held in memory (
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zephon.sources.arrow import ArrowSource
@@ -26,10 +26,12 @@ __all__ = ["HFDatasetSource"]
 
 
 def _cache_files(dataset: Any) -> list[str]:
-    if hasattr(dataset, "keys") and not hasattr(dataset, "cache_files"):
+    # A DatasetDict is a dict of splits whose cache_files is a dict too: one split is wanted.
+    if isinstance(dataset, Mapping):
+        splits = list(dataset.keys())
+        pick = f"dataset[{splits[0]!r}]" if splits else "one of its splits"
         raise TypeError(
-            f"HFDatasetSource: got a DatasetDict with splits {list(dataset.keys())}; pass one "
-            "split, e.g. dataset['train']"
+            f"HFDatasetSource: got a DatasetDict with splits {splits}; pass one split, e.g. {pick}"
         )
     files = getattr(dataset, "cache_files", None)
     if files is None or not hasattr(dataset, "column_names"):

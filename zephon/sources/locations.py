@@ -353,3 +353,10 @@ def _common_dir(roots: Iterable[str]) -> str:
     if not joined and split and split[0][:1] == [""]:
         return "/"
     return joined
+
+
+def filesystem_and_path(uri: str, filesystem: Any = None, owner: str = "") -> tuple[Any, str]:
+    """The pyarrow filesystem ``uri`` lives on (a local path, ``file://``, ``s3://``, ``gs://``,
+    or any fsspec protocol; ``filesystem`` when given) and the path of ``uri`` on it."""
+    fs, _, paths = _parse([uri], filesystem, owner)
+    return fs, paths[0]

@@ -1,0 +1,90 @@
+"""A job state through a shared directory (local or in a bucket): each rank saves its state,
+any process reads them back as one job state, which resumes on another world size."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pipeline_kit import fingerprint_item
+
+import zephon
+from zephon.errors import CheckpointCorruptError, CheckpointError
+from zephon.ops import batch, fetch, shuffle
+from zephon.sources import RangeSource
+
+N = 4  # the job's lanes
+STEPS = 5  # global steps before the checkpoint
+
+
+def make(**kw: Any) -> zephon.Pipeline:
+    source = RangeSource(600, chunk_size=16, shuffle=True, seed=4)
+    return zephon.Pipeline(source, [fetch(), shuffle(8, seed=1), batch(4)], lanes=N, **kw)
+
+
+def global_steps(world: int, state: dict | None = None, limit: int = 20) -> list[Counter]:
+    per = N // world
+    streams = [
+        [fingerprint_item(x) for x in make(rank=r, world_size=world).iter(state=state)]
+        for r in range(world)
+    ]
+    return [Counter(i for s in streams for i in s[k * per : (k + 1) * per]) for k in range(limit)]
+
+
+def save_ranks(where: str, world: int, **kw: Any) -> None:
+    for rank in range(world):
+        loader = make(rank=rank, world_size=world).iter()
+        for _ in range(STEPS * (N // world)):
+            next(loader)
+        zephon.save_rank_state(where, loader.state_dict(), **kw)
+        loader.close()
+
+
+@pytest.mark.parametrize("resume_on", [1, 2, 4])
+def test_rank_states_saved_to_a_directory_resume_as_one_job_on_any_world_size(
+    tmp_path: Path, resume_on: int
+) -> None:
+    where = str(tmp_path / "step-5")
+    save_ranks(where, world=2)
+    assert sorted(p.name for p in Path(where).iterdir()) == [
+        "rank-00000-of-00002.json",
+        "rank-00001-of-00002.json",
+    ]
+    job = zephon.load_job_state(where)
+    assert global_steps(resume_on, job) == global_steps(1, limit=STEPS + 20)[STEPS:]
+
+
+def test_a_missing_rank_is_named(tmp_path: Path) -> None:
+    save_ranks(str(tmp_path), world=2)
+    (tmp_path / "rank-00001-of-00002.json").unlink()
+    with pytest.raises(CheckpointError, match=r"lacks the state of rank\(s\) \[1\] of 2"):
+        zephon.load_job_state(str(tmp_path))
+
+
+def test_states_of_two_world_sizes_in_one_directory_are_refused(tmp_path: Path) -> None:
+    save_ranks(str(tmp_path), world=2)
+    save_ranks(str(tmp_path), world=1)
+    with pytest.raises(CheckpointError, match="jobs of 1, 2 ranks"):
+        zephon.load_job_state(str(tmp_path))
+
+
+def test_an_empty_directory_and_a_damaged_file_are_named(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="holds no rank state"):
+        zephon.load_job_state(str(tmp_path))
+    save_ranks(str(tmp_path), world=2)
+    damaged = tmp_path / "rank-00000-of-00002.json"
+    envelope = json.loads(damaged.read_text())
+    envelope["state"]["next_lane"] = 1
+    damaged.write_text(json.dumps(envelope))
+    with pytest.raises(CheckpointCorruptError, match=r"rank-00000-of-00002\.json"):
+        zephon.load_job_state(str(tmp_path))
+
+
+def test_a_job_state_round_trips_through_a_bucket(bucket) -> None:
+    where = f"s3://{bucket.name}/jobs/step-5"
+    save_ranks(where, world=2)
+    job = zephon.load_job_state(where)
+    assert global_steps(2, job) == global_steps(1, limit=STEPS + 20)[STEPS:]
