@@ -122,18 +122,25 @@ def _job_step(bodies: list[dict[str, Any]], per_rank: int) -> int:
     for body in bodies:
         if any(not s.get("finished") for s in body["lane_states"]):
             steps[body["rank"]] = divmod(rank_served(body), per_rank)
+    inside = {r: m for r, (_, m) in steps.items() if m}
+    advice = (
+        "A job state holds whole global steps: take it right after an optimizer step (after a "
+        "multiple of lanes // world_size items on every rank), or resume each rank from its own "
+        "state on the same world size"
+    )
     if len({step for step, _ in steps.values()}) > 1:
         shown = ", ".join(f"rank {r} at step {s}" for r, (s, _) in sorted(steps.items()))
-        raise CheckpointError(f"the ranks were checkpointed at different global steps: {shown}")
-    inside = {r: m for r, (_, m) in steps.items() if m}
+        parts = ", ".join(f"rank {r} {m} items into it" for r, m in sorted(inside.items()))
+        raise CheckpointError(
+            f"the ranks were checkpointed at different global steps: {shown}"
+            + (f" ({parts}; a global step is {per_rank} items per rank). {advice}" if parts else "")
+        )
     if inside and len(bodies) > 1:  # one rank's position inside a step resumes on its own
         step = next(iter(steps.values()))[0]
         shown = ", ".join(f"rank {r} had handed over {m}" for r, m in sorted(inside.items()))
         raise CheckpointError(
             f"the ranks were checkpointed inside a global step: global step {step} is "
-            f"{per_rank} items per rank, and {shown}. A job state holds whole global steps: "
-            "take it right after an optimizer step (after a multiple of lanes // world_size "
-            "items on every rank), or resume each rank from its own state on the same world size"
+            f"{per_rank} items per rank, and {shown}. {advice}"
         )
     if steps:
         return next(iter(steps.values()))[0]
@@ -163,7 +170,11 @@ def job_step(body: dict[str, Any]) -> int:
     stored: the fewest items of a lane that had not ended, as merges then checked)."""
     if "step" in body:
         return check_int(body["step"], "step")
-    open_counts = [s["delivered"] for s in body["lane_states"] if not s.get("finished")]
+    open_counts = [
+        s["delivered"]
+        for s in body["lane_states"]
+        if type(s) is dict and not s.get("finished") and type(s.get("delivered")) is int
+    ]
     return min(open_counts, default=0)
 
 
