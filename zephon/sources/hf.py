@@ -4,8 +4,9 @@ A ``Dataset`` loaded from disk or from files keeps its rows in Arrow IPC stream 
 cache directory (``dataset.cache_files``); this source reads those files as an ``ArrowSource``
 does (memory-mapped, record batch by record batch, with the ``columns`` projection), never
 through ``datasets``' Python rows, and identifies them the same way: by their names relative to
-the cache directory, sizes, row counts and schema digests. So it delivers the same stream as an
-``ArrowSource`` over the same rows in Parquet, and resumes on a copy of the cache elsewhere.
+the cache directory, sizes, row counts, schema and content digests. So it delivers the same
+stream as an ``ArrowSource`` over the same rows in Parquet, and resumes on a copy of the cache
+elsewhere, never on a dataset saved again with other rows.
 
 What it refuses, with a ValueError saying what to do: a dataset held in memory (no cache files:
 ``save_to_disk`` then ``load_from_disk``), and one with an indices mapping (after ``select``,
