@@ -45,6 +45,19 @@ RANK = textwrap.dedent("""
                 next(loader, None)
             jobs.append(job_state(loader))
         out = {{"jobs": jobs}}
+    elif mode == "mid-step":               # one item into a global step of per items
+        import warnings
+        loader = iter(make())
+        next(loader)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                job_state(loader)
+                error = ""
+            except zephon.CheckpointError as exc:
+                error = type(exc).__name__ + ": " + str(exc)
+        warned = [str(w.message) for w in caught if w.category is zephon.MidStepWarning]
+        out = {{"warned": warned, "error": error}}
     else:
         with open(path) as f:
             job = json.load(f)
@@ -158,6 +171,17 @@ def test_job_state_at_every_global_step_through_the_end_of_the_pass_resumes_exac
             ]
             delivered = [x for stream in heads + tails for x in stream]
             assert sorted(delivered) == every, f"global step {k}, world_size={world}"
+
+
+def test_job_state_inside_a_global_step_warns_and_is_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    for rank in _run_job(script, 2, "mid-step"):
+        assert len(rank["warned"]) == 1 and "inside a global step" in rank["warned"][0]
+        assert rank["error"].startswith("CheckpointError: ")
+        assert "inside a global step" in rank["error"]
 
 
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
