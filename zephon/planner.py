@@ -6,12 +6,13 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from zephon.compact import pack_json
 from zephon.errors import PlanError
 from zephon.identity import identify
+from zephon.on_error import skip_policy
 from zephon.ops.base import Grouper, Operator, OpTraits, PointerReader
 from zephon.plan import WORKER_KINDS, Plan, digest
 from zephon.ranks import resolve_rank
@@ -110,16 +111,22 @@ class Pipeline:
     worker; inline lanes run in the caller's thread and cannot time out.
 
     ``relane`` (default True): a checkpoint taken with another lane count continues on this
-    pipeline's ``lanes``, every sample still delivered exactly once but in different batches
-    (a warning says so); False makes it a ``CheckpointMismatchError``.
+    pipeline's ``lanes``, every sample it delivers still delivered exactly once but in
+    different batches (a warning says so); False makes it a ``CheckpointMismatchError``.
 
     ``uneven_end`` says what happens at the end of the data, where lanes hold different numbers
     of items: ``"carry"`` (the default with ``world_size > 1`` when every chain operator is
-    1 -> 1) makes every lane hand over as many items as the job's shortest lane, so every rank
-    delivers the same global steps and none waits alone in a collective; a pass's remainder
-    is delivered in the next pass, and what is left at the end of the last pass is dropped and
-    counted (``stats()["dropped_at_end"]``). ``"allow"`` (the default otherwise) delivers
-    everything, and ranks may then end at different global steps.
+    1 -> 1 and nothing is skipped) makes every lane hand over as many items as the job's
+    shortest lane, so every rank delivers the same global steps and none waits alone in a
+    collective; a pass's remainder is delivered in the next pass, and what is left at the end
+    of the last pass is dropped and counted (``stats()["dropped_at_end"]``). ``"allow"`` (the
+    default otherwise) delivers everything, and ranks may then end at different global steps.
+
+    ``on_error`` (``"raise"``, ``"skip"``, or a mapping of operator names to them): with
+    ``"skip"`` a record that ``fetch`` or an operator keeping no state fails on is dropped with
+    its tombstones, logged and counted (``Loader.skipped()``), and the run goes on; past
+    ``max_skipped`` skipped records (None: no limit) the run fails as with ``"raise"``. Neither
+    is part of the fingerprint: a checkpoint taken without skipping resumes with it.
     """
 
     def __init__(
@@ -141,6 +148,8 @@ class Pipeline:
         processes: int | None = None,
         relane: bool = True,
         uneven_end: str | None = None,
+        on_error: str | Mapping[str, str] = "raise",
+        max_skipped: int | None = None,
     ):
         self.source = source
         self.ops = list(ops)
@@ -160,6 +169,8 @@ class Pipeline:
         self.processes = processes
         self.relane = relane
         self.uneven_end = uneven_end
+        self.on_error = on_error
+        self.max_skipped = max_skipped
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
@@ -248,7 +259,9 @@ class Pipeline:
         # Plan-time facts flow downstream: each operator may publish some (``provides()``, e.g.
         # a tokenizer's pad id) and is handed those of the operators before it
         # (``use_upstream_facts(facts)``, which raises PlanError when a fact it needs is missing).
-        facts: dict[str, Any] = {}
+        # The source's own target mixture comes first (``source_mixture``: ``(by, shares)`` or
+        # None), so that an operator correcting the mixture can tell how the source draws it.
+        facts: dict[str, Any] = {"source_mixture": self.source.target_mixture()}
         for op in ops:
             op.use_upstream_facts(dict(facts))
             facts.update(op.provides())
@@ -271,9 +284,17 @@ class Pipeline:
         else:
             path = "monotone"
             why = "every operator preserves cursor order and keeps no state"
-        indexable = path == "monotone" and all(op.traits.preserves_indexability for op in chain)
+        skip_fetch, skip_chain = skip_policy(self.on_error, self.max_skipped, fetch_op, chain)
+        # A skipped record makes a 1 -> 1 chain drop one: consumed samples can no longer be
+        # counted off the source's pointers, so a restore replays instead.
+        indexable = (
+            path == "monotone"
+            and all(op.traits.preserves_indexability for op in chain)
+            and not (skip_fetch or any(skip_chain))
+        )
 
-        uneven_end = self._uneven_end(chain, indexable, world_size)
+        skipping = skip_fetch or any(skip_chain)
+        uneven_end = self._uneven_end(chain, indexable, world_size, skipping)
         parts, described = self._fingerprint_parts(n_lanes)
         return Plan(
             source=self.source,
@@ -304,9 +325,14 @@ class Pipeline:
             relane=self.relane,
             restores_holdings=path == "epoch" and _restores_holdings(chain),
             uneven_end=uneven_end,
+            skip_errors=skip_chain,
+            skip_fetch_errors=skip_fetch,
+            max_skipped=self.max_skipped,
         )
 
-    def _uneven_end(self, chain: tuple[Operator, ...], indexable: bool, world_size: int) -> str:
+    def _uneven_end(
+        self, chain: tuple[Operator, ...], indexable: bool, world_size: int, skipping: bool
+    ) -> str:
         """``uneven_end`` resolved: ``"carry"`` needs every lane's item count, which only a plan
         of 1 -> 1 operators knows without running them; one rank waits for no other, so its
         default is ``"allow"``."""
@@ -317,11 +343,13 @@ class Pipeline:
             raise PlanError(f"Pipeline uneven_end must be one of {UNEVEN_ENDS}, got {asked!r}")
         if asked == "carry" and not indexable:
             unknown = [op.name for op in chain if not op.traits.preserves_indexability]
+            if skipping:
+                unknown.append("on_error='skip'")
             raise PlanError(
                 "Pipeline uneven_end='carry' needs to know how many items each lane holds, and "
                 f"{', '.join(unknown) or 'the eviction path'} may change the number of records "
-                "(filter, split or pack them): use uneven_end='allow' and end the training loop "
-                "together on every rank (an all-reduce of a 'data left' flag at each step)"
+                "(filter, split, pack or skip them): use uneven_end='allow' and end the training "
+                "loop together on every rank (an all-reduce of a 'data left' flag at each step)"
             )
         return asked
 

@@ -122,3 +122,12 @@ def test_one_rank_delivers_everything_unless_asked_to_end_evenly() -> None:
     assert pipeline(rank=0, world_size=2).compile().uneven_end == "carry"
     everything = samples([x for s in streams(1) for x in s])
     assert everything == Counter(range(100))
+
+
+def test_skipping_bad_records_makes_the_counts_unknown_and_says_so() -> None:
+    ops = [fetch(), map_transform(_double), batch(3)]
+    source = RangeSource(100, chunk_size=10)
+    kw: dict[str, Any] = {"lanes": N, "rank": 0, "world_size": 2, "on_error": "skip"}
+    assert zephon.Pipeline(source, ops, **kw).compile().uneven_end == "allow"
+    with pytest.raises(PlanError, match="on_error='skip'"):
+        zephon.Pipeline(source, ops, uneven_end="carry", **kw).compile()

@@ -423,3 +423,13 @@ def test_a_relaned_state_written_before_runs_were_stored_in_the_layout_still_loa
     assert "runs" in state["layout"][-1]
     older = _resealed(state, lambda body: body["layout"][-1].pop("runs"))
     assert [tokens(item) for item in packed(lanes=3).iter(state=older)] == rest
+
+
+def test_the_warning_says_which_samples_a_stateful_operator_drops_can_differ() -> None:
+    _, state = head(mixed, 8, 4)
+    with pytest.warns(RelaneWarning) as shown:
+        mixed(lanes=3).iter(state=state).close()
+    (text,) = [str(w.message) for w in shown]
+    assert "every sample of the pass" not in text and "every sample is still" not in text
+    assert "every sample the pipeline delivers is delivered exactly once" in text
+    assert "which samples they drop can differ" in text

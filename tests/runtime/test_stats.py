@@ -34,6 +34,7 @@ KEYS = {
     "bytes_held",
     "eviction_path",
     "dropped_at_end",
+    "skipped",
     "operators",
     "lanes",
 }

@@ -40,6 +40,7 @@ from zephon.runtime.even_end import lane_items
 from zephon.runtime.job import job_step, rank_served, rank_turn
 from zephon.runtime.layout import Layout
 from zephon.runtime.relane import relane
+from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import (
     COUNTERS,
     check_int,
@@ -98,7 +99,8 @@ class Loader(LoaderStep):
         # ``served`` (the items this rank handed over, in global steps of its world size) less
         # what its lanes delivered: nonzero after a resume from a job state
         self.served_offset = 0
-        self.lanes = [LaneDelivery(plan, lane, self.counts) for lane in plan.rank_lanes]
+        self.skips = SkipLog(self.counts, plan.max_skipped)
+        self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self._end_evenly()
         self._lock = threading.Lock()  # one delivery, or one state, at a time
@@ -250,9 +252,10 @@ class Loader(LoaderStep):
         tombstones) and seconds spent; ``lanes`` each lane's delivered items, whether it ended,
         the items waiting in its current list (``buffered``), the item lists its worker has
         ready beyond it (``queued``, at most ``prefetch``; 0 for inline lanes) and its replay
-        progress after a restore. ``dropped_at_end`` counts the items this rank's lanes left out
-        at the end of the data so that every rank delivers the same global steps
-        (``uneven_end="carry"``).
+        progress after a restore. ``skipped`` counts the records skipped since the run started
+        (``Pipeline(on_error="skip")``; the latest are in ``skipped()``). ``dropped_at_end``
+        counts the items this rank's lanes left out at the end of the data so that every rank
+        delivers the same global steps (``uneven_end="carry"``).
         ``mixture_components`` gives per component its delivered ``samples`` and ``tokens``, the
         ``dropped_samples``/``dropped_tokens`` that counted tombstones carried (what
         ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
@@ -273,6 +276,7 @@ class Loader(LoaderStep):
             "bytes_held": sum(lane.book.table.bytes_held for lane in self.lanes),
             "eviction_path": self.plan.eviction_path,
             "dropped_at_end": sum(lane.surplus for lane in self.lanes if lane.cut),
+            "skipped": self.skips.count,
         }
         for tag in self.plan.counted_tags:
             out[tag] = counts.tag_counts.get(tag, 0)
@@ -293,6 +297,14 @@ class Loader(LoaderStep):
             for lane in self.lanes
         }
         return out
+
+    def skipped(self) -> list[dict[str, Any]]:
+        """The latest skipped records (``Pipeline(on_error="skip")``), oldest first, at most
+        ``zephon.runtime.skips.KEEP``: each one's ``lane``, ``cursor``, ``sample_id``, the
+        ``operator`` that failed on it and its ``error``. Only those handed over since this loader
+        started: a restored run counts the earlier ones (``stats()["skipped"]``) but does not
+        list them."""
+        return list(self.skips.latest)
 
     def _mixture_components(self) -> dict[Hashable, dict[str, Any]]:
         """Delivered and dropped samples and tokens, realized and target share, per component."""
@@ -533,9 +545,11 @@ class Loader(LoaderStep):
             per_epoch=plan.epoch_chunks,
         )
         text = (
-            f"re-laning a checkpoint of {old} lanes onto {plan.lanes} lanes: every sample is "
-            "still delivered exactly once, but the batches differ from here on (what was in "
-            "flight finishes first, under the old lanes' seeds)"
+            f"re-laning a checkpoint of {old} lanes onto {plan.lanes} lanes: every sample the "
+            "pipeline delivers is delivered exactly once, but the batches differ from here on "
+            "(what was in flight finishes first, under the old lanes' seeds); operators that "
+            "drop records by running totals (ensure_mixture) restart them on the new lanes, so "
+            "which samples they drop can differ from the uninterrupted run's"
         )
         log.warning(text)
         warnings.warn(text, RelaneWarning, stacklevel=4)
