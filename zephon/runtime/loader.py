@@ -260,7 +260,13 @@ class Loader(LoaderStep):
         ``dropped_samples``/``dropped_tokens`` that counted tombstones carried (what
         ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
         (``share_of``, as the target measures) and its ``target`` share: the last chain
-        operator's ``target_mixture()``, else the source's (None without either)."""
+        operator's ``target_mixture()``, else the source's (None without either).
+
+        Safe to call from another thread (a metrics server's): it waits for the step under way."""
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
         basis = self.mix_tokens if self.mix_tokens else self.mix_samples
         total = sum(basis.values())
         counts = self.counts
@@ -297,6 +303,13 @@ class Loader(LoaderStep):
             for lane in self.lanes
         }
         return out
+
+    def explain(self) -> str:
+        """The bottleneck named in words, with the numbers behind it
+        (``zephon.observability.explain``)."""
+        from zephon.observability.explain import explain
+
+        return explain(self)
 
     def skipped(self) -> list[dict[str, Any]]:
         """The latest skipped records (``Pipeline(on_error="skip")``), oldest first, at most
