@@ -98,6 +98,12 @@ class RelaneWarning(UserWarning):
     instead."""
 
 
+class MidStepWarning(UserWarning):
+    """A rank's state for a job state (``integrations.torch.job_state``) was taken inside a global
+    step, between two of the ``lanes // world_size`` items every rank hands over per step;
+    merging refuses it. Take job states right after an optimizer step."""
+
+
 class MixtureDropWarning(UserWarning):
     """``ensure_mixture`` dropped more than a fifth of what it saw to reach its weights: the input
     is far from them, and most of the work upstream is thrown away. The message says what to

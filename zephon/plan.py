@@ -68,6 +68,10 @@ class Plan:
     #: Some chain operator has a ``setup`` or ``teardown``: each worker sets up its own copies
     #: (``runtime.operator_setup``), and the training process never runs a process lane's.
     sets_up: bool = False
+    #: ``"carry"``: every lane hands over as many items as the job's shortest lane, so every
+    #: rank ends at the same global step; ``"allow"``: every lane runs to its end. Not part of
+    #: the fingerprint: it decides where the stream stops, never what comes before.
+    uneven_end: str = "allow"
     #: Per chain operator: a record it raises on is skipped (``Pipeline(on_error=...)``) rather
     #: than ending the run. Not part of the fingerprint: the stream is the same until an error.
     skip_errors: tuple[bool, ...] = ()
@@ -115,6 +119,12 @@ class Plan:
             lines.append(
                 "  restore rebuilds what the stateful operators hold (snapshots every 64 samples)"
             )
+        if self.world_size > 1 and self.uneven_end == "carry":
+            lines.append(
+                "  even ends: every rank delivers the same global steps (the rest dropped)"
+            )
+        elif self.world_size > 1:
+            lines.append("  uneven ends: ranks may run out of data at different global steps")
         skipping = [
             op.name for op, skip in zip(ops, (self.skip_fetch_errors, *self.skip_errors)) if skip
         ]

@@ -29,6 +29,9 @@ DEPRECATED_DETERMINISTIC = (
 )
 
 
+UNEVEN_ENDS = ("carry", "allow")
+
+
 def _worker_count(processes: int | None, rank_lanes: int) -> int:
     """Workers for a rank's lanes: as asked (at most one per lane), else one per lane but no more
     than the CPUs this process may use."""
@@ -111,6 +114,14 @@ class Pipeline:
     pipeline's ``lanes``, every sample it delivers still delivered exactly once but in
     different batches (a warning says so); False makes it a ``CheckpointMismatchError``.
 
+    ``uneven_end`` says what happens at the end of the data, where lanes hold different numbers
+    of items: ``"carry"`` (the default with ``world_size > 1`` when every chain operator is
+    1 -> 1 and nothing is skipped) makes every lane hand over as many items as the job's
+    shortest lane, so every rank delivers the same global steps and none waits alone in a
+    collective; a pass's remainder is delivered in the next pass, and what is left at the end
+    of the last pass is dropped and counted (``stats()["dropped_at_end"]``). ``"allow"`` (the
+    default otherwise) delivers everything, and ranks may then end at different global steps.
+
     ``on_error`` (``"raise"``, ``"skip"``, or a mapping of operator names to them): with
     ``"skip"`` a record that ``fetch`` or an operator keeping no state fails on is dropped with
     its tombstones, logged and counted (``Loader.skipped()``), and the run goes on; past
@@ -136,6 +147,7 @@ class Pipeline:
         timeout: float | None = None,
         processes: int | None = None,
         relane: bool = True,
+        uneven_end: str | None = None,
         on_error: str | Mapping[str, str] = "raise",
         max_skipped: int | None = None,
     ):
@@ -156,6 +168,7 @@ class Pipeline:
         self.timeout = timeout
         self.processes = processes
         self.relane = relane
+        self.uneven_end = uneven_end
         self.on_error = on_error
         self.max_skipped = max_skipped
 
@@ -280,6 +293,8 @@ class Pipeline:
             and not (skip_fetch or any(skip_chain))
         )
 
+        skipping = skip_fetch or any(skip_chain)
+        uneven_end = self._uneven_end(chain, indexable, world_size, skipping)
         parts, described = self._fingerprint_parts(n_lanes)
         return Plan(
             source=self.source,
@@ -310,10 +325,34 @@ class Pipeline:
             relane=self.relane,
             restores_holdings=path == "epoch" and _restores_holdings(chain),
             sets_up=any(op.has_setup for op in chain),
+            uneven_end=uneven_end,
             skip_errors=skip_chain,
             skip_fetch_errors=skip_fetch,
             max_skipped=self.max_skipped,
         )
+
+    def _uneven_end(
+        self, chain: tuple[Operator, ...], indexable: bool, world_size: int, skipping: bool
+    ) -> str:
+        """``uneven_end`` resolved: ``"carry"`` needs every lane's item count, which only a plan
+        of 1 -> 1 operators knows without running them; one rank waits for no other, so its
+        default is ``"allow"``."""
+        asked = self.uneven_end
+        if asked is None:
+            return "carry" if world_size > 1 and indexable else "allow"
+        if asked not in UNEVEN_ENDS:
+            raise PlanError(f"Pipeline uneven_end must be one of {UNEVEN_ENDS}, got {asked!r}")
+        if asked == "carry" and not indexable:
+            unknown = [op.name for op in chain if not op.traits.preserves_indexability]
+            if skipping:
+                unknown.append("on_error='skip'")
+            raise PlanError(
+                "Pipeline uneven_end='carry' needs to know how many items each lane holds, and "
+                f"{', '.join(unknown) or 'the eviction path'} may change the number of records "
+                "(filter, split, pack or skip them): use uneven_end='allow' and end the training "
+                "loop together on every rank (an all-reduce of a 'data left' flag at each step)"
+            )
+        return asked
 
     def _fingerprint_parts(self, lanes: int) -> tuple[dict[str, Any], dict[str, Any]]:
         # The job's lane count is part of the stream's identity; the world size is not: the

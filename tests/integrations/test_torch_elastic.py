@@ -26,7 +26,7 @@ RANK = textwrap.dedent("""
     import torch.distributed as dist
     import zephon
     from zephon.integrations.torch import job_state
-    from integrations.test_torch_elastic import make, item
+    from integrations.test_torch_elastic import make, item, uneven
 
     url, mode, path = sys.argv[1], sys.argv[4], sys.argv[5]
     rank, world = int(sys.argv[2]), int(sys.argv[3])
@@ -37,6 +37,27 @@ RANK = textwrap.dedent("""
         head = [item(next(loader)) for _ in range({steps} * per)]
         job = job_state(loader)            # every rank gets the same job state
         out = {{"head": head, "job": job}}
+    elif mode == "every-step":             # through the end of the pass: lanes end unevenly
+        loader = iter(uneven())
+        jobs = [job_state(loader)]
+        for _ in range({uneven_steps}):
+            for _ in range(per):
+                next(loader, None)
+            jobs.append(job_state(loader))
+        out = {{"jobs": jobs}}
+    elif mode == "mid-step":               # one item into a global step of per items
+        import warnings
+        loader = iter(make())
+        next(loader)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                job_state(loader)
+                error = ""
+            except zephon.CheckpointError as exc:
+                error = type(exc).__name__ + ": " + str(exc)
+        warned = [str(w.message) for w in caught if w.category is zephon.MidStepWarning]
+        out = {{"warned": warned, "error": error}}
     else:
         with open(path) as f:
             job = json.load(f)
@@ -44,7 +65,7 @@ RANK = textwrap.dedent("""
     print(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
-""").format(tests=TESTS, N=N, steps=STEPS_BEFORE)
+""").format(tests=TESTS, N=N, steps=STEPS_BEFORE, uneven_steps=16)
 
 
 def make(**kw):
@@ -54,6 +75,17 @@ def make(**kw):
 
     source = RangeSource(600, chunk_size=16, shuffle=True, seed=4)
     return zephon.Pipeline(source, [fetch(), shuffle(8, seed=1), batch(4)], lanes=N, **kw)
+
+
+def uneven(**kw):
+    """11 chunks of 10 on the 4 lanes: lanes 0..2 hold 3 chunks, lane 3 holds 2, and each lane
+    runs to its end (``uneven_end="allow"``)."""
+    import zephon
+    from zephon.ops import batch, fetch
+    from zephon.sources import RangeSource
+
+    source = RangeSource(110, chunk_size=10)
+    return zephon.Pipeline(source, [fetch(), batch(2)], lanes=N, uneven_end="allow", **kw)
 
 
 def item(batch):
@@ -116,6 +148,40 @@ def test_a_two_process_job_continues_on_one_and_on_four_processes(tmp_path: Path
         limit = shortest - STEPS_BEFORE
         assert len(resumed) >= limit
         assert resumed[:limit] == reference[STEPS_BEFORE:shortest], f"world {world}"
+
+
+def test_job_state_at_every_global_step_through_the_end_of_the_pass_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    full = [[item(b) for b in uneven(rank=r, world_size=2)] for r in range(2)]
+    assert (len(full[0]), len(full[1])) == (30, 25)  # rank 1 runs out 3 global steps early
+    ranks = _run_job(script, 2, "every-step")
+    assert ranks[0]["jobs"] == ranks[1]["jobs"]
+    every = sorted(x for stream in full for x in stream)
+    for k, job in enumerate(ranks[0]["jobs"]):
+        heads = [stream[: 2 * k] for stream in full]
+        same = [[item(b) for b in uneven(rank=r, world_size=2).iter(state=job)] for r in range(2)]
+        assert [h + t for h, t in zip(heads, same)] == full, f"global step {k}"
+        for world in (1, 4):
+            tails = [
+                [item(b) for b in uneven(rank=r, world_size=world).iter(state=job)]
+                for r in range(world)
+            ]
+            delivered = [x for stream in heads + tails for x in stream]
+            assert sorted(delivered) == every, f"global step {k}, world_size={world}"
+
+
+def test_job_state_inside_a_global_step_warns_and_is_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    for rank in _run_job(script, 2, "mid-step"):
+        assert len(rank["warned"]) == 1 and "inside a global step" in rank["warned"][0]
+        assert rank["error"].startswith("CheckpointError: ")
+        assert "inside a global step" in rank["error"]
 
 
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.

@@ -382,6 +382,49 @@ def test_edited_lane_histories_and_runs_are_refused(edit: Callable[[dict], None]
         packed(lanes=3).iter(state=_resealed(state, edit))
 
 
+@pytest.mark.parametrize("which", [0, -1])
+@pytest.mark.parametrize("taken", [0, 1], ids=["at-the-relaning", "one-item-later"])
+def test_a_relaned_state_that_drops_an_inherited_run_is_refused_naming_it(
+    which: int, taken: int
+) -> None:
+    _, state8 = head(packed, 8, 5)
+    loader = relaned(state8, packed, 3)
+    for _ in range(taken):
+        next(loader)
+    state = loader.state_dict()
+    loader.close()
+    dropped = state["lane_states"][0]["pending"][which]["run"]
+
+    def drop(body: dict) -> None:
+        body["lane_states"][0]["pending"].pop(which)
+
+    with pytest.raises(CheckpointCorruptError, match=rf"lane {dropped[1]} of generation 0"):
+        packed(lanes=3).iter(state=_resealed(state, drop))
+
+
+def test_a_relaned_state_that_gives_a_run_to_two_lanes_is_refused() -> None:
+    _, state8 = head(packed, 8, 5)
+    loader = relaned(state8, packed, 3)
+    state = loader.state_dict()
+    loader.close()
+
+    def duplicate(body: dict) -> None:
+        body["lane_states"][1]["pending"].append(body["lane_states"][0]["pending"][0])
+
+    with pytest.raises(CheckpointCorruptError, match="lane 3 of generation 0"):
+        packed(lanes=3).iter(state=_resealed(state, duplicate))
+
+
+def test_a_relaned_state_written_before_runs_were_stored_in_the_layout_still_loads() -> None:
+    _, state8 = head(packed, 8, 5)
+    loader = relaned(state8, packed, 3)
+    state = loader.state_dict()
+    rest = [tokens(item) for item in loader]
+    assert "runs" in state["layout"][-1]
+    older = _resealed(state, lambda body: body["layout"][-1].pop("runs"))
+    assert [tokens(item) for item in packed(lanes=3).iter(state=older)] == rest
+
+
 def test_the_warning_says_which_samples_a_stateful_operator_drops_can_differ() -> None:
     _, state = head(mixed, 8, 4)
     with pytest.warns(RelaneWarning) as shown:

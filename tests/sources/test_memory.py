@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import zephon
 from zephon.errors import FetchError, PlanError
 from zephon.ops import fetch
-from zephon.sources import IndexedSource, ListSource, RangeSource, WorkSource
+from zephon.sources import IndexedSource, ListSource, MixtureSource, RangeSource, WorkSource
 from zephon.types import WorkChunk
 
 
@@ -350,3 +350,22 @@ def test_fetch_tries_a_read_that_raises_os_error_retries_plus_one_times(failures
         with pytest.raises(FetchError, match=r"after 4 attempts: transient 4"):
             list(pipeline)
         assert calls == [4] * 4
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize(("n", "chunk_size"), [(95, 10), (100, 10), (7, 3), (5, 8)])
+def test_chunk_lengths_are_the_chunks_lengths_without_reading_them(n, chunk_size, shuffle):
+    source = RangeSource(n, chunk_size=chunk_size, shuffle=shuffle, seed=5, passes=3)
+    total = source.total_chunks()
+    assert total is not None
+    positions = np.arange(total, dtype=np.int64)[::-1]
+    expected = [len(source.chunk(int(p)).pointers) for p in positions]
+    assert source.chunk_lengths(positions).tolist() == expected
+    mixed = MixtureSource(
+        {"a": source, "b": RangeSource(30, dataset_id=1)}, {"a": 0.5, "b": 0.5}, chunk_size=16
+    )
+    mixed_total = mixed.total_chunks()
+    assert mixed_total is not None
+    every = np.arange(mixed_total, dtype=np.int64)
+    lengths = [len(mixed.chunk(int(p)).pointers) for p in every]
+    assert mixed.chunk_lengths(every).tolist() == lengths  # the default builds each chunk

@@ -20,6 +20,7 @@ cdef class LaneOutlet:
     cdef public object replay           # a replay filter still to run, or None
     cdef public object restored_state   # the state restored from, until something new goes out
     cdef public Py_ssize_t delivered    # items handed over, over the whole run
+    cdef public Py_ssize_t limit        # items it hands over at most (even ends across ranks)
 
     cpdef object hand_over_head(self)
 

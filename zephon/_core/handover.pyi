@@ -1,5 +1,7 @@
 from typing import Any
 
+NO_LIMIT: int
+
 class FeedBuffer:
     """The item list a lane's feed is delivering (``buf``) and the position in it (``pos``)."""
 
@@ -25,6 +27,7 @@ class LaneOutlet:
     replay: Any
     restored_state: dict[str, Any] | None
     delivered: int
+    limit: int
     def hand_over_head(self) -> Any: ...
 
 class LoaderStep:

@@ -13,6 +13,8 @@ from zephon._core.delivery cimport DeliveryBook, hand_over_run
 
 from zephon._core.delivery import CollateFailed
 
+NO_LIMIT = (1 << 62) - 1  # a lane's ``limit`` when it runs to its end
+
 
 cdef class FeedBuffer:
     """The item list a lane's feed is delivering (``buf``) and the position in it (``pos``)."""
@@ -32,7 +34,11 @@ cdef class PendingBatch:
 cdef class LaneOutlet:
     """One lane's delivery: its ``feed`` (a ``FeedBuffer``), its ``batcher`` (a ``PendingBatch``
     or None) and its ``book`` (whose ``book`` attribute is the lane's current ``DeliveryBook``).
-    ``hand_over_head()`` is the usual step; the runtime's subclass delivers everything else."""
+    ``hand_over_head()`` is the usual step; the runtime's subclass delivers everything else.
+    A lane that has handed over ``limit`` items hands over nothing more."""
+
+    def __cinit__(self, *args, **kwargs):
+        self.limit = NO_LIMIT
 
     cpdef object hand_over_head(self):
         """The usual hand-over: when the lane is running, nothing is pending and the feed position
@@ -42,7 +48,7 @@ cdef class LaneOutlet:
         cdef FeedBuffer feed = self.feed
         cdef PendingBatch batcher = self.batcher
         if (self.ended or self.replay is not None or batcher is None or batcher.n_pending
-                or feed.pos >= len(feed.buf)):
+                or feed.pos >= len(feed.buf) or self.delivered >= self.limit):
             return None
         cdef DeliveryBook book = <DeliveryBook?>self.book.book
         try:

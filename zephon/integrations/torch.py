@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from zephon.errors import PlanError, ZephonError
+from zephon.errors import MidStepWarning, PlanError, ZephonError
 from zephon.planner import Pipeline
-from zephon.runtime.job import merge_states
+from zephon.runtime.job import items_into_step, merge_states
 from zephon.runtime.loader import Loader
 
 __all__ = ["ZephonIterableDataset", "as_torch_dataset", "job_state", "to_tensors"]
@@ -227,7 +227,9 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
     The result has the shape of ``source``'s state: given a ``StatefulDataLoader`` (or its
     state), it is that loader's state with the job state at ``"dataset_state"``, so
     ``dataloader.load_state_dict(job)`` resumes it; ``job["dataset_state"]`` is the job state
-    itself.
+    itself. Called inside a global step (after a number of items that is not a multiple of
+    ``lanes // world_size``), it warns (``MidStepWarning``) and the merge raises
+    ``CheckpointError``.
     """
     import torch.distributed as dist
 
@@ -237,6 +239,16 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
             "(call dist.init_process_group first), or use zephon.merge_states on saved states"
         )
     state = source if isinstance(source, dict) else source.state_dict()
+    inside = items_into_step(_unwrapped(state)) if isinstance(state, dict) else 0
+    if inside:
+        mine = _unwrapped(state)
+        warnings.warn(
+            f"job_state() on rank {mine.get('rank')} was called inside a global step: the rank "
+            f"had handed over {inside} of its {mine['lanes'] // mine['world_size']} items of "
+            "the step, and merging refuses such states. Call it right after an optimizer step",
+            MidStepWarning,
+            stacklevel=2,
+        )
     states: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, _unwrapped(state), group=group)
     job = merge_states(states)

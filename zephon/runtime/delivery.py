@@ -46,12 +46,18 @@ class LaneDelivery(LaneOutlet):
         self.ended = False  # the lane's stream ended (not: the lane was closed)
         self.delivered = 0  # items (records or batches) handed over, over the whole run
         self.restored_state: dict[str, Any] | None = None  # until something new is delivered
+        # Even ends across ranks: the lane stops at ``limit`` items, leaving ``surplus`` ones.
+        self.cut = False
+        self.surplus = 0
 
     # ----------------------------------------------------------------------------- delivery
     def next_delivery(self) -> SampleRecord | SampleBatch | None:
         """The lane's next record or batch for the training loop, or None when the lane is done.
         (The loader tries the usual step, ``hand_over_head``, before calling this.)"""
         if self.ended:
+            return None
+        if self.delivered >= self.limit:
+            self._cut()
             return None
         if self.replay is not None:
             self.catch_up()
@@ -199,6 +205,12 @@ class LaneDelivery(LaneOutlet):
         self.restored_state = None
         return out
 
+    def _cut(self) -> None:
+        """The lane handed over its ``limit``: it delivers no more, though its chunks go on (its
+        state says so: it has not finished)."""
+        self.ended = self.cut = True
+        self.feed.close()
+
     def close(self) -> None:
         """Stop the lane's worker; the lane's state still says where it was."""
         self.feed.close()
@@ -213,7 +225,7 @@ class LaneDelivery(LaneOutlet):
         run = book.runs[book.run_index]
         return {
             "lane": self.lane_id,
-            "finished": self.ended,
+            "finished": self.ended and not self.cut,
             "delivered": self.delivered,
             "start": book.retained_start(),
             "cursor": encode_cursor(cursor),
@@ -242,8 +254,12 @@ class LaneDelivery(LaneOutlet):
         )
         self.restored_state = state
         self.delivered = checked["delivered"]
+        self.cut = False
         if checked["finished"]:
             self.ended = True
+            return checked
+        if self.delivered >= self.limit:
+            self.ended = self.cut = True
             return checked
         runs: list[Run] = checked["runs"]
         first = runs[0]

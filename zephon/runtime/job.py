@@ -66,7 +66,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             f"lanes {missing} of the job's {lanes} are missing"
             + (f" (no state of rank(s) {absent})" if absent else "")
         )
-    _check_same_step(bodies)
+    step = _job_step(bodies, lanes // world_size)
     counters = {name: 0 for name in COUNTERS}
     tags: Counter[Any] = Counter()
     samples: Counter[Any] = Counter()
@@ -88,6 +88,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             "pipeline": first["pipeline"],
             "lanes": lanes,
             "layout": first["layout"],
+            "step": step,
             "lane_states": [by_lane[g] for g in range(lanes)],
             "counters": counters,
             "tag_counts": encode_pairs(tags),
@@ -99,16 +100,82 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     )
 
 
-def _check_same_step(bodies: list[dict[str, Any]]) -> None:
-    """Every rank completed the same number of rounds over its lanes that have not ended."""
-    steps = {}
+def rank_served(body: dict[str, Any]) -> int:
+    """How many items a rank's ``next()`` calls handed over, counted in global steps of its world
+    size (``served``; a state written before it was stored: the sum of its lanes' items)."""
+    if "served" in body:
+        return check_int(body["served"], "served")
+    lane_states = body.get("lane_states")
+    if type(lane_states) is not list:
+        raise corrupt("lane_states", "must be a list")
+    return sum(
+        check_int(s.get("delivered") if type(s) is dict else None, "lane_states[].delivered")
+        for s in lane_states
+    )
+
+
+def _job_step(bodies: list[dict[str, Any]], per_rank: int) -> int:
+    """The global step every rank that still has a lane running was checkpointed at; a rank's
+    step is what its ``next()`` calls handed over divided by its lanes, so lanes that ended (the
+    rank's other lanes then deliver more per round) do not move it."""
+    steps: dict[Any, tuple[int, int]] = {}
     for body in bodies:
-        open_counts = [s["delivered"] for s in body["lane_states"] if not s.get("finished")]
-        if open_counts:
-            steps[body["rank"]] = min(open_counts)
-    if len(set(steps.values())) > 1:
-        shown = ", ".join(f"rank {r} at step {s}" for r, s in sorted(steps.items()))
-        raise CheckpointError(f"the ranks were checkpointed at different global steps: {shown}")
+        if any(not s.get("finished") for s in body["lane_states"]):
+            steps[body["rank"]] = divmod(rank_served(body), per_rank)
+    inside = {r: m for r, (_, m) in steps.items() if m}
+    advice = (
+        "A job state holds whole global steps: take it right after an optimizer step (after a "
+        "multiple of lanes // world_size items on every rank), or resume each rank from its own "
+        "state on the same world size"
+    )
+    if len({step for step, _ in steps.values()}) > 1:
+        shown = ", ".join(f"rank {r} at step {s}" for r, (s, _) in sorted(steps.items()))
+        parts = ", ".join(f"rank {r} {m} items into it" for r, m in sorted(inside.items()))
+        raise CheckpointError(
+            f"the ranks were checkpointed at different global steps: {shown}"
+            + (f" ({parts}; a global step is {per_rank} items per rank). {advice}" if parts else "")
+        )
+    if inside and len(bodies) > 1:  # one rank's position inside a step resumes on its own
+        step = next(iter(steps.values()))[0]
+        shown = ", ".join(f"rank {r} had handed over {m}" for r, m in sorted(inside.items()))
+        raise CheckpointError(
+            f"the ranks were checkpointed inside a global step: global step {step} is "
+            f"{per_rank} items per rank, and {shown}. {advice}"
+        )
+    if steps:
+        return next(iter(steps.values()))[0]
+    return max((rank_served(body) // per_rank for body in bodies), default=0)
+
+
+def items_into_step(state: dict[str, Any]) -> int:
+    """How many of its items of the current global step a rank of a job of several ranks had
+    handed over when ``state`` (its own, unsealed) was taken: 0 between global steps, for a
+    rank whose lanes all ended, and for a job of one rank."""
+    lanes, world_size = state.get("lanes"), state.get("world_size")
+    lane_states = state.get("lane_states")
+    if type(lanes) is not int or type(world_size) is not int or type(lane_states) is not list:
+        return 0
+    if lanes < 1 or not 1 < world_size <= lanes:
+        return 0  # one rank alone waits for no other
+    if all(type(s) is dict and s.get("finished") is True for s in lane_states):
+        return 0
+    try:
+        return rank_served(state) % (lanes // world_size)
+    except CheckpointError:
+        return 0  # a damaged state: the merge says what is wrong with it, on every rank
+
+
+def job_step(body: dict[str, Any]) -> int:
+    """The global step a job state was merged at (``step``; a job state written before it was
+    stored: the fewest items of a lane that had not ended, as merges then checked)."""
+    if "step" in body:
+        return check_int(body["step"], "step")
+    open_counts = [
+        s["delivered"]
+        for s in body["lane_states"]
+        if type(s) is dict and not s.get("finished") and type(s.get("delivered")) is int
+    ]
+    return min(open_counts, default=0)
 
 
 def rank_turn(lane_states: list[dict[str, Any]]) -> int:
@@ -122,4 +189,11 @@ def rank_turn(lane_states: list[dict[str, Any]]) -> int:
     return next((i for i, n in open_counts if n < top), 0)
 
 
-__all__ = ["STATE_FORMAT", "merge_states", "rank_turn"]
+__all__ = [
+    "STATE_FORMAT",
+    "items_into_step",
+    "job_step",
+    "merge_states",
+    "rank_served",
+    "rank_turn",
+]

@@ -110,13 +110,24 @@ class LaneGeometry:
 
 class Layout:
     """The generations of a job's lanes: ``lanes[i]`` and, for every closed generation, the ends
-    its lanes kept. The last generation is the running one."""
+    its lanes kept. The last generation is the running one; after a re-laning ``taken`` says
+    which earlier lanes' runs each of its lanes took over."""
 
-    def __init__(self, lanes: list[int], ends: list[list[int]], total_positions: int | None):
+    def __init__(
+        self,
+        lanes: list[int],
+        ends: list[list[int]],
+        total_positions: int | None,
+        taken: list[list[tuple[int, int]]] | None = None,
+    ):
         assert len(ends) == len(lanes) - 1
         self.lanes = lanes
         self.ends = ends
         self.total_positions = total_positions
+        #: Per lane of the running generation, the runs ``(generation, lane)`` it took over at
+        #: the re-laning that started it, in the order it finishes them; None when the state
+        #: was written before it was stored.
+        self.taken = taken
         self.sizes: list[int | None] = [total_positions]
         self.maps: list[Leftover] = []
         for n, kept in zip(lanes, ends):
@@ -131,10 +142,12 @@ class Layout:
     @classmethod
     def decode(cls, encoded: list[dict[str, Any]], total_positions: int | None) -> Layout:
         """The layout ``encode()`` gave (already checked: ``state.check_layout``)."""
+        runs = encoded[-1].get("runs")
         return cls(
             [gen["lanes"] for gen in encoded],
             [list(gen["ends"]) for gen in encoded[:-1]],
             total_positions,
+            None if runs is None else [[(g, lane) for g, lane in held] for held in runs],
         )
 
     @property
@@ -158,15 +171,19 @@ class Layout:
             lane %= n
         return lane
 
-    def closed(self, ends: list[int], lanes: int) -> Layout:
-        """This layout with the running generation closed at ``ends`` and ``lanes`` new lanes."""
-        return Layout([*self.lanes, lanes], [*self.ends, ends], self.total_positions)
+    def closed(self, ends: list[int], lanes: int, taken: list[list[tuple[int, int]]]) -> Layout:
+        """This layout with the running generation closed at ``ends`` and ``lanes`` new lanes,
+        which took over the runs ``taken``."""
+        return Layout([*self.lanes, lanes], [*self.ends, ends], self.total_positions, taken)
 
     def encode(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [
             {"lanes": n, "ends": list(kept)} for n, kept in zip(self.lanes, self.ends)
         ]
-        out.append({"lanes": self.lanes[-1]})
+        running: dict[str, Any] = {"lanes": self.lanes[-1]}
+        if self.taken is not None:
+            running["runs"] = [[[g, lane] for g, lane in held] for held in self.taken]
+        out.append(running)
         return out
 
 

@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from zephon._core.delivery import DeliveryCounters, parse_heritage_key
-from zephon._core.handover import LoaderStep
+from zephon._core.handover import NO_LIMIT, LoaderStep
 from zephon.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -36,7 +36,8 @@ from zephon.runtime.checkpoint import (
 )
 from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
-from zephon.runtime.job import rank_turn
+from zephon.runtime.even_end import lane_items
+from zephon.runtime.job import job_step, rank_served, rank_turn
 from zephon.runtime.layout import Layout
 from zephon.runtime.operator_setup import release_in_process
 from zephon.runtime.relane import relane
@@ -73,6 +74,9 @@ _STATE_KEYS = frozenset(
     }
 )
 _JOB_KEYS = _STATE_KEYS - {"rank", "world_size", "next_lane"}
+# Written since states count global steps; a state without them is read the way it was written.
+_NEWER_STATE_KEYS = frozenset({"served"})
+_NEWER_JOB_KEYS = frozenset({"step"})
 
 
 class Loader(LoaderStep):
@@ -93,14 +97,35 @@ class Loader(LoaderStep):
         self.restored_replayed = 0
         self.max_inflight = 0
         self.next_lane = 0
+        # ``served`` (the items this rank handed over, in global steps of its world size) less
+        # what its lanes delivered: nonzero after a resume from a job state
+        self.served_offset = 0
         self.skips = SkipLog(self.counts, plan.max_skipped)
         self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
+        self._end_evenly()
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
         self._closed = False
         self._failure: BaseException | None = None
         self._untrusted: BaseException | None = None  # bookkeeping stopped half-way
+
+    def _end_evenly(self) -> None:
+        """With ``uneven_end="carry"``, every lane stops at the job's shortest lane's items, so
+        every rank delivers the same global steps (``runtime.even_end``); a re-laned job's lanes
+        run to their ends."""
+        items = lane_items(self.plan, self.layout) if self.plan.uneven_end == "carry" else None
+        steps = min(items) if items else NO_LIMIT
+        for lane in self.lanes:
+            lane.limit = steps
+            lane.surplus = items[lane.lane_id] - steps if items else 0
+        if items and sum(items) > steps * len(items):
+            log.info(
+                "even ends across ranks: every lane hands over %d item(s); %d item(s) at the end "
+                "of the data are dropped (uneven_end='carry')",
+                steps,
+                sum(items) - steps * len(items),
+            )
 
     # ----------------------------------------------------------------------------- iteration
     def __iter__(self) -> Loader:
@@ -231,7 +256,9 @@ class Loader(LoaderStep):
         the items waiting in its current list (``buffered``), the item lists its worker has
         ready beyond it (``queued``, at most ``prefetch``; 0 for inline lanes) and its replay
         progress after a restore. ``skipped`` counts the records skipped since the run started
-        (``Pipeline(on_error="skip")``; the latest are in ``skipped()``).
+        (``Pipeline(on_error="skip")``; the latest are in ``skipped()``). ``dropped_at_end``
+        counts the items this rank's lanes left out at the end of the data so that every rank
+        delivers the same global steps (``uneven_end="carry"``).
         ``mixture_components`` gives per component its delivered ``samples`` and ``tokens``, the
         ``dropped_samples``/``dropped_tokens`` that counted tombstones carried (what
         ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
@@ -257,6 +284,7 @@ class Loader(LoaderStep):
             "mixture": {k: v / total for k, v in basis.items()} if total else {},
             "bytes_held": sum(lane.book.table.bytes_held for lane in self.lanes),
             "eviction_path": self.plan.eviction_path,
+            "dropped_at_end": sum(lane.surplus for lane in self.lanes if lane.cut),
             "skipped": self.skips.count,
         }
         for tag in self.plan.counted_tags:
@@ -348,6 +376,13 @@ class Loader(LoaderStep):
             "replayed": self.replayed,
         }
 
+    @property
+    def served(self) -> int:
+        """Items this rank's ``next()`` calls handed over since the job started, as if every
+        earlier run of the job had had this world size: ``served // (lanes // world_size)`` is
+        the global step, whichever of the rank's lanes ended."""
+        return self.served_offset + sum(lane.delivered for lane in self.lanes)
+
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """A small JSON-serializable state: the position after the last item handed over.
@@ -371,6 +406,7 @@ class Loader(LoaderStep):
                     "lanes": plan.lanes,
                     "layout": self.layout.encode(),
                     "next_lane": self.next_lane,
+                    "served": self.served,
                     "lane_states": [lane.state() for lane in self.lanes],
                     "counters": self._counters(),
                     "tag_counts": encode_pairs(self.counts.tag_counts),
@@ -392,9 +428,11 @@ class Loader(LoaderStep):
         plan = self.plan
         job = body["format"] == JOB_FORMAT
         keys = _JOB_KEYS if job else _STATE_KEYS
-        if set(body) != keys:
+        newer = _NEWER_JOB_KEYS if job else _NEWER_STATE_KEYS
+        if not keys <= set(body) <= keys | newer:
             raise CheckpointCorruptError(
-                f"loader state must have exactly the fields {sorted(keys)}, got {sorted(body)}"
+                f"loader state must have exactly the fields {sorted(keys | newer)}, got "
+                f"{sorted(body)}"
             )
         relaning = plan.relane and type(body.get("lanes")) is int and body["lanes"] != plan.lanes
         check_identity(body, plan, relane=relaning)
@@ -402,6 +440,8 @@ class Loader(LoaderStep):
             body = self._relane(body)
             job = True
         self.layout = check_layout(body["layout"], plan.lanes, plan.source.total_chunks())
+        if self.layout.current:
+            self._end_evenly()
         lane_states = body["lane_states"]
         if job:
             if type(lane_states) is not list or len(lane_states) != plan.lanes:
@@ -422,11 +462,17 @@ class Loader(LoaderStep):
             mine = lane_states
             where = [f"lane_states[{i}]" for i in range(len(mine))]
         checked = [lane.restore(s, w, self.layout) for lane, s, w in zip(self.lanes, mine, where)]
+        delivered = sum(s["delivered"] for s in checked)
         if job:
             self.next_lane = rank_turn(checked)
+            # a job of one rank may have been merged inside a global step: the rank resumes
+            # there, as far into the step as its lanes' items say (unless lanes ended)
+            into_step = self._check_job_turn(lane_states, checked)
+            self.served_offset = job_step(body) * len(self.lanes) + into_step - delivered
         else:
             self.next_lane = check_int(body["next_lane"], "next_lane", 0, len(self.lanes) - 1)
-        check_turn(self.next_lane, checked)
+            check_turn(self.next_lane, checked)
+            self.served_offset = rank_served(body) - delivered
         counters = body["counters"]
         if type(counters) is not dict or set(counters) != set(COUNTERS):
             raise corrupt("counters", f"must have exactly the fields {list(COUNTERS)}")
@@ -440,6 +486,24 @@ class Loader(LoaderStep):
         if job:
             return  # a job's counters belong to all its ranks: this rank counts afresh
         self._restore_counters(values, tag_counts, samples, tokens)
+
+    def _check_job_turn(self, lane_states: list[Any], checked: list[dict[str, Any]]) -> int:
+        """How far into its global step this rank resumes (``next_lane``): its lanes are level,
+        or one round apart. Once a lane of the job ended, lanes of the old ranks delivered
+        different numbers of items per step: any level is right, and the step is whole."""
+        if any(type(s) is dict and s.get("finished") is True for s in lane_states):
+            return 0
+        try:
+            check_turn(self.next_lane, checked)
+        except CheckpointCorruptError:
+            counts = [s["delivered"] for s in checked]
+            raise CheckpointError(
+                f"this job state was merged from ranks checkpointed inside a global step (the "
+                f"lanes of rank {self.plan.rank} delivered {counts} items): resume each rank "
+                "from its own state on the world size it was taken with, or from a job state "
+                "taken right after an optimizer step"
+            ) from None
+        return self.next_lane
 
     def _restore_counters(
         self,
@@ -506,9 +570,11 @@ class Loader(LoaderStep):
         log.warning(text)
         warnings.warn(text, RelaneWarning, stacklevel=4)
         job = {k: v for k, v in body.items() if k in _JOB_KEYS}
+        step = job_step(body) if body["format"] == JOB_FORMAT else rank_served(body) // old
         return {
             **job,
             "format": JOB_FORMAT,
+            "step": step,
             "lanes": plan.lanes,
             "layout": new_layout.encode(),
             "lane_states": new_states,

@@ -57,11 +57,11 @@ def relane(
                 if end > start
                 else []
             )
-    new_layout = layout.closed(ends, lanes)
+    taken = [[run for g in range(h, len(handed), lanes) for run in handed[g]] for h in range(lanes)]
+    new_layout = layout.closed(ends, lanes, [[(run.gen, run.lane) for run in t] for t in taken])
     new_gen = new_layout.current
     out = []
-    for h in range(lanes):
-        runs = [run for g in range(h, len(handed), lanes) for run in handed[g]]
+    for h, runs in enumerate(taken):
         if runs:
             first = encode_run(runs[0])
             out.append(

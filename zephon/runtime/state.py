@@ -270,6 +270,7 @@ def check_lane_state(
                     f"lane {lane} of generation {gen} is finished by lane "
                     f"{layout.holder(gen, lane)}, not by lane {lane_id}",
                 )
+        _check_runs_left(owners, where, lane_id, layout)
         runs.append(Run(layout.current, lane_id, 0, None))
     else:
         if pending:
@@ -285,6 +286,32 @@ def check_lane_state(
     return {**value, "runs": runs}
 
 
+def _check_runs_left(
+    owners: list[tuple[int, int]], where: str, lane_id: int, layout: Layout
+) -> None:
+    """A lane finishes the runs it took over in order, so its run and pending ones are the last
+    of them: one left out would never be finished, and the samples of its chunks never
+    delivered."""
+    if layout.taken is None:
+        return  # a state written before the runs taken over were stored
+    expected = layout.taken[lane_id]
+    left = expected[expected.index(owners[0]) :] if owners[0] in expected else None
+    if left == owners:
+        return
+    shown = ", ".join(f"lane {lane} of generation {gen}" for gen, lane in expected)
+    lost = [run for run in (left or expected) if run not in owners]
+    detail = "; ".join(
+        f"the run of lane {lane} of generation {gen} (its chunks up to local chunk "
+        f"{layout.ends[gen][lane]}) is missing"
+        for gen, lane in lost
+    )
+    raise corrupt(
+        f"{where}.pending",
+        f"must hold what lane {lane_id} has left of the runs it took over ({shown}), in order; "
+        f"{detail or 'they are out of order'}",
+    )
+
+
 def check_layout(value: Any, lanes: int, total_positions: int | None) -> Layout:
     """The job's lane history, checked: every closed generation's lane count and ends, and the
     running generation's lane count (``lanes``)."""
@@ -292,11 +319,14 @@ def check_layout(value: Any, lanes: int, total_positions: int | None) -> Layout:
         raise corrupt("layout", f"must be a non-empty list of generations, got {value!r}")
     counts: list[int] = []
     ends: list[list[int]] = []
+    taken = None
     size = total_positions
     for i, gen in enumerate(value):
         where = f"layout[{i}]"
         last = i == len(value) - 1
         keys = {"lanes"} if last else {"lanes", "ends"}
+        if last and i and type(gen) is dict and "runs" in gen:
+            keys = {"lanes", "runs"}  # the runs its lanes took over (not in older states)
         if type(gen) is not dict or set(gen) != keys:
             raise corrupt(where, f"must be an object with exactly the fields {sorted(keys)}")
         n = check_int(gen["lanes"], f"{where}.lanes", 1)
@@ -304,6 +334,8 @@ def check_layout(value: Any, lanes: int, total_positions: int | None) -> Layout:
         if last:
             if n != lanes:
                 raise corrupt(f"{where}.lanes", f"must be the state's lane count {lanes}, got {n}")
+            if "runs" in gen:
+                taken = _check_taken(gen["runs"], f"{where}.runs", counts)
             break
         kept = gen["ends"]
         if type(kept) is not list or len(kept) != n:
@@ -313,7 +345,34 @@ def check_layout(value: Any, lanes: int, total_positions: int | None) -> Layout:
             check_int(e, f"{where}.ends[{g}]", 0, MAX_INT if total is None else total)
         ends.append(list(kept))
         size = Leftover(n, kept, size).size_after
-    return Layout(counts, ends, total_positions)
+    return Layout(counts, ends, total_positions, taken)
+
+
+def _check_taken(value: Any, where: str, counts: list[int]) -> list[list[tuple[int, int]]]:
+    """Per lane of the running generation (``counts[-1]`` of them), the ``[generation, lane]``
+    of the runs it took over, each of an earlier generation, none twice."""
+    if type(value) is not list or len(value) != counts[-1]:
+        raise corrupt(where, f"must be a list of {counts[-1]} lists of runs")
+    taken: list[list[tuple[int, int]]] = []
+    for h, held in enumerate(value):
+        if type(held) is not list:
+            raise corrupt(f"{where}[{h}]", f"must be a list of [generation, lane], got {held!r}")
+        runs = []
+        for run in held:
+            if (
+                type(run) is not list
+                or len(run) != 2
+                or any(type(part) is not int for part in run)
+                or not 0 <= run[0] < len(counts) - 1
+                or not 0 <= run[1] < counts[run[0]]
+            ):
+                raise corrupt(f"{where}[{h}]", f"names no lane of an earlier generation: {run!r}")
+            runs.append((run[0], run[1]))
+        taken.append(runs)
+    every = [run for runs in taken for run in runs]
+    if len(set(every)) != len(every):
+        raise corrupt(where, "gives a run to two lanes")
+    return taken
 
 
 def check_turn(next_lane: int, lane_states: list[dict[str, Any]]) -> None:

@@ -71,6 +71,11 @@ class WorkSource(ABC):
         """The chunk at ``position`` (``chunk.position == position``) in O(chunk) work and memory.
         Raises ValueError for a negative position and IndexError for one ``>= total_chunks()``."""
 
+    def chunk_lengths(self, positions: np.ndarray) -> np.ndarray:
+        """How many pointers the chunks at ``positions`` hold (int64), for the runtime to count a
+        lane's samples without reading them; this default builds each chunk."""
+        return np.array([len(self.chunk(int(p)).pointers) for p in positions], dtype=np.int64)
+
     @abstractmethod
     def read(self, pointers: np.ndarray) -> list[Any]:
         """Payloads for a batch of ``(dataset_id, shard_id, sample_idx)`` rows, in row order; what
@@ -160,6 +165,21 @@ class IndexedSource(WorkSource):
         start = k * self.chunk_size
         stop = min(start + self.chunk_size, self.num_samples())
         return WorkChunk(p, self.pointer_rows(self.samples(pass_idx, start, stop)))
+
+    def chunk_lengths(self, positions: np.ndarray) -> np.ndarray:
+        """``len(chunk(p).pointers)`` for each position, worked out from the chunk layout alone:
+        only the last chunk of a pass is short, wherever the pass's shuffle put it."""
+        p = np.asarray(positions, dtype=np.int64)
+        per_pass = self.num_chunks()
+        if not p.size or not per_pass:
+            return np.zeros(p.shape, dtype=np.int64)
+        passes, k = np.divmod(p, per_pass)
+        if self.shuffle:
+            for q in np.unique(passes).tolist():
+                at = passes == q
+                k[at] = permute(k[at], per_pass, derive_key(self.seed, q, "chunks"))
+        start = k * self.chunk_size
+        return np.minimum(start + self.chunk_size, self.num_samples()) - start
 
     def samples(self, pass_idx: int, start: int, stop: int) -> np.ndarray:
         """The sample indices (int64) at pass-order positions ``[start, stop)`` of pass
