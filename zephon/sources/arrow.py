@@ -76,6 +76,7 @@ from zephon.sources.arrow_layout import (
 from zephon.sources.arrow_reader import GroupReader, RangeChanged
 from zephon.sources.arrow_rows import table_rows
 from zephon.sources.files import FileSource, PathsArg, read_sidecar
+from zephon.sources.remote import RetryPolicy
 from zephon.validation import check_int
 
 if TYPE_CHECKING:  # pyarrow is imported when a file is first touched, not with zephon.sources
@@ -139,6 +140,8 @@ class ArrowSource(FileSource):
         cache_dir: str | os.PathLike[str] | None = None,
         readahead: int = 64 << 20,
         threads: int = 16,
+        timeout: float = RetryPolicy.timeout,
+        total_timeout: float = RetryPolicy.total_timeout,
     ) -> None:
         self.readahead = check_int(readahead, "readahead", "ArrowSource", minimum=0)
         if columns is not None:
@@ -160,6 +163,8 @@ class ArrowSource(FileSource):
             filesystem=filesystem,
             cache_dir=cache_dir,
             threads=threads,
+            timeout=timeout,
+            total_timeout=total_timeout,
         )
         self._infos: list[FileInfo] = []
         self._reset_caches()

@@ -25,6 +25,11 @@ identity.
 
 Construction only parses: nothing is listed or opened until ``resolve`` is called (a source calls
 it on first need of its metadata).
+
+Deadlines. A filesystem made here gives up on a request after ``timeout`` seconds and makes no
+retries of its own (``S3FileSystem``: its connect and request timeouts, one attempt; GCS: its
+client retries for ``timeout`` seconds at most): the source's retry loop owns the retries
+(``zephon.sources.remote``), so the two never multiply. A filesystem passed in keeps its own.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import re
 import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from zephon.errors import FetchError
@@ -79,14 +85,19 @@ class DataFile:
 class Locations:
     """The items a source was given, parsed onto one filesystem; ``resolve()`` lists them.
 
-    Pickles with its filesystem (pyarrow filesystems and most fsspec ones pickle), never with a
-    listing: a process that receives it gets the resolved files from its owner.
+    Pickles with its filesystem (pyarrow filesystems and most fsspec ones pickle; an ``s3://``
+    one made here, as the settings it was made from), never with a listing: a process that
+    receives it gets the resolved files from its owner.
     """
 
-    def __init__(self, items: list[str], filesystem: Any, owner: str) -> None:
+    def __init__(
+        self, items: list[str], filesystem: Any, owner: str, timeout: float = 60.0
+    ) -> None:
         self.owner = owner
         self.items = items
-        self.filesystem, self.scheme, self.paths = _parse(items, filesystem, owner)
+        found, self.scheme, self.paths = _parse(items, filesystem, owner, timeout)
+        self._settings = found if isinstance(found, _S3Settings) else None
+        self.filesystem = found.build() if isinstance(found, _S3Settings) else found
 
     @property
     def is_local(self) -> bool:
@@ -175,12 +186,21 @@ class Locations:
         return self.filesystem.open_input_file(path)
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        if self._settings is not None:
+            state["filesystem"] = None  # made again from its settings, see _S3Settings
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._settings is not None:
+            self.filesystem = self._settings.build()
 
 
-def parse_locations(paths: Any, filesystem: Any, owner: str) -> Locations:
-    """``paths`` (one item or an iterable of items) as ``Locations``; TypeError or ValueError
-    naming ``owner`` for anything that is not a path, a URI or a glob."""
+def parse_locations(paths: Any, filesystem: Any, owner: str, timeout: float = 60.0) -> Locations:
+    """``paths`` (one item or an iterable of items) as ``Locations``, whose filesystem (when
+    made here) gives up on a request after ``timeout`` seconds; TypeError or ValueError naming
+    ``owner`` for anything that is not a path, a URI or a glob."""
     if isinstance(paths, bytes):
         raise TypeError(f"{owner}: paths must be str or os.PathLike, got bytes {paths!r}")
     if isinstance(paths, (str, os.PathLike)):
@@ -197,7 +217,7 @@ def parse_locations(paths: Any, filesystem: Any, owner: str) -> Locations:
         out.append(os.fspath(p))
     if not out:
         raise ValueError(f"{owner}: paths is empty (did a glob match nothing?)")
-    return Locations(out, filesystem, owner)
+    return Locations(out, filesystem, owner, timeout)
 
 
 # ------------------------------------------------------------------------- filesystems
@@ -208,7 +228,9 @@ def _scheme_of(item: str) -> str:
     return match.group(1).lower() if match else ""
 
 
-def _parse(items: list[str], filesystem: Any, owner: str) -> tuple[Any, str, list[str]]:
+def _parse(
+    items: list[str], filesystem: Any, owner: str, timeout: float
+) -> tuple[Any, str, list[str]]:
     import pyarrow.fs as pafs
 
     if filesystem is not None:
@@ -231,9 +253,9 @@ def _parse(items: list[str], filesystem: Any, owner: str) -> tuple[Any, str, lis
         return pafs.LocalFileSystem(), "", paths
     paths = [i.split("://", 1)[1].rstrip("/") for i in items]
     if scheme == "s3":
-        return _s3_from_environment(), scheme, paths
+        return _S3Settings.from_environment(timeout), scheme, paths
     if scheme in ("gs", "gcs"):
-        return pafs.GcsFileSystem(), scheme, paths
+        return pafs.GcsFileSystem(retry_time_limit=timedelta(seconds=timeout)), scheme, paths
     try:
         import fsspec
     except ImportError:
@@ -269,20 +291,38 @@ def _wrap_fsspec(fs: Any) -> Any:
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
 
 
-def _s3_from_environment() -> Any:
-    # pyarrow's S3FileSystem does not read the endpoint variables itself (the AWS SDK it bundles
-    # ignores them): honour them here, so a MinIO/R2/local endpoint works as for the AWS CLI.
-    import pyarrow.fs as pafs
+@dataclass(frozen=True)
+class _S3Settings:
+    """What an ``s3://`` filesystem made here is made of. It is pickled in the filesystem's
+    stead: pyarrow pickles an ``S3FileSystem`` without its retry strategy, so a worker's copy
+    would try each request three times again, under each of the source's attempts."""
 
-    env = os.environ
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-    return pafs.S3FileSystem(
-        endpoint_override=endpoint or None,
-        region=region or None,
-        connect_timeout=10,
-        request_timeout=60,
-    )
+    endpoint: str | None
+    region: str | None
+    timeout: float
+
+    @classmethod
+    def from_environment(cls, timeout: float) -> _S3Settings:
+        # pyarrow's S3FileSystem does not read the endpoint variables itself (the AWS SDK it
+        # bundles ignores them): honour them here, so a MinIO/R2/local endpoint works as for
+        # the AWS CLI.
+        env = os.environ
+        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        return cls(endpoint or None, region or None, timeout)
+
+    def build(self) -> Any:
+        """The filesystem: a request that sends or receives nothing for ``timeout`` seconds
+        fails (the client's request timeout, on Linux too), and is not retried by the client."""
+        import pyarrow.fs as pafs
+
+        return pafs.S3FileSystem(
+            endpoint_override=self.endpoint,
+            region=self.region,
+            connect_timeout=self.timeout,
+            request_timeout=self.timeout,
+            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1),
+        )
 
 
 def _from_file_uri(item: str) -> str:
