@@ -78,8 +78,9 @@ def test_a_listing_that_never_answers_is_a_fetch_error_within_the_deadline(
         stream(ArrowSource(uri, **DEADLINE), workers)
     assert time.monotonic() - began < BOUND
     assert "1 s a request, 3 s in all" in str(error.value)
-    # Each attempt was one request: the S3 client made no retries of its own.
-    assert stalled.stalled == attempts_of(error)
+    # Each attempt was one request: the S3 client made no retries of its own; and an attempt
+    # that could not end within the 3 s was not started (each takes 1 s at least).
+    assert stalled.stalled == attempts_of(error) <= 2
 
 
 @pytest.mark.parametrize("workers", WORKERS)
