@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from worker_kit import assert_no_leftover_workers
+from worker_kit import assert_no_leftover_workers, lane_threads, wait_until
 
 import zephon
 from zephon.errors import FetchError
@@ -154,6 +154,27 @@ def test_a_source_sent_to_another_process_keeps_its_deadline(tmp_path, bucket, s
     with pytest.raises(FetchError, match="row group 0: gave up after") as error:
         copy.read(np.array([[0, 0, 1]]))
     assert stalled.stalled == attempts_of(error)
+
+
+# ------------------------------------------------------------------------- supervision
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_a_lane_timeout_while_waiting_on_storage_names_storage(tmp_path, bucket, stalled, workers):
+    uri = upload(tmp_path, bucket, "sup")
+    # Storage would wait longer than the pipeline: its timeout fires first, and says why.
+    source = ArrowSource(uri, chunk_size=4, readahead=0, timeout=4, total_timeout=8)
+    source.num_samples()
+    stalled.stall()
+    with pytest.raises(FetchError) as error:
+        stream(source, workers, timeout=2)
+    message = str(error.value)
+    assert "produced nothing for 2 s, the pipeline's timeout" in message
+    assert re.search(rf"waiting on storage for \d+\.\d s: .*'{uri}/part-[01]\.parquet'", message)
+    assert "row group" in message and "4 s a request, 8 s in all" in message
+    assert "operator" not in message and "SIGSTOP" not in message
+    stalled.release()  # a worker thread cannot be interrupted: it ends once storage answers
+    assert wait_until(lambda: not lane_threads(), BOUND)
 
 
 @pytest.mark.parametrize("workers", WORKERS)
