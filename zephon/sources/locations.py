@@ -229,8 +229,10 @@ def _scheme_of(item: str) -> str:
 
 
 def _parse(
-    items: list[str], filesystem: Any, owner: str, timeout: float
+    items: list[str], filesystem: Any, owner: str, timeout: float, client_attempts: int = 1
 ) -> tuple[Any, str, list[str]]:
+    # A filesystem made here waits ``timeout`` seconds for a request, and makes
+    # ``client_attempts`` of it (more only where no retry loop of ours runs above it).
     import pyarrow.fs as pafs
 
     if filesystem is not None:
@@ -253,9 +255,10 @@ def _parse(
         return pafs.LocalFileSystem(), "", paths
     paths = [i.split("://", 1)[1].rstrip("/") for i in items]
     if scheme == "s3":
-        return _S3Settings.from_environment(timeout), scheme, paths
+        return _S3Settings.from_environment(timeout, client_attempts), scheme, paths
     if scheme in ("gs", "gcs"):
-        return pafs.GcsFileSystem(retry_time_limit=timedelta(seconds=timeout)), scheme, paths
+        limit = timedelta(seconds=timeout * client_attempts)
+        return pafs.GcsFileSystem(retry_time_limit=limit), scheme, paths
     try:
         import fsspec
     except ImportError:
@@ -300,20 +303,21 @@ class _S3Settings:
     endpoint: str | None
     region: str | None
     timeout: float
+    attempts: int  # the client's own, per request
 
     @classmethod
-    def from_environment(cls, timeout: float) -> _S3Settings:
+    def from_environment(cls, timeout: float, attempts: int) -> _S3Settings:
         # pyarrow's S3FileSystem does not read the endpoint variables itself (the AWS SDK it
         # bundles ignores them): honour them here, so a MinIO/R2/local endpoint works as for
         # the AWS CLI.
         env = os.environ
         endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-        return cls(endpoint or None, region or None, timeout)
+        return cls(endpoint or None, region or None, timeout, attempts)
 
     def build(self) -> Any:
         """The filesystem: a request that sends or receives nothing for ``timeout`` seconds
-        fails (the client's request timeout, on Linux too), and is not retried by the client."""
+        fails (the client's request timeout, on Linux too), after ``attempts`` of it."""
         import pyarrow.fs as pafs
 
         return pafs.S3FileSystem(
@@ -321,7 +325,7 @@ class _S3Settings:
             region=self.region,
             connect_timeout=self.timeout,
             request_timeout=self.timeout,
-            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1),
+            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=self.attempts),
         )
 
 
@@ -417,6 +421,7 @@ def _common_dir(roots: Iterable[str]) -> str:
 
 def filesystem_and_path(uri: str, filesystem: Any = None, owner: str = "") -> tuple[Any, str]:
     """The pyarrow filesystem ``uri`` lives on (a local path, ``file://``, ``s3://``, ``gs://``,
-    or any fsspec protocol; ``filesystem`` when given) and the path of ``uri`` on it."""
-    fs, _, paths = _parse([uri], filesystem, owner)
-    return fs, paths[0]
+    or any fsspec protocol; ``filesystem`` when given) and the path of ``uri`` on it. Made here,
+    it keeps its client's retries (three attempts of a request), nothing retrying above it."""
+    found, _, paths = _parse([uri], filesystem, owner, timeout=60.0, client_attempts=3)
+    return (found.build() if isinstance(found, _S3Settings) else found), paths[0]

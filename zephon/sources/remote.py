@@ -19,11 +19,12 @@ call has failed, no call that has not started yet is started.
 from __future__ import annotations
 
 import errno
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from zephon.errors import FetchError
 from zephon.sources.storage_waits import owner, run_for, waiting_on_storage
@@ -137,17 +138,23 @@ def parallel_map(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list
     if threads <= 1 or len(items) <= 1:
         return [fn(x) for x in items]
     who = owner()
+    failed = threading.Event()
+
+    def call(x: T) -> R | None:
+        if failed.is_set():  # checked by the pool thread itself, before it takes on more work
+            return None
+        try:
+            return run_for(who, fn, x)
+        except BaseException:
+            failed.set()
+            raise
+
     with ThreadPoolExecutor(
         max_workers=min(threads, len(items)), thread_name_prefix="zephon-io"
     ) as pool:
-        futures = [pool.submit(run_for, who, fn, x) for x in items]
-        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        if pending:  # a call failed: the others not started yet never will
-            for future in pending:
-                future.cancel()
-            wait(pending)
-        failed = (f.exception() for f in futures if not f.cancelled())
-        error = next((exc for exc in failed if exc is not None), None)
-        if error is not None:
-            raise error
-    return [future.result() for future in futures]
+        futures = [pool.submit(call, x) for x in items]
+    error = next((f.exception() for f in futures if f.exception() is not None), None)
+    if error is not None:
+        raise error
+    results: list[Any] = [f.result() for f in futures]  # none skipped, as none failed
+    return results
