@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import pickle
 import re
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from worker_kit import assert_no_leftover_workers, lane_threads, wait_until
+from worker_kit import assert_no_leftover_workers, lane_threads, script_env, wait_until
 
 import zephon
 from zephon.errors import FetchError
@@ -131,6 +134,51 @@ def test_a_row_group_read_that_never_answers_is_a_fetch_error_within_the_deadlin
     ):
         stream(source, workers, lanes=2)
     assert time.monotonic() - began < BOUND
+
+
+FIRST_READ = textwrap.dedent("""
+    import sys
+    import zephon
+    from zephon.errors import FetchError
+    from zephon.ops import batch, fetch, shuffle
+    from zephon.sources import ArrowSource
+
+    if __name__ == "__main__":  # worker processes import this module
+        source = ArrowSource(sys.argv[1], chunk_size=4, readahead=0, timeout=1, total_timeout=3)
+        source.num_samples()
+        print("read", flush=True)
+        sys.stdin.readline()  # the server stalls now
+        try:
+            # A shuffle holds records: the loader may read the lane ahead and hand them over.
+            ops = [fetch(), shuffle(8, seed=1), batch(4)]
+            with zephon.Pipeline(source, ops, workers="process").iter() as it:
+                next(it)
+        except FetchError as exc:
+            print(exc, flush=True)
+""")
+
+
+def test_a_process_lanes_first_read_waits_on_storage_once(tmp_path, bucket, stalled):
+    # In a fresh process the loader reads the first lane itself while the workers start (a
+    # head start); what failed on storage there is not tried again by the worker.
+    uri = upload(tmp_path, bucket, "first")
+    (tmp_path / "first.py").write_text(FIRST_READ)
+    with subprocess.Popen(
+        [sys.executable, str(tmp_path / "first.py"), uri],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=script_env(),
+        cwd=tmp_path,
+    ) as script:
+        assert script.stdin is not None and script.stdout is not None
+        assert script.stdout.readline() == "read\n"
+        stalled.stall()
+        out, _ = script.communicate("go\n", timeout=BOUND)
+    assert script.returncode == 0, out
+    found = re.search(r"gave up after (\d+) attempts? in", out)
+    assert found and f"'{uri}/part-0.parquet': row group 0" in out, out
+    assert stalled.stalled == int(found.group(1))
 
 
 def test_a_jsonl_block_that_never_comes_is_a_fetch_error(tmp_path, bucket, stalled):
