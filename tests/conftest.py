@@ -75,9 +75,9 @@ class FailingProxy:
     SlowDown, and forwards every other one; it counts what it saw.
 
     ``stall()`` makes it a server that accepts connections and reads requests but never answers
-    them (``stalled`` counts those held; ``stall(n)``: the next ``n`` only) until ``release()``,
-    which closes the held connections unanswered and forwards again; ``stop()`` releases them
-    too, so no handler thread is left.
+    them (``stalled`` counts those held; ``stall(n, method)``: the next ``n`` only, of that
+    method only) until ``release()``, which closes the held connections unanswered and forwards
+    again; ``stop()`` releases them too, so no handler thread is left.
     """
 
     def __init__(self, upstream: str):
@@ -88,6 +88,7 @@ class FailingProxy:
         self.failed = 0
         self.stalled = 0
         self._stall_next: float = 0
+        self._stall_method: str | None = None
         self._released = threading.Event()
         self._held: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -105,7 +106,7 @@ class FailingProxy:
                 proxy.requests.append(f"{self.command} {self.path}")
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                if proxy._hold():
+                if proxy._hold(self.command):
                     proxy._released.wait(STALL_LIMIT)
                     return  # the connection closes without an answer
                 ranged = re.match(r"bytes=(\d+)-", self.headers.get("Range") or "")
@@ -160,15 +161,17 @@ class FailingProxy:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def stall(self, n: float = math.inf) -> None:
-        """Hold the next ``n`` requests unanswered (every one by default) until ``release``."""
+    def stall(self, n: float = math.inf, method: str | None = None) -> None:
+        """Hold the next ``n`` requests (of ``method`` only, when given) unanswered, every one
+        by default, until ``release``."""
         self._released.clear()
         self._stall_next = n
+        self._stall_method = method
 
-    def _hold(self) -> bool:
+    def _hold(self, method: str) -> bool:
         # Whether the calling handler's request is to be held (counted once, whatever races).
         with self._lock:
-            if self._stall_next <= 0:
+            if self._stall_next <= 0 or self._stall_method not in (None, method):
                 return False
             self._stall_next -= 1
             self.stalled += 1

@@ -136,6 +136,19 @@ def test_a_row_group_read_that_never_answers_is_a_fetch_error_within_the_deadlin
     assert time.monotonic() - began < BOUND
 
 
+def test_a_stalled_read_ahead_gives_up_with_its_first_failures(tmp_path, bucket, stalled):
+    # Sixteen column chunks fetched ahead on two threads from a server that still answers
+    # HEAD requests: once a fetch fails, the others are not made (each would wait out a whole
+    # request's deadline).
+    uri = upload(tmp_path, bucket, "ahead", files=1, rows=32)
+    source = ArrowSource(uri, chunk_size=4, threads=2, **DEADLINE)
+    assert source.num_samples() == 32
+    stalled.stall(method="GET")
+    with pytest.raises(FetchError, match=r"row group 0: gave up after") as error:
+        source.read(np.array([[0, 0, 0]]))
+    assert stalled.stalled <= 2 * attempts_of(error)
+
+
 FIRST_READ = textwrap.dedent("""
     import sys
     import zephon

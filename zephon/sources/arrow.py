@@ -464,7 +464,7 @@ class ArrowSource(FileSource):
         after them, up to ``readahead`` bytes in all; reads then take them from memory (each
         still checked against its digest). A range that cannot be fetched fails the read when
         its group is needed, naming that group and its pointer in ``at``; one fetched ahead of
-        need is left for the read of its own group."""
+        need is left for the read of its own group, and so is every range not fetched yet."""
         info = self._infos[i]
         if self.is_local or info.kind != PARQUET or self.readahead <= 0 or not groups:
             return
@@ -494,8 +494,13 @@ class ArrowSource(FileSource):
         if not ranges:
             return
         path = self.files()[i].path
+        # Once a fetch failed, the others are not made: on a storage that does not answer each
+        # would wait out a request's deadline. What a group needs is then fetched by its read.
+        failed = threading.Event()
 
-        def fetch_range(k: int) -> tuple[int, bytes | OSError]:
+        def fetch_range(k: int) -> tuple[int, bytes | OSError | None]:
+            if failed.is_set():
+                return k, None
             a, b = info.table.span(k)
             try:
                 f = self.open_file(path)
@@ -504,9 +509,12 @@ class ArrowSource(FileSource):
                 finally:
                     f.close()
             except OSError as exc:
+                failed.set()
                 return k, exc
 
         for k, data in self.parallel(fetch_range, ranges):
+            if data is None:
+                continue
             if not isinstance(data, OSError):
                 self._keep_ahead(i, k, data)
                 continue
