@@ -26,10 +26,11 @@ identity.
 Construction only parses: nothing is listed or opened until ``resolve`` is called (a source calls
 it on first need of its metadata).
 
-Deadlines. A filesystem made here gives up on a request after ``timeout`` seconds and makes no
-retries of its own (``S3FileSystem``: its connect and request timeouts, one attempt; GCS: its
-client retries for ``timeout`` seconds at most): the source's retry loop owns the retries
-(``zephon.sources.remote``), so the two never multiply. A filesystem passed in keeps its own.
+Deadlines. A source's filesystem made here gives up on a request after ``timeout`` seconds and
+makes no retries of its own (``S3FileSystem``: its connect and request timeouts, one attempt;
+GCS: its client retries for ``timeout`` seconds at most): the source's retry loop owns the
+retries (``zephon.sources.remote``), so the two never multiply. A filesystem passed in keeps its
+own; so does one made for ``filesystem_and_path``, which has no retry loop above it.
 """
 
 from __future__ import annotations
@@ -90,9 +91,7 @@ class Locations:
     receives it gets the resolved files from its owner.
     """
 
-    def __init__(
-        self, items: list[str], filesystem: Any, owner: str, timeout: float = 60.0
-    ) -> None:
+    def __init__(self, items: list[str], filesystem: Any, owner: str, timeout: float) -> None:
         self.owner = owner
         self.items = items
         found, self.scheme, self.paths = _parse(items, filesystem, owner, timeout)
@@ -197,7 +196,7 @@ class Locations:
             self.filesystem = self._settings.build()
 
 
-def parse_locations(paths: Any, filesystem: Any, owner: str, timeout: float = 60.0) -> Locations:
+def parse_locations(paths: Any, filesystem: Any, owner: str, timeout: float) -> Locations:
     """``paths`` (one item or an iterable of items) as ``Locations``, whose filesystem (when
     made here) gives up on a request after ``timeout`` seconds; TypeError or ValueError naming
     ``owner`` for anything that is not a path, a URI or a glob."""
