@@ -74,8 +74,8 @@ def longest_wait(who: int | None) -> StorageWait | None:
     with _lock:
         found = [
             (began, token, what, deadline)
-            for token, (o, what, began, deadline) in _waits.items()
-            if who is None or o == who
+            for token, (by, what, began, deadline) in _waits.items()
+            if who is None or by == who
         ]
     if not found:
         return None
