@@ -1,12 +1,13 @@
 """Test-suite settings: hypothesis runs derandomized so every run checks the same examples; a
 private metadata cache per test; a real S3-compatible server (moto's server mode) on loopback,
-with a proxy in front of it that can fail requests."""
+with a proxy in front of it that can fail requests or stall them."""
 
 from __future__ import annotations
 
 import http.client
 import http.server
 import logging
+import math
 import re
 import socket
 import threading
@@ -64,10 +65,20 @@ def moto_endpoint() -> Iterator[str]:
         server.stop()
 
 
+#: Longest a stalled request is held if nothing releases it (``FailingProxy.stop`` does).
+STALL_LIMIT = 120.0
+
+
 class FailingProxy:
     """A loopback HTTP proxy in front of the S3 server: it answers the next ``fail`` requests,
     and every ranged GET starting at one of the byte offsets in ``fail_ranges``, with 503
-    SlowDown, and forwards every other one; it counts what it saw."""
+    SlowDown, and forwards every other one; it counts what it saw.
+
+    ``stall()`` makes it a server that accepts connections and reads requests but never answers
+    them (``stalled`` counts those held; ``stall(n, method)``: the next ``n`` only, of that
+    method only) until ``release()``, which closes the held connections unanswered and forwards
+    again; ``stop()`` releases them too, so no handler thread is left.
+    """
 
     def __init__(self, upstream: str):
         self.upstream = upstream.removeprefix("http://")
@@ -75,6 +86,12 @@ class FailingProxy:
         self.fail_ranges: set[int] = set()
         self.requests: list[str] = []
         self.failed = 0
+        self.stalled = 0
+        self._stall_next: float = 0
+        self._stall_method: str | None = None
+        self._released = threading.Event()
+        self._held: list[threading.Thread] = []
+        self._lock = threading.Lock()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -89,6 +106,9 @@ class FailingProxy:
                 proxy.requests.append(f"{self.command} {self.path}")
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                if proxy._hold(self.command):
+                    proxy._released.wait(STALL_LIMIT)
+                    return  # the connection closes without an answer
                 ranged = re.match(r"bytes=(\d+)-", self.headers.get("Range") or "")
                 if proxy.fail > 0 or (ranged and int(ranged.group(1)) in proxy.fail_ranges):
                     proxy.fail = max(0, proxy.fail - 1)
@@ -141,7 +161,34 @@ class FailingProxy:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def stall(self, n: float = math.inf, method: str | None = None) -> None:
+        """Hold the next ``n`` requests (of ``method`` only, when given) unanswered, every one
+        by default, until ``release``."""
+        self._released.clear()
+        self._stall_next = n
+        self._stall_method = method
+
+    def _hold(self, method: str) -> bool:
+        # Whether the calling handler's request is to be held (counted once, whatever races).
+        with self._lock:
+            if self._stall_next <= 0 or self._stall_method not in (None, method):
+                return False
+            self._stall_next -= 1
+            self.stalled += 1
+            self._held.append(threading.current_thread())
+            return True
+
+    def release(self) -> None:
+        """Close the held requests unanswered, wait for their handlers, and forward again."""
+        with self._lock:
+            self._stall_next = 0
+            held, self._held = self._held, []
+        self._released.set()
+        for handler in held:
+            handler.join(10)
+
     def stop(self) -> None:
+        self.release()
         if self.thread.is_alive():
             self.server.shutdown()
             self.server.server_close()

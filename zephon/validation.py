@@ -9,12 +9,13 @@ and names the parameter, e.g. ``"RangeSource: n must be an int, got 'x'"`` or
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_bool", "check_int"]
+__all__ = ["check_bool", "check_int", "check_seconds"]
 
 
 def check_int(
@@ -51,3 +52,16 @@ def check_bool(value: Any, what: str, owner: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{owner}: {what} must be a bool, got {value!r}")
     return bool(value)
+
+
+def check_seconds(value: Any, what: str, owner: object) -> float:
+    """``value`` as a float number of seconds, finite and > 0; TypeError (a bool or anything
+    that is not a real number) or ValueError naming ``owner`` and ``what``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(f"{owner}: {what} must be a number of seconds, got {value!r}")
+    seconds = float(value)
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{owner}: {what} must be a finite number of seconds > 0, got {value!r}")
+    return seconds

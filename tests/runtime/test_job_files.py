@@ -88,3 +88,16 @@ def test_a_job_state_round_trips_through_a_bucket(bucket) -> None:
     save_ranks(where, world=2)
     job = zephon.load_job_state(where)
     assert global_steps(2, job) == global_steps(1, limit=STEPS + 20)[STEPS:]
+
+
+def test_a_bucket_that_fails_a_request_now_and_then_is_read_all_the_same(
+    bucket, failing_proxy
+) -> None:
+    # Nothing above the S3 client retries these files: the client keeps its own attempts.
+    where = f"s3://{bucket.name}/jobs/step-5"
+    save_ranks(where, world=2)
+    bucket.point_at(failing_proxy.endpoint)
+    failing_proxy.fail = 2
+    job = zephon.load_job_state(where)
+    assert failing_proxy.failed == 2
+    assert global_steps(2, job) == global_steps(1, limit=STEPS + 20)[STEPS:]

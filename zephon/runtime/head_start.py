@@ -14,7 +14,8 @@ Only where nothing is lost by it: the plan snapshots its holders (no epoch repla
 ``timeout`` (nothing could interrupt a stuck operator in the loader's process), every lane has a
 worker process of its own, and this process has not started a fork server before (a warm one
 starts workers at once). A read that fails, or that gives no snapshot to continue from, is left
-to the worker, which meets it again and reports it as usual.
+to the worker, which meets it again and reports it as usual; but a ``FetchError`` is raised
+here, as the worker would wait on storage as long again before reporting it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from zephon._core.records import RecordRun
+from zephon.errors import FetchError
 from zephon.plan import Plan
 from zephon.runtime.control import Holdings, LaneEnd, RunStart
 from zephon.runtime.fork_server import fork_server_cold
@@ -50,7 +52,7 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
     """Read lane ``lane_id`` from ``start`` (a runner start) until an item list ends with a
     snapshot and a first batch's worth of records came before it: the items read, and the runner
     start that continues after them; None when no list did within ``MAX_LISTS``, or the lane
-    failed."""
+    failed other than reading its data (a ``FetchError`` is raised)."""
     need = plan.batcher.batch_size if plan.batcher is not None else 1
     runner = LaneRunner(plan, lane_id, **start)
     stream = runner.run()
@@ -75,6 +77,8 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
                 break
         else:
             return None
+    except FetchError:
+        raise
     except Exception:  # the worker meets it again, and reports it with its lane
         return None
     finally:

@@ -15,7 +15,8 @@ import weakref
 from collections.abc import Iterable
 from typing import Protocol
 
-from zephon.errors import ZephonError
+from zephon.errors import FetchError, ZephonError
+from zephon.sources.storage_waits import StorageWait
 
 #: Seconds a worker gets to stop by itself once asked, before a worker process is terminated.
 STOP_TIMEOUT = 0.1
@@ -133,8 +134,20 @@ def exit_outside_operator(lane_id: int, exc: SystemExit) -> ZephonError:
     )
 
 
-def timed_out(lane_id: int, where: str, timeout: float) -> ZephonError:
-    """The error for a lane whose worker (``where``) sent nothing within the plan's timeout."""
+def timed_out(
+    lane_id: int, where: str, timeout: float, storage: StorageWait | None = None
+) -> ZephonError:
+    """The error for a lane whose worker (``where``) sent nothing within the plan's timeout:
+    a FetchError naming the remote operation when the worker was waiting on ``storage``."""
+    if storage is not None:
+        return FetchError(
+            f"lane {lane_id} ({where}) produced nothing for {timeout:g} s, the pipeline's "
+            f"timeout, waiting on storage for {storage.waited:.1f} s: {storage.what} (storage "
+            f"deadline: {storage.deadline}, not reached yet). Check that the storage endpoint "
+            "answers; give the source a timeout= and total_timeout= within the pipeline's "
+            "timeout to have storage failures reported by the source, or raise "
+            "Pipeline(timeout=...)"
+        )
     return ZephonError(
         f"lane {lane_id} ({where}) produced nothing for {timeout:g} s, the pipeline's timeout: "
         "its worker is stuck in an operator or stopped (SIGSTOP, a debugger). If the lane is "

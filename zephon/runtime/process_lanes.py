@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -28,9 +29,10 @@ from zephon.runtime.lane_stop import (
 from zephon.runtime.main_script import main_script_left_out
 from zephon.runtime.neighbours import Neighbours
 from zephon.runtime.plan_parcel import PlanParcel, unguarded_main
-from zephon.runtime.wire import ACK, END, READY, WARNINGS, MessageStalled, receive
+from zephon.runtime.wire import ACK, END, READY, STORAGE, WARNINGS, MessageStalled, receive
 from zephon.runtime.worker_process import EXIT_MAIN_REIMPORTED, process_main
 from zephon.runtime.worker_warnings import reraise
+from zephon.sources.storage_waits import StorageWait
 
 _EXIT_STATUS_WAIT = 1.0  # a dead worker's exit status follows the end of its pipe closely
 
@@ -213,6 +215,8 @@ class ProcessLane(WorkerLane):
         self._ready = False  # the worker said it runs: a death before that is a failed start
         self._waiting: collections.deque[tuple[str, Any]] = collections.deque()  # see queued()
         self._stalled: ZephonError | None = None
+        # What the worker said it waits on (see worker_process._watch_storage), and since when.
+        self._storage: tuple[StorageWait, float] | None = None
         self._ended = False
         self._gone = False  # the pipe ended while receiving ahead: next() reports why
         self._finished = False  # the lane's last list (or its end) came: nothing more is made
@@ -288,7 +292,7 @@ class ProcessLane(WorkerLane):
             ready = wait_for_any([conn, self._sentinel, *others], wait)
             if not ready:
                 assert self.timeout is not None
-                raise timed_out(self.lane_id, f"pid {self.pid}", self.timeout)
+                raise timed_out(self.lane_id, f"pid {self.pid}", self.timeout, self._on_storage())
             if self._sentinel in ready:  # a worker never exits unless stopped: it died
                 raise self._lost()
             for other in ready:
@@ -307,17 +311,29 @@ class ProcessLane(WorkerLane):
 
     def _arrived(self, kind: str, value: Any) -> bool:
         """A message came off the pipe: whether it is for ``next()`` (the worker's ready signal
-        is noted here). After the lane's last list (its end) the worker has nothing more to do
-        for it, although the loader may deliver that list much later: its neighbours hear so."""
+        and what it says it waits on are noted here). After the lane's last list (its end) the
+        worker has nothing more to do for it, although the loader may deliver that list much
+        later: its neighbours hear so."""
         if kind == READY:
             self._ready = True
             return False
+        if kind == STORAGE:
+            self._storage = None if value is None else (value, time.monotonic() - value.waited)
+            return False
+        self._storage = None  # a list came: the worker is not waiting any more
         if not self._finished and (
             kind == END or (kind == "items" and value and type(value[-1]) is LaneEnd)
         ):
             self._finished = True
             self._neighbours.lane_ended(self)
         return True
+
+    def _on_storage(self) -> StorageWait | None:
+        """What the worker waits on now, when it said it waits on storage."""
+        if self._storage is None:
+            return None
+        wait, since = self._storage
+        return dataclasses.replace(wait, waited=time.monotonic() - since)
 
     def tell(self, message: tuple[str, Any]) -> None:
         """Send the worker a message beside the acknowledgements (``_from_loader``); a worker

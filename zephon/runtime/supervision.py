@@ -68,6 +68,8 @@ class LaneFeed(FeedBuffer):
             read = head_start.read_ahead(self.plan, self.lane_id, self.start_at)
             if read is not None:
                 (self.buf, self.start_at), self.pos = read, 0
+        except ZephonError as exc:  # its data could not be read (head_start.read_ahead)
+            raise exc.add_context(lane=self.lane_id) from exc.__cause__
         finally:
             assert self.starting is not None
             self.starting.read_over(self)

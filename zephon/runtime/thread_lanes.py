@@ -25,6 +25,7 @@ from zephon.runtime.lane_stop import (
     timed_out,
 )
 from zephon.runtime.wire import END
+from zephon.sources.storage_waits import longest_wait
 
 _POLL_SECONDS = 0.2  # how often the two sides of a thread lane check the other is still there
 
@@ -230,7 +231,8 @@ class ThreadLane(WorkerLane):
                 if end is not None and time.monotonic() >= end:
                     assert self.timeout is not None
                     where = f"thread {self._thread.name}"
-                    raise timed_out(self.lane_id, where, self.timeout) from None
+                    storage = longest_wait(self._thread.ident)
+                    raise timed_out(self.lane_id, where, self.timeout, storage) from None
         if kind == "error":
             raise value
         if kind == END:

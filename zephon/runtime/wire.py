@@ -17,6 +17,7 @@ READY = "ready"  # from a worker: it runs (a death after this is not a failed st
 END = "end"  # the runner is exhausted: next() raises StopIteration from now on
 THREADS = "threads"  # from the loader: thread variables to set (other workers have finished)
 WARNINGS = "warnings"  # from a worker: warnings its lanes raised, for the loader to raise again
+STORAGE = "storage"  # from a worker: its lane waits on storage (a StorageWait), or no more (None)
 
 
 class LoaderGone(Exception):

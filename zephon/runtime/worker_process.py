@@ -22,8 +22,19 @@ from zephon.runtime.lane import LaneRunner
 from zephon.runtime.lane_stop import exit_outside_operator
 from zephon.runtime.memory import give_back_at_most_every, give_back_once_grown
 from zephon.runtime.operator_setup import OperatorSetup
-from zephon.runtime.wire import ACK, END, READY, THREADS, WARNINGS, LoaderGone, encode, write
+from zephon.runtime.wire import (
+    ACK,
+    END,
+    READY,
+    STORAGE,
+    THREADS,
+    WARNINGS,
+    LoaderGone,
+    encode,
+    write,
+)
 from zephon.runtime.worker_warnings import forward_warnings, take_warnings
+from zephon.sources.storage_waits import longest_wait
 
 #: A worker process hands freed memory back to the OS as its lane starts a chunk, at most this
 #: often, ...
@@ -34,6 +45,9 @@ GIVE_BACK_SECONDS = 1.0
 GIVE_BACK_GROWTH = 32 << 20
 # Exit status of a worker that found itself re-running the main script while starting (EX_CONFIG).
 EXIT_MAIN_REIMPORTED = 78
+#: A lane waiting on storage this long (at most; less under a short pipeline timeout) tells the
+#: loader, so that a timeout names the remote operation rather than blame an operator.
+STORAGE_NOTE_SECONDS = 0.5
 
 
 def _loader_alive(pid: int) -> bool:
@@ -86,8 +100,50 @@ def _load_plan(plan_bytes: bytes, lane_ids: list[int]) -> Plan | PlanError:
         return error
 
 
-def _stream(conn: Connection, lane_items: Iterator[list], lane_id: int, prefetch: int) -> None:
+class _Outbox:
+    """A lane's end of its pipe, written by the lane's thread and by its storage watch: one
+    whole message at a time."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def write(self, message: tuple[tuple, list[Any]]) -> None:
+        """``wire.write`` the message; ``LoaderGone`` when the loader closed the pipe."""
+        with self._lock:
+            write(self.conn, message)
+
+
+def _watch_storage(outbox: _Outbox, timeout: float) -> threading.Event:
+    """Tell the loader, through ``outbox``, when the calling thread (a lane's) has waited on a
+    remote operation for a while, and when it no longer does, until the event returned is set.
+    The loader's timeout then names the operation (``lane_stop.timed_out``)."""
+    lane_thread = threading.get_ident()
+    patience = min(STORAGE_NOTE_SECONDS, timeout / 4)
+    done = threading.Event()
+
+    def watch() -> None:
+        told: int | None = None  # the token of the wait the loader was told of
+        while not done.wait(patience / 2):
+            wait = longest_wait(lane_thread)
+            if wait is not None and wait.waited < patience:
+                wait = None
+            token = None if wait is None else wait.token
+            if token == told:
+                continue
+            try:
+                outbox.write(encode(STORAGE, wait))
+            except LoaderGone:
+                return
+            told = token
+
+    threading.Thread(target=watch, name="zephon-storage-watch", daemon=True).start()
+    return done
+
+
+def _stream(outbox: _Outbox, lane_items: Iterator[list], lane_id: int, prefetch: int) -> None:
     """Send the lane's item lists with at most ``prefetch`` not yet taken by the loader."""
+    conn = outbox.conn
     credits = prefetch
     for items in lane_items:
         try:
@@ -105,8 +161,8 @@ def _stream(conn: Connection, lane_items: Iterator[list], lane_id: int, prefetch
                 credits += _from_loader(conn.recv())
         except (OSError, EOFError):
             raise LoaderGone from None
-        _send_warnings(conn)
-        write(conn, message)
+        _send_warnings(outbox)
+        outbox.write(message)
         credits -= 1
         give_back_once_grown(GIVE_BACK_GROWTH)
 
@@ -122,20 +178,20 @@ def _from_loader(message: Any) -> int:
     return 0
 
 
-def _send_warnings(conn: Connection) -> None:
+def _send_warnings(outbox: _Outbox) -> None:
     """The warnings raised since the last item list, ahead of what follows them (they take no
     credit: the loader raises them again as it reads them)."""
     found = take_warnings()
     if found:
-        write(conn, encode(WARNINGS, found))
+        outbox.write(encode(WARNINGS, found))
 
 
-def _send_error(conn: Connection, exc: BaseException) -> None:
+def _send_error(outbox: _Outbox, exc: BaseException) -> None:
     try:
         message = encode("error", exc)
     except Exception as why:
         message = encode("error", ZephonError(f"{type(exc).__name__}: {exc} (unpicklable: {why})"))
-    write(conn, message)
+    outbox.write(message)
 
 
 def process_main(
@@ -203,23 +259,30 @@ def _lane_main(
     prefetch: int,
     setup: OperatorSetup | None = None,
 ) -> None:
+    outbox = _Outbox(conn)
+    watching = None
     try:
         if isinstance(plan, Exception):  # the plan could not be loaded, or set up
             raise plan
+        if plan.timeout is not None:
+            watching = _watch_storage(outbox, plan.timeout)
         runner = LaneRunner(plan, lane_id, setup=setup, **start)
         with contextlib.closing(runner.run()) as lane_items:
-            _stream(conn, lane_items, lane_id, prefetch)
-        _send_warnings(conn)
-        write(conn, encode(END, None))
+            _stream(outbox, lane_items, lane_id, prefetch)
+        _send_warnings(outbox)
+        outbox.write(encode(END, None))
     except LoaderGone:
         return
     except BaseException as exc:
         error = exit_outside_operator(lane_id, exc) if isinstance(exc, SystemExit) else exc
         try:
-            _send_warnings(conn)
-            _send_error(conn, error)
+            _send_warnings(outbox)
+            _send_error(outbox, error)
         except LoaderGone:
             return
+    finally:
+        if watching is not None:
+            watching.set()
     # Done or failed: stay until the loader closes its end, so that what we sent is read first
     # and our exit never looks like a death.
     try:

@@ -76,6 +76,7 @@ from zephon.sources.arrow_layout import (
 from zephon.sources.arrow_reader import GroupReader, RangeChanged
 from zephon.sources.arrow_rows import table_rows
 from zephon.sources.files import FileSource, PathsArg, read_sidecar
+from zephon.sources.remote import RetryPolicy
 from zephon.validation import check_int
 
 if TYPE_CHECKING:  # pyarrow is imported when a file is first touched, not with zephon.sources
@@ -139,6 +140,8 @@ class ArrowSource(FileSource):
         cache_dir: str | os.PathLike[str] | None = None,
         readahead: int = 64 << 20,
         threads: int = 16,
+        timeout: float = RetryPolicy.timeout,
+        total_timeout: float = RetryPolicy.total_timeout,
     ) -> None:
         self.readahead = check_int(readahead, "readahead", "ArrowSource", minimum=0)
         if columns is not None:
@@ -160,6 +163,8 @@ class ArrowSource(FileSource):
             filesystem=filesystem,
             cache_dir=cache_dir,
             threads=threads,
+            timeout=timeout,
+            total_timeout=total_timeout,
         )
         self._infos: list[FileInfo] = []
         self._reset_caches()
@@ -459,7 +464,7 @@ class ArrowSource(FileSource):
         after them, up to ``readahead`` bytes in all; reads then take them from memory (each
         still checked against its digest). A range that cannot be fetched fails the read when
         its group is needed, naming that group and its pointer in ``at``; one fetched ahead of
-        need is left for the read of its own group."""
+        need is left for the read of its own group, and so is every range not fetched yet."""
         info = self._infos[i]
         if self.is_local or info.kind != PARQUET or self.readahead <= 0 or not groups:
             return
@@ -489,8 +494,13 @@ class ArrowSource(FileSource):
         if not ranges:
             return
         path = self.files()[i].path
+        # Once a fetch failed, the others are not made: on a storage that does not answer each
+        # would wait out a request's deadline. What a group needs is then fetched by its read.
+        failed = threading.Event()
 
-        def fetch_range(k: int) -> tuple[int, bytes | OSError]:
+        def fetch_range(k: int) -> tuple[int, bytes | OSError | None]:
+            if failed.is_set():
+                return k, None
             a, b = info.table.span(k)
             try:
                 f = self.open_file(path)
@@ -499,9 +509,12 @@ class ArrowSource(FileSource):
                 finally:
                     f.close()
             except OSError as exc:
+                failed.set()
                 return k, exc
 
         for k, data in self.parallel(fetch_range, ranges):
+            if data is None:
+                continue
             if not isinstance(data, OSError):
                 self._keep_ahead(i, k, data)
                 continue

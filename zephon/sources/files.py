@@ -34,6 +34,7 @@ as an ``OSError`` naming the path, so that ``fetch`` retries it with backoff.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import itertools
@@ -53,6 +54,7 @@ from zephon.errors import FetchError
 from zephon.sources.base import IndexedSource, check_int, check_pointers
 from zephon.sources.locations import DataFile, default_cache_dir, parse_locations
 from zephon.sources.remote import RetryPolicy, is_transient, parallel_map, with_retries
+from zephon.validation import check_seconds
 
 __all__ = [
     "PERMANENT_ERRNOS",
@@ -324,11 +326,16 @@ class FileSource(IndexedSource):
     different or fewer samples. Subclasses implement ``load_metadata`` (returning the sample count
     of each file) and ``_read_file``. ``index_dir`` is where their sidecars go (None: beside each
     local file, or in ``cache_dir`` when that place is not writable or the data is remote).
+
+    Remote data: ``timeout`` seconds at most for one request, ``total_timeout`` for every
+    attempt of one operation (a listing, a file's metadata, a file's part of a read) together;
+    past them, ``FetchError`` naming the URI, the operation and the time waited.
     """
 
     #: File name endings a directory listing keeps (a glob keeps whatever it matches).
     SUFFIXES: tuple[str, ...] = ()
-    #: Retries of remote reads and metadata (transient errors only; see ``zephon.sources.remote``).
+    #: Retries of remote reads and metadata (transient errors only; see ``zephon.sources.remote``);
+    #: its deadlines are replaced by the source's ``timeout`` and ``total_timeout``.
     RETRY_POLICY = RetryPolicy()
 
     def __init__(
@@ -344,9 +351,21 @@ class FileSource(IndexedSource):
         filesystem: Any = None,
         cache_dir: str | os.PathLike[str] | None = None,
         threads: int = 16,
+        timeout: float = RetryPolicy.timeout,
+        total_timeout: float = RetryPolicy.total_timeout,
     ) -> None:
         name = type(self).__name__
-        self._locations = parse_locations(paths, filesystem, name)
+        timeout = check_seconds(timeout, "timeout", name)
+        total_timeout = check_seconds(total_timeout, "total_timeout", name)
+        if total_timeout < timeout:
+            raise ValueError(
+                f"{name}: total_timeout={total_timeout:g} is shorter than timeout={timeout:g} "
+                "(one request's deadline): it would leave no request its time"
+            )
+        self.retry_policy = dataclasses.replace(
+            self.RETRY_POLICY, timeout=timeout, total_timeout=total_timeout
+        )
+        self._locations = parse_locations(paths, filesystem, name, timeout)
         for arg, value in (("index_dir", index_dir), ("cache_dir", cache_dir)):
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{name}: {arg} must be a path or None, got {value!r}")
@@ -425,7 +444,7 @@ class FileSource(IndexedSource):
         ``fetch``'s own retries, see ``os_error``)."""
         if self.is_local:
             return fn()
-        return with_retries(fn, what, self.RETRY_POLICY)
+        return with_retries(fn, what, self.retry_policy)
 
     def parallel(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """``[fn(x) for x in items]`` on at most ``threads`` threads for remote data (joined

@@ -36,6 +36,7 @@ from zephon.sources.files import (
     section_text,
     text_section,
 )
+from zephon.sources.remote import RetryPolicy
 
 __all__ = ["FileSource", "JsonlSource", "scan_line_starts"]
 
@@ -243,6 +244,8 @@ class JsonlSource(FileSource):
         filesystem: Any = None,
         cache_dir: str | os.PathLike[str] | None = None,
         threads: int = 16,
+        timeout: float = RetryPolicy.timeout,
+        total_timeout: float = RetryPolicy.total_timeout,
     ) -> None:
         super().__init__(
             paths,
@@ -255,6 +258,8 @@ class JsonlSource(FileSource):
             filesystem=filesystem,
             cache_dir=cache_dir,
             threads=threads,
+            timeout=timeout,
+            total_timeout=total_timeout,
         )
         self._indexes: list[_LineIndex] = []
 

@@ -25,6 +25,12 @@ identity.
 
 Construction only parses: nothing is listed or opened until ``resolve`` is called (a source calls
 it on first need of its metadata).
+
+Deadlines. A source's filesystem made here gives up on a request after ``timeout`` seconds and
+makes no retries of its own (``S3FileSystem``: its connect and request timeouts, one attempt;
+GCS: its client retries for ``timeout`` seconds at most): the source's retry loop owns the
+retries (``zephon.sources.remote``), so the two never multiply. A filesystem passed in keeps its
+own; so does one made for ``filesystem_and_path``, which has no retry loop above it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import re
 import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from zephon.errors import FetchError
@@ -79,14 +86,17 @@ class DataFile:
 class Locations:
     """The items a source was given, parsed onto one filesystem; ``resolve()`` lists them.
 
-    Pickles with its filesystem (pyarrow filesystems and most fsspec ones pickle), never with a
-    listing: a process that receives it gets the resolved files from its owner.
+    Pickles with its filesystem (pyarrow filesystems and most fsspec ones pickle; an ``s3://``
+    one made here, as the settings it was made from), never with a listing: a process that
+    receives it gets the resolved files from its owner.
     """
 
-    def __init__(self, items: list[str], filesystem: Any, owner: str) -> None:
+    def __init__(self, items: list[str], filesystem: Any, owner: str, timeout: float) -> None:
         self.owner = owner
         self.items = items
-        self.filesystem, self.scheme, self.paths = _parse(items, filesystem, owner)
+        found, self.scheme, self.paths = _parse(items, filesystem, owner, timeout)
+        self._settings = found if isinstance(found, _S3Settings) else None
+        self.filesystem = found.build() if isinstance(found, _S3Settings) else found
 
     @property
     def is_local(self) -> bool:
@@ -175,12 +185,21 @@ class Locations:
         return self.filesystem.open_input_file(path)
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        if self._settings is not None:
+            state["filesystem"] = None  # made again from its settings, see _S3Settings
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._settings is not None:
+            self.filesystem = self._settings.build()
 
 
-def parse_locations(paths: Any, filesystem: Any, owner: str) -> Locations:
-    """``paths`` (one item or an iterable of items) as ``Locations``; TypeError or ValueError
-    naming ``owner`` for anything that is not a path, a URI or a glob."""
+def parse_locations(paths: Any, filesystem: Any, owner: str, timeout: float) -> Locations:
+    """``paths`` (one item or an iterable of items) as ``Locations``, whose filesystem (when
+    made here) gives up on a request after ``timeout`` seconds; TypeError or ValueError naming
+    ``owner`` for anything that is not a path, a URI or a glob."""
     if isinstance(paths, bytes):
         raise TypeError(f"{owner}: paths must be str or os.PathLike, got bytes {paths!r}")
     if isinstance(paths, (str, os.PathLike)):
@@ -197,7 +216,7 @@ def parse_locations(paths: Any, filesystem: Any, owner: str) -> Locations:
         out.append(os.fspath(p))
     if not out:
         raise ValueError(f"{owner}: paths is empty (did a glob match nothing?)")
-    return Locations(out, filesystem, owner)
+    return Locations(out, filesystem, owner, timeout)
 
 
 # ------------------------------------------------------------------------- filesystems
@@ -208,7 +227,11 @@ def _scheme_of(item: str) -> str:
     return match.group(1).lower() if match else ""
 
 
-def _parse(items: list[str], filesystem: Any, owner: str) -> tuple[Any, str, list[str]]:
+def _parse(
+    items: list[str], filesystem: Any, owner: str, timeout: float, client_attempts: int = 1
+) -> tuple[Any, str, list[str]]:
+    # A filesystem made here waits ``timeout`` seconds for a request, and makes
+    # ``client_attempts`` of it (more only where no retry loop of ours runs above it).
     import pyarrow.fs as pafs
 
     if filesystem is not None:
@@ -231,9 +254,10 @@ def _parse(items: list[str], filesystem: Any, owner: str) -> tuple[Any, str, lis
         return pafs.LocalFileSystem(), "", paths
     paths = [i.split("://", 1)[1].rstrip("/") for i in items]
     if scheme == "s3":
-        return _s3_from_environment(), scheme, paths
+        return _S3Settings.from_environment(timeout, client_attempts), scheme, paths
     if scheme in ("gs", "gcs"):
-        return pafs.GcsFileSystem(), scheme, paths
+        limit = timedelta(seconds=timeout * client_attempts)
+        return pafs.GcsFileSystem(retry_time_limit=limit), scheme, paths
     try:
         import fsspec
     except ImportError:
@@ -269,20 +293,39 @@ def _wrap_fsspec(fs: Any) -> Any:
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
 
 
-def _s3_from_environment() -> Any:
-    # pyarrow's S3FileSystem does not read the endpoint variables itself (the AWS SDK it bundles
-    # ignores them): honour them here, so a MinIO/R2/local endpoint works as for the AWS CLI.
-    import pyarrow.fs as pafs
+@dataclass(frozen=True)
+class _S3Settings:
+    """What an ``s3://`` filesystem made here is made of. It is pickled in the filesystem's
+    stead: pyarrow pickles an ``S3FileSystem`` without its retry strategy, so a worker's copy
+    would try each request three times again, under each of the source's attempts."""
 
-    env = os.environ
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-    return pafs.S3FileSystem(
-        endpoint_override=endpoint or None,
-        region=region or None,
-        connect_timeout=10,
-        request_timeout=60,
-    )
+    endpoint: str | None
+    region: str | None
+    timeout: float
+    attempts: int  # the client's own, per request
+
+    @classmethod
+    def from_environment(cls, timeout: float, attempts: int) -> _S3Settings:
+        # pyarrow's S3FileSystem does not read the endpoint variables itself (the AWS SDK it
+        # bundles ignores them): honour them here, so a MinIO/R2/local endpoint works as for
+        # the AWS CLI.
+        env = os.environ
+        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        return cls(endpoint or None, region or None, timeout, attempts)
+
+    def build(self) -> Any:
+        """The filesystem: a request that sends or receives nothing for ``timeout`` seconds
+        fails (the client's request timeout, on Linux too), after ``attempts`` of it."""
+        import pyarrow.fs as pafs
+
+        return pafs.S3FileSystem(
+            endpoint_override=self.endpoint,
+            region=self.region,
+            connect_timeout=self.timeout,
+            request_timeout=self.timeout,
+            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=self.attempts),
+        )
 
 
 def _from_file_uri(item: str) -> str:
@@ -377,6 +420,7 @@ def _common_dir(roots: Iterable[str]) -> str:
 
 def filesystem_and_path(uri: str, filesystem: Any = None, owner: str = "") -> tuple[Any, str]:
     """The pyarrow filesystem ``uri`` lives on (a local path, ``file://``, ``s3://``, ``gs://``,
-    or any fsspec protocol; ``filesystem`` when given) and the path of ``uri`` on it."""
-    fs, _, paths = _parse([uri], filesystem, owner)
-    return fs, paths[0]
+    or any fsspec protocol; ``filesystem`` when given) and the path of ``uri`` on it. Made here,
+    it keeps its client's retries (three attempts of a request), nothing retrying above it."""
+    found, _, paths = _parse([uri], filesystem, owner, timeout=60.0, client_attempts=3)
+    return (found.build() if isinstance(found, _S3Settings) else found), paths[0]
