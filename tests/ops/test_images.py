@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 FORMATS = ("PNG", "JPEG", "WEBP")
 
 
-def drawn(i: int) -> Image.Image:
+def drawn(i: int) -> Any:
     """A picture that differs per index: a colored background, a rectangle and a line."""
     w, h = 40 + (i * 7) % 50, 30 + (i * 11) % 40
     image = Image.new("RGB", (w, h), ((i * 37) % 256, (i * 91) % 256, (i * 53) % 256))
