@@ -46,6 +46,7 @@ class LaneDelivery(LaneOutlet):
         self.ended = False  # the lane's stream ended (not: the lane was closed)
         self.delivered = 0  # items (records or batches) handed over, over the whole run
         self.restored_state: dict[str, Any] | None = None  # until something new is delivered
+        self.cause: str | None = None  # what a replay divergence means (``ReplayFilter``)
 
     # ----------------------------------------------------------------------------- delivery
     def next_delivery(self) -> SampleRecord | SampleBatch | None:
@@ -139,7 +140,11 @@ class LaneDelivery(LaneOutlet):
         if run.cursor is None:
             return
         replay = ReplayFilter(
-            self.lane_id, run.cursor, (run.count, run.digest), monotone=self.book.monotone
+            self.lane_id,
+            run.cursor,
+            (run.count, run.digest),
+            monotone=self.book.monotone,
+            cause=self.cause,
         )
         marker.replayed = [
             SampleRecord(item.meta, None)  # the payload is not needed to book it
@@ -259,7 +264,7 @@ class LaneDelivery(LaneOutlet):
                 skip = self._skip_at_source(position, cursor, expect, where)
             else:
                 self.replay = ReplayFilter(
-                    self.lane_id, cursor, expect, monotone=self.book.monotone
+                    self.lane_id, cursor, expect, monotone=self.book.monotone, cause=self.cause
                 )
         self.feed.start_at = {
             "runs": [run.for_runner() for run in runs],
@@ -301,6 +306,11 @@ class LaneDelivery(LaneOutlet):
             self.book.book.last_cursor = cursor
         else:
             self.replay = ReplayFilter(
-                self.lane_id, cursor, expect, monotone=self.book.monotone, seen=seen
+                self.lane_id,
+                cursor,
+                expect,
+                monotone=self.book.monotone,
+                seen=seen,
+                cause=self.cause,
             )
         return skip

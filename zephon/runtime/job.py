@@ -39,6 +39,14 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             "the states of the ranks hold different lane histories (layout): they were not taken "
             "in one run of the job"
         )
+    if any(
+        (b.get("history"), b.get("skip")) != (first.get("history"), first.get("skip"))
+        for b in bodies
+    ):
+        raise CheckpointError(
+            "the states of the ranks hold different histories (operator changes, skipped steps): "
+            "they were not taken in one run of the job"
+        )
     sizes = {body.get("world_size") for body in bodies}
     if len(sizes) != 1:
         raise CheckpointError(f"the states were taken under different world sizes: {sizes}")
@@ -95,6 +103,8 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
                 "samples": encode_pairs(samples),
                 "tokens": encode_pairs(tokens),
             },
+            "history": first["history"],
+            "skip": first["skip"],
         }
     )
 

@@ -21,6 +21,7 @@ from zephon.errors import (
     CheckpointError,
     CheckpointMismatchError,
     ContractViolation,
+    PipelineChangeWarning,
     RelaneWarning,
     ZephonError,
 )
@@ -36,10 +37,12 @@ from zephon.runtime.checkpoint import (
 )
 from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
+from zephon.runtime.history import change_event, check_history, global_step, with_event
 from zephon.runtime.job import rank_turn
 from zephon.runtime.layout import Layout
 from zephon.runtime.operator_setup import release_in_process
 from zephon.runtime.relane import relane
+from zephon.runtime.replay import CHANGED_RECORDS
 from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import (
     COUNTERS,
@@ -70,6 +73,8 @@ _STATE_KEYS = frozenset(
         "counters",
         "tag_counts",
         "mixture",
+        "history",
+        "skip",
     }
 )
 _JOB_KEYS = _STATE_KEYS - {"rank", "world_size", "next_lane"}
@@ -96,6 +101,8 @@ class Loader(LoaderStep):
         self.skips = SkipLog(self.counts, plan.max_skipped)
         self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
+        self.history: list[dict[str, Any]] = []  # what was done to the run (``runtime.history``)
+        self.skip = 0  # global steps still to skip before the first item (``skip_steps``)
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
         self._closed = False
@@ -128,6 +135,7 @@ class Loader(LoaderStep):
             start_feeds([lane.feed for lane in lanes if not lane.ended], lanes[self.next_lane].feed)
             for lane in lanes:  # a restored lane is back at its position first
                 self._catch_up(lane)
+            self._skip_steps()
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -144,6 +152,19 @@ class Loader(LoaderStep):
             return
         with shown:
             lane.catch_up(shown.update)
+
+    def _skip_steps(self) -> None:
+        """``skip_steps``: every lane hands over its next ``skip`` items to no one, booked as
+        delivered, so the stream goes on where the uninterrupted run is that many global steps
+        later."""
+        if not self.skip:
+            return
+        log.info("skipping %d global step(s) before delivering", self.skip)
+        for lane in self.lanes:
+            for _ in range(self.skip):
+                if lane.next_delivery() is None:
+                    break
+        self.skip = 0
 
     def _note_inflight(self) -> None:
         inflight = sum(lane.book.table.n_inflight for lane in self.lanes)
@@ -378,14 +399,21 @@ class Loader(LoaderStep):
                         "samples": encode_pairs(self.mix_samples),
                         "tokens": encode_pairs(self.mix_tokens),
                     },
+                    "history": self.history,
+                    "skip": self.skip,
                 }
             )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, allow_changes: bool = False) -> None:
         """Continue from ``state`` (this rank's own, or a job state from ``merge_states``); only
         before the first ``next()``. Every field is checked: a damaged or edited state raises
         ``CheckpointCorruptError``, a state of another pipeline ``CheckpointMismatchError``, and
-        neither starts a stream."""
+        neither starts a stream.
+
+        ``allow_changes=True`` also takes a state whose operators changed (their code or
+        parameters; never the source): what was delivered stays delivered, the rest comes from
+        the new operators. A ``PipelineChangeWarning`` names each changed operator and the change
+        is kept in the state's ``history``."""
         if self._started:
             raise CheckpointError("load_state_dict must be called before the first next()")
         body = unseal(state, (STATE_FORMAT, JOB_FORMAT))
@@ -397,7 +425,20 @@ class Loader(LoaderStep):
                 f"loader state must have exactly the fields {sorted(keys)}, got {sorted(body)}"
             )
         relaning = plan.relane and type(body.get("lanes")) is int and body["lanes"] != plan.lanes
-        check_identity(body, plan, relane=relaning)
+        if type(allow_changes) is not bool:
+            raise TypeError(f"allow_changes must be True or False, got {allow_changes!r}")
+        changes = check_identity(body, plan, relane=relaning, allow_changes=allow_changes)
+        history, self.skip = check_history(body["history"], body["skip"])
+        if changes:
+            self._announce(changes)
+            old = body["pipeline"].get("operators")
+            event = change_event(
+                global_step(body["lane_states"]), changes, old, plan.fingerprint_parts["operators"]
+            )
+            history = with_event(history, event)
+            for lane in self.lanes:
+                lane.cause = CHANGED_RECORDS
+        self.history = history
         if relaning:
             body = self._relane(body)
             job = True
@@ -440,6 +481,16 @@ class Loader(LoaderStep):
         if job:
             return  # a job's counters belong to all its ranks: this rank counts afresh
         self._restore_counters(values, tag_counts, samples, tokens)
+
+    def _announce(self, changes: list[str]) -> None:
+        text = (
+            "resuming a checkpoint with changed operators (allow_changes=True): "
+            + "; ".join(changes)
+            + ". What was delivered before the checkpoint stays delivered; everything after it "
+            "comes from the new operators"
+        )
+        log.warning(text)
+        warnings.warn(text, PipelineChangeWarning, stacklevel=4)
 
     def _restore_counters(
         self,

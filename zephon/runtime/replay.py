@@ -12,12 +12,25 @@ from zephon.errors import ReplayDivergenceError
 from zephon.types import SampleCursor
 
 MASK64 = (1 << 64) - 1
+NOT_DETERMINISTIC = (
+    "Some operator is not deterministic (randomness not from (seed, lane, epoch), iteration over "
+    "sets, time-based decisions) or its carry state was not restored"
+)
+#: Why a replay diverges after a resume with changed operators (``allow_changes=True``).
+CHANGED_RECORDS = (
+    "The changed operators make other records of what was in flight at the checkpoint than the "
+    "old ones did (a filter that now drops other records, a map that changes lengths before a "
+    "packer), so what was delivered before it cannot be matched; only changes that keep the "
+    "in-flight records (other payloads, the same records) resume mid-epoch. Resume with the "
+    "checkpoint's operators, or from a checkpoint with nothing in flight"
+)
 
 
 class ReplayFilter:
     """Swallows records of lane ``lane_id`` up to ``target``; ``expect`` is the checkpoint's
     ``(count, digest)`` of the lane's retained deliveries, ``seen`` what is already accounted for
-    (records skipped at the source)."""
+    (records skipped at the source); ``cause`` what a divergence means, when the usual cause (a
+    non-deterministic operator) is not the likely one."""
 
     def __init__(
         self,
@@ -27,6 +40,7 @@ class ReplayFilter:
         *,
         monotone: bool,
         seen: tuple[int, int] = (0, 0),
+        cause: str | None = None,
     ):
         self.lane_id = lane_id
         self.target = target
@@ -34,6 +48,7 @@ class ReplayFilter:
         self.monotone = monotone
         self.count, self.digest = seen
         self.swallowed = 0
+        self.cause = cause or NOT_DETERMINISTIC
 
     def swallow(self, cursor: SampleCursor) -> bool:
         """Account for a swallowed record; True when it was the one at the replay cursor."""
@@ -56,7 +71,5 @@ class ReplayFilter:
         """The error for a replay that cannot reach the checkpoint's position."""
         return ReplayDivergenceError(
             f"replay of lane {self.lane_id} to cursor {self.target!r} diverged: {why}. "
-            "Some operator is not deterministic (randomness not from (seed, lane, epoch), "
-            "iteration over sets, time-based decisions) or its carry state was not restored; "
-            "the stream was not resumed."
+            f"{self.cause}; the stream was not resumed."
         )

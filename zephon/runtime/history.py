@@ -1,0 +1,85 @@
+"""What was done to a run on purpose, kept in its checkpoints: resumes across an operator change
+and skipped steps (re-lanings are in the lane history, ``layout``).
+
+A state's ``history`` is a list of events, oldest first, each a small object with its ``event``
+kind and the global ``step`` it happened at; only the last ``MAX_EVENTS`` are kept, so a state
+never grows with the number of resumes. ``skip`` is the number of global steps a state still has
+to skip (``zephon.skip_steps``), done by the loader before its first item; it is always what the
+last skip events of the history add up to, so an edited count is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zephon.runtime.state import MAX_INT, check_int, corrupt
+
+MAX_EVENTS = 16  # events kept in a state
+MAX_CHANGES = 20  # changed operators named in one event
+_SHOWN = 200  # characters of one named change
+EVENTS = {
+    "change": {"event", "step", "changes", "operators"},
+    "skip": {"event", "step", "steps"},
+}
+
+
+def global_step(lane_states: Any) -> int:
+    """The global step a state stands at: the fewest items an unfinished lane delivered (0 when
+    every lane finished or the lane states are not a list)."""
+    if type(lane_states) is not list:
+        return 0
+    counts = [
+        s["delivered"]
+        for s in lane_states
+        if type(s) is dict and not s.get("finished") and type(s.get("delivered")) is int
+    ]
+    return min(counts, default=0)
+
+
+def with_event(history: list[dict[str, Any]], event: dict[str, Any]) -> list[dict[str, Any]]:
+    """``history`` with ``event`` appended, the oldest events dropped past ``MAX_EVENTS``."""
+    return [*history, event][-MAX_EVENTS:]
+
+
+def change_event(step: int, changes: list[str], old: Any, new: Any) -> dict[str, Any]:
+    """A resume with changed operators: what changed, and the operators' digests before and
+    after."""
+    return {
+        "event": "change",
+        "step": step,
+        "changes": [text[:_SHOWN] for text in changes[:MAX_CHANGES]],
+        "operators": [str(old)[:16], str(new)[:16]],
+    }
+
+
+def _trailing_skips(history: list[dict[str, Any]]) -> list[int]:
+    """The sums of the last 1, 2, ... skip events at the end of ``history``."""
+    sums: list[int] = []
+    for event in reversed(history):
+        if event["event"] != "skip":
+            break
+        sums.append((sums[-1] if sums else 0) + event["steps"])
+    return sums
+
+
+def check_history(value: Any, skip: Any) -> tuple[list[dict[str, Any]], int]:
+    """A state's ``history`` and pending ``skip``, every event checked; a pending skip must be
+    what the skip events at the end of the history add up to."""
+    if type(value) is not list or len(value) > MAX_EVENTS:
+        raise corrupt("history", f"must be a list of at most {MAX_EVENTS} events")
+    for i, event in enumerate(value):
+        where = f"history[{i}]"
+        kind = event.get("event") if type(event) is dict else None
+        if kind not in EVENTS or set(event) != EVENTS[kind]:
+            raise corrupt(where, f"must be an event with the fields of one of {sorted(EVENTS)}")
+        check_int(event["step"], f"{where}.step")
+        if kind == "skip":
+            check_int(event["steps"], f"{where}.steps", 1)
+            continue
+        texts = [event["changes"], event["operators"]]
+        if any(type(t) is not list or not all(type(x) is str for x in t) for t in texts):
+            raise corrupt(where, "must name its changes and operators as lists of strings")
+    steps = check_int(skip, "skip", 0, MAX_INT)
+    if steps and steps not in _trailing_skips(value):
+        raise corrupt("skip", f"{steps} is not what the last skip events of the history add up to")
+    return value, steps
