@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zephon.runtime.checkpoint import JOB_FORMAT, STATE_FORMAT, seal, unseal
 from zephon.runtime.state import MAX_INT, check_int, corrupt
 
 MAX_EVENTS = 16  # events kept in a state
@@ -83,3 +84,23 @@ def check_history(value: Any, skip: Any) -> tuple[list[dict[str, Any]], int]:
     if steps and steps not in _trailing_skips(value):
         raise corrupt("skip", f"{steps} is not what the last skip events of the history add up to")
     return value, steps
+
+
+def skip_steps(state: dict[str, Any], steps: int) -> dict[str, Any]:
+    """``state`` (a rank's or a job's) continued ``steps`` global steps later: resumed from it, the
+    loader first runs the pipeline through those steps and hands their items to no one, booked
+    as delivered, so a loss-spike window is never trained on and nothing else is lost. The skip
+    is kept in the state's ``history``."""
+    if type(steps) is not int or steps < 0:
+        raise ValueError(f"skip_steps needs a number of global steps >= 0, got {steps!r}")
+    body = unseal(state, (STATE_FORMAT, JOB_FORMAT))
+    history, pending = check_history(body["history"], body["skip"])
+    if not steps:
+        return seal(body)
+    if pending:  # still to be done: this skip joins the last one
+        last = {**history[-1], "steps": history[-1]["steps"] + steps}
+        history = [*history[:-1], last]
+    else:
+        event = {"event": "skip", "step": global_step(body["lane_states"]), "steps": steps}
+        history = with_event(history, event)
+    return seal({**body, "history": history, "skip": pending + steps})
