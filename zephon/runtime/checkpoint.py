@@ -16,7 +16,8 @@ from zephon.runtime.identity_diff import first_difference, operator_differences
 
 STATE_FORMAT = "zephon-loader-state"  # one rank's state
 JOB_FORMAT = "zephon-job-state"  # every rank's lanes together (``merge_states``)
-# 4: what was done to the run on purpose (``history``, ``skip``); 3: lane history (``layout``)
+# 4: what was done to the run on purpose (``history``, ``skip``, ``retired``); 3: lane history
+# (``layout``)
 # and inherited runs per lane; 2 and 3 are read too
 STATE_VERSION = 4
 FILE_FORMAT = "zephon-checkpoint"
@@ -55,7 +56,7 @@ def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, 
     if body["version"] == 2:
         body = _from_version_2(body)
     if body["version"] == 3:
-        body = {**body, "version": STATE_VERSION, "history": [], "skip": 0}
+        body = {**body, "version": STATE_VERSION, "history": [], "skip": 0, "retired": None}
     return body
 
 

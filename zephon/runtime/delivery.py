@@ -23,7 +23,7 @@ from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
 from zephon.runtime.batcher import LEAVE_TO_CALLER, FinalBatcher
 from zephon.runtime.bookkeeping import LaneBook
-from zephon.runtime.control import EpochEnd, LaneEnd, RunStart, Skipped
+from zephon.runtime.control import EpochEnd, LaneEnd, Retired, RunStart, Skipped
 from zephon.runtime.layout import Layout, Run
 from zephon.runtime.replay import MASK64, ReplayFilter
 from zephon.runtime.skips import SkipLog
@@ -175,6 +175,9 @@ class LaneDelivery(LaneOutlet):
                 raise replay.diverged("the run ended before the replay cursor was met again")
             else:
                 yield item
+                # A retired record was booked as delivered: the replay window counts it.
+                if kind is Retired and replay.swallow(item.record.meta.cursor):
+                    return
 
     def _hand_over(self) -> SampleBatch:
         assert self.batcher is not None

@@ -1,5 +1,6 @@
-"""What was done to a run on purpose, kept in its checkpoints: resumes across an operator change
-and skipped steps (re-lanings are in the lane history, ``layout``).
+"""What was done to a run on purpose, kept in its checkpoints: resumes across an operator change,
+skipped steps and retired samples (re-lanings are in the lane history, ``layout``; the retired
+ids themselves in ``retired``, see ``runtime.retire``).
 
 A state's ``history`` is a list of events, oldest first, each a small object with its ``event``
 kind and the global ``step`` it happened at; only the last ``MAX_EVENTS`` are kept, so a state
@@ -21,6 +22,7 @@ _SHOWN = 200  # characters of one named change
 EVENTS = {
     "change": {"event", "step", "changes", "operators"},
     "skip": {"event", "step", "steps"},
+    "retire": {"event", "step", "ids"},
 }
 
 
@@ -76,6 +78,9 @@ def check_history(value: Any, skip: Any) -> tuple[list[dict[str, Any]], int]:
         check_int(event["step"], f"{where}.step")
         if kind == "skip":
             check_int(event["steps"], f"{where}.steps", 1)
+            continue
+        if kind == "retire":
+            check_int(event["ids"], f"{where}.ids", 1)
             continue
         texts = [event["changes"], event["operators"]]
         if any(type(t) is not list or not all(type(x) is str for x in t) for t in texts):

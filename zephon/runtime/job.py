@@ -39,13 +39,11 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             "the states of the ranks hold different lane histories (layout): they were not taken "
             "in one run of the job"
         )
-    if any(
-        (b.get("history"), b.get("skip")) != (first.get("history"), first.get("skip"))
-        for b in bodies
-    ):
+    done = ("history", "skip", "retired")  # what was done to the run on purpose
+    if any(b.get(key) != first.get(key) for b in bodies for key in done):
         raise CheckpointError(
-            "the states of the ranks hold different histories (operator changes, skipped steps): "
-            "they were not taken in one run of the job"
+            "the states of the ranks hold different histories (operator changes, skipped steps, "
+            "retired samples): they were not taken in one run of the job"
         )
     sizes = {body.get("world_size") for body in bodies}
     if len(sizes) != 1:
@@ -105,6 +103,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             },
             "history": first["history"],
             "skip": first["skip"],
+            "retired": first["retired"],
         }
     )
 

@@ -43,6 +43,7 @@ from zephon.runtime.layout import Layout
 from zephon.runtime.operator_setup import release_in_process
 from zephon.runtime.relane import relane
 from zephon.runtime.replay import CHANGED_RECORDS
+from zephon.runtime.retire import RetiredIds, retired_ids
 from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import (
     COUNTERS,
@@ -75,6 +76,7 @@ _STATE_KEYS = frozenset(
         "mixture",
         "history",
         "skip",
+        "retired",
     }
 )
 _JOB_KEYS = _STATE_KEYS - {"rank", "world_size", "next_lane"}
@@ -103,6 +105,8 @@ class Loader(LoaderStep):
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self.history: list[dict[str, Any]] = []  # what was done to the run (``runtime.history``)
         self.skip = 0  # global steps still to skip before the first item (``skip_steps``)
+        self.retired: RetiredIds | None = None  # samples never delivered (``retire``)
+        self._retired_text: str | None = None  # ``retired`` as a state stores it
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
         self._closed = False
@@ -401,8 +405,30 @@ class Loader(LoaderStep):
                     },
                     "history": self.history,
                     "skip": self.skip,
+                    "retired": self._retired_text,
                 }
             )
+
+    def retire(self, retire: Any) -> None:
+        """Never deliver the samples ``retire`` names from now on (before the first ``next()``):
+        ``(dataset_id, shard, index)`` triples, or a predicate on one, evaluated now over every
+        sample id of the source. They are kept in every later state; see ``runtime.retire``."""
+        if self._started:
+            raise CheckpointError("retire must be called before the first next()")
+        taken = retired_ids(retire, self.plan.source)
+        if not len(taken):
+            return
+        step = global_step([lane.state() for lane in self.lanes])
+        self.history = with_event(
+            self.history, {"event": "retire", "step": step, "ids": len(taken)}
+        )
+        self._set_retired(taken if self.retired is None else self.retired.union(taken))
+
+    def _set_retired(self, retired: RetiredIds) -> None:
+        self.retired = retired
+        self._retired_text = retired.encode()
+        for lane in self.lanes:
+            lane.feed.retired = retired
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changes: bool = False) -> None:
         """Continue from ``state`` (this rank's own, or a job state from ``merge_states``); only
@@ -439,6 +465,8 @@ class Loader(LoaderStep):
             for lane in self.lanes:
                 lane.cause = CHANGED_RECORDS
         self.history = history
+        if body["retired"] is not None:
+            self._set_retired(RetiredIds.decode(body["retired"]))
         if relaning:
             body = self._relane(body)
             job = True

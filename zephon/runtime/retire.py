@@ -1,0 +1,176 @@
+"""Retired samples: ids taken out of a run at a resume (a takedown, a contaminated shard), never
+delivered from then on, every other sample still exactly once.
+
+A lane's feed screens each item list as it arrives: a record that carries a retired sample (as
+itself, or as one of the contributors of a packed record) is replaced by a ``Retired`` control
+item. Delivery books it like a record it handed over (its offsets close, it counts in the replay
+window) but hands it to no one. Because a retired record is booked exactly as a delivered one
+would be, a later restore replays the same window whether the record was delivered before the
+retirement or dropped after it, so checkpoints, re-lanings and world-size changes keep working.
+
+A state keeps the ids, never a predicate: ``retire=`` given as a predicate is evaluated once,
+at the resume, over every sample id of the source, and the ids it selects are kept. The ids are
+stored sorted, column by column, the index column as differences, zlib-compressed: about 2 bytes
+per id when they cluster in shards, at most about 13; at most ``MAX_RETIRED`` of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from zephon._core.records import RecordRun, expand_runs
+from zephon.compact import pack_ints, unpack_ints
+from zephon.errors import PlanError
+from zephon.runtime.control import Retired
+from zephon.runtime.state import corrupt
+from zephon.types import SampleRecord
+
+MAX_RETIRED = 1_000_000  # ids a state keeps
+_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 1], dtype=np.uint64)
+
+
+def _hashes(rows: np.ndarray) -> np.ndarray:
+    """One 64-bit key per ``(dataset_id, shard, index)`` row; equal keys are checked exactly."""
+    with np.errstate(over="ignore"):
+        return (rows.astype(np.uint64) * _MIX).sum(axis=1, dtype=np.uint64)
+
+
+class RetiredIds:
+    """A set of sample ids (``(dataset_id, shard, index)`` triples), and the screen that takes
+    their records out of a lane's item lists."""
+
+    def __init__(self, rows: np.ndarray):
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        if len(rows):
+            rows = np.unique(rows, axis=0)  # sorted by dataset, shard, index
+        self.rows = rows
+        self.ids = frozenset(map(tuple, rows.tolist()))
+        self._keys = np.unique(_hashes(rows))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def union(self, other: RetiredIds) -> RetiredIds:
+        return RetiredIds(np.concatenate([self.rows, other.rows]))
+
+    # ----------------------------------------------------------------------------- state
+    def encode(self) -> str:
+        """The ids as packed integers: the count, the dataset and shard columns, and the index
+        column as differences within each (dataset, shard) run."""
+        rows = self.rows
+        index = rows[:, 2].copy()
+        same = np.zeros(len(rows), dtype=bool)
+        if len(rows) > 1:
+            same[1:] = (rows[1:, 0] == rows[:-1, 0]) & (rows[1:, 1] == rows[:-1, 1])
+            index[1:][same[1:]] = np.diff(rows[:, 2])[same[1:]]
+        return pack_ints(np.concatenate([[len(rows)], rows[:, 0], rows[:, 1], index]))
+
+    @classmethod
+    def decode(cls, value: Any, where: str = "retired") -> RetiredIds:
+        """What ``encode`` made, checked (``CheckpointCorruptError`` otherwise)."""
+        try:
+            flat = unpack_ints(value)
+        except ValueError as exc:
+            raise corrupt(where, str(exc)) from None
+        n = int(flat[0]) if len(flat) else -1
+        if n < 1 or n > MAX_RETIRED or len(flat) != 1 + 3 * n:
+            raise corrupt(where, "must hold between 1 and MAX_RETIRED sample ids")
+        rows = flat[1:].reshape(3, n).T.copy()
+        same = np.zeros(n, dtype=bool)
+        same[1:] = (rows[1:, 0] == rows[:-1, 0]) & (rows[1:, 1] == rows[:-1, 1])
+        starts = np.flatnonzero(~same)
+        # Undo the differences run by run: a cumulative sum restarted at each run's first row.
+        sums = np.cumsum(rows[:, 2])
+        rows[:, 2] = sums - np.repeat(sums[starts] - rows[starts, 2], np.diff([*starts, n]))
+        out = cls(rows)
+        if len(out) != n:
+            raise corrupt(where, "holds a sample id twice")
+        return out
+
+    # ----------------------------------------------------------------------------- screening
+    def screen(self, items: list[Any]) -> list[Any]:
+        """``items`` with every record that carries a retired sample replaced by ``Retired``
+        (``items`` itself when none does)."""
+        out: list[Any] | None = None
+        for i, item in enumerate(items):
+            made = self._screened(item)
+            if made is None:
+                if out is not None:
+                    out.append(item)
+                continue
+            if out is None:
+                out = list(items[:i])
+            out.extend(made)
+        return items if out is None else out
+
+    def _screened(self, item: Any) -> list[Any] | None:
+        """What replaces ``item`` (None: nothing)."""
+        kind = type(item)
+        if kind is RecordRun:
+            hits = np.isin(_hashes(item.pointers), self._keys)
+            if not hits.any():
+                return None
+            return [
+                Retired(rec) if hit and self._carries(rec) else rec
+                for rec, hit in zip(expand_runs([item]), hits.tolist())
+            ]
+        if kind is SampleRecord and not item.meta.is_tombstone and self._carries(item):
+            return [Retired(item)]
+        return None
+
+    def _carries(self, rec: SampleRecord) -> bool:
+        ids = self.ids
+        return any(ref.cursor.sample_id in ids for ref in rec.meta.contribution_refs())
+
+
+def retired_ids(retire: Any, source: Any) -> RetiredIds:
+    """``retire=`` as ids: an iterable of ``(dataset_id, shard, index)`` triples, or a predicate
+    on such a triple, evaluated here over every sample id of ``source`` (a bounded one)."""
+    if callable(retire):
+        return RetiredIds(_selected(retire, source))
+    if isinstance(retire, (str, bytes)) or not isinstance(retire, Iterable):
+        raise PlanError(
+            "retire= takes sample ids ((dataset_id, shard, index) triples) or a predicate on "
+            f"one, got {retire!r}"
+        )
+    rows = []
+    for sample in retire:
+        triple = tuple(sample) if isinstance(sample, (tuple, list, np.ndarray)) else ()
+        if len(triple) != 3 or not all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0 for x in triple
+        ):
+            raise PlanError(
+                f"retire= sample id {sample!r} is not a (dataset_id, shard, index) triple of "
+                "integers >= 0"
+            )
+        rows.append([int(x) for x in triple])
+    ids = RetiredIds(np.array(rows, dtype=np.int64).reshape(-1, 3))
+    _check_size(len(ids))
+    return ids
+
+
+def _selected(predicate: Callable[[tuple[int, int, int]], bool], source: Any) -> np.ndarray:
+    total = source.total_chunks()
+    if total is None:
+        raise PlanError(
+            "retire= with a predicate needs every sample id of the source, and this source is "
+            "unbounded: pass the ids instead"
+        )
+    picked: list[list[int]] = []
+    for position in range(total):
+        for row in source.chunk(position).pointers.tolist():
+            if predicate(tuple(row)):
+                picked.append(row)
+                _check_size(len(picked))
+    return np.array(picked, dtype=np.int64).reshape(-1, 3)
+
+
+def _check_size(n: int) -> None:
+    if n > MAX_RETIRED:
+        raise PlanError(
+            f"retire= selects more than {MAX_RETIRED} sample ids, more than a checkpoint keeps; "
+            "make a new source without them instead"
+        )
