@@ -211,15 +211,35 @@ def test_an_operator_added_or_replaced_is_refused() -> None:
         longer.iter(state=state, allow_changes=True)
 
 
-def test_a_change_that_makes_other_in_flight_records_is_refused_before_delivering() -> None:
-    _, state = head(monotone(lanes=2), 12)
-    changed = zephon.Pipeline(
-        RangeSource(200, chunk_size=8),
-        [fetch(), map_transform(_times_three), filter_records(_odd_or_large), batch(2)],
-        lanes=2,
-    )
+def _filtered(keep: Callable[[dict], bool], **kw: Any) -> zephon.Pipeline:
+    ops = [fetch(), map_transform(_times_three), filter_records(keep), batch(2)]
+    return zephon.Pipeline(RangeSource(200, chunk_size=8), ops, **{"lanes": 2, **kw})
+
+
+@pytest.mark.parametrize("steps", [1, 12, 30])
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_a_new_filter_threshold_takes_over_where_each_lane_stood_on_the_monotone_path(
+    steps: int, lanes: int
+) -> None:
+    before, state = head(_filtered(_odd_or_small), steps)
+    after = resumed(_filtered(_odd_or_large, lanes=lanes), state)
+    seen = [int(r["idx"]) for r in _rows(before)]
+    # a lane's chunks are positions p % 2 == lane; it delivered every sample up to its last one
+    last = {lane: max((i for i in seen if i // 8 % 2 == lane), default=-1) for lane in (0, 1)}
+    expected = [i for i in range(200) if _odd_or_large({"idx": i}) and i > last[i // 8 % 2]]
+    got = [int(r["idx"]) for r in _rows(after)]
+    assert sorted(got) == expected
+    assert not set(got) & set(seen)
+
+
+def test_a_change_that_makes_other_in_flight_records_on_the_epoch_path_is_refused() -> None:
+    def shuffled(keep: Callable[[dict], bool]) -> zephon.Pipeline:
+        ops = [fetch(), filter_records(keep), shuffle(7, seed=4), batch(3)]
+        return zephon.Pipeline(RangeSource(240, chunk_size=6), ops, lanes=2, epoch_chunks=4)
+
+    _, state = head(shuffled(_odd_or_small), 3)
     with pytest.warns(PipelineChangeWarning):
-        loader = changed.iter(state=state, allow_changes=True)
+        loader = shuffled(_odd_or_large).iter(state=state, allow_changes=True)
     with pytest.raises(ReplayDivergenceError, match="changed operators make other records"):
         next(loader)
 

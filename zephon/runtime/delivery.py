@@ -47,6 +47,7 @@ class LaneDelivery(LaneOutlet):
         self.delivered = 0  # items (records or batches) handed over, over the whole run
         self.restored_state: dict[str, Any] | None = None  # until something new is delivered
         self.cause: str | None = None  # what a replay divergence means (``ReplayFilter``)
+        self.lenient = False  # replays need not meet the delivered records (``ReplayFilter``)
 
     # ----------------------------------------------------------------------------- delivery
     def next_delivery(self) -> SampleRecord | SampleBatch | None:
@@ -145,6 +146,7 @@ class LaneDelivery(LaneOutlet):
             (run.count, run.digest),
             monotone=self.book.monotone,
             cause=self.cause,
+            lenient=self.lenient,
         )
         marker.replayed = [
             SampleRecord(item.meta, None)  # the payload is not needed to book it
@@ -156,15 +158,25 @@ class LaneDelivery(LaneOutlet):
 
     def _until_cursor(self, replay: ReplayFilter) -> Iterator[Any]:
         """The lane's items up to the record at ``replay``'s cursor (checked by it as they
-        pass); ``ReplayDivergenceError`` when the lane, an epoch or a run ends first."""
+        pass); ``ReplayDivergenceError`` when the lane, an epoch or a run ends first. A lenient
+        replay (``ReplayFilter.lenient``) also stops before a record above the cursor, or at the
+        end of the run or lane, leaving that item to delivery."""
         feed = self.feed
         while True:
             item = feed.next_item()
             kind = type(item)
-            if kind is SampleRecord:
-                yield item
-                if not item.meta.is_tombstone and replay.swallow(item.meta.cursor):
+            if kind is SampleRecord or kind is Retired:
+                # A retired record was booked as delivered: the replay window counts it.
+                rec = item.record if kind is Retired else item
+                if not rec.meta.is_tombstone and replay.past(rec.meta.cursor):
+                    feed.pos -= 1
                     return
+                yield item
+                if not rec.meta.is_tombstone and replay.swallow(rec.meta.cursor):
+                    return
+            elif replay.lenient and (kind is LaneEnd or kind is RunStart):
+                feed.pos -= 1
+                return
             elif kind is LaneEnd:
                 raise replay.diverged("the lane ended before the replay cursor was met again")
             elif kind is EpochEnd:
@@ -175,9 +187,6 @@ class LaneDelivery(LaneOutlet):
                 raise replay.diverged("the run ended before the replay cursor was met again")
             else:
                 yield item
-                # A retired record was booked as delivered: the replay window counts it.
-                if kind is Retired and replay.swallow(item.record.meta.cursor):
-                    return
 
     def _hand_over(self) -> SampleBatch:
         assert self.batcher is not None
@@ -267,7 +276,12 @@ class LaneDelivery(LaneOutlet):
                 skip = self._skip_at_source(position, cursor, expect, where)
             else:
                 self.replay = ReplayFilter(
-                    self.lane_id, cursor, expect, monotone=self.book.monotone, cause=self.cause
+                    self.lane_id,
+                    cursor,
+                    expect,
+                    monotone=self.book.monotone,
+                    cause=self.cause,
+                    lenient=self.lenient,
                 )
         self.feed.start_at = {
             "runs": [run.for_runner() for run in runs],
@@ -315,5 +329,6 @@ class LaneDelivery(LaneOutlet):
                 monotone=self.book.monotone,
                 seen=seen,
                 cause=self.cause,
+                lenient=self.lenient,
             )
         return skip

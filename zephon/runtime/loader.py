@@ -464,6 +464,7 @@ class Loader(LoaderStep):
             history = with_event(history, event)
             for lane in self.lanes:
                 lane.cause = CHANGED_RECORDS
+                lane.lenient = True  # on the monotone path: see ``ReplayFilter``
         self.history = history
         if body["retired"] is not None:
             self._set_retired(RetiredIds.decode(body["retired"]))
