@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Hashable
 from typing import Any
 
+import numpy as np
+
 from zephon._core.delivery import DeliveryCounters, parse_heritage_key
 from zephon._core.handover import LoaderStep
 from zephon.errors import (
@@ -22,6 +24,7 @@ from zephon.errors import (
     CheckpointMismatchError,
     ContractViolation,
     PipelineChangeWarning,
+    PlanError,
     RelaneWarning,
     ZephonError,
 )
@@ -43,7 +46,14 @@ from zephon.runtime.layout import Layout
 from zephon.runtime.operator_setup import release_in_process
 from zephon.runtime.relane import relane
 from zephon.runtime.replay import CHANGED_RECORDS
-from zephon.runtime.retire import RetiredIds, retired_ids
+from zephon.runtime.retire import (
+    MAX_SETS,
+    RetiredIds,
+    Retirement,
+    decode_retirements,
+    horizons_of,
+    retired_ids,
+)
 from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import (
     COUNTERS,
@@ -105,8 +115,8 @@ class Loader(LoaderStep):
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self.history: list[dict[str, Any]] = []  # what was done to the run (``runtime.history``)
         self.skip = 0  # global steps still to skip before the first item (``skip_steps``)
-        self.retired: RetiredIds | None = None  # samples never delivered (``retire``)
-        self._retired_text: str | None = None  # ``retired`` as a state stores it
+        self.retirements: list[Retirement] = []  # samples never delivered (``retire``)
+        self._retired_state: list[dict[str, Any]] | None = None  # as a state stores them
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
         self._closed = False
@@ -135,6 +145,9 @@ class Loader(LoaderStep):
         self._started = True
         try:
             self._log_start()
+            if self.retirements:  # screened at fetch too, from where replays allow it
+                for lane in lanes:
+                    lane.feed.start_at["retired"] = self.retirements
             # every lane's worker starts working at once
             start_feeds([lane.feed for lane in lanes if not lane.ended], lanes[self.next_lane].feed)
             for lane in lanes:  # a restored lane is back at its position first
@@ -405,7 +418,7 @@ class Loader(LoaderStep):
                     },
                     "history": self.history,
                     "skip": self.skip,
-                    "retired": self._retired_text,
+                    "retired": self._retired_state,
                 }
             )
 
@@ -418,17 +431,37 @@ class Loader(LoaderStep):
         taken = retired_ids(retire, self.plan.source)
         if not len(taken):
             return
+        if len(self.retirements) == MAX_SETS:
+            raise PlanError(
+                f"this run has retired samples {MAX_SETS} times, as often as a state keeps; "
+                "make a new source without them instead"
+            )
+        plan = self.plan
+        horizons = {}
+        for lane in self.lanes:
+            if not lane.ended:
+                horizons.update(
+                    horizons_of(
+                        lane.book.runs[lane.book.run_index :],
+                        monotone=lane.book.monotone,
+                        per_epoch=plan.epoch_chunks,
+                        geometry=self.layout.geometry,
+                    )
+                )
         step = global_step([lane.state() for lane in self.lanes])
         self.history = with_event(
             self.history, {"event": "retire", "step": step, "ids": len(taken)}
         )
-        self._set_retired(taken if self.retired is None else self.retired.union(taken))
+        self._set_retirements([*self.retirements, Retirement(taken, horizons)])
 
-    def _set_retired(self, retired: RetiredIds) -> None:
-        self.retired = retired
-        self._retired_text = retired.encode()
+    def _set_retirements(self, retirements: list[Retirement]) -> None:
+        self.retirements = retirements
+        self._retired_state = [r.encode() for r in retirements] or None
+        union = (
+            RetiredIds(np.concatenate([r.ids.rows for r in retirements])) if retirements else None
+        )
         for lane in self.lanes:
-            lane.feed.retired = retired
+            lane.feed.retired = union
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changes: bool = False) -> None:
         """Continue from ``state`` (this rank's own, or a job state from ``merge_states``); only
@@ -466,8 +499,7 @@ class Loader(LoaderStep):
                 lane.cause = CHANGED_RECORDS
                 lane.lenient = True  # on the monotone path: see ``ReplayFilter``
         self.history = history
-        if body["retired"] is not None:
-            self._set_retired(RetiredIds.decode(body["retired"]))
+        self._set_retirements(decode_retirements(body["retired"]))
         if relaning:
             body = self._relane(body)
             job = True

@@ -8,6 +8,14 @@ window) but hands it to no one. Because a retired record is booked exactly as a 
 would be, a later restore replays the same window whether the record was delivered before the
 retirement or dropped after it, so checkpoints, re-lanings and world-size changes keep working.
 
+Records read later are screened before the operators too, so that a packer never puts a retired
+document into a row with others: from each lane's next epoch on (the epoch path: a replay only
+ever covers the epoch a checkpoint is in), or from the chunk after the last one it delivered from
+(the monotone path), and from the start for chunks nothing was delivered from, a retired sample
+is replaced by its tombstone as it is fetched. Those starting points (``horizons``: per lane
+identity, the first lane-local chunk screened) are kept with the ids, one set per retirement, so
+that a restore screens exactly where the run did.
+
 A state keeps the ids, never a predicate: ``retire=`` given as a predicate is evaluated once,
 at the resume, over every sample id of the source, and the ids it selects are kept. The ids are
 stored sorted, column by column, the index column as differences, zlib-compressed: about 2 bytes
@@ -23,12 +31,16 @@ import numpy as np
 
 from zephon._core.records import RecordRun, expand_runs
 from zephon.compact import pack_ints, unpack_ints
-from zephon.errors import PlanError
+from zephon.errors import CheckpointError, PlanError
+from zephon.ops.children import tombstones_for_record
 from zephon.runtime.control import Retired
-from zephon.runtime.state import corrupt
+from zephon.runtime.layout import Run
+from zephon.runtime.state import MAX_INT, corrupt
 from zephon.types import SampleRecord
 
 MAX_RETIRED = 1_000_000  # ids a state keeps
+MAX_SETS = 16  # retirements a run takes
+Horizons = dict[tuple[int, int], int]  # (generation, lane) -> first lane-local chunk screened
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 1], dtype=np.uint64)
 
 
@@ -174,3 +186,120 @@ def _check_size(n: int) -> None:
             f"retire= selects more than {MAX_RETIRED} sample ids, more than a checkpoint keeps; "
             "make a new source without them instead"
         )
+
+
+# --------------------------------------------------------------------------------- retirements
+class Retirement:
+    """One ``retire=``: its ids, and from which chunk of each lane identity they are screened at
+    fetch (a lane identity not listed: from its first chunk)."""
+
+    def __init__(self, ids: RetiredIds, horizons: Horizons):
+        self.ids = ids
+        self.horizons = horizons
+
+    def encode(self) -> dict[str, Any]:
+        flat = [x for (gen, lane), k in sorted(self.horizons.items()) for x in (gen, lane, k)]
+        return {"ids": self.ids.encode(), "from": pack_ints(flat)}
+
+    @classmethod
+    def decode(cls, value: Any, where: str) -> Retirement:
+        if type(value) is not dict or set(value) != {"ids", "from"}:
+            raise corrupt(where, "must be an object with the fields ids and from")
+        ids = RetiredIds.decode(value["ids"], f"{where}.ids")
+        try:
+            flat = unpack_ints(value["from"]).tolist()
+        except ValueError as exc:
+            raise corrupt(f"{where}.from", str(exc)) from None
+        if len(flat) % 3 or any(x > MAX_INT for x in flat):
+            raise corrupt(f"{where}.from", "must be (generation, lane, chunk) triples")
+        horizons = {(g, lane): k for g, lane, k in zip(flat[0::3], flat[1::3], flat[2::3])}
+        if len(horizons) * 3 != len(flat):
+            raise corrupt(f"{where}.from", "names a lane twice")
+        return cls(ids, horizons)
+
+
+def horizons_of(runs: list[Run], *, monotone: bool, per_epoch: int, geometry: Any) -> Horizons:
+    """Where screening at fetch may start for each run a lane still has (``runs``, checked):
+    at a run's first retained chunk when nothing of it was delivered, else after what a replay
+    of it covers (the epoch; on the monotone path the replay cursor's chunk).
+    ``geometry(gen, lane)`` is the run's ``LaneGeometry``."""
+    out: Horizons = {}
+    for run in runs:
+        start = run.start
+        if run.cursor is not None or run.held is not None:
+            if monotone and run.cursor is not None:
+                k = geometry(run.gen, run.lane).local_index(run.cursor.chunk_id)
+                start = (start if k is None else k) + 1
+            else:
+                start += per_epoch
+        out[(run.gen, run.lane)] = start
+    return out
+
+
+def decode_retirements(value: Any) -> list[Retirement]:
+    """A state's ``retired``, checked: null, or a list of retirements."""
+    if value is None:
+        return []
+    if type(value) is not list or not 1 <= len(value) <= MAX_SETS:
+        raise corrupt("retired", f"must be null or a list of 1 to {MAX_SETS} retirements")
+    return [Retirement.decode(part, f"retired[{i}]") for i, part in enumerate(value)]
+
+
+def merge_retired(values: list[Any]) -> Any:
+    """The ``retired`` of a job state from those of its ranks: the same ids, each rank's
+    horizons for its own lanes together."""
+    first = values[0]
+    sets = [decode_retirements(value) for value in values]
+    if any(
+        len(part) != len(sets[0])
+        or any(a.ids.encode() != b.ids.encode() for a, b in zip(part, sets[0]))
+        for part in sets
+    ):
+        raise CheckpointError(
+            "the states of the ranks retired different samples: they were not taken in one run "
+            "of the job"
+        )
+    if first is None:
+        return None
+    merged = []
+    for i, base in enumerate(sets[0]):
+        horizons: Horizons = {}
+        for part in sets:
+            horizons.update(part[i].horizons)
+        merged.append(Retirement(base.ids, horizons).encode())
+    return merged
+
+
+class FetchScreen:
+    """What a lane runner screens at fetch: per retirement, its ids from its horizons on."""
+
+    def __init__(self, retirements: list[Retirement]):
+        self.retirements = retirements
+        self._unions: dict[tuple[int, ...], RetiredIds] = {}
+
+    def ids_for(self, gen: int, lane: int, k: int) -> RetiredIds | None:
+        """The ids screened in chunk ``k`` of lane identity ``(gen, lane)`` (None: none)."""
+        active = tuple(
+            i for i, r in enumerate(self.retirements) if k >= r.horizons.get((gen, lane), 0)
+        )
+        if not active:
+            return None
+        if active not in self._unions:
+            self._unions[active] = RetiredIds(
+                np.concatenate([self.retirements[i].ids.rows for i in active])
+            )
+        return self._unions[active]
+
+
+def tombstoned(items: list[Any], ids: RetiredIds) -> list[Any]:
+    """Fetched ``items`` with each retired sample's record replaced by its tombstone."""
+    screened = ids.screen(items)
+    if screened is items:
+        return items
+    out: list[Any] = []
+    for item in screened:
+        if type(item) is Retired:
+            out.extend(tombstones_for_record(item.record))
+        else:
+            out.append(item)
+    return out
