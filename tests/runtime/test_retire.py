@@ -232,3 +232,20 @@ def test_a_packed_run_with_retired_documents_resumes_exactly_and_relanes(workers
     lengths = {d["idx"]: len(d["tokens"]) for d in _docs(400)}
     assert all(n <= lengths[d] for d, n in total.items())
     assert not set(per_document(middle) + per_document(relaned)) & {i for _, _, i in retired}
+
+
+def test_retiring_at_a_relaning_after_skipped_steps() -> None:
+    everything = delivered(shuffled())
+    before, state = head(iter(shuffled()), 7)
+    retired = retired_sample(everything, before)
+    skipped = zephon.skip_steps(state, 2)
+    with pytest.warns(RelaneWarning):
+        loader = shuffled(lanes=2).iter(state=skipped, retire=retired)
+    after = delivered(loader)
+    kinds = [event["event"] for event in loader.state_dict()["history"]]
+    assert kinds == ["skip", "retire"]
+    assert not set(after) & set(retired)
+    assert max((Counter(before) + Counter(after)).values()) == 1
+    # two skipped steps of two lanes, of batches of 3: at most 12 samples besides the retired
+    missing = set(everything) - set(before) - set(after) - set(retired)
+    assert 0 < len(missing) <= 12
