@@ -99,3 +99,18 @@ def test_an_edited_skip_count_is_refused() -> None:
         )
     with pytest.raises(ValueError, match="global steps"):
         zephon.skip_steps(state, -1)
+
+
+def test_states_of_the_previous_format_merge_skip_and_resume() -> None:
+    full = [stream(pipeline(rank=r, world_size=2)) for r in range(2)]
+    old = []
+    for r in range(2):
+        _, state = checkpoint(pipeline, 6, rank=r, world_size=2)
+        body = {
+            k: v for k, v in state.items() if k not in ("checksum", "history", "skip", "retired")
+        }
+        old.append(seal({**body, "version": 3}))
+    job = zephon.skip_steps(zephon.merge_states(old), 4)
+    assert job["version"] == 4 and job["history"][0]["event"] == "skip"
+    for r in range(2):
+        assert stream(pipeline(rank=r, world_size=2).iter(state=job)) == full[r][2 * (3 + 4) :]

@@ -16,9 +16,8 @@ from zephon.runtime.identity_diff import first_difference, operator_differences
 
 STATE_FORMAT = "zephon-loader-state"  # one rank's state
 JOB_FORMAT = "zephon-job-state"  # every rank's lanes together (``merge_states``)
-# 4: what was done to the run on purpose (``history``, ``skip``, ``retired``); 3: lane history
-# (``layout``)
-# and inherited runs per lane; 2 and 3 are read too
+# 4: what was done to the run on purpose (``history``, ``skip``, ``retired``); 3: the lane
+# history (``layout``) and inherited runs per lane; 2 and 3 are read too
 STATE_VERSION = 4
 FILE_FORMAT = "zephon-checkpoint"
 
@@ -82,8 +81,8 @@ def check_identity(
 ) -> list[str]:
     """``CheckpointMismatchError`` naming each field in which ``state`` and ``plan`` differ;
     with ``relane``, the lane count may differ (the state is re-laned onto the plan's); with
-    ``allow_changes``, the operators may differ: the changes are returned, each operator named
-    with its first differing parameter (``[]`` when the operators are the same)."""
+    ``allow_changes``, the operators may differ: the changes are returned, each changed
+    parameter named with its operator (``[]`` when the operators are the same)."""
     saved = state.get("pipeline")
     if not isinstance(saved, dict):
         raise CheckpointCorruptError("loader state field pipeline must be an object")

@@ -18,8 +18,8 @@ that a restore screens exactly where the run did.
 
 A state keeps the ids, never a predicate: ``retire=`` given as a predicate is evaluated once,
 at the resume, over every sample id of the source, and the ids it selects are kept. The ids are
-stored sorted, column by column, the index column as differences, zlib-compressed: about 2 bytes
-per id when they cluster in shards, at most about 13; at most ``MAX_RETIRED`` of them.
+stored sorted, column by column, the index column as differences, zlib-compressed: about 2 to 4
+bytes per id when they cluster in shards, at most about 13; at most ``MAX_RETIRED`` of them.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class RetiredIds:
             raise corrupt(where, str(exc)) from None
         n = int(flat[0]) if len(flat) else -1
         if n < 1 or n > MAX_RETIRED or len(flat) != 1 + 3 * n:
-            raise corrupt(where, "must hold between 1 and MAX_RETIRED sample ids")
+            raise corrupt(where, f"must hold between 1 and {MAX_RETIRED} sample ids")
         rows = flat[1:].reshape(3, n).T.copy()
         same = np.zeros(n, dtype=bool)
         same[1:] = (rows[1:, 0] == rows[:-1, 0]) & (rows[1:, 1] == rows[:-1, 1])
