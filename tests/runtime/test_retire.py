@@ -97,12 +97,15 @@ def test_retired_samples_never_come_and_the_rest_come_once(kind: str, step: int)
 
 
 @pytest.mark.parametrize("kind", sorted(PIPELINES))
-def test_retired_samples_stay_retired_through_checkpoints_and_relanings(kind: str) -> None:
+@pytest.mark.parametrize("later", [9, 70])  # in the chunks in flight at the resume, and past them
+def test_retired_samples_stay_retired_through_checkpoints_and_relanings(
+    kind: str, later: int
+) -> None:
     make = PIPELINES[kind]
     everything = delivered(make())
     before, state = head(iter(make()), 5)
     retired = retired_sample(everything, before)
-    middle, state2 = head(make().iter(state=state, retire=retired), 9)
+    middle, state2 = head(make().iter(state=state, retire=retired), later)
     assert state2["retired"] and state2["history"][-1]["event"] == "retire"
     # exact resume of the retired run, without naming the ids again
     loader = make().iter(state=state2)

@@ -26,6 +26,7 @@ from zephon.runtime.bookkeeping import LaneBook
 from zephon.runtime.control import EpochEnd, LaneEnd, Retired, RunStart, Skipped
 from zephon.runtime.layout import Layout, Run
 from zephon.runtime.replay import MASK64, ReplayFilter
+from zephon.runtime.retire import FetchScreen
 from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.supervision import LaneFeed
@@ -48,6 +49,7 @@ class LaneDelivery(LaneOutlet):
         self.restored_state: dict[str, Any] | None = None  # until something new is delivered
         self.cause: str | None = None  # what a replay divergence means (``ReplayFilter``)
         self.lenient = False  # replays need not meet the delivered records (``ReplayFilter``)
+        self.fetch_screen = FetchScreen([])  # what the lane's runner screens out at fetch
 
     # ----------------------------------------------------------------------------- delivery
     def next_delivery(self) -> SampleRecord | SampleBatch | None:
@@ -273,7 +275,7 @@ class LaneDelivery(LaneOutlet):
             position = layout.geometry(first.gen, first.lane).position(first.start)
             expect = (first.count, first.digest)
             if plan.indexable and cursor.chunk_id == position:
-                skip = self._skip_at_source(position, cursor, expect, where)
+                skip = self._skip_at_source(position, cursor, expect, where, first)
             else:
                 self.replay = ReplayFilter(
                     self.lane_id,
@@ -291,12 +293,13 @@ class LaneDelivery(LaneOutlet):
         return checked
 
     def _skip_at_source(
-        self, position: int, cursor: SampleCursor, expect: tuple[int, int], where: str
+        self, position: int, cursor: SampleCursor, expect: tuple[int, int], where: str, run: Run
     ) -> int:
         """Every operator is 1 -> 1, in order: consumed samples are skipped before fetch. The
         skipped records' cursors are recomputed from the chunk, so the checkpoint's count and
-        digest are still checked. Batch-sensitive operators keep their micro-batches: the skip
-        stops at a micro-batch boundary and the replay filter swallows the rest."""
+        digest are still checked (without the retired samples the lane screened out at fetch
+        there, which it never delivered). Batch-sensitive operators keep their micro-batches:
+        the skip stops at a micro-batch boundary and the replay filter swallows the rest."""
         pointers = self.plan.source.chunk(position).pointers
         offset = cursor.chunk_offset
         if (
@@ -311,7 +314,11 @@ class LaneDelivery(LaneOutlet):
         skip = offset + 1
         if self.plan.batch_sensitive:
             skip -= skip % self.plan.micro_batch
-        seen = (skip, digest_cursors(cursors_for_chunk(position, pointers[:skip])) & MASK64)
+        cursors = cursors_for_chunk(position, pointers[:skip])
+        screened = self.fetch_screen.ids_for(run.gen, run.lane, run.start)
+        if screened is not None:
+            cursors = [c for c in cursors if c.sample_id not in screened.ids]
+        seen = (len(cursors), digest_cursors(cursors) & MASK64)
         self.book.book.window_push(position, *seen)
         if skip == offset + 1:
             if seen != expect:

@@ -48,6 +48,7 @@ from zephon.runtime.relane import relane
 from zephon.runtime.replay import CHANGED_RECORDS
 from zephon.runtime.retire import (
     MAX_SETS,
+    FetchScreen,
     RetiredIds,
     Retirement,
     decode_retirements,
@@ -462,6 +463,7 @@ class Loader(LoaderStep):
         )
         for lane in self.lanes:
             lane.feed.retired = union
+            lane.fetch_screen = FetchScreen(retirements)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changes: bool = False) -> None:
         """Continue from ``state`` (this rank's own, or a job state from ``merge_states``); only
