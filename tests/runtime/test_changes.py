@@ -232,6 +232,25 @@ def test_a_new_filter_threshold_takes_over_where_each_lane_stood_on_the_monotone
     assert not set(got) & set(seen)
 
 
+def _none_for_sevens(payload: dict) -> dict | None:
+    return None if payload["idx"] % 7 == 0 else {**payload, "value": payload["idx"] * 5}
+
+
+def test_a_map_that_stops_dropping_records_resumes_at_the_source() -> None:
+    # drop_none makes the old plan replay; the new one, indexable, skips at the source
+    def make(fn: Callable[[dict], Any], **kw: Any) -> zephon.Pipeline:
+        ops = [fetch(), map_transform(fn, **kw), batch(2)]
+        return zephon.Pipeline(RangeSource(200, chunk_size=8), ops, lanes=2)
+
+    before, state = head(make(_none_for_sevens, drop_none=True), 13)
+    after = resumed(make(_times_five), state)
+    seen = [int(r["idx"]) for r in _rows(before)]
+    last = {lane: max(i for i in seen if i // 8 % 2 == lane) for lane in (0, 1)}
+    got = [int(r["idx"]) for r in _rows(after)]
+    assert sorted(got) == [i for i in range(200) if i > last[i // 8 % 2]]
+    assert all(r["value"] == r["idx"] * 5 for r in _rows(after))
+
+
 def test_a_change_that_makes_other_in_flight_records_on_the_epoch_path_is_refused() -> None:
     def shuffled(keep: Callable[[dict], bool]) -> zephon.Pipeline:
         ops = [fetch(), filter_records(keep), shuffle(7, seed=4), batch(3)]
