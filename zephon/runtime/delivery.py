@@ -163,20 +163,20 @@ class LaneDelivery(LaneOutlet):
         pass); ``ReplayDivergenceError`` when the lane, an epoch or a run ends first. A lenient
         replay (``ReplayFilter.lenient``) also stops before a record above the cursor, or at the
         end of the run or lane, leaving that item to delivery."""
-        feed = self.feed
+        feed, lenient = self.feed, replay.lenient
         while True:
             item = feed.next_item()
             kind = type(item)
             if kind is SampleRecord or kind is Retired:
                 # A retired record was booked as delivered: the replay window counts it.
                 rec = item.record if kind is Retired else item
-                if not rec.meta.is_tombstone and replay.past(rec.meta.cursor):
+                if lenient and not rec.meta.is_tombstone and replay.past(rec.meta.cursor):
                     feed.pos -= 1
                     return
                 yield item
                 if not rec.meta.is_tombstone and replay.swallow(rec.meta.cursor):
                     return
-            elif replay.lenient and (kind is LaneEnd or kind is RunStart):
+            elif lenient and (kind is LaneEnd or kind is RunStart):
                 feed.pos -= 1
                 return
             elif kind is LaneEnd:
