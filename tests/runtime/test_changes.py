@@ -272,3 +272,10 @@ def test_a_state_of_the_previous_format_still_loads() -> None:
     with pytest.warns(PipelineChangeWarning):
         loader = mapped(_times_five, lanes=2).iter(state=old, allow_changes=True)
     assert all(r["value"] == r["idx"] * 5 for r in _rows(list(loader)))
+
+
+def test_process_lanes_resume_a_change_like_inline_ones() -> None:
+    _, state = head(packed(lanes=2), 6)
+    inline = [fingerprint_item(x) for x in resumed(packed(_suffix_b, lanes=3), state)]
+    process = resumed(packed(_suffix_b, lanes=3, workers="process"), state)
+    assert [fingerprint_item(x) for x in process] == inline
