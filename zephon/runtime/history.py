@@ -91,6 +91,22 @@ def check_history(value: Any, skip: Any) -> tuple[list[dict[str, Any]], int]:
     return value, steps
 
 
+def described(state: dict[str, Any]) -> list[str]:
+    """The history of an unsealed state, one line per event (for ``zephon inspect``)."""
+    lines = []
+    for event in state.get("history", []):
+        at = f"at global step {event['step']}"
+        if event["event"] == "change":
+            lines.append(f"{at}: resumed with changed operators: " + "; ".join(event["changes"]))
+        elif event["event"] == "skip":
+            lines.append(f"{at}: skipped {event['steps']} global step(s)")
+        else:
+            lines.append(f"{at}: retired {event['ids']} sample(s)")
+    if state.get("skip"):
+        lines.append(f"still to skip before the next item: {state['skip']} global step(s)")
+    return lines
+
+
 def skip_steps(state: dict[str, Any], steps: int) -> dict[str, Any]:
     """``state`` (a rank's or a job's) continued ``steps`` global steps later: resumed from it, the
     loader first runs the pipeline through those steps and hands their items to no one, booked
