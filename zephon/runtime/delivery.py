@@ -317,7 +317,8 @@ class LaneDelivery(LaneOutlet):
         cursors = cursors_for_chunk(position, pointers[:skip])
         screened = self.fetch_screen.ids_for(run.gen, run.lane, run.start)
         if screened is not None:
-            cursors = [c for c in cursors if c.sample_id not in screened.ids]
+            kept = (~screened.contains(pointers[:skip])).tolist()
+            cursors = [c for c, keep in zip(cursors, kept) if keep]
         seen = (len(cursors), digest_cursors(cursors) & MASK64)
         self.book.book.window_push(position, *seen)
         if skip == offset + 1:

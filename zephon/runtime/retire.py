@@ -42,6 +42,7 @@ MAX_RETIRED = 1_000_000  # ids a state keeps
 MAX_SETS = 16  # retirements a run takes
 Horizons = dict[tuple[int, int], int]  # (generation, lane) -> first lane-local chunk screened
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 1], dtype=np.uint64)
+_ID = np.dtype([("dataset", "<i8"), ("shard", "<i8"), ("index", "<i8")])  # sorts as a triple
 
 
 def _hashes(rows: np.ndarray) -> np.ndarray:
@@ -50,17 +51,38 @@ def _hashes(rows: np.ndarray) -> np.ndarray:
         return (rows.astype(np.uint64) * _MIX).sum(axis=1, dtype=np.uint64)
 
 
+def _as_ids(rows: np.ndarray) -> np.ndarray:
+    """``(n, 3)`` int64 rows as ``n`` triples that compare (and sort) as a whole."""
+    return np.ascontiguousarray(rows, dtype=np.int64).view(_ID).ravel()
+
+
 class RetiredIds:
     """A set of sample ids (``(dataset_id, shard, index)`` triples), and the screen that takes
-    their records out of a lane's item lists."""
+    their records out of a lane's item lists. Held as arrays (32 bytes an id), never as Python
+    objects: a lane's worker process gets a copy."""
 
     def __init__(self, rows: np.ndarray):
         rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
         if len(rows):
             rows = np.unique(rows, axis=0)  # sorted by dataset, shard, index
         self.rows = rows
-        self.ids = frozenset(map(tuple, rows.tolist()))
+        self._sorted = _as_ids(rows)
         self._keys = np.unique(_hashes(rows))
+
+    def contains(self, rows: np.ndarray) -> np.ndarray:
+        """Per ``(dataset_id, shard, index)`` row of ``rows``, whether it is retired: a hash
+        look-up, and a binary search for the few that hit."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        keys = self._keys
+        if not len(keys):
+            return np.zeros(len(rows), dtype=bool)
+        hashes = _hashes(rows)
+        found = keys[np.minimum(np.searchsorted(keys, hashes), len(keys) - 1)] == hashes
+        if found.any():
+            wanted = _as_ids(rows[found])
+            at = np.minimum(np.searchsorted(self._sorted, wanted), len(self._sorted) - 1)
+            found[found] = self._sorted[at] == wanted
+        return found
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -105,37 +127,42 @@ class RetiredIds:
     # ----------------------------------------------------------------------------- screening
     def screen(self, items: list[Any]) -> list[Any]:
         """``items`` with every record that carries a retired sample replaced by ``Retired``
-        (``items`` itself when none does)."""
-        out: list[Any] | None = None
+        (``items`` itself when none does). One look-up for all the records of the list."""
+        hit = self._hits(items)
+        if not hit:
+            return items
+        out: list[Any] = []
         for i, item in enumerate(items):
-            made = self._screened(item)
-            if made is None:
-                if out is not None:
-                    out.append(item)
-                continue
-            if out is None:
-                out = list(items[:i])
-            out.extend(made)
-        return items if out is None else out
+            found = hit.get(i)
+            if found is None:
+                out.append(item)
+            elif type(item) is RecordRun:
+                records = expand_runs([item])
+                out.extend(Retired(r) if h else r for r, h in zip(records, found.tolist()))
+            else:
+                out.append(Retired(item))
+        return out
 
-    def _screened(self, item: Any) -> list[Any] | None:
-        """What replaces ``item`` (None: nothing)."""
-        kind = type(item)
-        if kind is RecordRun:
-            hits = np.isin(_hashes(item.pointers), self._keys)
-            if not hits.any():
-                return None
-            return [
-                Retired(rec) if hit and self._carries(rec) else rec
-                for rec, hit in zip(expand_runs([item]), hits.tolist())
-            ]
-        if kind is SampleRecord and not item.meta.is_tombstone and self._carries(item):
-            return [Retired(item)]
-        return None
-
-    def _carries(self, rec: SampleRecord) -> bool:
-        ids = self.ids
-        return any(ref.cursor.sample_id in ids for ref in rec.meta.contribution_refs())
+    def _hits(self, items: list[Any]) -> dict[int, Any]:
+        """Index in ``items`` -> which of its records are retired (a run's mask, else True)."""
+        hit: dict[int, Any] = {}
+        ids: list[tuple[int, ...]] = []
+        owners: list[int] = []
+        for i, item in enumerate(items):
+            kind = type(item)
+            if kind is RecordRun:
+                found = self.contains(item.pointers)
+                if found.any():
+                    hit[i] = found
+            elif kind is SampleRecord and not item.meta.is_tombstone:
+                for ref in item.meta.contribution_refs():
+                    ids.append(ref.cursor.sample_id)
+                    owners.append(i)
+        if ids:
+            found = self.contains(np.array(ids, dtype=np.int64))
+            for i in np.asarray(owners)[found].tolist():
+                hit[i] = True
+        return hit
 
 
 def retired_ids(retire: Any, source: Any) -> RetiredIds:
