@@ -246,6 +246,28 @@ def test_a_state_with_changed_operators_resumes_when_allowed(where):
 
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_a_stateful_dataloader_state_skips_steps():
+    pytest.importorskip("torch")
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from zephon.integrations.torch import as_torch_dataset
+
+    def make_loader() -> Any:
+        ds = as_torch_dataset(pipeline(shuffled=True))
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=0)
+
+    full = [plain(p) for p in make_loader()]
+    loader = make_loader()
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    skipped = zephon.skip_steps(loader.state_dict(), 3)  # 3 global steps of 2 lanes
+    restored = make_loader()
+    restored.load_state_dict(skipped)
+    assert [plain(p) for p in restored] == full[4 + 3 * 2 :]
+
+
+# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 def test_stateful_dataloader_restores_in_a_new_loader():
     pytest.importorskip("torch")
     stateful = pytest.importorskip("torchdata.stateful_dataloader")

@@ -111,9 +111,12 @@ def skip_steps(state: dict[str, Any], steps: int) -> dict[str, Any]:
     """``state`` (a rank's or a job's) continued ``steps`` global steps later: resumed from it, the
     loader first runs the pipeline through those steps and hands their items to no one, booked
     as delivered, so a loss-spike window is never trained on and nothing else is lost. The skip
-    is kept in the state's ``history``."""
+    is kept in the state's ``history``. A torchdata ``StatefulDataLoader``'s state around a
+    Zephon dataset's comes back with the dataset's state skipped."""
     if type(steps) is not int or steps < 0:
         raise ValueError(f"skip_steps needs a number of global steps >= 0, got {steps!r}")
+    if isinstance(state, dict) and "dataset_state" in state and "format" not in state:
+        return {**state, "dataset_state": skip_steps(state["dataset_state"], steps)}
     body = unseal(state, (STATE_FORMAT, JOB_FORMAT))
     history, pending = check_history(body["history"], body["skip"])
     if not steps:
