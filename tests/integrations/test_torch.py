@@ -244,6 +244,22 @@ def test_a_state_with_changed_operators_resumes_when_allowed(where):
     assert all(w == 5 * i for batch in rest for i, w in zip(batch["idx"][2], batch["weight"][2]))
 
 
+def test_load_state_dict_retires_samples():
+    pytest.importorskip("torch")
+    from zephon.integrations.torch import as_torch_dataset
+
+    ds = as_torch_dataset(mapped(_tripled))
+    it = iter(ds)
+    head = [i for _ in range(3) for i in plain(next(it))["idx"][2]]
+    state = ds.state_dict()
+    ds.close()
+    resumed = as_torch_dataset(mapped(_tripled))
+    resumed.load_state_dict(state, retire=[(0, 0, i) for i in range(0, 45, 2)])
+    rest = [i for batch in resumed for i in plain(batch)["idx"][2]]
+    assert sorted(head + rest) == sorted(set(head) | {i for i in range(45) if i % 2})
+    assert resumed.state_dict()["retired"]  # kept in the dataset's later states
+
+
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 def test_a_stateful_dataloader_state_skips_steps():

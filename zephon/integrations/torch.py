@@ -94,6 +94,7 @@ class ZephonIterableDataset(IterableDataset[Any]):
         self._pending: dict[str, Any] | None = None  # from load_state_dict, for the next iter()
         self.allow_changes = allow_changes
         self._pending_changes = allow_changes  # whether the pending state may have other operators
+        self._pending_retire: Any = None  # samples the next iter() retires (``Pipeline.iter``)
         self._final: dict[str, Any] | None = None  # state of the last loader once it ended
         self._final_stats: dict[str, Any] | None = None  # its stats
         self._warned_batching = False
@@ -119,8 +120,10 @@ class ZephonIterableDataset(IterableDataset[Any]):
             )
         self.close()
         state, self._pending = self._pending, None
-        loader = self.pipeline.iter(state=state, allow_changes=self._pending_changes)
-        self._pending_changes = self.allow_changes
+        loader = self.pipeline.iter(
+            state=state, allow_changes=self._pending_changes, retire=self._pending_retire
+        )
+        self._pending_changes, self._pending_retire = self.allow_changes, None
         self._loader = loader
         self._final = None
         return self._generate(loader)
@@ -167,15 +170,19 @@ class ZephonIterableDataset(IterableDataset[Any]):
         with self.pipeline.iter() as fresh:
             return fresh.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any], *, allow_changes: bool | None = None) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], *, allow_changes: bool | None = None, retire: Any = None
+    ) -> None:
         """Make the next ``iter()`` continue from ``state`` (checked against the pipeline then:
         ``CheckpointMismatchError`` / ``CheckpointCorruptError`` when it does not fit). A
         ``StatefulDataLoader``'s state around this dataset's is taken too. ``allow_changes``
-        (default: the dataset's) lets the state's operators differ."""
+        (default: the dataset's) lets the state's operators differ; ``retire`` takes samples out
+        of the run from there (``Pipeline.iter``)."""
         if not isinstance(state, dict):
             raise TypeError(f"load_state_dict needs the dict state_dict() returned, got {state!r}")
         self._pending = _unwrapped(state)
         self._pending_changes = self.allow_changes if allow_changes is None else allow_changes
+        self._pending_retire = retire
         self._final = None
         self._final_stats = None
 
