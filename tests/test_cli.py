@@ -206,3 +206,17 @@ def test_inspect_shows_a_job_state_readably(tmp_path):
     assert "Zephon job state" in done.stdout
     assert "4 lane(s); resumes on any world size dividing the lanes" in done.stdout
     assert done.stdout.count("item(s) delivered") == 4
+
+
+def test_inspect_shows_what_was_done_to_a_run(tmp_path, capsys):
+    pipeline = zephon.Pipeline(RangeSource(100, chunk_size=10), [fetch()], lanes=2)
+    loader = pipeline.iter(state=loader_state(lanes=2, steps=3), retire=[(0, 0, 50)])
+    next(loader)
+    state = zephon.skip_steps(loader.state_dict(), 2)
+    loader.close()
+    zephon.save_checkpoint(tmp_path / "state.json", state)
+    assert main(["inspect", str(tmp_path / "state.json")]) == 0
+    text = capsys.readouterr().out
+    assert "history: at global step 1: retired 1 sample(s)" in text
+    assert "history: at global step 2: skipped 2 global step(s)" in text
+    assert "still to skip before the next item: 2 global step(s)" in text

@@ -19,6 +19,7 @@ from zephon.errors import (  # noqa: E402
     MidStepWarning,
     MixtureDropWarning,
     OperatorError,
+    PipelineChangeWarning,
     PlanError,
     RelaneWarning,
     ReplayDivergenceError,
@@ -27,6 +28,7 @@ from zephon.errors import (  # noqa: E402
 from zephon.planner import Pipeline, Plan  # noqa: E402
 from zephon.progress import show_progress  # noqa: E402
 from zephon.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from zephon.runtime.history import skip_steps  # noqa: E402
 from zephon.runtime.job import merge_states  # noqa: E402
 from zephon.runtime.job_files import load_job_state, save_rank_state  # noqa: E402
 from zephon.runtime.loader import Loader  # noqa: E402
@@ -46,6 +48,7 @@ __all__ = [
     "MixtureDropWarning",
     "OperatorError",
     "Pipeline",
+    "PipelineChangeWarning",
     "Plan",
     "PlanError",
     "RelaneWarning",
@@ -57,4 +60,5 @@ __all__ = [
     "save_checkpoint",
     "save_rank_state",
     "show_progress",
+    "skip_steps",
 ]

@@ -20,6 +20,7 @@ from typing import Any
 import zephon
 from zephon.errors import CheckpointError, ZephonError
 from zephon.runtime.checkpoint import FILE_FORMAT, JOB_FORMAT, STATE_FORMAT, unseal
+from zephon.runtime.history import described as described_history
 
 _STATE_FORMATS = (STATE_FORMAT, JOB_FORMAT)
 
@@ -145,6 +146,8 @@ def inspect_checkpoint(path: str | os.PathLike[str], out: Any = None) -> int:
                 "sample once, batches changed at each re-laning)",
                 file=out,
             )
+        for line in described_history(state):
+            print(f"  history: {line}", file=out)
         for lane in state["lane_states"]:
             where_lane = (
                 "finished" if lane["finished"] else f"restarts at lane chunk {lane['start']}"

@@ -104,6 +104,12 @@ class MidStepWarning(UserWarning):
     merging refuses it. Take job states right after an optimizer step."""
 
 
+class PipelineChangeWarning(UserWarning):
+    """A checkpoint was resumed with changed operators (``allow_changes=True``): the message names
+    each changed operator and parameter. What was delivered before the checkpoint stays
+    delivered; everything after it comes from the new operators."""
+
+
 class MixtureDropWarning(UserWarning):
     """``ensure_mixture`` dropped more than a fifth of what it saw to reach its weights: the input
     is far from them, and most of the work upstream is thrown away. The message says what to

@@ -379,17 +379,25 @@ class Pipeline:
         """A stable hex digest of source, operators, parameters, lanes and epochs."""
         return self.compile().fingerprint
 
-    def iter(self, state: dict | None = None) -> Loader:
+    def iter(
+        self, state: dict | None = None, *, allow_changes: bool = False, retire: Any = None
+    ) -> Loader:
         """A loader over this pipeline, continuing exactly where ``state`` was taken when given:
         a rank's own state, or a job state (``zephon.merge_states``) on any world size that
         divides the job's lane count. A state taken with another lane count than this
-        pipeline's ``lanes`` is re-laned onto them (see ``relane``)."""
+        pipeline's ``lanes`` is re-laned onto them (see ``relane``).
+
+        ``allow_changes=True`` resumes a state whose operators changed on purpose (a fixed map,
+        a new threshold; never another source): see ``Loader.load_state_dict``. ``retire``:
+        sample ids, or a predicate on them, never delivered from here on (``Loader.retire``)."""
         from zephon.runtime.loader import Loader
 
         lanes = state.get("lanes") if isinstance(state, dict) else None
         loader = Loader(self.compile(lanes if type(lanes) is int and lanes > 0 else None))
         if state is not None:
-            loader.load_state_dict(state)
+            loader.load_state_dict(state, allow_changes=allow_changes)
+        if retire is not None:
+            loader.retire(retire)
         return loader
 
     def __iter__(self) -> Loader:

@@ -14,7 +14,7 @@ import pytest
 
 import zephon
 from zephon.errors import CheckpointMismatchError, PlanError
-from zephon.ops import batch, fetch, shuffle
+from zephon.ops import batch, fetch, map_transform, shuffle
 from zephon.sources import RangeSource
 
 
@@ -201,6 +201,85 @@ def test_a_state_from_another_pipeline_is_refused():
     other.load_state_dict(state)
     with pytest.raises(CheckpointMismatchError):
         iter(other)
+
+
+def _tripled(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "weight": payload["idx"] * 3}
+
+
+def _quintupled(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "weight": payload["idx"] * 5}
+
+
+def mapped(fn: Any) -> zephon.Pipeline:
+    src = RangeSource(45, make=make_sample, chunk_size=7)
+    ops = [fetch(), map_transform(fn), shuffle(5, seed=1), batch(4)]
+    return zephon.Pipeline(src, ops, lanes=2, epoch_chunks=2)
+
+
+@pytest.mark.parametrize("where", ["dataset", "load_state_dict"])
+def test_a_state_with_changed_operators_resumes_when_allowed(where):
+    pytest.importorskip("torch")
+    from zephon.integrations.torch import as_torch_dataset
+
+    ds = as_torch_dataset(mapped(_tripled))
+    it = iter(ds)
+    head = [plain(next(it)) for _ in range(5)]
+    state = ds.state_dict()
+    ds.close()
+    refused = as_torch_dataset(mapped(_quintupled))
+    refused.load_state_dict(state)
+    with pytest.raises(CheckpointMismatchError, match="allow_changes=True"):
+        iter(refused)
+    if where == "dataset":
+        resumed = as_torch_dataset(mapped(_quintupled), allow_changes=True)
+        resumed.load_state_dict(state)
+    else:
+        resumed = as_torch_dataset(mapped(_quintupled))
+        resumed.load_state_dict(state, allow_changes=True)
+    with pytest.warns(zephon.PipelineChangeWarning, match="parameter 'fn'"):
+        rest = [plain(p) for p in resumed]
+    idx = [i for batch in head + rest for i in batch["idx"][2]]
+    assert sorted(idx) == list(range(45))
+    assert all(w == 5 * i for batch in rest for i, w in zip(batch["idx"][2], batch["weight"][2]))
+
+
+def test_load_state_dict_retires_samples():
+    pytest.importorskip("torch")
+    from zephon.integrations.torch import as_torch_dataset
+
+    ds = as_torch_dataset(mapped(_tripled))
+    it = iter(ds)
+    head = [i for _ in range(3) for i in plain(next(it))["idx"][2]]
+    state = ds.state_dict()
+    ds.close()
+    resumed = as_torch_dataset(mapped(_tripled))
+    resumed.load_state_dict(state, retire=[(0, 0, i) for i in range(0, 45, 2)])
+    rest = [i for batch in resumed for i in plain(batch)["idx"][2]]
+    assert sorted(head + rest) == sorted(set(head) | {i for i in range(45) if i % 2})
+    assert resumed.state_dict()["retired"]  # kept in the dataset's later states
+
+
+# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_a_stateful_dataloader_state_skips_steps():
+    pytest.importorskip("torch")
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from zephon.integrations.torch import as_torch_dataset
+
+    def make_loader() -> Any:
+        ds = as_torch_dataset(pipeline(shuffled=True))
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=0)
+
+    full = [plain(p) for p in make_loader()]
+    loader = make_loader()
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    skipped = zephon.skip_steps(loader.state_dict(), 3)  # 3 global steps of 2 lanes
+    restored = make_loader()
+    restored.load_state_dict(skipped)
+    assert [plain(p) for p in restored] == full[4 + 3 * 2 :]
 
 
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.

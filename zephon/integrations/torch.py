@@ -80,15 +80,21 @@ class ZephonIterableDataset(IterableDataset[Any]):
     ``Loader.state_dict()``) after the last item yielded; before any iteration it is the loaded
     state, or the state of a fresh start. Invariant: a dataset restored from ``state_dict()`` taken
     after ``k`` items yields exactly the items a single run would have yielded after those ``k``.
+
+    ``allow_changes=True`` resumes loaded states whose operators changed on purpose
+    (``Pipeline.iter``); ``load_state_dict(state, allow_changes=True)`` does it for one state.
     """
 
-    def __init__(self, pipeline: Pipeline):
+    def __init__(self, pipeline: Pipeline, *, allow_changes: bool = False):
         super().__init__()
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"as_torch_dataset needs a zephon.Pipeline, got {pipeline!r}")
         self.pipeline = pipeline
         self._loader: Loader | None = None
         self._pending: dict[str, Any] | None = None  # from load_state_dict, for the next iter()
+        self.allow_changes = allow_changes
+        self._pending_changes = allow_changes  # whether the pending state may have other operators
+        self._pending_retire: Any = None  # samples the next iter() retires (``Pipeline.iter``)
         self._final: dict[str, Any] | None = None  # state of the last loader once it ended
         self._final_stats: dict[str, Any] | None = None  # its stats
         self._warned_batching = False
@@ -114,7 +120,10 @@ class ZephonIterableDataset(IterableDataset[Any]):
             )
         self.close()
         state, self._pending = self._pending, None
-        loader = self.pipeline.iter(state=state)
+        loader = self.pipeline.iter(
+            state=state, allow_changes=self._pending_changes, retire=self._pending_retire
+        )
+        self._pending_changes, self._pending_retire = self.allow_changes, None
         self._loader = loader
         self._final = None
         return self._generate(loader)
@@ -145,7 +154,9 @@ class ZephonIterableDataset(IterableDataset[Any]):
             return self._loader.stats()
         if self._final_stats is not None and self._pending is None:
             return self._final_stats
-        with self.pipeline.iter(state=self._pending) as upcoming:
+        with self.pipeline.iter(
+            state=self._pending, allow_changes=self._pending_changes
+        ) as upcoming:
             return upcoming.stats()
 
     def state_dict(self) -> dict[str, Any]:
@@ -159,13 +170,19 @@ class ZephonIterableDataset(IterableDataset[Any]):
         with self.pipeline.iter() as fresh:
             return fresh.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], *, allow_changes: bool | None = None, retire: Any = None
+    ) -> None:
         """Make the next ``iter()`` continue from ``state`` (checked against the pipeline then:
         ``CheckpointMismatchError`` / ``CheckpointCorruptError`` when it does not fit). A
-        ``StatefulDataLoader``'s state around this dataset's is taken too."""
+        ``StatefulDataLoader``'s state around this dataset's is taken too. ``allow_changes``
+        (default: the dataset's) lets the state's operators differ; ``retire`` takes samples out
+        of the run from there (``Pipeline.iter``)."""
         if not isinstance(state, dict):
             raise TypeError(f"load_state_dict needs the dict state_dict() returned, got {state!r}")
         self._pending = _unwrapped(state)
+        self._pending_changes = self.allow_changes if allow_changes is None else allow_changes
+        self._pending_retire = retire
         self._final = None
         self._final_stats = None
 
@@ -208,10 +225,11 @@ def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
     return state["dataset_state"] if _is_dataloader_state(state) else state
 
 
-def as_torch_dataset(pipeline: Pipeline) -> ZephonIterableDataset:
+def as_torch_dataset(pipeline: Pipeline, *, allow_changes: bool = False) -> ZephonIterableDataset:
     """Wrap ``pipeline`` as a checkpointable torch ``IterableDataset`` yielding tensors; use it
-    with ``batch_size=None, num_workers=0`` (see ``ZephonIterableDataset``)."""
-    return ZephonIterableDataset(pipeline)
+    with ``batch_size=None, num_workers=0`` (see ``ZephonIterableDataset``). ``allow_changes``:
+    loaded states may come from the same pipeline with changed operators (``Pipeline.iter``)."""
+    return ZephonIterableDataset(pipeline, allow_changes=allow_changes)
 
 
 def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:

@@ -23,7 +23,15 @@ from zephon.compact import pack_ints, unpack_ints
 from zephon.errors import CarryStateWarning, ContractViolation
 from zephon.plan import Plan
 from zephon.runtime.contracts import Violation
-from zephon.runtime.control import ChunkOpened, EpochEnd, Holdings, OverClose, RunStart, Skipped
+from zephon.runtime.control import (
+    ChunkOpened,
+    EpochEnd,
+    Holdings,
+    OverClose,
+    Retired,
+    RunStart,
+    Skipped,
+)
 from zephon.runtime.holdings import packed
 from zephon.runtime.lane import operator_labels
 from zephon.runtime.layout import Layout, Run
@@ -133,6 +141,8 @@ class LaneBook:
             self._holdings(item)
         elif kind is Skipped:
             self.skips.book(item, self.lane_id)
+        elif kind is Retired:  # booked as if handed over, so that a replay meets it again
+            self.record(item.record, False)
         else:
             raise TypeError(f"unknown item in lane {self.lane_id}: {item!r}")
 

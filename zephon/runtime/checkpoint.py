@@ -12,11 +12,13 @@ from typing import Any
 from zephon.compact import unpack_json
 from zephon.errors import CheckpointCorruptError, CheckpointMismatchError
 from zephon.plan import digest
-from zephon.runtime.identity_diff import first_difference
+from zephon.runtime.identity_diff import first_difference, operator_differences
 
 STATE_FORMAT = "zephon-loader-state"  # one rank's state
 JOB_FORMAT = "zephon-job-state"  # every rank's lanes together (``merge_states``)
-STATE_VERSION = 3  # 3: lane history (``layout``) and inherited runs per lane; 2 is read too
+# 4: what was done to the run on purpose (``history``, ``skip``, ``retired``); 3: the lane
+# history (``layout``) and inherited runs per lane; 2 and 3 are read too
+STATE_VERSION = 4
 FILE_FORMAT = "zephon-checkpoint"
 
 
@@ -36,10 +38,10 @@ def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, 
         raise CheckpointCorruptError(f"a loader state is a dict, got {type(state).__name__}")
     if state.get("format") not in formats:
         raise CheckpointCorruptError(f"not a Zephon loader state (format={state.get('format')!r})")
-    if state.get("version") not in (2, STATE_VERSION):
+    if state.get("version") not in (2, 3, STATE_VERSION):
         raise CheckpointCorruptError(
             f"loader state version {state.get('version')!r} is not known to this Zephon "
-            f"(it reads versions 2 and {STATE_VERSION})"
+            f"(it reads versions 2 to {STATE_VERSION})"
         )
     body = {k: v for k, v in state.items() if k != "checksum"}
     try:
@@ -52,6 +54,8 @@ def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, 
         )
     if body["version"] == 2:
         body = _from_version_2(body)
+    if body["version"] == 3:
+        body = {**body, "version": STATE_VERSION, "history": [], "skip": 0, "retired": None}
     return body
 
 
@@ -61,7 +65,7 @@ def _from_version_2(body: dict[str, Any]) -> dict[str, Any]:
     lanes = body.get("lane_states")
     return {
         **body,
-        "version": STATE_VERSION,
+        "version": 3,
         "layout": [{"lanes": body.get("lanes")}],
         "lane_states": [
             {**lane, "held": None, "run": None, "pending": []} if isinstance(lane, dict) else lane
@@ -72,26 +76,34 @@ def _from_version_2(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def check_identity(state: dict[str, Any], plan: Any, *, relane: bool = False) -> None:
+def check_identity(
+    state: dict[str, Any], plan: Any, *, relane: bool = False, allow_changes: bool = False
+) -> list[str]:
     """``CheckpointMismatchError`` naming each field in which ``state`` and ``plan`` differ;
-    with ``relane``, the lane count may differ (the state is re-laned onto the plan's)."""
+    with ``relane``, the lane count may differ (the state is re-laned onto the plan's); with
+    ``allow_changes``, the operators may differ: the changes are returned, each changed
+    parameter named with its operator (``[]`` when the operators are the same)."""
     saved = state.get("pipeline")
     if not isinstance(saved, dict):
         raise CheckpointCorruptError("loader state field pipeline must be an object")
     parts = plan.fingerprint_parts
+    changed = saved.get("operators") != parts.get("operators")
     differs = [
         f"{key} (checkpoint {saved.get(key)!r}, pipeline {value!r})"
         if key in ("lanes", "epoch_chunks", "micro_batch")
         else key
         for key, value in parts.items()
-        if saved.get(key) != value and key != "described" and not (relane and key == "lanes")
+        if saved.get(key) != value
+        and key != "described"
+        and not (relane and key == "lanes")
+        and not (allow_changes and key == "operators")
     ]
     differs += [
         f"{key} (checkpoint only)" for key in saved if key not in parts and key != "described"
     ]
     if any(part in ("source", "operators") for part in differs):
         exact = first_difference(_described(saved), _described(parts))
-        if exact:
+        if exact and not (allow_changes and exact.startswith("operators")):
             differs = [exact, *(p for p in differs if p not in ("source", "operators"))]
     lanes = state.get("lanes")
     if type(lanes) is not int or (lanes != plan.lanes and not relane):
@@ -100,6 +112,12 @@ def check_identity(state: dict[str, Any], plan: Any, *, relane: bool = False) ->
         hint = ""
         if any(part.startswith("lanes") for part in differs) and plan.lanes != lanes:
             hint = " (Pipeline(relane=True) continues it on the new lane count)"
+        elif changed and all(p.startswith("operators") for p in differs):
+            hint = (
+                ". If the operators were changed on purpose (a fixed bug, a new threshold), "
+                "pipeline.iter(state=..., allow_changes=True) resumes with them: what was "
+                "delivered stays delivered, the rest comes from the new operators"
+            )
         raise CheckpointMismatchError(
             "checkpoint was taken from a different pipeline: "
             + "; ".join(differs)
@@ -111,6 +129,37 @@ def check_identity(state: dict[str, Any], plan: Any, *, relane: bool = False) ->
         raise CheckpointCorruptError(
             "loader state fingerprint does not match its own pipeline description: it was edited"
         )
+    if not changed:
+        return []
+    _check_same_chain(_described(saved), _described(parts))
+    return operator_differences(_described(saved), _described(parts)) or [
+        f"operators (digest {saved.get('operators')!s:.12} -> {parts.get('operators')!s:.12})"
+    ]
+
+
+def _check_same_chain(saved: Any, current: Any) -> None:
+    """Changed operators resume only in place: each operator's carry state and holdings go to
+    the operator at its position, so the chain must keep its length and each operator's class
+    (unknown when a side is not described: then the carry states' length is still checked)."""
+    if not isinstance(saved, dict) or not isinstance(current, dict):
+        return
+    ops_a, ops_b = saved.get("operators"), current.get("operators")
+    if not isinstance(ops_a, list) or not isinstance(ops_b, list):
+        return
+    classes_a = [op.get("class") if isinstance(op, dict) else None for op in ops_a]
+    classes_b = [op.get("class") if isinstance(op, dict) else None for op in ops_b]
+    if classes_a == classes_b:
+        return
+    if len(classes_a) != len(classes_b):
+        what = f"the checkpoint has {len(classes_a)} operators, the pipeline {len(classes_b)}"
+    else:
+        k = next(i for i, (a, b) in enumerate(zip(classes_a, classes_b)) if a != b)
+        what = f"operator #{k} is {classes_a[k]} in the checkpoint and {classes_b[k]} here"
+    raise CheckpointMismatchError(
+        f"allow_changes=True resumes operators whose code or parameters changed, not operators "
+        f"added, removed or replaced: {what} (each operator's carry state goes to the operator "
+        "at its position). Resume with the checkpoint's chain of operators"
+    )
 
 
 def _described(parts: dict[str, Any]) -> Any:

@@ -119,6 +119,19 @@ class RunStart:
         return f"RunStart({self.index})"
 
 
+class Retired:
+    """A record that carries a retired sample (``runtime.retire``): booked like a record handed
+    over, handed to no one."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Any):
+        self.record = record
+
+    def __repr__(self) -> str:
+        return f"Retired({self.record.meta.cursor!r})"
+
+
 class LaneEnd:
     """The lane has no more chunks; everything before it has been emitted. Carries the lane's
     final operator stats (as ``ChunkOpened.op_stats``)."""

@@ -23,9 +23,10 @@ from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
 from zephon.runtime.batcher import LEAVE_TO_CALLER, FinalBatcher
 from zephon.runtime.bookkeeping import LaneBook
-from zephon.runtime.control import EpochEnd, LaneEnd, RunStart, Skipped
+from zephon.runtime.control import EpochEnd, LaneEnd, Retired, RunStart, Skipped
 from zephon.runtime.layout import Layout, Run
 from zephon.runtime.replay import MASK64, ReplayFilter
+from zephon.runtime.retire import FetchScreen
 from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.supervision import LaneFeed
@@ -49,6 +50,9 @@ class LaneDelivery(LaneOutlet):
         # Even ends across ranks: the lane stops at ``limit`` items, leaving ``surplus`` ones.
         self.cut = False
         self.surplus = 0
+        self.cause: str | None = None  # what a replay divergence means (``ReplayFilter``)
+        self.lenient = False  # replays need not meet the delivered records (``ReplayFilter``)
+        self.fetch_screen = FetchScreen([])  # what the lane's runner screens out at fetch
 
     # ----------------------------------------------------------------------------- delivery
     def next_delivery(self) -> SampleRecord | SampleBatch | None:
@@ -145,7 +149,12 @@ class LaneDelivery(LaneOutlet):
         if run.cursor is None:
             return
         replay = ReplayFilter(
-            self.lane_id, run.cursor, (run.count, run.digest), monotone=self.book.monotone
+            self.lane_id,
+            run.cursor,
+            (run.count, run.digest),
+            monotone=self.book.monotone,
+            cause=self.cause,
+            lenient=self.lenient,
         )
         marker.replayed = [
             SampleRecord(item.meta, None)  # the payload is not needed to book it
@@ -157,15 +166,25 @@ class LaneDelivery(LaneOutlet):
 
     def _until_cursor(self, replay: ReplayFilter) -> Iterator[Any]:
         """The lane's items up to the record at ``replay``'s cursor (checked by it as they
-        pass); ``ReplayDivergenceError`` when the lane, an epoch or a run ends first."""
-        feed = self.feed
+        pass); ``ReplayDivergenceError`` when the lane, an epoch or a run ends first. A lenient
+        replay (``ReplayFilter.lenient``) also stops before a record above the cursor, or at the
+        end of the run or lane, leaving that item to delivery."""
+        feed, lenient = self.feed, replay.lenient
         while True:
             item = feed.next_item()
             kind = type(item)
-            if kind is SampleRecord:
-                yield item
-                if not item.meta.is_tombstone and replay.swallow(item.meta.cursor):
+            if kind is SampleRecord or kind is Retired:
+                # A retired record was booked as delivered: the replay window counts it.
+                rec = item.record if kind is Retired else item
+                if lenient and not rec.meta.is_tombstone and replay.past(rec.meta.cursor):
+                    feed.pos -= 1
                     return
+                yield item
+                if not rec.meta.is_tombstone and replay.swallow(rec.meta.cursor):
+                    return
+            elif lenient and (kind is LaneEnd or kind is RunStart):
+                feed.pos -= 1
+                return
             elif kind is LaneEnd:
                 raise replay.diverged("the lane ended before the replay cursor was met again")
             elif kind is EpochEnd:
@@ -272,10 +291,15 @@ class LaneDelivery(LaneOutlet):
             position = layout.geometry(first.gen, first.lane).position(first.start)
             expect = (first.count, first.digest)
             if plan.indexable and cursor.chunk_id == position:
-                skip = self._skip_at_source(position, cursor, expect, where)
+                skip = self._skip_at_source(position, cursor, expect, where, first)
             else:
                 self.replay = ReplayFilter(
-                    self.lane_id, cursor, expect, monotone=self.book.monotone
+                    self.lane_id,
+                    cursor,
+                    expect,
+                    monotone=self.book.monotone,
+                    cause=self.cause,
+                    lenient=self.lenient,
                 )
         self.feed.start_at = {
             "runs": [run.for_runner() for run in runs],
@@ -285,12 +309,13 @@ class LaneDelivery(LaneOutlet):
         return checked
 
     def _skip_at_source(
-        self, position: int, cursor: SampleCursor, expect: tuple[int, int], where: str
+        self, position: int, cursor: SampleCursor, expect: tuple[int, int], where: str, run: Run
     ) -> int:
         """Every operator is 1 -> 1, in order: consumed samples are skipped before fetch. The
         skipped records' cursors are recomputed from the chunk, so the checkpoint's count and
-        digest are still checked. Batch-sensitive operators keep their micro-batches: the skip
-        stops at a micro-batch boundary and the replay filter swallows the rest."""
+        digest are still checked (without the retired samples the lane screened out at fetch
+        there, which it never delivered). Batch-sensitive operators keep their micro-batches:
+        the skip stops at a micro-batch boundary and the replay filter swallows the rest."""
         pointers = self.plan.source.chunk(position).pointers
         offset = cursor.chunk_offset
         if (
@@ -305,10 +330,17 @@ class LaneDelivery(LaneOutlet):
         skip = offset + 1
         if self.plan.batch_sensitive:
             skip -= skip % self.plan.micro_batch
-        seen = (skip, digest_cursors(cursors_for_chunk(position, pointers[:skip])) & MASK64)
+        cursors = cursors_for_chunk(position, pointers[:skip])
+        screened = self.fetch_screen.ids_for(run.gen, run.lane, run.start)
+        if screened is not None:
+            kept = (~screened.contains(pointers[:skip])).tolist()
+            cursors = [c for c, keep in zip(cursors, kept) if keep]
+        seen = (len(cursors), digest_cursors(cursors) & MASK64)
         self.book.book.window_push(position, *seen)
         if skip == offset + 1:
-            if seen != expect:
+            # After a change on the monotone path every sample up to the cursor was consumed,
+            # whatever the old operators made of it (``ReplayFilter.lenient``).
+            if seen != expect and not self.lenient:
                 raise CheckpointCorruptError(
                     f"loader state field {where} says lane {self.lane_id} delivered "
                     f"{expect[0]} records of chunk {position} up to {cursor!r}; the chunk holds "
@@ -317,6 +349,12 @@ class LaneDelivery(LaneOutlet):
             self.book.book.last_cursor = cursor
         else:
             self.replay = ReplayFilter(
-                self.lane_id, cursor, expect, monotone=self.book.monotone, seen=seen
+                self.lane_id,
+                cursor,
+                expect,
+                monotone=self.book.monotone,
+                seen=seen,
+                cause=self.cause,
+                lenient=self.lenient,
             )
         return skip

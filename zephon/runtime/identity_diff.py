@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["first_difference"]
+__all__ = ["first_difference", "operator_differences"]
 
 _SHOWN = 80  # characters of a value quoted in a message
 
@@ -34,6 +34,52 @@ def first_difference(saved: Any, current: Any) -> str | None:
     if len(ops_a) != len(ops_b):
         return f"operators: checkpoint has {len(ops_a)}, pipeline has {len(ops_b)}"
     return None
+
+
+def operator_differences(saved: Any, current: Any, limit: int = 20) -> list[str]:
+    """Every parameter (or other field) that differs between the operators of a checkpoint's
+    described pipeline and the current one, each as ``"operator #k (name) parameter 'p': ..."``
+    in chain order (at most ``limit``); ``[]`` when the operators are equal or a side is
+    missing."""
+    if not isinstance(saved, dict) or not isinstance(current, dict):
+        return []
+    ops_a, ops_b = saved.get("operators"), current.get("operators")
+    if ops_a == ops_b or not isinstance(ops_a, list) or not isinstance(ops_b, list):
+        return []
+    out: list[str] = []
+    for k, (a, b) in enumerate(zip(ops_a, ops_b, strict=False)):
+        if a == b:
+            continue
+        where = f"operator #{k} ({_op_name(b)})"
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            out.append(_walk(a, b, where))
+            continue
+        found = _field_differences(a.get("params"), b.get("params"), where, "parameter")
+        # The name follows the parameters (``map_transform(fn)``): named only when alone.
+        found += _field_differences(
+            {k: v for k, v in a.items() if k not in ("params", "name")},
+            {k: v for k, v in b.items() if k not in ("params", "name")},
+            where,
+            "field",
+        )
+        out += found or [_walk(a, b, where)]
+    if len(ops_a) != len(ops_b):
+        out.append(f"operators: checkpoint has {len(ops_a)}, pipeline has {len(ops_b)}")
+    return out[:limit]
+
+
+def _field_differences(a: Any, b: Any, where: str, label: str) -> list[str]:
+    """One difference per key of two dicts that differs there."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return [] if a == b else [_walk(a, b, where, label)]
+    return [
+        _walk({key: a[key]} if key in a else {}, {key: b[key]} if key in b else {}, where, label)
+        for key in [*a, *(k for k in b if k not in a)]
+        if a.get(key, _MISSING) != b.get(key, _MISSING)
+    ]
+
+
+_MISSING = object()
 
 
 def _op_name(desc: Any) -> str:

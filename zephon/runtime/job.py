@@ -13,6 +13,7 @@ from typing import Any
 
 from zephon.errors import CheckpointError, CheckpointMismatchError
 from zephon.runtime.checkpoint import JOB_FORMAT, STATE_FORMAT, STATE_VERSION, seal, unseal
+from zephon.runtime.retire import merge_retired
 from zephon.runtime.state import COUNTERS, check_int, check_pairs, corrupt, encode_pairs
 
 
@@ -39,6 +40,12 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             "the states of the ranks hold different lane histories (layout): they were not taken "
             "in one run of the job"
         )
+    if any(b.get(key) != first.get(key) for b in bodies for key in ("history", "skip")):
+        raise CheckpointError(
+            "the states of the ranks hold different histories (operator changes, skipped steps): "
+            "they were not taken in one run of the job"
+        )
+    retired = merge_retired([body.get("retired") for body in bodies])
     sizes = {body.get("world_size") for body in bodies}
     if len(sizes) != 1:
         raise CheckpointError(f"the states were taken under different world sizes: {sizes}")
@@ -96,6 +103,9 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
                 "samples": encode_pairs(samples),
                 "tokens": encode_pairs(tokens),
             },
+            "history": first["history"],
+            "skip": first["skip"],
+            "retired": retired,
         }
     )
 

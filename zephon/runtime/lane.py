@@ -34,6 +34,7 @@ from zephon.runtime.control import (
 from zephon.runtime.holdings import rebuild, snapshot_of
 from zephon.runtime.layout import Layout
 from zephon.runtime.operator_setup import OperatorSetup
+from zephon.runtime.retire import FetchScreen, Retirement, tombstoned
 from zephon.types import ContributorRef, SampleCursor, SampleRecord
 
 #: Samples read between two snapshots of what the stateful operators hold, when the chain has
@@ -109,7 +110,8 @@ class LaneRunner:
     generation had in flight, under their identity, then the lane's own chunks. Without ``runs``
     the lane runs its own chunks from local chunk ``start_local`` with ``carry``. ``layout`` is the
     job's lane history (``Layout.encode()``); ``skip_offset`` starts the first chunk at that offset
-    (source-level skip on restore of an indexable plan).
+    (source-level skip on restore of an indexable plan); ``retired`` the samples screened out
+    at fetch (``runtime.retire``).
     """
 
     def __init__(
@@ -124,8 +126,10 @@ class LaneRunner:
         layout: list[dict[str, Any]] | None = None,
         op_stats: list[list[float]] | None = None,
         setup: OperatorSetup | None = None,
+        retired: list[Retirement] | None = None,
     ):
         self.plan = plan
+        self.screen = FetchScreen(retired) if retired else None
         self.lane_id = lane_id
         self.setup = setup  # the worker's set-up operators, which lanes copy (operator_setup)
         total = plan.source.total_chunks()
@@ -239,9 +243,12 @@ class LaneRunner:
                 if first_reads > 0:
                     end = min(end, (begin // piece + 1) * piece)
                     first_reads -= end - begin
-                records = self._push(
-                    0, self._fetch(position, chunk.pointers[begin:end], begin), split_at
-                )
+                fetched = self._fetch(position, chunk.pointers[begin:end], begin)
+                if self.screen is not None:
+                    retired = self.screen.ids_for(run["gen"], run["lane"], k)
+                    if retired is not None:
+                        fetched = tombstoned(fetched, retired)
+                records = self._push(0, fetched, split_at)
                 if piece < mb:  # cut into pieces by cursor below
                     records = expand_runs(records)
                 # One item list per read, pieces and snapshots in order: a process lane's

@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Hashable
 from typing import Any
 
+import numpy as np
+
 from zephon._core.delivery import DeliveryCounters, parse_heritage_key
 from zephon._core.handover import NO_LIMIT, LoaderStep
 from zephon.errors import (
@@ -21,6 +23,8 @@ from zephon.errors import (
     CheckpointError,
     CheckpointMismatchError,
     ContractViolation,
+    PipelineChangeWarning,
+    PlanError,
     RelaneWarning,
     ZephonError,
 )
@@ -37,10 +41,21 @@ from zephon.runtime.checkpoint import (
 from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
 from zephon.runtime.even_end import lane_items
+from zephon.runtime.history import change_event, check_history, global_step, with_event
 from zephon.runtime.job import job_step, rank_served, rank_turn
 from zephon.runtime.layout import Layout
 from zephon.runtime.operator_setup import release_in_process
 from zephon.runtime.relane import relane
+from zephon.runtime.replay import CHANGED_RECORDS
+from zephon.runtime.retire import (
+    MAX_SETS,
+    FetchScreen,
+    RetiredIds,
+    Retirement,
+    decode_retirements,
+    horizons_of,
+    retired_ids,
+)
 from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import (
     COUNTERS,
@@ -71,6 +86,9 @@ _STATE_KEYS = frozenset(
         "counters",
         "tag_counts",
         "mixture",
+        "history",
+        "skip",
+        "retired",
     }
 )
 _JOB_KEYS = _STATE_KEYS - {"rank", "world_size", "next_lane"}
@@ -104,6 +122,10 @@ class Loader(LoaderStep):
         self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self._end_evenly()
+        self.history: list[dict[str, Any]] = []  # what was done to the run (``runtime.history``)
+        self.skip = 0  # global steps still to skip before the first item (``skip_steps``)
+        self.retirements: list[Retirement] = []  # samples never delivered (``retire``)
+        self._retired_state: list[dict[str, Any]] | None = None  # as a state stores them
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
         self._closed = False
@@ -149,10 +171,14 @@ class Loader(LoaderStep):
         self._started = True
         try:
             self._log_start()
+            if self.retirements:  # screened at fetch too, from where replays allow it
+                for lane in lanes:
+                    lane.feed.start_at["retired"] = self.retirements
             # every lane's worker starts working at once
             start_feeds([lane.feed for lane in lanes if not lane.ended], lanes[self.next_lane].feed)
             for lane in lanes:  # a restored lane is back at its position first
                 self._catch_up(lane)
+            self._skip_steps()
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -169,6 +195,19 @@ class Loader(LoaderStep):
             return
         with shown:
             lane.catch_up(shown.update)
+
+    def _skip_steps(self) -> None:
+        """``skip_steps``: every lane hands over its next ``skip`` items to no one, booked as
+        delivered, so the stream goes on where the uninterrupted run is that many global steps
+        later."""
+        if not self.skip:
+            return
+        log.info("skipping %d global step(s) before delivering", self.skip)
+        for lane in self.lanes:
+            for _ in range(self.skip):
+                if lane.next_delivery() is None:
+                    break
+        self.skip = 0
 
     def _note_inflight(self) -> None:
         inflight = sum(lane.book.table.n_inflight for lane in self.lanes)
@@ -414,14 +453,64 @@ class Loader(LoaderStep):
                         "samples": encode_pairs(self.mix_samples),
                         "tokens": encode_pairs(self.mix_tokens),
                     },
+                    "history": self.history,
+                    "skip": self.skip,
+                    "retired": self._retired_state,
                 }
             )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def retire(self, retire: Any) -> None:
+        """Never deliver the samples ``retire`` names from now on (before the first ``next()``):
+        ``(dataset_id, shard, index)`` triples, or a predicate on one, evaluated now over every
+        sample id of the source. They are kept in every later state; see ``runtime.retire``."""
+        if self._started:
+            raise CheckpointError("retire must be called before the first next()")
+        taken = retired_ids(retire, self.plan.source)
+        if not len(taken):
+            return
+        if len(self.retirements) == MAX_SETS:
+            raise PlanError(
+                f"this run has retired samples {MAX_SETS} times, as often as a state keeps; "
+                "make a new source without them instead"
+            )
+        plan = self.plan
+        horizons = {}
+        for lane in self.lanes:
+            if not lane.ended:
+                horizons.update(
+                    horizons_of(
+                        lane.book.runs[lane.book.run_index :],
+                        monotone=lane.book.monotone,
+                        per_epoch=plan.epoch_chunks,
+                        geometry=self.layout.geometry,
+                    )
+                )
+        step = global_step([lane.state() for lane in self.lanes])
+        self.history = with_event(
+            self.history, {"event": "retire", "step": step, "ids": len(taken)}
+        )
+        self._set_retirements([*self.retirements, Retirement(taken, horizons)])
+
+    def _set_retirements(self, retirements: list[Retirement]) -> None:
+        self.retirements = retirements
+        self._retired_state = [r.encode() for r in retirements] or None
+        union = (
+            RetiredIds(np.concatenate([r.ids.rows for r in retirements])) if retirements else None
+        )
+        for lane in self.lanes:
+            lane.feed.retired = union
+            lane.fetch_screen = FetchScreen(retirements)
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_changes: bool = False) -> None:
         """Continue from ``state`` (this rank's own, or a job state from ``merge_states``); only
         before the first ``next()``. Every field is checked: a damaged or edited state raises
         ``CheckpointCorruptError``, a state of another pipeline ``CheckpointMismatchError``, and
-        neither starts a stream."""
+        neither starts a stream.
+
+        ``allow_changes=True`` also takes a state whose operators changed (their code or
+        parameters; never the source): what was delivered stays delivered, the rest comes from
+        the new operators. A ``PipelineChangeWarning`` names each changed operator and the change
+        is kept in the state's ``history``."""
         if self._started:
             raise CheckpointError("load_state_dict must be called before the first next()")
         body = unseal(state, (STATE_FORMAT, JOB_FORMAT))
@@ -435,7 +524,22 @@ class Loader(LoaderStep):
                 f"{sorted(body)}"
             )
         relaning = plan.relane and type(body.get("lanes")) is int and body["lanes"] != plan.lanes
-        check_identity(body, plan, relane=relaning)
+        if type(allow_changes) is not bool:
+            raise TypeError(f"allow_changes must be True or False, got {allow_changes!r}")
+        changes = check_identity(body, plan, relane=relaning, allow_changes=allow_changes)
+        history, self.skip = check_history(body["history"], body["skip"])
+        if changes:
+            self._announce(changes)
+            old = body["pipeline"].get("operators")
+            event = change_event(
+                global_step(body["lane_states"]), changes, old, plan.fingerprint_parts["operators"]
+            )
+            history = with_event(history, event)
+            for lane in self.lanes:
+                lane.cause = CHANGED_RECORDS
+                lane.lenient = True  # on the monotone path: see ``ReplayFilter``
+        self.history = history
+        self._set_retirements(decode_retirements(body["retired"]))
         if relaning:
             body = self._relane(body)
             job = True
@@ -504,6 +608,16 @@ class Loader(LoaderStep):
                 "taken right after an optimizer step"
             ) from None
         return self.next_lane
+
+    def _announce(self, changes: list[str]) -> None:
+        text = (
+            "resuming a checkpoint with changed operators (allow_changes=True): "
+            + "; ".join(changes)
+            + ". What was delivered before the checkpoint stays delivered; everything after it "
+            "comes from the new operators"
+        )
+        log.warning(text)
+        warnings.warn(text, PipelineChangeWarning, stacklevel=4)
 
     def _restore_counters(
         self,

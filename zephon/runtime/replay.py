@@ -12,12 +12,30 @@ from zephon.errors import ReplayDivergenceError
 from zephon.types import SampleCursor
 
 MASK64 = (1 << 64) - 1
+NOT_DETERMINISTIC = (
+    "Some operator is not deterministic (randomness not from (seed, lane, epoch), iteration over "
+    "sets, time-based decisions) or its carry state was not restored"
+)
+#: Why a replay diverges after a resume with changed operators (``allow_changes=True``).
+CHANGED_RECORDS = (
+    "The changed operators make other records of what was in flight at the checkpoint than the "
+    "old ones did (a filter that now drops other records, a map that changes lengths before a "
+    "packer), so what was delivered before it cannot be told apart on the epoch path; only "
+    "changes that keep the in-flight records (the same records, other payloads) resume there. "
+    "Resume with the checkpoint's operators and change them at a later checkpoint"
+)
 
 
 class ReplayFilter:
     """Swallows records of lane ``lane_id`` up to ``target``; ``expect`` is the checkpoint's
     ``(count, digest)`` of the lane's retained deliveries, ``seen`` what is already accounted for
-    (records skipped at the source)."""
+    (records skipped at the source); ``cause`` what a divergence means, when the usual cause (a
+    non-deterministic operator) is not the likely one.
+
+    ``lenient`` (the monotone path after a resume with changed operators, whose records need not
+    be the ones delivered): records are swallowed while they sort at or below the cursor, which
+    closes every offset below it as delivery did, without checking count and digest; the first
+    record above it is not swallowed (``past``), and the stream may end first."""
 
     def __init__(
         self,
@@ -27,6 +45,8 @@ class ReplayFilter:
         *,
         monotone: bool,
         seen: tuple[int, int] = (0, 0),
+        cause: str | None = None,
+        lenient: bool = False,
     ):
         self.lane_id = lane_id
         self.target = target
@@ -34,6 +54,12 @@ class ReplayFilter:
         self.monotone = monotone
         self.count, self.digest = seen
         self.swallowed = 0
+        self.cause = cause or NOT_DETERMINISTIC
+        self.lenient = lenient and monotone
+
+    def past(self, cursor: SampleCursor) -> bool:
+        """Whether a lenient replay is over before the record at ``cursor`` (it sorts above)."""
+        return self.lenient and cursor > self.target
 
     def swallow(self, cursor: SampleCursor) -> bool:
         """Account for a swallowed record; True when it was the one at the replay cursor."""
@@ -45,7 +71,7 @@ class ReplayFilter:
         self.digest = (self.digest + cursor.stable_hash) & MASK64
         if cursor != target:
             return False
-        if (self.count, self.digest) != self.expect:
+        if (self.count, self.digest) != self.expect and not self.lenient:
             raise self.diverged(
                 f"the replay cursor was met after {self.count} records, but the checkpoint "
                 f"recorded {self.expect[0]} (or different ones) before it"
@@ -56,7 +82,5 @@ class ReplayFilter:
         """The error for a replay that cannot reach the checkpoint's position."""
         return ReplayDivergenceError(
             f"replay of lane {self.lane_id} to cursor {self.target!r} diverged: {why}. "
-            "Some operator is not deterministic (randomness not from (seed, lane, epoch), "
-            "iteration over sets, time-based decisions) or its carry state was not restored; "
-            "the stream was not resumed."
+            f"{self.cause}; the stream was not resumed."
         )

@@ -21,6 +21,7 @@ from zephon.runtime.plan_parcel import PlanParcel
 from zephon.runtime.workers import open_lane, open_lanes
 
 if TYPE_CHECKING:
+    from zephon.runtime.retire import RetiredIds
     from zephon.sources.base import WorkSource
 
 
@@ -37,6 +38,7 @@ class LaneFeed(FeedBuffer):
         self.runner: Any = None  # the running lane (inline, thread or process)
         self.starting: WorkerStarts | None = None  # set while its worker starts on a thread
         self.closed = False
+        self.retired: RetiredIds | None = None  # samples taken out of the run (``retire=``)
 
     def start(self) -> None:
         """Start the lane's runner unless it runs already (or wait for a start under way)."""
@@ -60,6 +62,8 @@ class LaneFeed(FeedBuffer):
         except ZephonError as exc:
             raise exc.add_context(lane=self.lane_id) from exc.__cause__
         self.pos = 0
+        if self.retired is not None:
+            self.buf = self.retired.screen(self.buf)
 
     def read_ahead(self) -> bool:
         """Read the lane's first lists in this process (its worker, not yet started, continues
@@ -68,6 +72,8 @@ class LaneFeed(FeedBuffer):
             read = head_start.read_ahead(self.plan, self.lane_id, self.start_at)
             if read is not None:
                 (self.buf, self.start_at), self.pos = read, 0
+                if self.retired is not None:
+                    self.buf = self.retired.screen(self.buf)
         except ZephonError as exc:  # its data could not be read (head_start.read_ahead)
             raise exc.add_context(lane=self.lane_id) from exc.__cause__
         finally:

@@ -1,0 +1,281 @@
+"""Resuming across an operator change on purpose (``allow_changes=True``): what was delivered
+before the checkpoint stays delivered, everything after it is delivered once, by the new
+operators; a change of the data is still refused."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from pipeline_kit import fingerprint_item
+
+import zephon
+from zephon.errors import (
+    CheckpointMismatchError,
+    PipelineChangeWarning,
+    RelaneWarning,
+    ReplayDivergenceError,
+)
+from zephon.ops import filter_records, map_transform, tokenize
+from zephon.ops.basic import fetch
+from zephon.ops.batching import batch
+from zephon.ops.packing import pack_sequences
+from zephon.ops.shuffle import shuffle
+from zephon.runtime.checkpoint import seal
+from zephon.sources.memory import ListSource, RangeSource
+
+SCALE = 1000  # a token is (document + 1) * SCALE + something below SCALE
+
+
+def _times_three(payload: dict) -> dict:
+    return {**payload, "value": payload["idx"] * 3}
+
+
+def _times_five(payload: dict) -> dict:
+    return {**payload, "value": payload["idx"] * 5}
+
+
+def _double(payload: dict) -> dict:
+    return {**payload, "value": payload["value"] * 2}
+
+
+def _odd_or_small(payload: dict) -> bool:
+    return payload["idx"] % 2 == 1 or payload["idx"] < 40
+
+
+def _odd_or_large(payload: dict) -> bool:
+    return payload["idx"] % 2 == 1 or payload["idx"] >= 40
+
+
+def mapped(fn: Callable[[dict], dict] = _times_three, **kw: Any) -> zephon.Pipeline:
+    ops = [fetch(), map_transform(fn), shuffle(7, seed=4), batch(3)]
+    return zephon.Pipeline(RangeSource(240, chunk_size=6), ops, epoch_chunks=2, **kw)
+
+
+def monotone(fn: Callable[[dict], dict] = _times_three, **kw: Any) -> zephon.Pipeline:
+    ops = [fetch(), map_transform(fn), filter_records(_odd_or_small), batch(2)]
+    return zephon.Pipeline(RangeSource(200, chunk_size=8), ops, **kw)
+
+
+def _docs(n: int) -> list[dict[str, Any]]:
+    return [{"doc": i, "text": f"{i}:" + "xyz" * (1 + (i * 7) % 13)} for i in range(n)]
+
+
+def _encode(text: str) -> list[int]:
+    """Tokens that say which document they come from: ``(doc + 1) * SCALE + byte % 500``."""
+    doc = int(text.split(":", 1)[0])
+    return [(doc + 1) * SCALE + ord(c) % 500 for c in text]
+
+
+def _suffix_a(payload: dict) -> dict:
+    return {**payload, "text": payload["text"] + "a"}
+
+
+def _suffix_b(payload: dict) -> dict:
+    return {**payload, "text": payload["text"] + "b"}
+
+
+def packed(fn: Callable[[dict], dict] = _suffix_a, **kw: Any) -> zephon.Pipeline:
+    ops = [
+        fetch(),
+        map_transform(fn),
+        tokenize(_encode, append_eos=False),
+        shuffle(5, seed=2),
+        pack_sequences(32, open_bins=3, pad_id=0),
+        batch(2),
+    ]
+    return zephon.Pipeline(ListSource(_docs(160), chunk_size=5), ops, epoch_chunks=2, **kw)
+
+
+def head(pipeline: zephon.Pipeline, steps: int) -> tuple[list[Any], dict]:
+    loader = iter(pipeline)
+    items = [next(loader) for _ in range(steps)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    return items, state
+
+
+def resumed(pipeline: zephon.Pipeline, state: dict) -> list[Any]:
+    relaning = state["lanes"] != pipeline.compile().lanes
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        loader = pipeline.iter(state=state, allow_changes=True)
+    kinds = [w.category for w in shown]
+    assert kinds.count(PipelineChangeWarning) == 1
+    assert kinds.count(RelaneWarning) == (1 if relaning else 0)
+    return list(loader)
+
+
+def _rows(items: list[Any]) -> list[dict]:
+    """The records of delivered batches as dicts of plain values."""
+    out = []
+    for item in items:
+        payload = item.payload
+        for i in range(len(next(iter(payload.values())))):
+            out.append({k: np.asarray(v)[i] for k, v in payload.items()})
+    return out
+
+
+@pytest.mark.parametrize("make", [mapped, monotone], ids=["epoch", "monotone"])
+@pytest.mark.parametrize("lanes", [(2, 2), (2, 3), (4, 1)])
+def test_a_changed_map_resumes_with_every_sample_once_and_the_new_output(
+    make: Callable[..., zephon.Pipeline], lanes: tuple[int, int]
+) -> None:
+    old, new = lanes
+    everything = Counter(int(r["idx"]) for r in _rows(list(make(lanes=old))))
+    for steps in (0, 1, 7, 23):
+        before, state = head(make(lanes=old), steps)
+        after = resumed(make(_times_five, lanes=new), state)
+        seen = Counter(int(r["idx"]) for r in _rows(before) + _rows(after))
+        assert seen == everything, f"step {steps}"
+        assert all(r["value"] == r["idx"] * 3 for r in _rows(before))
+        assert all(r["value"] == r["idx"] * 5 for r in _rows(after)), f"step {steps}"
+
+
+def _per_document(items: list[Any]) -> Counter:
+    tokens = np.concatenate([np.asarray(item.payload["tokens"]).ravel() for item in items])
+    return Counter((tokens[tokens != 0] // SCALE - 1).tolist())
+
+
+@pytest.mark.parametrize("lanes", [(2, 2), (2, 3), (3, 1)])
+def test_tokenized_and_packed_documents_keep_their_token_counts(lanes: tuple[int, int]) -> None:
+    old, new = lanes
+    lengths = Counter({d["doc"]: len(d["text"]) + 1 for d in _docs(160)})
+    assert _per_document(list(packed(lanes=old))) == lengths
+    for steps in (1, 6, 17):
+        before, state = head(packed(lanes=old), steps)
+        after = resumed(packed(_suffix_b, lanes=new), state)
+        assert _per_document(before) + _per_document(after) == lengths, f"step {steps}"
+        # the new map's suffix: each document's last token is now a "b"
+        last_b = (ord("b") % 500) + SCALE
+        tokens = np.concatenate([np.asarray(x.payload["tokens"]).ravel() for x in after])
+        assert np.any(tokens % SCALE == last_b % SCALE)
+        assert not np.any(tokens % SCALE == ord("a") % 500)
+
+
+def test_the_warning_names_the_changed_operator_and_parameter() -> None:
+    _, state = head(mapped(lanes=2), 5)
+    with pytest.warns(
+        PipelineChangeWarning, match=r"operator #1 \(map_transform\(_times_five\)\) parameter 'fn'"
+    ):
+        loader = mapped(_times_five, lanes=2).iter(state=state, allow_changes=True)
+    next(loader)
+    later = loader.state_dict()
+    loader.close()
+    (event,) = later["history"]
+    assert event["event"] == "change" and event["step"] == 2  # 5 items over 2 lanes
+    assert "parameter 'fn'" in event["changes"][0]
+    assert event["operators"][0] == state["pipeline"]["operators"][:16]
+    # the later state belongs to the new pipeline: it resumes exactly, without allow_changes
+    expected = [fingerprint_item(x) for x in mapped(_times_five, lanes=2).iter(state=later)]
+    assert expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = [fingerprint_item(x) for x in mapped(_times_five, lanes=2).iter(state=later)]
+    assert again == expected
+
+
+def test_without_allow_changes_the_mismatch_says_how_to_allow_it() -> None:
+    _, state = head(mapped(lanes=2), 5)
+    with pytest.raises(CheckpointMismatchError, match=r"allow_changes=True"):
+        mapped(_times_five, lanes=2).iter(state=state)
+
+
+def test_a_change_of_the_data_is_refused_even_with_allow_changes() -> None:
+    _, state = head(mapped(lanes=2), 5)
+    other = zephon.Pipeline(
+        RangeSource(241, chunk_size=6),
+        [fetch(), map_transform(_times_five), shuffle(7, seed=4), batch(3)],
+        epoch_chunks=2,
+        lanes=2,
+    )
+    with pytest.raises(CheckpointMismatchError, match="source") as raised:
+        other.iter(state=state, allow_changes=True)
+    assert "allow_changes=True resumes" not in str(raised.value)
+
+
+def test_an_operator_added_or_replaced_is_refused() -> None:
+    _, state = head(mapped(lanes=2), 5)
+    longer = zephon.Pipeline(
+        RangeSource(240, chunk_size=6),
+        [fetch(), map_transform(_times_five), map_transform(_double), shuffle(7, seed=4), batch(3)],
+        epoch_chunks=2,
+        lanes=2,
+    )
+    with pytest.raises(CheckpointMismatchError, match="added, removed or replaced"):
+        longer.iter(state=state, allow_changes=True)
+
+
+def _filtered(keep: Callable[[dict], bool], **kw: Any) -> zephon.Pipeline:
+    ops = [fetch(), map_transform(_times_three), filter_records(keep), batch(2)]
+    return zephon.Pipeline(RangeSource(200, chunk_size=8), ops, **{"lanes": 2, **kw})
+
+
+@pytest.mark.parametrize("steps", [1, 12, 30])
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_a_new_filter_threshold_takes_over_where_each_lane_stood_on_the_monotone_path(
+    steps: int, lanes: int
+) -> None:
+    before, state = head(_filtered(_odd_or_small), steps)
+    after = resumed(_filtered(_odd_or_large, lanes=lanes), state)
+    seen = [int(r["idx"]) for r in _rows(before)]
+    # a lane's chunks are positions p % 2 == lane; it delivered every sample up to its last one
+    last = {lane: max((i for i in seen if i // 8 % 2 == lane), default=-1) for lane in (0, 1)}
+    expected = [i for i in range(200) if _odd_or_large({"idx": i}) and i > last[i // 8 % 2]]
+    got = [int(r["idx"]) for r in _rows(after)]
+    assert sorted(got) == expected
+    assert not set(got) & set(seen)
+
+
+def _none_for_sevens(payload: dict) -> dict | None:
+    return None if payload["idx"] % 7 == 0 else {**payload, "value": payload["idx"] * 5}
+
+
+def test_a_map_that_stops_dropping_records_resumes_at_the_source() -> None:
+    # drop_none makes the old plan replay; the new one, indexable, skips at the source
+    def make(fn: Callable[[dict], Any], **kw: Any) -> zephon.Pipeline:
+        ops = [fetch(), map_transform(fn, **kw), batch(2)]
+        return zephon.Pipeline(RangeSource(200, chunk_size=8), ops, lanes=2)
+
+    before, state = head(make(_none_for_sevens, drop_none=True), 13)
+    after = resumed(make(_times_five), state)
+    seen = [int(r["idx"]) for r in _rows(before)]
+    last = {lane: max(i for i in seen if i // 8 % 2 == lane) for lane in (0, 1)}
+    got = [int(r["idx"]) for r in _rows(after)]
+    assert sorted(got) == [i for i in range(200) if i > last[i // 8 % 2]]
+    assert all(r["value"] == r["idx"] * 5 for r in _rows(after))
+
+
+def test_a_change_that_makes_other_in_flight_records_on_the_epoch_path_is_refused() -> None:
+    def shuffled(keep: Callable[[dict], bool]) -> zephon.Pipeline:
+        ops = [fetch(), filter_records(keep), shuffle(7, seed=4), batch(3)]
+        return zephon.Pipeline(RangeSource(240, chunk_size=6), ops, lanes=2, epoch_chunks=4)
+
+    _, state = head(shuffled(_odd_or_small), 3)
+    with pytest.warns(PipelineChangeWarning):
+        loader = shuffled(_odd_or_large).iter(state=state, allow_changes=True)
+    with pytest.raises(ReplayDivergenceError, match="changed operators make other records"):
+        next(loader)
+
+
+def test_a_state_of_the_previous_format_still_loads() -> None:
+    _, state = head(mapped(lanes=2), 5)
+    expected = [fingerprint_item(x) for x in mapped(lanes=2).iter(state=state)]
+    body = {k: v for k, v in state.items() if k not in ("checksum", "history", "skip")}
+    old = seal({**body, "version": 3})
+    assert [fingerprint_item(x) for x in mapped(lanes=2).iter(state=old)] == expected
+    with pytest.warns(PipelineChangeWarning):
+        loader = mapped(_times_five, lanes=2).iter(state=old, allow_changes=True)
+    assert all(r["value"] == r["idx"] * 5 for r in _rows(list(loader)))
+
+
+def test_process_lanes_resume_a_change_like_inline_ones() -> None:
+    _, state = head(packed(lanes=2), 6)
+    inline = [fingerprint_item(x) for x in resumed(packed(_suffix_b, lanes=3), state)]
+    process = resumed(packed(_suffix_b, lanes=3, workers="process"), state)
+    assert [fingerprint_item(x) for x in process] == inline

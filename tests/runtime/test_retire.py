@@ -1,0 +1,254 @@
+"""Retiring samples at a resume (``retire=``): they are never delivered afterwards, in flight or
+not, every other sample is still delivered exactly once, and later checkpoints, re-lanings and
+world-size changes keep them retired."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from pipeline_kit import fingerprint_item
+
+import zephon
+from zephon.errors import CheckpointCorruptError, PlanError, RelaneWarning
+from zephon.ops import filter_records, map_transform
+from zephon.ops.basic import fetch
+from zephon.ops.batching import batch
+from zephon.ops.packing import pack_sequences
+from zephon.ops.shuffle import shuffle
+from zephon.runtime.checkpoint import seal
+from zephon.sources.memory import ListSource, RangeSource
+
+N = 600
+
+
+def _kept(payload: dict) -> bool:
+    return payload["idx"] % 11 != 4
+
+
+def _tagged(payload: dict) -> dict:
+    return {**payload, "tag": payload["idx"] * 2}
+
+
+def shuffled(**kw: Any) -> zephon.Pipeline:
+    ops = [fetch(), shuffle(9, seed=5), batch(3)]
+    return zephon.Pipeline(
+        RangeSource(N, chunk_size=8), ops, **{"lanes": 3, "epoch_chunks": 2, **kw}
+    )
+
+
+def monotone(**kw: Any) -> zephon.Pipeline:
+    ops = [fetch(), map_transform(_tagged), filter_records(_kept), batch(2)]
+    return zephon.Pipeline(RangeSource(N, chunk_size=8), ops, **{"lanes": 2, **kw})
+
+
+def indexable(**kw: Any) -> zephon.Pipeline:
+    ops = [fetch(), map_transform(_tagged)]
+    return zephon.Pipeline(RangeSource(N, chunk_size=8), ops, **{"lanes": 2, **kw})
+
+
+PIPELINES: dict[str, Callable[..., zephon.Pipeline]] = {
+    "shuffled": shuffled,
+    "monotone": monotone,
+    "indexable": indexable,
+}
+
+
+def ids(item: Any) -> list[tuple]:
+    records = list(item) if isinstance(item, zephon.types.SampleBatch) else [item]
+    return [r.meta.cursor.sample_id for r in records]
+
+
+def delivered(items: Any) -> list[tuple]:
+    return [i for item in items for i in ids(item)]
+
+
+def head(loader: Any, items: int) -> tuple[list[tuple], dict]:
+    seen = delivered(next(loader) for _ in range(items))
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    return seen, state
+
+
+def retired_sample(everything: list[tuple], seen: list[tuple]) -> list[tuple]:
+    """100 ids: some delivered already, most not (in flight or later)."""
+    rng = random.Random(3)
+    return rng.sample(seen, min(10, len(seen))) + rng.sample(
+        [i for i in everything if i not in set(seen)], 100 - min(10, len(seen))
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(PIPELINES))
+@pytest.mark.parametrize("step", [0, 4, 31])
+def test_retired_samples_never_come_and_the_rest_come_once(kind: str, step: int) -> None:
+    make = PIPELINES[kind]
+    everything = delivered(make())
+    before, state = head(iter(make()), step)
+    retired = retired_sample(everything, before)
+    after = delivered(make().iter(state=state, retire=retired))
+    assert not set(after) & set(retired)
+    expected = Counter(everything) - Counter(i for i in retired if i not in set(before))
+    assert Counter(before) + Counter(after) == expected
+
+
+@pytest.mark.parametrize("kind", sorted(PIPELINES))
+@pytest.mark.parametrize("later", [9, 70])  # in the chunks in flight at the resume, and past them
+def test_retired_samples_stay_retired_through_checkpoints_and_relanings(
+    kind: str, later: int
+) -> None:
+    make = PIPELINES[kind]
+    everything = delivered(make())
+    before, state = head(iter(make()), 5)
+    retired = retired_sample(everything, before)
+    middle, state2 = head(make().iter(state=state, retire=retired), later)
+    assert state2["retired"] and state2["history"][-1]["event"] == "retire"
+    # exact resume of the retired run, without naming the ids again
+    loader = make().iter(state=state2)
+    rest = [fingerprint_item(x) for x in loader]
+    assert rest == [fingerprint_item(x) for x in make().iter(state=state2)]
+    after = delivered(make().iter(state=state2))
+    expected = Counter(everything) - Counter(i for i in retired if i not in set(before))
+    assert Counter(before) + Counter(middle) + Counter(after) == expected
+    # onto another lane count, and as a job state on two ranks
+    with pytest.warns(RelaneWarning):
+        relaned = delivered(make(lanes=4).iter(state=state2))
+    assert Counter(before) + Counter(middle) + Counter(relaned) == expected
+    job = zephon.merge_states([state2])
+    world = make().compile().lanes  # one lane per rank
+    ranks = [
+        i for r in range(world) for i in delivered(make(rank=r, world_size=world).iter(state=job))
+    ]
+    assert Counter(before) + Counter(middle) + Counter(ranks) == expected
+    with pytest.warns(RelaneWarning):
+        ranks = [
+            i
+            for r in range(2)
+            for i in delivered(make(lanes=4, rank=r, world_size=2).iter(state=job))
+        ]
+    assert Counter(before) + Counter(middle) + Counter(ranks) == expected
+
+
+def test_a_predicate_is_kept_as_the_ids_it_selects() -> None:
+    everything = delivered(monotone())
+    before, state = head(iter(monotone()), 3)
+    loader = monotone().iter(state=state, retire=lambda sample: sample[2] % 10 == 7)
+    after = delivered(loader)
+    picked = {i for i in everything if i[2] % 10 == 7}
+    assert not set(after) & picked
+    assert Counter(before) + Counter(after) == Counter(everything) - Counter(
+        i for i in picked if i not in set(before)
+    )
+    assert loader.state_dict()["history"][-1] == {"event": "retire", "step": 1, "ids": 60}
+
+
+def test_retiring_from_the_start_and_bad_ids() -> None:
+    everything = delivered(shuffled())
+    gone = everything[::7]
+    assert Counter(delivered(shuffled().iter(retire=gone))) == Counter(everything) - Counter(gone)
+    with pytest.raises(PlanError, match="triple"):
+        shuffled().iter(retire=[(0, 0)])
+    with pytest.raises(PlanError, match="sample ids"):
+        shuffled().iter(retire="0,0,1")
+
+
+def test_an_edited_retired_set_is_refused() -> None:
+    _, state = head(iter(shuffled()), 4)
+    _, state2 = head(shuffled().iter(state=state, retire=[(0, 0, 5), (0, 0, 9)]), 2)
+    body = {k: v for k, v in state2.items() if k != "checksum"}
+    bad: Any
+    for bad in ("", "x", 5, []):
+        with pytest.raises(CheckpointCorruptError, match="retired"):
+            shuffled().iter(state=seal({**body, "retired": bad}))
+
+
+SCALE = 1000  # a token is (document + 1) * SCALE + its position
+
+
+def _docs(n: int) -> list[dict[str, Any]]:
+    return [
+        {"idx": i, "tokens": np.arange(1 + (i * 37) % 29, dtype=np.int64) + (i + 1) * SCALE}
+        for i in range(n)
+    ]
+
+
+def packed(**kw: Any) -> zephon.Pipeline:
+    ops = [fetch(), shuffle(6, seed=5), pack_sequences(24, open_bins=3, pad_id=0), batch(2)]
+    source = ListSource(_docs(400), chunk_size=6)
+    return zephon.Pipeline(source, ops, **{"lanes": 2, "epoch_chunks": 2, **kw})
+
+
+def per_document(items: list[Any]) -> Counter:
+    if not items:
+        return Counter()
+    tokens = np.concatenate([np.asarray(item.payload["tokens"]).ravel() for item in items])
+    return Counter((tokens[tokens != 0] // SCALE - 1).tolist())
+
+
+@pytest.mark.parametrize("step", [3, 20])
+def test_packed_rows_never_hold_retired_documents_and_others_are_lost_only_in_flight(
+    step: int,
+) -> None:
+    lengths = Counter({d["idx"]: len(d["tokens"]) for d in _docs(400)})
+    loader = iter(packed())
+    before = [next(loader) for _ in range(step)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    retired = list(range(0, 400, 4))  # 100 documents
+    after = list(packed().iter(state=state, retire=[(0, 0, i) for i in retired]))
+    seen_before, seen_after = per_document(before), per_document(after)
+    assert not set(seen_after) & set(retired)
+    total = seen_before + seen_after
+    assert all(total[d] <= lengths[d] for d in total), "a token was delivered twice"
+    # Only documents of the epochs in flight at the resume may have gone with a retired one.
+    in_flight = {
+        g + k * 2
+        for g, lane in enumerate(state["lane_states"])
+        for k in range(lane["start"], lane["start"] + 2)
+    }
+    lost = {d for d in lengths if d not in retired and total[d] != lengths[d]}
+    assert {d // 6 for d in lost} <= in_flight
+    # From the start, nothing but the retired documents is missing.
+    fresh = per_document(list(packed().iter(retire=[(0, 0, i) for i in retired])))
+    assert fresh == Counter({d: n for d, n in lengths.items() if d not in retired})
+
+
+@pytest.mark.parametrize("workers", ["inline", "process"])
+def test_a_packed_run_with_retired_documents_resumes_exactly_and_relanes(workers: str) -> None:
+    loader = iter(packed())
+    before = [next(loader) for _ in range(5)]
+    state = loader.state_dict()
+    loader.close()
+    retired = [(0, 0, i) for i in range(1, 400, 4)]
+    loader = packed(workers=workers).iter(state=state, retire=retired)
+    middle = [next(loader) for _ in range(30)]
+    later = json.loads(json.dumps(loader.state_dict()))
+    rest = [fingerprint_item(x) for x in loader]
+    assert rest == [fingerprint_item(x) for x in packed().iter(state=later)]
+    with pytest.warns(RelaneWarning):
+        relaned = list(packed(lanes=3).iter(state=later))
+    total = per_document(before) + per_document(middle) + per_document(relaned)
+    lengths = {d["idx"]: len(d["tokens"]) for d in _docs(400)}
+    assert all(n <= lengths[d] for d, n in total.items())
+    assert not set(per_document(middle) + per_document(relaned)) & {i for _, _, i in retired}
+
+
+def test_retiring_at_a_relaning_after_skipped_steps() -> None:
+    everything = delivered(shuffled())
+    before, state = head(iter(shuffled()), 7)
+    retired = retired_sample(everything, before)
+    skipped = zephon.skip_steps(state, 2)
+    with pytest.warns(RelaneWarning):
+        loader = shuffled(lanes=2).iter(state=skipped, retire=retired)
+    after = delivered(loader)
+    kinds = [event["event"] for event in loader.state_dict()["history"]]
+    assert kinds == ["skip", "retire"]
+    assert not set(after) & set(retired)
+    assert max((Counter(before) + Counter(after)).values()) == 1
+    # two skipped steps of two lanes, of batches of 3: at most 12 samples besides the retired
+    missing = set(everything) - set(before) - set(after) - set(retired)
+    assert 0 < len(missing) <= 12
