@@ -23,6 +23,7 @@ from zephon.errors import (  # noqa: E402
     PlanError,
     RelaneWarning,
     ReplayDivergenceError,
+    UnverifiedContentWarning,
     ZephonError,
 )
 from zephon.planner import Pipeline, Plan  # noqa: E402
@@ -53,6 +54,7 @@ __all__ = [
     "PlanError",
     "RelaneWarning",
     "ReplayDivergenceError",
+    "UnverifiedContentWarning",
     "ZephonError",
     "load_checkpoint",
     "load_job_state",

@@ -115,3 +115,9 @@ class MixtureDropWarning(UserWarning):
     is far from them, and most of the work upstream is thrown away. The message says what to
     change: weigh the source by tokens (``MixtureSource(by="tokens")``), or, for a source that
     already does, estimate its tokens better, so that the correction only trims residual drift."""
+
+
+class UnverifiedContentWarning(UserWarning):
+    """A checkpoint taken before file contents were part of the pipeline's identity was resumed
+    on files with the same layout (names, sizes, row counts, footers): their contents could not
+    be compared. Checkpoints taken from then on carry the contents' digests."""

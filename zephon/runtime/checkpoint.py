@@ -6,11 +6,17 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 from zephon.compact import unpack_json
-from zephon.errors import CheckpointCorruptError, CheckpointMismatchError
+from zephon.errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    UnverifiedContentWarning,
+)
+from zephon.identity import identify
 from zephon.plan import digest
 from zephon.runtime.identity_diff import first_difference, operator_differences
 
@@ -87,6 +93,16 @@ def check_identity(
     if not isinstance(saved, dict):
         raise CheckpointCorruptError("loader state field pipeline must be an object")
     parts = plan.fingerprint_parts
+    if saved.get("source") != parts.get("source") and saved.get("source") == _footer_only(plan):
+        warnings.warn(
+            "this checkpoint was taken before file contents were part of the pipeline's "
+            "identity: its files have the same names, sizes, row counts and footers, but "
+            "whether their contents are the ones it was taken on cannot be checked. Checkpoints "
+            "taken from now on are checked",
+            UnverifiedContentWarning,
+            stacklevel=4,
+        )
+        parts = {**parts, "source": saved["source"]}
     changed = saved.get("operators") != parts.get("operators")
     differs = [
         f"{key} (checkpoint {saved.get(key)!r}, pipeline {value!r})"
@@ -135,6 +151,34 @@ def check_identity(
     return operator_differences(_described(saved), _described(parts)) or [
         f"operators (digest {saved.get('operators')!s:.12} -> {parts.get('operators')!s:.12})"
     ]
+
+
+def _footer_only(plan: Any) -> str | None:
+    """The source digest the plan had before each file's ``content_sha256`` entered its
+    description (beside its ``footer``): what checkpoints taken then recorded; None when the
+    source holds no such file."""
+    try:
+        described = identify(plan.source.describe(), where="the source's describe()")
+    except Exception:
+        return None
+    older, found = _without_content(described)
+    return digest(older) if found else None
+
+
+def _without_content(value: Any) -> tuple[Any, bool]:
+    if isinstance(value, list):
+        items = [_without_content(v) for v in value]
+        return [v for v, _ in items], any(f for _, f in items)
+    if not isinstance(value, dict):
+        return value, False
+    found = "footer" in value and "content_sha256" in value
+    out = {}
+    for key, v in value.items():
+        if found and key == "content_sha256":
+            continue
+        out[key], deeper = _without_content(v)
+        found = found or deeper
+    return out, found
 
 
 def _check_same_chain(saved: Any, current: Any) -> None:
