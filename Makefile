@@ -58,4 +58,4 @@ bench: build
 	$(BIN)/zephon bench
 
 clean:
-	rm -rf build zephon/_core/*.c zephon/_core/*.so zephon.egg-info
+	rm -rf build dist zephon/_core/*.c zephon/_core/*.so zephon_loader.egg-info

@@ -43,7 +43,7 @@ def ids_of(ids: npt.NDArray[np.int64]) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Reference packers: the rules of the spec, written out with lists.
+# Reference packers: the packing rules, written out with lists.
 
 
 class RefBinPacker:
