@@ -54,9 +54,7 @@ class HoldRecordZero:
 
     def __call__(self, payload: dict) -> dict:
         if payload["idx"] == 0:
-            deadline = time.monotonic() + 60
-            while not os.path.exists(self.release) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: os.path.exists(self.release), 60)
             return payload
         with open(self.log, "a") as f:
             f.write(f"{payload['idx']}\n")
