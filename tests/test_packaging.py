@@ -138,7 +138,8 @@ def test_the_sdist_holds_the_build_files_and_every_kernel_source(sdist_names: se
         "zephon/_core/_types.pxd",
     }
     for stem in KERNELS:
-        expected |= {f"zephon/_core/{stem}.{ext}" for ext in ("pyx", "pxd", "pyi")}
+        expected |= {f"zephon/_core/{stem}.{ext}" for ext in ("pyx", "pyi")}
+    expected |= {f"zephon/_core/{p.name}" for p in CORE.glob("*.pxd")}
     missing = sorted(expected - sdist_names)
     assert not missing, f"missing from the sdist: {missing}"
 
