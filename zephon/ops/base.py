@@ -217,4 +217,3 @@ class Grouper(Protocol):
 def epoch_rng(seed: int, lane_id: int, epoch: int) -> np.random.Generator:
     """The random generator of a seeded operator for one lane and epoch (never time or id based)."""
     return np.random.default_rng(np.random.SeedSequence([seed, lane_id, epoch]))
-
