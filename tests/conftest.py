@@ -14,12 +14,17 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 from worker_kit import assert_no_leftover_workers
 
-_PROFILE = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow], "print_blob": True}
+_PROFILE: dict[str, Any] = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow],
+    "print_blob": True,
+}
 settings.register_profile("derandomized", derandomize=True, **_PROFILE)
 # New examples every run, to look for cases the fixed ones miss; a failure prints the blob that
 # replays it (``@reproduce_failure``).

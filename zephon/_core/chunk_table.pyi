@@ -1,6 +1,6 @@
 """Typed stub of the compiled per-lane chunk table (zephon/_core/chunk_table.pyx)."""
 
-from typing import Final
+from typing import Final, final
 
 import numpy as np
 import numpy.typing as npt
@@ -12,6 +12,7 @@ EVICTED: Final[int]
 
 _Int64Array = npt.NDArray[np.int64]
 
+@final
 class ChunkTable:
     """The chunk table of one lane: one bit per offset of each inflight chunk, in C memory."""
 

@@ -1,11 +1,13 @@
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, overload
+from typing import Any, final, overload
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 from zephon._core.cursor import SampleCursor
 
+@disjoint_base
 class ContributorRef:
     """A base offset a record stands for, and whether this record is the last one that will."""
 
@@ -16,6 +18,7 @@ class ContributorRef:
     def base_offset(self) -> tuple[int, int]: ...
     def __hash__(self) -> int: ...
 
+@disjoint_base
 class SampleMeta:
     """The tracking half of a record: cursor, lane, contributors, tags and mixture heritage."""
 
@@ -44,6 +47,7 @@ class SampleMeta:
 
 def counted_meta(meta: SampleMeta, n_tokens: int) -> SampleMeta: ...
 
+@disjoint_base
 class SampleRecord:
     """A payload with its tracking metadata; a tombstone's payload is None."""
 
@@ -57,6 +61,7 @@ class SampleRecord:
     def contribution_refs(self) -> tuple[ContributorRef, ...]: ...
     def with_payload(self, payload: Any) -> SampleRecord: ...
 
+@disjoint_base
 class SampleBatch:
     """Consecutive records grouped for the training loop; each keeps its own cursor and meta."""
 
@@ -66,14 +71,16 @@ class SampleBatch:
     def __init__(self, records: Iterable[SampleRecord], payload: Any) -> None: ...
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[SampleRecord]: ...
-    def __getitem__(self, i: int) -> SampleRecord: ...
+    def __getitem__(self, i: int, /) -> SampleRecord: ...
 
+@final
 class RecordRun(Sequence[SampleRecord]):
     """Root records of one chunk at consecutive offsets, kept as columns: what ``fetch`` reads."""
 
     chunk_id: int
     first_offset: int
     lane_id: int
+    n: int
     payloads: list[Any]
     components: list[Any]
     def __init__(
@@ -92,11 +99,12 @@ class RecordRun(Sequence[SampleRecord]):
     def split(self, k: int) -> tuple[RecordRun, RecordRun]: ...
     def __len__(self) -> int: ...
     @overload
-    def __getitem__(self, index: int) -> SampleRecord: ...
+    def __getitem__(self, index: int, /) -> SampleRecord: ...
     @overload
-    def __getitem__(self, index: slice) -> list[SampleRecord]: ...
+    def __getitem__(self, index: slice, /) -> list[SampleRecord]: ...
     def __iter__(self) -> Iterator[SampleRecord]: ...
 
+@final
 class JoinedRuns(Sequence[SampleRecord]):
     """Runs read one after another, as one read-only ``Sequence`` of their records."""
 
@@ -109,9 +117,9 @@ class JoinedRuns(Sequence[SampleRecord]):
     def records(self) -> list[SampleRecord]: ...
     def __len__(self) -> int: ...
     @overload
-    def __getitem__(self, index: int) -> SampleRecord: ...
+    def __getitem__(self, index: int, /) -> SampleRecord: ...
     @overload
-    def __getitem__(self, index: slice) -> list[SampleRecord]: ...
+    def __getitem__(self, index: slice, /) -> list[SampleRecord]: ...
     def __iter__(self) -> Iterator[SampleRecord]: ...
 
 def expand_runs(items: list[Any]) -> list[Any]: ...

@@ -568,7 +568,9 @@ def fill_versus_grain(payloads: list[dict[str, Any]]) -> dict[str, Any]:
                     epoch_sequences=8 * ROW_GROUP,
                 )
             )
-    out = {kind: _median_by_speed(r) for kind, r in runs.items() if r[0] is not None}
+    out: dict[str, Any] = {
+        kind: _median_by_speed(r) for kind, r in runs.items() if r[0] is not None
+    }
     out.setdefault("grain", None)
     out["documents"] = len(payloads)
     out["long"] = sum(n > SEQ_LEN for n in lengths)
