@@ -131,3 +131,50 @@ def as_lists(record: Any) -> tuple[list[int], list[int]]:
     payload = record.payload
     assert payload["tokens"].dtype == np.int32 and payload["loss_mask"].dtype == np.int32
     return payload["tokens"].tolist(), payload["loss_mask"].tolist()
+
+
+# Content that spells special tokens: text pieces and the special tokens' strings, joined.
+spelled_contents = st.lists(st.one_of(contents, st.sampled_from(SPECIALS)), max_size=5).map("".join)
+spelled_conversations = st.lists(
+    st.builds(
+        lambda role, content: {"role": role, "content": content},
+        st.sampled_from(ROLES),
+        spelled_contents,
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@functools.cache
+def bpe_as_text() -> Tokenizer:
+    """``bpe()`` with its special tokens' strings encoded as plain text."""
+    tok = Tokenizer.from_str(bpe().to_str())
+    tok.encode_special_tokens = True
+    return tok
+
+
+def spelled_reference(
+    conversation: Sequence[dict[str, str]], train_on: Sequence[str], content_specials: str
+) -> tuple[list[int], list[int]]:
+    """(tokens, loss mask) of ``conversation`` in the format of ``OURS``/``JINJA``, built message
+    by message: header, content, end of turn and separator tokenized apart, the content as plain
+    text (``content_specials="text"``) or with special-token strings as the special tokens."""
+    tok = bpe()
+    content_tok = bpe_as_text() if content_specials == "text" else tok
+    tokens = [token_id(BOS)]
+    mask = [0]
+    for message in conversation:
+        trained = int(message["role"] in train_on)
+        content = content_tok.encode(message["content"], add_special_tokens=False).ids
+        separator = tok.encode("\n", add_special_tokens=False).ids
+        tokens += [token_id(HEADERS[message["role"]]), *content, token_id(EOT), *separator]
+        mask += [0] + [trained] * len(content) + [trained] + [0] * len(separator)
+    return tokens, mask
+
+
+def token_id(special: str) -> int:
+    """The id of one of ``SPECIALS`` in ``bpe()``."""
+    found = bpe().token_to_id(special)
+    assert found is not None, special
+    return found

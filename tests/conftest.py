@@ -9,6 +9,7 @@ import http.client
 import http.server
 import logging
 import os
+import re
 import socket
 import threading
 import uuid
@@ -69,12 +70,14 @@ def moto_endpoint() -> Iterator[str]:
 
 
 class FailingProxy:
-    """A loopback HTTP proxy in front of the S3 server: it answers the next ``fail`` requests
-    with 503 SlowDown and forwards every other one; it counts what it saw."""
+    """A loopback HTTP proxy in front of the S3 server: it answers the next ``fail`` requests,
+    and every ranged GET starting at one of the byte offsets in ``fail_ranges``, with 503
+    SlowDown, and forwards every other one; it counts what it saw."""
 
     def __init__(self, upstream: str):
         self.upstream = upstream.removeprefix("http://")
         self.fail = 0
+        self.fail_ranges: set[int] = set()
         self.requests: list[str] = []
         self.failed = 0
         proxy = self
@@ -91,8 +94,9 @@ class FailingProxy:
                 proxy.requests.append(f"{self.command} {self.path}")
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                if proxy.fail > 0:
-                    proxy.fail -= 1
+                ranged = re.match(r"bytes=(\d+)-", self.headers.get("Range") or "")
+                if proxy.fail > 0 or (ranged and int(ranged.group(1)) in proxy.fail_ranges):
+                    proxy.fail = max(0, proxy.fail - 1)
                     proxy.failed += 1
                     reply = (
                         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'

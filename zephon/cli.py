@@ -1,4 +1,5 @@
-"""Command line: ``zephon demo``, ``zephon inspect FILE``, ``zephon bench`` and ``--version``.
+"""Command line: ``zephon demo``, ``zephon inspect FILE``, ``zephon bench``, the views of a
+running job (``zephon top``, ``zephon explain``, ``zephon report``) and ``--version``.
 
 Every failure a user can cause (a missing or damaged file, a closed output pipe) is one line on
 stderr and exit status 1, never a traceback.
@@ -32,6 +33,8 @@ examples:
   zephon inspect loader.json            a loader.state_dict() or save_checkpoint file
   zephon inspect checkpoint-1000.pt     a torch.save file holding a loader state
   zephon bench --quick
+  zephon top 127.0.0.1:9400             a running job's loader (zephon.observability.serve_metrics)
+  zephon report run.jsonl               plots of a zephon.observability.MetricsLog file
 """
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
@@ -208,6 +211,31 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="smaller sizes, a few minutes (the full run: about a quarter of an hour)",
     )
+    top = sub.add_parser(
+        "top",
+        help="a live view of a running job's loader, from its metrics endpoint",
+        description="Show a running job's lanes, operators, mixture and throughput, read from "
+        "the endpoint zephon.observability.serve_metrics serves, redrawn until Ctrl-C.",
+    )
+    top.add_argument("endpoint", metavar="ADDR:PORT")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    why = sub.add_parser(
+        "explain",
+        help="name a running job's bottleneck, from its metrics endpoint",
+        description="Say where a running job's loader spends its time and what to change.",
+    )
+    why.add_argument("endpoint", metavar="ADDR:PORT")
+    rep = sub.add_parser(
+        "report",
+        help="plot a run from its metrics log",
+        description="Draw throughput, mixture shares against their targets, restores and "
+        "operator time from a zephon.observability.MetricsLog file into one PNG.",
+    )
+    rep.add_argument("log", metavar="RUN.jsonl")
+    rep.add_argument(
+        "-o", "--output", metavar="PNG", help="where to write (default: beside the log)"
+    )
     return parser
 
 
@@ -228,7 +256,26 @@ def _run(args: argparse.Namespace) -> int:
         from zephon.demo import run_demo
 
         return run_demo()
+    if args.command in ("top", "explain", "report"):
+        return _observe(args)
     return inspect_checkpoint(args.checkpoint)
+
+
+def _observe(args: argparse.Namespace) -> int:
+    from zephon.observability import commands
+
+    try:
+        if args.command == "top":
+            commands.top(args.endpoint, once=args.once, interval=args.interval)
+        elif args.command == "explain":
+            print(commands.explain_endpoint(args.endpoint))
+        else:
+            print(commands.report(args.log, args.output))
+    except ImportError as exc:  # an optional extra that is not installed
+        raise ZephonError(
+            f'zephon {args.command} needs {exc.name}: pip install "{DISTRIBUTION}[metrics]"'
+        ) from None
+    return 0
 
 
 def _fail(message: str) -> int:

@@ -92,11 +92,14 @@ class CarryStateWarning(UserWarning):
 
 class RelaneWarning(UserWarning):
     """A checkpoint taken with another lane count was continued on this pipeline's lanes: every
-    sample is still delivered exactly once, but the batches differ from the uninterrupted run's.
-    ``Pipeline(relane=False)`` refuses such a checkpoint instead."""
+    sample the pipeline delivers is delivered exactly once, but the batches differ from the
+    uninterrupted run's, and which samples an operator keeping running totals drops
+    (``ensure_mixture``) can differ too. ``Pipeline(relane=False)`` refuses such a checkpoint
+    instead."""
 
 
 class MixtureDropWarning(UserWarning):
     """``ensure_mixture`` dropped more than a fifth of what it saw to reach its weights: the input
-    is far from them, and most of the work upstream is thrown away. Weigh the source by tokens
-    (``MixtureSource(by="tokens")``) so that the correction only trims residual drift."""
+    is far from them, and most of the work upstream is thrown away. The message says what to
+    change: weigh the source by tokens (``MixtureSource(by="tokens")``), or, for a source that
+    already does, estimate its tokens better, so that the correction only trims residual drift."""

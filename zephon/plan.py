@@ -56,13 +56,21 @@ class Plan:
     #: Worker processes (``workers="process"``) or threads (``"thread"``) running this rank's
     #: lanes; never part of the fingerprint: the stream does not depend on it.
     processes: int = 1
-    #: A checkpoint taken with another lane count continues on this one (every sample still
-    #: delivered exactly once, batches differ); False refuses it. Not part of the fingerprint.
+    #: A checkpoint taken with another lane count continues on this one (every sample it delivers
+    #: still delivered exactly once, batches differ); False refuses it. Not part of the
+    #: fingerprint.
     relane: bool = True
     #: Every stateful operator can describe what it holds, and what it holds can be rebuilt
     #: from re-read samples: lanes send snapshots, and a restore rebuilds the operators instead
     #: of replaying the epoch. Not part of the fingerprint: the stream is the same either way.
     restores_holdings: bool = False
+    #: Per chain operator: a record it raises on is skipped (``Pipeline(on_error=...)``) rather
+    #: than ending the run. Not part of the fingerprint: the stream is the same until an error.
+    skip_errors: tuple[bool, ...] = ()
+    #: A sample ``fetch`` cannot read or decode is skipped (never a storage error).
+    skip_fetch_errors: bool = False
+    #: The most records this rank's loader may skip over the run; None: no limit.
+    max_skipped: int | None = None
 
     @property
     def rank_lanes(self) -> range:
@@ -103,6 +111,12 @@ class Plan:
             lines.append(
                 "  restore rebuilds what the stateful operators hold (snapshots every 64 samples)"
             )
+        skipping = [
+            op.name for op, skip in zip(ops, (self.skip_fetch_errors, *self.skip_errors)) if skip
+        ]
+        if skipping:
+            limit = "no limit" if self.max_skipped is None else f"at most {self.max_skipped}"
+            lines.append(f"  skips records that fail in: {', '.join(skipping)} ({limit})")
         if self.workers != "inline":
             lines.append(f"  {self.processes} worker {self.workers}(s) for this rank's lanes")
         if self.timeout is not None:

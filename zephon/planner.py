@@ -6,12 +6,13 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from zephon.compact import pack_json
 from zephon.errors import PlanError
 from zephon.identity import identify
+from zephon.on_error import skip_policy
 from zephon.ops.base import Grouper, Operator, OpTraits, PointerReader
 from zephon.plan import WORKER_KINDS, Plan, digest
 from zephon.ranks import resolve_rank
@@ -107,8 +108,14 @@ class Pipeline:
     worker; inline lanes run in the caller's thread and cannot time out.
 
     ``relane`` (default True): a checkpoint taken with another lane count continues on this
-    pipeline's ``lanes``, every sample still delivered exactly once but in different batches
-    (a warning says so); False makes it a ``CheckpointMismatchError``.
+    pipeline's ``lanes``, every sample it delivers still delivered exactly once but in
+    different batches (a warning says so); False makes it a ``CheckpointMismatchError``.
+
+    ``on_error`` (``"raise"``, ``"skip"``, or a mapping of operator names to them): with
+    ``"skip"`` a record that ``fetch`` or an operator keeping no state fails on is dropped with
+    its tombstones, logged and counted (``Loader.skipped()``), and the run goes on; past
+    ``max_skipped`` skipped records (None: no limit) the run fails as with ``"raise"``. Neither
+    is part of the fingerprint: a checkpoint taken without skipping resumes with it.
     """
 
     def __init__(
@@ -129,6 +136,8 @@ class Pipeline:
         timeout: float | None = None,
         processes: int | None = None,
         relane: bool = True,
+        on_error: str | Mapping[str, str] = "raise",
+        max_skipped: int | None = None,
     ):
         self.source = source
         self.ops = list(ops)
@@ -147,6 +156,8 @@ class Pipeline:
         self.timeout = timeout
         self.processes = processes
         self.relane = relane
+        self.on_error = on_error
+        self.max_skipped = max_skipped
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
@@ -235,7 +246,9 @@ class Pipeline:
         # Plan-time facts flow downstream: each operator may publish some (``provides()``, e.g.
         # a tokenizer's pad id) and is handed those of the operators before it
         # (``use_upstream_facts(facts)``, which raises PlanError when a fact it needs is missing).
-        facts: dict[str, Any] = {}
+        # The source's own target mixture comes first (``source_mixture``: ``(by, shares)`` or
+        # None), so that an operator correcting the mixture can tell how the source draws it.
+        facts: dict[str, Any] = {"source_mixture": self.source.target_mixture()}
         for op in ops:
             op.use_upstream_facts(dict(facts))
             facts.update(op.provides())
@@ -258,7 +271,14 @@ class Pipeline:
         else:
             path = "monotone"
             why = "every operator preserves cursor order and keeps no state"
-        indexable = path == "monotone" and all(op.traits.preserves_indexability for op in chain)
+        skip_fetch, skip_chain = skip_policy(self.on_error, self.max_skipped, fetch_op, chain)
+        # A skipped record makes a 1 -> 1 chain drop one: consumed samples can no longer be
+        # counted off the source's pointers, so a restore replays instead.
+        indexable = (
+            path == "monotone"
+            and all(op.traits.preserves_indexability for op in chain)
+            and not (skip_fetch or any(skip_chain))
+        )
 
         parts, described = self._fingerprint_parts(n_lanes)
         return Plan(
@@ -288,6 +308,9 @@ class Pipeline:
             timeout=None if timeout is None else float(timeout),
             relane=self.relane,
             restores_holdings=path == "epoch" and _restores_holdings(chain),
+            skip_errors=skip_chain,
+            skip_fetch_errors=skip_fetch,
+            max_skipped=self.max_skipped,
         )
 
     def _fingerprint_parts(self, lanes: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -48,21 +48,28 @@ def ids_of(ids: npt.NDArray[np.int64]) -> list[int]:
 
 class RefBinPacker:
     def __init__(
-        self, capacity: int, max_open_bins: int, strategy: Strategy, cut_to_fill: bool = False
+        self,
+        capacity: int,
+        max_open_bins: int,
+        strategy: Strategy,
+        cut_to_fill: bool = False,
+        max_segments: int | None = None,
     ) -> None:
         self.capacity = capacity
         self.max_open_bins = max_open_bins
         self.strategy = strategy
         self.cut_to_fill = cut_to_fill
+        self.max_segments = max_segments
         self.reset()
 
     def reset(self) -> None:
-        # [bin_id, used, holds a piece of a cut sequence], in the order the bins were opened
+        # [bin_id, used, holds a piece of a cut sequence, fragments], in the order the bins were
+        # opened
         self.open: list[list[int]] = []
         self.next_id = 0
 
     def _open_bin(self) -> list[int]:
-        b = [self.next_id, 0, 0]
+        b = [self.next_id, 0, 0, 0]
         self.next_id += 1
         self.open.append(b)
         return b
@@ -113,7 +120,8 @@ class RefBinPacker:
             if cut:
                 target[2] = 1
             target[1] += r
-            if target[1] == cap:
+            target[3] += 1
+            if target[1] == cap or target[3] == self.max_segments:
                 self.open = [b for b in self.open if b is not target]
                 closed.append(target[0])
         return rows, closed
@@ -302,17 +310,40 @@ def replay(packer: Packer, ref: RefBinPacker | RefFlatPacker, ops: list[Op]) -> 
             assert packer.used(bin_id) == ref.used(bin_id)
 
 
-@settings(derandomize=True, max_examples=300, deadline=None)
-@given(stream=streams(), max_open=st.integers(1, 6), strategy=STRATEGIES, cut=st.booleans())
+@settings(derandomize=True, max_examples=400, deadline=None)
+@given(
+    stream=streams(),
+    max_open=st.integers(1, 6),
+    strategy=STRATEGIES,
+    cut=st.booleans(),
+    segments=st.sampled_from([None, None, 1, 2, 3]),
+)
 def test_bin_packer_matches_the_reference(
-    stream: tuple[int, list[Op]], max_open: int, strategy: Strategy, cut: bool
+    stream: tuple[int, list[Op]], max_open: int, strategy: Strategy, cut: bool, segments: int | None
 ) -> None:
     capacity, ops = stream
     replay(
-        BinPacker(capacity, max_open, strategy, cut_to_fill=cut),
-        RefBinPacker(capacity, max_open, strategy, cut),
+        BinPacker(capacity, max_open, strategy, cut_to_fill=cut, max_segments=segments),
+        RefBinPacker(capacity, max_open, strategy, cut, segments),
         ops,
     )
+
+
+def test_a_bin_leaves_once_it_holds_max_segments_fragments() -> None:
+    packer = BinPacker(100, 4, "best_fit", max_segments=2)
+    assert packer.max_segments == 2
+    _, closed = packer.add(arr([10, 10, 10]))
+    assert ids_of(closed) == [0]  # two fragments: full by count, not by tokens
+    assert packer.state() == {"next_id": 2, "bins": [[1, 90, 0, 1]]}
+    again = BinPacker(100, 4, "best_fit", max_segments=2)
+    again.restore(packer.state())
+    assert rows_of(again.add(arr([5]))[0]) == rows_of(packer.add(arr([5]))[0])
+    with pytest.raises(ValueError, match="max_segments"):
+        BinPacker(100, 4, max_segments=0)
+    with pytest.raises(ValueError, match="fragment count"):
+        again.restore({"next_id": 2, "bins": [[1, 90, 0, 2]]})
+    with pytest.raises(ValueError, match="does not fit"):
+        again.restore({"next_id": 2, "bins": [[1, 90, 0]]})  # a state of an uncapped packer
 
 
 @settings(derandomize=True, max_examples=300, deadline=None)

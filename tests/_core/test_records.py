@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,56 @@ def test_tags_are_stored_as_a_frozenset():
     meta = SampleMeta(CURSOR, tags=["split", "long"])
     assert meta.tags == frozenset({"split", "long"})
     assert isinstance(meta.tags, frozenset)
+
+
+def reference_tags(tags: Any) -> frozenset[str]:
+    """What ``tags=`` means: None or a collection of str names; a mapping (its values would be
+    lost), a lone string (it would become its characters) or a non-str name is a TypeError."""
+    if tags is None:
+        return frozenset()
+    if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Iterable):
+        raise TypeError
+    out = frozenset(tags)
+    if not all(isinstance(t, str) for t in out):
+        raise TypeError
+    return out
+
+
+names = st.text(max_size=4)
+tag_values = st.one_of(
+    st.none(),
+    st.lists(names, max_size=3),
+    st.frozensets(names, max_size=3),
+    st.sets(names, max_size=3).map(tuple),
+    st.dictionaries(names, st.integers(), max_size=3),
+    names,
+    st.binary(max_size=3),
+    st.lists(st.one_of(names, st.integers()), max_size=3),
+    st.integers(),
+)
+
+
+@given(tag_values)
+def test_tags_are_what_the_reference_makes_of_them_or_a_type_error_naming_them(tags: Any):
+    try:
+        expected = reference_tags(tags)
+    except TypeError:
+        with pytest.raises(TypeError, match="tags"):
+            SampleMeta(CURSOR, tags=tags)
+        with pytest.raises(TypeError, match="tags"):
+            SampleMeta(CURSOR).replace(tags=tags)
+        return
+    meta = SampleMeta(CURSOR, tags=tags)
+    assert meta.tags == expected and type(meta.tags) is frozenset
+
+
+@pytest.mark.parametrize(
+    ("tags", "said"),
+    [({"split": 1}, "mapping"), ({}, "mapping"), ("split", "str"), ([1], "str"), (3, "iterable")],
+)
+def test_tags_that_would_lose_or_mangle_names_are_refused(tags: Any, said: str):
+    with pytest.raises(TypeError, match=f"SampleMeta tags .*{said}"):
+        SampleMeta(CURSOR, tags=tags)
 
 
 META_FIELDS = [

@@ -139,6 +139,19 @@ def test_spawn_child_rejects_a_negative_index():
         spawn_child(plain_parent(), -1)
 
 
+@pytest.mark.parametrize("last", [True, False])
+def test_a_tombstone_has_no_children(last: bool):
+    tomb = tombstone_meta(ContributorRef(ROOT, True), lane_id=3)
+    with pytest.raises(ValueError, match="tombstone"):
+        spawn_child(tomb, 0, is_last_child=last)
+
+
+@pytest.mark.parametrize("tags", [{"split": 1}, "split", [1]])
+def test_child_tags_that_would_lose_or_mangle_names_are_refused(tags: object):
+    with pytest.raises(TypeError, match="spawn_child tags"):
+        spawn_child(plain_parent(), 0, tags=tags)  # type: ignore[arg-type]
+
+
 # --- pack_meta --------------------------------------------------------------------------------
 
 
@@ -181,6 +194,12 @@ def test_packed_meta_without_counts_or_tags_has_none_and_empty_tags():
     assert pack_meta(ROOT.child(0), [], lane_id=0, tags=["p"]).tags == frozenset({"p"})
 
 
+@pytest.mark.parametrize("tags", [{"packed": 1}, "packed", [1]])
+def test_packed_tags_that_would_lose_or_mangle_names_are_refused(tags: object):
+    with pytest.raises(TypeError, match="pack_meta tags"):
+        pack_meta(ROOT.child(0), [], lane_id=0, tags=tags)  # type: ignore[arg-type]
+
+
 def test_packed_meta_rejects_contributors_that_are_not_refs():
     with pytest.raises(TypeError, match="contributors"):
         pack_meta(ROOT.child(0), [SampleMeta(ROOT).contribution_refs()], lane_id=0)  # type: ignore[list-item]
@@ -196,6 +215,13 @@ def test_tombstone_meta_carries_exactly_the_ref_it_owes():
     assert meta.cursor == ref.cursor
     assert meta.contributors == (ref,)
     assert meta.lane_id == 4
+
+
+def test_a_tombstone_carries_a_closing_ref_or_none_at_all():
+    with pytest.raises(ValueError, match=r"is_last_child=False.*closes nothing"):
+        tombstone_meta(ContributorRef(ROOT.child(2), False), lane_id=4)
+    with pytest.raises(TypeError, match="ContributorRef"):
+        tombstone_meta(ROOT, lane_id=4)  # type: ignore[arg-type]
 
 
 def test_tombstones_for_a_dropped_plain_record_close_its_own_offset():

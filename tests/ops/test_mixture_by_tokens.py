@@ -207,3 +207,29 @@ def test_the_warning_names_components_and_fraction_once_per_lane() -> None:
     assert {t.split(" on lane ")[1].split(" ")[0] for t in texts} == {"0", "1"}
     for text in texts:
         assert "'a' " in text and "'b' " in text and "by='tokens'" in text
+
+
+def test_a_token_weighted_source_is_not_told_to_weigh_by_tokens(corpus) -> None:
+    where, bpe = corpus
+    wrong = {"tokens_per_byte": {"code": 0.01, "docstrings": 0.9}}  # far from the BPE's counts
+    with pytest.warns(zephon.MixtureDropWarning) as caught:
+        outcome(parquet_pipeline(where, bpe, by="tokens", **wrong))
+    (text,) = {str(w.message) for w in caught}
+    assert "by='tokens')" not in text and "Weigh the source by tokens" not in text
+    assert "already weighs by tokens" in text
+    assert "tokenizer=" in text and "length_column=" in text
+
+
+def test_other_weights_in_the_source_and_ensure_mixture_are_named(corpus) -> None:
+    where, bpe = corpus
+    parts = {
+        name: ArrowSource([where / f"{name}.parquet"], dataset_id=i)
+        for i, name in enumerate(sorted(WEIGHTS))
+    }
+    source = MixtureSource(parts, WEIGHTS, chunk_size=256, by="tokens", length_column="n_tokens")
+    other = {"code": 0.2, "docstrings": 0.8}
+    ops = [fetch(), tokenize(bpe, max_len=512, split_long_samples=True), ensure_mixture(other)]
+    with pytest.warns(zephon.MixtureDropWarning) as caught:
+        list(zephon.Pipeline(source, [*ops, batch(8)]))
+    (text,) = {str(w.message) for w in caught}
+    assert "same weights" in text and "by='tokens')" not in text

@@ -153,3 +153,104 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="ignore_index"):
         training_collate(ignore_index=1.5)  # type: ignore[arg-type]
     assert repr(training_collate()) == "training_collate(mask_field='loss_mask', ignore_index=-100)"
+
+
+def reference_targets(payload: dict, use_mask: bool, eos: int | None) -> list[bool]:
+    """Whether token t is a target: real, not its segment's first, trained on, not the eos."""
+    tokens = payload["tokens"].tolist()
+    seg = payload["segment_ids"].tolist()
+    mask = payload["loss_mask"].tolist()
+    return [
+        t > 0
+        and seg[t] != 0
+        and seg[t] == seg[t - 1]
+        and (mask[t] == 1 or not use_mask)
+        and tokens[t] != eos
+        for t in range(len(tokens))
+    ]
+
+
+@settings(max_examples=100)
+@given(
+    rows=packed_rows(),
+    use_mask=st.booleans(),
+    shift=st.booleans(),
+    eos=st.sampled_from([None, 0, 7]),
+    layout=st.sampled_from(["rows", "flat"]),
+    dtype=st.sampled_from(["int64", "int32"]),
+)
+def test_every_option_matches_the_plain_python_reference(rows, use_mask, shift, eos, layout, dtype):
+    collate = training_collate(
+        mask_field="loss_mask" if use_mask else None,
+        shift_labels=shift,
+        train_on_eos=eos is None,
+        eos_id=eos,
+        layout=layout,
+        dtype=dtype,
+    )
+    out = collate(rows)
+    expected = []
+    for rec in rows:
+        tokens = rec.payload["tokens"].tolist()
+        targets = reference_targets(rec.payload, use_mask, eos)
+        in_place = [tok if ok else -100 for tok, ok in zip(tokens, targets)]
+        expected.append([*in_place[1:], -100] if shift else in_place)
+    n, length = len(rows), len(expected[0])
+    shape = (1, n * length) if layout == "flat" else (n, length)
+    for name in ("input_ids", "labels", "position_ids", "segment_ids"):
+        assert out[name].shape == shape, name
+    assert out["labels"].reshape(n, length).tolist() == expected
+    assert out["labels"].dtype == out["input_ids"].dtype == np.dtype(dtype)
+    assert out["num_valid_tokens"] == sum(v != -100 for row in expected for v in row)
+    assert out["cu_seqlens"].tolist() == reference_cu_seqlens(rows)
+
+
+def test_rename_gives_the_outputs_the_model_s_names():
+    row = {**ROW, "loss_mask": np.ones(4, np.int32)}
+    out = training_collate(rename={"input_ids": "tokens", "num_valid_tokens": "n"})([record(row)])
+    assert set(out) == {
+        "tokens",
+        "labels",
+        "position_ids",
+        "segment_ids",
+        "cu_seqlens",
+        "max_seqlen",
+        "n",
+    }
+    assert out["n"] == 3
+
+
+def test_default_options_keep_the_identity_pipelines_had_before_they_existed():
+    import pickle
+
+    from zephon.identity import identify
+
+    assert identify(training_collate()) == {
+        "object": "zephon.ops.training.TrainingCollate",
+        "state": {"ignore_index": -100, "mask_field": "loss_mask"},
+    }
+    flat = training_collate(layout="flat", rename={"labels": "y"})
+    assert identify(flat)["state"]["layout"] == "flat"
+    again = pickle.loads(pickle.dumps(flat))
+    assert (again.layout, again.rename, again.shift_labels) == ("flat", {"labels": "y"}, True)
+    assert repr(flat) == (
+        "training_collate(mask_field='loss_mask', ignore_index=-100, layout='flat', "
+        "rename={'labels': 'y'})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"shift_labels": 1}, TypeError, "shift_labels must be True or False"),
+        ({"train_on_eos": False}, ValueError, "needs eos_id="),
+        ({"eos_id": -1}, ValueError, "eos_id"),
+        ({"dtype": "float32"}, ValueError, "dtype must be"),
+        ({"layout": "cols"}, ValueError, "layout must be"),
+        ({"rename": {"inputs": "x"}}, ValueError, "rename maps output names"),
+        ({"rename": {"labels": "input_ids"}}, ValueError, "two outputs one name"),
+    ],
+)
+def test_bad_options_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        training_collate(**kwargs)

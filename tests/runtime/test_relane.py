@@ -380,3 +380,13 @@ def test_edited_lane_histories_and_runs_are_refused(edit: Callable[[dict], None]
     assert state["lane_states"][2]["run"] is not None
     with pytest.raises(CheckpointCorruptError):
         packed(lanes=3).iter(state=_resealed(state, edit))
+
+
+def test_the_warning_says_which_samples_a_stateful_operator_drops_can_differ() -> None:
+    _, state = head(mixed, 8, 4)
+    with pytest.warns(RelaneWarning) as shown:
+        mixed(lanes=3).iter(state=state).close()
+    (text,) = [str(w.message) for w in shown]
+    assert "every sample of the pass" not in text and "every sample is still" not in text
+    assert "every sample the pipeline delivers is delivered exactly once" in text
+    assert "which samples they drop can differ" in text

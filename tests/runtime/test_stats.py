@@ -33,6 +33,7 @@ KEYS = {
     "mixture_components",
     "bytes_held",
     "eviction_path",
+    "skipped",
     "operators",
     "lanes",
 }

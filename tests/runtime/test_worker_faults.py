@@ -556,13 +556,17 @@ def test_the_timeout_is_described_and_kept_out_of_the_fingerprint():
 
 UNGUARDED_SCRIPT = textwrap.dedent("""
     import zephon
-    from zephon.ops import fetch, map_transform
+    from zephon.ops import fetch, map_transform, shuffle
     from zephon.sources import RangeSource
+
+    print("the script runs", flush=True)
 
     def double(payload):  # defined in the script: a worker needs the script to unpickle it
         return {"x": payload["idx"] * 2}
 
-    ops = [fetch(), map_transform(double)] if NEEDS_SCRIPT else [fetch()]
+    # shuffle keeps state it can describe: the first lanes get a head start while the fork
+    # server starts (through a probe process, which must not run the script either)
+    ops = [fetch(), map_transform(double)] if NEEDS_SCRIPT else [fetch(), shuffle(8)]
     pipeline = zephon.Pipeline(RangeSource(100), ops, lanes=2, workers="process")
     print("delivered", sum(1 for _ in pipeline))  # no `if __name__ == "__main__":` around this
 """)
@@ -595,4 +599,5 @@ def test_workers_leave_out_the_script_when_the_plan_needs_nothing_defined_there(
     # The script is not run again in the workers: its module-level code runs once, unguarded.
     done = run_unguarded(tmp_path, needs_script=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["delivered 100"]
+    assert done.stdout.splitlines() == ["the script runs", "delivered 100"]
+    assert "Traceback" not in done.stderr, done.stderr

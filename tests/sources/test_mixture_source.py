@@ -297,3 +297,155 @@ def test_a_tied_leftover_sample_goes_to_the_first_component_by_name():
     assert mix.component_counts(3) == {"a": 2, "b": 1}
     assert mix.component_counts(6) == {"a": 3, "b": 3}
     assert mix.chunk(0).pointers[:, 0].tolist().count(0) == 2
+
+
+# ------------------------------------------------------------------------------ end of data
+
+
+@st.composite
+def finite_mixtures(draw, on_exhausted: str):
+    """Small mixtures whose weighted components are all finite, with an end-of-data policy."""
+    k = draw(st.integers(1, 4))
+    weights = draw(st.lists(st.integers(0, 9), min_size=k, max_size=k))
+    assume(any(weights))
+    chunk_size = draw(st.integers(1, 40))
+    assume(all(w == 0 or w * chunk_size >= sum(weights) for w in weights))
+    comps = {
+        f"c{i}": RangeSource(
+            draw(st.integers(1, 60)),
+            dataset_id=10 + i,
+            shuffle=draw(st.booleans()),
+            seed=i,
+            passes=draw(st.sampled_from([1, 2])),
+            chunk_size=7,
+        )
+        for i in range(k)
+    }
+    ws = {f"c{i}": float(w) for i, w in enumerate(weights)}
+    seed = draw(st.integers(0, 5))
+    return MixtureSource(comps, ws, seed=seed, chunk_size=chunk_size, on_exhausted=on_exhausted)
+
+
+def weighted(mix: MixtureSource) -> list[IndexedSource]:
+    weights = mix.describe()["weights"]
+    return [s for n, s in zip(mix.names, mix._sources, strict=True) if weights[n]]
+
+
+def check_layout(mix: MixtureSource, data: st.DataObject) -> np.ndarray:
+    """What every policy keeps: random access equals sequential reading, counts equal counting,
+    and the rows are the chunks' concatenation."""
+    rows = all_rows(mix)
+    assert len(rows) == mix.total_samples()
+    n_chunks = mix.num_chunks()
+    assert n_chunks is not None
+    fresh = MixtureSource(
+        dict(zip(mix.names, mix._sources, strict=True)),
+        mix.describe()["weights"],
+        seed=mix.seed,
+        chunk_size=mix.chunk_size,
+        on_exhausted=mix.on_exhausted,
+    )
+    starts = np.cumsum([0] + [len(mix.chunk(p)) for p in range(n_chunks)])
+    for p in data.draw(st.lists(st.integers(0, max(n_chunks - 1, 0)), max_size=5)):
+        if p < n_chunks:
+            assert np.array_equal(fresh.chunk(p).pointers, rows[starts[p] : starts[p + 1]])
+    slots = data.draw(st.integers(0, len(rows)))
+    ids = {n: s.dataset_id for n, s in zip(mix.names, mix._sources, strict=True)}
+    assert mix.component_counts(slots) == {
+        n: int((rows[:slots, 0] == ids[n]).sum()) for n in mix.names
+    }
+    return rows
+
+
+@given(mix=finite_mixtures("redistribute"), data=st.data())
+def test_redistribute_reads_every_weighted_component_to_its_end_exactly_once(mix, data):
+    rows = check_layout(mix, data)
+    for src in weighted(mix):
+        mine = rows[rows[:, 0] == src.dataset_id]
+        assert np.array_equal(mine, stream(src, int(available(src))))
+    assert len(rows) == sum(int(available(s)) for s in weighted(mix))
+    # Until the first component runs out, the shares are the weights' (as with "stop").
+    stop = MixtureSource(
+        dict(zip(mix.names, mix._sources, strict=True)),
+        mix.describe()["weights"],
+        seed=mix.seed,
+        chunk_size=mix.chunk_size,
+    )
+    first = all_rows(stop)
+    assert np.array_equal(
+        rows[: len(first) // mix.chunk_size * mix.chunk_size],
+        first[: len(first) // mix.chunk_size * mix.chunk_size],
+    )
+
+
+@given(mix=finite_mixtures("repeat"), data=st.data())
+def test_repeat_reads_components_again_until_the_last_one_is_read_through(mix, data):
+    rows = check_layout(mix, data)
+    counts = []
+    for src in weighted(mix):
+        mine = rows[rows[:, 0] == src.dataset_id]
+        avail = int(available(src))
+        assert len(mine) >= avail  # every weighted component is read through at least once
+        again = np.concatenate([stream(src, avail)] * (len(mine) // avail + 1))[: len(mine)]
+        assert np.array_equal(mine, again)  # ... and then again from its first pass
+        counts.append(len(mine) / avail)
+    # The mixture ends where the component that takes longest would start over.
+    assert (
+        min(counts) < 1 + 1 / min(int(available(s)) for s in weighted(mix)) + 1e-9
+        or len(counts) == 1
+    )
+    desc = mix.describe()
+    total_w = sum(Fraction(w) for w in desc["weights"].values())
+    cs = mix.chunk_size
+    ids = {desc["components"][n]["dataset_id"]: n for n in mix.names}
+    for k in range(len(rows) // cs + 1):  # the shares hold to the end
+        prefix = rows[: k * cs, 0].tolist()
+        for did, name in ids.items():
+            assert abs(prefix.count(did) - Fraction(desc["weights"][name]) / total_w * k * cs) < 1
+
+
+def test_each_policy_delivers_its_documented_counts():
+    comps = {
+        "a": RangeSource(100, dataset_id=0, passes=2),
+        "b": RangeSource(300, dataset_id=1, passes=2),
+    }
+    counts = {}
+    for policy in ("stop", "redistribute", "repeat"):
+        mix = MixtureSource(comps, {"a": 1, "b": 1}, chunk_size=16, on_exhausted=policy)
+        rows = all_rows(mix)
+        counts[policy] = (int((rows[:, 0] == 0).sum()), int((rows[:, 0] == 1).sum()))
+    assert counts["stop"] == (200, 200)  # a's two passes end it
+    assert counts["redistribute"] == (200, 600)  # then b alone, to its end
+    assert counts["repeat"][1] == 600 and 600 <= counts["repeat"][0] <= 601  # a read three times
+    assert "on_exhausted" not in MixtureSource(comps, {"a": 1, "b": 1}).describe()
+    with pytest.raises(ValueError, match="on_exhausted must be one of"):
+        MixtureSource(comps, {"a": 1, "b": 1}, on_exhausted="cycle")
+    with pytest.raises(ValueError, match="cannot repeat the empty component"):
+        MixtureSource(
+            {"a": RangeSource(0, dataset_id=0), "b": RangeSource(3, dataset_id=1)},
+            {"a": 1, "b": 1},
+            chunk_size=4,
+            on_exhausted="repeat",
+        )
+
+
+@pytest.mark.parametrize("policy", ["redistribute", "repeat"])
+def test_a_pipeline_resumes_exactly_around_the_point_a_component_runs_out(policy):
+    import zephon
+    from zephon.ops import batch, fetch, shuffle
+    from zephon.testing import check_resume
+
+    mix = MixtureSource(
+        {
+            "a": RangeSource(60, dataset_id=0, shuffle=True, seed=1),
+            "b": RangeSource(200, dataset_id=1),
+        },
+        {"a": 1, "b": 1},
+        chunk_size=8,
+        on_exhausted=policy,
+    )
+    pipeline = zephon.Pipeline(
+        mix, [fetch(), shuffle(5, seed=3), batch(3)], lanes=2, epoch_chunks=2
+    )
+    # a runs out after about 120 samples: 40 batches over both lanes
+    check_resume(pipeline, steps=[0, 17, 18, 19, 20, 21, 22, 35, 41, 60])

@@ -13,7 +13,7 @@ import pytest
 from worker_kit import assert_no_leftover_workers
 
 import zephon
-from zephon.errors import FetchError
+from zephon.errors import CheckpointMismatchError, FetchError
 from zephon.ops import batch, fetch
 from zephon.sources import ArrowSource, JsonlSource
 
@@ -149,21 +149,88 @@ def test_the_metadata_cache_lets_a_restart_skip_the_footers(tmp_path, bucket, fa
     failing_proxy.requests.clear()
     again = ArrowSource(f"{uri}/**/*.parquet", cache_dir=tmp_path / "cache")
     assert again.describe() == desc
-    assert [r for r in failing_proxy.requests if "part-" in r] == []  # the listing only
+    # The listing, and one HEAD per shard for its version: none of its bytes.
+    assert sorted(r.split()[0] for r in failing_proxy.requests if "part-" in r) == ["HEAD"] * 6
     assert stream(again)[0] == stream(ArrowSource(str(local / "**" / "*.parquet")))[0]
     where = again.digest_locations()
     assert all(w is not None and w.startswith(str(tmp_path / "cache")) for w in where)
 
 
-def test_a_changed_remote_file_is_refused_on_read(tmp_path, bucket):
-    local = shards(tmp_path / "data", [10], group=5)
+def overwrite(bucket, key: str, data: bytes) -> None:
+    with bucket.fs.open_output_stream(f"{bucket.name}/{key}") as out:
+        out.write(data)
+
+
+def etag(bucket, key: str) -> str:
+    f = bucket.fs.open_input_file(f"{bucket.name}/{key}")
+    try:
+        return f.metadata()["ETag"].decode()
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_an_object_overwritten_while_read_is_refused_naming_both_versions(tmp_path, bucket, kind):
+    local = shards(tmp_path / "data", [40], group=5)
     uri = bucket.upload(local, "g")
-    src = ArrowSource(uri)
-    stream(src)  # every range read once: its digest is taken
-    path = local / "b" / "part-000.parquet"
-    data = bytearray(path.read_bytes())
-    data[60] ^= 0xFF  # inside the first column chunk: same size, same footer
-    with bucket.fs.open_output_stream(f"{bucket.name}/g/b/part-000.parquet") as out:
-        out.write(bytes(data))
-    with pytest.raises(FetchError, match=r"part-000\.parquet.*row group 0.*changed"):
-        ArrowSource(uri).read(np.array([[0, 0, 1]]))
+    key = f"g/b/part-000.{kind}"
+    before = etag(bucket, key)
+    make = ArrowSource if kind == "parquet" else JsonlSource
+    src = make(f"{uri}/**/*.{kind}", chunk_size=5)
+    assert src.read(np.array([[0, 0, 1]]))[0]["idx"] == 1
+    text = (local / "b" / "part-000.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines()]
+    rows.reverse()  # the same rows in another order (a JSONL file of the same size)
+    if kind == "parquet":
+        buf = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(rows), buf, row_group_size=5)
+        data = buf.getvalue().to_pybytes()
+    else:
+        data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    overwrite(bucket, key, data)
+    after = etag(bucket, key)
+    assert after != before
+    with pytest.raises(FetchError) as info:
+        src.read(np.array([[0, 0, 17]]))
+    message = str(info.value)
+    assert f"{uri}/b/part-000.{kind}" in message and "pointer (0, 0, 17)" in message
+    assert f"ETag {before} then, ETag {after} now" in message
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_an_object_overwritten_after_a_checkpoint_is_refused_at_resume(tmp_path, bucket, kind):
+    local = shards(tmp_path / "data", [20, 20], group=5)
+    uri = bucket.upload(local, "r")
+    make = ArrowSource if kind == "parquet" else JsonlSource
+    where = f"{uri}/**/*.{kind}"
+    _, state = stream(make(where, chunk_size=5), take=2)
+    key = f"r/a/part-001.{kind}"
+    path = local / "a" / f"part-001.{kind}"
+    if kind == "parquet":
+        table = pq.read_table(path)
+        overwrite_with = table.take(list(reversed(range(table.num_rows))))
+        buf = pa.BufferOutputStream()
+        pq.write_table(overwrite_with, buf, row_group_size=5)
+        overwrite(bucket, key, buf.getvalue().to_pybytes())
+    else:
+        overwrite(bucket, key, "".join(reversed(path.read_text().splitlines(True))).encode())
+    # The same cache directory: the cached digests are of the version checkpointed.
+    with pytest.raises(CheckpointMismatchError, match=rf"file 'a/part-001\.{kind}' changed"):
+        stream(make(where, chunk_size=5), state=state)
+
+
+def test_a_range_that_fails_names_the_row_group_it_belongs_to(tmp_path, bucket, failing_proxy):
+    local = shards(tmp_path / "data", [40], group=5)  # one file of 8 row groups
+    uri = bucket.upload(local, "k")
+    bucket.point_at(failing_proxy.endpoint)
+    src = ArrowSource(uri, chunk_size=5, columns=["idx"])
+    assert src.num_samples() == 40
+    chunk = pq.read_metadata(local / "b" / "part-000.parquet").row_group(3).column(0)
+    failing_proxy.fail_ranges = {chunk.dictionary_page_offset or chunk.data_page_offset}
+    # Row group 3 is fetched ahead of this read, and fails: not this read's business.
+    assert src.read(np.array([[0, 0, 2]])) == [{"idx": 2}]
+    with pytest.raises(
+        FetchError,
+        match=rf"pointer \(0, 0, 16\) from '{uri}/b/part-000\.parquet': row group 3: gave up",
+    ):
+        src.read(np.array([[0, 0, 7], [0, 0, 16]]))  # row groups 1 and 3

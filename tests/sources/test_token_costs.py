@@ -13,7 +13,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
+from zephon.errors import PlanError
 from zephon.ops import ByteTokenizer
 from zephon.sources import ArrowSource, ListSource, MixtureSource
 from zephon.sources.token_costs import QUANTUM, estimate_indices
@@ -122,6 +124,48 @@ def test_mistakes_are_named() -> None:
     blank = {"a": ListSource([{"text": ""}] * 5, dataset_id=0), "b": texts(1, 10, 5, 2)}
     with pytest.raises(ValueError, match="component 'a' costs 0 tokens"):
         MixtureSource(blank, {"a": 1.0, "b": 1.0}, by="tokens", tokens_per_byte=1.0, added_tokens=0)
+
+
+def words_only() -> Tokenizer:
+    """A real tokenizer that fails on a word it does not know (it has no unknown token)."""
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1}))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
+
+
+def test_a_tokenizer_failing_in_calibration_is_named_with_the_component_sample_and_file(
+    tmp_path: Path,
+) -> None:
+    rows = ["a b", "b a a", "a", "a zzz b", "b"]
+    pq.write_table(pa.table({"text": rows}), tmp_path / "bad.parquet")
+    parts = {
+        "good": ListSource([{"text": "a b"}] * 5, dataset_id=0),
+        "bad": ArrowSource([tmp_path / "bad.parquet"], dataset_id=1),
+    }
+    with pytest.raises(PlanError) as caught:
+        MixtureSource(parts, {"good": 0.5, "bad": 0.5}, by="tokens", tokenizer=words_only())
+    message = str(caught.value)
+    assert "component 'bad'" in message and "sample 3" in message
+    assert "bad.parquet" in message and "Missing [UNK] token" in message
+    assert "tokens_per_byte=" in message  # what to do
+    assert "Missing [UNK] token" in str(caught.value.__cause__)
+
+
+def test_a_tokenizer_failing_on_a_whole_batch_only_is_named_with_the_component() -> None:
+    class OneAtATime:
+        """Encodes one text per call and refuses batches of more."""
+
+        def encode(self, text: str) -> list[int]:
+            return list(range(len(text.split())))
+
+        def encode_batch(self, texts: list[str]) -> list[list[int]]:
+            if len(texts) > 1:
+                raise RuntimeError("batches are not supported")
+            return [self.encode(t) for t in texts]
+
+    with pytest.raises(PlanError, match=r"component 'long'.*its 256 calibration samples") as e:
+        long_and_short(by="tokens", tokenizer=OneAtATime())
+    assert isinstance(e.value.__cause__, RuntimeError)
 
 
 _ESTIMATE = """

@@ -18,6 +18,7 @@ ctypedef struct OpenBin:
     offset_t room                  # remaining space; always >= 1 while the bin is open
     offset_t bin_id
     offset_t cut                   # 1 once the bin holds a piece of a cut sequence (cut_to_fill)
+    offset_t segments              # fragments placed in it (counted against max_segments)
 
 
 cdef class BinPacker:
@@ -25,6 +26,7 @@ cdef class BinPacker:
     cdef Py_ssize_t _max_open      # open-bin limit; the length of _bins
     cdef int _strategy             # BEST_FIT or FIRST_FIT
     cdef bint _cut_to_fill         # a sequence that fits nowhere may fill the fullest bin's rest
+    cdef offset_t _max_segments    # a bin leaves once it holds this many fragments (0: no cap)
     cdef offset_t _next_id         # id the next opened bin gets
     cdef Py_ssize_t _n_open
     # Open bins as a compact array. best_fit keeps it sorted by (room, bin_id): the tightest fit is

@@ -160,12 +160,14 @@ cdef class BinPacker:
     limit is reached, the fullest open bin leaves. With ``cut_to_fill``, that bin is first filled
     with the head of the sequence (so it leaves full), and the rest goes where it fits best among
     the bins that hold no piece of a cut sequence (else to a new bin): a bin takes at most one such
-    piece. A bin that becomes exactly full leaves at once. Invariant: no bin ever holds more than
-    ``capacity`` tokens, every bin id (0, 1, 2, ... in opening order) leaves exactly once, and
-    fragments in a bin sit back to back from offset 0.
+    piece. A bin that becomes exactly full leaves at once, and so does one that holds
+    ``max_segments`` fragments (when given). Invariant: no bin ever holds more than ``capacity``
+    tokens or more than ``max_segments`` fragments, every bin id (0, 1, 2, ... in opening order)
+    leaves exactly once, and fragments in a bin sit back to back from offset 0.
     """
 
-    def __cinit__(self, capacity, max_open_bins, strategy="best_fit", cut_to_fill=False):
+    def __cinit__(self, capacity, max_open_bins, strategy="best_fit", cut_to_fill=False,
+                  max_segments=None):
         self._capacity = _as_count(capacity, "BinPacker", "capacity")
         cdef offset_t max_open = _as_count(max_open_bins, "BinPacker", "max_open_bins")
         if strategy == "best_fit":
@@ -179,6 +181,9 @@ cdef class BinPacker:
         if not isinstance(cut_to_fill, bool):
             raise TypeError(f"BinPacker cut_to_fill must be a bool, got {cut_to_fill!r}")
         self._cut_to_fill = cut_to_fill
+        self._max_segments = (
+            0 if max_segments is None else _as_count(max_segments, "BinPacker", "max_segments")
+        )
         self._max_open = <Py_ssize_t>max_open
         self._bins = <OpenBin*>PyMem_Malloc(self._max_open * sizeof(OpenBin))
         if self._bins == NULL:
@@ -198,8 +203,14 @@ cdef class BinPacker:
     def __repr__(self):
         return (
             f"BinPacker(capacity={self._capacity}, max_open_bins={self._max_open}, "
-            f"strategy={self.strategy!r}, cut_to_fill={self.cut_to_fill}, n_open={self._n_open})"
+            f"strategy={self.strategy!r}, cut_to_fill={self.cut_to_fill}, "
+            f"max_segments={self.max_segments}, n_open={self._n_open})"
         )
+
+    @property
+    def max_segments(self):
+        """Fragments after which a bin leaves, or None for no cap."""
+        return self._max_segments or None
 
     @property
     def cut_to_fill(self):
@@ -354,6 +365,7 @@ cdef class BinPacker:
                 bins[p].bin_id = self._next_id
                 bins[p].room = cap
                 bins[p].cut = 0
+                bins[p].segments = 0
                 self._next_id += 1
                 self._n_open += 1
             _put(rows, i, start, r, bins[p].bin_id, cap - bins[p].room)
@@ -362,7 +374,8 @@ cdef class BinPacker:
             if cut:
                 bins[p].cut = 1
             bins[p].room -= r
-            if bins[p].room == 0:
+            bins[p].segments += 1
+            if bins[p].room == 0 or bins[p].segments == self._max_segments:
                 closed[n_closed] = bins[p].bin_id
                 n_closed += 1
                 self._close_at(p)
@@ -410,12 +423,15 @@ cdef class BinPacker:
 
     def state(self):
         """The open bins and the next bin id as plain data: ``{"next_id", "bins": [[bin_id,
-        room, cut], ...]}`` in the packer's own order (what ``restore`` takes back)."""
+        room, cut], ...]}`` (``[bin_id, room, cut, segments]`` with ``max_segments``) in the
+        packer's own order (what ``restore`` takes back)."""
         cdef Py_ssize_t k
         self._enter()
         try:
+            # The fragment count only with a cap: states of uncapped packers stay as they were.
             bins = [
                 [self._bins[k].bin_id, self._bins[k].room, self._bins[k].cut]
+                + ([self._bins[k].segments] if self._max_segments else [])
                 for k in range(self._n_open)
             ]
             return {"next_id": self._next_id, "bins": bins}
@@ -432,11 +448,14 @@ cdef class BinPacker:
             raise ValueError(f"BinPacker.restore: not a packer state ({exc})") from None
         if len(bins) > self._max_open or next_id < 0:
             raise ValueError(f"BinPacker.restore: {len(bins)} open bins, next id {next_id}")
+        columns = 4 if self._max_segments else 3
         for k, b in enumerate(bins):
-            if len(b) != 3 or not 0 <= b[0] < next_id or not 1 <= b[1] <= self._capacity:
+            if len(b) != columns or not 0 <= b[0] < next_id or not 1 <= b[1] <= self._capacity:
                 raise ValueError(f"BinPacker.restore: bin {b!r} does not fit this packer")
             if b[2] not in (0, 1):
                 raise ValueError(f"BinPacker.restore: bin {b!r} has a bad cut flag")
+            if columns == 4 and not 1 <= b[3] < self._max_segments:
+                raise ValueError(f"BinPacker.restore: bin {b!r} has a bad fragment count")
             if k and (
                 (b[1], b[0]) <= (bins[k - 1][1], bins[k - 1][0])
                 if self._strategy == BEST_FIT
@@ -449,6 +468,7 @@ cdef class BinPacker:
                 self._bins[k].bin_id = b[0]
                 self._bins[k].room = b[1]
                 self._bins[k].cut = b[2]
+                self._bins[k].segments = b[3] if columns == 4 else 0
             self._n_open = len(bins)
             self._next_id = next_id
         finally:

@@ -36,7 +36,7 @@ class SampleMeta:
         *,
         lane_id: int = 0,
         contributors: Iterable[ContributorRef] | None = None,
-        tags: Iterable[str] = ...,
+        tags: Iterable[str] | None = ...,
         is_tombstone: bool = False,
         component: Hashable | None = None,
         component_sample_counts: Mapping[Any, int] | None = None,
@@ -45,6 +45,7 @@ class SampleMeta:
     def contribution_refs(self) -> tuple[ContributorRef, ...]: ...
     def replace(self, **changes: Any) -> SampleMeta: ...
 
+def as_tags(tags: Iterable[str] | None, owner: str) -> frozenset[str]: ...
 def counted_meta(meta: SampleMeta, n_tokens: int) -> SampleMeta: ...
 
 @disjoint_base

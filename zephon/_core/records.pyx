@@ -68,6 +68,39 @@ cdef tuple _as_contributors(object contributors):
     return refs
 
 
+cpdef frozenset as_tags(object tags, str owner):
+    """``tags`` as a frozenset of str names, None meaning none; TypeError naming ``owner`` for
+    what would lose or mangle names: a mapping (its values), a lone str (split into its
+    characters), something not iterable, or a name that is not a str."""
+    cdef frozenset out
+    if tags is None:
+        return _NO_TAGS
+    if type(tags) is frozenset:
+        out = <frozenset>tags
+    elif isinstance(tags, (str, bytes)):
+        raise TypeError(
+            f"{owner} tags must be a collection of str names, not a lone str or bytes "
+            f"({tags!r:.60}); wrap it: tags={{{tags!r:.60}}}"
+        )
+    elif isinstance(tags, dict) or isinstance(tags, _abc.Mapping):
+        raise TypeError(
+            f"{owner} tags must be a collection of str names, not a mapping "
+            f"({type(tags).__name__}), whose values would be lost; pass its keys if they are "
+            "the names"
+        )
+    else:
+        try:
+            out = frozenset(tags)
+        except TypeError:
+            raise TypeError(
+                f"{owner} tags must be an iterable of str names, got {tags!r:.60}"
+            ) from None
+    for tag in out:
+        if not isinstance(tag, str):
+            raise TypeError(f"{owner} tags must be str names, got {tag!r:.60} among them")
+    return out
+
+
 @cython.freelist(1024)
 @cython.no_gc
 cdef class SampleMeta:
@@ -92,7 +125,7 @@ cdef class SampleMeta:
             raise ValueError(f"SampleMeta lane_id must be in [0, 2**63), got {lane}")
         self.lane_id = lane
         self.contributors = None if contributors is None else _as_contributors(contributors)
-        self.tags = tags if type(tags) is frozenset else frozenset(tags)
+        self.tags = as_tags(tags, "SampleMeta")
         self.is_tombstone = bool(is_tombstone)
         self.component = component
         self.component_sample_counts = component_sample_counts

@@ -2,7 +2,8 @@
 S3-compatible server (moto's server mode, a test dependency) against the same files on disk.
 
 - startup: ``ArrowSource("s3://bucket/prefix").num_samples()`` over ``shards`` Parquet shards:
-  listing and every footer (in parallel), then again with the metadata cache a first run left;
+  listing, every footer and every content digest (in parallel), then again with the metadata
+  cache a first run left (one HEAD per shard for its version);
 - throughput: tokens/s of ``fetch -> batch`` over the shards from the server and from disk.
 
 Functions only; ``zephon bench`` (``report.py``) and the asv suite call them.

@@ -16,6 +16,14 @@ is trained on when its span lies inside a trained span. Two kinds of template:
 - ``ChatTemplate``, ours, for a plain ``tokenizers.Tokenizer`` (or any fast tokenizer): per-role
   header strings, one end-of-turn token, an optional start and separator.
 
+Message content is text: a special token's string inside it (``"<|end|>"`` typed by a user, or
+scraped) is encoded as the plain text it is, never as that special token, so content cannot end a
+turn or open a header (``content_specials="special"`` keeps the tokenizer's matching instead).
+The tokenizer matches special tokens anywhere in the rendered text, so a record whose content it
+matched one in is encoded again where it did: the text between the template's own special tokens
+around it, by a copy of the tokenizer that leaves special tokens unmatched. Records whose content
+holds none (the usual case) are encoded once, as described above.
+
 A token that covers both a header and content (possible only when the template puts no special
 token between them) is not trained on: it is partly header. Padding ids are never guessed: the
 tokenizer's padding token, when it has one, is published at plan time for the packers, with the
@@ -25,6 +33,8 @@ mask field, which a packer must carry (``extra_fields``) or planning fails.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,6 +54,10 @@ __all__ = ["ChatTemplate", "TokenizeChat", "tokenize_chat"]
 # private-use characters, which templates and role names do not contain; the first pair that no
 # content of the conversation contains either is used.
 _HOLE_BRACKETS = (("\ue000", "\ue001"), ("\U000f0000", "\U000f0001"), ("\U00100000", "\U00100001"))
+
+# What a special token's string inside message content is encoded as: its plain text, or the
+# special token itself.
+_CONTENT_SPECIALS = ("text", "special")
 
 
 def _hole_format(messages: list[Mapping[str, Any]]) -> str:
@@ -172,8 +186,14 @@ class TokenizeChat(Operator):
         template: ChatTemplate | None = None,
         max_len: int | None = None,
         split_long_samples: bool = False,
+        content_specials: str = "text",
         workers: int | None = None,
     ):
+        if not isinstance(content_specials, str) or content_specials not in _CONTENT_SPECIALS:
+            raise (ValueError if isinstance(content_specials, str) else TypeError)(
+                "tokenize_chat: content_specials must be 'text' or 'special', got "
+                f"{content_specials!r}"
+            )
         if max_len is not None:
             max_len = check_int(max_len, "max_len", "tokenize_chat", minimum=1)
         if split_long_samples and max_len is None:
@@ -197,6 +217,10 @@ class TokenizeChat(Operator):
         self.template = template
         self.max_len = max_len
         self.split_long_samples = bool(split_long_samples)
+        self.content_specials = content_specials
+        # Copies of the tokenizer that encode special tokens' strings as text, made when a
+        # record first needs one (see _plain_tokenizer), keyed by "at the start of the text".
+        self._plain: dict[bool, Any] = {}
 
         self._transformers = _is_fast_transformers(tokenizer)
         if not (self._transformers or _is_hf(tokenizer)):
@@ -227,7 +251,19 @@ class TokenizeChat(Operator):
                 "tokenize_chat: the tokenizer has no chat template of its own; pass "
                 "template=ChatTemplate(roles={...}, end_of_turn=...)"
             )
-        self._special_ids = self._special_token_ids()
+        specials = self._special_tokens()
+        self._special_ids = frozenset(specials)
+        # Content can hold a special token only if it holds its string, unless the tokenizer
+        # matches that token in normalized text; then every record's tokens are looked at.
+        self._spelled = (
+            re.compile("|".join(re.escape(t.content) for t in specials.values()))
+            if specials and not any(getattr(t, "normalized", True) for t in specials.values())
+            else None
+        )
+        # is_special[id] for every id, ids above the last special one looked up at the last
+        # entry: what _content_as_text checks each record's tokens with.
+        self._is_special = np.zeros(max(self._special_ids, default=-1) + 2, dtype=bool)
+        self._is_special[list(self._special_ids)] = True
         pad = find_pad(tokenizer)
         self.pad_id = pad.id if pad else None
         self.pad_token = pad.token if pad else None
@@ -251,13 +287,13 @@ class TokenizeChat(Operator):
             )
         return int(ids[0])
 
-    def _special_token_ids(self) -> frozenset[int]:
-        """Ids of the tokenizer's special (added) tokens: what may end a turn."""
+    def _special_tokens(self) -> dict[int, Any]:
+        """The tokenizer's special (added) tokens by id: what may end a turn."""
         decoder = getattr(self.tokenizer, "added_tokens_decoder", None)
         if decoder is None:
             get = getattr(self.tokenizer, "get_added_tokens_decoder", None)
             decoder = get() if callable(get) else {}
-        return frozenset(int(i) for i, tok in decoder.items() if getattr(tok, "special", False))
+        return {int(i): tok for i, tok in decoder.items() if getattr(tok, "special", False)}
 
     def provides(self) -> dict[str, Any]:
         """Plan-time facts for the operators after this one: the token field, the tokenizer's
@@ -308,6 +344,78 @@ class TokenizeChat(Operator):
                 )
             )
         return out
+
+    def _content_as_text(
+        self, text: str, spans: list[tuple[int, int]], ids: np.ndarray, offsets: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``ids``/``offsets`` of ``text`` with every stretch between two of the template's
+        special tokens that holds a special token matched inside content encoded again, with
+        special tokens' strings as text. Unchanged (the same arrays) when there is none."""
+        special = np.flatnonzero(self._is_special[np.minimum(ids, len(self._is_special) - 1)])
+        if not len(special) or not spans:
+            return ids, offsets
+        # A special token [s, e) overlaps content when s lies inside a span (an odd number of
+        # span bounds <= s) or a span bound lies inside the token.
+        bounds = np.array(spans, dtype=np.int64).ravel()
+        below_start = np.searchsorted(bounds, offsets[special, 0], side="right")
+        below_end = np.searchsorted(bounds, offsets[special, 1], side="left")
+        found = (below_start % 2 == 1) | (below_end > below_start)
+        if not found.any():
+            return ids, offsets
+        template = special[~found]  # the template's own special tokens stay as they are
+        n = len(ids)
+        stretches = sorted(
+            {
+                (int(template[j - 1]) if j else -1, int(template[j]) if j < len(template) else n)
+                for j in np.searchsorted(template, special[found]).tolist()
+            }
+        )
+        id_parts: list[np.ndarray] = []
+        offset_parts: list[np.ndarray] = []
+        at = 0
+        for before, after in stretches:  # tokens before < t < after are encoded again
+            lo = int(offsets[before, 1]) if before >= 0 else 0
+            hi = int(offsets[after, 0]) if after < n else len(text)
+            encoding = self._plain_tokenizer(lo == 0).encode(text[lo:hi], add_special_tokens=False)
+            id_parts += (ids[at : before + 1], np.asarray(encoding.ids, dtype=np.int32))
+            offset_parts += (
+                offsets[at : before + 1],
+                np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2) + lo,
+            )
+            at = after
+        id_parts.append(ids[at:])
+        offset_parts.append(offsets[at:])
+        return np.concatenate(id_parts), np.concatenate(offset_parts)
+
+    def _plain_tokenizer(self, at_start: bool) -> Any:
+        """A copy of the tokenizer (its ``tokenizers.Tokenizer``) that encodes special tokens'
+        strings as text. Encoding a stretch of text on its own must give what the tokenizer gives
+        it inside the whole text: a ``Metaspace`` that prepends its marker to the text's first
+        word only does not, inside, so a copy for stretches not ``at_start`` never prepends."""
+        plain = self._plain.get(at_start)
+        if plain is not None:
+            return plain
+        backend = getattr(self.tokenizer, "backend_tokenizer", self.tokenizer)
+        try:
+            config = json.loads(backend.to_str())
+            if not at_start:
+                _never_prepend_first(config.get("pre_tokenizer"))
+            plain = type(backend).from_str(json.dumps(config))
+            plain.encode_special_tokens = True
+        except Exception as exc:
+            raise ValueError(
+                f"content holds a special token's string, and the tokenizer cannot be copied to "
+                f"encode it as text ({type(exc).__name__}: {exc}); pass "
+                "content_specials='special' to keep such strings special tokens"
+            ) from exc
+        plain.no_truncation()
+        plain.no_padding()
+        self._plain[at_start] = plain
+        return plain
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The plain-text copies are made again where needed, not sent to every worker.
+        return {**self.__dict__, "_plain": {}}
 
     def _render(self, messages: list[Mapping[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text and each message's content span, from the template."""
@@ -403,8 +511,14 @@ class TokenizeChat(Operator):
                 raise record_error(self, records[0], exc) from exc
             raise
         out: list[SampleRecord] = []
-        for rec, (messages, _, spans), (ids, offsets) in zip(records, rendered, encoded):
+        as_text = self.content_specials == "text"
+        spelled = self._spelled
+        for rec, (messages, text, spans), (ids, offsets) in zip(records, rendered, encoded):
             try:
+                if as_text and (
+                    spelled is None or any(spelled.search(m["content"]) for m in messages)
+                ):
+                    ids, offsets = self._content_as_text(text, spans, ids, offsets)
                 mask, boundaries = self._mask(messages, spans, ids, offsets)
             except ValueError as exc:
                 raise record_error(self, rec, exc) from exc
@@ -447,6 +561,7 @@ def tokenize_chat(
     template: ChatTemplate | None = None,
     max_len: int | None = None,
     split_long_samples: bool = False,
+    content_specials: str = "text",
     workers: int | None = None,
 ) -> TokenizeChat:
     """Tokenize the conversation in ``payload[field]`` (``[{"role", "content"}, ...]``) through a
@@ -459,6 +574,10 @@ def tokenize_chat(
     by turn into children of at most ``max_len`` tokens (a turn ends after a trained message's
     end-of-turn token; a single turn longer than ``max_len`` is cut inside). Pack the result with
     ``extra_fields={mask_field: 0}``.
+
+    ``content_specials``: a special token's string inside message content (``"<|end|>"``) is
+    encoded as plain text (``"text"``, the default), so content can never end a turn or start
+    one, or as the special token it spells (``"special"``, what the tokenizer does by itself).
     """
     return TokenizeChat(
         tokenizer,
@@ -469,5 +588,19 @@ def tokenize_chat(
         template=template,
         max_len=max_len,
         split_long_samples=split_long_samples,
+        content_specials=content_specials,
         workers=workers,
     )
+
+
+def _never_prepend_first(pre_tokenizer: Any) -> None:
+    """Set every ``Metaspace`` of a tokenizer's pre-tokenizer (JSON) that prepends its marker to
+    the first word only to never prepend it."""
+    if isinstance(pre_tokenizer, dict):
+        if (
+            pre_tokenizer.get("type") == "Metaspace"
+            and pre_tokenizer.get("prepend_scheme") == "first"
+        ):
+            pre_tokenizer["prepend_scheme"] = "never"
+        for part in pre_tokenizer.get("pretokenizers") or ():
+            _never_prepend_first(part)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
+from zephon._core.records import as_tags
 from zephon.types import ContributorRef, SampleCursor, SampleMeta, SampleRecord
 
 __all__ = ["pack_meta", "spawn_child", "tombstone_meta", "tombstones_for_record"]
@@ -25,8 +26,15 @@ def spawn_child(
 
     Only the child marked ``is_last_child`` may close anything: for a parent with explicit
     contributors (a split or packed record) it keeps their flags, every other child gets
-    non-closing copies, so splitting again can never close a source early.
+    non-closing copies, so splitting again can never close a source early. A tombstone has no
+    children (ValueError): it stands for no payload, only for the ref a dropped record owed.
     """
+    if parent.is_tombstone:
+        raise ValueError(
+            f"spawn_child: the parent {parent.cursor!r} is a tombstone, which has no children; "
+            "pass tombstones on as they are"
+        )
+    extra = as_tags(tags, "spawn_child")
     cursor = parent.cursor.child(child_idx)
     if parent.contributors is None:
         contributors: tuple[ContributorRef, ...] = (ContributorRef(cursor, is_last_child),)
@@ -41,7 +49,7 @@ def spawn_child(
         cursor,
         lane_id=parent.lane_id,
         contributors=contributors,
-        tags=parent.tags if not tags else parent.tags | frozenset(tags),
+        tags=parent.tags | extra if extra else parent.tags,
         component=parent.component,
         component_sample_counts=parent.component_sample_counts,
         component_token_counts=parent.component_token_counts,
@@ -66,7 +74,7 @@ def pack_meta(
         primary_cursor,
         lane_id=lane_id,
         contributors=tuple(contributors),
-        tags=frozenset(tags) if tags else frozenset(),
+        tags=as_tags(tags, "pack_meta"),
         component_sample_counts=(
             None if component_sample_counts is None else dict(component_sample_counts)
         ),
@@ -77,7 +85,15 @@ def pack_meta(
 
 
 def tombstone_meta(ref: ContributorRef, lane_id: int) -> SampleMeta:
-    """Metadata of a tombstone: a payload-less record carrying one ref a dropped record owed."""
+    """Metadata of a tombstone: a payload-less record carrying one closing ref a dropped record
+    owed. A ref that closes nothing owes no tombstone (ValueError)."""
+    if not isinstance(ref, ContributorRef):
+        raise TypeError(f"tombstone_meta: ref must be a ContributorRef, got {ref!r}")
+    if not ref.is_last_child:
+        raise ValueError(
+            f"tombstone_meta: {ref!r} has is_last_child=False: it closes nothing, so no "
+            "tombstone is owed for it (tombstones_for_record makes one per closing ref)"
+        )
     return SampleMeta(ref.cursor, lane_id=lane_id, contributors=(ref,), is_tombstone=True)
 
 

@@ -18,7 +18,7 @@ from zephon.errors import MixtureDropWarning
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
 from zephon.ops.children import split_in_proportion, tombstone_meta
-from zephon.types import ContributorRef, SampleRecord
+from zephon.types import ContributorRef, SampleMeta, SampleRecord
 from zephon.validation import check_int
 
 __all__ = ["DROP_WARN_FRACTION", "MIXTURE_DROP_TAG", "EnsureMixture", "ensure_mixture"]
@@ -137,6 +137,11 @@ class EnsureMixture(Operator):
         self._decided = 0
         self._next_check = max(_FIRST_CHECK_BUFFERS * buffer_size, _MIN_DECISIONS)
         self._warned = False
+        self._source_mixture: tuple[str, dict[Any, float]] | None = None  # the warning's advice
+
+    def use_upstream_facts(self, facts: dict[str, Any]) -> None:
+        """Notes how the source draws the mixture (``source_mixture``), for the warning."""
+        self._source_mixture = facts.get("source_mixture")
 
     # ----------------------------------------------------------------------------- measure
     def _measure(self, rec: SampleRecord) -> dict[Hashable, int]:
@@ -252,20 +257,18 @@ class EnsureMixture(Operator):
         if tokens is None and self.by == "tokens":
             tokens = amounts
         samples = src.component_sample_counts or {src.component: 1}
-        closing = [ref for ref in src.contribution_refs() if ref.is_last_child] or [
-            ContributorRef(src.cursor, False)
-        ]
-        out = []
-        for i, ref in enumerate(closing):
-            meta = tombstone_meta(ref, src.lane_id)
-            if i == 0:
-                meta = meta.replace(
-                    tags=meta.tags | {MIXTURE_DROP_TAG},
-                    component_token_counts=dict(tokens) if tokens else None,
-                    component_sample_counts=dict(samples),
-                )
-            out.append(SampleRecord(meta, None))
-        return out
+        metas = [tombstone_meta(r, src.lane_id) for r in src.contribution_refs() if r.is_last_child]
+        if not metas:  # it owes none, but one that closes nothing still carries the counts
+            ref = ContributorRef(src.cursor, False)
+            metas = [
+                SampleMeta(src.cursor, lane_id=src.lane_id, contributors=(ref,), is_tombstone=True)
+            ]
+        metas[0] = metas[0].replace(
+            tags=metas[0].tags | {MIXTURE_DROP_TAG},
+            component_token_counts=dict(tokens) if tokens else None,
+            component_sample_counts=dict(samples),
+        )
+        return [SampleRecord(meta, None) for meta in metas]
 
     def _drop_entry(self, entry: _Entry) -> list[SampleRecord]:
         dropped = self._dropped
@@ -296,12 +299,39 @@ class EnsureMixture(Operator):
         text = (
             f"ensure_mixture dropped {dropped / seen:.0%} of the {unit} it saw on lane "
             f"{self.lane_id} ({parts}) to reach the weights {self._share}: its input is far from "
-            "them. Weigh the source by tokens (MixtureSource(..., by='tokens') with "
-            "length_column=, tokens_per_byte= or tokenizer=) so that ensure_mixture only trims "
-            "the residual drift"
+            f"them. {self._advice()}"
         )
         log.warning(text)
         warnings.warn(text, MixtureDropWarning, stacklevel=2)
+
+    def _advice(self) -> str:
+        """What to change, given how the source draws the mixture (``source_mixture``)."""
+        source = self._source_mixture
+        if source is None or source[0] != "tokens":
+            return (
+                "Weigh the source by tokens (MixtureSource(..., by='tokens') with "
+                "length_column=, tokens_per_byte= or tokenizer=) so that ensure_mixture only "
+                "trims the residual drift"
+            )
+        shares = source[1]
+        if set(shares) != set(self._share) or any(
+            abs(shares[c] - share) > 1e-9 for c, share in self._share.items()
+        ):
+            return (
+                f"The source weighs by tokens towards {shares}: give it and ensure_mixture the "
+                "same weights"
+            )
+        if self.by != "tokens":
+            return (
+                "The source weighs by tokens while ensure_mixture weighs samples: give "
+                "ensure_mixture by='tokens' as well"
+            )
+        return (
+            "The source already weighs by tokens, so its token estimates are far from the tokens "
+            "that reach ensure_mixture: estimate them from the real thing (MixtureSource(..., "
+            "tokenizer=) with the tokenizer of tokenize, or length_column= with each sample's "
+            "token count) so that ensure_mixture only trims the residual drift"
+        )
 
     # ----------------------------------------------------------------------------- operator
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:

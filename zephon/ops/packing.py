@@ -32,7 +32,8 @@ token range overlaps, and one sample of each such component.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Mapping
+import copy
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -41,14 +42,15 @@ from zephon._core.binfill import BinPacker, FlatPacker
 from zephon._core.packfill import BinFill, field_lengths, payload_fields, token_lengths
 from zephon._core.packrows import packed_records
 from zephon.errors import PlanError
+from zephon.identity import identify
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import split_in_proportion
 from zephon.types import SampleMeta, SampleRecord
 from zephon.validation import check_int
 
-__all__ = ["PackFlat", "PackSequences", "pack_flat", "pack_sequences"]
+__all__ = ["GroupedPacker", "PackFlat", "PackSequences", "pack_flat", "pack_sequences"]
 
-_STRATEGIES = ("best_fit", "first_fit")
+_STRATEGIES = ("best_fit", "first_fit", "wrap")
 _BASE_FIELDS = ("tokens", "segment_ids", "positions")
 
 
@@ -436,10 +438,13 @@ class _Packer(Operator):
 
 class PackSequences(_Packer):
     """Packs token sequences into bins of ``seq_len`` with at most ``open_bins`` open bins
-    (``BinPacker``), emitting a bin when it is full, when it must make room, or at a flush.
+    (``BinPacker``), emitting a bin when it is full, when it holds ``max_segments`` sequences,
+    when it must make room, or at a flush. With ``strategy="wrap"`` it concatenates and cuts
+    (``FlatPacker``, as ``pack_flat``): every row is full but an epoch's last.
 
-    Reorders: bins leave in the order they close, so the bin that closes a base offset may leave
-    before a sibling's bin (fine on the epoch path, where eviction waits for the epoch marker).
+    Reorders (but ``"wrap"``): bins leave in the order they close, so the bin that closes a base
+    offset may leave before a sibling's bin (fine on the epoch path, where eviction waits for the
+    epoch marker).
     """
 
     name = "pack_sequences"
@@ -455,6 +460,7 @@ class PackSequences(_Packer):
         pad_id: int | None = None,
         extra_fields: Mapping[str, int | float] | None = None,
         cut_to_fill: bool = False,
+        max_segments: int | None = None,
     ):
         if strategy not in _STRATEGIES:
             raise ValueError(
@@ -466,17 +472,29 @@ class PackSequences(_Packer):
             raise TypeError(
                 f"pack_sequences: cut_to_fill must be True or False, got {cut_to_fill!r}"
             )
+        if max_segments is not None:
+            max_segments = check_int(max_segments, "max_segments", "pack_sequences", minimum=1)
+        if strategy == "wrap" and (cut_to_fill or max_segments is not None):
+            raise ValueError(
+                "pack_sequences: strategy='wrap' cuts the stream wherever a row is full, so it "
+                "takes neither cut_to_fill nor max_segments; use best_fit or first_fit for those"
+            )
         self.open_bins = open_bins
         self.strategy = strategy
         self.cut_to_fill = cut_to_fill
+        self.max_segments = max_segments
+        if strategy == "wrap":  # rows leave in stream order
+            self.traits = OpTraits(preserves_cursor_order=True, stateful=True)
         self._kernel = self._new_kernel()
 
     def describe(self) -> dict[str, Any]:
-        """As the packers' ``describe``; ``cut_to_fill`` counts only when on, so a packer without
-        it keeps the fingerprint it had before it existed."""
+        """As the packers' ``describe``; ``cut_to_fill`` and ``max_segments`` count only when
+        set, so a packer without them keeps the fingerprint it had before they existed."""
         out = super().describe()
         if not self.cut_to_fill:
             del out["params"]["cut_to_fill"]
+        if self.max_segments is None:
+            del out["params"]["max_segments"]
         return out
 
     def _leaving_bins(self) -> np.ndarray:
@@ -494,12 +512,15 @@ class PackSequences(_Packer):
         fill.write(rows, arrays, items, sides)
         return np.arange(rows[-1, 3] + 1, dtype=np.int64)  # _consolidated numbers bins 0, 1, ...
 
-    def _new_kernel(self) -> BinPacker:
+    def _new_kernel(self) -> BinPacker | FlatPacker:
+        if self.strategy == "wrap":
+            return FlatPacker(self.seq_len)
         return BinPacker(
             self.seq_len,
             self.open_bins,
             self.strategy,  # type: ignore[arg-type]
             cut_to_fill=self.cut_to_fill,
+            max_segments=self.max_segments,
         )
 
 
@@ -537,11 +558,24 @@ def pack_sequences(
     pad_id: int | None = None,
     extra_fields: Mapping[str, int | float] | None = None,
     cut_to_fill: bool = False,
-) -> PackSequences:
+    max_segments: int | None = None,
+    group_by: str | Callable[[Any], Hashable] | None = None,
+) -> Operator:
     """Pack ``payload[field]`` sequences into ``seq_len``-token bins, holding at most ``open_bins``
     open; ``strategy`` ``"best_fit"`` (tightest bin that fits) or ``"first_fit"``. A sequence
     longer than ``seq_len`` is cut into ``seq_len`` fragments that fill bins of their own, and its
     remainder is placed like any sequence. N -> 1, reorders, stateful; nothing is dropped.
+
+    ``strategy="wrap"``: concatenate the sequences in arrival order and cut every ``seq_len``
+    tokens, never waiting for a fit: every row is full but the last of an epoch, and sequences
+    are cut across rows (order-preserving, like ``pack_flat``).
+
+    ``max_segments``: a row holds at most that many sequences (fragments); it leaves once it
+    has them, full or not (attention cost and position budgets of some models are per segment).
+
+    ``group_by``: rows only mix sequences of one group: a payload field name (``"lang"``) or a
+    function of the payload giving a str or int. Each group packs into bins of its own, with up
+    to ``open_bins`` open bins each; an epoch's end flushes the groups in sorted order.
 
     ``cut_to_fill=True``: when a sequence fits in no open bin and one must leave, the head of the
     sequence fills that bin's rest first (it leaves full, not padded) and the rest is placed as
@@ -558,7 +592,7 @@ def pack_sequences(
     ``extra_fields`` (``{"loss_mask": 0, "weights": 0.0}``): per-token fields packed alongside,
     each padded with its value (an int: ``int32``, a float: ``float32``) and cut wherever the tokens
     are cut; every input must hold each of them, as long as its tokens."""
-    return PackSequences(
+    packer = PackSequences(
         seq_len,
         field=field,
         open_bins=open_bins,
@@ -566,7 +600,9 @@ def pack_sequences(
         pad_id=pad_id,
         extra_fields=extra_fields,
         cut_to_fill=cut_to_fill,
+        max_segments=max_segments,
     )
+    return packer if group_by is None else GroupedPacker(packer, group_by)
 
 
 def pack_flat(
@@ -582,3 +618,117 @@ def pack_flat(
     ``pack_sequences``). ``extra_fields`` as for ``pack_sequences``: side fields wrap with the
     tokens. N -> 1, order-preserving, stateful."""
     return PackFlat(seq_len, field=field, pad_id=pad_id, extra_fields=extra_fields)
+
+
+class GroupedPacker(Operator):
+    """A packer per group (``pack_sequences(..., group_by=...)``): each input goes to the packer
+    of its group, so a row only holds sequences of one group. The packers are copies of one
+    planned template, made when their group first appears; an epoch's end flushes them in the
+    groups' sorted order (str groups after int ones), which does not depend on when a group
+    appeared, so a restore from what the packers hold continues the same stream."""
+
+    traits = OpTraits(preserves_cursor_order=False, stateful=True)
+
+    def __init__(self, packer: _Packer, group_by: str | Callable[[Any], Hashable]):
+        if not (isinstance(group_by, str) or callable(group_by)):
+            raise TypeError(
+                f"{packer.name}: group_by must be a payload field name or a function of the "
+                f"payload, got {group_by!r}"
+            )
+        self.name = packer.name
+        self.packer = packer
+        self.group_by = group_by
+        self._groups: dict[int | str, _Packer] = {}
+
+    def describe(self) -> dict[str, Any]:
+        """The template packer's identity with the grouping added."""
+        out = self.packer.describe()
+        out["class"] = f"{type(self).__module__}.{type(self).__qualname__}"
+        out["params"]["group_by"] = identify(
+            self.group_by, where=f"operator {self.name!r} parameter 'group_by'"
+        )
+        return out
+
+    @property
+    def effective_pad_id(self) -> int | None:
+        """As ``PackSequences.effective_pad_id``."""
+        return self.packer.effective_pad_id
+
+    def use_upstream_facts(self, facts: Mapping[str, Any]) -> None:
+        self.packer.use_upstream_facts(facts)
+
+    def start_epoch(self, lane_id: int, epoch: int) -> None:
+        super().start_epoch(lane_id, epoch)
+        for packer in self._groups.values():
+            packer.start_epoch(lane_id, epoch)
+
+    def _group_of(self, rec: SampleRecord) -> int | str:
+        try:
+            if isinstance(self.group_by, str):
+                group = rec.payload[self.group_by]
+            else:
+                group = self.group_by(rec.payload)
+        except Exception as exc:
+            raise record_error(self, rec, exc) from exc
+        if isinstance(group, np.generic):
+            group = group.item()
+        if isinstance(group, bool) or not isinstance(group, (int, str)):
+            raise record_error(
+                self, rec, TypeError(f"its group is {group!r}; group_by must give a str or an int")
+            )
+        return group
+
+    def _packer_of(self, group: int | str) -> _Packer:
+        packer = self._groups.get(group)
+        if packer is None:
+            packer = copy.deepcopy(self.packer)  # the planned template holds no bins
+            packer.start_epoch(self.lane_id, self.epoch)
+            self._groups[group] = packer
+        return packer
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        by_group: dict[int | str, list[SampleRecord]] = {}
+        for rec in records:
+            by_group.setdefault(self._group_of(rec), []).append(rec)
+        out: list[SampleRecord] = []
+        for group, members in by_group.items():  # groups in order of first appearance
+            out += self._packer_of(group).process_many(members)
+        return out
+
+    def _in_order(self) -> list[tuple[int | str, _Packer]]:
+        return sorted(self._groups.items(), key=lambda kv: (isinstance(kv[0], str), kv[0]))
+
+    def flush(self) -> list[SampleRecord]:
+        out: list[SampleRecord] = []
+        for _, packer in self._in_order():
+            out += packer.flush()
+        return out
+
+    def holdings(self) -> tuple[list[SampleRecord], dict[str, Any]]:
+        """Every group's held inputs, one group after another, and per group its key, how many
+        inputs it holds and its packer's state."""
+        records: list[SampleRecord] = []
+        groups = []
+        for group, packer in self._in_order():
+            held, state = packer.holdings()
+            if held or state["kernel"] != packer._new_kernel().state():
+                records += held
+                groups.append([group, len(held), state])
+        return records, {"groups": groups}
+
+    def restore_holdings(self, records: list[SampleRecord], state: dict[str, Any]) -> None:
+        at = 0
+        for group, n, held_state in state["groups"]:
+            if isinstance(group, bool) or not isinstance(group, (int, str)) or n < 0:
+                raise ValueError(f"{self.name}: a held group {group!r} of {n!r} inputs")
+            self._packer_of(group).restore_holdings(records[at : at + n], held_state)
+            at += n
+        if at != len(records):
+            raise ValueError(f"{self.name}: {len(records)} held inputs for {at} in the groups")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(vars(self))
+        state["_groups"] = {}  # copies are taken between epochs, when no group holds a bin
+        if any(p._fill is not None and p._fill.n_open for p in self._groups.values()):
+            raise RuntimeError(f"{self.name}: cannot copy or pickle a packer that holds open bins")
+        return state

@@ -1,12 +1,13 @@
-"""``training_collate``: packed rows to what a training step takes: inputs, shifted labels,
-positions and the ``cu_seqlens`` / ``max_seqlen`` of variable-length attention kernels.
+"""``training_collate``: packed rows to what a training step takes: inputs, labels, positions,
+the ``cu_seqlens`` / ``max_seqlen`` of variable-length attention kernels and the number of tokens
+trained on, in the dtypes, layout and names the model takes.
 
 Numpy out; ``zephon.integrations.torch`` turns the arrays into tensors (``as_torch_dataset``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,28 +24,105 @@ class TrainingCollate:
     """A ``batch(n, collate=...)`` collate for packed rows (``pack_sequences`` / ``pack_flat``
     payloads). Per row of ``L`` tokens:
 
-    - ``input_ids``: the tokens (int64, ``(B, L)``);
-    - ``labels``: already shifted, ``labels[t]`` is the token at ``t + 1``, the target of the
-      prediction made at ``t``; ``ignore_index`` where ``t + 1`` is padding, starts another
-      segment (a document's first token is never predicted from the one before), or has
-      ``mask == 0``, and at the last position (int64; use a loss that does not shift again);
-    - ``position_ids``: positions restarting at 0 per segment (int64);
+    - ``input_ids``: the tokens (``(B, L)``);
+    - ``labels``: with ``shift_labels=True`` (the default) already shifted, ``labels[t]`` is the
+      token at ``t + 1``, the target of the prediction made at ``t``, and ``ignore_index`` at the
+      last position (use a loss that does not shift again); with ``shift_labels=False`` the
+      targets stay in place, ``labels[t]`` is the token at ``t`` (for models whose loss shifts
+      them). Either way a token is a target only when it is real (not padding), is not the
+      first of its segment (a document's first token is never predicted from the one before),
+      has ``mask != 0``, and, with ``train_on_eos=False``, is not ``eos_id``;
+    - ``position_ids``: positions restarting at 0 per segment;
     - ``segment_ids``: as packed (int32);
     - ``cu_seqlens``: the starts of the segments of the flattened ``(B * L,)`` batch plus its end
       (int32): a new segment at every row start and every change of segment id, padding runs
       counting as segments of their own (their labels are all ignored), so
-      ``cu_seqlens[-1] == B * L``; ``max_seqlen``: the longest of them (an int).
+      ``cu_seqlens[-1] == B * L``; ``max_seqlen``: the longest of them (an int);
+    - ``num_valid_tokens``: the number of labels that are not ``ignore_index`` (an int), to
+      normalize a summed loss by the tokens trained on.
+
+    ``input_ids``, ``labels`` and ``position_ids`` are ``dtype`` (int64 or int32). With
+    ``layout="flat"`` every per-token array is ``(1, B * L)`` (one long sequence, as
+    variable-length attention takes it) instead of ``(B, L)``. ``rename`` maps output names to
+    the names the model takes (``{"input_ids": "tokens"}``).
     """
 
-    def __init__(self, mask_field: str | None = "loss_mask", ignore_index: int = -100):
+    _OUTPUTS = (
+        "input_ids",
+        "labels",
+        "position_ids",
+        "segment_ids",
+        "cu_seqlens",
+        "max_seqlen",
+        "num_valid_tokens",
+    )
+    # Options left at these values stay out of the identity, so pipelines made before they
+    # existed keep their fingerprint (and their checkpoints).
+    _DEFAULTS: dict[str, Any] = {
+        "shift_labels": True,
+        "train_on_eos": True,
+        "eos_id": None,
+        "dtype": "int64",
+        "layout": "rows",
+        "rename": {},
+    }
+
+    def __init__(
+        self,
+        mask_field: str | None = "loss_mask",
+        ignore_index: int = -100,
+        *,
+        shift_labels: bool = True,
+        train_on_eos: bool = True,
+        eos_id: int | None = None,
+        dtype: str = "int64",
+        layout: str = "rows",
+        rename: Mapping[str, str] | None = None,
+    ):
+        where = "training_collate"
         if mask_field is not None and not isinstance(mask_field, str):
-            raise TypeError(
-                f"training_collate: mask_field must be a str or None, got {mask_field!r}"
-            )
+            raise TypeError(f"{where}: mask_field must be a str or None, got {mask_field!r}")
         self.mask_field = mask_field
         self.ignore_index = check_int(
-            ignore_index, "ignore_index", "training_collate", minimum=-(2**63), maximum=2**63 - 1
+            ignore_index, "ignore_index", where, minimum=-(2**63), maximum=2**63 - 1
         )
+        for name, flag in (("shift_labels", shift_labels), ("train_on_eos", train_on_eos)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{where}: {name} must be True or False, got {flag!r}")
+        if not train_on_eos and eos_id is None:
+            raise ValueError(f"{where}: train_on_eos=False needs eos_id= (the id not to train on)")
+        if eos_id is not None:
+            eos_id = check_int(eos_id, "eos_id", where, minimum=0, maximum=2**31 - 1)
+        if dtype not in ("int64", "int32"):
+            raise ValueError(f"{where}: dtype must be 'int64' or 'int32', got {dtype!r}")
+        if layout not in ("rows", "flat"):
+            raise ValueError(f"{where}: layout must be 'rows' or 'flat', got {layout!r}")
+        renamed = dict(rename or {})
+        unknown = sorted(set(renamed) - set(self._OUTPUTS))
+        names = [renamed.get(k, k) for k in self._OUTPUTS]
+        if unknown or not all(isinstance(v, str) for v in renamed.values()):
+            raise ValueError(
+                f"{where}: rename maps output names ({', '.join(self._OUTPUTS)}) to str, got "
+                f"{rename!r}"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"{where}: rename gives two outputs one name: {rename!r}")
+        self.shift_labels = shift_labels
+        self.train_on_eos = train_on_eos
+        self.eos_id = eos_id
+        self.dtype = dtype
+        self.layout = layout
+        self.rename = renamed
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in self._DEFAULTS or v != self._DEFAULTS[k]
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({**self._DEFAULTS, "rename": {}, **state})
 
     def _column(self, records: Sequence[SampleRecord], name: str) -> np.ndarray:
         rows = []
@@ -83,7 +161,8 @@ class TrainingCollate:
                 f"positions {positions.shape} differ in shape"
             )
         n_rows, length = tokens.shape
-        # The target of position t is token t + 1 of the same (real) segment, when trained on.
+        # Token t + 1 is a target (of the prediction made at t) when it is real, of the same
+        # segment as token t, and trained on.
         target = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
         if self.mask_field is not None:
             mask = self._column(records, self.mask_field)
@@ -93,33 +172,67 @@ class TrainingCollate:
                     f"{tokens.shape}"
                 )
             target &= mask[:, 1:] != 0
-        labels = np.full((n_rows, length), self.ignore_index, dtype=np.int64)
-        labels[:, :-1] = np.where(target, tokens[:, 1:], self.ignore_index)
+        if not self.train_on_eos:
+            target &= tokens[:, 1:] != self.eos_id
+        dtype = np.dtype(self.dtype)
+        labels = np.full((n_rows, length), self.ignore_index, dtype=dtype)
+        shifted = labels[:, :-1] if self.shift_labels else labels[:, 1:]
+        shifted[...] = np.where(target, tokens[:, 1:], self.ignore_index)
         # Segment starts in the flattened batch: every row start and every change of segment id.
         flat = segments.reshape(-1)
         starts = np.ones(flat.shape, dtype=bool)
         starts[1:] = flat[1:] != flat[:-1]
         starts[::length] = True
         cu_seqlens = np.append(np.flatnonzero(starts), flat.size).astype(np.int32)
-        return {
-            "input_ids": tokens.astype(np.int64),
-            "labels": labels,
-            "position_ids": positions.astype(np.int64),
-            "segment_ids": segments.astype(np.int32, copy=False),
+        shape = (1, n_rows * length) if self.layout == "flat" else (n_rows, length)
+        out = {
+            "input_ids": tokens.astype(dtype).reshape(shape),
+            "labels": labels.reshape(shape),
+            "position_ids": positions.astype(dtype).reshape(shape),
+            "segment_ids": segments.astype(np.int32, copy=False).reshape(shape),
             "cu_seqlens": cu_seqlens,
             "max_seqlen": int(np.diff(cu_seqlens).max()),
+            "num_valid_tokens": int(np.count_nonzero(target)),
         }
+        rename = self.rename
+        return {rename.get(k, k): v for k, v in out.items()} if rename else out
 
     def __repr__(self) -> str:
-        return f"training_collate(mask_field={self.mask_field!r}, ignore_index={self.ignore_index})"
+        options = "".join(
+            f", {k}={v!r}" for k, v in self.__getstate__().items() if k in self._DEFAULTS
+        )
+        return (
+            f"training_collate(mask_field={self.mask_field!r}, ignore_index={self.ignore_index}"
+            f"{options})"
+        )
 
 
 def training_collate(
-    *, mask_field: str | None = "loss_mask", ignore_index: int = -100
+    *,
+    mask_field: str | None = "loss_mask",
+    ignore_index: int = -100,
+    shift_labels: bool = True,
+    train_on_eos: bool = True,
+    eos_id: int | None = None,
+    dtype: str = "int64",
+    layout: str = "rows",
+    rename: Mapping[str, str] | None = None,
 ) -> TrainingCollate:
     """A collate for ``batch(n, collate=training_collate())`` after a packer: per packed row
-    ``input_ids``, shifted ``labels`` (``ignore_index`` on padding, segment boundaries and where
-    ``payload[mask_field] == 0``; ``mask_field=None`` trains on every real token),
-    ``position_ids``, ``segment_ids``, and the batch's ``cu_seqlens`` / ``max_seqlen`` (see
-    ``TrainingCollate``). Numpy arrays; ``as_torch_dataset`` yields them as tensors."""
-    return TrainingCollate(mask_field=mask_field, ignore_index=ignore_index)
+    ``input_ids``, ``labels`` (``ignore_index`` on padding, segment starts and where
+    ``payload[mask_field] == 0``; ``mask_field=None`` trains on every real token; shifted by
+    one unless ``shift_labels=False``; ``train_on_eos=False`` with ``eos_id=`` also ignores the
+    end-of-sequence targets), ``position_ids``, ``segment_ids``, the batch's ``cu_seqlens`` /
+    ``max_seqlen`` and ``num_valid_tokens``; ``dtype``, ``layout="flat"`` (``(1, B*L)``) and
+    ``rename`` shape them for the model (see ``TrainingCollate``). Numpy arrays;
+    ``as_torch_dataset`` yields them as tensors."""
+    return TrainingCollate(
+        mask_field=mask_field,
+        ignore_index=ignore_index,
+        shift_labels=shift_labels,
+        train_on_eos=train_on_eos,
+        eos_id=eos_id,
+        dtype=dtype,
+        layout=layout,
+        rename=rename,
+    )

@@ -15,11 +15,12 @@ from zephon._core.handover import PendingBatch
 from zephon._core.records import JoinedRuns, RecordRun, expand_runs
 from zephon.errors import OperatorError
 from zephon.ops.base import Grouper
-from zephon.runtime.control import LaneEnd, RunStart
+from zephon.runtime.control import LaneEnd, RunStart, Skipped
 from zephon.types import SampleRecord
 
-# Control items the delivery loop must see itself even while a batch is pending.
-LEAVE_TO_CALLER = (LaneEnd, RunStart)
+# Control items the delivery loop must see itself even while a batch is pending (a skipped
+# record is admitted, against the limit, as it arrives).
+LEAVE_TO_CALLER = (LaneEnd, RunStart, Skipped)
 
 
 class FinalBatcher(PendingBatch):

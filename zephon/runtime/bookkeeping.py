@@ -23,10 +23,11 @@ from zephon.compact import pack_ints, unpack_ints
 from zephon.errors import CarryStateWarning, ContractViolation
 from zephon.plan import Plan
 from zephon.runtime.contracts import Violation
-from zephon.runtime.control import ChunkOpened, EpochEnd, Holdings, OverClose, RunStart
+from zephon.runtime.control import ChunkOpened, EpochEnd, Holdings, OverClose, RunStart, Skipped
 from zephon.runtime.holdings import packed
 from zephon.runtime.lane import operator_labels
 from zephon.runtime.layout import Layout, Run
+from zephon.runtime.skips import SkipLog
 from zephon.types import SampleCursor, SampleRecord
 
 log = logging.getLogger("zephon")
@@ -41,8 +42,9 @@ class LaneBook:
     epoch so that it shrinks when chunks are evicted and never grows with the run.
     """
 
-    def __init__(self, plan: Plan, lane_id: int, counters: DeliveryCounters):
+    def __init__(self, plan: Plan, lane_id: int, counters: DeliveryCounters, skips: SkipLog):
         self.lane_id = lane_id
+        self.skips = skips  # the loader's, shared by its lanes
         self.monotone = plan.eviction_path == "monotone"
         self.per_epoch = plan.epoch_chunks
         self.labels = operator_labels(plan.chain)
@@ -129,6 +131,8 @@ class LaneBook:
             self._start_run(item)
         elif kind is Holdings:
             self._holdings(item)
+        elif kind is Skipped:
+            self.skips.book(item, self.lane_id)
         else:
             raise TypeError(f"unknown item in lane {self.lane_id}: {item!r}")
 
@@ -238,6 +242,8 @@ class LaneBook:
         self.enter(run)
         reported = len(self.found)
         for item in marker.replayed:
+            if type(item) is Skipped:  # counted before the checkpoint
+                continue
             if type(item) is not SampleRecord:
                 self.control(item)
             elif item.meta.is_tombstone:

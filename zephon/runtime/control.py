@@ -88,6 +88,21 @@ class Holdings:
         return (Holdings, (self.next_local, self.offset, self.epoch, flattened(self.ops)))
 
 
+class Skipped:
+    """The record at ``cursor`` was skipped: operator ``operator`` raised ``error`` (its text) on
+    it, and its tombstones follow. Delivery logs and counts it as it is handed over."""
+
+    __slots__ = ("cursor", "error", "operator")
+
+    def __init__(self, cursor: Any, operator: str, error: str):
+        self.cursor = cursor
+        self.operator = operator
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"Skipped({self.cursor!r}, {self.operator!r})"
+
+
 class RunStart:
     """The lane starts run ``index`` of its program (after a re-laning: the chunks another lane
     had in flight, or its own). Delivery fills ``replayed`` with the items of the run that were

@@ -23,9 +23,10 @@ from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
 from zephon.runtime.batcher import LEAVE_TO_CALLER, FinalBatcher
 from zephon.runtime.bookkeeping import LaneBook
-from zephon.runtime.control import EpochEnd, LaneEnd, RunStart
+from zephon.runtime.control import EpochEnd, LaneEnd, RunStart, Skipped
 from zephon.runtime.layout import Layout, Run
 from zephon.runtime.replay import MASK64, ReplayFilter
+from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.supervision import LaneFeed
 from zephon.types import SampleBatch, SampleCursor, SampleRecord
@@ -34,11 +35,11 @@ from zephon.types import SampleBatch, SampleCursor, SampleRecord
 class LaneDelivery(LaneOutlet):
     """The delivery side of lane ``lane_id``: feed, replay filter, bookkeeping and batcher."""
 
-    def __init__(self, plan: Plan, lane_id: int, counters: DeliveryCounters):
+    def __init__(self, plan: Plan, lane_id: int, counters: DeliveryCounters, skips: SkipLog):
         self.plan = plan
         self.lane_id = lane_id
         self.feed = LaneFeed(plan, lane_id)
-        self.book = LaneBook(plan, lane_id, counters)
+        self.book = LaneBook(plan, lane_id, counters, skips)
         self.batcher = FinalBatcher(plan.batcher) if plan.batcher is not None else None
         self.replay: ReplayFilter | None = None
         self.replayed = 0  # records the replay filter swallowed before meeting the cursor
@@ -100,6 +101,8 @@ class LaneDelivery(LaneOutlet):
                 return self._lane_end()
             if type(item) is RunStart:
                 self._replay_run(item)
+            elif type(item) is Skipped:
+                book.skips.admit(item, self.lane_id)
             if batcher is not None and batcher.n_pending:
                 batcher.hold(item)
             else:
@@ -114,6 +117,8 @@ class LaneDelivery(LaneOutlet):
         if replay is None:
             return
         for item in self._until_cursor(replay):
+            if type(item) is Skipped:  # counted and logged before the checkpoint
+                continue
             if type(item) is not SampleRecord:
                 book.control(item)
             elif item.meta.is_tombstone:

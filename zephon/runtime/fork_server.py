@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from zephon.plan import Plan
+from zephon.runtime.main_script import main_script_left_out
 
 _server_started = False  # this process started its fork server (it lives as long as we do)
 
@@ -50,7 +51,8 @@ def start_fork_server(preload: list[str]) -> None:
     has imported ``preload`` (what the workers need). Nothing else tells when it is ready, so a
     process that does nothing is started (which starts the server) and joined."""
     probe = worker_context(preload).Process(target=_nothing, name="zephon-fork-server-probe")
-    probe.start()
+    with main_script_left_out():  # the probe runs nothing of the training script
+        probe.start()
     probe.join()
 
 

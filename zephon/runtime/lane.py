@@ -20,11 +20,20 @@ from typing import Any
 from zephon._core.records import RecordRun, count_closing, expand_runs, next_control
 from zephon.errors import FetchError, OperatorError, ZephonError
 from zephon.ops.base import Operator, record_error
+from zephon.ops.children import tombstone_meta, tombstones_for_record
 from zephon.plan import Plan
-from zephon.runtime.control import ChunkOpened, EpochEnd, Holdings, LaneEnd, OverClose, RunStart
+from zephon.runtime.control import (
+    ChunkOpened,
+    EpochEnd,
+    Holdings,
+    LaneEnd,
+    OverClose,
+    RunStart,
+    Skipped,
+)
 from zephon.runtime.holdings import rebuild, snapshot_of
 from zephon.runtime.layout import Layout
-from zephon.types import SampleRecord
+from zephon.types import ContributorRef, SampleCursor, SampleRecord
 
 #: Samples read between two snapshots of what the stateful operators hold, when the chain has
 #: an operator that keeps no state: what a restore replays at most before it delivers again (a
@@ -69,6 +78,26 @@ def operator_labels(ops: tuple[Operator, ...] | list[Operator]) -> list[str]:
     """Names that tell operators apart even when two share a name."""
     names = [op.name for op in ops]
     return [n if names.count(n) == 1 else f"{n}[#{i}]" for i, n in enumerate(names)]
+
+
+def _error_text(exc: BaseException) -> str:
+    """What a skipped record's report says of its error: its type and first line (without the
+    record, which the report names), at most 300 characters."""
+    text = f"{type(exc).__name__}: {exc}".split("\n", 1)[0]
+    cursor = getattr(exc, "cursor", None)
+    if isinstance(exc, OperatorError) and cursor is not None:  # ``record_error``'s own text
+        text = text.split(f"(sample_id={cursor.sample_id}): ", 1)[-1]
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _storage_failed(exc: BaseException) -> bool:
+    """The error came from the storage, not from one sample's data (an ``OSError``, or an error
+    caused by one): such a read is never skipped, since it may well succeed on the next run."""
+    while exc is not None:
+        if isinstance(exc, OSError):
+            return True
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
 
 
 class LaneRunner:
@@ -121,6 +150,8 @@ class LaneRunner:
         self._by_payload = [
             op.maps_payloads and pool is None for op, pool in zip(plan.chain, self._pools)
         ]
+        # Per operator: whether a record it fails on is skipped (``Pipeline(on_error=...)``).
+        self._skips = plan.skip_errors or (False,) * len(plan.chain)
         # Per operator: records in, records out, seconds inside process_many/flush.
         self.op_stats: list[list[float]] = (
             [list(s) for s in op_stats] if op_stats else [[0, 0, 0.0] for _ in plan.chain]
@@ -246,14 +277,45 @@ class LaneRunner:
             if type(read) is RecordRun:
                 return [read] if len(read) else []
             return read
-        except ZephonError as exc:
-            raise exc.add_context(lane=self.lane_id, chunk=position) from exc.__cause__
         except Exception as exc:
+            rows = self._fetch_rows(position, pointers, start, exc)
+            if rows is not None:
+                return rows
+            if isinstance(exc, ZephonError):
+                raise exc.add_context(lane=self.lane_id, chunk=position) from exc.__cause__
             first = pointers[0].tolist() if len(pointers) else None
             raise FetchError(
                 f"reading {len(pointers)} samples of chunk {position} failed: "
                 f"{type(exc).__name__}: {exc}"
             ).add_context(lane=self.lane_id, chunk=position, pointer=first) from exc
+
+    def _fetch_rows(
+        self, position: int, pointers: Any, start: int, failed: Exception
+    ) -> list | None:
+        """A read that failed, when the plan skips what ``fetch`` fails on: the samples read one
+        at a time, those that fail alone skipped (a ``Skipped`` item and the tombstone of the
+        sample's offset instead of a record). None, for the read to fail as it is, when no sample
+        fails alone, or when the storage did (it may well succeed on the next run)."""
+        if not self.plan.skip_fetch_errors or _storage_failed(failed):
+            return None
+        out: list = []
+        skipped = 0
+        for i in range(len(pointers)):
+            try:
+                read = self.fetch.fetch(position, pointers[i : i + 1], start + i)
+            except Exception as exc:
+                if _storage_failed(exc):
+                    return None
+                cursor = SampleCursor(position, start + i, tuple(pointers[i].tolist()), ())
+                tomb = tombstone_meta(ContributorRef(cursor, True), self.fetch.lane_id)
+                out += [
+                    Skipped(cursor, self.fetch.name, _error_text(exc)),
+                    SampleRecord(tomb, None),
+                ]
+                skipped += 1
+            else:
+                out += [read] if type(read) is RecordRun else read
+        return out if skipped else None
 
     def _start_epoch(self, epoch: int) -> None:
         # Seeds come from the identity of the lane whose chunks these are (``seed_lane``), which
@@ -303,8 +365,12 @@ class LaneRunner:
             else:
                 out = op.process_many(records)
         except ZephonError as exc:
+            if self._skips[j] and (skipped := self._skip_failing(j, records, began)):
+                return skipped
             raise exc.add_context(lane=self.lane_id, operator=self.labels[j]) from exc.__cause__
         except Exception as exc:
+            if self._skips[j] and (skipped := self._skip_failing(j, records, began)):
+                return skipped
             raise self._locate_error(op, records, exc).add_context(lane=self.lane_id) from exc
         except SystemExit as exc:  # in a worker it would end the worker, inline the training run
             culprit = records[0]
@@ -331,6 +397,35 @@ class LaneRunner:
             return [self._mapped_run(j, records, out)]
         stats[1] += len(out)
         return self._audit(j, records, out)
+
+    def _skip_failing(
+        self, j: int, records: list[SampleRecord] | RecordRun, began: float
+    ) -> list | None:
+        """Operator ``j`` (which keeps no state) failed on a micro-batch: run it again one record
+        at a time, and skip each record it fails on (a ``Skipped`` item, then the record's
+        tombstones), so that the others still go through, the same ones on every run. None, for
+        the micro-batch to fail as without skipping, when no record fails alone (the records
+        only fail together: not a bad record)."""
+        op, label = self.ops[j], self.labels[j]
+        received = records.records() if isinstance(records, RecordRun) else records
+        out: list = []
+        emitted: list = []
+        for rec in received:
+            try:
+                got = op.process_many([rec])
+            except Exception as exc:
+                out.append(Skipped(rec.meta.cursor, label, _error_text(exc)))
+                got = tombstones_for_record(rec)
+            out += got
+            emitted += got
+        if len(emitted) == len(out):
+            return None
+        stats = self.op_stats[j]
+        stats[0] += len(received)
+        stats[1] += len(emitted)
+        stats[2] += perf_counter() - began
+        audited = self._audit(j, received, emitted)
+        return out if audited is emitted else [audited[0], *out]
 
     def _mapped_run(self, j: int, run: RecordRun, payloads: Any) -> RecordRun:
         try:

@@ -39,6 +39,7 @@ from zephon.runtime.delivery import LaneDelivery
 from zephon.runtime.job import rank_turn
 from zephon.runtime.layout import Layout
 from zephon.runtime.relane import relane
+from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import (
     COUNTERS,
     check_int,
@@ -91,7 +92,8 @@ class Loader(LoaderStep):
         self.restored_replayed = 0
         self.max_inflight = 0
         self.next_lane = 0
-        self.lanes = [LaneDelivery(plan, lane, self.counts) for lane in plan.rank_lanes]
+        self.skips = SkipLog(self.counts, plan.max_skipped)
+        self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
@@ -225,12 +227,19 @@ class Loader(LoaderStep):
         tombstones) and seconds spent; ``lanes`` each lane's delivered items, whether it ended,
         the items waiting in its current list (``buffered``), the item lists its worker has
         ready beyond it (``queued``, at most ``prefetch``; 0 for inline lanes) and its replay
-        progress after a restore.
+        progress after a restore. ``skipped`` counts the records skipped since the run started
+        (``Pipeline(on_error="skip")``; the latest are in ``skipped()``).
         ``mixture_components`` gives per component its delivered ``samples`` and ``tokens``, the
         ``dropped_samples``/``dropped_tokens`` that counted tombstones carried (what
         ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
         (``share_of``, as the target measures) and its ``target`` share: the last chain
-        operator's ``target_mixture()``, else the source's (None without either)."""
+        operator's ``target_mixture()``, else the source's (None without either).
+
+        Safe to call from another thread (a metrics server's): it waits for the step under way."""
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
         basis = self.mix_tokens if self.mix_tokens else self.mix_samples
         total = sum(basis.values())
         counts = self.counts
@@ -245,6 +254,7 @@ class Loader(LoaderStep):
             "mixture": {k: v / total for k, v in basis.items()} if total else {},
             "bytes_held": sum(lane.book.table.bytes_held for lane in self.lanes),
             "eviction_path": self.plan.eviction_path,
+            "skipped": self.skips.count,
         }
         for tag in self.plan.counted_tags:
             out[tag] = counts.tag_counts.get(tag, 0)
@@ -265,6 +275,21 @@ class Loader(LoaderStep):
             for lane in self.lanes
         }
         return out
+
+    def explain(self) -> str:
+        """The bottleneck named in words, with the numbers behind it
+        (``zephon.observability.explain``)."""
+        from zephon.observability.explain import explain
+
+        return explain(self)
+
+    def skipped(self) -> list[dict[str, Any]]:
+        """The latest skipped records (``Pipeline(on_error="skip")``), oldest first, at most
+        ``zephon.runtime.skips.KEEP``: each one's ``lane``, ``cursor``, ``sample_id``, the
+        ``operator`` that failed on it and its ``error``. Only those handed over since this loader
+        started: a restored run counts the earlier ones (``stats()["skipped"]``) but does not
+        list them."""
+        return list(self.skips.latest)
 
     def _mixture_components(self) -> dict[Hashable, dict[str, Any]]:
         """Delivered and dropped samples and tokens, realized and target share, per component."""
@@ -469,9 +494,11 @@ class Loader(LoaderStep):
             per_epoch=plan.epoch_chunks,
         )
         text = (
-            f"re-laning a checkpoint of {old} lanes onto {plan.lanes} lanes: every sample is "
-            "still delivered exactly once, but the batches differ from here on (what was in "
-            "flight finishes first, under the old lanes' seeds)"
+            f"re-laning a checkpoint of {old} lanes onto {plan.lanes} lanes: every sample the "
+            "pipeline delivers is delivered exactly once, but the batches differ from here on "
+            "(what was in flight finishes first, under the old lanes' seeds); operators that "
+            "drop records by running totals (ensure_mixture) restart them on the new lanes, so "
+            "which samples they drop can differ from the uninterrupted run's"
         )
         log.warning(text)
         warnings.warn(text, RelaneWarning, stacklevel=4)

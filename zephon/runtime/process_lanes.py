@@ -28,8 +28,9 @@ from zephon.runtime.lane_stop import (
 from zephon.runtime.main_script import main_script_left_out
 from zephon.runtime.neighbours import Neighbours
 from zephon.runtime.plan_parcel import PlanParcel, unguarded_main
-from zephon.runtime.wire import ACK, END, READY, MessageStalled, receive
+from zephon.runtime.wire import ACK, END, READY, WARNINGS, MessageStalled, receive
 from zephon.runtime.worker_process import EXIT_MAIN_REIMPORTED, process_main
+from zephon.runtime.worker_warnings import reraise
 
 _EXIT_STATUS_WAIT = 1.0  # a dead worker's exit status follows the end of its pipe closely
 
@@ -238,7 +239,7 @@ class ProcessLane(WorkerLane):
         """Whether a message may still arrive (the worker neither ended nor failed)."""
         if self._closed or self._ended or self._gone or self._stalled is not None:
             return False
-        return not self._waiting or self._waiting[-1][0] == "items"
+        return not self._waiting or self._waiting[-1][0] in ("items", WARNINGS)
 
     def _receive_arrived(self) -> None:
         """Move the messages waiting in the pipe to ``_waiting``."""
@@ -261,10 +262,11 @@ class ProcessLane(WorkerLane):
             raise closed_error(self.lane_id)
         if self._ended:
             raise StopIteration
-        if self._waiting:
-            kind, value = self._waiting.popleft()
-        else:
-            kind, value = self._next_message()
+        while True:
+            kind, value = self._waiting.popleft() if self._waiting else self._next_message()
+            if kind != WARNINGS:
+                break
+            reraise(value)  # here, where the training script's filters apply
         if kind == "error":
             self.close()
             raise value

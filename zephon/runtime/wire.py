@@ -16,6 +16,7 @@ ACK = "ack"  # from the loader: it took an item list, so one more may be sent
 READY = "ready"  # from a worker: it runs (a death after this is not a failed start)
 END = "end"  # the runner is exhausted: next() raises StopIteration from now on
 THREADS = "threads"  # from the loader: thread variables to set (other workers have finished)
+WARNINGS = "warnings"  # from a worker: warnings its lanes raised, for the loader to raise again
 
 
 class LoaderGone(Exception):

@@ -20,7 +20,8 @@ from zephon.runtime.control import ChunkOpened
 from zephon.runtime.lane import LaneRunner
 from zephon.runtime.lane_stop import exit_outside_operator
 from zephon.runtime.memory import give_back_at_most_every, give_back_once_grown
-from zephon.runtime.wire import ACK, END, READY, THREADS, LoaderGone, encode, write
+from zephon.runtime.wire import ACK, END, READY, THREADS, WARNINGS, LoaderGone, encode, write
+from zephon.runtime.worker_warnings import forward_warnings, take_warnings
 
 #: A worker process hands freed memory back to the OS as its lane starts a chunk, at most this
 #: often, ...
@@ -102,6 +103,7 @@ def _stream(conn: Connection, lane_items: Iterator[list], lane_id: int, prefetch
                 credits += _from_loader(conn.recv())
         except (OSError, EOFError):
             raise LoaderGone from None
+        _send_warnings(conn)
         write(conn, message)
         credits -= 1
         give_back_once_grown(GIVE_BACK_GROWTH)
@@ -116,6 +118,14 @@ def _from_loader(message: Any) -> int:
     if kind == THREADS:
         os.environ.update(environment)  # read by the tokenizer at its next encode_batch
     return 0
+
+
+def _send_warnings(conn: Connection) -> None:
+    """The warnings raised since the last item list, ahead of what follows them (they take no
+    credit: the loader raises them again as it reads them)."""
+    found = take_warnings()
+    if found:
+        write(conn, encode(WARNINGS, found))
 
 
 def _send_error(conn: Connection, exc: BaseException) -> None:
@@ -143,6 +153,7 @@ def process_main(
     # was loaded with numpy in the fork server, and is told instead.
     os.environ.update(environment)
     limit_loaded_blas(environment)
+    forward_warnings()  # the training process shows them, through its own filters
     for conn, _, _ in members:
         _write_or_leave(conn, encode(READY, None))
     plan = _load_plan(plan_bytes, [lane_id for _, lane_id, _ in members])
@@ -178,12 +189,14 @@ def _lane_main(
             raise plan
         with contextlib.closing(LaneRunner(plan, lane_id, **start).run()) as lane_items:
             _stream(conn, lane_items, lane_id, prefetch)
+        _send_warnings(conn)
         write(conn, encode(END, None))
     except LoaderGone:
         return
     except BaseException as exc:
         error = exit_outside_operator(lane_id, exc) if isinstance(exc, SystemExit) else exc
         try:
+            _send_warnings(conn)
             _send_error(conn, error)
         except LoaderGone:
             return

@@ -8,13 +8,15 @@ file. A file is split into *groups*: its Parquet row groups, or its IPC record b
 Metadata. On first need (``num_samples``, ``describe``, ``chunk``, ``read``) each file's format is
 detected by its magic bytes (``PAR1``: Parquet; ``ARROW1``: IPC file; a ``0xFFFFFFFF``
 continuation marker: IPC stream) and its footer (Parquet FileMetaData, IPC footer) or schema
-message (IPC stream) is read. The first time a file is seen it is also read once in full to build
-its digest table (see ``zephon.sources.files``): one range per Parquet column chunk, one for the
-footer, and one per IPC message, where an uncompressed record batch without dictionaries is split
-into its header and one range per column (located by pyarrow's own decoder), so projected reads
-check only what they read. The table and the row count of every group are cached in the ``.zsum``
-sidecar (beside the file or in ``index_dir``); later opens read only the footer and the sidecar.
-``describe()`` gives each file's format, size, rows, groups and the sha256 of its table.
+message (IPC stream) is read. The first time a file is seen (local or remote) it is also read
+once in full to build its digest table (see ``zephon.sources.files``): one range per Parquet
+column chunk, one for the footer, and one per IPC message, where an uncompressed record batch
+without dictionaries is split into its header and one range per column (located by pyarrow's own
+decoder), so projected reads check only what they read. The table, the row count of every group
+and a remote object's version are cached in the ``.zsum`` sidecar (beside the file, in
+``index_dir`` or in the cache directory); later opens of a file with the same size and mtime
+read only the sidecar (and, remote, ask the object's version). ``describe()`` gives each file's
+format, size, rows, groups, footer digest and the sha256 of its table.
 
 Reading. Files are opened through ``open_file`` (a memory map by default) per ``read`` and closed
 before it returns. ``read`` groups pointers by file and group and reads only the groups they touch,
@@ -64,22 +66,16 @@ from zephon.sources.arrow_layout import (
     PARQUET,
     CorruptFile,
     FileInfo,
-    agreeing,
     digest_file,
     group_name,
     ipc_file_layout,
     ipc_stream_layout,
-    lazy_parquet_info,
     parquet_layout,
     read_span,
 )
 from zephon.sources.arrow_reader import GroupReader, RangeChanged
 from zephon.sources.arrow_rows import table_rows
-from zephon.sources.files import (
-    FileSource,
-    PathsArg,
-    load_sidecar,
-)
+from zephon.sources.files import FileSource, PathsArg, read_sidecar
 from zephon.validation import check_int
 
 if TYPE_CHECKING:  # pyarrow is imported when a file is first touched, not with zephon.sources
@@ -225,14 +221,13 @@ class ArrowSource(FileSource):
         return [info.num_rows for info in infos]
 
     def _scan(self, i: int) -> FileInfo:
-        """File ``i``'s info: its cached one when it was stored for this size and mtime (no
-        I/O), else from its footer, keeping the cached digests when the footer is the same (a
-        touched or copied file), else new: digested in full for a local file, learned range by
-        range as they are read for remote data."""
+        """File ``i``'s info: its cached one when it was stored for this size and mtime (and, for
+        remote data, the object's version now: one metadata request), else from its footer and
+        its whole content, digested now and cached."""
         entry = self.files()[i]
         size, mtime_ns = entry.size, entry.mtime_ns or 0
-        cached, cached_mtime, where = self._cached(i, size)
-        if cached is not None and cached_mtime == mtime_ns:
+        cached, where = self._cached(i, size, mtime_ns)
+        if cached is not None and self.is_local:
             cached.location = where
             return cached
         try:
@@ -240,6 +235,10 @@ class ArrowSource(FileSource):
         except OSError as exc:
             raise self.os_error(exc, i) from exc
         try:
+            version = self.object_version(i, f)
+            if cached is not None and cached.version == version and self.cache_can_tell(i, version):
+                cached.location = where
+                return cached
             size = f.size()
             head = read_span(f, 0, min(8, size)).to_pybytes()
             if head[:4] == b"PAR1":
@@ -253,19 +252,13 @@ class ArrowSource(FileSource):
                     f"not a Parquet or Arrow IPC file (starts with {head!r}; expected b'PAR1', "
                     "b'ARROW1' or an IPC stream continuation marker)"
                 )
-            info = None if cached is None else agreeing(cached, layout)
-            if info is None:
-                if layout.kind == PARQUET and not self.is_local:
-                    info = lazy_parquet_info(layout, size, mtime_ns)
-                else:
-                    info = digest_file(f, layout, size, mtime_ns)
-            info.mtime_ns = mtime_ns
+            info = digest_file(f, layout, size, mtime_ns)
+            info.version = version
             info.columns = layout.columns
             info.labels = layout.labels
             info.location = self.store_sidecar(
                 i, ".zsum", _ZSUM_TAG, size, mtime_ns, info.sections()
             )
-            info.table.dirty = False
         except CorruptFile as exc:
             raise self.fetch_error(i, str(exc)) from None
         except OSError as exc:
@@ -278,27 +271,14 @@ class ArrowSource(FileSource):
             self._remember_parquet_meta(i, layout.metadata)
         return info
 
-    def _cached(self, i: int, size: int) -> tuple[FileInfo | None, int, str | None]:
-        # The first intact stored info of file i for this size: (info, its mtime, where).
+    def _cached(self, i: int, size: int, mtime_ns: int) -> tuple[FileInfo | None, str | None]:
+        # The first intact stored info of file i for this size and mtime, and where it is.
         for where in self.sidecar_candidates(i, ".zsum"):
-            found = load_sidecar(where, _ZSUM_TAG, size)
-            if found is None:
-                continue
-            info = FileInfo.from_sections(found[0], size, found[1])
+            found = read_sidecar(where, _ZSUM_TAG, size, mtime_ns)
+            info = None if found is None else FileInfo.from_sections(found, size, mtime_ns)
             if info is not None:
-                return info, found[1], where
-        return None, 0, None
-
-    def _store(self, i: int) -> None:
-        # Store what reads learned of file i's digests (under the lock: one writer at a time).
-        with self._lock:
-            info = self._infos[i]
-            if not info.table.dirty:
-                return
-            info.table.dirty = False
-            info.location = self.store_sidecar(
-                i, ".zsum", _ZSUM_TAG, info.size, info.mtime_ns, info.sections()
-            )
+                return info, where
+        return None, None
 
     def _remember_parquet_meta(self, i: int, md: Any) -> None:
         with self._cache_lock:
@@ -327,12 +307,7 @@ class ArrowSource(FileSource):
                 f"{self.paths[i]!r}: {group_name(info, at[1])}"
             )
 
-        try:
-            self.with_retries(
-                lambda: self._read_file_once(i, positions, rows, local, out, at), what
-            )
-        finally:
-            self._store(i)
+        self.with_retries(lambda: self._read_file_once(i, positions, rows, local, out, at), what)
 
     def _read_file_once(
         self,
@@ -361,10 +336,11 @@ class ArrowSource(FileSource):
                 table = self._cached_group(i, g)
                 if table is None:
                     if reader is None:
+                        reader = self._open_checked(i, pointer)
                         # The groups read, in order: each run's first (np.unique would import
                         # numpy.ma, some 7 ms, on each worker process's first read).
-                        self._read_ahead(i, groups[np.concatenate(([0], bounds))].tolist())
-                        reader = self._open_checked(i, pointer)
+                        firsts = np.concatenate(([0], bounds))
+                        self._read_ahead(i, groups[firsts].tolist(), rows[positions[firsts]], at)
                     table = reader.read_group(g)
                     expected = int(info.group_ends[g] - group_starts[g])
                     if table.num_rows != expected:
@@ -389,7 +365,7 @@ class ArrowSource(FileSource):
         except CorruptFile as exc:
             raise self.fetch_error(i, f"{group_name(info, g)}: {exc}", pointer) from None
         except OSError as exc:
-            raise self.os_error(exc, i, pointer) from exc
+            raise self.os_error(exc, i, at[0]) from exc
         except _malformed() as exc:
             raise self.fetch_error(
                 i, f"{group_name(info, g)}: {type(exc).__name__}: {exc}", pointer
@@ -399,9 +375,9 @@ class ArrowSource(FileSource):
                 reader.close()
 
     def _rebuild_hint(self, i: int) -> str:
-        # The cached digests are kept while the footer is unchanged (whatever the mtime), so a
-        # new source would refuse the file again: the cache entry has to go first. The
-        # fingerprint is made of the footer, so a rewrite that kept it resumes old checkpoints.
+        # Reads get here when the file kept its size and mtime (else the size or the version
+        # check, or a new source, would have seen it): a new source would trust the cached
+        # digests again, so the cache entry has to go first.
         info = self._infos[i]
         if info.location is not None:
             return (
@@ -411,11 +387,13 @@ class ArrowSource(FileSource):
         return "build a new source"
 
     def _open_checked(self, i: int, pointer: np.ndarray) -> GroupReader:
-        """Open file ``i`` for group reads, after checking it still has the size its digests
-        were taken at (every range read is then checked against its digest)."""
+        """Open file ``i`` for group reads, after checking it still has the size and the store
+        version its digests were taken at (every range read is then checked against its
+        digest)."""
         info = self._infos[i]
         f = self.open_file(self.files()[i].path)
         try:
+            self.check_version(i, f, info.version, pointer)
             size = f.size()
             if size != info.size:
                 raise self.fetch_error(
@@ -455,9 +433,10 @@ class ArrowSource(FileSource):
 
     def describe(self) -> dict[str, Any]:
         """Class, chunking/shuffle parameters, columns, and per file its name relative to the
-        dataset root, format, size, row count, group count and the digest of its footer and
-        group layout: no absolute path, scheme or mtime, so the same files moved or copied to a
-        bucket keep the identity, and a file rewritten, grown, added or removed does not."""
+        dataset root, format, size, row count, group count, the digest of its footer and group
+        layout, and the sha256 of its digest table (its content): no absolute path, scheme, mtime
+        or store version, so the same files moved or copied to a bucket keep the identity, and a
+        file rewritten (even with the same footer), grown, added or removed does not."""
         out = self._describe_files()
         out["columns"] = None if self.columns is None else list(self.columns)
         out["files"] = [
@@ -468,15 +447,19 @@ class ArrowSource(FileSource):
                 "rows": info.num_rows,
                 "groups": len(info.group_ends),
                 "footer": info.layout_digest(),
+                "content_sha256": info.identity,
             }
             for entry, info in zip(self.files(), self._infos, strict=True)
         ]
         return out
 
-    def _read_ahead(self, i: int, groups: list[int]) -> None:
+    def _read_ahead(self, i: int, groups: list[int], pointers: np.ndarray, at: list[Any]) -> None:
         """Fetch, concurrently, the raw ranges (projected columns only) of the remote Parquet
-        groups this read needs and of the groups after them, up to ``readahead`` bytes in
-        all; reads then take them from memory (each still checked against its digest)."""
+        ``groups`` this read needs (``pointers``: the first row read in each) and of the groups
+        after them, up to ``readahead`` bytes in all; reads then take them from memory (each
+        still checked against its digest). A range that cannot be fetched fails the read when
+        its group is needed, naming that group and its pointer in ``at``; one fetched ahead of
+        need is left for the read of its own group."""
         info = self._infos[i]
         if self.is_local or info.kind != PARQUET or self.readahead <= 0 or not groups:
             return
@@ -507,16 +490,25 @@ class ArrowSource(FileSource):
             return
         path = self.files()[i].path
 
-        def fetch_range(k: int) -> tuple[int, bytes]:
+        def fetch_range(k: int) -> tuple[int, bytes | OSError]:
             a, b = info.table.span(k)
-            f = self.open_file(path)
             try:
-                return k, f.read_at(b - a, a)
-            finally:
-                f.close()
+                f = self.open_file(path)
+                try:
+                    return k, f.read_at(b - a, a)
+                finally:
+                    f.close()
+            except OSError as exc:
+                return k, exc
 
         for k, data in self.parallel(fetch_range, ranges):
-            self._keep_ahead(i, k, data)
+            if not isinstance(data, OSError):
+                self._keep_ahead(i, k, data)
+                continue
+            g = int(info.range_groups[k])
+            if g in groups:
+                at[0], at[1] = pointers[groups.index(g)], g
+                raise data
 
     def _keep_ahead(self, i: int, k: int, data: bytes) -> None:
         with self._cache_lock:

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import struct
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from zephon.sources.files import DigestTable, digest
+from zephon.sources.files import DigestTable, digest, section_text, text_section
 
 if TYPE_CHECKING:  # pyarrow is imported when a file is first touched, not with zephon.sources
     import pyarrow as pa
@@ -52,9 +51,10 @@ class FileLayout(NamedTuple):
 
 
 class FileInfo:
-    """What is known of one file: its format, size and mtime when its digests were taken, the row
-    count of each group, its columns, and its digest table with the role, group and column of
-    each range. Invariant: the table was taken from the bytes the footer here describes."""
+    """What is known of one file: its format, size, mtime and store version (``""`` for a local
+    file) when its digests were taken, the row count of each group, its columns, and its digest
+    table with the role, group and column of each range. Invariant: the table was taken from the
+    bytes the footer here describes."""
 
     __slots__ = (
         "columns",
@@ -69,6 +69,7 @@ class FileInfo:
         "roles",
         "size",
         "table",
+        "version",
     )
 
     def __init__(
@@ -94,6 +95,7 @@ class FileInfo:
         self.columns: tuple[str, ...] = ()
         self.labels: tuple[str, ...] = ()
         self.location: str | None = None
+        self.version = ""
 
     @property
     def num_rows(self) -> int:
@@ -126,29 +128,32 @@ class FileInfo:
         return f"{other}{'column chunk' if self.kind == PARQUET else 'column'} {column!r}"
 
     def sections(self) -> list[np.ndarray]:
-        """The sidecar form: kind and group count, group rows, the table, roles, groups, columns."""
+        """The sidecar form: kind and group count, group rows, the table, roles, groups, columns,
+        which digests were taken (all: sidecars of older versions may hold some not taken), and
+        the column names, labels and store version."""
         meta = np.array([KINDS.index(self.kind), len(self.group_ends)], dtype=np.int64)
         rows = np.asarray(self.group_rows(), dtype=np.int64)
-        extra = [self.roles, self.range_groups, self.range_columns, self.table.known_section()]
-        names = json.dumps([list(self.columns), list(self.labels)]).encode()
-        packed = np.frombuffer(names + b" " * (-len(names) % 8), dtype=np.int64)
-        return [meta, rows, *self.table.sections(), *extra, packed]
+        taken = np.ones(len(self.table), dtype=np.int64)
+        extra = [self.roles, self.range_groups, self.range_columns, taken]
+        names = text_section([list(self.columns), list(self.labels), self.version])
+        return [meta, rows, *self.table.sections(), *extra, names]
 
     @classmethod
     def from_sections(cls, sections: list[np.ndarray], size: int, mtime_ns: int) -> FileInfo | None:
-        """The info a sidecar holds, or None when its sections are not a consistent table."""
+        """The info a sidecar holds, or None when its sections are not a consistent table with
+        every digest taken."""
         if len(sections) != 10 or len(sections[0]) != 2:
             return None
-        (kind, groups), rows, starts, lengths, digests, roles, range_groups, columns, known = (
+        (kind, groups), rows, starts, lengths, digests, roles, range_groups, columns, taken = (
             np.array(s) for s in sections[:9]
         )
         try:
-            names, labels = json.loads(np.asarray(sections[9]).tobytes().decode())
+            names, labels, *version = section_text(sections[9])
         except (ValueError, TypeError):
             return None
-        if len(known) != len(starts):
+        if len(taken) != len(starts) or not taken.all():
             return None
-        table = DigestTable(starts, lengths, digests, known != 0)
+        table = DigestTable(starts, lengths, digests)
         n = len(table)
         if not 0 <= kind < len(KINDS) or groups != len(rows) or (rows < 0).any():
             return None
@@ -162,6 +167,7 @@ class FileInfo:
         info = cls(KINDS[kind], size, mtime_ns, rows, table, roles, range_groups, columns)
         info.columns = tuple(str(n) for n in names)
         info.labels = tuple(str(n) for n in labels)
+        info.version = str(version[0]) if version else ""
         return info
 
     def anchor_range(self) -> int:
@@ -267,38 +273,6 @@ def ipc_stream_layout(f: pa.NativeFile, size: int) -> FileLayout:
     return FileLayout(
         IPC_STREAM, names, names, (0, end), digest(read_span(f, 0, end)), None, None, schema, None
     )
-
-
-def agreeing(info: FileInfo, layout: FileLayout) -> FileInfo | None:
-    """``info`` (stored for a file of the same size) when it agrees with the footer just read:
-    same format, footer bytes and groups; None otherwise (the file is taken as new)."""
-    if info.kind != layout.kind:
-        return None
-    k = info.anchor_range()
-    if (
-        k < 0
-        or info.table.span(k) != layout.anchor
-        or info.table.digests[k] != layout.anchor_digest
-    ):
-        return None
-    if layout.group_rows is not None and info.group_rows() != layout.group_rows:
-        return None
-    if layout.groups is not None and len(info.group_ends) != layout.groups:
-        return None
-    return info
-
-
-def lazy_parquet_info(layout: FileLayout, size: int, mtime_ns: int) -> FileInfo:
-    """A Parquet file's info from its footer alone: the ranges of its column chunks, whose
-    digests are taken the first time each is read, and the footer's, known now."""
-    footer_start = layout.anchor[0]
-    spans = [*_parquet_spans(layout.metadata, footer_start), _footer_span(layout)]
-    starts, lengths, roles, groups, columns = _table_columns(spans)
-    table = DigestTable.unknown(starts, lengths)
-    k = starts.index(footer_start)
-    table.digests[k] = layout.anchor_digest
-    table.known[k] = True
-    return FileInfo(PARQUET, size, mtime_ns, layout.group_rows, table, roles, groups, columns)
 
 
 def digest_file(f: pa.NativeFile, layout: FileLayout, size: int, mtime_ns: int) -> FileInfo:

@@ -190,7 +190,7 @@ class _CheckedFile(io.RawIOBase):
             a, b = self._table.span(k)
             self._f.seek(a)
             data = self._f.read(b - a)  # a copy: the bytes checked are the bytes decoded
-        if not self._table.check(k, data):
+        if not self._table.matches(k, data):
             raise RangeChanged(k)
         self._loaded = (k, memoryview(data))
         return self._loaded[1]

@@ -11,10 +11,13 @@ file handle between reads and pickles without them.
 
 Content identity. Each file is covered by byte ranges (Parquet column chunks and footer, Arrow
 IPC messages, JSON Lines blocks of whole lines), each with a 64-bit content digest: a
-``DigestTable``, computed once, the first time the file is opened, and cached in a sidecar.
-``describe()`` carries the sha256 of each file's table, so the pipeline fingerprint changes when
-any range changes; and every range a read touches is hashed again and compared before anything
-decoded from it is returned, so a file changed behind the cache is refused, never delivered.
+``DigestTable``, computed once from the whole file (local or remote), the first time the file is
+opened, and cached in a sidecar. ``describe()`` carries the sha256 of each file's table, so the
+pipeline fingerprint changes when any range changes; and every range a read touches is hashed
+again and compared before anything decoded from it is returned, so a file changed behind the
+cache is refused, never delivered. A remote object is also pinned to the version its store gives
+it (``Locations.version``) when it is first opened: its cached table is trusted for that version
+only, and a read that finds another raises ``FetchError`` naming both.
 
 Sidecars. ``<file><suffix>`` beside the file, or ``<name>.<hash of its absolute path><suffix>`` in
 ``index_dir``: an int64 ``.npy`` holding the file's size and mtime (a file touched since is
@@ -34,6 +37,7 @@ import contextlib
 import errno
 import hashlib
 import itertools
+import json
 import os
 import posixpath
 import tempfile
@@ -60,6 +64,8 @@ __all__ = [
     "is_permanent",
     "load_sidecar",
     "read_sidecar",
+    "section_text",
+    "text_section",
     "transient_error",
     "write_sidecar",
 ]
@@ -144,37 +150,12 @@ class DigestTable:
     and do not overlap.
     """
 
-    __slots__ = ("digests", "dirty", "known", "lengths", "starts")
+    __slots__ = ("digests", "lengths", "starts")
 
-    def __init__(self, starts: Any, lengths: Any, digests: Any, known: Any = None):
+    def __init__(self, starts: Any, lengths: Any, digests: Any):
         self.starts = np.asarray(starts, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.digests = np.asarray(digests, dtype=np.int64)
-        # Which digests were taken; the others are learned the first time their range is read.
-        self.known = (
-            np.ones(len(self.starts), dtype=bool) if known is None else np.array(known, dtype=bool)
-        )
-        self.dirty = False
-
-    @classmethod
-    def unknown(cls, starts: Any, lengths: Any) -> DigestTable:
-        """A table of these ranges whose digests are learned on first read (``check``)."""
-        n = len(starts)
-        return cls(starts, lengths, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool))
-
-    def check(self, k: int, data: Any) -> bool:
-        """``matches(k, data)``, or when range ``k``'s digest was not taken yet, take it from
-        ``data`` now (the table is then ``dirty``: worth storing again) and return True."""
-        if self.known[k]:
-            return self.matches(k, data)
-        if len(data) != int(self.lengths[k]):
-            return False
-        if not self.digests.flags.writeable:
-            self.digests = self.digests.copy()
-        self.digests[k] = digest(data)
-        self.known[k] = True
-        self.dirty = True
-        return True
 
     @classmethod
     def build(cls, read_at: ReadAt, starts: Any, lengths: Any) -> DigestTable:
@@ -235,9 +216,19 @@ class DigestTable:
         """The three arrays, as a sidecar stores them."""
         return [self.starts, self.lengths, self.digests]
 
-    def known_section(self) -> np.ndarray:
-        """Which digests were taken, as an int64 sidecar section."""
-        return self.known.astype(np.int64)
+
+def text_section(value: Any) -> np.ndarray:
+    """JSON data as an int64 sidecar section (its text, padded with spaces)."""
+    text = json.dumps(value).encode()
+    return np.frombuffer(text + b" " * (-len(text) % 8), dtype=np.int64)
+
+
+def section_text(section: np.ndarray) -> Any:
+    """The JSON data a ``text_section`` holds; ValueError when it holds none."""
+    try:
+        return json.loads(np.asarray(section).tobytes().decode())
+    except (UnicodeDecodeError, TypeError) as exc:
+        raise ValueError(str(exc)) from None
 
 
 # ------------------------------------------------------------------------- sidecars
@@ -558,6 +549,32 @@ class FileSource(IndexedSource):
             )
         starts = np.concatenate(([0], ends[:-1]))
         return rows, files, idx - starts[files]
+
+    def object_version(self, file_index: int, opened: Any) -> str:
+        """The store's version of file ``file_index`` (``opened``: a file just opened on it),
+        ``""`` when local or when the store gives none; see ``Locations.version``."""
+        return self._locations.version(self.files()[file_index].path, opened)
+
+    def cache_can_tell(self, file_index: int, version: str) -> bool:
+        """Whether a cached entry can stand for file ``file_index``: the listing gives its mtime
+        or the store a ``version``, so a rewrite would show. A store that gives neither
+        (``memory://``) has its files digested again by every new source."""
+        return bool(version) or self.files()[file_index].mtime_ns is not None
+
+    def check_version(
+        self, file_index: int, opened: Any, pinned: str, pointer: np.ndarray | None = None
+    ) -> None:
+        """FetchError naming the file and both versions when the object just ``opened`` is no
+        longer the version ``pinned`` when its metadata was read."""
+        now = self.object_version(file_index, opened)
+        if now != pinned:
+            raise self.fetch_error(
+                file_index,
+                f"the object changed since it was first listed ({pinned} then, {now} now); "
+                "build a new source (its fingerprint will differ from old checkpoints if its "
+                "content did)",
+                pointer,
+            )
 
     # --------------------------------------------------------------------- errors
     def fetch_error(

@@ -4,8 +4,9 @@ A ``Dataset`` loaded from disk or from files keeps its rows in Arrow IPC stream 
 cache directory (``dataset.cache_files``); this source reads those files as an ``ArrowSource``
 does (memory-mapped, record batch by record batch, with the ``columns`` projection), never
 through ``datasets``' Python rows, and identifies them the same way: by their names relative to
-the cache directory, sizes, row counts and schema digests. So it delivers the same stream as an
-``ArrowSource`` over the same rows in Parquet, and resumes on a copy of the cache elsewhere.
+the cache directory, sizes, row counts, schema and content digests. So it delivers the same
+stream as an ``ArrowSource`` over the same rows in Parquet, and resumes on a copy of the cache
+elsewhere, never on a dataset saved again with other rows.
 
 What it refuses, with a ValueError saying what to do: a dataset held in memory (no cache files:
 ``save_to_disk`` then ``load_from_disk``), and one with an indices mapping (after ``select``,
@@ -17,7 +18,7 @@ What it refuses, with a ValueError saying what to do: a dataset held in memory (
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zephon.sources.arrow import ArrowSource
@@ -26,10 +27,12 @@ __all__ = ["HFDatasetSource"]
 
 
 def _cache_files(dataset: Any) -> list[str]:
-    if hasattr(dataset, "keys") and not hasattr(dataset, "cache_files"):
+    # A DatasetDict is a dict of splits whose cache_files is a dict too: one split is wanted.
+    if isinstance(dataset, Mapping):
+        splits = list(dataset.keys())
+        pick = f"dataset[{splits[0]!r}]" if splits else "one of its splits"
         raise TypeError(
-            f"HFDatasetSource: got a DatasetDict with splits {list(dataset.keys())}; pass one "
-            "split, e.g. dataset['train']"
+            f"HFDatasetSource: got a DatasetDict with splits {splits}; pass one split, e.g. {pick}"
         )
     files = getattr(dataset, "cache_files", None)
     if files is None or not hasattr(dataset, "column_names"):

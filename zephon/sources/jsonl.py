@@ -9,7 +9,8 @@ at byte 0), and the last one ends at the end of the file, so every byte is in ex
 For each block the index holds its byte range, its content digest and the number of its first
 sample. It is built once per file by a block scan and stored as the ``.zidx`` sidecar (beside the
 file or in ``index_dir``; see ``zephon.sources.files``), checked against the file's size and mtime
-and its own checksum when read back, so a stale or damaged index is rebuilt.
+(and a remote object's version) and its own checksum when read back, so a stale or damaged index
+is rebuilt.
 
 Reading. Sample ``j`` of a file lives in the block whose first sample is the last one ``<= j``;
 the block is read whole, hashed and compared with its digest, and its lines are found again in
@@ -27,7 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from zephon.sources.files import DigestTable, FileSource, PathsArg, read_sidecar
+from zephon.sources.files import (
+    DigestTable,
+    FileSource,
+    PathsArg,
+    read_sidecar,
+    section_text,
+    text_section,
+)
 
 __all__ = ["FileSource", "JsonlSource", "scan_line_starts"]
 
@@ -94,14 +102,24 @@ def block_layout(
 
 class _LineIndex:
     """The line index of one file (see the module docstring): its blocks (a ``DigestTable``), the
-    first sample of each, the sample count, the file size and mtime it was built for, its identity
-    (the sha256 of the block table) and the ``.zidx`` holding it (or None: in memory only).
+    first sample of each, the sample count, the file size, mtime and store version (``""`` for a
+    local file) it was built for, its identity (the sha256 of the block table) and the ``.zidx``
+    holding it (or None: in memory only).
 
     Pickles without its arrays when it has a ``.zidx``: the new process reads the file again
     (checked against size, mtime, checksum and identity) instead of receiving a copy.
     """
 
-    __slots__ = ("blocks", "first_samples", "identity", "location", "mtime_ns", "samples", "size")
+    __slots__ = (
+        "blocks",
+        "first_samples",
+        "identity",
+        "location",
+        "mtime_ns",
+        "samples",
+        "size",
+        "version",
+    )
 
     def __init__(
         self,
@@ -111,6 +129,7 @@ class _LineIndex:
         size: int,
         mtime_ns: int,
         location: str | None,
+        version: str = "",
     ):
         self.blocks: DigestTable | None = blocks
         self.first_samples: np.ndarray | None = first_samples
@@ -119,17 +138,26 @@ class _LineIndex:
         self.mtime_ns = mtime_ns
         self.identity = blocks.identity()
         self.location = location
+        self.version = version
 
     def __getstate__(self) -> tuple[Any, ...]:
         keep = self.location is None
         blocks = self.blocks if keep else None
         first = self.first_samples if keep else None
-        return (blocks, first, self.samples, self.size, self.mtime_ns, self.identity, self.location)
+        return (
+            blocks,
+            first,
+            self.samples,
+            self.size,
+            self.mtime_ns,
+            self.identity,
+            self.location,
+            self.version,
+        )
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        (blocks, first, self.samples, self.size, self.mtime_ns, self.identity, self.location) = (
-            state
-        )
+        blocks, first, self.samples, self.size, self.mtime_ns, self.identity = state[:6]
+        self.location, self.version = state[6:]
         self.blocks, self.first_samples = blocks, first
         if blocks is None and self.location is not None:
             again = _read_zidx(self.location, self.size, self.mtime_ns)
@@ -154,11 +182,17 @@ class _LineIndex:
 
 def _read_zidx(where: str, size: int, mtime_ns: int) -> _LineIndex | None:
     """The index stored at ``where`` when it is intact, built for a file of this size and mtime,
-    and its layout is consistent; None otherwise (the caller rebuilds it)."""
+    and its layout is consistent; None otherwise (the caller rebuilds it). Its store version is
+    ``""`` when it holds none (a local file, or an index written before versions were kept)."""
     sections = read_sidecar(where, _ZIDX_TAG, size, mtime_ns)
-    if sections is None or len(sections) != 5 or len(sections[0]) != 1:
+    if sections is None or len(sections) not in (5, 6) or len(sections[0]) != 1:
         return None
-    meta, starts, lengths, digests, first = sections
+    # [samples, version (not in indexes of older versions), starts, lengths, digests, first]
+    meta, starts, lengths, digests, first = sections[:1] + sections[-4:]
+    try:
+        version = str(section_text(sections[1])) if len(sections) == 6 else ""
+    except ValueError:
+        return None
     samples = int(meta[0])
     blocks = DigestTable(starts, lengths, digests)
     if not blocks.is_well_formed(size) or len(first) != len(blocks):
@@ -175,7 +209,7 @@ def _read_zidx(where: str, size: int, mtime_ns: int) -> _LineIndex | None:
             return None
     elif size or samples:
         return None
-    return _LineIndex(blocks, first, samples, size, mtime_ns, where)
+    return _LineIndex(blocks, first, samples, size, mtime_ns, where, version)
 
 
 class JsonlSource(FileSource):
@@ -267,9 +301,11 @@ class JsonlSource(FileSource):
         try:
             with self._open(i) as fh:
                 size, mtime_ns = self._stat(i, fh)
+                version = self.object_version(i, fh)
+                usable = self.cache_can_tell(i, version)
                 for where in self.sidecar_candidates(i, ".zidx"):
                     index = _read_zidx(where, size, mtime_ns)
-                    if index is not None:
+                    if index is not None and index.version == version and usable:
                         return index
                 fh.seek(0)
                 starts = scan_line_starts(fh)
@@ -283,9 +319,10 @@ class JsonlSource(FileSource):
         if after != (size, mtime_ns):
             raise self.fetch_error(i, "the file changed while its line index was being built")
         first = layout[2]
-        sections = [np.array([len(starts)], dtype=np.int64), *blocks.sections(), first]
+        count = np.array([len(starts)], dtype=np.int64)
+        sections = [count, text_section(version), *blocks.sections(), first]
         location = self.store_sidecar(i, ".zidx", _ZIDX_TAG, size, mtime_ns, sections)
-        return _LineIndex(blocks, first, len(starts), size, mtime_ns, location)
+        return _LineIndex(blocks, first, len(starts), size, mtime_ns, location, version)
 
     # --------------------------------------------------------------------- reading
     def _read_file(
@@ -328,6 +365,7 @@ class JsonlSource(FileSource):
         pos = int(positions[0])
         try:
             with self._open(i) as fh:
+                self.check_version(i, fh, index.version, rows[pos])
                 size, mtime_ns = self._stat(i, fh)
                 if (size, mtime_ns) != (index.size, index.mtime_ns):
                     raise self.fetch_error(

@@ -42,12 +42,16 @@ from zephon.errors import FetchError
 if TYPE_CHECKING:
     pass
 
-__all__ = ["DataFile", "Locations", "default_cache_dir", "parse_locations"]
+__all__ = ["VERSION_KEYS", "DataFile", "Locations", "default_cache_dir", "parse_locations"]
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
 #: Names a directory listing or a glob never yields: hidden files, ``_SUCCESS``-style markers,
 #: and the sidecars Zephon writes itself.
 _SIDECAR_SUFFIXES = (".zsum", ".zidx")
+#: What names one version of a stored object, as pyarrow's S3 and fsspec's S3/GCS filesystems
+#: call it, the most precise first: a version id (a versioned bucket) or a generation changes on
+#: every write, an ETag with the content.
+VERSION_KEYS = ("VersionId", "generation", "ETag", "etag")
 
 
 def default_cache_dir() -> str:
@@ -145,6 +149,22 @@ class Locations:
                 name = posixpath.relpath(path, root) if root else path.lstrip("/")
                 out.append(DataFile(path, self.uri(path), name, size, mtime))
         return self.uri(root), out
+
+    def version(self, path: str, opened: Any) -> str:
+        """What names the version of the object at ``path`` (``opened``: a file just opened on
+        it), e.g. ``'ETag "9b2c..."'``: the first of ``VERSION_KEYS`` the store gives, from the
+        opened file's metadata (pyarrow's S3 gives it with every open) or from fsspec's ``info``.
+        ``""`` for local files and for a store that gives none (its content digests decide)."""
+        if self.is_local:
+            return ""
+        found = {k: v.decode() if isinstance(v, bytes) else v for k, v in opened.metadata().items()}
+        handler: Any = getattr(self.filesystem, "handler", None)
+        if not found and hasattr(handler, "fs"):  # an fsspec filesystem behind pyarrow's wrapper
+            found = handler.fs.info(path)
+        for key in VERSION_KEYS:
+            if found.get(key):
+                return f"{key} {found[key]}"
+        return ""
 
     def open_random(self, path: str) -> Any:
         """``path`` opened for random access: a memory map for local files."""

@@ -23,15 +23,23 @@ How the mixture is laid out, all in closed form so ``chunk(k)`` costs O(chunk) f
   ``j // num_samples()`` at pass-order position ``j % num_samples()`` (through its ``samples`` and
   ``pointer_rows``), so a component's own shuffle and passes are honoured; ``passes=None`` is
   endless.
-- **End.** The mixture ends at the first sample that would read past the end of a component with a
-  non-zero weight; the last chunk is the same slot layout, truncated. With only endless non-zero
-  components the mixture is unbounded. A mixture has one pass.
+- **End** (``on_exhausted``). ``"stop"`` (the default): the mixture ends at the first sample that
+  would read past the end of a component with a non-zero weight; the last chunk is the same slot
+  layout, truncated. ``"repeat"``: a component that runs out is read again from its first pass,
+  and the mixture ends where the last one to run out would start over. ``"redistribute"``: the
+  chunk in which a component runs out drops its further slots, and from the next chunk on its
+  share is spread over the components still running (in proportion to theirs), until all have
+  run out; each such stretch of chunks is a *phase* with shares of its own, so any chunk is
+  still computed on its own. With endless non-zero components the mixture is unbounded (for
+  ``"stop"`` only when they are all endless). A mixture has one pass.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -48,6 +56,20 @@ __all__ = ["MixtureSource"]
 
 _UNIT = 2.0**-53
 _BY = ("samples", "tokens")
+_ON_EXHAUSTED = ("stop", "redistribute", "repeat")
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """A stretch of whole chunks laid out with one set of sample shares (``redistribute`` has a
+    phase per set of components still running; the other policies have one)."""
+
+    first_chunk: int  # the mixture chunk it starts at
+    first_sample: int  # mixture samples before it
+    shares: tuple[Fraction, ...]
+    base: tuple[int, ...]  # each component's samples before it
+    chunks: int | None  # its chunks; None when it runs on
+    samples: int | None  # its samples (its last chunk may be short); None when it runs on
 
 
 class MixtureSource(WorkSource):
@@ -62,8 +84,13 @@ class MixtureSource(WorkSource):
     ``calibration_size`` of those records; plus ``added_tokens`` (the end-of-sequence id
     ``tokenize`` appends). See ``zephon.sources.token_costs``.
 
+    ``on_exhausted`` says what happens when a component runs out: ``"stop"`` the mixture,
+    ``"repeat"`` the component (until the last one runs out), or ``"redistribute"`` its weight
+    over the others (until all have run out).
+
     Invariant: each component's samples appear in its own stream order, each stream position at most
-    once, and never past the end of a finite component (see the module docstring for the layout).
+    once (with ``"repeat"``, once per time it is read through), and never past the end of a finite
+    component (see the module docstring for the layout).
     """
 
     def __init__(
@@ -81,7 +108,13 @@ class MixtureSource(WorkSource):
         added_tokens: int = 1,
         estimate_size: int = 1024,
         calibration_size: int = 256,
+        on_exhausted: str = "stop",
     ) -> None:
+        if on_exhausted not in _ON_EXHAUSTED:
+            raise ValueError(
+                f"MixtureSource: on_exhausted must be one of {_ON_EXHAUSTED}, got {on_exhausted!r}"
+            )
+        self.on_exhausted = on_exhausted
         if not isinstance(components, Mapping) or not components:
             raise ValueError("MixtureSource: components must be a non-empty mapping name -> source")
         for name, src in components.items():
@@ -166,7 +199,24 @@ class MixtureSource(WorkSource):
                     f"use chunk_size >= {math.ceil(1 / share)}, a larger weight, or weight 0"
                 )
         self._slot_tags = tuple(f"mixture-slot:{name}" for name in names)
-        self._total = self._find_total()
+        self._limits = tuple(
+            self._available(src) if share else 0
+            for src, share in zip(self._sources, self._shares, strict=True)
+        )
+        empty = [n for n, limit, w in zip(names, self._limits, self._weights) if w and limit == 0]
+        if empty and on_exhausted == "repeat":
+            raise ValueError(
+                f"MixtureSource: on_exhausted='repeat' cannot repeat the empty component(s) "
+                f"{empty}: give them weight 0"
+            )
+        if on_exhausted == "redistribute":
+            self._phases = self._redistributed_phases()
+            last = self._phases[-1]
+            self._total = None if last.samples is None else last.first_sample + last.samples
+        else:
+            self._total = self._find_total()
+            chunks = None if self._total is None else -(-self._total // self.chunk_size)
+            self._phases = (_Phase(0, 0, self._shares, (0,) * len(names), chunks, self._total),)
 
     def _check_weights(self, weights: Mapping[str, float]) -> tuple[float, ...]:
         if not isinstance(weights, Mapping):
@@ -221,11 +271,11 @@ class MixtureSource(WorkSource):
 
     # -- layout -------------------------------------------------------------------------------
 
-    def _apportion(self, slots: int) -> list[int]:
+    def _apportion(self, slots: int, shares: tuple[Fraction, ...] | None = None) -> list[int]:
         # Hamilton apportionment of ``slots`` by the exact (rational) shares; ties by name order.
         floors: list[int] = []
         remainders: list[Fraction] = []
-        for share in self._shares:
+        for share in self._shares if shares is None else shares:
             exact = share * slots
             whole = exact.numerator // exact.denominator
             floors.append(whole)
@@ -235,10 +285,13 @@ class MixtureSource(WorkSource):
             floors[i] += 1
         return floors
 
-    def _layout(self, k: int) -> tuple[np.ndarray, list[int]]:
-        # The component index of each slot of full chunk k, and each component's count before it.
-        before = self._apportion(k * self.chunk_size)
-        after = self._apportion((k + 1) * self.chunk_size)
+    def _layout(self, k: int, phase: _Phase | None = None) -> tuple[np.ndarray, list[int]]:
+        # The component index of each slot of full chunk k (of ``phase``, the first by default),
+        # and each component's count before it.
+        phase = phase or self._phases[0]
+        local = (k - phase.first_chunk) * self.chunk_size
+        before = self._apportion(local, phase.shares)
+        after = self._apportion(local + self.chunk_size, phase.shares)
         keys: list[np.ndarray] = []
         ids: list[np.ndarray] = []
         for i, (a, b) in enumerate(zip(before, after, strict=True)):
@@ -250,7 +303,7 @@ class MixtureSource(WorkSource):
             ids.append(np.full(m, i, dtype=np.int64))
         key_arr = np.concatenate(keys)
         id_arr = np.concatenate(ids)
-        return id_arr[np.lexsort((id_arr, key_arr))], before
+        return id_arr[np.lexsort((id_arr, key_arr))], [b + c for b, c in zip(phase.base, before)]
 
     def _available(self, src: IndexedSource) -> int | None:
         n = src.num_samples()
@@ -258,28 +311,93 @@ class MixtureSource(WorkSource):
             return 0
         return None if src.passes is None else n * src.passes
 
-    def _find_total(self) -> int | None:
-        # The largest S such that no component's count within the first S slots exceeds what it
-        # has: per finite component, binary-search the last whole chunk that fits, then find the
-        # first slot of the next sample inside that chunk.
-        total: int | None = None
+    def _end_of(self, i: int, phase: _Phase) -> int | None:
+        """The first slot of ``phase`` (counted from its start) at which component ``i`` would
+        read past its end, or None when it never does there."""
+        avail = self._limits[i]
+        share = phase.shares[i]
+        if not share or avail is None:
+            return None
+        left = avail - phase.base[i]
         cs = self.chunk_size
-        for i, (src, share) in enumerate(zip(self._sources, self._shares, strict=True)):
-            avail = self._available(src)
-            if not share or avail is None:
-                continue
-            lo = 0
-            hi = math.ceil((avail + 1) / (share * cs))  # floor(share*hi*cs) > avail there
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if self._apportion(mid * cs)[i] <= avail:
-                    lo = mid
-                else:
-                    hi = mid
-            layout, before = self._layout(lo)
-            end = lo * cs + int(np.flatnonzero(layout == i)[avail - before[i]])
-            total = end if total is None else min(total, end)
-        return total
+        lo = 0
+        hi = math.ceil((left + 1) / (share * cs))  # floor(share*hi*cs) > left there
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._apportion(mid * cs, phase.shares)[i] <= left:
+                lo = mid
+            else:
+                hi = mid
+        layout, before = self._layout(phase.first_chunk + lo, phase)
+        return lo * cs + int(np.flatnonzero(layout == i)[avail - before[i]])
+
+    def _find_total(self) -> int | None:
+        # stop: the first slot at which a weighted component would read past its end; repeat:
+        # the last such slot, when every finite component has been read once (an endless
+        # weighted component makes a repeating mixture unbounded).
+        phase = _Phase(0, 0, self._shares, (0,) * len(self._names), None, None)
+        ends = [self._end_of(i, phase) for i in range(len(self._names))]
+        found = [e for e in ends if e is not None]
+        if self.on_exhausted == "stop":
+            return min(found) if found else None
+        endless = any(
+            share and avail is None for share, avail in zip(self._shares, self._limits, strict=True)
+        )
+        return None if endless or not found else max(found)
+
+    def _redistributed_phases(self) -> tuple[_Phase, ...]:
+        """The phases of a ``redistribute`` mixture: each ends with the chunk in which one of
+        its components runs out (that chunk keeps the others' slots and drops the rest of its
+        own); the next one shares that component's weight out over those still running."""
+        n = len(self._names)
+        phases: list[_Phase] = []
+        base = [0] * n
+        first_chunk = first_sample = 0
+        running = [i for i in range(n) if self._shares[i] and self._limits[i] != 0]
+        while running:
+            total = sum(self._shares[i] for i in running)
+            shares = tuple(
+                self._shares[i] / total if i in running else Fraction(0) for i in range(n)
+            )
+            phase = _Phase(first_chunk, first_sample, shares, tuple(base), None, None)
+            ends = [e for e in (self._end_of(i, phase) for i in running) if e is not None]
+            if not ends:
+                phases.append(phase)
+                break
+            chunks = min(ends) // self.chunk_size + 1
+            counts = self._apportion(chunks * self.chunk_size, shares)
+            after = [
+                b + c if limit is None else min(b + c, limit)
+                for b, c, limit in zip(base, counts, self._limits, strict=True)
+            ]
+            samples = sum(after) - sum(base)
+            phases.append(_Phase(first_chunk, first_sample, shares, tuple(base), chunks, samples))
+            running = [i for i in running if after[i] != self._limits[i]]
+            base, first_chunk, first_sample = after, first_chunk + chunks, first_sample + samples
+        if not phases:  # every weighted component is empty
+            phases.append(_Phase(0, 0, self._shares, (0,) * n, 0, 0))
+        return tuple(phases)
+
+    def _phase_of(self, chunk: int) -> _Phase:
+        at = bisect.bisect_right([p.first_chunk for p in self._phases], chunk) - 1
+        return self._phases[at]
+
+    def _slots(self, k: int) -> tuple[np.ndarray, list[int]]:
+        """Chunk ``k``'s slots as laid out (``_layout``), cut where the mixture ends; in the last
+        chunk of a ``redistribute`` phase without the slots of components that ran out."""
+        phase = self._phase_of(k)
+        layout, before = self._layout(k, phase)
+        if self.on_exhausted != "redistribute":
+            if self._total is not None:
+                layout = layout[: self._total - k * self.chunk_size]
+        elif phase.chunks is not None and k == phase.first_chunk + phase.chunks - 1:
+            keep = np.ones(len(layout), dtype=bool)
+            for i, limit in enumerate(self._limits):
+                where = np.flatnonzero(layout == i)
+                if limit is not None and before[i] + len(where) > limit:
+                    keep[where[limit - before[i] :]] = False
+            layout = layout[keep]
+        return layout, before
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -307,10 +425,11 @@ class MixtureSource(WorkSource):
         return self._total
 
     def num_chunks(self) -> int | None:
-        """``ceil(total_samples() / chunk_size)``, or None when unbounded; the last may be short."""
-        if self._total is None:
-            return None
-        return -(-self._total // self.chunk_size)
+        """Chunks in the whole mixture, or None when it is unbounded: ``ceil(total_samples() /
+        chunk_size)``, the last one short; with ``redistribute`` the chunk in which a component
+        runs out is short too."""
+        last = self._phases[-1]
+        return None if last.chunks is None else last.first_chunk + last.chunks
 
     def component_counts(self, slots: int) -> dict[str, int]:
         """How many samples of each component the first ``slots`` mixture samples hold (equal to
@@ -318,25 +437,29 @@ class MixtureSource(WorkSource):
         slots = check_int(slots, "slots", "MixtureSource.component_counts", minimum=0)
         if self._total is not None and slots > self._total:
             raise IndexError(f"{self!r}: only {self._total} samples, asked for {slots}")
-        k, r = divmod(slots, self.chunk_size)
-        counts = self._apportion(k * self.chunk_size)
+        at = bisect.bisect_right([p.first_sample for p in self._phases], slots) - 1
+        phase = self._phases[at]
+        k, r = divmod(slots - phase.first_sample, self.chunk_size)
+        if phase.chunks is not None and k == phase.chunks:  # the phase's end: the next one's start
+            k, r = k - 1, self.chunk_size
+        local = self._apportion(k * self.chunk_size, phase.shares)
+        counts = [b + c for b, c in zip(phase.base, local, strict=True)]
         if r:
-            layout, _ = self._layout(k)
+            layout, _ = self._slots(phase.first_chunk + k)
             counts = [c + int(np.count_nonzero(layout[:r] == i)) for i, c in enumerate(counts)]
         return dict(zip(self._names, counts, strict=True))
 
     def chunk(self, position: int) -> WorkChunk:
         """Mixture chunk ``position``: its slot layout filled from each component's stream."""
         p = self._check_position(position)
-        layout, before = self._layout(p)
-        if self._total is not None:
-            layout = layout[: self._total - p * self.chunk_size]
+        layout, before = self._slots(p)
         rows = np.empty((len(layout), 3), dtype=np.int64)
+        repeat = self.on_exhausted == "repeat"
         for i, src in enumerate(self._sources):
             where = layout == i
             count = int(np.count_nonzero(where))
             if count:
-                rows[where] = _stream_rows(src, before[i], count)
+                rows[where] = _stream_rows(src, before[i], count, repeat)
         return WorkChunk(p, rows)
 
     def read(self, pointers: np.ndarray) -> list[Any]:
@@ -398,6 +521,8 @@ class MixtureSource(WorkSource):
             "chunk_size": self.chunk_size,
             "total_samples": self._total,
         }
+        if self.on_exhausted != "stop":  # the default keeps the identity it had before
+            out["on_exhausted"] = self.on_exhausted
         if self.by == "tokens":
             out["estimate"] = dict(self._estimate)
             out["token_costs"] = {n: c.describe() for n, c in self._costs.items()}
@@ -411,14 +536,17 @@ class MixtureSource(WorkSource):
         )
 
 
-def _stream_rows(src: IndexedSource, start: int, count: int) -> np.ndarray:
+def _stream_rows(src: IndexedSource, start: int, count: int, repeat: bool = False) -> np.ndarray:
     # Pointer rows of stream positions [start, start + count) of a component: its passes
-    # concatenated. A short component may be crossed several times within one chunk.
+    # concatenated (and, repeating, read again from its first pass once they are all read). A
+    # short component may be crossed several times within one chunk.
     n = src.num_samples()
     parts = []
     j, end = start, start + count
     while j < end:
         q, pos = divmod(j, n)
+        if repeat and src.passes is not None:
+            q %= src.passes
         stop = min(n, pos + end - j)
         parts.append(src.pointer_rows(src.samples(q, pos, stop)))
         j += stop - pos

@@ -23,13 +23,15 @@ never depends on thread counts or float summation order. Nothing here changes du
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
+from zephon.errors import PlanError
 from zephon.sources.base import IndexedSource
+from zephon.sources.files import FileSource
 from zephon.sources.permutation import derive_key, permute
 
 __all__ = ["QUANTUM", "TokenCost", "count_tokens", "estimate_cost", "estimate_indices", "quantize"]
@@ -88,23 +90,63 @@ def count_tokens(tokenizer: Any, texts: list[str]) -> list[int]:
     """Tokens per text as the tokenizer encodes them: ``encode_batch`` (Hugging Face
     ``tokenizers``, ``ByteTokenizer``), else ``encode`` (``transformers``), else the tokenizer
     called on each text; a result's ``.ids`` when it has them, else the result itself."""
+    return _token_counts(_encoder(tokenizer)(texts), len(texts))
+
+
+def _encoder(tokenizer: Any) -> Callable[[list[str]], Sequence[Any]]:
+    """How ``count_tokens`` encodes a list of texts with ``tokenizer``."""
     batch = getattr(tokenizer, "encode_batch", None)
     if callable(batch):
-        encoded: Sequence[Any] = batch(texts)
-    else:
-        encode = getattr(tokenizer, "encode", None)
-        one = encode if callable(encode) else tokenizer
-        if not callable(one):
-            raise TypeError(
-                "MixtureSource: tokenizer must have encode_batch(texts) or encode(text), or be "
-                f"callable, got {type(tokenizer).__name__}"
-            )
-        encoded = [one(t) for t in texts]
-    if len(encoded) != len(texts):
+        return batch
+    encode = getattr(tokenizer, "encode", None)
+    one = encode if callable(encode) else tokenizer
+    if not callable(one):
+        raise TypeError(
+            "MixtureSource: tokenizer must have encode_batch(texts) or encode(text), or be "
+            f"callable, got {type(tokenizer).__name__}"
+        )
+    return lambda texts: [one(t) for t in texts]
+
+
+def _token_counts(encoded: Sequence[Any], n: int) -> list[int]:
+    if len(encoded) != n:
         raise ValueError(
-            f"MixtureSource: the tokenizer returned {len(encoded)} results for {len(texts)} texts"
+            f"MixtureSource: the tokenizer returned {len(encoded)} results for {n} texts"
         )
     return [len(getattr(e, "ids", e)) for e in encoded]
+
+
+def _calibration_tokens(
+    name: str, src: IndexedSource, tokenizer: Any, texts: list[str], indices: np.ndarray
+) -> int:
+    """Tokens in ``texts``, the samples of component ``name`` at ``indices``. An exception of the
+    tokenizer is a PlanError naming the component and, when one text alone fails, its sample and
+    file, chained to the tokenizer's error."""
+    encode = _encoder(tokenizer)
+    try:
+        encoded = encode(texts)
+    except Exception as exc:
+        where = f"on its {len(texts)} calibration samples together (each alone encodes)"
+        for idx, text in zip(indices.tolist(), texts, strict=False):
+            try:
+                encode([text])
+            except Exception:
+                where = f"on sample {idx}{_file_of(src, idx)}"
+                break
+        raise PlanError(
+            f"MixtureSource(by='tokens'): the tokenizer failed calibrating component {name!r} "
+            f"{where}: {type(exc).__name__}: {exc}; fix the tokenizer or the data, or pin the "
+            f"component's ratio with tokens_per_byte={{{name!r}: ...}}"
+        ) from exc
+    return sum(_token_counts(encoded, len(texts)))
+
+
+def _file_of(src: IndexedSource, idx: int) -> str:
+    """`` in file '...'`` for a sample of a file source, else nothing."""
+    if not isinstance(src, FileSource):
+        return ""
+    file_index = int(src.pointer_rows(np.array([idx], dtype=np.int64))[0, 1])
+    return f" in file {src.paths[file_index]!r}"
 
 
 def _read_values(src: IndexedSource, name: str, indices: np.ndarray, field: str) -> list[Any]:
@@ -199,7 +241,9 @@ def estimate_cost(
                     "tokenizer= (the one you give tokenize)"
                 )
             calibrated = min(calibration_size, len(texts))
-            tokens = sum(count_tokens(tokenizer, texts[:calibrated]))
+            tokens = _calibration_tokens(
+                name, src, tokenizer, texts[:calibrated], indices[:calibrated]
+            )
             total_bytes = sum(sizes[:calibrated])
             tokens_per_byte = (
                 quantize(Fraction(tokens, total_bytes)) if total_bytes else Fraction(0)

@@ -1,0 +1,168 @@
+"""Metrics a monitoring stack scrapes, a JSON-lines log of them, the bottleneck in words, and the
+command-line views of a running job, all against a real run (process lanes)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import zephon
+from zephon.cli import main
+from zephon.observability import (
+    MetricsLog,
+    explain,
+    metric_families,
+    read_metrics_log,
+    serve_metrics,
+)
+from zephon.ops import batch, fetch, map_transform, tokenize
+from zephon.sources import ListSource, MixtureSource
+
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+
+def texts(dataset_id: int, n: int) -> ListSource:
+    return ListSource(
+        [{"text": f"doc {dataset_id}-{i} " + "word " * (i % 17)} for i in range(n)],
+        dataset_id=dataset_id,
+        chunk_size=32,
+    )
+
+
+def pipeline(**kw) -> zephon.Pipeline:
+    source = MixtureSource(
+        {"a": texts(0, 600), "b": texts(1, 600)}, {"a": 0.5, "b": 0.5}, chunk_size=32
+    )
+    return zephon.Pipeline(source, [fetch(), tokenize(), batch(4)], lanes=2, **kw)
+
+
+def scrape(url: str) -> dict[str, list]:
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        text = reply.read().decode()
+    out: dict[str, list] = {}
+    for family in prometheus_parser.text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def test_a_scrape_during_a_run_on_process_lanes_matches_stats_and_the_stream():
+    with pipeline(workers="process").iter() as loader, serve_metrics(loader) as server:
+        delivered = 0
+        for _, b in zip(range(30), loader):
+            delivered += len(b)
+        got = scrape(server.url)
+        stats = loader.stats()
+        assert got["zephon_records_delivered_total"] == [({"rank": "0"}, float(delivered))]
+        assert stats["delivered"] == delivered
+        lanes = {labels["lane"]: v for labels, v in got["zephon_lane_items_delivered_total"]}
+        assert lanes == {"0": 15.0, "1": 15.0}  # one batch per lane in turn
+        samples = {lb["component"]: v for lb, v in got["zephon_component_samples_total"]}
+        assert sum(samples.values()) == delivered
+        assert samples == {c: float(v["samples"]) for c, v in stats["mixture_components"].items()}
+        ops = {lb["operator"] for lb, _ in got["zephon_operator_busy_seconds_total"]}
+        assert ops == set(stats["operators"])
+        assert {lb["component"] for lb, _ in got["zephon_mixture_target_share"]} == {"a", "b"}
+
+
+def test_stats_may_be_read_from_another_thread_while_the_loader_runs():
+    errors: list[BaseException] = []
+    seen: list[int] = []
+    with pipeline(workers="process").iter() as loader:
+        done = threading.Event()
+
+        def read() -> None:
+            try:
+                while not done.is_set():
+                    seen.append(loader.stats()["delivered"])
+            except BaseException as exc:
+                errors.append(exc)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            total = sum(len(b) for b in loader)
+        finally:
+            done.set()
+            reader.join()
+    assert not errors
+    assert total == 1200 and seen == sorted(seen) and seen[-1] <= total
+
+
+def busy(payload: dict) -> dict:
+    x = 0
+    for i in range(20_000):  # a deliberately slow map: pure CPU work
+        x += i
+    return {**payload, "x": x}
+
+
+def test_explain_names_the_slow_operator():
+    source = texts(0, 400)
+    slow = zephon.Pipeline(
+        source,
+        [fetch(), map_transform(busy, name="slow_map"), tokenize(), batch(4)],
+        lanes=2,
+        workers="inline",
+    )
+    with slow.iter() as loader:
+        for _ in zip(range(60), loader):
+            pass
+        text = loader.explain()
+    first = text.splitlines()[0]
+    assert first.startswith("slow_map takes") and "of the operators' busy time" in first
+    assert "inline" in text  # and says where the lanes run
+    assert explain(loader.stats()).splitlines()[0] == first
+
+
+def test_the_metrics_log_holds_a_line_per_write_and_a_last_one_at_close(tmp_path: Path):
+    path = tmp_path / "run.jsonl"
+    with pipeline().iter() as loader, MetricsLog(loader, path) as log:
+        for step, _ in enumerate(loader):
+            if step % 50 == 0:
+                log.write(step=step)
+        final = loader.stats()
+    lines = read_metrics_log(path)
+    assert [line["step"] for line in lines] == [0, 50, 100, 150, 200, 250, None]
+    assert json.loads(json.dumps(final)) == lines[-1]["stats"]
+    assert all(line["rank"] == 0 for line in lines)
+
+
+def test_zephon_top_once_explain_and_report_run(tmp_path: Path, capsys):
+    log = tmp_path / "run.jsonl"
+    with (
+        pipeline(workers="process").iter() as loader,
+        serve_metrics(loader) as server,
+        MetricsLog(loader, log) as metrics,
+    ):
+        for step, _ in enumerate(loader):
+            if step % 25 == 0:
+                metrics.write(step=step)
+            if step == 100:
+                address = f"{server.addr}:{server.port}"
+                assert main(["top", address, "--once"]) == 0
+                frame = capsys.readouterr().out
+                assert "rank 0" in frame and "lane" in frame and "tokenize" in frame
+                assert main(["explain", address]) == 0
+                assert "of the operators' busy time" in capsys.readouterr().out
+    assert main(["report", str(log), "-o", str(tmp_path / "report.png")]) == 0
+    from PIL import Image
+
+    with Image.open(tmp_path / "report.png") as png:
+        png.load()
+        assert png.format == "PNG" and png.size == (1200, 800)
+
+
+def test_metric_names_follow_prometheus_conventions():
+    with pipeline().iter() as loader:
+        for _ in zip(range(10), loader):
+            pass
+        families = metric_families(loader.stats(), rank=3)
+    for family in families:
+        assert family.name.startswith("zephon_")
+        assert family.name.endswith("_total") == (family.kind == "counter"), family.name
+        assert all(labels["rank"] == "3" for labels, _ in family.samples)

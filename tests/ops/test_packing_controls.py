@@ -1,0 +1,159 @@
+"""What real jobs set on a packer: rows of one group only (``group_by``), a cap on sequences per
+row (``max_segments``), and the concatenate-and-cut strategy that never waits for a fit
+(``strategy="wrap"``); each loses no token and resumes exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_packing import STRIDE, assert_every_input_recovered_once, run, token_records
+
+import zephon
+from zephon.errors import OperatorError
+from zephon.ops import batch, fetch, pack_sequences, tokenize
+from zephon.ops.packing import GroupedPacker, PackSequences
+from zephon.sources import ListSource
+from zephon.testing import check_operator, check_resume
+
+
+def lang_of(i: int) -> str:
+    return "de" if i % 3 == 0 else "en"
+
+
+def grouped_records(lengths: list[int]) -> list:
+    records = token_records(lengths)
+    for i, rec in enumerate(records):
+        rec.payload["lang"] = lang_of(i)
+    return records
+
+
+def rows_groups(out: list) -> list[set[str]]:
+    """The groups of the inputs whose tokens each row holds."""
+    groups = []
+    for rec in out:
+        p = rec.payload
+        real = p["tokens"][p["segment_ids"] != 0]
+        groups.append({lang_of(int(t) // STRIDE) for t in real})
+    return groups
+
+
+@settings(max_examples=60)
+@given(
+    lengths=st.lists(st.integers(0, 50), max_size=40),
+    seq_len=st.integers(1, 24),
+    micro=st.integers(1, 9),
+    flush_every=st.sampled_from([None, 5, 13]),
+    strategy=st.sampled_from(["best_fit", "first_fit", "wrap"]),
+)
+def test_grouped_rows_hold_one_group_and_lose_no_token(
+    lengths, seq_len, micro, flush_every, strategy
+):
+    op = pack_sequences(seq_len, open_bins=3, strategy=strategy, pad_id=0, group_by="lang")
+    out = run(op, grouped_records(lengths), micro=micro, flush_every=flush_every)
+    assert all(len(g) <= 1 for g in rows_groups(out))
+    assert_every_input_recovered_once(lengths, out)
+
+
+def test_two_groups_fill_at_least_98_percent_at_2048():
+    lengths = np.random.default_rng(1).integers(1, 1024, size=12_000).tolist()
+    op = pack_sequences(2048, open_bins=64, pad_id=0, group_by=lambda p: p["lang"])
+    out = run(op, grouped_records(lengths), micro=256, flush_every=4096)
+    assert all(len(g) == 1 for g in rows_groups(out))
+    assert sum(lengths) / (len(out) * 2048) >= 0.98
+
+
+@settings(max_examples=60)
+@given(
+    lengths=st.lists(st.integers(0, 50), max_size=40),
+    seq_len=st.integers(1, 40),
+    cap=st.integers(1, 4),
+    strategy=st.sampled_from(["best_fit", "first_fit"]),
+    cut=st.booleans(),
+)
+def test_no_row_holds_more_than_max_segments(lengths, seq_len, cap, strategy, cut):
+    op = pack_sequences(
+        seq_len, open_bins=3, strategy=strategy, pad_id=0, max_segments=cap, cut_to_fill=cut
+    )
+    out = run(op, token_records(lengths), micro=5, flush_every=17)
+    assert all(int(rec.payload["segment_ids"].max(initial=0)) <= cap for rec in out)
+    assert_every_input_recovered_once(lengths, out)
+
+
+@settings(max_examples=60)
+@given(lengths=st.lists(st.integers(0, 50), max_size=40), seq_len=st.integers(1, 24))
+def test_wrap_fills_every_row_but_the_last(lengths, seq_len):
+    op = pack_sequences(seq_len, strategy="wrap", pad_id=0)
+    assert op.traits.preserves_cursor_order
+    out = run(op, token_records(lengths), micro=4)
+    fills = [int((rec.payload["segment_ids"] != 0).sum()) for rec in out]
+    assert all(f == seq_len for f in fills[:-1])
+    assert sum(fills) == sum(lengths)
+    assert_every_input_recovered_once(lengths, out)
+
+
+def test_the_controls_pass_check_operator():
+    for op in (
+        pack_sequences(12, open_bins=2, pad_id=0, group_by="lang"),
+        pack_sequences(12, open_bins=2, pad_id=0, max_segments=2),
+        pack_sequences(12, strategy="wrap", pad_id=0),
+    ):
+        check_operator(op, grouped_records([0, 9, 17, 2, 8, 0, 30, 5]))
+
+
+def texts(n: int) -> ListSource:
+    items = [
+        {"text": "ab " * (1 + (i * 7) % 23) + str(i), "lang": "de" if i % 3 else "en"}
+        for i in range(n)
+    ]
+    return ListSource(items, chunk_size=16)
+
+
+@pytest.mark.parametrize(
+    "packer",
+    [
+        pack_sequences(64, open_bins=3, group_by="lang"),
+        pack_sequences(64, open_bins=3, max_segments=3),
+        pack_sequences(64, strategy="wrap"),
+    ],
+    ids=["group_by", "max_segments", "wrap"],
+)
+def test_pipelines_with_the_controls_resume_exactly(packer):
+    pipeline = zephon.Pipeline(
+        texts(400), [fetch(), tokenize(), packer, batch(2)], lanes=2, epoch_chunks=3
+    )
+    check_resume(pipeline)
+
+
+def test_a_bad_group_names_the_record():
+    op = pack_sequences(12, pad_id=0, group_by="lang")
+    records = token_records([3, 4])
+    records[1].payload["lang"] = 1.5
+    records[0].payload["lang"] = "en"
+    with pytest.raises(
+        OperatorError, match=r"SampleCursor\(0, 1.*group_by must give a str or an int"
+    ):
+        run(op, records)
+    with pytest.raises(OperatorError, match="KeyError"):
+        run(op, token_records([3]))
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="neither cut_to_fill nor max_segments"):
+        pack_sequences(8, strategy="wrap", max_segments=2)
+    with pytest.raises(ValueError, match="max_segments"):
+        pack_sequences(8, max_segments=0)
+    with pytest.raises(TypeError, match="group_by"):
+        pack_sequences(8, group_by=3)  # type: ignore[arg-type]
+
+
+def test_a_packer_without_the_controls_keeps_its_identity():
+    plain: Any = pack_sequences(8, pad_id=0)
+    assert isinstance(plain, PackSequences)
+    assert "max_segments" not in plain.describe()["params"]
+    grouped: Any = pack_sequences(8, pad_id=0, group_by="lang")
+    assert isinstance(grouped, GroupedPacker)
+    assert grouped.describe()["params"]["group_by"] == "lang"

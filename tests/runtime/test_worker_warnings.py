@@ -1,0 +1,99 @@
+"""A warning raised by an operator in a worker process reaches the training process through
+``warnings``, once, where the script's filters apply; the worker itself prints nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+from worker_kit import script_env
+
+import zephon
+from zephon.ops import batch, fetch, map_transform
+from zephon.sources import ListSource
+
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+
+class OddRowWarning(UserWarning):
+    """What ``note_odd_rows`` warns with."""
+
+
+def note_odd_rows(payload: int) -> int:
+    """Warns about one row (defined at module level: process lanes pickle it)."""
+    if payload == 7:
+        warnings.warn("row 7 looks odd", OddRowWarning, stacklevel=2)
+    return payload
+
+
+def pipeline(workers: str = "process") -> zephon.Pipeline:
+    source = ListSource(list(range(40)), chunk_size=8)
+    return zephon.Pipeline(
+        source, [fetch(), map_transform(note_odd_rows), batch(4)], lanes=2, workers=workers
+    )
+
+
+@pytest.mark.parametrize("workers", ["process", "thread", "inline"])
+def test_a_worker_warning_is_seen_once_by_the_training_process(workers: str) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sum(len(b) for b in pipeline(workers)) == 40
+    odd = [w for w in caught if issubclass(w.category, OddRowWarning)]
+    assert [str(w.message) for w in odd] == ["row 7 looks odd"]
+
+
+def test_pytest_warns_sees_a_worker_warning() -> None:
+    with pytest.warns(OddRowWarning, match="row 7 looks odd"):
+        list(pipeline())
+
+
+def test_an_ignore_filter_silences_a_worker_warning() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=OddRowWarning)
+        list(pipeline())
+    assert not [w for w in caught if issubclass(w.category, OddRowWarning)]
+
+
+SCRIPT = """
+import sys, warnings
+import zephon
+from zephon.ops import batch, fetch, map_transform
+from zephon.sources import ListSource
+
+def note(payload):
+    if payload == 7:
+        warnings.warn("row 7 looks odd", UserWarning)
+    return payload
+
+if __name__ == "__main__":
+    if sys.argv[1] == "ignore":
+        warnings.simplefilter("ignore", UserWarning)
+    pipeline = zephon.Pipeline(
+        ListSource(list(range(40)), chunk_size=8), [fetch(), map_transform(note), batch(4)],
+        lanes=2, workers="process",
+    )
+    print(sum(len(b) for b in pipeline))
+"""
+
+
+@pytest.mark.parametrize("filters", ["default", "ignore"])
+def test_the_worker_prints_nothing_itself(tmp_path: Path, filters: str) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    done = subprocess.run(
+        [sys.executable, str(script), filters],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "40"
+    assert done.stderr.count("UserWarning: row 7 looks odd") == (
+        1 if filters == "default" else 0
+    ), done.stderr
