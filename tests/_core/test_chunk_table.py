@@ -384,7 +384,7 @@ class ChunkTableMachine(RuleBasedStateMachine):
 
 
 ChunkTableMachine.TestCase.settings = settings(
-    derandomize=True, max_examples=150, stateful_step_count=50, deadline=None
+    max_examples=150, stateful_step_count=50, deadline=None
 )
 test_chunk_table_matches_the_reference = ChunkTableMachine.TestCase
 
