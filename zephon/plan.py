@@ -64,6 +64,9 @@ class Plan:
     #: from re-read samples: lanes send snapshots, and a restore rebuilds the operators instead
     #: of replaying the epoch. Not part of the fingerprint: the stream is the same either way.
     restores_holdings: bool = False
+    #: Some chain operator has a ``setup`` or ``teardown``: each worker sets up its own copies
+    #: (``runtime.operator_setup``), and the training process never runs a process lane's.
+    sets_up: bool = False
     #: Per chain operator: a record it raises on is skipped (``Pipeline(on_error=...)``) rather
     #: than ending the run. Not part of the fingerprint: the stream is the same until an error.
     skip_errors: tuple[bool, ...] = ()

@@ -308,6 +308,7 @@ class Pipeline:
             timeout=None if timeout is None else float(timeout),
             relane=self.relane,
             restores_holdings=path == "epoch" and _restores_holdings(chain),
+            sets_up=any(op.has_setup for op in chain),
             skip_errors=skip_chain,
             skip_fetch_errors=skip_fetch,
             max_skipped=self.max_skipped,

@@ -1,6 +1,6 @@
 """Operators: the API for writing them, the children helpers, and the built-in factories."""
 
-from zephon.ops.base import Operator, OpTraits
+from zephon.ops.base import Operator, OperatorContext, OpTraits
 from zephon.ops.basic import fetch, filter_records, map_batch, map_transform
 from zephon.ops.batching import batch
 from zephon.ops.chat import ChatTemplate, TokenizeChat, tokenize_chat
@@ -18,6 +18,7 @@ __all__ = [
     "EnsureMixture",
     "OpTraits",
     "Operator",
+    "OperatorContext",
     "PackFlat",
     "PackSequences",
     "Shuffle",

@@ -19,6 +19,7 @@ __all__ = [
     "Grouper",
     "OpTraits",
     "Operator",
+    "OperatorContext",
     "PointerReader",
     "describe_value",
     "epoch_rng",
@@ -42,6 +43,19 @@ class OpTraits:
     def __post_init__(self) -> None:
         if self.workers is not None:
             check_int(self.workers, "workers", "OpTraits", minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorContext:
+    """Where an operator's ``setup`` runs: the worker kind (``"inline"``, ``"thread"`` or
+    ``"process"``), the global lanes this worker runs, the rank and world size, and the process
+    id. What setup loads is shared by those lanes."""
+
+    worker: str
+    lanes: tuple[int, ...]
+    rank: int
+    world_size: int
+    pid: int
 
 
 class Operator:
@@ -95,6 +109,23 @@ class Operator:
     def flush(self) -> list[SampleRecord]:
         """Emit whatever the operator still holds; called at every epoch marker and lane end."""
         return []
+
+    def setup(self, ctx: OperatorContext) -> None:
+        """Load what the operator needs and should not carry in the plan (a model, an index):
+        called once per worker, in the worker, before its lanes start, on a copy of the
+        operator the lanes' copies share what it sets (by reference; it is never pickled).
+        ``ctx`` says where it runs. Inline and thread lanes share one setup in the training
+        process; each worker process has its own."""
+
+    def teardown(self) -> None:
+        """Release what ``setup`` loaded: called once per worker when its lanes stop (on
+        ``close()``, at the end, on an error, or when the loader is collected)."""
+
+    @property
+    def has_setup(self) -> bool:
+        """Whether the operator overrides ``setup`` or ``teardown``."""
+        cls = type(self)
+        return cls.setup is not Operator.setup or cls.teardown is not Operator.teardown
 
     def carry_state(self) -> dict | None:
         """Small JSON-able state that survives epochs (and is stored in checkpoints)."""

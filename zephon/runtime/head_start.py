@@ -35,6 +35,7 @@ def applies(plan: Plan, n_lanes: int) -> bool:
     return (
         plan.timeout is None
         and plan.restores_holdings
+        and not plan.sets_up  # a process lane's operators are set up in its worker only
         and n_lanes <= plan.processes
         and fork_server_cold()
     )

@@ -33,6 +33,7 @@ from zephon.runtime.control import (
 )
 from zephon.runtime.holdings import rebuild, snapshot_of
 from zephon.runtime.layout import Layout
+from zephon.runtime.operator_setup import OperatorSetup
 from zephon.types import ContributorRef, SampleCursor, SampleRecord
 
 #: Samples read between two snapshots of what the stateful operators hold, when the chain has
@@ -122,9 +123,11 @@ class LaneRunner:
         runs: list[dict[str, Any]] | None = None,
         layout: list[dict[str, Any]] | None = None,
         op_stats: list[list[float]] | None = None,
+        setup: OperatorSetup | None = None,
     ):
         self.plan = plan
         self.lane_id = lane_id
+        self.setup = setup  # the worker's set-up operators, which lanes copy (operator_setup)
         total = plan.source.total_chunks()
         self.layout = (
             Layout.fresh(plan.lanes, total) if layout is None else Layout.decode(layout, total)
@@ -157,6 +160,15 @@ class LaneRunner:
             [list(s) for s in op_stats] if op_stats else [[0, 0, 0.0] for _ in plan.chain]
         )
 
+    def _fresh(self, j: int, op: Operator) -> Operator:
+        """A new copy of chain operator ``j`` for a run: of the set-up one when the worker set
+        the chain up (sharing what setup loaded), else of the plan's."""
+        return self.setup.fresh(j) if self.setup is not None else copy.deepcopy(op)
+
+    def _copy(self, op: Operator) -> Operator:
+        """A copy of a running operator, to re-run one record on it."""
+        return self.setup.copy(op) if self.setup is not None else copy.deepcopy(op)
+
     def _reset_audit(self) -> None:
         # Closing contributors each operator received and emitted in the current epoch.
         n = len(self.ops)
@@ -185,7 +197,7 @@ class LaneRunner:
         source = plan.source
         geometry = self.layout.geometry(run["gen"], run["lane"])
         self.seed_lane = self.layout.seed_lane(run["gen"], run["lane"])
-        self.ops = [copy.deepcopy(op) for op in plan.chain]
+        self.ops = [self._fresh(j, op) for j, op in enumerate(plan.chain)]
         if run["carry"] is not None:
             for op, state in zip(self.ops, run["carry"]):
                 if state is not None:
@@ -377,7 +389,7 @@ class LaneRunner:
             if not op.traits.stateful:  # safe to rerun: find the record that exits
                 for rec in records:
                     try:
-                        copy.deepcopy(op).process_many([rec])
+                        self._copy(op).process_many([rec])
                     except (Exception, SystemExit):
                         culprit = rec
                         break
@@ -479,7 +491,7 @@ class LaneRunner:
         if not op.traits.stateful:  # safe to rerun: find the record that fails
             for rec in records:
                 try:
-                    copy.deepcopy(op).process_many([rec])
+                    self._copy(op).process_many([rec])
                 except Exception:
                     culprit = rec
                     break

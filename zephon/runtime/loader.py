@@ -38,6 +38,7 @@ from zephon.runtime.contracts import ContractPolicy
 from zephon.runtime.delivery import LaneDelivery
 from zephon.runtime.job import rank_turn
 from zephon.runtime.layout import Layout
+from zephon.runtime.operator_setup import release_in_process
 from zephon.runtime.relane import relane
 from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import (
@@ -184,6 +185,8 @@ class Loader(LoaderStep):
     def _release_source(self) -> None:
         # This loader reads its source no more, and what the reads kept for later ones (decoded
         # row groups, bytes fetched ahead) would otherwise live as long as the pipeline does.
+        # Its inline and thread lanes are done with their operators' setup too.
+        release_in_process(self.plan)
         self.plan.source.drop_read_caches()
 
     def close(self) -> None:

@@ -14,12 +14,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from zephon.errors import PlanError, ZephonError
+from zephon.ops.base import OperatorContext
 from zephon.plan import Plan
 from zephon.runtime.blas_threads import limit_loaded_blas
 from zephon.runtime.control import ChunkOpened
 from zephon.runtime.lane import LaneRunner
 from zephon.runtime.lane_stop import exit_outside_operator
 from zephon.runtime.memory import give_back_at_most_every, give_back_once_grown
+from zephon.runtime.operator_setup import OperatorSetup
 from zephon.runtime.wire import ACK, END, READY, THREADS, WARNINGS, LoaderGone, encode, write
 from zephon.runtime.worker_warnings import forward_warnings, take_warnings
 
@@ -156,24 +158,36 @@ def process_main(
     forward_warnings()  # the training process shows them, through its own filters
     for conn, _, _ in members:
         _write_or_leave(conn, encode(READY, None))
-    plan = _load_plan(plan_bytes, [lane_id for _, lane_id, _ in members])
+    lane_ids = [lane_id for _, lane_id, _ in members]
+    plan = _load_plan(plan_bytes, lane_ids)
     del plan_bytes
-    if len(members) == 1:
-        _lane_main(*members[0], plan, prefetch)
-        return
-    threads = [
-        threading.Thread(
-            target=_lane_main,
-            args=(conn, lane_id, start, plan, prefetch),
-            name=f"zephon-worker-lane-{lane_id}",
-            daemon=True,
-        )
-        for conn, lane_id, start in members
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    setup = None
+    if isinstance(plan, Plan) and plan.sets_up:
+        ctx = OperatorContext("process", tuple(lane_ids), plan.rank, plan.world_size, os.getpid())
+        try:
+            setup = OperatorSetup(plan, ctx)
+        except Exception as exc:  # every lane reports it: the loader fails on the first
+            plan = exc  # type: ignore[assignment]
+    try:
+        if len(members) == 1:
+            _lane_main(*members[0], plan, prefetch, setup)
+            return
+        threads = [
+            threading.Thread(
+                target=_lane_main,
+                args=(conn, lane_id, start, plan, prefetch, setup),
+                name=f"zephon-worker-lane-{lane_id}",
+                daemon=True,
+            )
+            for conn, lane_id, start in members
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        if setup is not None:
+            setup.teardown()
 
 
 def _write_or_leave(conn: Connection, message: tuple[tuple, list[Any]]) -> None:
@@ -182,12 +196,18 @@ def _write_or_leave(conn: Connection, message: tuple[tuple, list[Any]]) -> None:
 
 
 def _lane_main(
-    conn: Connection, lane_id: int, start: dict, plan: Plan | PlanError, prefetch: int
+    conn: Connection,
+    lane_id: int,
+    start: dict,
+    plan: Plan | Exception,
+    prefetch: int,
+    setup: OperatorSetup | None = None,
 ) -> None:
     try:
-        if isinstance(plan, PlanError):
+        if isinstance(plan, Exception):  # the plan could not be loaded, or set up
             raise plan
-        with contextlib.closing(LaneRunner(plan, lane_id, **start).run()) as lane_items:
+        runner = LaneRunner(plan, lane_id, setup=setup, **start)
+        with contextlib.closing(runner.run()) as lane_items:
             _stream(conn, lane_items, lane_id, prefetch)
         _send_warnings(conn)
         write(conn, encode(END, None))

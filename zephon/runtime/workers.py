@@ -17,6 +17,7 @@ from typing import Any
 from zephon.plan import Plan
 from zephon.runtime.lane import LaneRunner
 from zephon.runtime.lane_stop import STOP_TIMEOUT, LaneWorker, closed_error, exit_outside_operator
+from zephon.runtime.operator_setup import in_process_setup
 from zephon.runtime.plan_parcel import PlanParcel
 from zephon.runtime.process_lanes import ProcessLane
 from zephon.runtime.thread_lanes import ThreadLane
@@ -77,7 +78,14 @@ LANE_KINDS: dict[str, type[InlineLane | ThreadLane | ProcessLane]] = {
 
 def open_lane(plan: Plan, lane_id: int, **start: Any) -> InlineLane | ThreadLane | ProcessLane:
     """Start lane ``lane_id`` where the plan says lanes run (``start`` goes to ``LaneRunner``)."""
-    return LANE_KINDS[plan.workers](plan, lane_id, **start)
+    return LANE_KINDS[plan.workers](plan, lane_id, **_with_setup(plan, start))
+
+
+def _with_setup(plan: Plan, start: dict[str, Any]) -> dict[str, Any]:
+    """``start`` with the training process's operator setup, for an inline or thread lane."""
+    if plan.workers == "process" or not plan.sets_up:
+        return start
+    return {**start, "setup": in_process_setup(plan, plan.workers)}
 
 
 def open_lanes(
@@ -103,7 +111,7 @@ def open_lanes(
         if parcel is not None:
             lanes.extend(ProcessLane.group(plan, block, parcel))
         elif n > 1:
-            lanes.extend(ThreadLane.group(plan, block))
+            lanes.extend(ThreadLane.group(plan, [(i, _with_setup(plan, st)) for i, st in block]))
         else:
             lanes.append(open_lane(plan, block[0][0], **block[0][1]))
     return lanes

@@ -1,0 +1,150 @@
+"""Operators' setup and teardown: once per worker, in the worker, shared by its lanes, never
+pickled; torn down once per worker on close, at the end and on an error."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import zephon
+from zephon.errors import OperatorError
+from zephon.ops import Operator, OperatorContext, OpTraits, batch, fetch
+from zephon.sources import RangeSource
+
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+MODEL_BYTES = 50 * 1024 * 1024
+
+
+class Unpicklable:
+    """A 50 MB model that refuses to be pickled (the plan must never carry it)."""
+
+    def __init__(self) -> None:
+        self.weights = bytearray(MODEL_BYTES)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("the model must never be pickled")
+
+
+class Scored(Operator):
+    """Loads a model in setup, notes each setup and teardown as a file, tags every record with
+    the worker's pid and the model's identity."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def __init__(self, notes: str, fail_on: int | None = None) -> None:
+        self.notes = notes
+        self.fail_on = fail_on
+        self.model: Unpicklable | None = None
+
+    def setup(self, ctx: OperatorContext) -> None:
+        self.model = Unpicklable()
+        Path(self.notes, f"setup-{os.getpid()}-{id(self.model)}").write_text(
+            f"{ctx.worker} {list(ctx.lanes)} {ctx.rank} {ctx.world_size}"
+        )
+
+    def teardown(self) -> None:
+        Path(self.notes, f"teardown-{os.getpid()}-{id(self.model)}").touch()
+
+    def process_many(self, records):
+        assert self.model is not None, "setup ran before the lane"
+        out = []
+        for rec in records:
+            if rec.payload["idx"] == self.fail_on:
+                raise RuntimeError("a bad record")
+            out.append(
+                rec.with_payload({**rec.payload, "worker": os.getpid(), "model": id(self.model)})
+            )
+        return out
+
+
+def notes_of(where: Path, kind: str) -> list[str]:
+    return sorted(p.name for p in where.iterdir() if p.name.startswith(kind))
+
+
+def pipeline(notes: Path, **kw: Any) -> zephon.Pipeline:
+    return zephon.Pipeline(
+        RangeSource(400, chunk_size=16),
+        [fetch(), Scored(str(notes), kw.pop("fail_on", None)), batch(4)],
+        lanes=4,
+        **kw,
+    )
+
+
+def rows(p: zephon.Pipeline) -> list[tuple[int, int, int]]:
+    with p.iter() as loader:
+        return [
+            r
+            for b in loader
+            for r in zip(b.payload["idx"], b.payload["worker"], b.payload["model"])
+        ]
+
+
+def test_process_workers_load_the_model_once_each_share_it_and_never_pickle_it(tmp_path):
+    got = rows(pipeline(tmp_path, workers="process", processes=2))
+    assert sorted(i for i, _, _ in got) == list(range(400))
+    setups = notes_of(tmp_path, "setup")
+    assert len(setups) == 2  # once per worker process, whatever the lanes per worker
+    assert {(w, m) for _, w, m in got} == {tuple(map(int, s.split("-")[1:])) for s in setups}
+    assert all(Path(tmp_path, s).read_text().startswith("process [") for s in setups)
+    assert notes_of(tmp_path, "teardown") == [s.replace("setup", "teardown") for s in setups]
+    assert os.getpid() not in {w for _, w, _ in got}  # nothing ran in the training process
+
+
+@pytest.mark.parametrize("workers", ["inline", "thread"])
+def test_inline_and_thread_lanes_share_one_setup_in_the_training_process(tmp_path, workers):
+    got = rows(pipeline(tmp_path, workers=workers, processes=2))
+    assert sorted(i for i, _, _ in got) == list(range(400))
+    (setup,) = notes_of(tmp_path, "setup")
+    assert Path(tmp_path, setup).read_text() == f"{workers} [0, 1, 2, 3] 0 1"
+    assert {(w, m) for _, w, m in got} == {tuple(map(int, setup.split("-")[1:]))}
+    assert notes_of(tmp_path, "teardown") == [setup.replace("setup", "teardown")]
+
+
+@pytest.mark.parametrize("workers", ["inline", "process"])
+def test_teardown_runs_once_per_worker_on_close_and_on_an_error(tmp_path, workers):
+    closed, failed = tmp_path / "closed", tmp_path / "failed"
+    closed.mkdir()
+    failed.mkdir()
+    with pipeline(closed, workers=workers, processes=2).iter() as loader:
+        next(loader)
+    assert len(notes_of(closed, "teardown")) == len(notes_of(closed, "setup")) >= 1
+    with pytest.raises(OperatorError, match="a bad record"):
+        rows(pipeline(failed, workers=workers, processes=2, fail_on=37))
+    assert len(notes_of(failed, "teardown")) == len(notes_of(failed, "setup")) >= 1
+
+
+class BrokenSetup(Operator):
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def setup(self, ctx: OperatorContext) -> None:
+        raise FileNotFoundError("classifier.bin")
+
+    def process_many(self, records):
+        return records
+
+
+@pytest.mark.parametrize("workers", ["inline", "thread", "process"])
+def test_a_failing_setup_names_the_operator(workers):
+    p = zephon.Pipeline(
+        RangeSource(10), [fetch(), BrokenSetup(), batch(2)], lanes=2, workers=workers
+    )
+    with pytest.raises(
+        OperatorError, match=r"setup of operator 'BrokenSetup' failed.*classifier\.bin"
+    ):
+        list(p)
+
+
+def test_a_plan_with_setup_resumes_exactly(tmp_path):
+    p = pipeline(tmp_path, workers="process", processes=2)
+    with p.iter() as loader:
+        head = [b.payload["idx"].tolist() for _, b in zip(range(20), loader)]
+        state = loader.state_dict()
+    with p.iter() as again:
+        full = [b.payload["idx"].tolist() for b in again]
+    with p.iter(state=state) as resumed:
+        tail = [b.payload["idx"].tolist() for b in resumed]
+    assert head + tail == full

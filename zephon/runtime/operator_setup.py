@@ -1,0 +1,110 @@
+"""Operators' ``setup`` and ``teardown``, once per worker.
+
+A worker sets up copies of the plan's operators once; every operator a lane of that worker
+makes afterwards (a fresh chain per run, a copy to re-run a record) is a deep copy of the set-up
+one that shares, by reference, every attribute ``setup`` set. So a model loaded in ``setup`` is
+loaded once per worker, shared by its lanes, and never pickled with the plan: the plan's own
+operators are never set up. Worker processes set up in ``worker_process``; inline and thread
+lanes share one setup per loader in the training process (``in_process_setup``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+from zephon.errors import OperatorError
+from zephon.ops.base import Operator, OperatorContext
+from zephon.plan import Plan
+
+_log = logging.getLogger("zephon")
+
+
+class OperatorSetup:
+    """The set-up copies of one plan's chain in one worker, and how lanes copy them."""
+
+    def __init__(self, plan: Plan, ctx: OperatorContext):
+        self._ops = [copy.deepcopy(op) for op in plan.chain]
+        self._shared: dict[int, Any] = {}  # id -> object: what setup set, shared by copies
+        done: list[Operator] = []
+        self._finalizer = weakref.finalize(self, _tear_down, done)
+        for op in self._ops:
+            if not op.has_setup:
+                continue
+            before = dict(vars(op))
+            try:
+                op.setup(ctx)
+            except Exception as exc:
+                self.teardown()
+                raise OperatorError(
+                    f"setup of operator {op.name!r} failed on {ctx.worker} lanes "
+                    f"{list(ctx.lanes)}: {type(exc).__name__}: {exc}",
+                    operator=op.name,
+                ) from exc
+            done.append(op)
+            for name, value in vars(op).items():
+                if before.get(name, _MISSING) is not value:
+                    self._shared[id(value)] = value
+
+    def fresh(self, index: int) -> Operator:
+        """A copy of chain operator ``index`` as set up, for a lane's new run."""
+        return self.copy(self._ops[index])
+
+    def copy(self, op: Operator) -> Operator:
+        """A deep copy of ``op`` sharing what setup set (the memo maps each to itself)."""
+        return copy.deepcopy(op, dict(self._shared))
+
+    def teardown(self) -> None:
+        """Tear the set-up operators down, once (later calls do nothing)."""
+        self._finalizer()
+
+
+_MISSING = object()
+
+
+def _tear_down(done: list[Operator]) -> None:
+    for op in reversed(done):
+        try:
+            op.teardown()
+        except Exception as exc:  # the lanes are stopping anyway: say so, and go on
+            _log.warning("teardown of operator %r failed: %s: %s", op.name, type(exc).__name__, exc)
+    done.clear()
+
+
+_lock = threading.Lock()
+_in_process: dict[int, OperatorSetup] = {}  # by id(plan): one per loader
+
+
+def in_process_setup(plan: Plan, worker: str) -> OperatorSetup | None:
+    """The setup inline and thread lanes of ``plan`` share in the training process (made on
+    first use, torn down by ``release_in_process``, or when the plan is collected); None when
+    no operator of the plan has one."""
+    if not plan.sets_up:
+        return None
+    key = id(plan)
+    with _lock:
+        setup = _in_process.get(key)
+        if setup is None:
+            ctx = OperatorContext(
+                worker, tuple(plan.rank_lanes), plan.rank, plan.world_size, os.getpid()
+            )
+            setup = OperatorSetup(plan, ctx)
+            _in_process[key] = setup
+            weakref.finalize(plan, release_in_process_id, key)
+        return setup
+
+
+def release_in_process(plan: Plan) -> None:
+    """Tear down the training process's setup of ``plan``, if it has one."""
+    release_in_process_id(id(plan))
+
+
+def release_in_process_id(key: int) -> None:
+    with _lock:
+        setup = _in_process.pop(key, None)
+    if setup is not None:
+        setup.teardown()
