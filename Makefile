@@ -26,10 +26,15 @@ build: $(STAMP)
 	@# subprocess) would compile them again, a tenth of a second each.
 	$(BIN)/python -m compileall -q zephon
 
+# Each compiled module against its stub: mypy reads the stubs, stubtest checks they say what the
+# built modules hold.
+KERNEL_MODULES := $(patsubst zephon/_core/%.pyi,zephon._core.%,$(wildcard zephon/_core/*.pyi))
+
 lint: build
 	$(BIN)/ruff check zephon tests asv_bench docs/examples
 	$(BIN)/ruff format --check zephon tests asv_bench
 	$(BIN)/mypy
+	$(BIN)/python -m mypy.stubtest --allowlist tests/stubtest_allowlist.txt $(KERNEL_MODULES)
 
 # The test-only extras: torch pinned to the CPU build this machine kind keeps on disk (an
 # unpinned torch would pull a multi-GB CUDA build), then torchdata and the docs tools.
@@ -58,4 +63,4 @@ bench: build
 	$(BIN)/zephon bench
 
 clean:
-	rm -rf build zephon/_core/*.c zephon/_core/*.so zephon.egg-info
+	rm -rf build dist zephon/_core/*.c zephon/_core/*.so zephon_loader.egg-info

@@ -1,6 +1,7 @@
-"""Test-suite settings: hypothesis runs derandomized so every run checks the same examples; a
-private metadata cache per test; a real S3-compatible server (moto's server mode) on loopback,
-with a proxy in front of it that can fail requests or stall them."""
+"""Test-suite settings: hypothesis runs derandomized so every run checks the same examples
+(``ZEPHON_HYPOTHESIS=random`` draws new ones each run instead); a private metadata cache per
+test; a real S3-compatible server (moto's server mode) on loopback, with a proxy in front of it
+that can fail requests or stall them."""
 
 from __future__ import annotations
 
@@ -8,25 +9,29 @@ import http.client
 import http.server
 import logging
 import math
+import os
 import re
 import socket
 import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 from worker_kit import assert_no_leftover_workers
 
-settings.register_profile(
-    "zephon",
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    print_blob=True,
-)
-settings.load_profile("zephon")
+_PROFILE: dict[str, Any] = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow],
+    "print_blob": True,
+}
+settings.register_profile("derandomized", derandomize=True, **_PROFILE)
+# New examples every run, to look for cases the fixed ones miss; a failure prints the blob that
+# replays it (``@reproduce_failure``).
+settings.register_profile("random", derandomize=False, **_PROFILE)
+settings.load_profile(os.environ.get("ZEPHON_HYPOTHESIS", "derandomized"))  # unknown names raise
 
 
 @pytest.fixture(autouse=True)

@@ -51,6 +51,7 @@ def loader_state(lanes: int = 2, steps: int = 15) -> dict[str, Any]:
     return state
 
 
+@pytest.mark.slow
 def test_demo_proves_the_resumed_stream_identical():
     done = zephon_cli("demo", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

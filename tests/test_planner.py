@@ -69,7 +69,6 @@ def test_deterministic_is_deprecated_and_changes_nothing(value):
         deprecated, got = stream(deterministic=value)
     assert got == expected
     assert deprecated.fingerprint == default.fingerprint
-    assert deprecated.compile().deterministic is True
 
 
 def test_deprecated_deterministic_false_still_plans_a_stateful_operator_with_workers_and_says_so():

@@ -1,4 +1,4 @@
-"""The examples of the design page (records-and-sample-lifecycles) hold as drawn."""
+"""The worked examples of records and their sample lifecycles hold as drawn."""
 
 from __future__ import annotations
 

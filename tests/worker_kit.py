@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
 import os
 import threading
@@ -53,6 +54,32 @@ def wait_until(condition, seconds: float) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+@contextlib.contextmanager
+def finishes_within(seconds: float) -> Iterator[None]:
+    """The block must end within ``seconds``: a deadline ten times what it takes on a quiet
+    machine, so that only a hang (or a wait for a stuck worker) fails it, never a busy machine."""
+    start = time.monotonic()
+    yield
+    took = time.monotonic() - start
+    assert took < seconds, f"took {took:.2f} s, past its deadline of {seconds} s"
+
+
+def unread_bytes(lane) -> int:
+    """Bytes a process lane's worker has written to its pipe that the loader has not read yet."""
+    import fcntl  # POSIX only; conftest imports this module on every platform
+    import termios
+
+    count = array.array("i", [0])
+    fcntl.ioctl(lane._conn.fileno(), termios.FIONREAD, count)
+    return count[0]
+
+
+def blocked_sending(*lanes) -> bool:
+    """Whether the workers of these process lanes are each in the middle of a message too large
+    for the pipe to hold (the pipe is full: a worker goes on only once the loader reads)."""
+    return all(unread_bytes(lane) >= 64 * 1024 for lane in lanes)
 
 
 def assert_no_leftover_workers() -> Iterator[None]:

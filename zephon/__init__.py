@@ -34,7 +34,7 @@ from zephon.runtime.job import merge_states  # noqa: E402
 from zephon.runtime.job_files import load_job_state, save_rank_state  # noqa: E402
 from zephon.runtime.loader import Loader  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"  # the one place the version is stated (pyproject.toml reads it)
 
 __all__ = [
     "CarryStateWarning",

@@ -243,18 +243,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench(quick: bool) -> int:
-    """``zephon bench`` runs the benchmark workloads of a source checkout (``asv_bench/``):
-    they are not part of the installed package."""
-    checkout = Path(zephon.__file__).resolve().parents[1] / "asv_bench"
-    if (checkout / "zephon_bench").is_dir() and str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
-    try:
-        from zephon_bench.report import run_bench
-    except ImportError:
-        raise ZephonError(
-            "zephon bench runs from a source checkout of Zephon (its workloads live in "
-            "asv_bench/zephon_bench, outside the installed package): run `make bench` there"
-        ) from None
+    """``zephon bench``: every performance target against its baseline (``zephon.bench``)."""
+    from zephon.bench.report import run_bench
+
     result: int = run_bench(quick=quick)
     return result
 

@@ -84,10 +84,16 @@ def _train(corpus: Path, out: Path) -> None:
         for step, item in enumerate(loader, 1):
             log.write(batch_digest(item) + "\n")
             log.flush()
-            if step % 10 == 0:
-                zephon.save_checkpoint(out / "loader.json", loader.state_dict())
-                (out / "step.txt").write_text(str(step))
+            if step % 10 == 0:  # the step and the loader state in one atomic write
+                zephon.save_checkpoint(
+                    out / "train.json", {"step": step, "loader": loader.state_dict()}
+                )
             time.sleep(0.01)  # a training step
+
+
+def _saved_step(checkpoint: Path) -> int:
+    """The step of the training process's last checkpoint, 0 before the first one."""
+    return zephon.load_checkpoint(checkpoint)["step"] if checkpoint.exists() else 0
 
 
 class _Progress:
@@ -164,22 +170,22 @@ def run_demo(out: TextIO | None = None) -> int:
         cmd = [sys.executable, "-m", "zephon.demo", "--train", str(root), str(work)]
         proc = subprocess.Popen(cmd)
         stop_after = len(reference) // 2
+        checkpoint = work / "train.json"
         deadline = time.monotonic() + 60
         while True:
-            step_file = work / "step.txt"
-            done = int(step_file.read_text() or 0) if step_file.exists() else 0
+            done = _saved_step(checkpoint)
             if done >= stop_after or proc.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         seen = (work / "seen.txt").read_text().split()
-        saved = int((work / "step.txt").read_text())
-        size = (work / "loader.json").stat().st_size
+        saved_run = zephon.load_checkpoint(checkpoint)
+        saved, state = saved_run["step"], saved_run["loader"]
+        size = checkpoint.stat().st_size
         say(f"   killed after {len(seen)} batches; last checkpoint at batch {saved} ({size} bytes)")
 
         say("\n3. Restore from the checkpoint file and finish the run")
-        state = zephon.load_checkpoint(work / "loader.json")
         tail: list[str] = []
         with pipeline.iter(state=state) as loader:
             progress = _Progress(out, "resumed  ", len(reference) - saved)

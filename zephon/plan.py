@@ -39,7 +39,6 @@ class Plan:
     epoch_chunks: int
     micro_batch: int
     prefetch: int
-    deterministic: bool
     strict: bool
     rank: int
     world_size: int

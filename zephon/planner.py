@@ -309,7 +309,6 @@ class Pipeline:
             epoch_chunks=self.epoch_chunks,
             micro_batch=self.micro_batch,
             prefetch=self.prefetch,
-            deterministic=True,
             strict=self.strict,
             rank=rank,
             world_size=world_size,

@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 import numpy.typing as npt
-from zephon_bench.report import python_best_fit
 
 from zephon._core.binfill import BinPacker, FlatPacker
+from zephon.bench.report import python_best_fit
 
 CAPACITY = 4096
 OPEN_BINS = 64

@@ -1,6 +1,6 @@
 """Mixtures: the fraction of tokenized tokens ``ensure_mixture`` drops when the source is weighed
 by samples and when it is weighed by tokens (calibrated, pinned ratio, length column), on the
-same two Parquet datasets whose documents differ ~25x in length (``zephon_bench.mixture``).
+same two Parquet datasets whose documents differ ~25x in length (``zephon.bench.mixture``).
 
 Target: by tokens, at most 5% dropped and token shares within 0.01 of 0.7 / 0.3.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from zephon_bench import mixture as mb
+from zephon.bench import mixture as mb
 
 
 class DroppedTokens:

@@ -2,14 +2,15 @@
 Pipeline (source iteration, fetch, packing and delivery), against Grain's packers and a pure-Python
 streaming first-fit on the same input, in the same process.
 
-The workload is ``zephon_bench.packing``'s: 20,000 pre-tokenized sequences of uniform 1..511
+The workload is ``zephon.bench.packing``'s: 20,000 pre-tokenized sequences of uniform 1..511
 tokens (``default_rng(0)``) into bins of 1024, 64 open bins, an epoch (flush) every 4,096 sequences.
 Run this file directly to print the comparison table.
 """
 
 from __future__ import annotations
 
-from zephon_bench.packing import (
+import zephon
+from zephon.bench.packing import (
     SEQ_LEN,
     SIDE_FIELDS,
     packing_comparison,
@@ -21,8 +22,6 @@ from zephon_bench.packing import (
     uniform_lengths,
     zephon_pipeline,
 )
-
-import zephon
 
 
 def _deliver_all(pipeline: zephon.Pipeline) -> int:
@@ -126,7 +125,7 @@ class PythonFirstFit:
 
 
 def main(repeat: int = 5) -> None:
-    """Print the comparison table of ``zephon_bench.packing.packing_comparison``."""
+    """Print the comparison table of ``zephon.bench.packing.packing_comparison``."""
     for row in packing_comparison(repeat=repeat):
         grain = row["grain_tokens_per_s"]
         grain_text = (

@@ -10,16 +10,15 @@
 - ``TextPipeline``: the text pipeline on 8 MB of standard-library text (see its docstring);
 - ``FillAt2048``: fill at 2048 on that text, its pieces and its files whole, against Grain.
 
-The workloads are ``zephon_bench.pipeline``'s, the ones ``zephon bench`` prints.
+The workloads are ``zephon.bench.pipeline``'s, the ones ``zephon bench`` prints.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from zephon_bench import pipeline as pb
-
 import zephon
+from zephon.bench import pipeline as pb
 from zephon.ops import batch, fetch
 from zephon.sources.memory import RangeSource
 
@@ -198,7 +197,7 @@ class OverheadRatios:
 
 class TextPipeline:
     """Parquet -> tokenize (8k BPE) -> pack_sequences(2048) -> batch(8) on 8 MB of standard
-    library text (``zephon_bench.text``): end to end against the pyarrow + encode_batch limit,
+    library text (``zephon.bench.text``): end to end against the pyarrow + encode_batch limit,
     fill, two process lanes against one inline lane (tokenizer threads off) with the machine's
     two-process ceiling, memory, and restore (worst of several steps, as after a preemption)
     against Grain's and, with process lanes, against inline lanes."""
@@ -208,7 +207,7 @@ class TextPipeline:
     def setup_cache(self) -> dict[str, float]:
         import time
 
-        from zephon_bench import text as tb
+        from zephon.bench import text as tb
 
         data, tok_path = tb.corpus(8.0)
         tok = tb.load_tokenizer(tok_path)
@@ -325,7 +324,7 @@ class FillAt2048:
     timeout = 600
 
     def setup_cache(self) -> dict[str, dict[str, float]]:
-        from zephon_bench import text as tb
+        from zephon.bench import text as tb
 
         data, tok_path = tb.corpus(8.0)
         tok = tb.load_tokenizer(tok_path)

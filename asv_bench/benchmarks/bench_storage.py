@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import tempfile
 
-from zephon_bench import storage
+from zephon.bench import storage
 
 
 class Storage:
-    """Start-up and throughput on moto's S3 server on loopback (``zephon_bench.storage``)."""
+    """Start-up and throughput on moto's S3 server on loopback (``zephon.bench.storage``)."""
 
     number = 1
     repeat = 1

@@ -43,7 +43,7 @@ def ids_of(ids: npt.NDArray[np.int64]) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Reference packers: the rules of the spec, written out with lists.
+# Reference packers: the packing rules, written out with lists.
 
 
 class RefBinPacker:
@@ -310,7 +310,7 @@ def replay(packer: Packer, ref: RefBinPacker | RefFlatPacker, ops: list[Op]) -> 
             assert packer.used(bin_id) == ref.used(bin_id)
 
 
-@settings(derandomize=True, max_examples=400, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
     stream=streams(),
     max_open=st.integers(1, 6),
@@ -346,14 +346,14 @@ def test_a_bin_leaves_once_it_holds_max_segments_fragments() -> None:
         again.restore({"next_id": 2, "bins": [[1, 90, 0]]})  # a state of an uncapped packer
 
 
-@settings(derandomize=True, max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(stream=streams())
 def test_flat_packer_matches_the_reference(stream: tuple[int, list[Op]]) -> None:
     capacity, ops = stream
     replay(FlatPacker(capacity), RefFlatPacker(capacity), ops)
 
 
-@settings(derandomize=True, max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(stream=streams(), max_open=st.integers(1, 6), strategy=STRATEGIES, cut=st.booleans())
 def test_bin_packer_keeps_its_invariants(
     stream: tuple[int, list[Op]], max_open: int, strategy: Strategy, cut: bool
@@ -381,7 +381,7 @@ def test_cut_to_fill_must_be_a_bool() -> None:
         BinPacker(10, 2, "best_fit", cut_to_fill=1)  # type: ignore[arg-type]
 
 
-@settings(derandomize=True, max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(stream=streams())
 def test_flat_packer_keeps_its_invariants(stream: tuple[int, list[Op]]) -> None:
     capacity, ops = stream

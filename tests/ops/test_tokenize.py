@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
 
 import zephon
 from zephon.errors import OperatorError, PlanError
@@ -194,10 +193,11 @@ def test_without_eos_token_id_a_transformers_style_tokenizer_ends_with_its_sep_t
     assert (op.eos_id, op.pad_id) == (5, 4)
 
 
-def fast_transformers_tokenizer(**special: str) -> PreTrainedTokenizerFast:
+def fast_transformers_tokenizer(**special: str) -> Any:
     """A real ``transformers`` fast tokenizer around a BPE trained here (no download)."""
+    transformers = pytest.importorskip("transformers")
     bpe = bpe_tokenizer(("<unk>", "</s>", "<pad>"))
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", **special)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", **special)
 
 
 def test_a_transformers_fast_tokenizer_ends_with_its_eos_and_publishes_its_pad():
@@ -381,15 +381,15 @@ def test_an_object_that_cannot_tokenize_is_rejected():
 
 
 # ------------------------------------------------------------------------------------ splitting
-def seed_page_record(n_bytes: int) -> SampleRecord:
-    """The seed page's input: chunk 7, offset 2, sample (ds0, sh5, 42)."""
+def example_record(n_bytes: int) -> SampleRecord:
+    """The example input: chunk 7, offset 2, sample (ds0, sh5, 42)."""
     meta = SampleMeta(SampleCursor(7, 2, (0, 5, 42)), lane_id=1, component="web")
     return SampleRecord(meta, {"text": "x" * n_bytes})
 
 
 def test_splitting_matches_the_seed_page_diagram():
     # 11 bytes + eos = 12 tokens with max_len 4: three children (0,), (1,), (2,).
-    out = tokenize(max_len=4, split_long_samples=True).process_many([seed_page_record(11)])
+    out = tokenize(max_len=4, split_long_samples=True).process_many([example_record(11)])
     assert [r.meta.cursor for r in out] == [
         SampleCursor(7, 2, (0, 5, 42), (0,)),
         SampleCursor(7, 2, (0, 5, 42), (1,)),
@@ -408,7 +408,7 @@ def test_splitting_matches_the_seed_page_diagram():
 
 
 def test_child_i_holds_tokens_i_times_max_len_onwards_and_counts_its_own_tokens():
-    out = tokenize(max_len=5, split_long_samples=True).process_many([seed_page_record(11)])
+    out = tokenize(max_len=5, split_long_samples=True).process_many([example_record(11)])
     assert [len(r.payload["tokens"]) for r in out] == [5, 5, 2]  # ceil(12 / 5) children
     assert [r.meta.component_token_counts for r in out] == [{"web": 5}, {"web": 5}, {"web": 2}]
     assert [r.meta.component_sample_counts for r in out] == [{"web": 1}] * 3
@@ -416,14 +416,14 @@ def test_child_i_holds_tokens_i_times_max_len_onwards_and_counts_its_own_tokens(
 
 
 def test_a_record_that_fits_is_not_split():
-    rec = seed_page_record(3)
+    rec = example_record(3)
     (out,) = tokenize(max_len=4, split_long_samples=True).process_many([rec])
     assert out.meta.cursor == rec.meta.cursor
     assert out.meta.contributors is None
 
 
 def test_without_splitting_long_sequences_are_truncated():
-    rec = seed_page_record(11)
+    rec = example_record(11)
     (out,) = tokenize(max_len=4).process_many([rec])
     assert out.payload["tokens"].tolist() == [120] * 4
     assert out.meta.cursor == rec.meta.cursor
@@ -475,6 +475,9 @@ def test_copies_of_the_operator_share_a_hugging_face_tokenizer_and_copy_any_othe
     texts = text_records(["the lazy fox", "dog " * 9])
     for a, b in zip(twin.process_many(texts), hf.process_many(texts), strict=True):
         np.testing.assert_array_equal(a.payload["tokens"], b.payload["tokens"])
-    transformers_tok = PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer(), eos_token="[EOS]")
+    transformers = pytest.importorskip("transformers")
+    transformers_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe_tokenizer(), eos_token="[EOS]"
+    )
     for op in (tokenize(ByteTokenizer()), tokenize(transformers_tok)):
         assert copy.deepcopy(op).tokenizer is not op.tokenizer

@@ -1,4 +1,4 @@
-"""Each pitfall of the design page, committed on purpose, is reported instead of losing data."""
+"""Each pitfall of writing a pipeline, committed on purpose, is reported instead of losing data."""
 
 from __future__ import annotations
 

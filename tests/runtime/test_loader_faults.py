@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from pipeline_kit import fingerprint_item, run
-from worker_kit import lane_threads, wait_until, worker_processes
+from worker_kit import finishes_within, lane_threads, wait_until, worker_processes
 
 import zephon
 from zephon.ops.basic import fetch, map_transform
@@ -63,10 +63,8 @@ def _resumes_exactly(
 
 
 def _timed_close(loader: zephon.Loader) -> None:
-    began = time.monotonic()
-    loader.close()
-    took = time.monotonic() - began
-    assert took <= 0.2, f"close() took {took:.3f} s"
+    with finishes_within(2.0):  # 0.2 s on a quiet machine: it never waits for a busy operator
+        loader.close()
 
 
 @pytest.mark.parametrize("workers", ["thread", "process"])

@@ -4,11 +4,11 @@ logger for starts and restores, and a warning when an operator's carry state gro
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import pytest
 from pipeline_kit import RunningTotal, fingerprint_item
+from worker_kit import wait_until
 
 import zephon
 from zephon.ops import ensure_mixture, tokenize
@@ -79,10 +79,10 @@ def test_queued_counts_the_item_lists_a_worker_has_ready_and_keeps_the_stream(wo
     expected = [fingerprint_item(x) for x in _pipeline()]
     loader = _pipeline(workers=workers, prefetch=2).iter()
     seen = [fingerprint_item(next(loader))]
-    deadline = time.monotonic() + 60
-    while max(lane["queued"] for lane in loader.stats()["lanes"].values()) < 2:
-        assert time.monotonic() < deadline, "the workers never got ahead"
-        time.sleep(0.01)
+    got_ahead = wait_until(
+        lambda: max(lane["queued"] for lane in loader.stats()["lanes"].values()) >= 2, 60
+    )
+    assert got_ahead, "the workers never got ahead"
     for lane in loader.stats()["lanes"].values():
         assert 0 <= lane["queued"] <= 2  # never more than prefetch
     for item in loader:

@@ -54,9 +54,7 @@ class HoldRecordZero:
 
     def __call__(self, payload: dict) -> dict:
         if payload["idx"] == 0:
-            deadline = time.monotonic() + 60
-            while not os.path.exists(self.release) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: os.path.exists(self.release), 60)
             return payload
         with open(self.log, "a") as f:
             f.write(f"{payload['idx']}\n")
@@ -154,15 +152,17 @@ CRASH_SCRIPT = textwrap.dedent("""
         with open(os.path.join(out_dir, "delivered.txt"), "w") as log:
             for step, item in enumerate(loader, 1):
                 log.write(repr(fingerprint_item(item)) + "\\n")
-                if step % 10 == 0:
+                if step % 10 == 0:  # the step inside the checkpoint: one atomic write
                     log.flush()
-                    zephon.save_checkpoint(os.path.join(out_dir, "ckpt.json"), loader.state_dict())
-                    with open(os.path.join(out_dir, "step.txt"), "w") as f:
-                        f.write(str(step))
+                    state = {{"step": step, "loader": loader.state_dict()}}
+                    zephon.save_checkpoint(os.path.join(out_dir, "ckpt.json"), state)
                 if step == 55:
                     pids = [p.pid for p in multiprocessing.active_children()]
-                    with open(os.path.join(out_dir, "pids.json"), "w") as f:
+                    # Renamed into place: the test reads pids.json as soon as it exists.
+                    tmp = os.path.join(out_dir, "pids.tmp")
+                    with open(tmp, "w") as f:
                         json.dump(pids, f)
+                    os.replace(tmp, os.path.join(out_dir, "pids.json"))
                     time.sleep(600)  # killed here, mid-run, with its workers busy or blocked
 
     if __name__ == "__main__":  # worker processes re-import this module
@@ -182,23 +182,19 @@ def test_sigkilled_training_process_resumes_identically_and_leaves_no_workers(tm
     script = tmp_path / "train.py"
     script.write_text(CRASH_SCRIPT.format(tests=os.path.dirname(__file__)))
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=script_env())
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "pids.json").exists():
-        assert proc.poll() is None, "training script died early"
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    time.sleep(0.2)
+    assert wait_until(lambda: (tmp_path / "pids.json").exists() or proc.poll() is not None, 120)
+    assert proc.poll() is None, "training script died early"
     pids = json.loads((tmp_path / "pids.json").read_text())
     assert len(pids) >= 2
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert wait_until(lambda: not any(_alive(pid) for pid in pids), 5.0), (
+    assert wait_until(lambda: not any(_alive(pid) for pid in pids), 50.0), (
         "worker processes outlived the killed loader"
     )
 
-    step = int((tmp_path / "step.txt").read_text())
+    saved = zephon.load_checkpoint(tmp_path / "ckpt.json")
+    step, state = saved["step"], saved["loader"]
     logged = (tmp_path / "delivered.txt").read_text().splitlines()[:step]
-    state = zephon.load_checkpoint(tmp_path / "ckpt.json")
     tail = [repr(x) for x in items(make("process", n=3000).iter(state=state))]
     full = [repr(x) for x in items(iter(make("inline", n=3000)))]
     assert logged + tail == full

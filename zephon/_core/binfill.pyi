@@ -2,9 +2,11 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, disjoint_base
 
 _Int64Array = npt.NDArray[np.int64]
 
+@disjoint_base
 class BinPacker:
     """Online best-fit / first-fit placement of sequences into at most ``max_open_bins`` open bins.
 
@@ -12,14 +14,14 @@ class BinPacker:
     ``(item, frag_start, frag_len, bin_id, bin_offset)`` and the ids of the bins that left.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         capacity: int,
         max_open_bins: int,
         strategy: Literal["best_fit", "first_fit"] = "best_fit",
         cut_to_fill: bool = False,
         max_segments: int | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def capacity(self) -> int: ...
     @property
@@ -40,10 +42,11 @@ class BinPacker:
     def flush(self) -> _Int64Array: ...
     def reset(self) -> None: ...
 
+@disjoint_base
 class FlatPacker:
     """Concatenate sequences in arrival order and cut the stream every ``capacity`` tokens."""
 
-    def __init__(self, capacity: int) -> None: ...
+    def __new__(cls, capacity: int) -> Self: ...
     @property
     def capacity(self) -> int: ...
     @property

@@ -676,29 +676,6 @@ cdef class ChunkTable:
         """
         self.c_close_below(chunk_id, offset)
 
-    def close_chunk(self, offset_t chunk_id):
-        """Force-close every offset of a chunk; returns the offsets that were still open (int64).
-
-        An evicted chunk has none. Forced closes count as explicit closes (CLOSED afterwards).
-        """
-        cdef Py_ssize_t p
-        cdef ChunkEntry* e
-        cdef offset_t[::1] view
-        self._enter()
-        try:
-            p = self._require(chunk_id)
-            if p < 0:
-                return np.empty(0, dtype=np.int64)
-            e = &self._ring[p]
-            out = np.empty(e.n - e.n_closed, dtype=np.int64)
-            view = out
-            if view.shape[0]:
-                _collect_open(e, &view[0], view.shape[0])
-            self._n_open -= _force_close(e)
-        finally:
-            self._exit()
-        return out
-
     def close_epoch(self, offset_t epoch) -> int:
         """Force-close the open offsets of the inflight chunks of `epoch`; returns how many."""
         cdef Py_ssize_t i
@@ -714,30 +691,6 @@ cdef class ChunkTable:
         return total
 
     # ---- queries ---------------------------------------------------------------------------------
-
-    def open_offsets(self, offset_t chunk_id, offset_t limit=-1):
-        """The still-open offsets of a chunk in increasing order (at most `limit` when >= 0);
-        empty for an evicted chunk."""
-        cdef Py_ssize_t p
-        cdef ChunkEntry* e
-        cdef offset_t k
-        cdef offset_t[::1] view
-        self._enter()
-        try:
-            p = self._require(chunk_id)
-            if p < 0:
-                return np.empty(0, dtype=np.int64)
-            e = &self._ring[p]
-            k = e.n - e.n_closed
-            if limit >= 0:
-                k = _min(k, limit)
-            out = np.empty(k, dtype=np.int64)
-            view = out
-            if k:
-                _collect_open(e, &view[0], k)
-        finally:
-            self._exit()
-        return out
 
     def epoch_open_offsets(self, offset_t epoch, offset_t limit=-1):
         """`(chunk_ids, offsets)`: the open offsets of the inflight chunks of `epoch`, in cursor
@@ -770,66 +723,6 @@ cdef class ChunkTable:
         finally:
             self._exit()
         return ids, offs
-
-    def is_complete(self, offset_t chunk_id) -> bool:
-        """True when every offset of the chunk is closed; an evicted chunk is complete."""
-        cdef Py_ssize_t p
-        if self._owner:
-            self._wait_for_holder()
-        p = self._require(chunk_id)
-        if p < 0:
-            return True
-        return self._ring[p].n_closed == self._ring[p].n
-
-    def is_inflight(self, offset_t chunk_id) -> bool:
-        """True when the chunk is in the table (opened and not evicted)."""
-        if self._owner:
-            self._wait_for_holder()
-        return self._find(chunk_id) >= 0
-
-    def is_evicted(self, offset_t chunk_id) -> bool:
-        """True when the chunk was opened and has left the table.
-
-        Answered from the evicted id range: an id between two of this lane's evicted chunks that
-        the table never opened also reports True (callers only ask about their own lane's ids).
-        """
-        if self._owner:
-            self._wait_for_holder()
-        return self._find(chunk_id) == -1
-
-    def epoch_of(self, offset_t chunk_id) -> int:
-        """The epoch of an inflight chunk."""
-        cdef Py_ssize_t p
-        if self._owner:
-            self._wait_for_holder()
-        p = self._require(chunk_id)
-        if p < 0:
-            raise ValueError(f"chunk {chunk_id} was evicted; its epoch is no longer held")
-        return self._ring[p].epoch
-
-    def local_index_of(self, offset_t chunk_id) -> int:
-        """The lane-local index of an inflight chunk."""
-        cdef Py_ssize_t p
-        if self._owner:
-            self._wait_for_holder()
-        p = self._require(chunk_id)
-        if p < 0:
-            raise ValueError(f"chunk {chunk_id} was evicted; its local index is no longer held")
-        return self._ring[p].local_index
-
-    def inflight_chunk_ids(self):
-        """The ids of the inflight chunks, in increasing order (int64)."""
-        cdef Py_ssize_t i
-        cdef offset_t[::1] view
-        self._enter()
-        try:
-            out = np.empty(self._count, dtype=np.int64)
-            view = out
-            for i in range(self._count):
-                view[i] = self._ring[(self._head + i) & (self._cap - 1)].chunk_id
-        finally:
-            self._exit()
-        return out
 
     # ---- eviction --------------------------------------------------------------------------------
 
@@ -892,23 +785,6 @@ cdef class ChunkTable:
         if self._owner:
             self._wait_for_holder()
         return self._ring[self._head].local_index if self._count else -1
-
-    @property
-    def first_epoch(self) -> int:
-        """Epoch of the head chunk, or -1 when the table is empty."""
-        if self._owner:
-            self._wait_for_holder()
-        return self._ring[self._head].epoch if self._count else -1
-
-    @property
-    def last_chunk_id(self) -> int:
-        """The largest chunk id ever opened, or -1."""
-        return self._last_chunk_id
-
-    @property
-    def n_evicted(self) -> int:
-        """Chunks evicted over the table's life."""
-        return self._n_evicted
 
     @property
     def n_open_offsets(self) -> int:

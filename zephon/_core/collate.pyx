@@ -9,7 +9,6 @@ rows a packer handed over one after another come out as a view of the memory the
 (``zephon._core.packfill.RowArena``), equal to the rule's stack of them.
 """
 
-cimport cython
 from cpython.long cimport PyLong_AsLongLong
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport PyObject
@@ -57,8 +56,6 @@ cdef inline bint _same_key(PyObject* k, PyObject* key):
     )
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef object _int_column(list values, Py_ssize_t n):
     cdef cnp.npy_intp size = n
     cdef cnp.ndarray arr = cnp.PyArray_EMPTY(1, &size, cnp.NPY_INT64, 0)
@@ -69,8 +66,6 @@ cdef object _int_column(list values, Py_ssize_t n):
     return arr
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef object _float_column(list values, Py_ssize_t n):
     cdef cnp.npy_intp size = n
     cdef cnp.ndarray arr = cnp.PyArray_EMPTY(1, &size, cnp.NPY_FLOAT64, 0)
@@ -81,8 +76,6 @@ cdef object _float_column(list values, Py_ssize_t n):
     return arr
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef object _bool_column(list values, Py_ssize_t n):
     cdef cnp.npy_intp size = n
     cdef cnp.ndarray arr = cnp.PyArray_EMPTY(1, &size, cnp.NPY_BOOL, 0)
@@ -93,8 +86,6 @@ cdef object _bool_column(list values, Py_ssize_t n):
     return arr
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef object _stack(list values, Py_ssize_t n, cnp.ndarray first):
     """``np.stack(values)`` for ``n`` arrays of ``first``'s shape and dtype, by one allocation and
     a byte copy per row, when that is numpy's result: every row an exact, C-contiguous ndarray of
@@ -118,8 +109,6 @@ cdef object _stack(list values, Py_ssize_t n, cnp.ndarray first):
     return out
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef object _arena_rows(list values, Py_ssize_t n, cnp.ndarray first):
     """``values`` as one view, when they are whole rows a packer handed over one after another:
     1-D, C-contiguous and writeable views of one ``RowArena`` (which nothing writes to once a row
@@ -180,11 +169,10 @@ cdef object _column(object key, list values, Py_ssize_t n, object rule):
     return rule(key, tuple(values)) if isinstance(first, np.generic) else values
 
 
-DEF MAX_DIRECT = 16  # columns the direct loop fills at most
+cdef enum:
+    MAX_DIRECT = 16  # columns the direct loop fills at most
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef object _direct(list payloads, Py_ssize_t lo, Py_ssize_t n):
     """The columns of ``payloads[lo : lo + n]``, filled straight into arrays, when every payload
     is an exact dict, the first one's keys are exact strs and its values exact ints (int64) or
@@ -263,8 +251,6 @@ def collate_run(RecordRun run not None, rule):
 cdef object _STAYS = object()
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef object _collate(list payloads, Py_ssize_t lo, Py_ssize_t n, rule):
     # ``collate_dicts`` over payloads[lo : lo + n]: the columns, ``_STAYS`` or ``UNDECIDED``.
     cdef Py_ssize_t nk, i, j, pos

@@ -1,7 +1,7 @@
 """Typed stub of the compiled delivery bookkeeping (zephon/_core/delivery.pyx)."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
@@ -13,6 +13,7 @@ from zephon._core.records import RecordRun, SampleBatch, SampleMeta, SampleRecor
 def heritage_key(tag: str, kind: str, component: str | int) -> str: ...
 def parse_heritage_key(key: Any) -> tuple[str, str, str | int] | None: ...
 
+@final
 class DeliveryCounters:
     """The run's delivery counters, shared by the lanes of one loader."""
 
@@ -28,6 +29,7 @@ class DeliveryCounters:
     def count_delivered(self, meta: SampleMeta) -> None: ...
     def count_tombstone(self, meta: SampleMeta) -> None: ...
 
+@final
 class DeliveryBook:
     """The bookkeeping of one lane's delivery: chunk table, watermark, replay window, counters."""
 

@@ -1,13 +1,17 @@
 from typing import Any
 
+from typing_extensions import disjoint_base
+
 NO_LIMIT: int
 
+@disjoint_base
 class FeedBuffer:
     """The item list a lane's feed is delivering (``buf``) and the position in it (``pos``)."""
 
     buf: list[Any]
     pos: int
 
+@disjoint_base
 class PendingBatch:
     """A lane's pending batch: ``n_pending`` real records wait in ``pending`` for ``batch_size``;
     ``collate`` makes the batch's payload."""
@@ -17,6 +21,7 @@ class PendingBatch:
     batch_size: int
     collate: Any
 
+@disjoint_base
 class LaneOutlet:
     """One lane's delivery: its feed, its batcher (or None) and its book."""
 
@@ -30,6 +35,7 @@ class LaneOutlet:
     limit: int
     def hand_over_head(self) -> Any: ...
 
+@disjoint_base
 class LoaderStep:
     """The loader's ``__next__``: a round over its lanes until one delivers."""
 

@@ -3,6 +3,7 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, disjoint_base
 
 _Int64Array = npt.NDArray[np.int64]
 _Int32Array = npt.NDArray[np.int32]
@@ -21,10 +22,12 @@ def payload_fields(
     """A packer's token arrays, their lengths and its side fields' arrays, read from dict payloads
     already in shape (1-D, C-contiguous, native, of the right dtype and length); None otherwise."""
 
+@disjoint_base
 class RowArena:
     """Memory that ``BinFill.take`` writes bins into one after another, field by field: the base
     of every block and row view it hands over (a batch of rows back to back is a view of it)."""
 
+@disjoint_base
 class BinFill:
     """Fragment lists of a packer's open bins, from placement rows, and their payload blocks.
 
@@ -35,9 +38,9 @@ class BinFill:
     next rows of a ``RowArena``.
     """
 
-    def __init__(
-        self, seq_len: int, pad_id: int = 0, side_pads: Sequence[int | float] = ()
-    ) -> None: ...
+    def __new__(
+        cls, seq_len: int, pad_id: int = 0, side_pads: Sequence[int | float] = ()
+    ) -> Self: ...
     @property
     def seq_len(self) -> int: ...
     @property

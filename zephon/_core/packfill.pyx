@@ -17,7 +17,6 @@ lock from its first read to its last write, GIL-free copies included, so concurr
 after the other; a thread waits for the lock without the GIL, so the holder can always finish.
 """
 
-cimport cython
 cimport numpy as cnp
 from cpython.dict cimport PyDict_GetItem
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
@@ -53,7 +52,8 @@ cdef extern from "Python.h":
     Py_ssize_t _refcount "Py_REFCNT"(PyObject*)
 
 # Arenas no view holds any more that a fill keeps for reuse, beyond the one it reuses.
-DEF SPARE_ARENAS = 2
+cdef enum:
+    SPARE_ARENAS = 2
 
 
 cdef inline Py_ssize_t _search(const LiveBin* live, Py_ssize_t n, offset_t bin_id) noexcept nogil:
@@ -177,8 +177,6 @@ def field_lengths(list arrays not None, str dtype not None):
     return out
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef list _values_of(list payloads, object name):
     # Each dict payload's value of ``name``, or None when one has none.
     cdef Py_ssize_t i, n = len(payloads)
@@ -192,8 +190,6 @@ cdef list _values_of(list payloads, object name):
     return values
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def payload_fields(list records not None, str field not None, tuple sides not None):
     """What a packer's fill reads of ``records``, in the common case, checked in C: each payload a
     dict whose ``field`` is a 1-D, C-contiguous, native int32 ndarray and whose side fields, the

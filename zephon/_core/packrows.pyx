@@ -12,7 +12,6 @@ side fields, a float32 one read from its stored bits); no token is copied. Its m
   (``zephon.ops.packing._count_spread``), which stays the one statement of that rule.
 """
 
-cimport cython
 cimport numpy as cnp
 from zephon._core._types cimport offset_t
 from zephon._core.cursor cimport SampleCursor
@@ -63,8 +62,6 @@ cdef inline void _count(dict counts, object key, object n) except *:
     counts[key] = counts.get(key, 0) + n
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def packed_records(list blocks not None, list bin_records not None,
                    const offset_t[:, ::1] frags not None, offset_t lane_id, tuple sides not None,
                    spread not None):

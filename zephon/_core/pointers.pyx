@@ -5,14 +5,11 @@ sample_idx)`` row names one of its samples. Done with numpy that is half a dozen
 and temporaries per micro-batch; here it is one pass that stops at the first row that is not.
 """
 
-cimport cython
 from libc.stdint cimport int64_t
 
 import numpy as np
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef Py_ssize_t _first_foreign(
     const int64_t[:, :] rows, int64_t dataset_id, int64_t num_samples
 ) noexcept nogil:
@@ -34,8 +31,6 @@ def first_foreign_row(const int64_t[:, :] rows, int64_t dataset_id, int64_t num_
     return _first_foreign(rows, dataset_id, num_samples)
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def own_sample_indices(rows, int64_t dataset_id, int64_t num_samples):
     """The sample indices of int64 ``(n, 3)`` ``rows`` as a list of ints when every row is the
     source's (``first_foreign_row`` is -1); otherwise that first foreign row's index, an int.

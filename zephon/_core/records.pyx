@@ -189,10 +189,6 @@ cdef class SampleMeta:
         return f"SampleMeta({self.cursor!r}{extra})"
 
 
-def _rebuild_meta(cursor, fields):
-    return SampleMeta(cursor, **fields)
-
-
 def _meta_from_state(SampleCursor cursor, offset_t lane_id, contributors, frozenset tags,
                      bint is_tombstone, component, component_sample_counts,
                      component_token_counts):

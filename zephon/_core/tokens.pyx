@@ -6,7 +6,6 @@ check done on the same pass, is what ``tokenize`` does per document; ``tokenized
 it for a whole tokenizer call, with the records that carry the arrays.
 """
 
-cimport cython
 from cpython.dict cimport PyDict_Copy
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
@@ -54,8 +53,6 @@ cdef inline Py_ssize_t _output_length(Py_ssize_t n, bint has_eos, Py_ssize_t lim
     return total if limit < 0 else min(total, limit)
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef object _converted(list ids, bint has_eos, long long eos, Py_ssize_t limit):
     """``int32_ids`` once its eos and limit are checked (``limit`` -1: no cut); None where it
     gives ``UNDECIDED``."""
@@ -82,8 +79,6 @@ cdef object _converted(list ids, bint has_eos, long long eos, Py_ssize_t limit):
     return arr
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef object _converted_array(cnp.ndarray ids, bint has_eos, long long eos, Py_ssize_t limit):
     """``_converted`` for a tokenizer that hands back arrays: a 1-D, C-contiguous, aligned,
     native ``int32`` or ``int64`` array of ids in ``[0, 2**31)``. None for any other array, or

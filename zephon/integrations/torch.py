@@ -5,8 +5,9 @@ This module imports torch; nothing else in Zephon does, so ``import zephon`` sta
 Use the dataset with ``torch.utils.data.DataLoader`` or
 ``torchdata.stateful_dataloader.StatefulDataLoader`` with ``batch_size=None`` (batching happens in
 the pipeline; the DataLoader's default ``batch_size=1`` would add a dimension and any other value
-would stack several batches, so the dataset warns once when it sees one) and ``num_workers=0``
-(lanes already parallelize; torch workers would each run a copy of the whole pipeline)::
+would stack several batches, which the dataset cannot see: torch does not tell a dataset how it
+is batched) and ``num_workers=0`` (lanes already parallelize; torch workers would each run a copy
+of the whole pipeline, which the dataset refuses)::
 
     from torchdata.stateful_dataloader import StatefulDataLoader
     from zephon.integrations.torch import as_torch_dataset
@@ -19,10 +20,7 @@ would stack several batches, so the dataset warns once when it sees one) and ``n
 
 from __future__ import annotations
 
-import sys
-import warnings
 from collections.abc import Iterator
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -97,7 +95,6 @@ class ZephonIterableDataset(IterableDataset[Any]):
         self._pending_retire: Any = None  # samples the next iter() retires (``Pipeline.iter``)
         self._final: dict[str, Any] | None = None  # state of the last loader once it ended
         self._final_stats: dict[str, Any] | None = None  # its stats
-        self._warned_batching = False
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -106,17 +103,6 @@ class ZephonIterableDataset(IterableDataset[Any]):
                 f"a Zephon dataset cannot be split over {info.num_workers} torch DataLoader "
                 "workers (each would run the whole pipeline): use num_workers=0 and the "
                 "pipeline's lanes for parallelism"
-            )
-        if not self._warned_batching and _called_by_a_batching_dataloader(self):
-            self._warned_batching = True
-            warnings.warn(
-                "a Zephon dataset is iterated by a DataLoader with a batch_size that is not None: "
-                "batching already happens in the pipeline, so the DataLoader adds a dimension "
-                "(batch_size=1, its default) or stacks several batches. Use "
-                "DataLoader(dataset, batch_size=None, num_workers=0) or "
-                "StatefulDataLoader(dataset, batch_size=None, num_workers=0)",
-                UserWarning,
-                stacklevel=2,
             )
         self.close()
         state, self._pending = self._pending, None
@@ -197,23 +183,6 @@ class ZephonIterableDataset(IterableDataset[Any]):
         state = self.__dict__.copy()
         state["_loader"] = None  # a running loader does not cross processes
         return state
-
-
-def _called_by_a_batching_dataloader(dataset: ZephonIterableDataset) -> bool:
-    """Whether ``iter(dataset)`` comes from a torch DataLoader (or ``StatefulDataLoader``) with a
-    ``batch_size`` that is not ``None``. Both create the iterator in torch's dataset fetcher,
-    whose ``auto_collation`` says the loader batches; it is looked up a few frames up the stack
-    (``False`` when no fetcher is found, e.g. for a plain ``iter()``)."""
-    frame: FrameType | None = sys._getframe(2)  # the caller of __iter__
-    for _ in range(4):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        batching = getattr(owner, "auto_collation", None)
-        if isinstance(batching, bool) and getattr(owner, "dataset", None) is dataset:
-            return batching
-        frame = frame.f_back
-    return False
 
 
 def _is_dataloader_state(state: Any) -> bool:

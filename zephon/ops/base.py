@@ -5,7 +5,7 @@ end)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -248,6 +248,3 @@ class Grouper(Protocol):
 def epoch_rng(seed: int, lane_id: int, epoch: int) -> np.random.Generator:
     """The random generator of a seeded operator for one lane and epoch (never time or id based)."""
     return np.random.default_rng(np.random.SeedSequence([seed, lane_id, epoch]))
-
-
-Callback = Callable[[Any], Any]

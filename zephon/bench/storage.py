@@ -75,11 +75,11 @@ def s3_dataset(shards: int, rows: int = 64) -> Iterator[tuple[str, Path]]:
                     out.write(path.read_bytes())
             yield "s3://bench/data", local
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                os.environ[k] = v
+                os.environ[name] = value
         server.stop()
 
 

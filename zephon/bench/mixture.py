@@ -9,7 +9,7 @@ delivered token shares, the fraction of tokenized tokens ``ensure_mixture`` drop
 delivered + dropped: packing with split documents loses none) and the batches delivered.
 
 Functions only: ``zephon bench`` (``report.mixture_rows``) and the asv suite call them; ``python
--m zephon_bench.mixture`` prints the table quoted in ``docs/mixtures.md``.
+-m zephon.bench.mixture`` prints the table quoted in ``docs/mixtures.md``.
 """
 
 from __future__ import annotations

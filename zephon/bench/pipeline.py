@@ -10,7 +10,7 @@ same process.
 - memory: peak RSS of a run of ``n`` delivered records, each in a fresh subprocess;
 - lanes: two process lanes against one on a CPU-heavy pure-Python map.
 
-Functions only (no command line): ``zephon bench`` (``zephon_bench/report.py``) and the asv
+Functions only (no command line): ``zephon bench`` (``zephon/bench/report.py``) and the asv
 suite call them. Times are in seconds and sizes in bytes; every function returns plain numbers.
 """
 
@@ -437,10 +437,11 @@ def _peak_rss_bytes() -> int:
 def peak_rss(n: int, kind: str = "monotone") -> dict[str, int]:
     """Peak RSS in bytes of a fresh process that delivers ``n`` records through the overhead
     pipeline (``kind="monotone"``) or its epoch-path variant with a shuffle (``"epoch"``)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The directory holding this copy of zephon: the child imports the same one.
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = (
         f"import sys; sys.path.insert(0, {here!r}); "
-        f"from zephon_bench.pipeline import _rss_child; _rss_child({kind!r}, {int(n)})"
+        f"from zephon.bench.pipeline import _rss_child; _rss_child({kind!r}, {int(n)})"
     )
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     done = subprocess.run(

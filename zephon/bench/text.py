@@ -429,7 +429,8 @@ def measure_in_fresh_process(
     for the whole run; ``True`` leaves the tokenizer's thread pool to zephon's sizing. With
     ``restore_steps``, restore times instead (``_restores``); with ``grain_workers`` as well,
     Grain's (``_grain_child``)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The directory holding this copy of zephon: the child imports the same one.
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = {
         "data": data,
         "tokenizer": tokenizer,
@@ -440,7 +441,7 @@ def measure_in_fresh_process(
     entry = "_grain_child" if grain_workers is not None else "_child"
     code = (
         f"import sys; sys.path.insert(0, {here!r}); "
-        f"from zephon_bench.text import {entry}; {entry}({config!r})"
+        f"from zephon.bench.text import {entry}; {entry}({config!r})"
     )
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     env.pop("TOKENIZERS_PARALLELISM", None)
@@ -538,7 +539,7 @@ def fill_versus_grain(payloads: list[dict[str, Any]]) -> dict[str, Any]:
     """``pack_sequences(2048)`` best fit with 64 open bins on ``payloads`` (token arrays), documents
     whole and with ``cut_to_fill=True``, against Grain's best fit on the same tokens; three
     alternating rounds, each the run of median speed (``grain`` None without grain)."""
-    from zephon_bench.packing import run_grain_pack, run_zephon_pack
+    from zephon.bench.packing import run_grain_pack, run_zephon_pack
 
     lengths = [len(p["tokens"]) for p in payloads]
     # Grain refuses documents longer than a row: it gets them cut into rows first, which is
@@ -567,7 +568,9 @@ def fill_versus_grain(payloads: list[dict[str, Any]]) -> dict[str, Any]:
                     epoch_sequences=8 * ROW_GROUP,
                 )
             )
-    out = {kind: _median_by_speed(r) for kind, r in runs.items() if r[0] is not None}
+    out: dict[str, Any] = {
+        kind: _median_by_speed(r) for kind, r in runs.items() if r[0] is not None
+    }
     out.setdefault("grain", None)
     out["documents"] = len(payloads)
     out["long"] = sum(n > SEQ_LEN for n in lengths)

@@ -19,9 +19,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from zephon.bench import pipeline as pb
 from zephon.progress import bar as progress_bar
 from zephon.progress import progress_shown, show_progress
-from zephon_bench import pipeline as pb
 
 
 @dataclasses.dataclass
@@ -306,12 +306,12 @@ def kernel_rows(quick: bool) -> list[Row]:
 
 
 def packing_rows(quick: bool, out: TextIO) -> list[Row]:
-    """``pack_sequences`` end to end vs Grain's packers, from ``zephon_bench.packing``."""
+    """``pack_sequences`` end to end vs Grain's packers, from ``zephon.bench.packing``."""
     try:
-        from zephon_bench.packing import packing_comparison
+        from zephon.bench.packing import packing_comparison
     except ImportError as exc:
         print(
-            f"  (packing end to end skipped: zephon_bench.packing unavailable: {exc})",
+            f"  (packing end to end skipped: zephon.bench.packing unavailable: {exc})",
             file=out,
         )
         return []
@@ -358,7 +358,7 @@ def packing_rows(quick: bool, out: TextIO) -> list[Row]:
 
 def side_field_rows(quick: bool) -> list[Row]:
     """Packing with two side fields (an int32 loss mask, float32 weights) vs tokens alone."""
-    from zephon_bench.packing import side_field_comparison
+    from zephon.bench.packing import side_field_comparison
 
     rows = []
     for r in side_field_comparison(repeat=3 if quick else 7):
@@ -559,7 +559,7 @@ def mixture_rows(quick: bool) -> list[Row]:
     against a sample-weighted one, on the same two Parquet datasets (0.7 / 0.3 by tokens)."""
     import tempfile
 
-    from zephon_bench import mixture as mb
+    from zephon.bench import mixture as mb
 
     n_code, n_docs = (1_000, 8_000) if quick else (4_000, 30_000)
     with tempfile.TemporaryDirectory() as directory:
@@ -588,7 +588,7 @@ def storage_rows(quick: bool) -> list[Row]:
     import tempfile
 
     try:
-        from zephon_bench import storage
+        from zephon.bench import storage
     except ImportError:
         return [Row("storage", "", "moto missing", "", "", None)]
     shards = 200 if quick else 1000
@@ -622,12 +622,12 @@ def storage_rows(quick: bool) -> list[Row]:
 
 
 def text_rows(quick: bool) -> list[Row]:
-    """The text pipeline (``zephon_bench.text``): end to end against the bare limit, fill at
+    """The text pipeline (``zephon.bench.text``): end to end against the bare limit, fill at
     2048 against Grain's best-fit on the same tokens (the corpus' pieces, and its files whole),
     two process lanes against one inline lane (time, first batch, memory; the machine's
     two-process ceiling beside them) and restore at a late step against an early one, inline and
     with process lanes."""
-    from zephon_bench import text as tb
+    from zephon.bench import text as tb
 
     try:
         import pyarrow  # noqa: F401
