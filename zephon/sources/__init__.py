@@ -7,6 +7,7 @@ from zephon.sources.hf import HFDatasetSource
 from zephon.sources.jsonl import JsonlSource
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
+from zephon.sources.token_shards import TokenShardSource
 
 __all__ = [
     "ArrowSource",
@@ -17,5 +18,6 @@ __all__ = [
     "ListSource",
     "MixtureSource",
     "RangeSource",
+    "TokenShardSource",
     "WorkSource",
 ]

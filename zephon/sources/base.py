@@ -88,6 +88,11 @@ class WorkSource(ABC):
         workers read); this default keeps nothing."""
         return None
 
+    def provides(self) -> dict[str, Any]:
+        """Plan-time facts for the operators after ``fetch`` (e.g. the token field and pad id of
+        pre-tokenized data, as ``tokenize`` publishes them); none by default."""
+        return {}
+
     def target_mixture(self) -> tuple[str, dict[Any, float]] | None:
         """``(by, shares)`` when the source draws its components towards target shares (``by``
         is ``"tokens"`` or ``"samples"``), else None (this default); ``Loader.stats()`` reports
