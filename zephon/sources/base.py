@@ -57,6 +57,10 @@ class WorkSource(ABC):
     every process), and ``read`` turns any pointer row the source produced into its payload.
     """
 
+    #: Pre-tokenized sources: the payload field holding each sample's token ids, so that
+    #: ``fetch`` gives every record its component token counts (as ``tokenize`` does); else None.
+    token_field: str | None = None
+
     @abstractmethod
     def num_chunks(self) -> int | None:
         """Chunks per pass, or None when a pass is unbounded."""

@@ -190,6 +190,9 @@ class MixtureSource(WorkSource):
             raw = [Fraction(w) for w in self._weights]
         total = sum(raw)
         self._shares = tuple(r / total for r in raw)
+        # Pre-tokenized components sharing one token field: fetch counts their tokens.
+        fields = {src.token_field for src in self._sources}
+        self.token_field = fields.pop() if len(fields) == 1 else None
         for name, share in zip(names, self._shares, strict=True):
             if share and share * self.chunk_size < 1:
                 per_chunk = float(share * self.chunk_size)

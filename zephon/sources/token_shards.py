@@ -161,6 +161,7 @@ class TokenShardSource(FileSource):
         self.eos_id = eos_id
         self.window = window
         self.field = field
+        self.token_field = field
         self.pad_id = pad_id
         # What a directory listing keeps: Megatron indexes and .npy files, or raw .bin files.
         self.SUFFIXES = (".bin",) if self.raw_dtype is not None else (".idx", ".npy")
