@@ -2,6 +2,7 @@
 
 from zephon.sources.arrow import ArrowSource
 from zephon.sources.base import IndexedSource, WorkSource
+from zephon.sources.discover import open_source
 from zephon.sources.files import FileSource
 from zephon.sources.hf import HFDatasetSource
 from zephon.sources.jsonl import JsonlSource
@@ -20,4 +21,5 @@ __all__ = [
     "RangeSource",
     "TokenShardSource",
     "WorkSource",
+    "open_source",
 ]
