@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import FetchError
+from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
 from zephon.sources.files import DigestTable, FileSource, PathsArg, read_sidecar
 from zephon.validation import check_int
 
@@ -292,7 +293,7 @@ class TokenShardSource(FileSource):
             idx_blocks = None
             if kind == "megatron":
                 with self._locations.open_random(entry.path) as fh:
-                    idx_blocks = self._digest(fh, 0, size)
+                    idx_blocks = block_table(fh, size, self.BLOCK_BYTES)
             cached = self._cached_sums(i, kind, size, mtime_ns, (data_size, data_mtime))
             if cached is not None:
                 blocks, ends = cached
@@ -453,22 +454,12 @@ class TokenShardSource(FileSource):
             raise self.fetch_error(i, "the file ended early; it is truncated")
         return bytes(data)
 
-    def _digest(self, fh: Any, start: int, end: int) -> DigestTable:
-        edges = np.arange(start, end, self.BLOCK_BYTES, dtype=np.int64)
-        lengths = np.minimum(self.BLOCK_BYTES, end - edges)
-
-        def read_at(offset: int, nbytes: int) -> Any:
-            fh.seek(offset)
-            return fh.read(nbytes)
-
-        return DigestTable.build(read_at, edges, lengths)
-
     def _scan(
         self, fh: Any, kind: str, dtype: np.dtype, offset: int, size: int
     ) -> tuple[DigestTable, np.ndarray]:
         # The data file's block digests, and for a flat file cut by eos_id the token index after
         # each end-of-sequence id.
-        blocks = self._digest(fh, 0, size)
+        blocks = block_table(fh, size, self.BLOCK_BYTES)
         found: list[np.ndarray] = []
         if kind != "megatron" and self.eos_id is not None:
             step = _SCAN_TOKENS * dtype.itemsize
@@ -494,10 +485,9 @@ class TokenShardSource(FileSource):
                 continue
             if (data_size, data_mtime) != data_stat:
                 continue
-            edges = np.arange(0, data_size, block, dtype=np.int64)
-            if len(edges) != len(digests):
+            if len(digests) != -(-data_size // block):
                 continue
-            return DigestTable(edges, np.minimum(block, data_size - edges), digests), ends
+            return regular_table(data_size, block, digests), ends
         return None
 
     # --------------------------------------------------------------------- reading
@@ -578,65 +568,26 @@ class TokenShardSource(FileSource):
         lengths: np.ndarray,
         pointer: np.ndarray,
     ) -> list[np.ndarray]:
-        # Whole blocks around the documents, one ranged read per run of neighbouring blocks,
-        # each block checked against its digest before a token is taken from it.
+        # Whole checked blocks around the documents (see ``block_reads.read_spans``).
         item = shard.dtype.itemsize
         byte_starts = shard.offset + starts * item
         byte_ends = byte_starts + lengths * item
-        blocks = shard.blocks
-        size = self.BLOCK_BYTES
-        wanted = sorted(
-            {
-                b
-                for a, e in zip(byte_starts.tolist(), byte_ends.tolist())
-                if e > a
-                for b in range(a // size, (e - 1) // size + 1)
-            }
-        )
-        runs: list[list[int]] = []
-        for b in wanted:
-            if runs and runs[-1][-1] == b - 1:
-                runs[-1].append(b)
-            else:
-                runs.append([b])
-        got: dict[int, memoryview] = {}
         try:
             with self._locations.open_random(shard.data_path) as fh:
-                for run in runs:
-                    first, _ = blocks.span(run[0])
-                    _, last = blocks.span(run[-1])
-                    data = memoryview(fh.read_at(last - first, first))
-                    for b in run:
-                        lo, hi = blocks.span(b)
-                        piece = data[lo - first : hi - first]
-                        if not blocks.matches(b, piece):
-                            raise self.fetch_error(
-                                i,
-                                f"block {b} (bytes {lo}..{hi}) of {shard.data_path!r} no longer "
-                                "matches the digest taken when it was indexed: the shard changed; "
-                                "build a new source (its fingerprint will differ from old "
-                                "checkpoints)",
-                                pointer,
-                            )
-                        got[b] = piece
+                spans = read_spans(
+                    fh, shard.blocks, self.BLOCK_BYTES, byte_starts.tolist(), byte_ends.tolist()
+                )
         except OSError as exc:
             raise self.os_error(exc, i, pointer) from exc
-        out = []
-        for a, e in zip(byte_starts.tolist(), byte_ends.tolist()):
-            if e <= a:
-                out.append(np.zeros(0, dtype=shard.dtype))
-                continue
-            first_block, last_block = a // size, (e - 1) // size
-            if first_block == last_block:
-                base = first_block * size
-                raw: Any = got[first_block][a - base : e - base]
-            else:
-                raw = b"".join(
-                    bytes(got[b][max(a, b * size) - b * size : min(e, (b + 1) * size) - b * size])
-                    for b in range(first_block, last_block + 1)
-                )
-            out.append(np.frombuffer(raw, dtype=shard.dtype))
-        return out
+        except ChangedBlock as changed:
+            raise self.fetch_error(
+                i,
+                f"{changed} of {shard.data_path!r} no longer matches the digest taken when it "
+                "was indexed: the shard changed; build a new source (its fingerprint will "
+                "differ from old checkpoints)",
+                pointer,
+            ) from None
+        return [np.frombuffer(raw, dtype=shard.dtype) for raw in spans]
 
     def drop_read_caches(self) -> None:
         """Unmap the shards kept mapped between reads."""
