@@ -6,6 +6,7 @@ from zephon.sources.discover import open_source
 from zephon.sources.files import FileSource
 from zephon.sources.hf import HFDatasetSource
 from zephon.sources.jsonl import JsonlSource
+from zephon.sources.mds import MDSSource
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
 from zephon.sources.token_shards import TokenShardSource
@@ -17,6 +18,7 @@ __all__ = [
     "IndexedSource",
     "JsonlSource",
     "ListSource",
+    "MDSSource",
     "MixtureSource",
     "RangeSource",
     "TokenShardSource",

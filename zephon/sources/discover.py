@@ -6,7 +6,7 @@ What decides, in order:
   (``$HF_DATASETS_CACHE``, else ``$HF_HOME/datasets``, else ``~/.cache/huggingface/datasets``):
   the split's Arrow files under ``org___dataset/subset/<version>/<hash>/`` (subset ``default``
   when not given), read by ``ArrowSource``. The hub is never contacted.
-- a directory holding ``index.json``: Mosaic MDS (not readable yet) or LitData (not readable
+- a directory holding ``index.json``: Mosaic MDS (``MDSSource``) or LitData (not readable
   yet); ``dataset_info.json`` and ``state.json``: a ``datasets`` ``save_to_disk`` directory (its
   ``state.json`` data files, by ``ArrowSource``); a ``.lance`` directory (not readable yet);
 - otherwise the file names, a directory's files at any depth: ``.parquet`` / ``.pq`` /
@@ -31,6 +31,7 @@ from zephon.sources.arrow import ArrowSource
 from zephon.sources.files import FileSource
 from zephon.sources.jsonl import JsonlSource
 from zephon.sources.locations import filesystem_and_path
+from zephon.sources.mds import MDSSource
 from zephon.sources.token_shards import TokenShardSource
 
 __all__ = ["hf_cache_dir", "open_source"]
@@ -129,7 +130,9 @@ def _open_directory(fs: Any, path: str, item: str, kw: dict[str, Any]) -> FileSo
     }
     if "index.json" in top:
         kind = _index_kind(fs, posixpath.join(path, "index.json"))
-        raise _not_yet(item, kind)
+        if kind != "Mosaic MDS":
+            raise _not_yet(item, kind)
+        return MDSSource(item, **kw)
     if "dataset_info.json" in top and "state.json" in top:
         return ArrowSource(_saved_dataset_files(fs, path, item), **kw)
     if "_versions" in top and "data" in top:
