@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.records import RecordRun, counted_meta, map_payloads, map_run
+from zephon._core.records import RecordRun, counted_records, map_payloads, map_run
 from zephon.errors import FetchError, OperatorError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import tombstones_for_record
@@ -81,7 +81,8 @@ class Fetch(Operator):
         if field is None:
             return run
         # As tokenize does: the record is one sample of its component, this many tokens long.
-        return [SampleRecord(counted_meta(r.meta, len(r.payload[field])), r.payload) for r in run]
+        records: list[SampleRecord] = counted_records(run, field)
+        return records
 
     def _read_again(
         self, read: Callable[[np.ndarray], list], pointers: np.ndarray, failed: OSError

@@ -503,23 +503,54 @@ class TokenShardSource(FileSource):
         starts, lengths = shard.spans(local[positions])
         if self.is_local:
             tokens = self._mapped(i, shard, rows[positions[0]])
-            pieces = [tokens[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
+            lo = int(starts.min()) if starts.size else 0
+            hi = int((starts + lengths).max()) if starts.size else 0
+            if hi - lo <= 2 * int(lengths.sum()) + 4096:
+                # Neighbouring documents (an unshuffled read): one conversion for all, each
+                # payload a slice of that copy.
+                block = self._int32(i, tokens[lo:hi], rows, positions, local, starts - lo)
+                rel = (starts - lo).tolist()
+                pieces = [block[s : s + n] for s, n in zip(rel, lengths.tolist(), strict=True)]
+            else:
+                pieces = [
+                    self._int32(i, tokens[s : s + n], rows, positions[k : k + 1], local, None)
+                    for k, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True))
+                ]
         else:
-            pieces = self.with_retries(
+            spans = self.with_retries(
                 lambda: self._fetch_pieces(i, shard, starts, lengths, rows[positions[0]]),
                 lambda: f"TokenShardSource cannot read {self.paths[i]!r}",
             )
+            pieces = [
+                self._int32(i, piece, rows, positions[k : k + 1], local, None)
+                for k, piece in enumerate(spans)
+            ]
         field = self.field
-        check = shard.dtype.itemsize >= 4 and shard.dtype.newbyteorder("=") != np.int32
-        for k, (pos, piece) in enumerate(zip(positions.tolist(), pieces)):
-            if check and piece.size and (piece.max() > _INT32_MAX or piece.min() < -(2**31)):
+        for pos, piece in zip(positions.tolist(), pieces, strict=True):
+            out[pos] = {field: piece}
+
+    def _int32(
+        self,
+        i: int,
+        values: np.ndarray,
+        rows: np.ndarray,
+        positions: np.ndarray,
+        local: np.ndarray,
+        starts: np.ndarray | None,
+    ) -> np.ndarray:
+        # ``values`` as a new int32 array; an id outside int32 is a FetchError naming the
+        # document holding it (``starts``: where each of ``positions`` begins in ``values``).
+        if values.dtype.itemsize >= 4 and values.dtype.newbyteorder("=") != np.int32:
+            bad = np.flatnonzero((values > _INT32_MAX) | (values < -(2**31)))
+            if bad.size:
+                k = 0 if starts is None else int(np.searchsorted(starts, bad[0], "right")) - 1
                 raise self.fetch_error(
                     i,
-                    f"document {int(local[pos])} holds a token id outside int32 "
-                    f"({int(piece.max())}); such ids cannot be delivered",
+                    f"document {int(local[positions[k]])} holds a token id outside int32 "
+                    f"({int(values[bad[0]])}); such ids cannot be delivered",
                     rows[positions[k]],
                 )
-            out[pos] = {field: piece.astype(np.int32)}
+        return values.astype(np.int32)
 
     def _mapped(self, i: int, shard: _Shard, pointer: np.ndarray) -> np.ndarray:
         # The shard's tokens as a memory map, checked against the size and mtime it was indexed
