@@ -141,7 +141,7 @@ def test_open_source_picks_mds_for_the_directory_and_its_index(tmp_path):
 # --------------------------------------------------------------------------- pipelines
 
 
-def pipeline(root: Path, cache: Path, **kw: Any) -> zephon.Pipeline:
+def pipeline(root: Path | str, cache: Path, **kw: Any) -> zephon.Pipeline:
     src = MDSSource(root, columns=["idx", "tokens"], chunk_size=5, shuffle=True, cache_dir=cache)
     return zephon.Pipeline(src, [fetch(), batch(3)], **kw)
 
@@ -238,3 +238,14 @@ def test_a_changed_remote_block_is_refused(tmp_path, bucket):
         out.write(bytes(data))
     with pytest.raises(FetchError, match=r"shard\.00000\.mds.*no longer matches the digest"):
         every_sample(there)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_bucket_copy_resumes_exactly(tmp_path, bucket, compression):
+    uri = bucket.upload(write(tmp_path / "local", compression), f"mds-resume-{compression}")
+    full = run(iter(pipeline(uri, tmp_path / "c", lanes=2)))
+    loader = iter(pipeline(uri, tmp_path / "c", lanes=2))
+    head = run(loader, 6)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert head + run(pipeline(uri, tmp_path / "c", lanes=2).iter(state=state)) == full

@@ -318,3 +318,27 @@ def test_a_bucket_copy_delivers_the_local_documents_and_refuses_a_changed_block(
         out.write(bytes(data))
     with pytest.raises(FetchError, match=r"s0\.bin.*no longer matches the digest"):
         every_document(there)
+
+
+def test_a_mixture_of_token_shards_packs_with_their_pad_id(tmp_path):
+    a = TokenShardSource(npy_dir(tmp_path / "n"), eos_id=0, pad_id=0, dataset_id=1)
+    b = TokenShardSource(megatron_dir(tmp_path / "m"), eos_id=0, pad_id=0, dataset_id=2)
+    mix = MixtureSource({"a": a, "b": b}, {"a": 0.5, "b": 0.5}, chunk_size=8)
+    loader = iter(zephon.Pipeline(mix, [fetch(), pack_sequences(64), batch(2)]))
+    items = list(loader)
+    assert items and loader.stats()["mixture_tokens"]
+
+
+def test_a_bucket_copy_resumes_exactly(tmp_path, bucket):
+    uri = bucket.upload(megatron_dir(tmp_path / "local"), "tok-resume")
+
+    def make() -> zephon.Pipeline:
+        src = TokenShardSource(uri, chunk_size=8, shuffle=True, pad_id=0, cache_dir=tmp_path / "c")
+        return zephon.Pipeline(src, [fetch(), pack_sequences(64), batch(2)], lanes=2)
+
+    full = run(iter(make()))
+    loader = iter(make())
+    head = run(loader, 5)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert head + run(make().iter(state=state)) == full

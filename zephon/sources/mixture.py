@@ -404,6 +404,12 @@ class MixtureSource(WorkSource):
 
     # -- the protocol -------------------------------------------------------------------------
 
+    def provides(self) -> dict[str, Any]:
+        """The plan-time facts of the components when they all publish the same ones (token
+        shards with one field and one pad id), else none."""
+        facts = [src.provides() for src in self._sources]
+        return facts[0] if all(f == facts[0] for f in facts) else {}
+
     def target_mixture(self) -> tuple[str, dict[str, float]]:
         """``(by, normalized weights)``: what the weights ask of the delivered stream."""
         total = sum(self._weights)
