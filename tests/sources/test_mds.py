@@ -249,3 +249,16 @@ def test_a_bucket_copy_resumes_exactly(tmp_path, bucket, compression):
     state = json.loads(json.dumps(loader.state_dict()))
     loader.close()
     assert head + run(pipeline(uri, tmp_path / "c", lanes=2).iter(state=state)) == full
+
+
+def test_a_local_shard_rewritten_since_it_was_indexed_is_refused_on_read(tmp_path):
+    root = write(tmp_path)
+    src = MDSSource(root, chunk_size=5)
+    src.read(src.chunk(0).pointers)
+    shard = root / "shard.00000.mds"
+    data = bytearray(shard.read_bytes())
+    data[-2] ^= 1
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(1, 1))
+    with pytest.raises(FetchError, match=r"shard\.00000\.mds.*changed since it was indexed"):
+        src.read(src.chunk(0).pointers)

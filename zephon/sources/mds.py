@@ -450,17 +450,26 @@ class MDSSource(FileSource):
             ) from None
 
     def _mapped(self, i: int, shard: _Shard, pointer: np.ndarray) -> np.ndarray:
+        # The raw shard memory-mapped (kept for the next reads); a local uncompressed shard is
+        # checked against the size and mtime it was indexed at on every read.
+        try:
+            st = os.stat(shard.raw_path)
+        except OSError as exc:
+            raise self.os_error(exc, i, pointer) from exc
+        f = self.files()[i]
+        indexed = (shard.raw_size, st.st_mtime_ns if shard.compressed else f.mtime_ns)
+        if (st.st_size, st.st_mtime_ns) != indexed:
+            raise self.fetch_error(
+                i,
+                f"{shard.raw_path!r} changed since it was indexed; build a new source (its "
+                "fingerprint will differ from old checkpoints)",
+                pointer,
+            )
         with self._maps_lock:
             kept = self._maps.get(i)
         if kept is not None:
             return kept
         try:
-            if os.path.getsize(shard.raw_path) != shard.raw_size:
-                raise self.fetch_error(
-                    i,
-                    f"{shard.raw_path!r} changed since it was indexed; build a new source",
-                    pointer,
-                )
             data = np.memmap(shard.raw_path, dtype=np.uint8, mode="r").view(np.ndarray)
         except OSError as exc:
             raise self.os_error(exc, i, pointer) from exc

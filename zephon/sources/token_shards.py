@@ -66,11 +66,12 @@ MEGATRON_DTYPES: dict[int, np.dtype[Any]] = {
 _MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 _MEGATRON_HEADER = struct.Struct("<9sQBQQ")
 _TOKEN_DTYPES = frozenset(
-    np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32)
-) | frozenset(np.dtype(t) for t in (np.uint64, np.int64))
+    np.dtype(t)
+    for t in (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64)
+)
 _INT32_MAX = 2**31 - 1
 _SUM_TAG = b"ZTOKSUM1"
-#: Rows of a table of document bounds read at once while scanning for ``eos_id``.
+#: Tokens read at once while scanning a flat file for ``eos_id``.
 _SCAN_TOKENS = 1 << 24
 #: Memory-mapped local shards kept open between reads.
 _KEPT_MAPS = 16
