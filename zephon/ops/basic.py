@@ -47,8 +47,9 @@ class Fetch(Operator):
         self._source = source
         # A source whose components are its dataset ids leaves them to the run's pointer rows.
         self._ids_are_components = type(source).components is WorkSource.components
-        # Pre-tokenized data: each record counts the tokens of this field for its component.
-        self._token_field = getattr(source, "token_field", None)
+        # Pre-tokenized data read by the source itself: each record counts the tokens of this
+        # field for its component.
+        self._token_field = None if self.reader else getattr(source, "token_field", None)
 
     def fetch(
         self, chunk_id: int, pointers: np.ndarray, first_offset: int
