@@ -133,3 +133,14 @@ def test_a_bucket_directory_opens_like_the_local_one(tmp_path, bucket):
     src = open_source(uri, cache_dir=tmp_path / "cache")
     assert type(src) is ArrowSource
     assert [r["idx"] for r in rows(src)] == list(range(6))
+
+
+def test_a_saved_hf_dataset_in_a_bucket_opens_like_the_local_one(tmp_path, bucket):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"idx": list(range(9))})
+    ds.save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    uri = bucket.upload(tmp_path / "saved", "saved")
+    src = open_source(uri, cache_dir=tmp_path / "cache", chunk_size=4)
+    assert type(src) is ArrowSource
+    assert [r["idx"] for r in rows(src)] == list(range(9))
