@@ -108,7 +108,7 @@ def _open_one(item: str, kw: dict[str, Any]) -> FileSource:
             if fs.get_file_info(idx).type == pafs.FileType.File:
                 return TokenShardSource(item[: -len(".bin")] + ".idx", **kw)
         if posixpath.basename(path) == "index.json":
-            return _open_one(item[: -len("/index.json")], kw)
+            return _open_one(posixpath.dirname(item) or ".", kw)
         family = _family_of(path)
         if family is None:
             raise PlanError(

@@ -154,11 +154,12 @@ class MDSSource(FileSource):
         self.columns = None if columns is None else list(columns)
         self.allow_pickle = bool(allow_pickle)
         self._entries: list[dict[str, Any]] = []
-        self._index_sha = ""
         self._shards: list[_Shard | None] = []
         self._identities: list[str] = []
         self._selected: list[_Column] = []
         self._all_columns: list[_Column] = []
+        self._wanted: frozenset[str] = frozenset()
+        self._variable_columns = 0
         self._maps: dict[int, np.ndarray] = {}
         self._maps_lock = threading.Lock()
 
@@ -183,7 +184,6 @@ class MDSSource(FileSource):
                 ) from exc
 
         raw: bytes = self.with_retries(load, lambda: f"MDSSource reading {index_path!r}")
-        self._index_sha = hashlib.sha256(raw).hexdigest()
         try:
             index = json.loads(raw)
             entries = index["shards"]
@@ -193,6 +193,8 @@ class MDSSource(FileSource):
                 f"MDSSource: {locations.uri(index_path)!r} is not an MDS index (a JSON object "
                 "with a 'shards' list)"
             ) from None
+        if not entries:
+            raise FetchError(f"MDSSource: {locations.uri(index_path)!r} lists no shard")
         self._entries = entries
         names = [self._stored_name(k, e, index_path) for k, e in enumerate(entries)]
         paths = [posixpath.join(root, n) for n in names]
@@ -250,6 +252,8 @@ class MDSSource(FileSource):
                 f"MDSSource: no column {unknown} in {self.root!r}; it has {list(by_name)}"
             )
         self._selected = [by_name[c] for c in wanted]
+        self._wanted = frozenset(wanted)
+        self._variable_columns = sum(c.size is None for c in self._all_columns)
         for col in self._selected:
             self._check_encoding(col)
 
@@ -481,10 +485,10 @@ class MDSSource(FileSource):
 
     def _decode(self, i: int, sample: memoryview, pointer: np.ndarray, idx: int) -> dict[str, Any]:
         columns = self._all_columns
-        n_var = sum(c.size is None for c in columns)
+        n_var = self._variable_columns
         sizes = np.frombuffer(sample, "<u4", count=n_var).tolist() if n_var else []
         at = 4 * n_var
-        wanted = {c.name for c in self._selected}
+        wanted = self._wanted
         values: dict[str, Any] = {}
         v = 0
         for col in columns:
