@@ -221,6 +221,7 @@ class MDSSource(FileSource):
                     f"MDSSource: shard {k} of {index_path!r} has format {entry['format']!r}; "
                     "only 'mds' shards are read"
                 )
+            int(entry["samples"]), int(entry["raw_data"]["bytes"])
             compression = entry.get("compression")
             if compression is None:
                 return str(entry["raw_data"]["basename"])
@@ -230,9 +231,10 @@ class MDSSource(FileSource):
                     "only zstd and uncompressed shards are read"
                 )
             return str(entry["zip_data"]["basename"])
-        except (KeyError, TypeError):
+        except (KeyError, TypeError, ValueError):
             raise FetchError(
-                f"MDSSource: shard {k} of {index_path!r} lacks its format, raw_data or zip_data"
+                f"MDSSource: shard {k} of {index_path!r} lacks its format, samples, raw_data or "
+                "zip_data; write the index again"
             ) from None
 
     def column_names(self) -> list[str]:
