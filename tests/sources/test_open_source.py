@@ -87,6 +87,10 @@ def test_hf_uris_read_a_split_from_the_datasets_cache(tmp_path, monkeypatch):
         open_source("hf://org/corpus/train")  # subset "default" was never prepared
     with pytest.raises(PlanError, match=r"no build holds Arrow files of split 'dev'"):
         open_source("hf://org/corpus/en/dev")
+    monkeypatch.delenv("HF_DATASETS_CACHE")
+    (tmp_path / "cache").rename(tmp_path / "datasets")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # its datasets/ directory is the cache
+    assert open_source("hf://org/corpus/en/test").num_samples() == 2
 
 
 def test_a_directory_mixing_formats_is_a_plan_error_listing_them(tmp_path):
