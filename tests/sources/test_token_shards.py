@@ -131,6 +131,15 @@ def test_ids_outside_int32_are_refused_naming_the_document(tmp_path):
         src.read(src.chunk(0).pointers)
 
 
+def test_an_id_outside_int32_fails_only_the_document_holding_it(tmp_path):
+    np.save(tmp_path / "big.npy", np.array([1, 2, 0, 2**40, 0, 3, 0], dtype=np.int64))
+    src = TokenShardSource(tmp_path, eos_id=0)
+    rows = src.chunk(0).pointers
+    assert [p["tokens"].tolist() for p in src.read(rows[[0, 2]])] == [[1, 2, 0], [3, 0]]
+    with pytest.raises(FetchError, match=r"document 1 holds a token id outside int32"):
+        src.read(rows)
+
+
 def test_a_truncated_index_is_a_fetch_error_naming_it(tmp_path):
     idx = megatron_dir(tmp_path) / "s1.idx"
     idx.write_bytes(idx.read_bytes()[:-5])

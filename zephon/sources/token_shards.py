@@ -506,9 +506,12 @@ class TokenShardSource(FileSource):
             tokens = self._mapped(i, shard, rows[positions[0]])
             lo = int(starts.min()) if starts.size else 0
             hi = int((starts + lengths).max()) if starts.size else 0
-            if hi - lo <= 2 * int(lengths.sum()) + 4096:
+            total = int(lengths.sum())
+            fits = shard.dtype.itemsize < 4 or shard.dtype.newbyteorder("=") == np.int32
+            if hi - lo == total or (fits and hi - lo <= 2 * total + 4096):
                 # Neighbouring documents (an unshuffled read): one conversion for all, each
-                # payload a slice of that copy.
+                # payload a slice of that copy. Ids that may not fit int32 are checked over
+                # the documents asked for only, so then without gaps.
                 block = self._int32(i, tokens[lo:hi], rows, positions, local, starts - lo)
                 rel = (starts - lo).tolist()
                 pieces = [block[s : s + n] for s, n in zip(rel, lengths.tolist(), strict=True)]
