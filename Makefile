@@ -42,6 +42,10 @@ TEST_STAMP := $(VENV)/.zephon-test-extras
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(PIP_EDITABLE) ".[test,torch,docs]"
+	@# Mosaic's MDS writer for the MDS tests, without its requirements (they pull torchvision):
+	@# only what its writer module imports. Zephon's own MDS reader needs none of it.
+	$(BIN)/python -m pip install -q --no-deps "streaming-community==0.14.2" "zstd==1.5.7.2" \
+		"brotli==1.2.1" "python-snappy==0.7.3" "cramjam==2.14.0" "pillow>=10"
 	touch $(TEST_STAMP) $(DOCS_STAMP)  # the docs extra came with it: no third install
 
 test: $(TEST_STAMP) lint docs

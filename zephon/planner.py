@@ -256,12 +256,14 @@ class Pipeline:
                 )
         if not ops[0].consumes_pointers:
             raise PlanError(f"the first operator must be fetch, got {ops[0].name!r}")
-        # Plan-time facts flow downstream: each operator may publish some (``provides()``, e.g.
-        # a tokenizer's pad id) and is handed those of the operators before it
+        # Plan-time facts flow downstream: the source and each operator may publish some
+        # (``provides()``, e.g. a tokenizer's pad id) and is handed those of the operators before it
         # (``use_upstream_facts(facts)``, which raises PlanError when a fact it needs is missing).
         # The source's own target mixture comes first (``source_mixture``: ``(by, shares)`` or
-        # None), so that an operator correcting the mixture can tell how the source draws it.
+        # None), so that an operator correcting the mixture can tell how the source draws it;
+        # then the facts the source publishes itself (a pre-tokenized source's pad id).
         facts: dict[str, Any] = {"source_mixture": self.source.target_mixture()}
+        facts.update(self.source.provides())
         for op in ops:
             op.use_upstream_facts(dict(facts))
             facts.update(op.provides())

@@ -578,6 +578,28 @@ cdef class JoinedRuns:
 _abc.Sequence.register(JoinedRuns)
 
 
+def counted_records(RecordRun run not None, str field):
+    """The run's records, each counted as one sample of its component with as many tokens as
+    ``len(payload[field])`` (``counted_meta``): what ``fetch`` hands on for a pre-tokenized
+    source, made without a meta per record in between."""
+    cdef Py_ssize_t i, n = run.n
+    cdef list out = [None] * n
+    cdef const offset_t* p
+    cdef SampleMeta m
+    for i in range(n):
+        p = run._p + 3 * i
+        payload = run._payloads[run._lo + i]
+        component = p[0] if run._components is None else run._components[run._lo + i]
+        m = make_meta(
+            make_cursor(run.chunk_id, run.first_offset + i, p[0], p[1], p[2]),
+            run.lane_id, component,
+        )
+        m.component_sample_counts = {component: 1}
+        m.component_token_counts = {component: len(payload[field])}
+        out[i] = make_record(m, payload)
+    return out
+
+
 def expand_runs(list items):
     """``items`` with every ``RecordRun`` replaced by its records (``items`` itself when it
     holds none): what code that looks at records one by one starts with."""

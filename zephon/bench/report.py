@@ -618,6 +618,57 @@ def storage_rows(quick: bool) -> list[Row]:
     ]
 
 
+# ------------------------------------------------------------------------------ other formats
+
+
+def format_rows(quick: bool) -> list[Row]:
+    """``fetch -> batch(32)`` over a Megatron token shard against numpy memmap slicing, and over
+    Mosaic MDS shards against Mosaic's own ``MDSReader`` loop (``zephon.bench.formats``)."""
+    import tempfile
+    from pathlib import Path
+
+    from zephon.bench import formats
+
+    docs = 20_000 if quick else 60_000
+    samples = 20_000 if quick else 60_000
+    repeats = 3
+    with tempfile.TemporaryDirectory() as tmp:
+        idx = formats.write_megatron(Path(tmp) / "tokens", docs)
+        runs = [formats.token_shard_rates(idx) for _ in range(repeats)]
+        found = formats.write_mds(Path(tmp) / "mds", samples)
+        mds = [formats.mds_rates(Path(tmp) / "mds") for _ in range(repeats if found else 0)]
+    ours = statistics.median(r[0] for r in runs)
+    base = statistics.median(r[1] for r in runs)
+    rows = [
+        Row(
+            f"docs/s, TokenShardSource fetch -> batch(32), {docs:,} Megatron docs",
+            _si(ours, "doc/s"),
+            _si(base, "doc/s"),
+            f"{ours / base:.2f}×",
+            "≥ 1×",
+            ours >= base,
+            "baseline: numpy memmap slices of the .bin at the .idx pointers, as int32",
+        )
+    ]
+    if not found:
+        rows.append(Row("MDS", "", "streaming-community missing", "", "", None))
+        return rows
+    ours = statistics.median(r[0] for r in mds)
+    base = statistics.median(r[1] for r in mds)
+    rows.append(
+        Row(
+            f"samples/s, MDSSource fetch -> batch(32), {samples:,} raw MDS samples",
+            _si(ours, "sample/s"),
+            _si(base, "sample/s"),
+            f"{ours / base:.2f}×",
+            "≥ 0.9×",
+            ours >= 0.9 * base,
+            "baseline: Mosaic's MDSReader.get_item over every shard, same columns",
+        )
+    )
+    return rows
+
+
 # ------------------------------------------------------------------------------ text pipeline
 
 
@@ -834,6 +885,7 @@ SECTIONS: dict[str, Callable[..., list[Row]]] = {
     "lanes": lanes_rows,
     "mixture": mixture_rows,
     "object storage": storage_rows,
+    "other formats": format_rows,
     "text pipeline": text_rows,
 }
 

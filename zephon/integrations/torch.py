@@ -20,6 +20,7 @@ of the whole pipeline, which the dataset refuses)::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.records import RecordRun, map_payloads, map_run
+from zephon._core.records import RecordRun, counted_records, map_payloads, map_run
 from zephon.errors import FetchError, OperatorError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import tombstones_for_record
@@ -47,9 +47,16 @@ class Fetch(Operator):
         self._source = source
         # A source whose components are its dataset ids leaves them to the run's pointer rows.
         self._ids_are_components = type(source).components is WorkSource.components
+        # Pre-tokenized data read by the source itself: each record counts the tokens of this
+        # field for its component.
+        self._token_field = None if self.reader else getattr(source, "token_field", None)
 
-    def fetch(self, chunk_id: int, pointers: np.ndarray, first_offset: int) -> RecordRun:
-        """Records for rows ``first_offset ..`` of chunk ``chunk_id``, as one run."""
+    def fetch(
+        self, chunk_id: int, pointers: np.ndarray, first_offset: int
+    ) -> RecordRun | list[SampleRecord]:
+        """Records for rows ``first_offset ..`` of chunk ``chunk_id``, as one run; as records
+        carrying their component token counts when the source is pre-tokenized (its
+        ``token_field``)."""
         read = self.reader or self._source.read
         try:
             payloads = read(pointers)
@@ -63,7 +70,7 @@ class Fetch(Operator):
                 f"(chunk {chunk_id}, first pointer {pointers[0].tolist()})"
             )
         components = None if self._ids_are_components else self._source.components(pointers)
-        return RecordRun(
+        run = RecordRun(
             chunk_id,
             pointers,
             payloads if type(payloads) is list else list(payloads),
@@ -71,6 +78,12 @@ class Fetch(Operator):
             components if components is None or type(components) is list else list(components),
             first_offset,
         )
+        field = self._token_field
+        if field is None:
+            return run
+        # As tokenize does: the record is one sample of its component, this many tokens long.
+        records: list[SampleRecord] = counted_records(run, field)
+        return records
 
     def _read_again(
         self, read: Callable[[np.ndarray], list], pointers: np.ndarray, failed: OSError

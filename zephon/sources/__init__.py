@@ -2,11 +2,14 @@
 
 from zephon.sources.arrow import ArrowSource
 from zephon.sources.base import IndexedSource, WorkSource
+from zephon.sources.discover import open_source
 from zephon.sources.files import FileSource
 from zephon.sources.hf import HFDatasetSource
 from zephon.sources.jsonl import JsonlSource
+from zephon.sources.mds import MDSSource
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
+from zephon.sources.token_shards import TokenShardSource
 
 __all__ = [
     "ArrowSource",
@@ -15,7 +18,10 @@ __all__ = [
     "IndexedSource",
     "JsonlSource",
     "ListSource",
+    "MDSSource",
     "MixtureSource",
     "RangeSource",
+    "TokenShardSource",
     "WorkSource",
+    "open_source",
 ]

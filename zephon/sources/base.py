@@ -57,6 +57,10 @@ class WorkSource(ABC):
     every process), and ``read`` turns any pointer row the source produced into its payload.
     """
 
+    #: Pre-tokenized sources: the payload field holding each sample's token ids, so that
+    #: ``fetch`` gives every record its component token counts (as ``tokenize`` does); else None.
+    token_field: str | None = None
+
     @abstractmethod
     def num_chunks(self) -> int | None:
         """Chunks per pass, or None when a pass is unbounded."""
@@ -92,6 +96,11 @@ class WorkSource(ABC):
         (a loader whose stream ended or that was closed, and the loader's process once its
         workers read); this default keeps nothing."""
         return None
+
+    def provides(self) -> dict[str, Any]:
+        """Plan-time facts for the operators after ``fetch`` (e.g. the token field and pad id of
+        pre-tokenized data, as ``tokenize`` publishes them); none by default."""
+        return {}
 
     def target_mixture(self) -> tuple[str, dict[Any, float]] | None:
         """``(by, shares)`` when the source draws its components towards target shares (``by``

@@ -190,6 +190,9 @@ class MixtureSource(WorkSource):
             raw = [Fraction(w) for w in self._weights]
         total = sum(raw)
         self._shares = tuple(r / total for r in raw)
+        # Pre-tokenized components sharing one token field: fetch counts their tokens.
+        fields = {src.token_field for src in self._sources}
+        self.token_field = fields.pop() if len(fields) == 1 else None
         for name, share in zip(names, self._shares, strict=True):
             if share and share * self.chunk_size < 1:
                 per_chunk = float(share * self.chunk_size)
@@ -400,6 +403,12 @@ class MixtureSource(WorkSource):
         return layout, before
 
     # -- the protocol -------------------------------------------------------------------------
+
+    def provides(self) -> dict[str, Any]:
+        """The plan-time facts of the components when they all publish the same ones (token
+        shards with one field and one pad id), else none."""
+        facts = [src.provides() for src in self._sources]
+        return facts[0] if all(f == facts[0] for f in facts) else {}
 
     def target_mixture(self) -> tuple[str, dict[str, float]]:
         """``(by, normalized weights)``: what the weights ask of the delivered stream."""

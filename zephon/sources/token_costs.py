@@ -13,7 +13,9 @@ works for every indexed source: memory, Parquet/Arrow, JSON lines, remote files)
   ratio: pinned by the user, or calibrated by tokenizing the first ``calibration_size`` records of
   the sample (in permutation order, so they are a uniform sample too) with ``tokenizer``;
 - ``added_tokens`` (1 by default: the end-of-sequence id ``tokenize`` appends) is added to every
-  cost.
+  cost;
+- a ``TokenShardSource`` (pre-tokenized documents, no tokenizer after it) is not estimated: its
+  cost is its exact mean document length, from its index (``method="exact"``, nothing added).
 
 Every quantity is exact integer or rational arithmetic, and the ratio and the cost are rounded to
 ``QUANTUM`` (1e-6) before they affect anything, so an estimate is identical on every machine and
@@ -33,6 +35,7 @@ from zephon.errors import PlanError
 from zephon.sources.base import IndexedSource
 from zephon.sources.files import FileSource
 from zephon.sources.permutation import derive_key, permute
+from zephon.sources.token_shards import TokenShardSource
 
 __all__ = ["QUANTUM", "TokenCost", "count_tokens", "estimate_cost", "estimate_indices", "quantize"]
 
@@ -51,9 +54,9 @@ def quantize(value: Fraction) -> Fraction:
 class TokenCost:
     """One component's estimated mean tokens per sample and how it was obtained.
 
-    ``method`` is ``"length_column"`` or ``"tokens_per_byte"``; ``sampled`` the records measured;
-    ``mean_bytes`` / ``tokens_per_byte`` / ``calibrated`` (records tokenized, 0 when the ratio was
-    pinned) are set for the byte method only.
+    ``method`` is ``"exact"``, ``"length_column"`` or ``"tokens_per_byte"``; ``sampled`` the
+    records measured; ``mean_bytes`` / ``tokens_per_byte`` / ``calibrated`` (records tokenized,
+    0 when the ratio was pinned) are set for the byte method only.
     """
 
     method: str
@@ -222,7 +225,9 @@ def estimate_cost(
             "token cost from; give it weight 0 or some data"
         )
     indices = estimate_indices(name, n, estimate_size)
-    if length_column is not None:
+    if isinstance(src, TokenShardSource):  # pre-tokenized: every length is in its index
+        found = TokenCost("exact", quantize(src.exact_tokens_per_sample()), n)
+    elif length_column is not None:
         lengths = _lengths(
             name, _read_values(src, name, indices, length_column), length_column, indices
         )

@@ -1,0 +1,264 @@
+"""MDSSource over directories written by Mosaic's own MDSWriter (streaming-community), raw and
+zstd-compressed, locally and on the loopback S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+from collections import Counter
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from mds_kit import mds_writer
+from pipeline_kit import fingerprint_item, run
+from worker_kit import worker_processes
+
+import zephon
+from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.ops import batch, fetch
+from zephon.sources import MDSSource, open_source
+
+N = 60
+COLUMNS = {
+    "idx": "int",
+    "text": "str",
+    "raw": "bytes",
+    "small": "int8",
+    "count": "uint32",
+    "big": "uint64",
+    "half": "float16",
+    "score": "float64",
+    "digits": "str_int",
+    "ratio": "str_float",
+    "price": "str_decimal",
+    "meta": "json",
+    "tokens": "ndarray",
+    "pair": "ndarray:int32:2",
+    "row": "ndarray:float32",
+}
+
+
+def sample(i: int) -> dict[str, Any]:
+    return {
+        "idx": i,
+        "text": f"sample {i} é",
+        "raw": bytes([i % 256]) * (1 + i % 4),
+        "small": np.int8(-i % 100),
+        "count": np.uint32(i * 1000),
+        "big": np.uint64(2**63 + i),
+        "half": np.float16(i / 4),
+        "score": np.float64(i / 3),
+        "digits": 10**20 + i,
+        "ratio": i / 7,
+        "price": Decimal(f"{i}.25"),
+        "meta": {"i": i, "tags": ["a"] * (i % 3)},
+        "tokens": np.arange(1 + i % 9, dtype=np.int64).reshape(-1, 1) + i,
+        "pair": np.array([i, -i], dtype=np.int32),
+        "row": np.full(1 + i % 4, i, dtype=np.float32),
+    }
+
+
+def write(root: Path, compression: str | None = None, n: int = N, **columns: str) -> Path:
+    writer = mds_writer()
+    with writer(
+        out=str(root), columns=columns or COLUMNS, compression=compression, size_limit=2048
+    ) as out:
+        for i in range(n):
+            row = sample(i)
+            out.write({k: row[k] for k in columns or COLUMNS})
+    return root
+
+
+def every_sample(src: MDSSource) -> list[dict[str, Any]]:
+    total = src.total_chunks()
+    assert total is not None
+    return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
+
+
+def assert_written(got: dict[str, Any]) -> None:
+    want = sample(got["idx"])
+    assert list(got) == sorted(COLUMNS)
+    for key, value in want.items():
+        if isinstance(value, np.ndarray):
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
+        else:
+            assert got[key] == value and type(got[key]) is type(value), key
+
+
+# --------------------------------------------------------------------------- coverage
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_sample_once_per_pass_with_the_writers_values(tmp_path, compression, shuffle):
+    root = write(tmp_path / "mds", compression)
+    src = MDSSource(root, chunk_size=7, shuffle=shuffle, passes=2, cache_dir=tmp_path / "c")
+    assert len(src.files()) > 3, "the data should span several shards"
+    got = every_sample(src)
+    assert Counter(g["idx"] for g in got) == Counter({i: 2 for i in range(N)})
+    for g in got:
+        assert_written(g)
+
+
+def test_columns_pick_and_order_the_payload(tmp_path):
+    src = MDSSource(write(tmp_path), columns=["text", "idx"])
+    assert src.read(src.chunk(0).pointers[:1]) == [{"text": "sample 0 é", "idx": 0}]
+    with pytest.raises(PlanError, match=r"no column \['nope'\]"):
+        MDSSource(tmp_path, columns=["nope"]).num_samples()
+
+
+def test_pickled_columns_need_allow_pickle(tmp_path):
+    write(tmp_path, idx="int", meta="pkl")
+    with pytest.raises(PlanError, match=r"'meta' .* is pickled; .*allow_pickle=True"):
+        MDSSource(tmp_path).num_samples()
+    assert MDSSource(tmp_path, columns=["idx"]).num_samples() == N
+    src = MDSSource(tmp_path, allow_pickle=True)
+    assert [p["meta"] for p in every_sample(src)] == [sample(i)["meta"] for i in range(N)]
+
+
+def test_a_truncated_shard_is_a_fetch_error_naming_it(tmp_path):
+    write(tmp_path)
+    shard = tmp_path / "shard.00001.mds"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    with pytest.raises(FetchError, match=r"shard\.00001\.mds.*holds \d+ bytes, its index"):
+        MDSSource(tmp_path).num_samples()
+
+
+def test_open_source_picks_mds_for_the_directory_and_its_index(tmp_path):
+    write(tmp_path, "zstd")
+    for given in (tmp_path, tmp_path / "index.json"):
+        src = open_source(given, cache_dir=tmp_path / "c")
+        assert type(src) is MDSSource and src.num_samples() == N
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+def pipeline(root: Path | str, cache: Path, **kw: Any) -> zephon.Pipeline:
+    src = MDSSource(root, columns=["idx", "tokens"], chunk_size=5, shuffle=True, cache_dir=cache)
+    return zephon.Pipeline(src, [fetch(), batch(3)], **kw)
+
+
+def delivered(items: list[Any]) -> Counter:
+    return Counter(r.payload["idx"] for item in items for r in item)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_resumes_exactly_at_any_step(tmp_path, compression):
+    root = write(tmp_path / "d", compression)
+    full = run(iter(pipeline(root, tmp_path / "c", lanes=2)))
+    for step in (0, 3, 9, len(full) - 1):
+        loader = iter(pipeline(root, tmp_path / "c", lanes=2))
+        head = run(loader, step) if step else []
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        assert head + run(pipeline(root, tmp_path / "c", lanes=2).iter(state=state)) == full
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_a_killed_worker_resumes_exactly(tmp_path):
+    root = write(tmp_path / "d", "zstd")
+    cache = tmp_path / "c"
+    full = run(iter(pipeline(root, cache, lanes=2)))
+    loader = iter(pipeline(root, cache, lanes=2, workers="process"))
+    head = run(loader, 4)
+    os.kill(worker_processes()[0].pid, signal.SIGKILL)
+    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
+        for item in loader:
+            head.append(fingerprint_item(item))
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert head + run(pipeline(root, cache, lanes=2).iter(state=state)) == full
+
+
+def test_a_job_of_four_ranks_resumes_on_two_and_relanes(tmp_path):
+    root = write(tmp_path / "d")
+    cache = tmp_path / "c"
+    states, before = [], []
+    for rank in range(4):
+        loader = iter(pipeline(root, cache, lanes=4, rank=rank, world_size=4))
+        before += [next(loader) for _ in range(2)]
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        loader.close()
+    job = zephon.merge_states(states)
+    after = [
+        x for r in range(2) for x in pipeline(root, cache, rank=r, world_size=2).iter(state=job)
+    ]
+    assert delivered(before) + delivered(after) == Counter(range(N))
+    with pytest.warns(RelaneWarning):
+        relaned = list(pipeline(root, cache, lanes=3).iter(state=job))
+    assert delivered(before) + delivered(relaned) == Counter(range(N))
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_rewritten_shard_is_a_checkpoint_mismatch(tmp_path, compression):
+    root = write(tmp_path / "d", compression)
+    loader = iter(pipeline(root, tmp_path / "c"))
+    next(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    shutil.rmtree(root)
+    write(root, compression, n=N + 1)  # the same shards but the last, which gains a sample
+    last = sorted(p.name for p in root.glob("shard.*"))[-1]
+    with pytest.raises(CheckpointMismatchError, match=re.escape(last)):
+        iter(pipeline(root, tmp_path / "c").iter(state=state))
+
+
+# --------------------------------------------------------------------------- remote
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_bucket_copy_delivers_the_local_samples(tmp_path, bucket, compression):
+    local = write(tmp_path / "local", compression)
+    uri = bucket.upload(local, f"mds-{compression}")
+    here = MDSSource(local, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c1")
+    there = MDSSource(uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2")
+    assert there.describe() == here.describe()
+    got = every_sample(there)
+    assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
+    for g in got:
+        assert_written(g)
+
+
+def test_a_changed_remote_block_is_refused(tmp_path, bucket):
+    local = write(tmp_path / "local")
+    uri = bucket.upload(local, "mds-changed")
+    there = MDSSource(uri, cache_dir=tmp_path / "c")
+    there.num_samples()
+    data = bytearray((local / "shard.00000.mds").read_bytes())
+    data[-3] ^= 1
+    with bucket.fs.open_output_stream(f"{bucket.name}/mds-changed/shard.00000.mds") as out:
+        out.write(bytes(data))
+    with pytest.raises(FetchError, match=r"shard\.00000\.mds.*no longer matches the digest"):
+        every_sample(there)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_bucket_copy_resumes_exactly(tmp_path, bucket, compression):
+    uri = bucket.upload(write(tmp_path / "local", compression), f"mds-resume-{compression}")
+    full = run(iter(pipeline(uri, tmp_path / "c", lanes=2)))
+    loader = iter(pipeline(uri, tmp_path / "c", lanes=2))
+    head = run(loader, 6)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert head + run(pipeline(uri, tmp_path / "c", lanes=2).iter(state=state)) == full
+
+
+def test_a_local_shard_rewritten_since_it_was_indexed_is_refused_on_read(tmp_path):
+    root = write(tmp_path)
+    src = MDSSource(root, chunk_size=5)
+    src.read(src.chunk(0).pointers)
+    shard = root / "shard.00000.mds"
+    data = bytearray(shard.read_bytes())
+    data[-2] ^= 1
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(1, 1))
+    with pytest.raises(FetchError, match=r"shard\.00000\.mds.*changed since it was indexed"):
+        src.read(src.chunk(0).pointers)

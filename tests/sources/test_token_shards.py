@@ -1,0 +1,353 @@
+"""TokenShardSource over real pre-tokenized files: Megatron .bin/.idx written in the documented
+layout, numpy.save arrays and raw arrays, locally and on the loopback S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from pipeline_kit import fingerprint_item, run
+from token_files import documents, flat_with_eos, write_megatron
+from worker_kit import worker_processes
+
+import zephon
+from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.ops import batch, ensure_mixture, fetch, pack_sequences
+from zephon.sources import MixtureSource, TokenShardSource
+
+N = 120  # documents per dataset
+
+
+def megatron_dir(root: Path, dtype: type = np.uint16) -> Path:
+    """Three Megatron shards holding documents 0..N-1; shard 1's documents are two sequences."""
+    root.mkdir(parents=True, exist_ok=True)
+    docs = documents(0, N)
+    write_megatron(root / "s0", [[d] for d in docs[:50]], dtype)
+    write_megatron(root / "s1", [[d[:3], d[3:]] for d in docs[50:90]], dtype)
+    write_megatron(root / "s2", [[d] for d in docs[90:]], dtype)
+    return root
+
+
+def npy_dir(root: Path) -> Path:
+    """Two .npy shards of documents 0..N-1, each followed by the end-of-sequence id 0."""
+    root.mkdir(parents=True, exist_ok=True)
+    docs = documents(0, N)
+    np.save(root / "a.npy", flat_with_eos(docs[:70]).astype(np.uint16))
+    np.save(root / "b.npy", flat_with_eos(docs[70:]).astype(np.int32))
+    return root
+
+
+def every_document(src: TokenShardSource) -> list[np.ndarray]:
+    total = src.total_chunks()
+    assert total is not None
+    return [p["tokens"] for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
+
+
+def expected_ids(payload_tokens: np.ndarray) -> int:
+    """The document a delivered token array is (its first token encodes it)."""
+    return int(payload_tokens[0]) // 500
+
+
+# --------------------------------------------------------------------------- coverage
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_megatron_shards_deliver_every_document_once_per_pass_with_its_tokens(tmp_path, shuffle):
+    src = TokenShardSource(megatron_dir(tmp_path), chunk_size=7, shuffle=shuffle, passes=2, seed=3)
+    assert src.num_samples() == N
+    got = every_document(src)
+    assert len(got) == 2 * N
+    want = {d: doc for d, doc in enumerate(documents(0, N))}
+    for tokens in got:
+        assert tokens.dtype == np.int32
+        np.testing.assert_array_equal(tokens, want[expected_ids(tokens)])
+    assert Counter(expected_ids(t) for t in got) == Counter({d: 2 for d in range(N)})
+    if shuffle:
+        assert [expected_ids(t) for t in got[:N]] != list(range(N))
+
+
+def test_npy_files_cut_at_the_eos_id_keep_it_at_the_end_of_each_document(tmp_path):
+    src = TokenShardSource(npy_dir(tmp_path), eos_id=0, chunk_size=16)
+    got = every_document(src)
+    assert len(got) == N
+    for d, (tokens, doc) in enumerate(zip(got, documents(0, N), strict=True)):
+        np.testing.assert_array_equal(tokens, np.append(doc, 0), err_msg=f"document {d}")
+
+
+def test_tokens_after_the_last_eos_are_a_last_document(tmp_path):
+    np.save(tmp_path / "x.npy", np.array([5, 6, 0, 7, 0, 8, 9], dtype=np.int64))
+    got = every_document(TokenShardSource(tmp_path / "x.npy", eos_id=0))
+    assert [t.tolist() for t in got] == [[5, 6, 0], [7, 0], [8, 9]]
+
+
+def test_fixed_windows_over_a_raw_file_keep_a_shorter_last_window(tmp_path):
+    values = np.arange(1, 104, dtype="<u4")
+    (tmp_path / "tokens.bin").write_bytes(values.tobytes())
+    src = TokenShardSource(tmp_path, dtype=np.uint32, window=10, chunk_size=3)
+    got = every_document(src)
+    assert [t.size for t in got] == [10] * 10 + [3]
+    np.testing.assert_array_equal(np.concatenate(got), values.astype(np.int32))
+
+
+def test_the_field_name_is_settable(tmp_path):
+    src = TokenShardSource(megatron_dir(tmp_path), field="input_ids")
+    (payload,) = src.read(src.chunk(0).pointers[:1])
+    assert list(payload) == ["input_ids"]
+
+
+def test_sample_ids_name_the_shard_and_the_pointer_is_checked(tmp_path):
+    src = TokenShardSource(megatron_dir(tmp_path), chunk_size=N)
+    rows = src.chunk(0).pointers
+    assert rows[:, 1].tolist() == [0] * 50 + [1] * 40 + [2] * 30
+    bad = rows[:1].copy()
+    bad[0, 1] = 2
+    with pytest.raises(FetchError, match="lives in file #0"):
+        src.read(bad)
+
+
+def test_a_pickled_source_reads_the_same_documents(tmp_path):
+    src = TokenShardSource(npy_dir(tmp_path), eos_id=0, chunk_size=9, shuffle=True)
+    again = pickle.loads(pickle.dumps(src))
+    for pos in (0, 5, 13):
+        a = src.read(src.chunk(pos).pointers)
+        b = again.read(again.chunk(pos).pointers)
+        assert [x["tokens"].tolist() for x in a] == [x["tokens"].tolist() for x in b]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_ids_outside_int32_are_refused_naming_the_document(tmp_path):
+    np.save(tmp_path / "big.npy", np.array([1, 2, 2**40, 0], dtype=np.int64))
+    src = TokenShardSource(tmp_path, eos_id=0)
+    with pytest.raises(FetchError, match=r"big\.npy.*document 0 holds a token id outside int32"):
+        src.read(src.chunk(0).pointers)
+
+
+def test_an_id_outside_int32_fails_only_the_document_holding_it(tmp_path):
+    np.save(tmp_path / "big.npy", np.array([1, 2, 0, 2**40, 0, 3, 0], dtype=np.int64))
+    src = TokenShardSource(tmp_path, eos_id=0)
+    rows = src.chunk(0).pointers
+    assert [p["tokens"].tolist() for p in src.read(rows[[0, 2]])] == [[1, 2, 0], [3, 0]]
+    with pytest.raises(FetchError, match=r"document 1 holds a token id outside int32"):
+        src.read(rows)
+
+
+def test_a_truncated_index_is_a_fetch_error_naming_it(tmp_path):
+    idx = megatron_dir(tmp_path) / "s1.idx"
+    idx.write_bytes(idx.read_bytes()[:-5])
+    with pytest.raises(FetchError, match=r"s1\.idx.*truncated or damaged"):
+        TokenShardSource(tmp_path).num_samples()
+
+
+def test_a_flat_file_without_a_cut_is_refused(tmp_path):
+    np.save(tmp_path / "x.npy", np.arange(5))
+    with pytest.raises(FetchError, match=r"x\.npy.*needs eos_id= .* or window="):
+        TokenShardSource(tmp_path).num_samples()
+
+
+def test_float_arrays_are_not_token_files(tmp_path):
+    np.save(tmp_path / "x.npy", np.ones(5))
+    with pytest.raises(FetchError, match="not integer token ids"):
+        TokenShardSource(tmp_path, window=2).num_samples()
+
+
+def test_a_shard_rewritten_since_it_was_indexed_is_refused_on_read(tmp_path):
+    src = TokenShardSource(megatron_dir(tmp_path), chunk_size=10)
+    src.read(src.chunk(0).pointers)
+    bin_path = tmp_path / "s0.bin"
+    data = bytearray(bin_path.read_bytes())
+    data[0] ^= 1
+    bin_path.write_bytes(bytes(data))
+    os.utime(bin_path, ns=(1, 1))
+    with pytest.raises(FetchError, match=r"s0\.bin.*changed since it was indexed"):
+        src.read(src.chunk(0).pointers)
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+def pipeline(root: Path, **kw: Any) -> zephon.Pipeline:
+    src = TokenShardSource(root, chunk_size=8, shuffle=True, seed=1, pad_id=0, eos_id=0)
+    ops = [fetch(), pack_sequences(64), batch(2)]
+    return zephon.Pipeline(src, ops, **kw)
+
+
+def delivered_tokens(items: list[Any]) -> Counter:
+    out: Counter = Counter()
+    for item in items:
+        tokens = np.asarray(item.payload["tokens"]).ravel()
+        out.update(tokens[tokens != 0].tolist())
+    return out
+
+
+def all_tokens() -> Counter:
+    return Counter(np.concatenate(documents(0, N)).tolist())
+
+
+def test_packing_takes_the_pad_id_the_source_publishes(tmp_path):
+    items = list(pipeline(megatron_dir(tmp_path)))
+    assert delivered_tokens(items) == all_tokens()
+    assert items[0].payload["tokens"].shape == (2, 64)
+
+
+def test_packing_without_any_pad_id_is_a_plan_error(tmp_path):
+    src = TokenShardSource(megatron_dir(tmp_path))
+    with pytest.raises(PlanError, match="pass pad_id="):
+        iter(zephon.Pipeline(src, [fetch(), pack_sequences(64), batch(2)]))
+
+
+def test_fetch_pack_2048_batch_resumes_exactly_at_any_step(tmp_path):
+    root = megatron_dir(tmp_path)
+
+    def make() -> zephon.Pipeline:
+        src = TokenShardSource(root, chunk_size=16, shuffle=True, pad_id=0)
+        return zephon.Pipeline(src, [fetch(), pack_sequences(2048), batch(1)], lanes=2)
+
+    full = run(iter(make()))
+    assert len(full) >= 2
+    for step in range(len(full)):
+        loader = iter(make())
+        head = run(loader, step) if step else []
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        assert head + run(make().iter(state=state)) == full, f"step {step}"
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_a_killed_worker_resumes_exactly(tmp_path):
+    root = npy_dir(tmp_path)
+    full = run(iter(pipeline(root, lanes=2)))
+    loader = iter(pipeline(root, lanes=2, workers="process"))
+    head = run(loader, 5)
+    os.kill(worker_processes()[0].pid, signal.SIGKILL)
+    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
+        for item in loader:
+            head.append(fingerprint_item(item))
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+
+
+def test_a_job_of_four_ranks_resumes_on_two_with_every_token_once(tmp_path):
+    root = megatron_dir(tmp_path)
+    states, before = [], []
+    for rank in range(4):
+        loader = iter(pipeline(root, lanes=4, rank=rank, world_size=4))
+        before += [next(loader) for _ in range(2)]
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        loader.close()
+    job = zephon.merge_states(states)
+    after = [x for r in range(2) for x in pipeline(root, rank=r, world_size=2).iter(state=job)]
+    assert delivered_tokens(before) + delivered_tokens(after) == all_tokens()
+
+
+def test_a_state_of_three_lanes_relanes_onto_two_with_every_token_once(tmp_path):
+    root = npy_dir(tmp_path)
+    loader = iter(pipeline(root, lanes=3))
+    before = [next(loader) for _ in range(4)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    with pytest.warns(RelaneWarning):
+        after = list(pipeline(root, lanes=2).iter(state=state))
+    assert delivered_tokens(before) + delivered_tokens(after) == all_tokens()
+
+
+def test_a_rewritten_shard_is_a_checkpoint_mismatch_naming_it(tmp_path):
+    root = megatron_dir(tmp_path)
+    loader = iter(pipeline(root))
+    next(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    docs = documents(0, N)
+    docs[95] = docs[95] + 1
+    write_megatron(root / "s2", [[d] for d in docs[90:]])
+    with pytest.raises(CheckpointMismatchError, match=r"s2\.idx"):
+        iter(pipeline(root).iter(state=state))
+
+
+def test_a_copied_dataset_keeps_its_fingerprint(tmp_path):
+    a = megatron_dir(tmp_path / "a")
+    b = megatron_dir(tmp_path / "b")
+    assert TokenShardSource(a).describe() == TokenShardSource(b).describe()
+
+
+# --------------------------------------------------------------------------- mixtures
+
+
+def test_a_token_mixture_uses_each_shard_sets_exact_mean_length(tmp_path):
+    short = TokenShardSource(npy_dir(tmp_path / "n"), eos_id=0, dataset_id=1)
+    long = TokenShardSource(megatron_dir(tmp_path / "m"), dataset_id=2)
+    mix = MixtureSource({"a": short, "b": long}, {"a": 0.5, "b": 0.5}, by="tokens", chunk_size=8)
+    total = sum(d.size for d in documents(0, N))
+    assert mix.token_costs()["b"].tokens_per_sample == pytest.approx(total / N, abs=1e-6)
+    assert mix.token_costs()["a"].tokens_per_sample == pytest.approx((total + N) / N, abs=1e-6)
+    assert mix.token_costs()["a"].method == "exact"
+
+
+def test_ensure_mixture_counts_the_tokens_of_each_document(tmp_path):
+    a = TokenShardSource(npy_dir(tmp_path / "n"), eos_id=0, dataset_id=1, chunk_size=8)
+    b = TokenShardSource(megatron_dir(tmp_path / "m"), dataset_id=2, chunk_size=8)
+    mix = MixtureSource({"a": a, "b": b}, {"a": 0.5, "b": 0.5}, by="tokens", chunk_size=8)
+    ops = [fetch(), ensure_mixture({"a": 0.5, "b": 0.5}, by="tokens"), batch(4)]
+    loader = iter(zephon.Pipeline(mix, ops))
+    items = list(loader)
+    lengths: Counter = Counter()
+    for item in items:
+        for rec in item:
+            lengths[rec.meta.component] += rec.payload["tokens"].size
+    stats = loader.stats()
+    assert stats["mixture_tokens"] == dict(lengths)
+    assert stats["mixture_components"]["a"]["share_of"] == "tokens"
+
+
+# --------------------------------------------------------------------------- remote
+
+
+def test_a_bucket_copy_delivers_the_local_documents_and_refuses_a_changed_block(tmp_path, bucket):
+    local = megatron_dir(tmp_path / "local")
+    np.save(local / "flat.npy", flat_with_eos(documents(N, 20)).astype(np.int32))
+    uri = bucket.upload(local, "tok")
+    kw: dict[str, Any] = {"eos_id": 0, "chunk_size": 6, "shuffle": True}
+    here = TokenShardSource(local, **kw)
+    there = TokenShardSource(uri, cache_dir=tmp_path / "cache", **kw)
+    assert there.describe() == here.describe()
+    want = [t.tolist() for t in every_document(here)]
+    assert [t.tolist() for t in every_document(there)] == want
+    data = bytearray((local / "s0.bin").read_bytes())
+    data[2] ^= 1
+    with bucket.fs.open_output_stream(f"{bucket.name}/tok/s0.bin") as out:
+        out.write(bytes(data))
+    with pytest.raises(FetchError, match=r"s0\.bin.*no longer matches the digest"):
+        every_document(there)
+
+
+def test_a_mixture_of_token_shards_packs_with_their_pad_id(tmp_path):
+    a = TokenShardSource(npy_dir(tmp_path / "n"), eos_id=0, pad_id=0, dataset_id=1)
+    b = TokenShardSource(megatron_dir(tmp_path / "m"), eos_id=0, pad_id=0, dataset_id=2)
+    mix = MixtureSource({"a": a, "b": b}, {"a": 0.5, "b": 0.5}, chunk_size=8)
+    loader = iter(zephon.Pipeline(mix, [fetch(), pack_sequences(64), batch(2)]))
+    items = list(loader)
+    assert items and loader.stats()["mixture_tokens"]
+
+
+def test_a_bucket_copy_resumes_exactly(tmp_path, bucket):
+    uri = bucket.upload(megatron_dir(tmp_path / "local"), "tok-resume")
+
+    def make() -> zephon.Pipeline:
+        src = TokenShardSource(uri, chunk_size=8, shuffle=True, pad_id=0, cache_dir=tmp_path / "c")
+        return zephon.Pipeline(src, [fetch(), pack_sequences(64), batch(2)], lanes=2)
+
+    full = run(iter(make()))
+    loader = iter(make())
+    head = run(loader, 5)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert head + run(make().iter(state=state)) == full

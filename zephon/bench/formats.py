@@ -1,0 +1,136 @@
+"""Reading other loaders' formats: ``fetch -> batch`` over ``TokenShardSource`` and ``MDSSource``
+against a bare loop doing the same reads with the format's own reader.
+
+- token shards: a Megatron ``.bin``/``.idx`` pair (written with numpy in the documented layout);
+  the baseline slices a numpy memmap of the ``.bin`` at the index's pointers and converts each
+  document to int32, in batches of the same size;
+- MDS: shards written by Mosaic's ``MDSWriter``; the baseline is Mosaic's own ``MDSReader``
+  (``get_item`` of every sample, shard by shard), loaded without the ``streaming`` package's
+  ``__init__`` (it imports torchvision). Without streaming-community installed the baseline is
+  missing and the row says so.
+
+Functions only; ``zephon bench`` (``report.py``) calls them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import struct
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import zephon
+from zephon.ops import batch, fetch
+from zephon.sources import MDSSource, TokenShardSource
+
+__all__ = ["mds_rates", "token_shard_rates", "write_mds", "write_megatron"]
+
+BATCH = 32
+
+
+def write_megatron(prefix: Path, docs: int, seed: int = 0) -> Path:
+    """A uint16 Megatron pair of ``docs`` documents of 64..1023 tokens; the ``.idx`` path."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(64, 1024, size=docs).astype("<i4")
+    tokens = rng.integers(0, 50_000, size=int(lengths.sum()), dtype=np.uint16)
+    pointers = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)[:-1])) * 2
+    Path(f"{prefix}.bin").write_bytes(tokens.tobytes())
+    header = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, docs, docs + 1)
+    body = lengths.tobytes() + pointers.astype("<i8").tobytes()
+    Path(f"{prefix}.idx").write_bytes(header + body + np.arange(docs + 1, dtype="<i8").tobytes())
+    return Path(f"{prefix}.idx")
+
+
+def _pipeline_rate(source: Any, field: str) -> tuple[float, int]:
+    # Samples/s of fetch -> batch(BATCH) over the whole source (metadata loaded before).
+    source.num_samples()
+    n = 0
+    began = time.perf_counter()
+    with zephon.Pipeline(source, [fetch(), batch(BATCH)]).iter() as loader:
+        for b in loader:
+            n += len(b.payload[field])
+    return n / (time.perf_counter() - began), n
+
+
+def token_shard_rates(idx: Path) -> tuple[float, float]:
+    """``(ours, baseline)`` documents/s over the Megatron pair at ``idx``."""
+    ours, n = _pipeline_rate(TokenShardSource(idx, chunk_size=1024), "tokens")
+    raw = idx.read_bytes()
+    docs = struct.unpack_from("<Q", raw, 18)[0]
+    lengths = np.frombuffer(raw, "<i4", count=docs, offset=34)
+    pointers = np.frombuffer(raw, "<i8", count=docs, offset=34 + 4 * docs) // 2
+    began = time.perf_counter()
+    tokens = np.memmap(idx.with_suffix(".bin"), dtype=np.uint16, mode="r").view(np.ndarray)
+    batches = []
+    current: list[np.ndarray] = []
+    for start, length in zip(pointers.tolist(), lengths.tolist(), strict=True):
+        current.append(tokens[start : start + length].astype(np.int32))
+        if len(current) == BATCH:
+            batches.append(current)
+            current = []
+    baseline = docs / (time.perf_counter() - began)
+    assert n == docs
+    return ours, baseline
+
+
+def mosaic_writer_and_reader() -> tuple[Any, Any] | None:
+    """``(MDSWriter, reader_from_json)`` of streaming-community, without the package's
+    ``__init__``; None when it is not installed."""
+    if "streaming" not in sys.modules:
+        spec = importlib.util.find_spec("streaming")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        (base,) = spec.submodule_search_locations
+        for name, where in (("streaming", base), ("streaming.base", f"{base}/base")):
+            stub = types.ModuleType(name)
+            stub.__path__ = [where]
+            sys.modules[name] = stub
+    fmt = importlib.import_module("streaming.base.format")
+    return fmt.MDSWriter, fmt.reader_from_json
+
+
+def write_mds(root: Path, samples: int) -> bool:
+    """``samples`` raw MDS samples (a token array, a text, an int) written at ``root`` by
+    Mosaic's ``MDSWriter``; False without streaming-community."""
+    found = mosaic_writer_and_reader()
+    if found is None:
+        return False
+    writer = found[0]
+    rng = np.random.default_rng(0)
+    columns = {"tokens": "ndarray:int32", "text": "str", "idx": "int"}
+    with writer(out=str(root), columns=columns, size_limit=1 << 24) as out:
+        for i in range(samples):
+            size = int(rng.integers(64, 512))
+            tokens = rng.integers(0, 50_000, size, dtype=np.int32)
+            out.write({"tokens": tokens, "text": f"sample {i}", "idx": i})
+    return True
+
+
+def mds_rates(root: Path) -> tuple[float, float]:
+    """``(ours, Mosaic's MDSReader)`` samples/s over the MDS directory ``write_mds`` wrote."""
+    found = mosaic_writer_and_reader()
+    assert found is not None
+    reader_from_json = found[1]
+    ours, n = _pipeline_rate(MDSSource(root, chunk_size=1024), "idx")
+    index = json.loads((root / "index.json").read_text())
+    began = time.perf_counter()
+    seen = 0
+    current: list[dict[str, Any]] = []
+    for entry in index["shards"]:
+        reader = reader_from_json(str(root), None, entry)
+        for j in range(reader.samples):
+            current.append(reader.get_item(j))
+            if len(current) == BATCH:
+                seen += len(current)
+                current = []
+    seen += len(current)
+    baseline = seen / (time.perf_counter() - began)
+    assert n == seen
+    return ours, baseline

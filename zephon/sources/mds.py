@@ -1,0 +1,626 @@
+"""MDSSource: Mosaic Streaming's MDS directories (``index.json`` and its shards), read by our own
+decoder: the ``streaming`` package is never imported.
+
+Layout. ``index.json`` lists the shards in order, each with its columns (names, encodings, fixed
+sizes), sample count, raw file and, when compressed, the compressed file actually stored. A raw
+shard is a little-endian uint32 sample count, ``count + 1`` uint32 byte offsets of the samples,
+the writer's configuration, then the samples; a sample holds one uint32 size per column without
+a fixed size, then every column's bytes in column order. ``shard_id`` is the shard's place in the
+index and ``sample_idx`` the global sample index, as for every ``FileSource``.
+
+Encodings decoded: ``bytes``, ``str``, ``int`` (Python int), ``int8`` .. ``uint64`` and
+``float16`` .. ``float64`` (numpy scalars), ``str_int``, ``str_float``, ``str_decimal``
+(``decimal.Decimal``), ``json``, ``ndarray`` with or without a fixed dtype and shape (a numpy
+array, copied out of the shard), and ``pkl`` only with ``allow_pickle=True``: unpickling runs
+code the data chooses, so a pickled column is a ``PlanError`` otherwise (leave it out with
+``columns=``). Image encodings (``pil``, ``jpeg``, ``png``...) are refused the same way.
+
+Identity. The stored file of every shard is digested once in ``BLOCK_BYTES`` blocks (cached in
+a ``.zsum`` sidecar keyed by its size and mtime); ``describe()`` carries, per shard, the sha256 of
+those digests and of its index entry, so a rewritten shard or index changes the fingerprint.
+
+Reading. Only the samples asked for are read. A raw local shard is memory-mapped; a raw remote
+shard is read in whole checked blocks (``zephon.sources.block_reads``). A compressed shard
+(``zstd``; needs the ``zstandard`` or ``zstd`` module) is fetched and decompressed once into the
+cache directory (``cache_dir``, else ``$ZEPHON_CACHE_DIR``...), its compressed bytes checked
+against their digests first, and memory-mapped from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import posixpath
+import tempfile
+import threading
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import numpy as np
+
+from zephon.errors import FetchError, PlanError
+from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
+from zephon.sources.files import DigestTable, FileSource, read_sidecar
+from zephon.sources.locations import DataFile, default_cache_dir
+
+__all__ = ["MDSSource"]
+
+_SUM_TAG = b"ZMDSSUM1"
+_SCALARS = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    )
+}
+#: ``ndarray`` value dtypes by the code the writer stores when the column has no fixed dtype.
+_NDARRAY_DTYPES = {
+    8: "uint8",
+    9: "int8",
+    16: "uint16",
+    17: "int16",
+    18: "float16",
+    32: "uint32",
+    33: "int32",
+    34: "float32",
+    64: "uint64",
+    65: "int64",
+    66: "float64",
+}
+_SHAPE_DTYPES = {0: "<u1", 1: "<u2", 2: "<u4", 3: "<u8"}
+_STR_DECODERS = {"str_int": int, "str_float": float, "str_decimal": Decimal}
+_KEPT_MAPS = 16
+
+
+@dataclass
+class _Column:
+    name: str
+    encoding: str
+    size: int | None  # fixed size in bytes, or None: a size in each sample's head
+
+
+@dataclass
+class _Shard:
+    """One shard: its stored file's digests, where its raw bytes are read from, the sample
+    offsets and its identity."""
+
+    samples: int
+    stored: DigestTable
+    compressed: bool
+    raw_path: str  # the stored file, or the decompressed copy in the cache
+    raw_size: int
+    offsets: np.ndarray  # uint32, samples + 1
+    identity: str
+
+
+class MDSSource(FileSource):
+    """A Mosaic MDS directory (``path``: the directory holding ``index.json``, or that file):
+    one sample per row, its payload ``{column: value}`` for ``columns`` (all, in index order,
+    when None). See the module docstring for encodings, identity and reads.
+
+    Invariant: a read returns exactly the values the writer wrote, or raises ``FetchError``
+    naming the shard, the sample and the column.
+    """
+
+    BLOCK_BYTES = 1 << 20
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        columns: list[str] | None = None,
+        allow_pickle: bool = False,
+        dataset_id: int = 0,
+        chunk_size: int = 1024,
+        shuffle: bool = False,
+        seed: int = 0,
+        passes: int | None = 1,
+        index_dir: str | os.PathLike[str] | None = None,
+        filesystem: Any = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        threads: int = 16,
+    ) -> None:
+        super().__init__(
+            path,
+            dataset_id=dataset_id,
+            chunk_size=chunk_size,
+            shuffle=shuffle,
+            seed=seed,
+            passes=passes,
+            index_dir=index_dir,
+            filesystem=filesystem,
+            cache_dir=cache_dir,
+            threads=threads,
+        )
+        if len(self._locations.paths) != 1:
+            raise ValueError("MDSSource: give one MDS directory (or its index.json)")
+        if columns is not None and (
+            isinstance(columns, str) or not all(isinstance(c, str) for c in columns)
+        ):
+            raise TypeError(f"MDSSource: columns must be a list of str, got {columns!r}")
+        self.columns = None if columns is None else list(columns)
+        self.allow_pickle = bool(allow_pickle)
+        self._entries: list[dict[str, Any]] = []
+        self._shards: list[_Shard | None] = []
+        self._identities: list[str] = []
+        self._selected: list[_Column] = []
+        self._all_columns: list[_Column] = []
+        self._wanted: frozenset[str] = frozenset()
+        self._variable_columns = 0
+        self._maps: dict[int, np.ndarray] = {}
+        self._maps_lock = threading.Lock()
+
+    # --------------------------------------------------------------------- the index
+    def _resolve(self) -> tuple[str, list[DataFile]]:
+        locations = self._locations
+        root = locations.paths[0]
+        if root.endswith("index.json"):
+            root = posixpath.dirname(root)
+        index_path = posixpath.join(root, "index.json")
+
+        def load() -> bytes:
+            try:
+                with locations.filesystem.open_input_stream(index_path) as fh:
+                    return bytes(fh.read())
+            except OSError as exc:
+                if not self.is_local and not isinstance(exc, FileNotFoundError):
+                    raise
+                raise FetchError(
+                    f"MDSSource cannot read {locations.uri(index_path)!r}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+
+        raw: bytes = self.with_retries(load, lambda: f"MDSSource reading {index_path!r}")
+        try:
+            index = json.loads(raw)
+            entries = index["shards"]
+            assert isinstance(entries, list)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise FetchError(
+                f"MDSSource: {locations.uri(index_path)!r} is not an MDS index (a JSON object "
+                "with a 'shards' list)"
+            ) from None
+        if not entries:
+            raise FetchError(f"MDSSource: {locations.uri(index_path)!r} lists no shard")
+        self._entries = entries
+        names = [self._stored_name(k, e, index_path) for k, e in enumerate(entries)]
+        paths = [posixpath.join(root, n) for n in names]
+
+        def stat(p: str) -> Any:
+            return locations.filesystem.get_file_info(p)
+
+        import pyarrow.fs as pafs
+
+        infos = self.parallel(stat, paths)
+        files = []
+        for name, p, info in zip(names, paths, infos, strict=True):
+            if info.type != pafs.FileType.File:
+                raise FetchError(
+                    f"MDSSource: shard {locations.uri(p)!r} listed in {index_path!r} is missing"
+                )
+            files.append(DataFile(p, locations.uri(p), name, int(info.size), info.mtime_ns))
+        return locations.uri(root), files
+
+    def _stored_name(self, k: int, entry: Any, index_path: str) -> str:
+        try:
+            if entry["format"] != "mds":
+                raise FetchError(
+                    f"MDSSource: shard {k} of {index_path!r} has format {entry['format']!r}; "
+                    "only 'mds' shards are read"
+                )
+            int(entry["samples"]), int(entry["raw_data"]["bytes"])
+            compression = entry.get("compression")
+            if compression is None:
+                return str(entry["raw_data"]["basename"])
+            if str(compression).split(":")[0] != "zstd":
+                raise FetchError(
+                    f"MDSSource: shard {k} of {index_path!r} is compressed with {compression!r}; "
+                    "only zstd and uncompressed shards are read"
+                )
+            return str(entry["zip_data"]["basename"])
+        except (KeyError, TypeError, ValueError):
+            raise FetchError(
+                f"MDSSource: shard {k} of {index_path!r} lacks its format, samples, raw_data or "
+                "zip_data; write the index again"
+            ) from None
+
+    def column_names(self) -> list[str]:
+        """Every column of the dataset, in index order."""
+        self.file_ends()
+        return [c.name for c in self._all_columns]
+
+    def load_metadata(self) -> list[int]:
+        """Check the columns, then load each shard's offsets and digests (in parallel for
+        remote data); the sample count of each."""
+        self._all_columns = self._columns_of(self._entries)
+        by_name = {c.name: c for c in self._all_columns}
+        wanted = self.columns if self.columns is not None else list(by_name)
+        unknown = [c for c in wanted if c not in by_name]
+        if unknown:
+            raise PlanError(
+                f"MDSSource: no column {unknown} in {self.root!r}; it has {list(by_name)}"
+            )
+        self._selected = [by_name[c] for c in wanted]
+        self._wanted = frozenset(wanted)
+        self._variable_columns = sum(c.size is None for c in self._all_columns)
+        for col in self._selected:
+            self._check_encoding(col)
+
+        def one(i: int) -> _Shard:
+            shard: _Shard = self.with_retries(
+                lambda: self._load_shard(i), lambda: f"MDSSource cannot index {self.paths[i]!r}"
+            )
+            return shard
+
+        shards = self.parallel(one, range(len(self.files())))
+        self._shards = list(shards)
+        self._identities = [s.identity for s in shards]
+        return [s.samples for s in shards]
+
+    def _columns_of(self, entries: list[dict[str, Any]]) -> list[_Column]:
+        layouts = {
+            json.dumps([e.get("column_names"), e.get("column_encodings"), e.get("column_sizes")])
+            for e in entries
+        }
+        if len(layouts) > 1:
+            raise FetchError(
+                f"MDSSource: the shards of {self.root!r} do not share one set of columns; read "
+                "each set with its own source"
+            )
+        if not entries:
+            return []
+        e = entries[0]
+        return [
+            _Column(n, enc, None if size is None else int(size))
+            for n, enc, size in zip(
+                e["column_names"], e["column_encodings"], e["column_sizes"], strict=True
+            )
+        ]
+
+    def _check_encoding(self, col: _Column) -> None:
+        enc = col.encoding
+        if enc == "pkl" and not self.allow_pickle:
+            raise PlanError(
+                f"MDSSource: column {col.name!r} of {self.root!r} is pickled; unpickling runs "
+                "whatever code the data holds. Pass allow_pickle=True only for data you trust, "
+                "or leave the column out with columns="
+            )
+        known = {"bytes", "str", "int", "json", "pkl", *_SCALARS, *_STR_DECODERS}
+        if enc not in known and enc != "ndarray" and not enc.startswith("ndarray:"):
+            raise PlanError(
+                f"MDSSource: column {col.name!r} has encoding {enc!r}, which Zephon does not "
+                "decode (images: pil, jpeg, png); leave it out with columns="
+            )
+
+    def _load_shard(self, i: int) -> _Shard:
+        entry = self._entries[i]
+        f = self.files()[i]
+        compressed = entry.get("compression") is not None
+        raw_size = int(entry["raw_data"]["bytes"])
+        samples = int(entry["samples"])
+        try:
+            stored = self._stored_table(i)
+            if compressed:
+                raw_path = self._decompressed(i, stored, raw_size)
+                local = True
+            else:
+                raw_path, local = f.path, self.is_local
+            header = self._read_header(i, raw_path, local, samples)
+        except OSError as exc:
+            raise self.os_error(exc, i) from exc
+        if not compressed and f.size != raw_size:
+            raise self.fetch_error(
+                i, f"the shard holds {f.size} bytes, its index entry says {raw_size}"
+            )
+        offsets = header
+        bad = offsets[-1] != raw_size or (np.diff(offsets.astype(np.int64)) < 0).any()
+        if bad or offsets[0] < 4 * (samples + 2):
+            raise self.fetch_error(
+                i, "its sample offsets do not fit the shard; it is damaged: write it again"
+            )
+        identity = hashlib.sha256(b"zephon mds shard 1")
+        identity.update(json.dumps(entry, sort_keys=True).encode())
+        identity.update(stored.identity().encode())
+        return _Shard(
+            samples, stored, compressed, raw_path, raw_size, offsets, identity.hexdigest()
+        )
+
+    def _stored_table(self, i: int) -> DigestTable:
+        f = self.files()[i]
+        mtime = f.mtime_ns or 0
+        for where in self.sidecar_candidates(i, ".zsum"):
+            sections = read_sidecar(where, _SUM_TAG, f.size, mtime)
+            if sections is not None and len(sections) == 2 and len(sections[0]) == 1:
+                block = int(sections[0][0])
+                if block == self.BLOCK_BYTES and len(sections[1]) == -(-f.size // block):
+                    return regular_table(f.size, block, sections[1])
+        with self._locations.open_random(f.path) as fh:
+            table = block_table(fh, f.size, self.BLOCK_BYTES)
+        meta = np.array([self.BLOCK_BYTES], dtype=np.int64)
+        self.store_sidecar(i, ".zsum", _SUM_TAG, f.size, mtime, [meta, table.digests])
+        return table
+
+    def _decompressed(self, i: int, stored: DigestTable, raw_size: int) -> str:
+        # The raw shard, decompressed once into the cache and named after its compressed content.
+        f = self.files()[i]
+        key = stored.identity()[:20]
+        root_key = hashlib.sha256(f"MDSSource {self.root}".encode()).hexdigest()[:20]
+        where = os.path.join(self.cache_dir or default_cache_dir(), "mds", root_key)
+        target = os.path.join(where, f"{posixpath.basename(f.path)}.{key}.raw")
+        with contextlib.suppress(OSError):
+            if os.path.getsize(target) == raw_size:
+                return target
+        with self._locations.open_random(f.path) as fh:
+            try:
+                (data,) = read_spans(fh, stored, self.BLOCK_BYTES, [0], [f.size])
+            except ChangedBlock as changed:
+                raise self.fetch_error(
+                    i, f"{changed} no longer matches the digest taken when it was indexed"
+                ) from None
+        raw = _zstd_decompress(data, lambda msg: self.fetch_error(i, msg))
+        if len(raw) != raw_size:
+            raise self.fetch_error(
+                i, f"decompresses to {len(raw)} bytes, its index entry says {raw_size}"
+            )
+        os.makedirs(where, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".zephon-", dir=where)
+        with os.fdopen(fd, "wb") as out:
+            out.write(raw)
+        os.replace(tmp, target)
+        return target
+
+    def _read_header(self, i: int, path: str, local: bool, samples: int) -> np.ndarray:
+        want = 4 * (samples + 2)
+        if local:
+            with open(path, "rb") as fh:
+                head = fh.read(want)
+        else:
+            with self._locations.open_random(path) as fh:
+                head = bytes(fh.read_at(want, 0))
+        if len(head) != want or int(np.frombuffer(head[:4], "<u4")[0]) != samples:
+            raise self.fetch_error(
+                i, f"its header does not hold the {samples} samples its index entry says"
+            )
+        return np.frombuffer(head, "<u4", offset=4).copy()
+
+    def _shard(self, i: int) -> _Shard:
+        shard = self._shards[i]
+        if shard is None:
+            with self._lock:
+                shard = self._shards[i]
+                if shard is None:
+                    shard = self.with_retries(
+                        lambda: self._load_shard(i),
+                        lambda: f"MDSSource cannot index {self.paths[i]!r}",
+                    )
+                    if shard.identity != self._identities[i]:
+                        raise self.fetch_error(
+                            i,
+                            "the shard changed since this source read its index; build a new "
+                            "source (its fingerprint will differ from old checkpoints)",
+                        )
+                    self._shards[i] = shard
+        return shard
+
+    # --------------------------------------------------------------------- reading
+    def _read_file(
+        self,
+        i: int,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        local: np.ndarray,
+        out: list[Any],
+    ) -> None:
+        shard = self._shard(i)
+        idx = local[positions]
+        starts = shard.offsets[idx].astype(np.int64).tolist()
+        ends = shard.offsets[idx + 1].astype(np.int64).tolist()
+        if shard.compressed or self.is_local:
+            data = self._mapped(i, shard, rows[positions[0]])
+            samples: list[Any] = [data[a:e] for a, e in zip(starts, ends, strict=True)]
+        else:
+            samples = self.with_retries(
+                lambda: self._fetch(i, shard, starts, ends, rows[positions[0]]),
+                lambda: f"MDSSource cannot read {self.paths[i]!r}",
+            )
+        for k, (pos, sample) in enumerate(zip(positions.tolist(), samples, strict=True)):
+            out[pos] = self._decode(i, memoryview(sample), rows[positions[k]], int(idx[k]))
+
+    def _fetch(
+        self, i: int, shard: _Shard, starts: list[int], ends: list[int], pointer: np.ndarray
+    ) -> list[bytes]:
+        try:
+            with self._locations.open_random(self.files()[i].path) as fh:
+                return read_spans(fh, shard.stored, self.BLOCK_BYTES, starts, ends)
+        except OSError as exc:
+            raise self.os_error(exc, i, pointer) from exc
+        except ChangedBlock as changed:
+            raise self.fetch_error(
+                i,
+                f"{changed} no longer matches the digest taken when it was indexed: the shard "
+                "changed; build a new source (its fingerprint will differ from old checkpoints)",
+                pointer,
+            ) from None
+
+    def _mapped(self, i: int, shard: _Shard, pointer: np.ndarray) -> np.ndarray:
+        # The raw shard memory-mapped (kept for the next reads); a local uncompressed shard is
+        # checked against the size and mtime it was indexed at on every read.
+        try:
+            st = os.stat(shard.raw_path)
+        except OSError as exc:
+            raise self.os_error(exc, i, pointer) from exc
+        f = self.files()[i]
+        indexed = (shard.raw_size, st.st_mtime_ns if shard.compressed else f.mtime_ns)
+        if (st.st_size, st.st_mtime_ns) != indexed:
+            raise self.fetch_error(
+                i,
+                f"{shard.raw_path!r} changed since it was indexed; build a new source (its "
+                "fingerprint will differ from old checkpoints)",
+                pointer,
+            )
+        with self._maps_lock:
+            kept = self._maps.get(i)
+        if kept is not None:
+            return kept
+        try:
+            data = np.memmap(shard.raw_path, dtype=np.uint8, mode="r").view(np.ndarray)
+        except OSError as exc:
+            raise self.os_error(exc, i, pointer) from exc
+        with self._maps_lock:
+            self._maps[i] = data
+            while len(self._maps) > _KEPT_MAPS:
+                self._maps.pop(next(iter(self._maps)))
+        return data
+
+    def _decode(self, i: int, sample: memoryview, pointer: np.ndarray, idx: int) -> dict[str, Any]:
+        columns = self._all_columns
+        n_var = self._variable_columns
+        sizes = np.frombuffer(sample, "<u4", count=n_var).tolist() if n_var else []
+        at = 4 * n_var
+        wanted = self._wanted
+        values: dict[str, Any] = {}
+        v = 0
+        for col in columns:
+            if col.size is None:
+                size = sizes[v]
+                v += 1
+            else:
+                size = col.size
+            if at + size > len(sample):
+                raise self.fetch_error(
+                    i,
+                    f"sample {idx} ends inside column {col.name!r}; the shard is damaged",
+                    pointer,
+                )
+            if col.name in wanted:
+                try:
+                    values[col.name] = _decode_value(col.encoding, sample[at : at + size])
+                except (
+                    ValueError,
+                    UnicodeDecodeError,
+                    InvalidOperation,
+                    pickle.UnpicklingError,
+                ) as exc:
+                    raise self.fetch_error(
+                        i,
+                        f"sample {idx}, column {col.name!r} ({col.encoding}) cannot be decoded: "
+                        f"{type(exc).__name__}: {exc}",
+                        pointer,
+                    ) from None
+            at += size
+        return {c.name: values[c.name] for c in self._selected}
+
+    def drop_read_caches(self) -> None:
+        """Unmap the shards kept mapped between reads."""
+        with self._maps_lock:
+            self._maps.clear()
+
+    # --------------------------------------------------------------------- identity
+    def describe(self) -> dict[str, Any]:
+        """Chunking parameters, the columns read, and per shard its name, samples, compression
+        and content identity (stored bytes and index entry)."""
+        out = self._describe_files()
+        out["columns"] = [[c.name, c.encoding] for c in self._selected]
+        out["files"] = [
+            {
+                "name": f.name,
+                "samples": self._shard(k).samples,
+                "compression": self._entries[k].get("compression"),
+                "content_sha256": self._shard(k).identity,
+            }
+            for k, f in enumerate(self.files())
+        ]
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_shards"] = [None] * len(self._shards)
+        state["_maps"] = {}
+        del state["_maps_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._maps_lock = threading.Lock()
+
+
+def _decode_value(encoding: str, data: memoryview) -> Any:
+    """One column's value from its bytes, as the MDS writer encoded it."""
+    if encoding == "str":
+        return str(data, "utf-8")
+    if encoding == "bytes":
+        return bytes(data)
+    if encoding == "int":
+        return int(np.frombuffer(data, "<i8")[0])
+    scalar = _SCALARS.get(encoding)
+    if scalar is not None:
+        return np.frombuffer(data, scalar)[0]
+    parse = _STR_DECODERS.get(encoding)
+    if parse is not None:
+        return parse(str(data, "utf-8"))
+    if encoding == "json":
+        return json.loads(str(data, "utf-8"))
+    if encoding == "pkl":
+        return pickle.loads(data)
+    return _decode_ndarray(encoding, data)
+
+
+def _decode_ndarray(encoding: str, data: memoryview) -> np.ndarray:
+    # ndarray[:dtype[:shape]]: what the header does not fix is stored before the values.
+    parts = encoding.split(":")
+    at = 0
+    if len(parts) > 1 and parts[1]:
+        dtype = parts[1]
+    else:
+        code = data[at]
+        at += 1
+        if code not in _NDARRAY_DTYPES:
+            raise ValueError(f"unknown ndarray dtype code {code}")
+        dtype = _NDARRAY_DTYPES[code]
+    if len(parts) > 2 and parts[2]:
+        shape: tuple[int, ...] = tuple(int(d) for d in parts[2].split(","))
+    else:
+        byte = data[at]
+        at += 1
+        ndim, kind = byte >> 2, byte % 4
+        shape_dtype = np.dtype(_SHAPE_DTYPES[kind])
+        shape = tuple(int(d) for d in np.frombuffer(data, shape_dtype, count=ndim, offset=at))
+        at += ndim * shape_dtype.itemsize
+    values = np.frombuffer(data, np.dtype(dtype).newbyteorder("<"), offset=at)
+    return values.reshape(shape).copy()
+
+
+def _zstd_decompress(data: bytes, error: Any) -> bytes:
+    # The zstd module the MDS writer uses (``zstd``), else ``zstandard``: needed for compressed
+    # shards only, imported when one is read.
+    try:
+        import zstandard
+
+        return bytes(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 40))
+    except ImportError:
+        pass
+    except Exception as exc:
+        raise error(f"is not valid zstd data: {exc}") from None
+    try:
+        import zstd
+    except ImportError:
+        raise error(
+            "is compressed with zstd; install zstandard (pip install zstandard) to read it"
+        ) from None
+    try:
+        return bytes(zstd.decompress(data))
+    except Exception as exc:
+        raise error(f"is not valid zstd data: {exc}") from None
