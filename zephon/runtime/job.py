@@ -13,6 +13,7 @@ from typing import Any
 
 from zephon.errors import CheckpointError, CheckpointMismatchError
 from zephon.runtime.checkpoint import JOB_FORMAT, STATE_FORMAT, STATE_VERSION, seal, unseal
+from zephon.runtime.saved_state import check_saved_state
 from zephon.runtime.state import COUNTERS, check_int, check_pairs, corrupt, encode_pairs
 
 
@@ -23,7 +24,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     ``CheckpointError`` naming the problem when ranks or lanes are missing or duplicated, or the
     ranks were checkpointed at different global steps.
     """
-    bodies = [unseal(state) for state in states]
+    bodies = [check_saved_state(unseal(state)) for state in states]
     if not bodies:
         raise CheckpointError("merge_states needs the state of every rank, got none")
     first = bodies[0]
