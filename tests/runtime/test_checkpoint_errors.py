@@ -7,11 +7,12 @@ import json
 
 import numpy as np
 import pytest
-from pipeline_kit import WindowShuffle
+from pipeline_kit import RunningTotal, WindowShuffle
 
 import zephon
 from zephon.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zephon.ops.basic import fetch
+from zephon.runtime.checkpoint import seal
 from zephon.runtime.state import check_pairs, encode_pairs
 from zephon.sources.memory import RangeSource
 
@@ -156,3 +157,26 @@ def test_a_source_holding_its_data_keeps_the_checkpoint_small() -> None:
     with pytest.raises(CheckpointMismatchError, match=r"source field 'make'") as raised:
         _holding(changed).iter(state=state)
     assert "'10000 items, sha256 " in str(raised.value)  # the long list, by length and digest
+
+
+def test_a_carry_state_its_operator_cannot_restore_is_refused_at_load_naming_it():
+    def running(n: int = 100) -> zephon.Pipeline:
+        return zephon.Pipeline(
+            RangeSource(n, chunk_size=8), [fetch(), RunningTotal()], lanes=2, epoch_chunks=2
+        )
+
+    loader = iter(running())
+    for _ in range(40):
+        next(loader)
+    state = loader.state_dict()
+    loader.close()
+    body = copy.deepcopy({k: v for k, v in state.items() if k != "checksum"})
+    carry = body["lane_states"][1]["carry"]
+    assert carry == [{"total": carry[0]["total"]}], "the state must carry a running total"
+    carry[0] = {"sum": 3}  # RunningTotal reads "total": a KeyError inside the operator
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=r"lane_states\[1\]\.carry\[0\] is not a carry state operator 'RunningTotal' "
+        r"restores \(KeyError: 'total'\)",
+    ):
+        running().iter(state=seal(body))
