@@ -239,18 +239,23 @@ def test_carry_state_is_json_with_int_and_str_components():
 BAD_CARRIES = [
     ({}, "must be an object with one field, totals"),
     ({"totals": 3}, "must be an object with one field, totals"),
-    ({"totals": [["a", 1]], "more": 1}, "must be an object with one field, totals"),
+    ({"totals": [["a", 1], ["b", 0]], "more": 1}, "must be an object with one field, totals"),
     ({"totals": [["a"]]}, r"field totals\[0\] must be a \[component, total\] pair"),
     ({"totals": ["a"]}, r"field totals\[0\] must be a \[component, total\] pair"),
     ({"totals": [["z", 1]]}, r"field totals\[0\]\[0\] component 'z' has no weight"),
     ({"totals": [[["a", ["b"]], 1]]}, r"field totals\[0\]\[0\] component .* has no weight"),
     ({"totals": [[{"a": 1}, 1]]}, r"field totals\[0\]\[0\] component .* has no weight"),
-    ({"totals": [["a", 1], ["a", 2]]}, r"field totals\[1\]\[0\] component 'a' is carried twice"),
+    (
+        {"totals": [["a", 1], ["a", 2]]},
+        r"field totals\[1\]\[0\] component 'a' is carried twice",
+    ),
     ({"totals": [["a", -1]]}, r"field totals\[0\]\[1\] must be an integer in \[0, "),
     ({"totals": [["a", "7"]]}, r"field totals\[0\]\[1\] must be an integer"),
     ({"totals": [["a", 1.5]]}, r"field totals\[0\]\[1\] must be an integer"),
     ({"totals": [["a", True]]}, r"field totals\[0\]\[1\] must be an integer"),
     ({"totals": [["a", 2**70]]}, r"field totals\[0\]\[1\] must be an integer"),
+    ({"totals": [["a", 1]]}, r"field totals has no total for the components \['b'\]"),
+    ({"totals": []}, r"field totals has no total for the components \['a', 'b'\]"),
 ]
 
 

@@ -440,7 +440,7 @@ class EnsureMixture(Operator):
 
     def restore_carry(self, state: dict) -> None:
         """Take back the running totals of ``carry_state``; ``CheckpointCorruptError`` naming
-        the field for anything else (each weighted component at most once, totals >= 0)."""
+        the field for anything else (each weighted component once, totals >= 0)."""
         totals = dict.fromkeys(self.weights, 0)
         pairs = state.get("totals") if type(state) is dict and set(state) == {"totals"} else None
         if type(pairs) is not list:
@@ -466,6 +466,9 @@ class EnsureMixture(Operator):
                 )
             seen.add(key)
             totals[key] = total
+        missing = [c for c in totals if c not in seen]
+        if missing:  # carry_state lists every weighted component
+            raise _bad_carry("totals", f"has no total for the components {missing}")
         self._totals = totals
         self._grand = sum(totals.values())
 

@@ -18,7 +18,8 @@ from zephon.ops.base import Operator
 
 def check_carries(lane_state: dict[str, Any], where: str, ops: Sequence[Operator]) -> None:
     """Every carry state of a checked lane state (its own window's and each pending run's)
-    restores into a copy of its operator; ``CheckpointCorruptError`` for one that does not."""
+    restores into a copy of its operator, and none is missing; ``CheckpointCorruptError`` for
+    one that does not, or is."""
     windows = [(lane_state["carry"], f"{where}.carry")]
     windows += [
         (run["carry"], f"{where}.pending[{i}].carry") for i, run in enumerate(lane_state["pending"])
@@ -27,9 +28,27 @@ def check_carries(lane_state: dict[str, Any], where: str, ops: Sequence[Operator
         for i, state in enumerate(carry or ()):
             if state is not None:
                 _try_restore(ops[i], state, f"{at}[{i}]")
+            elif _carries_from_the_start(ops[i]):
+                raise CheckpointCorruptError(
+                    f"loader state field {at}[{i}] must be the carry state of operator "
+                    f"{ops[i].name!r}, which has one from its first epoch on: the checkpoint was "
+                    "edited or damaged"
+                )
+
+
+def _carries_from_the_start(op: Operator) -> bool:
+    """Whether a fresh copy of ``op`` already has a carry state: such an operator has one at
+    every epoch marker after it (``ensure_mixture``'s totals)."""
+    if type(op).carry_state is Operator.carry_state:
+        return False
+    return copy.deepcopy(op).carry_state() is not None
 
 
 def _try_restore(op: Operator, state: dict[str, Any], where: str) -> None:
+    if type(op).carry_state is Operator.carry_state:  # which always says None
+        raise CheckpointCorruptError(
+            f"loader state field {where} must be null: operator {op.name!r} carries no state"
+        )
     if type(op).restore_carry is Operator.restore_carry:
         return  # the default ignores whatever it is given
     try:

@@ -138,7 +138,20 @@ def check_window(
         for i, part in enumerate(carry):
             if part is not None and type(part) is not dict:
                 raise corrupt(f"{where}.carry[{i}]", f"must be null or an object, got {part!r}")
+    check_carry_taken(carry, start, where, monotone)
     return start, cursor, count, int(digest, 16)
+
+
+def check_carry_taken(carry: list | None, start: int, where: str, monotone: bool) -> None:
+    """On the epoch path every epoch marker takes the operators' carry states, so a window holds
+    them exactly when it starts after the first epoch (``start`` > 0); without them a lane would
+    restart its operators afresh in the middle of the run."""
+    if not monotone and (carry is None) != (start == 0):
+        raise corrupt(
+            f"{where}.carry",
+            f"must be {'null' if start == 0 else 'the list of carry states'} for a window "
+            f"starting at lane chunk {start}",
+        )
 
 
 def check_held(
