@@ -19,9 +19,14 @@ from pipeline_kit import WindowShuffle, fingerprint_item
 
 import zephon
 from zephon.cli import main
-from zephon.compact import pack_ints, pack_json
-from zephon.errors import CheckpointCorruptError, CheckpointError, ReplayDivergenceError
-from zephon.ops import ensure_mixture, shuffle, tokenize
+from zephon.compact import pack_ints, pack_json, unpack_json
+from zephon.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ReplayDivergenceError,
+    ZephonError,
+)
+from zephon.ops import ensure_mixture, pack_sequences, shuffle, tokenize
 from zephon.ops.basic import fetch, filter_records, map_transform
 from zephon.ops.batching import batch
 from zephon.runtime.checkpoint import seal
@@ -37,9 +42,9 @@ def _not_seven(payload: dict) -> bool:
     return payload["idx"] % 7 != 0
 
 
-def _texts(dataset: int) -> ListSource:
-    items = [{"text": "xy" * (3 + (i * 7919 + dataset) % 20)} for i in range(80)]
-    return ListSource(items, dataset_id=dataset, chunk_size=8)
+def _texts(dataset: int, n: int = 80, chunk_size: int = 8) -> ListSource:
+    items = [{"text": "xy" * (3 + (i * 7919 + dataset) % 20)} for i in range(n)]
+    return ListSource(items, dataset_id=dataset, chunk_size=chunk_size)
 
 
 PIPELINES: dict[str, Callable[[], zephon.Pipeline]] = {
@@ -199,7 +204,7 @@ def _loads(make: Callable[[], zephon.Pipeline], state: dict[str, Any]) -> bool |
         return None
     try:
         next(loader, None)
-    except (CheckpointError, ReplayDivergenceError):
+    except ZephonError:  # a divergence, or an operator refusing what it was given back
         pass
     finally:
         loader.close()
@@ -256,3 +261,50 @@ def test_any_snapshot_content_is_taken_or_refused_never_failing_raw(
     path.write_text(json.dumps(mutated))
     assert main(["inspect", str(path)]) in (0, 1)  # anything else raises through main
     _loads(PIPELINES["held"], mutated)  # anything but a Zephon error raises here
+
+
+def _holders() -> zephon.Pipeline:
+    """Every built-in operator that describes what it holds, in one chain with snapshots."""
+    texts = {name: _texts(i, 600, 32) for i, name in enumerate("ab")}
+    return zephon.Pipeline(
+        MixtureSource(texts, {"a": 0.5, "b": 0.5}, chunk_size=32),
+        [
+            fetch(),
+            tokenize(max_len=40, split_long_samples=True),
+            ensure_mixture({"a": 0.5, "b": 0.5}, buffer_size=16),
+            shuffle(64, seed=4),
+            pack_sequences(128, open_bins=8),
+            batch(4),
+        ],
+        lanes=2,
+        epoch_chunks=32,
+    )
+
+
+@pytest.fixture(scope="module")
+def holders_state() -> dict[str, Any]:
+    loader = iter(_holders())
+    for _ in range(30):
+        next(loader)
+    state = loader.state_dict()
+    loader.close()
+    assert state["lane_states"][0]["held"] is not None
+    return state
+
+
+@pytest.mark.filterwarnings("ignore::zephon.errors.MixtureDropWarning")
+@settings(max_examples=200)
+@given(
+    holder=st.integers(0, 2),
+    key=st.integers(0, 20),
+    value=_JSON | st.sampled_from([float("inf"), float("nan"), 2**70, -1, [[2**70] * 5]]),
+)
+def test_any_held_operator_state_is_taken_or_refused_never_failing_raw(
+    holders_state: dict[str, Any], holder: int, key: int, value: Any
+) -> None:
+    body = copy.deepcopy({k: v for k, v in holders_state.items() if k != "checksum"})
+    entry = [e for e in body["lane_states"][0]["held"]["ops"] if e is not None][holder]
+    state = unpack_json(entry["state"])
+    state[sorted(state)[key % len(state)]] = value
+    entry["state"] = pack_json(state)
+    _loads(_holders, seal(body))  # anything but a Zephon error raises here
