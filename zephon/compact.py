@@ -32,8 +32,8 @@ __all__ = [
 MAX_EXPANSION = 32
 #: ... or to this many bytes, whichever is more: short fields need room to be useful ...
 MIN_UNPACKED = 64 * 1024
-#: ... but never to more than this (the cursors of 1.4 million held records).
-MAX_UNPACKED = 32 * 1024 * 1024
+#: ... but never to more than this (the cursors of some 700,000 held records).
+MAX_UNPACKED = 16 * 1024 * 1024
 
 
 def pack_ints(values: Sequence[int] | np.ndarray) -> str:
