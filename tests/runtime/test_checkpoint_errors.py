@@ -180,3 +180,25 @@ def test_a_carry_state_its_operator_cannot_restore_is_refused_at_load_naming_it(
         r"restores \(KeyError: 'total'\)",
     ):
         running().iter(state=seal(body))
+
+
+def test_carry_states_are_in_a_window_exactly_when_it_starts_after_the_first_epoch():
+    def running() -> zephon.Pipeline:
+        return zephon.Pipeline(
+            RangeSource(100, chunk_size=8), [fetch(), RunningTotal()], lanes=2, epoch_chunks=2
+        )
+
+    def resealed(steps: int, carry: object) -> dict:
+        loader = iter(running())
+        for _ in range(steps):
+            next(loader)
+        body = {k: v for k, v in loader.state_dict().items() if k != "checksum"}
+        loader.close()
+        body["lane_states"][0]["carry"] = carry
+        return seal(body)
+
+    # Past the first epoch: without its carry state the lane would restart RunningTotal at 0.
+    with pytest.raises(CheckpointCorruptError, match=r"lane_states\[0\]\.carry must be the list"):
+        running().iter(state=resealed(40, None))
+    with pytest.raises(CheckpointCorruptError, match=r"lane_states\[0\]\.carry must be null"):
+        running().iter(state=resealed(1, [{"total": 5}]))

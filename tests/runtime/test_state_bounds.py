@@ -55,6 +55,12 @@ try:
         make().iter(state=zephon.load_checkpoint(path)).close()
     elif how == "merge":
         zephon.merge_states([zephon.load_checkpoint(path)])
+    elif how == "torch":
+        from zephon.integrations.torch import as_torch_dataset
+        dataset = as_torch_dataset(make())
+        dataset.load_state_dict(zephon.load_checkpoint(path))
+        next(iter(dataset))
+        dataset.close()
     else:
         from zephon.cli import main
         if main(["inspect", path]):  # one line on stderr, as for a corrupt state
@@ -156,6 +162,18 @@ def test_a_field_that_inflates_hugely_is_refused_at_a_valid_states_memory(
     assert bomb.stat().st_size < 6 * MIB
     outcome, used = peak(how, bomb)
     assert outcome == "corrupt"
+    assert used - baseline < 64 * MIB, f"{(used - baseline) / MIB:.0f} MiB more than a valid state"
+
+
+def test_the_torch_dataset_refuses_a_crafted_state_at_a_valid_states_memory(
+    state: dict[str, Any], tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    valid, bomb = tmp_path / "valid.json", tmp_path / "bomb.json"
+    zephon.save_checkpoint(valid, state)
+    zephon.save_checkpoint(bomb, edited(state, "open", BOMBS["open"]()))
+    (outcome, baseline), (refused, used) = peak("torch", valid), peak("torch", bomb)
+    assert (outcome, refused) == ("accepted", "corrupt")
     assert used - baseline < 64 * MIB, f"{(used - baseline) / MIB:.0f} MiB more than a valid state"
 
 

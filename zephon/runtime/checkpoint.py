@@ -106,8 +106,17 @@ def check_identity(state: dict[str, Any], plan: Any, *, relane: bool = False) ->
             + " differ"
             + hint
         )
+    check_fingerprint(state)
+
+
+def check_fingerprint(state: dict[str, Any]) -> None:
+    """The state's fingerprint is the digest of its own pipeline description (its ``pipeline``,
+    an object), and that description's lane count is the state's."""
+    saved = state.get("pipeline")
+    if not isinstance(saved, dict):
+        raise CheckpointCorruptError("loader state field pipeline must be an object")
     identity = {k: v for k, v in saved.items() if k != "described"}
-    if saved.get("lanes") != lanes or state.get("fingerprint") != digest(identity):
+    if saved.get("lanes") != state.get("lanes") or state.get("fingerprint") != digest(identity):
         raise CheckpointCorruptError(
             "loader state fingerprint does not match its own pipeline description: it was edited"
         )

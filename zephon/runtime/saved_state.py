@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from zephon.errors import CheckpointCorruptError
-from zephon.plan import digest
-from zephon.runtime.checkpoint import JOB_FORMAT
+from zephon.runtime.checkpoint import JOB_FORMAT, check_fingerprint
 from zephon.runtime.state import (
     COUNTERS,
     check_int,
@@ -81,7 +80,8 @@ def check_saved_state(body: dict[str, Any]) -> dict[str, Any]:
     ``CheckpointCorruptError`` naming the first that is wrong."""
     job = check_keys(body)
     lanes = check_int(body["lanes"], "lanes", 1)
-    per_epoch = _check_pipeline(body, lanes)
+    check_fingerprint(body)
+    per_epoch = check_int(body["pipeline"].get("epoch_chunks"), "pipeline.epoch_chunks", 1)
     layout = check_layout(body["layout"], lanes, None)
     if job:
         ids = range(lanes)
@@ -111,20 +111,6 @@ def check_saved_state(body: dict[str, Any]) -> dict[str, Any]:
         check_turn(check_int(body["next_lane"], "next_lane", 0, len(ids) - 1), checked)
     check_totals(body)
     return body
-
-
-def _check_pipeline(body: dict[str, Any], lanes: int) -> int:
-    """The pipeline's description is the fingerprint's (as ``check_identity`` checks it against
-    a pipeline); returns its ``epoch_chunks``."""
-    saved = body["pipeline"]
-    if type(saved) is not dict:
-        raise corrupt("pipeline", f"must be an object, got {saved!r:.80}")
-    identity = {k: v for k, v in saved.items() if k != "described"}
-    if saved.get("lanes") != lanes or body["fingerprint"] != digest(identity):
-        raise CheckpointCorruptError(
-            "loader state fingerprint does not match its own pipeline description: it was edited"
-        )
-    return check_int(saved.get("epoch_chunks"), "pipeline.epoch_chunks", 1)
 
 
 def _pending(lane_state: dict[str, Any]) -> list[dict[str, Any]]:
