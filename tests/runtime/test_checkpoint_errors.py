@@ -202,3 +202,16 @@ def test_carry_states_are_in_a_window_exactly_when_it_starts_after_the_first_epo
         running().iter(state=resealed(40, None))
     with pytest.raises(CheckpointCorruptError, match=r"lane_states\[0\]\.carry must be null"):
         running().iter(state=resealed(1, [{"total": 5}]))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tag_counts", [[[["x"]], 1]]), ("mixture", {"samples": [[[{}], 1]], "tokens": []})],
+)
+def test_count_pairs_with_a_nested_key_are_corrupt_on_load_and_merge(state, field, value):
+    body = {k: v for k, v in state.items() if k != "checksum"}
+    body[field] = value
+    with pytest.raises(CheckpointCorruptError, match=r"\[0\]\[0\] must be a component name or id"):
+        make().iter(state=seal(body))
+    with pytest.raises(CheckpointCorruptError, match=r"\[0\]\[0\] must be a component name or id"):
+        zephon.merge_states([seal(body)])

@@ -357,7 +357,12 @@ def check_pairs(value: Any, where: str) -> list[tuple[Any, int]]:
         if type(pair) is not list or len(pair) != 2:
             raise corrupt(f"{where}[{i}]", f"must be a [key, count] pair, got {pair!r}")
         key, n = pair
-        if key is not None and (not isinstance(key, (str, int, list)) or isinstance(key, bool)):
+        if not _is_component(key) and not (type(key) is list and all(map(_is_component, key))):
             raise corrupt(f"{where}[{i}][0]", f"must be a component name or id, got {key!r}")
         out.append((tuple(key) if isinstance(key, list) else key, check_int(n, f"{where}[{i}][1]")))
     return out
+
+
+def _is_component(key: Any) -> bool:
+    """A component name or id as JSON keeps it (a tuple one is a list of these)."""
+    return key is None or (isinstance(key, (str, int)) and not isinstance(key, bool))
