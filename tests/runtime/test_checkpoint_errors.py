@@ -12,6 +12,7 @@ from pipeline_kit import RunningTotal, WindowShuffle
 import zephon
 from zephon.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zephon.ops.basic import fetch
+from zephon.plan import digest
 from zephon.runtime.checkpoint import seal
 from zephon.runtime.state import check_pairs, encode_pairs
 from zephon.sources.memory import RangeSource
@@ -215,3 +216,22 @@ def test_count_pairs_with_a_nested_key_are_corrupt_on_load_and_merge(state, fiel
         make().iter(state=seal(body))
     with pytest.raises(CheckpointCorruptError, match=r"\[0\]\[0\] must be a component name or id"):
         zephon.merge_states([seal(body)])
+
+
+def test_merging_the_state_of_one_rank_of_a_huge_job_names_a_few_missing_lanes():
+    # One rank of a job of 500,000 ranks and a million lanes, sealed again with a matching
+    # fingerprint: the error names what is missing without listing every lane and rank.
+    loader = iter(make(lanes=2))
+    next(loader)
+    body = {k: v for k, v in loader.state_dict().items() if k != "checksum"}
+    loader.close()
+    lanes, world = 1_000_000, 500_000
+    body.update(lanes=lanes, world_size=world, layout=[{"lanes": lanes}])
+    body["pipeline"] = {**body["pipeline"], "lanes": lanes}
+    identity = {k: v for k, v in body["pipeline"].items() if k != "described"}
+    body["fingerprint"] = digest(identity)
+    with pytest.raises(
+        CheckpointError, match=r"lanes \[2, 3, 4, 5, 6, 7, 8\] and 999991 more of the job's"
+    ) as e:
+        zephon.merge_states([seal(body)])
+    assert len(str(e.value)) < 400
