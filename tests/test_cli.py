@@ -156,8 +156,8 @@ def test_inspect_a_missing_file_prints_one_line_and_fails(tmp_path):
 
 @pytest.mark.parametrize(
     "content",
-    [b"not json at all", b'{"step": 3}', b"\x80\x04garbage"],
-    ids=["not-json", "no-state", "not-a-torch-file"],
+    [b"not json at all", b'{"step": 3}', b"\x80\x04garbage", b"[" * 100_000 + b"]" * 100_000],
+    ids=["not-json", "no-state", "not-a-torch-file", "nested-too-deep"],
 )
 def test_inspect_a_file_without_a_loader_state_prints_one_line_and_fails(tmp_path, content):
     path = tmp_path / "thing.bin"

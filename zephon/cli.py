@@ -96,7 +96,7 @@ def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
     else:
         try:
             content = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise InspectError(
                 f"{path} is neither a JSON loader state, a save_checkpoint file nor a "
                 f"torch.save file ({exc})"

@@ -113,6 +113,21 @@ def test_truncated_checkpoint_file_is_corrupt(tmp_path, state):
         zephon.load_checkpoint(path)
 
 
+def test_a_checkpoint_file_nested_too_deep_is_corrupt(tmp_path):
+    path = tmp_path / "loader.json"
+    path.write_text('{"format": "zephon-checkpoint", "state": ' + "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointCorruptError, match="is not readable JSON"):
+        zephon.load_checkpoint(path)
+
+
+def test_a_state_nested_too_deep_for_its_checksum_is_corrupt():
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(CheckpointCorruptError, match="not plain JSON data"):
+        make().iter(state={"format": "zephon-loader-state", "version": 3, "layout": deep})
+
+
 def test_flipped_byte_in_checkpoint_file_is_corrupt(tmp_path, state):
     path = tmp_path / "loader.json"
     zephon.save_checkpoint(path, state)

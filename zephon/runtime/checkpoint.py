@@ -44,7 +44,7 @@ def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, 
     body = {k: v for k, v in state.items() if k != "checksum"}
     try:
         expected = hashlib.sha256(_canonical(body)).hexdigest()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"loader state is not plain JSON data: {exc}") from None
     if state.get("checksum") != expected:
         raise CheckpointCorruptError(
@@ -172,7 +172,7 @@ def state_from_checkpoint_bytes(raw: bytes, path: str) -> dict[str, Any]:
     """The state a checkpoint file's bytes hold, verified; ``path`` names it in errors."""
     try:
         envelope = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointCorruptError(f"checkpoint {path} is not readable JSON: {exc}") from None
     if not isinstance(envelope, dict) or envelope.get("format") != FILE_FORMAT:
         raise CheckpointCorruptError(f"{path} is not a Zephon checkpoint file")
