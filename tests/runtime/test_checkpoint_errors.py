@@ -250,3 +250,28 @@ def test_merging_the_state_of_one_rank_of_a_huge_job_names_a_few_missing_lanes()
     ) as e:
         zephon.merge_states([seal(body)])
     assert len(str(e.value)) < 400
+
+
+class _ScaledTotal(RunningTotal):
+    """Restores its carry state with what ``setup`` set: only a set-up copy can."""
+
+    def setup(self, ctx) -> None:
+        self.scale = 1
+
+    def restore_carry(self, state: dict) -> None:
+        self._total = state["total"] * self.scale
+
+
+def test_a_carry_state_of_an_operator_with_setup_is_left_to_its_set_up_copy():
+    def running() -> zephon.Pipeline:
+        return zephon.Pipeline(
+            RangeSource(100, chunk_size=8), [fetch(), _ScaledTotal()], lanes=2, epoch_chunks=2
+        )
+
+    full = [item.payload["total"] for item in running()]
+    loader = iter(running())
+    head = [next(loader).payload["total"] for _ in range(40)]
+    state = loader.state_dict()
+    loader.close()
+    assert state["lane_states"][0]["carry"] is not None
+    assert head + [item.payload["total"] for item in running().iter(state=state)] == full

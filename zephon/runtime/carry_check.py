@@ -3,7 +3,8 @@
 ``restore_carry`` runs on a lane's fresh operators (in a worker, for process lanes), long after
 the state was loaded; an edited carry state would fail there with whatever the operator raises.
 Restoring each one into a scratch copy of its operator while the state is checked turns that into
-``CheckpointCorruptError`` naming the field, the operator and what it said.
+``CheckpointCorruptError`` naming the field, the operator and what it said. An operator with a
+``setup`` is left to its lane: only a set-up copy (in its worker) is the operator that restores.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def check_carries(lane_state: dict[str, Any], where: str, ops: Sequence[Operator
     ]
     for carry, at in windows:
         for i, state in enumerate(carry or ()):
+            if ops[i].has_setup:
+                continue
             if state is not None:
                 _try_restore(ops[i], state, f"{at}[{i}]")
             elif _carries_from_the_start(ops[i]):
