@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import zephon
 from zephon.cli import DISTRIBUTION, main
 from zephon.ops import batch, fetch
-from zephon.runtime.checkpoint import STATE_VERSION
+from zephon.runtime.checkpoint import STATE_VERSION, seal
 from zephon.sources import RangeSource
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,8 +157,8 @@ def test_inspect_a_missing_file_prints_one_line_and_fails(tmp_path):
 
 @pytest.mark.parametrize(
     "content",
-    [b"not json at all", b'{"step": 3}', b"\x80\x04garbage"],
-    ids=["not-json", "no-state", "not-a-torch-file"],
+    [b"not json at all", b'{"step": 3}', b"\x80\x04garbage", b"[" * 100_000 + b"]" * 100_000],
+    ids=["not-json", "no-state", "not-a-torch-file", "nested-too-deep"],
 )
 def test_inspect_a_file_without_a_loader_state_prints_one_line_and_fails(tmp_path, content):
     path = tmp_path / "thing.bin"
@@ -221,3 +222,34 @@ def test_inspect_shows_what_was_done_to_a_run(tmp_path, capsys):
     assert "history: at global step 1: retired 1 sample(s)" in text
     assert "history: at global step 2: skipped 2 global step(s)" in text
     assert "still to skip before the next item: 2 global step(s)" in text
+
+
+def _resealed(edit: Any) -> dict[str, Any]:
+    """A real state, edited by ``edit`` and sealed again: its checksum is valid."""
+    body = {k: v for k, v in loader_state().items() if k != "checksum"}
+    edit(body)
+    return seal(body)
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda s: s["lane_states"][0].pop("cursor"), r"lane_states\[0\] must have exactly"),
+        (lambda s: s["lane_states"][1].update(delivered=-3), r"lane_states\[1\]\.delivered"),
+        (lambda s: s["lane_states"][0].update(cursor=[0, 1, "x", []]), r"cursor\[2\]"),
+        (lambda s: s.update(layout=[]), "layout must be a non-empty list"),
+        (lambda s: s.update(counters="x"), "counters must have exactly the fields"),
+        (lambda s: s.update(next_lane=7), r"next_lane must be in \[0, 1\]"),
+        (lambda s: s["pipeline"].update(lanes=3), "fingerprint does not match"),
+    ],
+    ids=["missing", "negative", "cursor", "layout", "counters", "next_lane", "pipeline"],
+)
+def test_inspect_of_a_resealed_malformed_state_names_the_field_and_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Any, field: str
+) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(_resealed(edit)))
+    assert main(["inspect", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert not out  # nothing of it shown as if it were valid
+    assert re.search(field, err) and str(path) in err, err

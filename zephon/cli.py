@@ -21,6 +21,7 @@ import zephon
 from zephon.errors import CheckpointError, ZephonError
 from zephon.runtime.checkpoint import FILE_FORMAT, JOB_FORMAT, STATE_FORMAT, unseal
 from zephon.runtime.history import described as described_history
+from zephon.runtime.saved_state import check_saved_state
 
 _STATE_FORMATS = (STATE_FORMAT, JOB_FORMAT)
 
@@ -87,7 +88,8 @@ def _states_in(obj: Any, where: str = "", depth: int = 0) -> Iterator[tuple[str,
 
 def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
     """The loader states in a JSON state file, a ``save_checkpoint`` file or a ``torch.save``
-    file (under any key, nested too), each checked against its checksum, with its key path."""
+    file (under any key, nested too), each with its key path, unsealed and checked field by
+    field as far as that goes without the pipeline (``check_saved_state``)."""
     path = Path(path)
     raw = path.read_bytes()
     if raw.startswith((_ZIP_MAGIC, _PICKLE_MAGIC)):
@@ -95,7 +97,7 @@ def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
     else:
         try:
             content = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise InspectError(
                 f"{path} is neither a JSON loader state, a save_checkpoint file nor a "
                 f"torch.save file ({exc})"
@@ -108,19 +110,19 @@ def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
             f"{path} holds no Zephon loader state (a dict with format {STATE_FORMAT!r}, "
             "looked for under every key)"
         )
+    checked = []
     for where, state in found:
-        try:
-            unseal(state, _STATE_FORMATS)
+        try:  # an older version reads as the current one
+            checked.append((where, check_saved_state(unseal(state, _STATE_FORMATS))))
         except CheckpointError as exc:
             raise InspectError(f"{path}{where}: {exc}") from None
-    return found
+    return checked
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], out: Any = None) -> int:
     """Print the loader state(s) a checkpoint file holds, readably; returns the exit status."""
     out = out or sys.stdout
-    for where, raw in read_states(path):
-        state = unseal(raw, _STATE_FORMATS)  # an older version reads as the current one
+    for where, state in read_states(path):
         if state["format"] == JOB_FORMAT:
             print(f"{path}{where}: Zephon job state v{state['version']} (all ranks)", file=out)
             print(

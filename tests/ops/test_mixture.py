@@ -12,9 +12,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import zephon
-from zephon.errors import OperatorError
+from zephon.errors import CheckpointCorruptError, OperatorError
 from zephon.ops import (
     MIXTURE_DROP_TAG,
     batch,
@@ -23,6 +25,7 @@ from zephon.ops import (
     pack_sequences,
     tokenize,
 )
+from zephon.runtime.checkpoint import seal
 from zephon.sources.memory import RangeSource
 from zephon.sources.mixture import MixtureSource
 from zephon.testing import check_operator
@@ -231,6 +234,86 @@ def test_carry_state_is_json_with_int_and_str_components():
     fresh = ensure_mixture({0: 0.5, "b": 0.5}, by="samples")
     fresh.restore_carry(state)
     assert fresh.realized() == op.realized()
+
+
+BAD_CARRIES = [
+    ({}, "must be an object with one field, totals"),
+    ({"totals": 3}, "must be an object with one field, totals"),
+    ({"totals": [["a", 1], ["b", 0]], "more": 1}, "must be an object with one field, totals"),
+    ({"totals": [["a"]]}, r"field totals\[0\] must be a \[component, total\] pair"),
+    ({"totals": ["a"]}, r"field totals\[0\] must be a \[component, total\] pair"),
+    ({"totals": [["z", 1]]}, r"field totals\[0\]\[0\] component 'z' has no weight"),
+    ({"totals": [[["a", ["b"]], 1]]}, r"field totals\[0\]\[0\] component .* has no weight"),
+    ({"totals": [[{"a": 1}, 1]]}, r"field totals\[0\]\[0\] component .* has no weight"),
+    (
+        {"totals": [["a", 1], ["a", 2]]},
+        r"field totals\[1\]\[0\] component 'a' is carried twice",
+    ),
+    ({"totals": [["a", -1]]}, r"field totals\[0\]\[1\] must be an integer in \[0, "),
+    ({"totals": [["a", "7"]]}, r"field totals\[0\]\[1\] must be an integer"),
+    ({"totals": [["a", 1.5]]}, r"field totals\[0\]\[1\] must be an integer"),
+    ({"totals": [["a", True]]}, r"field totals\[0\]\[1\] must be an integer"),
+    ({"totals": [["a", 2**70]]}, r"field totals\[0\]\[1\] must be an integer"),
+    ({"totals": [["a", 1]]}, r"field totals has no total for the components \['b'\]"),
+    ({"totals": []}, r"field totals has no total for the components \['a', 'b'\]"),
+]
+
+
+@pytest.mark.parametrize(("state", "message"), BAD_CARRIES)
+def test_an_edited_carry_state_is_refused_naming_its_field(state: Any, message: str):
+    op = ensure_mixture({"a": 0.5, "b": 0.5})
+    with pytest.raises(CheckpointCorruptError, match=f"ensure_mixture: carry state {message}"):
+        op.restore_carry(state)
+    assert op.realized() == {"a": 0.0, "b": 0.0}  # nothing of it was taken
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300)
+@given(
+    st.one_of(
+        _JSON,
+        st.builds(lambda totals: {"totals": totals}, _JSON),
+        st.builds(
+            lambda comp, total: {"totals": [["a", 3], [comp, total]]},
+            st.sampled_from(["a", "b", "c"]) | _JSON,
+            st.integers() | _JSON,
+        ),
+    )
+)
+def test_any_carry_state_restores_or_is_refused_as_corrupt(state: Any):
+    op = ensure_mixture({"a": 0.5, "b": 0.5})
+    try:
+        op.restore_carry(state)
+    except CheckpointCorruptError as exc:
+        assert str(exc).startswith("ensure_mixture: carry state")
+    else:  # what it took is exactly what the state said, components left out at 0
+        totals = {comp: total for comp, total in op.carry_state()["totals"]}
+        assert sum(totals.values()) == sum(total for _, total in state["totals"])
+        assert all(totals[comp] == total for comp, total in state["totals"])
+
+
+def test_an_edited_carry_state_in_a_checkpoint_is_refused_at_load_naming_lane_and_operator():
+    loader = iter(mixture_pipeline(epoch_chunks=1))
+    for _ in range(30):
+        next(loader)
+    state = loader.state_dict()
+    loader.close()
+    body = copy.deepcopy({k: v for k, v in state.items() if k != "checksum"})
+    carry = body["lane_states"][0]["carry"]
+    i = next(i for i, part in enumerate(carry) if part is not None)
+    carry[i]["totals"][0][1] = -5
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=rf"lane_states\[0\]\.carry\[{i}\]: ensure_mixture: carry state field "
+        r"totals\[0\]\[1\] must be an integer",
+    ):
+        mixture_pipeline(epoch_chunks=1).iter(state=seal(body))
 
 
 # ------------------------------------------------------------------------------------ pipeline

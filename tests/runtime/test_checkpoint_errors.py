@@ -7,11 +7,13 @@ import json
 
 import numpy as np
 import pytest
-from pipeline_kit import WindowShuffle
+from pipeline_kit import RunningTotal, WindowShuffle
 
 import zephon
 from zephon.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zephon.ops.basic import fetch
+from zephon.plan import digest
+from zephon.runtime.checkpoint import seal
 from zephon.runtime.state import check_pairs, encode_pairs
 from zephon.sources.memory import RangeSource
 
@@ -111,6 +113,21 @@ def test_truncated_checkpoint_file_is_corrupt(tmp_path, state):
         zephon.load_checkpoint(path)
 
 
+def test_a_checkpoint_file_nested_too_deep_is_corrupt(tmp_path):
+    path = tmp_path / "loader.json"
+    path.write_text('{"format": "zephon-checkpoint", "state": ' + "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointCorruptError, match="is not readable JSON"):
+        zephon.load_checkpoint(path)
+
+
+def test_a_state_nested_too_deep_for_its_checksum_is_corrupt():
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(CheckpointCorruptError, match="not plain JSON data"):
+        make().iter(state={"format": "zephon-loader-state", "version": 3, "layout": deep})
+
+
 def test_flipped_byte_in_checkpoint_file_is_corrupt(tmp_path, state):
     path = tmp_path / "loader.json"
     zephon.save_checkpoint(path, state)
@@ -156,3 +173,105 @@ def test_a_source_holding_its_data_keeps_the_checkpoint_small() -> None:
     with pytest.raises(CheckpointMismatchError, match=r"source field 'make'") as raised:
         _holding(changed).iter(state=state)
     assert "'10000 items, sha256 " in str(raised.value)  # the long list, by length and digest
+
+
+def test_a_carry_state_its_operator_cannot_restore_is_refused_at_load_naming_it():
+    def running(n: int = 100) -> zephon.Pipeline:
+        return zephon.Pipeline(
+            RangeSource(n, chunk_size=8), [fetch(), RunningTotal()], lanes=2, epoch_chunks=2
+        )
+
+    loader = iter(running())
+    for _ in range(40):
+        next(loader)
+    state = loader.state_dict()
+    loader.close()
+    body = copy.deepcopy({k: v for k, v in state.items() if k != "checksum"})
+    carry = body["lane_states"][1]["carry"]
+    assert carry == [{"total": carry[0]["total"]}], "the state must carry a running total"
+    carry[0] = {"sum": 3}  # RunningTotal reads "total": a KeyError inside the operator
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=r"lane_states\[1\]\.carry\[0\] is not a carry state operator 'RunningTotal' "
+        r"restores \(KeyError: 'total'\)",
+    ):
+        running().iter(state=seal(body))
+
+
+def test_carry_states_are_in_a_window_exactly_when_it_starts_after_the_first_epoch():
+    def running() -> zephon.Pipeline:
+        return zephon.Pipeline(
+            RangeSource(100, chunk_size=8), [fetch(), RunningTotal()], lanes=2, epoch_chunks=2
+        )
+
+    def resealed(steps: int, carry: object) -> dict:
+        loader = iter(running())
+        for _ in range(steps):
+            next(loader)
+        body = {k: v for k, v in loader.state_dict().items() if k != "checksum"}
+        loader.close()
+        body["lane_states"][0]["carry"] = carry
+        return seal(body)
+
+    # Past the first epoch: without its carry state the lane would restart RunningTotal at 0.
+    with pytest.raises(CheckpointCorruptError, match=r"lane_states\[0\]\.carry must be the list"):
+        running().iter(state=resealed(40, None))
+    with pytest.raises(CheckpointCorruptError, match=r"lane_states\[0\]\.carry must be null"):
+        running().iter(state=resealed(1, [{"total": 5}]))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tag_counts", [[[["x"]], 1]]), ("mixture", {"samples": [[[{}], 1]], "tokens": []})],
+)
+def test_count_pairs_with_a_nested_key_are_corrupt_on_load_and_merge(state, field, value):
+    body = {k: v for k, v in state.items() if k != "checksum"}
+    body[field] = value
+    with pytest.raises(CheckpointCorruptError, match=r"\[0\]\[0\] must be a component name or id"):
+        make().iter(state=seal(body))
+    with pytest.raises(CheckpointCorruptError, match=r"\[0\]\[0\] must be a component name or id"):
+        zephon.merge_states([seal(body)])
+
+
+def test_merging_the_state_of_one_rank_of_a_huge_job_names_a_few_missing_lanes():
+    # One rank of a job of 500,000 ranks and a million lanes, sealed again with a matching
+    # fingerprint: the error names what is missing without listing every lane and rank.
+    loader = iter(make(lanes=2))
+    next(loader)
+    body = {k: v for k, v in loader.state_dict().items() if k != "checksum"}
+    loader.close()
+    lanes, world = 1_000_000, 500_000
+    body.update(lanes=lanes, world_size=world, layout=[{"lanes": lanes}])
+    body["pipeline"] = {**body["pipeline"], "lanes": lanes}
+    identity = {k: v for k, v in body["pipeline"].items() if k != "described"}
+    body["fingerprint"] = digest(identity)
+    with pytest.raises(
+        CheckpointError, match=r"lanes \[2, 3, 4, 5, 6, 7, 8\] and 999991 more of the job's"
+    ) as e:
+        zephon.merge_states([seal(body)])
+    assert len(str(e.value)) < 400
+
+
+class _ScaledTotal(RunningTotal):
+    """Restores its carry state with what ``setup`` set: only a set-up copy can."""
+
+    def setup(self, ctx) -> None:
+        self.scale = 1
+
+    def restore_carry(self, state: dict) -> None:
+        self._total = state["total"] * self.scale
+
+
+def test_a_carry_state_of_an_operator_with_setup_is_left_to_its_set_up_copy():
+    def running() -> zephon.Pipeline:
+        return zephon.Pipeline(
+            RangeSource(100, chunk_size=8), [fetch(), _ScaledTotal()], lanes=2, epoch_chunks=2
+        )
+
+    full = [item.payload["total"] for item in running()]
+    loader = iter(running())
+    head = [next(loader).payload["total"] for _ in range(40)]
+    state = loader.state_dict()
+    loader.close()
+    assert state["lane_states"][0]["carry"] is not None
+    assert head + [item.payload["total"] for item in running().iter(state=state)] == full

@@ -14,6 +14,7 @@ from pipeline_kit import fingerprint_item
 import zephon
 from zephon.errors import CheckpointCorruptError, CheckpointError
 from zephon.ops import batch, fetch, shuffle
+from zephon.runtime.checkpoint import seal
 from zephon.sources import RangeSource
 
 N = 4  # the job's lanes
@@ -101,3 +102,12 @@ def test_a_bucket_that_fails_a_request_now_and_then_is_read_all_the_same(
     job = zephon.load_job_state(where)
     assert failing_proxy.failed == 2
     assert global_steps(2, job) == global_steps(1, limit=STEPS + 20)[STEPS:]
+
+
+def test_a_resealed_malformed_rank_state_is_corrupt_naming_the_field(tmp_path: Path) -> None:
+    save_ranks(str(tmp_path), world=2)
+    path = tmp_path / "rank-00001-of-00002.json"
+    body = {k: v for k, v in zephon.load_checkpoint(path).items() if k not in ("checksum", "rank")}
+    zephon.save_checkpoint(path, seal(body))
+    with pytest.raises(CheckpointCorruptError, match="must have exactly the fields"):
+        zephon.load_job_state(str(tmp_path))

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from zephon.errors import MixtureDropWarning
+from zephon.errors import CheckpointCorruptError, MixtureDropWarning
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
 from zephon.ops.children import split_in_proportion, tombstone_meta
@@ -39,6 +39,16 @@ _MIN_DECISIONS = 256
 
 _BY = ("tokens", "samples")
 _MANY = object()
+_MAX_TOTAL = (1 << 62) - 1  # a larger running total in a checkpoint is damage, not a count
+
+
+def _bad_carry(field: str, why: str) -> CheckpointCorruptError:
+    """A carry state this operator never wrote, naming the field (``""``: the whole state)."""
+    what = f"carry state field {field}" if field else "carry state"
+    return CheckpointCorruptError(
+        f"ensure_mixture: {what} {why}; the checkpoint was edited or damaged, resume from an "
+        "unaltered one"
+    )
 
 
 class _Entry:
@@ -429,12 +439,36 @@ class EnsureMixture(Operator):
         return {"totals": [[c, t] for c, t in self._totals.items()]}
 
     def restore_carry(self, state: dict) -> None:
+        """Take back the running totals of ``carry_state``; ``CheckpointCorruptError`` naming
+        the field for anything else (each weighted component once, totals >= 0)."""
         totals = dict.fromkeys(self.weights, 0)
-        for comp, total in state["totals"]:
-            key = tuple(comp) if isinstance(comp, list) else comp
-            if key not in totals:
-                raise ValueError(f"ensure_mixture: carried component {key!r} has no weight")
-            totals[key] = int(total)
+        pairs = state.get("totals") if type(state) is dict and set(state) == {"totals"} else None
+        if type(pairs) is not list:
+            raise _bad_carry("", f"must be an object with one field, totals, got {state!r:.200}")
+        seen: set[Any] = set()
+        for i, pair in enumerate(pairs):
+            if type(pair) is not list or len(pair) != 2:
+                raise _bad_carry(f"totals[{i}]", f"must be a [component, total] pair: {pair!r:.80}")
+            comp, total = pair
+            key = tuple(comp) if type(comp) is list else comp
+            try:
+                known = key in totals
+            except TypeError:  # an unhashable component: a list holding a list or an object
+                known = False
+            if not known or key in seen:
+                again = "is carried twice" if known else "has no weight"
+                raise _bad_carry(
+                    f"totals[{i}][0]", f"component {comp!r:.80} {again} (weights: {list(totals)})"
+                )
+            if type(total) is not int or not 0 <= total <= _MAX_TOTAL:
+                raise _bad_carry(
+                    f"totals[{i}][1]", f"must be an integer in [0, {_MAX_TOTAL}], got {total!r:.80}"
+                )
+            seen.add(key)
+            totals[key] = total
+        missing = [c for c in totals if c not in seen]
+        if missing:  # carry_state lists every weighted component
+            raise _bad_carry("totals", f"has no total for the components {missing}")
         self._totals = totals
         self._grand = sum(totals.values())
 

@@ -52,7 +52,7 @@ def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, 
     body = {k: v for k, v in state.items() if k != "checksum"}
     try:
         expected = hashlib.sha256(_canonical(body)).hexdigest()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"loader state is not plain JSON data: {exc}") from None
     if state.get("checksum") != expected:
         raise CheckpointCorruptError(
@@ -140,17 +140,26 @@ def check_identity(
             + " differ"
             + hint
         )
-    identity = {k: v for k, v in saved.items() if k != "described"}
-    if saved.get("lanes") != lanes or state.get("fingerprint") != digest(identity):
-        raise CheckpointCorruptError(
-            "loader state fingerprint does not match its own pipeline description: it was edited"
-        )
+    check_fingerprint(state)
     if not changed:
         return []
     _check_same_chain(_described(saved), _described(parts))
     return operator_differences(_described(saved), _described(parts)) or [
         f"operators (digest {saved.get('operators')!s:.12} -> {parts.get('operators')!s:.12})"
     ]
+
+
+def check_fingerprint(state: dict[str, Any]) -> None:
+    """The state's fingerprint is the digest of its own pipeline description (its ``pipeline``,
+    an object), and that description's lane count is the state's."""
+    saved = state.get("pipeline")
+    if not isinstance(saved, dict):
+        raise CheckpointCorruptError("loader state field pipeline must be an object")
+    identity = {k: v for k, v in saved.items() if k != "described"}
+    if saved.get("lanes") != state.get("lanes") or state.get("fingerprint") != digest(identity):
+        raise CheckpointCorruptError(
+            "loader state fingerprint does not match its own pipeline description: it was edited"
+        )
 
 
 def _footer_only(plan: Any) -> str | None:
@@ -256,7 +265,7 @@ def state_from_checkpoint_bytes(raw: bytes, path: str) -> dict[str, Any]:
     """The state a checkpoint file's bytes hold, verified; ``path`` names it in errors."""
     try:
         envelope = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointCorruptError(f"checkpoint {path} is not readable JSON: {exc}") from None
     if not isinstance(envelope, dict) or envelope.get("format") != FILE_FORMAT:
         raise CheckpointCorruptError(f"{path} is not a Zephon checkpoint file")

@@ -23,6 +23,7 @@ from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
 from zephon.runtime.batcher import LEAVE_TO_CALLER, FinalBatcher
 from zephon.runtime.bookkeeping import LaneBook
+from zephon.runtime.carry_check import check_carries
 from zephon.runtime.control import EpochEnd, LaneEnd, Retired, RunStart, Skipped
 from zephon.runtime.layout import Layout, Run
 from zephon.runtime.replay import MASK64, ReplayFilter
@@ -271,6 +272,7 @@ class LaneDelivery(LaneOutlet):
             holdings=plan.restores_holdings,
             source=plan.source,
         )
+        check_carries(state, where, plan.chain)
         self.restored_state = state
         self.delivered = checked["delivered"]
         self.cut = False

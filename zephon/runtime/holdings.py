@@ -26,7 +26,7 @@ import numpy as np
 from zephon._core.cursor import digest_cursors
 from zephon._core.records import cursors_of
 from zephon.compact import pack_ints, pack_json, unpack_ints, unpack_json
-from zephon.errors import ReplayDivergenceError
+from zephon.errors import ReplayDivergenceError, ZephonError
 from zephon.ops.base import Operator
 from zephon.types import SampleCursor, SampleRecord
 
@@ -159,8 +159,11 @@ def rebuild(
             raise _diverged(lane_id, ops[j], "the rebuilt records are not the ones it held")
         try:
             ops[j].restore_holdings(mine, unpack_json(entry["state"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise _diverged(lane_id, ops[j], f"its state did not restore ({exc})") from exc
+        except ZephonError:
+            raise
+        except Exception as exc:  # whatever an operator raises on a state it never wrote
+            why = f"its state did not restore ({type(exc).__name__}: {exc})"
+            raise _diverged(lane_id, ops[j], why) from exc
         closing[j] = sum(
             1 for rec in mine for ref in rec.meta.contribution_refs() if ref.is_last_child
         )

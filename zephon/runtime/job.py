@@ -9,12 +9,16 @@ the same global step; the result holds all lanes, and each rank of the next run 
 from __future__ import annotations
 
 from collections import Counter
+from itertools import islice
 from typing import Any
 
 from zephon.errors import CheckpointError, CheckpointMismatchError
 from zephon.runtime.checkpoint import JOB_FORMAT, STATE_FORMAT, STATE_VERSION, seal, unseal
 from zephon.runtime.retire import merge_retired
+from zephon.runtime.saved_state import check_saved_state
 from zephon.runtime.state import COUNTERS, check_int, check_pairs, corrupt, encode_pairs
+
+_SHOWN = 8  # missing lanes or ranks named in an error
 
 
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -24,7 +28,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     ``CheckpointError`` naming the problem when ranks or lanes are missing or duplicated, or the
     ranks were checkpointed at different global steps.
     """
-    bodies = [unseal(state) for state in states]
+    bodies = [check_saved_state(unseal(state)) for state in states]
     if not bodies:
         raise CheckpointError("merge_states needs the state of every rank, got none")
     first = bodies[0]
@@ -66,13 +70,8 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             if g in by_lane:
                 raise CheckpointError(f"lane {g} is in the states of two ranks")
             by_lane[g] = lane_state
-    missing = [g for g in range(lanes) if g not in by_lane]
-    if missing:
-        absent = sorted(set(range(world_size)) - set(ranks))
-        raise CheckpointError(
-            f"lanes {missing} of the job's {lanes} are missing"
-            + (f" (no state of rank(s) {absent})" if absent else "")
-        )
+    if len(by_lane) < lanes:
+        raise CheckpointError(_missing(lanes, by_lane, world_size, ranks))
     step = _job_step(bodies, lanes // world_size)
     counters = {name: 0 for name in COUNTERS}
     tags: Counter[Any] = Counter()
@@ -107,6 +106,21 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             "skip": first["skip"],
             "retired": retired,
         }
+    )
+
+
+def _missing(lanes: int, by_lane: dict[int, Any], world_size: int, ranks: Counter[Any]) -> str:
+    """Which lanes, and the states of which ranks, are missing: the first few of each (a state
+    may claim a job of millions of lanes)."""
+
+    def first(n: int, present: Any) -> str:
+        shown = list(islice((i for i in range(n) if i not in present), _SHOWN))
+        missing = n - len(present)
+        return f"{shown}" if missing <= _SHOWN else f"{shown[:-1]} and {missing - _SHOWN + 1} more"
+
+    absent = world_size - len(ranks)
+    return f"lanes {first(lanes, by_lane)} of the job's {lanes} are missing" + (
+        f" (no state of rank(s) {first(world_size, ranks)})" if absent > 0 else ""
     )
 
 

@@ -21,6 +21,7 @@ from zephon.runtime.checkpoint import (
     unseal,
 )
 from zephon.runtime.job import merge_states
+from zephon.runtime.saved_state import check_saved_state
 from zephon.sources.locations import filesystem_and_path
 
 _NAME = re.compile(r"^rank-(\d{5,})-of-(\d{5,})\.json$")
@@ -87,7 +88,7 @@ def load_job_state(where: str, *, filesystem: Any = None) -> dict[str, Any]:
         path = by_rank[rank]
         with fs.open_input_stream(path) as f:
             state = state_from_checkpoint_bytes(f.read(), path)
-        body = unseal(state, (STATE_FORMAT,))
+        body = check_saved_state(unseal(state, (STATE_FORMAT,)))
         if (body["rank"], body["world_size"]) != (rank, world):
             raise CheckpointCorruptError(
                 f"{path} holds the state of rank {body['rank']} of {body['world_size']}, not "

@@ -56,13 +56,12 @@ from zephon.runtime.retire import (
     horizons_of,
     retired_ids,
 )
+from zephon.runtime.saved_state import JOB_KEYS, check_keys, check_totals
 from zephon.runtime.skips import SkipLog
 from zephon.runtime.state import (
-    COUNTERS,
     check_int,
     check_lane_state,
     check_layout,
-    check_pairs,
     check_turn,
     corrupt,
     encode_pairs,
@@ -70,31 +69,6 @@ from zephon.runtime.state import (
 from zephon.runtime.supervision import close_feeds, start_feeds
 
 log = logging.getLogger("zephon")
-
-_STATE_KEYS = frozenset(
-    {
-        "format",
-        "version",
-        "fingerprint",
-        "pipeline",
-        "rank",
-        "world_size",
-        "lanes",
-        "next_lane",
-        "layout",
-        "lane_states",
-        "counters",
-        "tag_counts",
-        "mixture",
-        "history",
-        "skip",
-        "retired",
-    }
-)
-_JOB_KEYS = _STATE_KEYS - {"rank", "world_size", "next_lane"}
-# Written since states count global steps; a state without them is read the way it was written.
-_NEWER_STATE_KEYS = frozenset({"served"})
-_NEWER_JOB_KEYS = frozenset({"step"})
 
 
 class Loader(LoaderStep):
@@ -515,14 +489,7 @@ class Loader(LoaderStep):
             raise CheckpointError("load_state_dict must be called before the first next()")
         body = unseal(state, (STATE_FORMAT, JOB_FORMAT))
         plan = self.plan
-        job = body["format"] == JOB_FORMAT
-        keys = _JOB_KEYS if job else _STATE_KEYS
-        newer = _NEWER_JOB_KEYS if job else _NEWER_STATE_KEYS
-        if not keys <= set(body) <= keys | newer:
-            raise CheckpointCorruptError(
-                f"loader state must have exactly the fields {sorted(keys | newer)}, got "
-                f"{sorted(body)}"
-            )
+        job = check_keys(body)
         relaning = plan.relane and type(body.get("lanes")) is int and body["lanes"] != plan.lanes
         if type(allow_changes) is not bool:
             raise TypeError(f"allow_changes must be True or False, got {allow_changes!r}")
@@ -577,16 +544,7 @@ class Loader(LoaderStep):
             self.next_lane = check_int(body["next_lane"], "next_lane", 0, len(self.lanes) - 1)
             check_turn(self.next_lane, checked)
             self.served_offset = rank_served(body) - delivered
-        counters = body["counters"]
-        if type(counters) is not dict or set(counters) != set(COUNTERS):
-            raise corrupt("counters", f"must have exactly the fields {list(COUNTERS)}")
-        values = {name: check_int(counters[name], f"counters.{name}") for name in COUNTERS}
-        tag_counts = check_pairs(body["tag_counts"], "tag_counts")
-        mixture = body["mixture"]
-        if type(mixture) is not dict or set(mixture) != {"samples", "tokens"}:
-            raise corrupt("mixture", "must have exactly the fields samples and tokens")
-        samples = check_pairs(mixture["samples"], "mixture.samples")
-        tokens = check_pairs(mixture["tokens"], "mixture.tokens")
+        values, tag_counts, samples, tokens = check_totals(body)
         if job:
             return  # a job's counters belong to all its ranks: this rank counts afresh
         self._restore_counters(values, tag_counts, samples, tokens)
@@ -683,7 +641,7 @@ class Loader(LoaderStep):
         )
         log.warning(text)
         warnings.warn(text, RelaneWarning, stacklevel=4)
-        job = {k: v for k, v in body.items() if k in _JOB_KEYS}
+        job = {k: v for k, v in body.items() if k in JOB_KEYS}
         step = job_step(body) if body["format"] == JOB_FORMAT else rank_served(body) // old
         return {
             **job,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from zephon.compact import unpack_ints, unpack_json
+from zephon.compact import unpack_json
 from zephon.errors import CheckpointCorruptError
-from zephon.runtime.holdings import unpack_cursors
+from zephon.runtime.held_check import SnapshotChunks, check_held_records, check_open_offsets
 from zephon.runtime.layout import LaneGeometry, Layout, Leftover, Run, lane_total
 from zephon.types import SampleCursor
 
@@ -138,7 +138,20 @@ def check_window(
         for i, part in enumerate(carry):
             if part is not None and type(part) is not dict:
                 raise corrupt(f"{where}.carry[{i}]", f"must be null or an object, got {part!r}")
+    check_carry_taken(carry, start, where, monotone)
     return start, cursor, count, int(digest, 16)
+
+
+def check_carry_taken(carry: list | None, start: int, where: str, monotone: bool) -> None:
+    """On the epoch path every epoch marker takes the operators' carry states, so a window holds
+    them exactly when it starts after the first epoch (``start`` > 0); without them a lane would
+    restart its operators afresh in the middle of the run."""
+    if not monotone and (carry is None) != (start == 0):
+        raise corrupt(
+            f"{where}.carry",
+            f"must be {'null' if start == 0 else 'the list of carry states'} for a window "
+            f"starting at lane chunk {start}",
+        )
 
 
 def check_held(
@@ -161,31 +174,28 @@ def check_held(
     read_to = check_int(held["offset"], f"{where}.offset")
     if read_to == 0 and nxt == start:
         raise corrupt(where, "is a snapshot of nothing read (next chunk is the epoch's first)")
-    if read_to and read_to >= len(source.chunk(geometry.position(nxt))):
+    if read_to and source is not None and read_to >= len(source.chunk(geometry.position(nxt))):
         raise corrupt(f"{where}.offset", f"{read_to} is past chunk {geometry.position(nxt)}")
     ops = held["ops"]
     if type(ops) is not list or len(ops) != n_ops:
         raise corrupt(f"{where}.ops", f"must be a list of {n_ops} entries")
-    positions = {geometry.position(k) for k in range(start, nxt + (1 if read_to else 0))}
-    try:
-        for i, entry in enumerate(ops):
-            if entry is None:
-                continue
-            at = f"{where}.ops[{i}]"
-            if type(entry) is not dict or set(entry) != {"records", "digest", "state"}:
-                raise corrupt(at, "must be null or an object with records, digest and state")
-            if type(entry["digest"]) is not str or not _HEX16.fullmatch(entry["digest"]):
-                raise corrupt(f"{at}.digest", "must be 16 lower-case hex digits")
-            for chunk_id, _, _ in unpack_cursors(entry["records"]):
-                if chunk_id not in positions:
-                    raise corrupt(f"{at}.records", f"names chunk {chunk_id} outside the snapshot")
-            if type(unpack_json(entry["state"])) is not dict:
-                raise corrupt(f"{at}.state", "must hold an object")
-        pairs = unpack_ints(held["open"])
-    except ValueError as exc:
-        raise corrupt(where, str(exc)) from None
-    if len(pairs) % 2 or any(c not in positions for c in pairs[0::2].tolist()):
-        raise corrupt(f"{where}.open", "must be (chunk, offset) pairs of the snapshot's chunks")
+    chunks = SnapshotChunks(geometry, start, nxt + (1 if read_to else 0), source)
+    for i, entry in enumerate(ops):
+        if entry is None:
+            continue
+        at = f"{where}.ops[{i}]"
+        if type(entry) is not dict or set(entry) != {"records", "digest", "state"}:
+            raise corrupt(at, "must be null or an object with records, digest and state")
+        if type(entry["digest"]) is not str or not _HEX16.fullmatch(entry["digest"]):
+            raise corrupt(f"{at}.digest", "must be 16 lower-case hex digits")
+        check_held_records(entry["records"], f"{at}.records", chunks)
+        try:
+            state = unpack_json(entry["state"])
+        except ValueError as exc:
+            raise corrupt(f"{at}.state", str(exc)) from None
+        if type(state) is not dict:
+            raise corrupt(f"{at}.state", "must hold an object")
+    check_open_offsets(held["open"], f"{where}.open", chunks)
     return nxt
 
 
@@ -228,7 +238,8 @@ def check_lane_state(
     source: Any = None,
 ) -> dict[str, Any]:
     """A lane's state with every field checked; ``runs`` is what the lane still has to run, in
-    order: the inherited runs it is in or has yet to start, then its own chunks."""
+    order: the inherited runs it is in or has yet to start, then its own chunks. Without
+    ``source`` (a state checked on its own) what needs the data is left out."""
     if type(value) is not dict:
         raise corrupt(where, f"must be an object, got {type(value).__name__}")
     if set(value) != LANE_KEYS:
@@ -279,7 +290,9 @@ def check_lane_state(
             value, where, geometry=own, limit=own.total, **window
         )
         total = own.total
-        if finished and (cursor is not None or total is None or start < total):
+        # Without the source (``zephon inspect``) a lane's size is unknown, so is its end.
+        at_end = start >= total if total is not None else source is None
+        if finished and (cursor is not None or not at_end):
             raise corrupt(f"{where}.finished", "is true for a lane that has chunks left")
         carry, held = value["carry"], value["held"]
         runs.append(Run(layout.current, lane_id, start, None, carry, cursor, count, digest, held))
@@ -403,7 +416,12 @@ def check_pairs(value: Any, where: str) -> list[tuple[Any, int]]:
         if type(pair) is not list or len(pair) != 2:
             raise corrupt(f"{where}[{i}]", f"must be a [key, count] pair, got {pair!r}")
         key, n = pair
-        if key is not None and (not isinstance(key, (str, int, list)) or isinstance(key, bool)):
+        if not _is_component(key) and not (type(key) is list and all(map(_is_component, key))):
             raise corrupt(f"{where}[{i}][0]", f"must be a component name or id, got {key!r}")
         out.append((tuple(key) if isinstance(key, list) else key, check_int(n, f"{where}[{i}][1]")))
     return out
+
+
+def _is_component(key: Any) -> bool:
+    """A component name or id as JSON keeps it (a tuple one is a list of these)."""
+    return key is None or (isinstance(key, (str, int)) and not isinstance(key, bool))
