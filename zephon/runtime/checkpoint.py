@@ -93,7 +93,9 @@ def check_identity(
     if not isinstance(saved, dict):
         raise CheckpointCorruptError("loader state field pipeline must be an object")
     parts = plan.fingerprint_parts
-    if saved.get("source") != parts.get("source") and saved.get("source") == _footer_only(plan):
+    if saved.get("source") not in (None, parts.get("source")) and saved["source"] == _footer_only(
+        plan
+    ):
         warnings.warn(
             "this checkpoint was taken before file contents were part of the pipeline's "
             "identity: its files have the same names, sizes, row counts and footers, but "

@@ -120,6 +120,9 @@ def check_saved_state(body: dict[str, Any]) -> dict[str, Any]:
     if not job:  # a job's lanes are in step per rank, which the job state no longer says
         check_turn(check_int(body["next_lane"], "next_lane", 0, len(ids) - 1), checked)
     check_totals(body)
+    for key in ("served", "step"):  # the items a rank handed over, a job's global step
+        if key in body:
+            check_int(body[key], key)
     check_history(body["history"], body["skip"])
     decode_retirements(body["retired"])
     return body
