@@ -4,6 +4,7 @@ pickled; torn down once per worker on close, at the end and on an error."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ class Scored(Operator):
     def setup(self, ctx: OperatorContext) -> None:
         self.model = Unpicklable()
         Path(self.notes, f"setup-{os.getpid()}-{id(self.model)}").write_text(
-            f"{ctx.worker} {list(ctx.lanes)} {ctx.rank} {ctx.world_size}"
+            f"{ctx.worker} {list(ctx.lanes)} {ctx.rank} {ctx.world_size} "
+            f"{threading.current_thread() is threading.main_thread()}"
         )
 
     def teardown(self) -> None:
@@ -99,7 +101,9 @@ def test_inline_and_thread_lanes_share_one_setup_in_the_training_process(tmp_pat
     got = rows(pipeline(tmp_path, workers=workers, processes=2))
     assert sorted(i for i, _, _ in got) == list(range(400))
     (setup,) = notes_of(tmp_path, "setup")
-    assert Path(tmp_path, setup).read_text() == f"{workers} [0, 1, 2, 3] 0 1"
+    # inline lanes run in the training loop's thread; a thread lane's worker thread sets up
+    on_main = workers == "inline"
+    assert Path(tmp_path, setup).read_text() == f"{workers} [0, 1, 2, 3] 0 1 {on_main}"
     assert {(w, m) for _, w, m in got} == {tuple(map(int, setup.split("-")[1:]))}
     assert notes_of(tmp_path, "teardown") == [setup.replace("setup", "teardown")]
 

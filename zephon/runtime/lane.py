@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import copy
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
@@ -125,13 +125,15 @@ class LaneRunner:
         runs: list[dict[str, Any]] | None = None,
         layout: list[dict[str, Any]] | None = None,
         op_stats: list[list[float]] | None = None,
-        setup: OperatorSetup | None = None,
+        setup: OperatorSetup | Callable[[], OperatorSetup | None] | None = None,
         retired: list[Retirement] | None = None,
     ):
         self.plan = plan
         self.screen = FetchScreen(retired) if retired else None
         self.lane_id = lane_id
-        self.setup = setup  # the worker's set-up operators, which lanes copy (operator_setup)
+        # The worker's set-up operators, which lanes copy (operator_setup); an inline or thread
+        # lane gets the training process's, made on first use in the lane's own thread.
+        self.setup = setup() if callable(setup) else setup
         total = plan.source.total_chunks()
         self.layout = (
             Layout.fresh(plan.lanes, total) if layout is None else Layout.decode(layout, total)

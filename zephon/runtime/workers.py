@@ -11,6 +11,7 @@ The inline lane is here; thread lanes are in ``thread_lanes``, process lanes in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from typing import Any
 
@@ -82,10 +83,11 @@ def open_lane(plan: Plan, lane_id: int, **start: Any) -> InlineLane | ThreadLane
 
 
 def _with_setup(plan: Plan, start: dict[str, Any]) -> dict[str, Any]:
-    """``start`` with the training process's operator setup, for an inline or thread lane."""
+    """``start`` with the training process's operator setup, for an inline or thread lane: made
+    when the lane's runner starts, so a thread lane's worker thread runs it, never the loop's."""
     if plan.workers == "process" or not plan.sets_up:
         return start
-    return {**start, "setup": in_process_setup(plan, plan.workers)}
+    return {**start, "setup": functools.partial(in_process_setup, plan, plan.workers)}
 
 
 def open_lanes(
