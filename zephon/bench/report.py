@@ -554,6 +554,78 @@ def lanes_rows(quick: bool) -> list[Row]:
     ]
 
 
+def metrics_rows(quick: bool) -> list[Row]:
+    """``fetch -> map -> batch(32)`` on 2 inline lanes with its metrics served and scraped every
+    50 ms (``zephon.observability.serve_metrics``) against the same run without them, in turns."""
+    import threading
+    import urllib.request
+
+    import zephon
+    from zephon.observability import serve_metrics
+    from zephon.ops import batch, fetch, map_transform
+    from zephon.sources import RangeSource
+
+    n = 200_000 if quick else 1_000_000
+    pipeline = zephon.Pipeline(
+        RangeSource(n, chunk_size=1024),
+        [fetch(), map_transform(_plus_one), batch(32)],
+        lanes=2,
+    )
+
+    def drain(loader: Any) -> float:
+        t0 = time.perf_counter()
+        for _ in loader:
+            pass
+        return time.perf_counter() - t0
+
+    def plain() -> float:
+        with pipeline.iter() as loader:
+            return drain(loader)
+
+    scrapes = [0]
+
+    def scraped() -> float:
+        # Only the stream is timed: starting and stopping the server is not per record.
+        with pipeline.iter() as loader, serve_metrics(loader) as server:
+            done = threading.Event()
+
+            def scrape() -> None:
+                while not done.wait(0.05):
+                    with urllib.request.urlopen(server.url, timeout=10) as reply:
+                        reply.read()
+                    scrapes[0] += 1
+
+            scraper = threading.Thread(target=scrape, daemon=True)
+            scraper.start()
+            try:
+                return drain(loader)
+            finally:
+                done.set()
+                scraper.join()
+
+    rounds = 3 if quick else 5
+    off, on = [], []
+    for _ in range(rounds):
+        off.append(plain())
+        on.append(scraped())
+    a, b = statistics.median(off), statistics.median(on)
+    return [
+        Row(
+            f"metrics served and scraped every 50 ms, fetch → map → batch(32), {n:,} records",
+            _seconds(b),
+            _seconds(a) + " (no metrics)",
+            f"{b / a:.3f}×",
+            "≤ 1.05×",
+            b / a <= 1.05,
+            f"{scrapes[0]} scrapes in all",
+        )
+    ]
+
+
+def _plus_one(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"x": payload["idx"] + 1}
+
+
 def mixture_rows(quick: bool) -> list[Row]:
     """Tokens ``ensure_mixture`` drops with a token-aware source (calibrated by the tokenizer)
     against a sample-weighted one, on the same two Parquet datasets (0.7 / 0.3 by tokens)."""
@@ -884,6 +956,7 @@ SECTIONS: dict[str, Callable[..., list[Row]]] = {
     "memory": memory_rows,
     "lanes": lanes_rows,
     "mixture": mixture_rows,
+    "metrics": metrics_rows,
     "object storage": storage_rows,
     "other formats": format_rows,
     "text pipeline": text_rows,

@@ -61,7 +61,10 @@ class MetricsServer:
         self.addr = addr
         self.port = int(self._server.server_port)
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="zephon-metrics", daemon=True
+            target=self._server.serve_forever,
+            args=(0.05,),  # how soon close() is answered
+            name="zephon-metrics",
+            daemon=True,
         )
         self._thread.start()
 
