@@ -439,6 +439,32 @@ class FileSource(IndexedSource):
         self.files()
         return self._root
 
+    def loaded_once(
+        self, layouts: list[Any], identities: list[str], i: int, load: Callable[[int], Any]
+    ) -> Any:
+        """``layouts[i]``: made by ``load(i)`` (retried when remote) the first time a read needs
+        it, under the source's lock, and refused with a ``FetchError`` when its ``identity`` is
+        no longer ``identities[i]``, the one the source was built on (after unpickling in a
+        worker, or when the file was rewritten since)."""
+        layout = layouts[i]
+        if layout is None:
+            with self._lock:
+                layout = layouts[i]
+                if layout is None:
+                    layout = self.with_retries(
+                        lambda: load(i),
+                        lambda: f"{type(self).__name__} cannot index {self.paths[i]!r}",
+                    )
+                    if layout.identity != identities[i]:
+                        raise self.fetch_error(
+                            i,
+                            "the file changed since this source read it (another content "
+                            "digest); build a new source (its fingerprint will differ from old "
+                            "checkpoints)",
+                        )
+                    layouts[i] = layout
+        return layout
+
     def with_retries(self, fn: Callable[[], Any], what: Callable[[], str]) -> Any:
         """``fn()`` retried on transient errors when the data is remote (local errors are left to
         ``fetch``'s own retries, see ``os_error``)."""

@@ -46,6 +46,7 @@ from zephon.errors import FetchError, PlanError
 from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
 from zephon.sources.files import DigestTable, FileSource, read_sidecar
 from zephon.sources.locations import DataFile, default_cache_dir
+from zephon.sources.remote import RetryPolicy
 
 __all__ = ["MDSSource"]
 
@@ -132,6 +133,8 @@ class MDSSource(FileSource):
         filesystem: Any = None,
         cache_dir: str | os.PathLike[str] | None = None,
         threads: int = 16,
+        timeout: float = RetryPolicy.timeout,
+        total_timeout: float = RetryPolicy.total_timeout,
     ) -> None:
         super().__init__(
             path,
@@ -144,6 +147,8 @@ class MDSSource(FileSource):
             filesystem=filesystem,
             cache_dir=cache_dir,
             threads=threads,
+            timeout=timeout,
+            total_timeout=total_timeout,
         )
         if len(self._locations.paths) != 1:
             raise ValueError("MDSSource: give one MDS directory (or its index.json)")
@@ -397,22 +402,8 @@ class MDSSource(FileSource):
         return np.frombuffer(head, "<u4", offset=4).copy()
 
     def _shard(self, i: int) -> _Shard:
-        shard = self._shards[i]
-        if shard is None:
-            with self._lock:
-                shard = self._shards[i]
-                if shard is None:
-                    shard = self.with_retries(
-                        lambda: self._load_shard(i),
-                        lambda: f"MDSSource cannot index {self.paths[i]!r}",
-                    )
-                    if shard.identity != self._identities[i]:
-                        raise self.fetch_error(
-                            i,
-                            "the shard changed since this source read its index; build a new "
-                            "source (its fingerprint will differ from old checkpoints)",
-                        )
-                    self._shards[i] = shard
+        # The shard's layout; after unpickling it is loaded again and must keep its identity.
+        shard: _Shard = self.loaded_once(self._shards, self._identities, i, self._load_shard)
         return shard
 
     # --------------------------------------------------------------------- reading

@@ -50,6 +50,7 @@ import numpy as np
 from zephon.errors import FetchError
 from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
 from zephon.sources.files import DigestTable, FileSource, PathsArg, read_sidecar
+from zephon.sources.remote import RetryPolicy
 from zephon.validation import check_int
 
 __all__ = ["MEGATRON_DTYPES", "TokenShardSource"]
@@ -141,6 +142,8 @@ class TokenShardSource(FileSource):
         filesystem: Any = None,
         cache_dir: str | os.PathLike[str] | None = None,
         threads: int = 16,
+        timeout: float = RetryPolicy.timeout,
+        total_timeout: float = RetryPolicy.total_timeout,
     ) -> None:
         name = type(self).__name__
         if eos_id is not None:
@@ -178,6 +181,8 @@ class TokenShardSource(FileSource):
             filesystem=filesystem,
             cache_dir=cache_dir,
             threads=threads,
+            timeout=timeout,
+            total_timeout=total_timeout,
         )
         self._shards: list[_Shard | None] = []
         self._identities: list[str] = []
@@ -246,23 +251,7 @@ class TokenShardSource(FileSource):
 
     def _shard(self, i: int) -> _Shard:
         # The shard's layout; after unpickling it is loaded again and must keep its identity.
-        shard = self._shards[i]
-        if shard is None:
-            with self._lock:
-                shard = self._shards[i]
-                if shard is None:
-                    shard = self.with_retries(
-                        lambda: self._load_shard(i),
-                        lambda: f"TokenShardSource cannot index {self.paths[i]!r}",
-                    )
-                    if shard.identity != self._identities[i]:
-                        raise self.fetch_error(
-                            i,
-                            "the shard changed since this source read its index (another "
-                            "content digest); build a new source (its fingerprint will differ "
-                            "from old checkpoints)",
-                        )
-                    self._shards[i] = shard
+        shard: _Shard = self.loaded_once(self._shards, self._identities, i, self._load_shard)
         return shard
 
     def _stat(self, path: str) -> tuple[int, int]:
