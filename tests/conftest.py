@@ -57,7 +57,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
-    """``http://127.0.0.1:PORT`` of a moto S3 server started for the session, stopped after."""
+    """``http://127.0.0.1:PORT`` of a moto S3 server started once for the whole test run."""
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
