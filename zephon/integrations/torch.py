@@ -84,11 +84,18 @@ class ZephonIterableDataset(IterableDataset[Any]):
     (``Pipeline.iter``); ``load_state_dict(state, allow_changes=True)`` does it for one state.
     """
 
-    def __init__(self, pipeline: Pipeline, *, allow_changes: bool = False):
+    def __init__(
+        self, pipeline: Pipeline, *, allow_changes: bool = False, end_together: bool | None = None
+    ):
         super().__init__()
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"as_torch_dataset needs a zephon.Pipeline, got {pipeline!r}")
+        if end_together is not None and not isinstance(end_together, bool):
+            raise TypeError(f"end_together must be True, False or None, got {end_together!r}")
         self.pipeline = pipeline
+        self.end_together = end_together
+        self._together: _EndTogether | None = None
+        self._dropped_at_end = 0  # items fetched on this rank after another rank's data ended
         self._loader: Loader | None = None
         self._pending: dict[str, Any] | None = None  # from load_state_dict, for the next iter()
         self.allow_changes = allow_changes
@@ -116,14 +123,33 @@ class ZephonIterableDataset(IterableDataset[Any]):
         return self._generate(loader)
 
     def _generate(self, loader: Loader) -> Iterator[Any]:
+        together = self._end_agreement(loader)
         try:
-            for item in loader:
+            for item in _items(loader, together):
+                if item is _OTHERS_ENDED:
+                    self._dropped_at_end += 1
+                    break
                 yield to_tensors(item.payload)
         except GeneratorExit:
             self._retire(loader)
             raise
         else:
             self._retire(loader)
+
+    def _end_agreement(self, loader: Loader) -> _EndTogether | None:
+        """How this rank ends together with the others, or None: when ``end_together`` is on,
+        or left to decide (None) on a job of several ranks whose pipeline cannot end them at
+        the same global step by itself (its item counts are unknown: ``uneven_end='allow'``
+        by default)."""
+        plan = loader.plan
+        wanted = self.end_together
+        if wanted is None:
+            wanted = self.pipeline.uneven_end is None and plan.uneven_end == "allow"
+        if not wanted or plan.world_size == 1:
+            return None
+        if self._together is None:
+            self._together = _EndTogether()
+        return self._together
 
     def _retire(self, loader: Loader) -> None:
         # Keep the state of a loader that ended or was abandoned, then free its lanes.
@@ -138,13 +164,19 @@ class ZephonIterableDataset(IterableDataset[Any]):
         the next ``iter()`` starts from (a fresh start when none was loaded); after the stream
         ended or was abandoned, the last loader's."""
         if self._loader is not None:
-            return self._loader.stats()
+            return self._with_dropped(self._loader.stats())
         if self._final_stats is not None and self._pending is None:
-            return self._final_stats
+            return self._with_dropped(self._final_stats)
         with self.pipeline.iter(
             state=self._pending, allow_changes=self._pending_changes
         ) as upcoming:
             return upcoming.stats()
+
+    def _with_dropped(self, stats: dict[str, Any]) -> dict[str, Any]:
+        # Items this rank had when another rank's data ended count as dropped at the end.
+        if not self._dropped_at_end:
+            return stats
+        return {**stats, "dropped_at_end": stats.get("dropped_at_end", 0) + self._dropped_at_end}
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last item yielded (see the class docstring)."""
@@ -183,6 +215,7 @@ class ZephonIterableDataset(IterableDataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_loader"] = None  # a running loader does not cross processes
+        state["_together"] = None  # nor does a process group
         return state
 
 
@@ -195,11 +228,59 @@ def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
     return state["dataset_state"] if _is_dataloader_state(state) else state
 
 
-def as_torch_dataset(pipeline: Pipeline, *, allow_changes: bool = False) -> ZephonIterableDataset:
+_OTHERS_ENDED = object()  # what _items yields when another rank has no item for the step
+
+
+class _EndTogether:
+    """The ranks of a job stop at the same global step: before each item, every rank says
+    whether it has one (an all-reduce of one number, the minimum, over a gloo group of the
+    whole job, so the training's own NCCL group is untouched), and all stop at the first step
+    one of them lacks. One small collective per item; made once, by every rank at its first
+    ``iter()``, since creating a group is itself collective."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        default_gloo = dist.get_backend() == "gloo"
+        self.group = None if default_gloo else dist.new_group(backend="gloo")
+        self._flag = torch.zeros(1, dtype=torch.int32)
+
+    def all_have(self, have: bool) -> bool:
+        """Whether every rank has an item for this step (``have``: this rank's answer)."""
+        self._flag[0] = 1 if have else 0
+        self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MIN, group=self.group)
+        return bool(self._flag[0])
+
+
+def _items(loader: Loader, together: _EndTogether | None) -> Iterator[Any]:
+    """``loader``'s items; with ``together``, up to the first step some rank has none for
+    (then ``_OTHERS_ENDED`` if this rank still had one)."""
+    if together is None:
+        yield from loader
+        return
+    for item in loader:
+        if not together.all_have(True):
+            yield _OTHERS_ENDED
+            return
+        yield item
+    together.all_have(False)  # this rank is out: the others learn it at this same step
+
+
+def as_torch_dataset(
+    pipeline: Pipeline, *, allow_changes: bool = False, end_together: bool | None = None
+) -> ZephonIterableDataset:
     """Wrap ``pipeline`` as a checkpointable torch ``IterableDataset`` yielding tensors; use it
     with ``batch_size=None, num_workers=0`` (see ``ZephonIterableDataset``). ``allow_changes``:
-    loaded states may come from the same pipeline with changed operators (``Pipeline.iter``)."""
-    return ZephonIterableDataset(pipeline, allow_changes=allow_changes)
+    loaded states may come from the same pipeline with changed operators (``Pipeline.iter``).
+
+    ``end_together``: on a job of several ranks, every rank stops at the first global step some
+    rank has no item for, so none is left waiting in a collective at the end of the data (one
+    all-reduce of one number per item, over a gloo group; what the other ranks still had counts
+    in ``stats()["dropped_at_end"]``). ``None`` (the default) turns it on when the pipeline
+    cannot end its ranks together by itself: plans that filter, split or pack records, whose
+    ``uneven_end`` defaults to ``"allow"``."""
+    return ZephonIterableDataset(pipeline, allow_changes=allow_changes, end_together=end_together)
 
 
 def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
