@@ -214,15 +214,9 @@ def test_an_object_overwritten_after_a_checkpoint_is_refused_at_resume(tmp_path,
         overwrite(bucket, key, buf.getvalue().to_pybytes())
     else:
         overwrite(bucket, key, "".join(reversed(path.read_text().splitlines(True))).encode())
-    # The same cache directory: the cached digests are of the version checkpointed, and the
-    # refusal names both versions of the object.
-    after = etag(bucket, key)
-    with pytest.raises(
-        CheckpointMismatchError, match=rf"file 'a/part-001\.{kind}' changed"
-    ) as info:
+    # The same cache directory: the cached digests are of the version checkpointed.
+    with pytest.raises(CheckpointMismatchError, match=rf"file 'a/part-001\.{kind}' changed"):
         stream(make(where, chunk_size=5), state=state)
-    assert f"{uri}/a/part-001.{kind} was version ETag " in str(info.value)
-    assert f"and is ETag {after} now" in str(info.value)
 
 
 def test_a_range_that_fails_names_the_row_group_it_belongs_to(tmp_path, bucket, failing_proxy):

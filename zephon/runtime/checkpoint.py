@@ -136,13 +136,11 @@ def check_identity(
                 "pipeline.iter(state=..., allow_changes=True) resumes with them: what was "
                 "delivered stays delivered, the rest comes from the new operators"
             )
-        notes = plan.source.identity_notes() if saved.get("source") != parts["source"] else []
         raise CheckpointMismatchError(
             "checkpoint was taken from a different pipeline: "
             + "; ".join(differs)
             + " differ"
             + hint
-            + "".join(f" ({note})" for note in notes)
         )
     check_fingerprint(state)
     if not changed:

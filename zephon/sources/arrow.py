@@ -241,8 +241,6 @@ class ArrowSource(FileSource):
             raise self.os_error(exc, i) from exc
         try:
             version = self.object_version(i, f)
-            if cached is not None:
-                self.note_version(i, cached.version, version)
             if cached is not None and cached.version == version and self.cache_can_tell(i, version):
                 cached.location = where
                 return cached

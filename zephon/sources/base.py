@@ -113,12 +113,6 @@ class WorkSource(ABC):
         """JSON-able identity for the pipeline fingerprint: equal across processes for the same
         source, different when its parameters or data differ."""
 
-    def identity_notes(self) -> list[str]:
-        """What the source saw change in its data when it read it (a remote object's version
-        against the one its cached metadata was taken from), for the message of a checkpoint
-        that no longer fits; none by default."""
-        return []
-
     def _check_position(self, position: int) -> int:
         p = check_int(position, "chunk position", self, minimum=0)
         total = self.total_chunks()

@@ -366,7 +366,6 @@ class FileSource(IndexedSource):
             self.RETRY_POLICY, timeout=timeout, total_timeout=total_timeout
         )
         self._locations = parse_locations(paths, filesystem, name, timeout)
-        self._version_changes: dict[int, tuple[str, str]] = {}  # file -> (cached, now)
         for arg, value in (("index_dir", index_dir), ("cache_dir", cache_dir)):
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{name}: {arg} must be a path or None, got {value!r}")
@@ -600,20 +599,6 @@ class FileSource(IndexedSource):
         """The store's version of file ``file_index`` (``opened``: a file just opened on it),
         ``""`` when local or when the store gives none; see ``Locations.version``."""
         return self._locations.version(self.files()[file_index].path, opened)
-
-    def note_version(self, file_index: int, cached: str, now: str) -> None:
-        """File ``file_index`` is version ``now`` while its cached metadata was taken from
-        version ``cached``: when they differ, remember both (``identity_notes``)."""
-        if cached and now and cached != now:
-            self._version_changes[file_index] = (cached, now)
-
-    def identity_notes(self) -> list[str]:
-        """Each remote file whose version changed since its metadata was cached, with both."""
-        return [
-            f"{self._locations.uri(self.files()[i].path)} was version {cached} when its "
-            f"metadata was cached and is {now} now"
-            for i, (cached, now) in sorted(self._version_changes.items())
-        ]
 
     def cache_can_tell(self, file_index: int, version: str) -> bool:
         """Whether a cached entry can stand for file ``file_index``: the listing gives its mtime

@@ -310,8 +310,6 @@ class JsonlSource(FileSource):
                 usable = self.cache_can_tell(i, version)
                 for where in self.sidecar_candidates(i, ".zidx"):
                     index = _read_zidx(where, size, mtime_ns)
-                    if index is not None:
-                        self.note_version(i, index.version, version)
                     if index is not None and index.version == version and usable:
                         return index
                 fh.seek(0)

@@ -484,10 +484,6 @@ class MixtureSource(WorkSource):
                 out[w] = value
         return out
 
-    def identity_notes(self) -> list[str]:
-        """Every component's notes on what changed in its data."""
-        return [note for src in self._sources for note in src.identity_notes()]
-
     def drop_read_caches(self) -> None:
         """Each component forgets what its reads kept."""
         for src in self._sources:
