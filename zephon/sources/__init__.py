@@ -3,7 +3,7 @@
 from zephon.sources.arrow import ArrowSource
 from zephon.sources.base import IndexedSource, WorkSource
 from zephon.sources.discover import open_source
-from zephon.sources.files import FileSource
+from zephon.sources.files import FileOptions, FileSource
 from zephon.sources.hf import HFDatasetSource
 from zephon.sources.jsonl import JsonlSource
 from zephon.sources.mds import MDSSource
@@ -13,6 +13,7 @@ from zephon.sources.token_shards import TokenShardSource
 
 __all__ = [
     "ArrowSource",
+    "FileOptions",
     "FileSource",
     "HFDatasetSource",
     "IndexedSource",

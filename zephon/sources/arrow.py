@@ -51,7 +51,6 @@ pyarrow, Unicode, key or index error escapes bare.
 
 from __future__ import annotations
 
-import os
 import struct
 import threading
 from collections import OrderedDict
@@ -75,12 +74,12 @@ from zephon.sources.arrow_layout import (
 )
 from zephon.sources.arrow_reader import GroupReader, RangeChanged
 from zephon.sources.arrow_rows import table_rows
-from zephon.sources.files import FileSource, PathsArg, read_sidecar
-from zephon.sources.remote import RetryPolicy
+from zephon.sources.files import FileOptions, FileSource, PathsArg, read_sidecar
 from zephon.validation import check_int
 
 if TYPE_CHECKING:  # pyarrow is imported when a file is first touched, not with zephon.sources
     import pyarrow as pa
+    from typing_extensions import Unpack
 
 __all__ = ["ArrowSource", "table_rows"]
 
@@ -112,6 +111,10 @@ class ArrowSource(FileSource):
     Invariant: ``read`` returns exactly the rows whose bytes were digested when the metadata was
     read, or raises ``FetchError`` naming the file and pointer; it never silently returns a
     shorter or different stream.
+
+    Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
+    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads`` and the
+    storage deadlines ``timeout`` and ``total_timeout``).
     """
 
     #: What a worker process reading these files imports (lazily here): its fork server
@@ -129,19 +132,9 @@ class ArrowSource(FileSource):
         self,
         paths: PathsArg,
         *,
-        dataset_id: int = 0,
         columns: Sequence[str] | None = None,
-        chunk_size: int = 1024,
-        shuffle: bool = False,
-        seed: int = 0,
-        passes: int | None = 1,
-        index_dir: str | os.PathLike[str] | None = None,
-        filesystem: Any = None,
-        cache_dir: str | os.PathLike[str] | None = None,
         readahead: int = 64 << 20,
-        threads: int = 16,
-        timeout: float = RetryPolicy.timeout,
-        total_timeout: float = RetryPolicy.total_timeout,
+        **options: Unpack[FileOptions],
     ) -> None:
         self.readahead = check_int(readahead, "readahead", "ArrowSource", minimum=0)
         if columns is not None:
@@ -152,20 +145,7 @@ class ArrowSource(FileSource):
             if len(set(columns)) != len(columns):
                 raise ValueError(f"ArrowSource: columns has duplicates: {list(columns)!r}")
         self.columns: tuple[str, ...] | None = None if columns is None else tuple(columns)
-        super().__init__(
-            paths,
-            dataset_id=dataset_id,
-            chunk_size=chunk_size,
-            shuffle=shuffle,
-            seed=seed,
-            passes=passes,
-            index_dir=index_dir,
-            filesystem=filesystem,
-            cache_dir=cache_dir,
-            threads=threads,
-            timeout=timeout,
-            total_timeout=total_timeout,
-        )
+        super().__init__(paths, **options)
         self._infos: list[FileInfo] = []
         self._reset_caches()
 

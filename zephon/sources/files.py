@@ -46,7 +46,7 @@ import threading
 import tokenize
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -311,6 +311,26 @@ def load_sidecar(where: str, tag: bytes, size: int) -> tuple[list[np.ndarray], i
 
 
 # ------------------------------------------------------------------------- the base
+
+
+class FileOptions(TypedDict, total=False):
+    """The options every file source takes beside its paths, passed on to ``FileSource``
+    (defaults there): ``dataset_id``, chunking (``chunk_size``, ``shuffle``, ``seed``,
+    ``passes``), where metadata is cached (``index_dir``, ``cache_dir``), the storage
+    (``filesystem``, ``threads`` for parallel metadata reads) and its deadlines (``timeout`` a
+    request, ``total_timeout`` all attempts of one operation)."""
+
+    dataset_id: int
+    chunk_size: int
+    shuffle: bool
+    seed: int
+    passes: int | None
+    index_dir: str | os.PathLike[str] | None
+    filesystem: Any
+    cache_dir: str | os.PathLike[str] | None
+    threads: int
+    timeout: float
+    total_timeout: float
 
 
 class FileSource(IndexedSource):

@@ -24,19 +24,22 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from zephon.sources.files import (
     DigestTable,
+    FileOptions,
     FileSource,
     PathsArg,
     read_sidecar,
     section_text,
     text_section,
 )
-from zephon.sources.remote import RetryPolicy
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["FileSource", "JsonlSource", "scan_line_starts"]
 
@@ -224,6 +227,10 @@ class JsonlSource(FileSource):
     Invariant: a read either returns exactly the indexed line, parsed, or raises ``FetchError``
     (malformed JSON names the file, 1-based line number and pointer; a changed file or a damaged
     index names the block, and the index file when it is at fault).
+
+    Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
+    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads`` and the
+    storage deadlines ``timeout`` and ``total_timeout``).
     """
 
     #: Target size of an index block (one page): what a random read costs in I/O and hashing,
@@ -231,36 +238,8 @@ class JsonlSource(FileSource):
     BLOCK_BYTES = 4 << 10
     SUFFIXES = (".jsonl", ".ndjson", ".json")
 
-    def __init__(
-        self,
-        paths: PathsArg,
-        *,
-        dataset_id: int = 0,
-        chunk_size: int = 1024,
-        shuffle: bool = False,
-        seed: int = 0,
-        passes: int | None = 1,
-        index_dir: str | os.PathLike[str] | None = None,
-        filesystem: Any = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        threads: int = 16,
-        timeout: float = RetryPolicy.timeout,
-        total_timeout: float = RetryPolicy.total_timeout,
-    ) -> None:
-        super().__init__(
-            paths,
-            dataset_id=dataset_id,
-            chunk_size=chunk_size,
-            shuffle=shuffle,
-            seed=seed,
-            passes=passes,
-            index_dir=index_dir,
-            filesystem=filesystem,
-            cache_dir=cache_dir,
-            threads=threads,
-            timeout=timeout,
-            total_timeout=total_timeout,
-        )
+    def __init__(self, paths: PathsArg, **options: Unpack[FileOptions]) -> None:
+        super().__init__(paths, **options)
         self._indexes: list[_LineIndex] = []
 
     # --------------------------------------------------------------------- index

@@ -38,15 +38,17 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from zephon.errors import FetchError, PlanError
 from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
-from zephon.sources.files import DigestTable, FileSource, read_sidecar
+from zephon.sources.files import DigestTable, FileOptions, FileSource, read_sidecar
 from zephon.sources.locations import DataFile, default_cache_dir
-from zephon.sources.remote import RetryPolicy
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["MDSSource"]
 
@@ -114,6 +116,10 @@ class MDSSource(FileSource):
 
     Invariant: a read returns exactly the values the writer wrote, or raises ``FetchError``
     naming the shard, the sample and the column.
+
+    Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
+    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads`` and the
+    storage deadlines ``timeout`` and ``total_timeout``).
     """
 
     BLOCK_BYTES = 1 << 20
@@ -124,32 +130,9 @@ class MDSSource(FileSource):
         *,
         columns: list[str] | None = None,
         allow_pickle: bool = False,
-        dataset_id: int = 0,
-        chunk_size: int = 1024,
-        shuffle: bool = False,
-        seed: int = 0,
-        passes: int | None = 1,
-        index_dir: str | os.PathLike[str] | None = None,
-        filesystem: Any = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        threads: int = 16,
-        timeout: float = RetryPolicy.timeout,
-        total_timeout: float = RetryPolicy.total_timeout,
+        **options: Unpack[FileOptions],
     ) -> None:
-        super().__init__(
-            path,
-            dataset_id=dataset_id,
-            chunk_size=chunk_size,
-            shuffle=shuffle,
-            seed=seed,
-            passes=passes,
-            index_dir=index_dir,
-            filesystem=filesystem,
-            cache_dir=cache_dir,
-            threads=threads,
-            timeout=timeout,
-            total_timeout=total_timeout,
-        )
+        super().__init__(path, **options)
         if len(self._locations.paths) != 1:
             raise ValueError("MDSSource: give one MDS directory (or its index.json)")
         if columns is not None and (

@@ -43,15 +43,17 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from zephon.errors import FetchError
 from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
-from zephon.sources.files import DigestTable, FileSource, PathsArg, read_sidecar
-from zephon.sources.remote import RetryPolicy
+from zephon.sources.files import DigestTable, FileOptions, FileSource, PathsArg, read_sidecar
 from zephon.validation import check_int
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["MEGATRON_DTYPES", "TokenShardSource"]
 
@@ -119,6 +121,10 @@ class TokenShardSource(FileSource):
 
     Invariant: a read returns exactly the indexed document's tokens or raises ``FetchError``
     naming the shard, the document and what to do.
+
+    Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
+    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads`` and the
+    storage deadlines ``timeout`` and ``total_timeout``).
     """
 
     #: Bytes per digested block: what a remote read fetches at least, and per-block index cost.
@@ -133,17 +139,7 @@ class TokenShardSource(FileSource):
         dtype: Any = None,
         field: str = "tokens",
         pad_id: int | None = None,
-        dataset_id: int = 0,
-        chunk_size: int = 1024,
-        shuffle: bool = False,
-        seed: int = 0,
-        passes: int | None = 1,
-        index_dir: str | os.PathLike[str] | None = None,
-        filesystem: Any = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        threads: int = 16,
-        timeout: float = RetryPolicy.timeout,
-        total_timeout: float = RetryPolicy.total_timeout,
+        **options: Unpack[FileOptions],
     ) -> None:
         name = type(self).__name__
         if eos_id is not None:
@@ -170,20 +166,7 @@ class TokenShardSource(FileSource):
         self.pad_id = pad_id
         # What a directory listing keeps: Megatron indexes and .npy files, or raw .bin files.
         self.SUFFIXES = (".bin",) if self.raw_dtype is not None else (".idx", ".npy")
-        super().__init__(
-            paths,
-            dataset_id=dataset_id,
-            chunk_size=chunk_size,
-            shuffle=shuffle,
-            seed=seed,
-            passes=passes,
-            index_dir=index_dir,
-            filesystem=filesystem,
-            cache_dir=cache_dir,
-            threads=threads,
-            timeout=timeout,
-            total_timeout=total_timeout,
-        )
+        super().__init__(paths, **options)
         self._shards: list[_Shard | None] = []
         self._identities: list[str] = []
         self._maps: OrderedDict[int, tuple[tuple[int, int], np.ndarray]] = OrderedDict()
