@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import re
-import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+from net_kit import free_port
 from worker_kit import assert_no_leftover_workers
 
 _PROFILE: dict[str, Any] = {
@@ -47,12 +47,6 @@ def no_leftover_workers() -> Iterator[None]:
     """The test leaves no lane thread and no worker process behind (modules that start workers
     use it for every test: ``pytestmark = pytest.mark.usefixtures("no_leftover_workers")``)."""
     yield from assert_no_leftover_workers()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from net_kit import free_port
 
 pytest.importorskip("torch.distributed")
 
@@ -34,16 +34,10 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torch_ranks_split_the_dataset_disjointly_and_completely(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(WORKER)
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     procs = [
         subprocess.Popen(

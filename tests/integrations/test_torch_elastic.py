@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from net_kit import free_port
 
 pytest.importorskip("torch.distributed")
 
@@ -92,14 +92,8 @@ def item(batch):
     return [r.payload["idx"] for r in batch]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_job(script: Path, world: int, mode: str, path: str = "") -> list[dict]:
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     procs = [
         subprocess.Popen(
@@ -197,7 +191,7 @@ def test_job_state_takes_a_stateful_dataloader_in_a_one_process_group() -> None:
     it = iter(dataloader)
     seen = [next(it)["idx"].tolist() for _ in range(5)]
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         job = job_state(dataloader)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from net_kit import free_port
 
 pytest.importorskip("torch.distributed")
 
@@ -56,15 +56,9 @@ def make():
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(script: Path, mode: str, timeout: float) -> list[tuple[int, str, str]] | None:
     """Each rank's exit status, output and errors; None when they did not finish in time."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     procs = [
         subprocess.Popen(

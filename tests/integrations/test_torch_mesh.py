@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from net_kit import free_port
 
 pytest.importorskip("torch.distributed")
 
@@ -60,12 +60,6 @@ def item(batch):
     return [r.payload["idx"] for r in batch]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _steps(streams: list[list], world: int, limit: int) -> list[Counter]:
     per = N // world
     return [
@@ -78,7 +72,7 @@ def test_tensor_parallel_peers_share_batches_and_the_job_resumes_on_other_dp_siz
 ) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     procs = [
         subprocess.Popen(
@@ -119,7 +113,7 @@ def test_dp_dims_must_name_dimensions_of_the_mesh() -> None:
     from zephon.ranks import from_device_mesh
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         named = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
