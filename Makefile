@@ -46,6 +46,9 @@ $(TEST_STAMP): $(STAMP)
 	@# only what its writer module imports. Zephon's own MDS reader needs none of it.
 	$(BIN)/python -m pip install -q --no-deps "streaming-community==0.14.2" "zstd==1.5.7.2" \
 		"brotli==1.2.1" "python-snappy==0.7.3" "cramjam==2.14.0" "pillow>=10"
+	@# LitData's writer for the LitData tests, likewise without its requirements (torch>=2.4 from
+	@# PyPI is a CUDA build); Zephon reads LitData chunks itself.
+	$(BIN)/python -m pip install -q --no-deps "litdata==0.2.76" "lightning-utilities==0.15.3"
 	touch $(TEST_STAMP) $(DOCS_STAMP)  # the docs extra came with it: no third install
 
 test: $(TEST_STAMP) lint docs
