@@ -273,7 +273,7 @@ class ArrowSource(FileSource):
                 self._parquet_meta.popitem(last=False)
 
     # --------------------------------------------------------------------- reading
-    def _read_file(
+    def read_file(
         self,
         i: int,
         positions: np.ndarray,
@@ -422,7 +422,7 @@ class ArrowSource(FileSource):
         layout, and the sha256 of its digest table (its content): no absolute path, scheme, mtime
         or store version, so the same files moved or copied to a bucket keep the identity, and a
         file rewritten (even with the same footer), grown, added or removed does not."""
-        out = self._describe_files()
+        out = self.describe_files()
         out["columns"] = None if self.columns is None else list(self.columns)
         out["files"] = [
             {

@@ -344,7 +344,7 @@ class FileSource(IndexedSource):
     Invariant: after ``load_metadata()`` the per-file sample counts are fixed for the life of the
     source; a read that finds a file changed since then raises ``FetchError`` rather than returning
     different or fewer samples. Subclasses implement ``load_metadata`` (returning the sample count
-    of each file) and ``_read_file``. ``index_dir`` is where their sidecars go (None: beside each
+    of each file) and ``read_file``. ``index_dir`` is where their sidecars go (None: beside each
     local file, or in ``cache_dir`` when that place is not writable or the data is remote).
 
     Remote data: ``timeout`` seconds at most for one request, ``total_timeout`` for every
@@ -417,11 +417,13 @@ class FileSource(IndexedSource):
         if files is None:
             with self._lock:
                 if self._files is None:
-                    self._root, self._files = self._resolve()
+                    self._root, self._files = self.list_files()
                 files = self._files
         return files
 
-    def _resolve(self) -> tuple[str, list[DataFile]]:
+    def list_files(self) -> tuple[str, list[DataFile]]:
+        """The dataset root and its files, in source order: the listing ``files()`` keeps.
+        A format whose files are named by an index (MDS's ``index.json``) overrides it."""
         locations = self._locations
 
         def run(fn: Callable[[str], Any], paths: list[str]) -> list[Any]:
@@ -575,17 +577,18 @@ class FileSource(IndexedSource):
 
     def read(self, pointers: np.ndarray) -> list[Any]:
         """Payloads of the pointer rows, in row order; each file is visited once, its rows in
-        order, through the subclass's ``_read_file``."""
+        order, through the subclass's ``read_file``."""
         rows, files, local = self.locate(pointers)
         out: list[Any] = [None] * len(rows)
         order = np.lexsort((local, files))
         bounds = np.flatnonzero(np.diff(files[order])) + 1
         for group in np.split(order, bounds):
             if group.size:
-                self._read_file(int(files[group[0]]), group, rows, local, out)
+                self.read_file(int(files[group[0]]), group, rows, local, out)
         return out
 
-    def _read_file(
+    @abstractmethod
+    def read_file(
         self,
         i: int,
         positions: np.ndarray,
@@ -594,7 +597,6 @@ class FileSource(IndexedSource):
         out: list[Any],
     ) -> None:
         """Fill ``out[positions]`` from file ``i`` (rows ``local[positions]`` within it)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _read_file (abstract)")
 
     def locate(self, pointers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Validated ``(rows, file_index, index_within_file)`` of pointer rows; a row this source
@@ -677,7 +679,8 @@ class FileSource(IndexedSource):
         self.__dict__.update(state)
         self._lock = threading.RLock()
 
-    def _describe_files(self) -> dict[str, Any]:
+    def describe_files(self) -> dict[str, Any]:
+        """The part of ``describe()`` every file source shares; formats add their own keys."""
         # No root, scheme or absolute path: the same files elsewhere keep the fingerprint.
         return self._describe_base()
 

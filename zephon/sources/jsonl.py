@@ -309,7 +309,7 @@ class JsonlSource(FileSource):
         return _LineIndex(blocks, first, len(starts), size, mtime_ns, location, version)
 
     # --------------------------------------------------------------------- reading
-    def _read_file(
+    def read_file(
         self,
         i: int,
         positions: np.ndarray,
@@ -428,7 +428,7 @@ class JsonlSource(FileSource):
     def describe(self) -> dict[str, Any]:
         """Class, chunking/shuffle parameters, paths, and per file its size, sample count and the
         sha256 of its block table (its content)."""
-        out = self._describe_files()
+        out = self.describe_files()
         out["files"] = [
             {"name": entry.name, "size": ix.size, "lines": len(ix), "content_sha256": ix.identity}
             for entry, ix in zip(self.files(), self._indexes, strict=True)

@@ -152,7 +152,7 @@ class MDSSource(FileSource):
         self._maps_lock = threading.Lock()
 
     # --------------------------------------------------------------------- the index
-    def _resolve(self) -> tuple[str, list[DataFile]]:
+    def list_files(self) -> tuple[str, list[DataFile]]:
         locations = self._locations
         root = locations.paths[0]
         if root.endswith("index.json"):
@@ -390,7 +390,7 @@ class MDSSource(FileSource):
         return shard
 
     # --------------------------------------------------------------------- reading
-    def _read_file(
+    def read_file(
         self,
         i: int,
         positions: np.ndarray,
@@ -506,7 +506,7 @@ class MDSSource(FileSource):
     def describe(self) -> dict[str, Any]:
         """Chunking parameters, the columns read, and per shard its name, samples, compression
         and content identity (stored bytes and index entry)."""
-        out = self._describe_files()
+        out = self.describe_files()
         out["columns"] = [[c.name, c.encoding] for c in self._selected]
         out["files"] = [
             {

@@ -464,7 +464,7 @@ class TokenShardSource(FileSource):
         return None
 
     # --------------------------------------------------------------------- reading
-    def _read_file(
+    def read_file(
         self,
         i: int,
         positions: np.ndarray,
@@ -605,7 +605,7 @@ class TokenShardSource(FileSource):
     def describe(self) -> dict[str, Any]:
         """Chunking parameters, the cut (``eos_id``/``window``), the field, and per shard its
         name, kind, dtype, documents, tokens and content identity (see the module docstring)."""
-        out = self._describe_files()
+        out = self.describe_files()
         out["field"] = self.field
         out["eos_id"] = self.eos_id
         out["window"] = self.window
