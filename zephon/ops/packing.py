@@ -166,6 +166,9 @@ class _Packer(Operator):
     _pad: int | None
     _kernel: Any
     _fill: BinFill | None
+    ratios = {"fill": ("real_tokens", "row_tokens")}
+    _rows = 0  # rows emitted, and the real tokens in them, since this copy was made
+    _real_tokens = 0
 
     def _setup(
         self, seq_len: int, field: str, pad_id: int | None, extra_fields: Any = None
@@ -380,9 +383,20 @@ class _Packer(Operator):
         handed over by the fill, not copied, and their metadata is built in C
         (``zephon._core.packrows``)."""
         blocks, bin_records, frags = self._bins().take(bin_ids)
+        self._rows += len(blocks)
+        self._real_tokens += int(frags[:, 1].sum())
         # Side rows in block order; float32 fields are views of their row's bits.
         sides = tuple((name, dtype == "float32") for name, dtype in self._sides)
         return packed_records(blocks, bin_records, frags, self.lane_id, sides, _count_spread)
+
+    def counters(self) -> dict[str, int | float]:
+        """The rows emitted, and their ``real_tokens`` of their ``row_tokens`` (the rest is
+        padding): ``Loader.stats()`` gives their ratio as the packer's ``fill``."""
+        return {
+            "rows": self._rows,
+            "real_tokens": self._real_tokens,
+            "row_tokens": self._rows * self.seq_len,
+        }
 
     def _leaving_bins(self) -> np.ndarray:
         """The ids of the bins a flush emits: every open one."""
@@ -628,6 +642,7 @@ class GroupedPacker(Operator):
     appeared, so a restore from what the packers hold continues the same stream."""
 
     traits = OpTraits(preserves_cursor_order=False, stateful=True)
+    ratios = _Packer.ratios
 
     def __init__(self, packer: _Packer, group_by: str | Callable[[Any], Hashable]):
         if not (isinstance(group_by, str) or callable(group_by)):
@@ -693,6 +708,14 @@ class GroupedPacker(Operator):
         out: list[SampleRecord] = []
         for group, members in by_group.items():  # groups in order of first appearance
             out += self._packer_of(group).process_many(members)
+        return out
+
+    def counters(self) -> dict[str, int | float]:
+        """Its group packers' counts, added up."""
+        out: dict[str, int | float] = dict.fromkeys(("rows", "real_tokens", "row_tokens"), 0)
+        for packer in self._groups.values():
+            for name, value in packer.counters().items():
+                out[name] += value
         return out
 
     def _in_order(self) -> list[tuple[int | str, _Packer]]:

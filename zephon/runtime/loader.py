@@ -67,6 +67,7 @@ from zephon.runtime.state import (
     encode_pairs,
 )
 from zephon.runtime.supervision import close_feeds, start_feeds
+from zephon.runtime.trainer_wait import TrainerWait
 
 log = logging.getLogger("zephon")
 
@@ -96,6 +97,9 @@ class Loader(LoaderStep):
         self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self._end_evenly()
+        self.waits = TrainerWait(self.lanes)  # the training loop's waits in next()
+        for lane in self.lanes:
+            lane.feed.waits = self.waits
         self.history: list[dict[str, Any]] = []  # what was done to the run (``runtime.history``)
         self.skip = 0  # global steps still to skip before the first item (``skip_steps``)
         self.retirements: list[Retirement] = []  # samples never delivered (``retire``)
@@ -143,13 +147,15 @@ class Loader(LoaderStep):
             )
         lanes = self.lanes
         self._started = True
+        self.waits.begin()
         try:
             self._log_start()
             if self.retirements:  # screened at fetch too, from where replays allow it
                 for lane in lanes:
                     lane.feed.start_at["retired"] = self.retirements
             # every lane's worker starts working at once
-            start_feeds([lane.feed for lane in lanes if not lane.ended], lanes[self.next_lane].feed)
+            feeds = [lane.feed for lane in lanes if not lane.ended]
+            self.waits.timed(lambda: start_feeds(feeds, lanes[self.next_lane].feed))
             for lane in lanes:  # a restored lane is back at its position first
                 self._catch_up(lane)
             self._skip_steps()
@@ -221,6 +227,7 @@ class Loader(LoaderStep):
         self._release_source()
 
     def _release_source(self) -> None:
+        self.waits.end()  # no step comes after this one
         # This loader reads its source no more, and what the reads kept for later ones (decoded
         # row groups, bytes fetched ahead) would otherwise live as long as the pipeline does.
         # Its inline and thread lanes are done with their operators' setup too.
@@ -277,6 +284,10 @@ class Loader(LoaderStep):
         ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
         (``share_of``, as the target measures) and its ``target`` share: the last chain
         operator's ``target_mixture()``, else the source's (None without either).
+        ``trainer_wait`` says how long the training loop waited inside ``next()`` for item lists
+        that were not ready: ``seconds`` in all and ``recent_seconds`` over the last
+        ``recent_steps`` of the ``steps`` handed over since the first ``next()``, which was
+        ``elapsed`` seconds ago (``runtime.trainer_wait``).
 
         Safe to call from another thread (a metrics server's): it waits for the step under way."""
         with self._lock:
@@ -299,6 +310,7 @@ class Loader(LoaderStep):
             "eviction_path": self.plan.eviction_path,
             "dropped_at_end": sum(lane.surplus for lane in self.lanes if lane.cut),
             "skipped": self.skips.count,
+            "trainer_wait": self.waits.stats(),
         }
         for tag in self.plan.counted_tags:
             out[tag] = counts.tag_counts.get(tag, 0)
@@ -366,17 +378,24 @@ class Loader(LoaderStep):
         }
 
     def _operator_stats(self) -> dict[str, dict[str, float]]:
-        """Per chain operator, summed over this rank's lanes as of each lane's latest chunk."""
+        """Per chain operator, summed over this rank's lanes as of each lane's latest chunk: its
+        records in, items out and seconds, its own ``counters()`` and their ``ratios``."""
         labels = self.lanes[0].book.labels if self.lanes else []
-        totals = [[0, 0, 0.0] for _ in labels]
+        totals: list[dict[str, float]] = [
+            {"records_in": 0, "items_out": 0, "seconds": 0.0} for _ in labels
+        ]
         for lane in self.lanes:
             for total, part in zip(totals, lane.book.op_stats or ()):
-                for i in range(3):
-                    total[i] += part[i]
-        return {
-            label: {"records_in": t[0], "items_out": t[1], "seconds": t[2]}
-            for label, t in zip(labels, totals)
-        }
+                total["records_in"] += part[0]
+                total["items_out"] += part[1]
+                total["seconds"] += part[2]
+                for name, value in (part[3] if len(part) > 3 else {}).items():
+                    total[name] = total.get(name, 0) + value
+        for op, total in zip(self.plan.chain, totals):
+            for name, (part, whole) in op.ratios.items():
+                if total.get(whole):
+                    total[name] = total.get(part, 0) / total[whole]
+        return dict(zip(labels, totals))
 
     def _counters(self) -> dict[str, int]:
         counts = self.counts

@@ -22,6 +22,7 @@ from zephon.runtime.workers import open_lane, open_lanes
 
 if TYPE_CHECKING:
     from zephon.runtime.retire import RetiredIds
+    from zephon.runtime.trainer_wait import TrainerWait
     from zephon.sources.base import WorkSource
 
 
@@ -39,6 +40,7 @@ class LaneFeed(FeedBuffer):
         self.starting: WorkerStarts | None = None  # set while its worker starts on a thread
         self.closed = False
         self.retired: RetiredIds | None = None  # samples taken out of the run (``retire=``)
+        self.waits: TrainerWait | None = None  # the loader's, which times every refill
 
     def start(self) -> None:
         """Start the lane's runner unless it runs already (or wait for a start under way)."""
@@ -54,6 +56,12 @@ class LaneFeed(FeedBuffer):
     def refill(self) -> None:
         """The next item list from the runner (started on first use). While its worker process
         waits for the fork server, the lane's first lists are read here (``head_start``)."""
+        if self.waits is not None:
+            self.waits.timed(self._refill)
+        else:
+            self._refill()
+
+    def _refill(self) -> None:
         if self.starting is not None and self.starting.claim(self) and self.read_ahead():
             return
         self.start()
