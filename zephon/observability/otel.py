@@ -24,27 +24,31 @@ except ImportError as exc:  # pragma: no cover - what a missing extra says
         'zephon.observability.otel needs the OpenTelemetry SDK: pip install "zephon-loader[otel]"'
     ) from exc
 
-#: One ``stats()`` serves every instrument of a collection: a reading this many seconds old is
-#: still used (a collection reads all instruments back to back).
+#: A reading older than this many seconds is never used (a collection observes every
+#: instrument back to back, well within it).
 FRESH_FOR = 0.5
 
 
 class _Reading:
-    """The families of the latest ``stats()``, read again once ``FRESH_FOR`` has passed."""
+    """One ``stats()`` for all the instruments of a collection: read again when an instrument
+    it already answered asks again (the next collection), or once ``FRESH_FOR`` has passed."""
 
     def __init__(self, source: Any):
         self.source = stats_source(source)
         self._lock = threading.Lock()  # readers may collect from threads of their own
         self._at = -float("inf")
         self._samples: dict[str, list[tuple[Labels, float]]] = {}
+        self._answered: set[str] = set()
 
     def samples(self, name: str) -> list[tuple[Labels, float]]:
         with self._lock:
             now = time.monotonic()
-            if now - self._at > FRESH_FOR:
+            if name in self._answered or now - self._at > FRESH_FOR:
                 families = metric_families(self.source.read(), rank=self.source.rank)
                 self._samples = {f.name: f.samples for f in families}
+                self._answered = set()
                 self._at = now
+            self._answered.add(name)
             return self._samples.get(name, [])
 
 
