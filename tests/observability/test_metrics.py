@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -167,3 +168,49 @@ def test_metric_names_follow_prometheus_conventions():
         assert family.name.startswith("zephon_")
         assert family.name.endswith("_total") == (family.kind == "counter"), family.name
         assert all(labels["rank"] == "3" for labels, _ in family.samples)
+
+
+def test_the_text_format_round_trips_through_the_prometheus_parser():
+    from zephon.observability import Family
+    from zephon.observability.server import render
+
+    odd = 'a"b\\c\nd'
+    text = render(
+        [
+            Family("zephon_x_total", "counter", 'counts "x"\nand more', [({"rank": "0"}, 3.0)]),
+            Family("zephon_y", "gauge", "y", [({"rank": "0", "component": odd}, float("inf"))]),
+        ]
+    ).decode()
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in prometheus_parser.text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert got == {
+        ("zephon_x_total", (("rank", "0"),)): 3.0,
+        ("zephon_y", (("component", odd), ("rank", "0"))): float("inf"),
+    }
+
+
+def test_the_endpoint_serves_metrics_only_and_its_thread_ends_at_close():
+    with pipeline().iter() as loader:
+        server = serve_metrics(loader)
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(server.url.removesuffix("metrics") + "other", timeout=30)
+        assert missing.value.code == 404
+        head = urllib.request.Request(server.url, method="HEAD")
+        with urllib.request.urlopen(head, timeout=30) as reply:
+            assert reply.status == 200 and reply.read() == b""
+        server.close()
+        server.close()  # twice is once
+        assert not any(t.name == "zephon-metrics" for t in threading.enumerate())
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(server.url, timeout=30)
+
+
+def test_the_docs_list_every_metric_family():
+    from zephon.observability.families import catalogue
+
+    page = (Path(__file__).parents[2] / "docs" / "observability.md").read_text()
+    listed = {line.split("`")[1] for line in page.splitlines() if line.startswith("| `zephon_")}
+    assert listed == {name for name, _, _ in catalogue()}

@@ -7,34 +7,44 @@ the reply is not the loader's, while everything the loader's process does to ans
 
 from __future__ import annotations
 
+import select
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
+from zephon.errors import ZephonError
+
 SCRAPE_EVERY = 0.05  # seconds between two scrapes
 
-# Reads a URL (start scraping it), "stop" (print the scrapes since the URL) or EOF from stdin.
+# Reads lines from stdin: a URL (start scraping it every SCRAPE_EVERY seconds), "stop" (print
+# the scrapes since the URL) or nothing (stdin closed: exit). Lines are read from the pipe's file
+# descriptor, as a URL and its "stop" may come in one read.
 _SCRAPER = f"""
-import select, sys, urllib.request
-url, count = None, 0
+import os, select, sys, urllib.request
+url, count, pending = None, 0, b""
 while True:
-    ready, _, _ = select.select([sys.stdin], [], [], {SCRAPE_EVERY})
-    if ready:
-        line = sys.stdin.readline().strip()
-        if not line:
-            break
-        if line == "stop":
+    ready, _, _ = select.select([0], [], [], {SCRAPE_EVERY})
+    if not ready:
+        if url is not None:
+            with urllib.request.urlopen(url, timeout=30) as reply:
+                reply.read()
+            count += 1
+        continue
+    got = os.read(0, 4096)
+    if not got:
+        break
+    *lines, pending = (pending + got).split(b"\\n")
+    for line in lines:
+        if line == b"stop":
             print(count, flush=True)
             url, count = None, 0
         else:
-            url = line
-    elif url is not None:
-        with urllib.request.urlopen(url, timeout=30) as reply:
-            reply.read()
-        count += 1
+            url = line.decode()
 """
+#: Seconds the scraper has to answer "stop" (a scrape under way finishes first).
+ANSWER_DEADLINE = 60.0
 
 
 def _plus_one(payload: dict[str, Any]) -> dict[str, Any]:
@@ -43,9 +53,9 @@ def _plus_one(payload: dict[str, Any]) -> dict[str, Any]:
 
 def measure(n: int, rounds: int) -> dict[str, Any]:
     """``fetch -> map -> batch(32)`` over ``n`` records on 2 inline lanes, drained ``rounds``
-    times without metrics and as often with them served and scraped, in turns: per round the
-    wall and CPU seconds of this process (its metrics thread included) of each, and the scrapes
-    answered in all."""
+    times without metrics and as often with them served and scraped, in pairs (which of the two
+    goes first alternates): per round the wall and CPU seconds of this process (its metrics
+    thread included) of each, and the scrapes answered in all."""
     import zephon
     from zephon.observability import serve_metrics
     from zephon.ops import batch, fetch, map_transform
@@ -63,33 +73,52 @@ def measure(n: int, rounds: int) -> dict[str, Any]:
             pass
         return time.perf_counter() - wall, time.process_time() - cpu
 
+    def plain() -> None:
+        with pipeline.iter() as loader:
+            out["off"].append(drain(loader))
+
+    def watched() -> None:
+        # Only the stream is timed: starting and stopping the server is not per record.
+        with pipeline.iter() as loader, serve_metrics(loader) as server:
+            scraper.stdin.write(server.url + "\n")
+            scraper.stdin.flush()
+            out["on"].append(drain(loader))
+            scraper.stdin.write("stop\n")
+            scraper.stdin.flush()
+            out["scrapes"] += _answer(scraper)
+
     scraper = subprocess.Popen(
         [sys.executable, "-c", _SCRAPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert scraper.stdin is not None and scraper.stdout is not None
     out: dict[str, Any] = {"off": [], "on": [], "scrapes": 0}
     try:
-        for _ in range(rounds):
-            with pipeline.iter() as loader:
-                out["off"].append(drain(loader))
-            # Only the stream is timed: starting and stopping the server is not per record.
-            with pipeline.iter() as loader, serve_metrics(loader) as server:
-                scraper.stdin.write(server.url + "\n")
-                scraper.stdin.flush()
-                out["on"].append(drain(loader))
-                scraper.stdin.write("stop\n")
-                scraper.stdin.flush()
-                out["scrapes"] += int(scraper.stdout.readline())
+        for i in range(rounds):
+            for run in (plain, watched) if i % 2 == 0 else (watched, plain):
+                run()
     finally:
         scraper.stdin.close()
         scraper.wait(timeout=30)
     return out
 
 
+def _answer(scraper: subprocess.Popen) -> int:
+    """The scrapes the scraper counted, once it answers "stop"; a ``ZephonError`` if it does not
+    within ``ANSWER_DEADLINE``."""
+    assert scraper.stdout is not None
+    ready, _, _ = select.select([scraper.stdout], [], [], ANSWER_DEADLINE)
+    if not ready:
+        raise ZephonError(
+            f"zephon bench (metrics): the scraper process did not answer within "
+            f"{ANSWER_DEADLINE:.0f} s; is the loopback interface up?"
+        )
+    return int(scraper.stdout.readline())
+
+
 def ratios(measured: dict[str, Any]) -> tuple[float, float]:
-    """Throughput with metrics over throughput without, by the median wall time and by the
-    median CPU time of the rounds."""
-    off, on = measured["off"], measured["on"]
-    wall = statistics.median(t for t, _ in off) / statistics.median(t for t, _ in on)
-    cpu = statistics.median(c for _, c in off) / statistics.median(c for _, c in on)
+    """Throughput with metrics over throughput without: the median over the pairs of rounds (run
+    back to back, so both saw the same load on the machine), by wall time and by CPU time."""
+    pairs = list(zip(measured["off"], measured["on"], strict=True))
+    wall = statistics.median(off[0] / on[0] for off, on in pairs)
+    cpu = statistics.median(off[1] / on[1] for off, on in pairs)
     return wall, cpu

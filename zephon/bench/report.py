@@ -557,23 +557,26 @@ def lanes_rows(quick: bool) -> list[Row]:
 def metrics_rows(quick: bool) -> list[Row]:
     """``fetch -> map -> batch(32)`` on 2 inline lanes with its metrics served and scraped every
     50 ms by another process (``zephon.observability.serve_metrics``) against the same run
-    without them, in interleaved rounds (``zephon.bench.metrics``)."""
+    without them, in interleaved pairs of rounds (``zephon.bench.metrics``). Judged by the CPU
+    time of the process, which counts everything its metrics thread does; on a machine shared
+    with other jobs the wall clock measures mostly them."""
     from zephon.bench import metrics as mb
 
-    n = 200_000 if quick else 1_000_000
-    measured = mb.measure(n, 5 if quick else 9)
+    n = 100_000 if quick else 250_000
+    measured = mb.measure(n, 9 if quick else 25)
     wall, cpu = mb.ratios(measured)
-    on = statistics.median(t for t, _ in measured["on"])
-    off = statistics.median(t for t, _ in measured["off"])
+    on = statistics.median(c for _, c in measured["on"])
+    off = statistics.median(c for _, c in measured["off"])
     return [
         Row(
             f"metrics served and scraped every 50 ms, fetch → map → batch(32), {n:,} records",
-            _si(n / on, "rec/s"),
-            _si(n / off, "rec/s") + " (no metrics)",
-            f"{wall:.3f}×",
+            _si(n / on, "rec/CPU s"),
+            _si(n / off, "rec/CPU s") + " (no metrics)",
+            f"{cpu:.3f}×",
             "≥ 0.95×",
-            wall >= 0.95,
-            f"{measured['scrapes']} scrapes in all; by CPU time of the process: {cpu:.3f}×",
+            cpu >= 0.95,
+            f"median of {len(measured['on'])} pairs of rounds; {measured['scrapes']} scrapes in "
+            f"all; by wall time: {wall:.3f}×",
         )
     ]
 

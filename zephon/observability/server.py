@@ -11,6 +11,7 @@ library.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import selectors
 import socket
@@ -30,12 +31,17 @@ def render(families: Iterable[Family]) -> bytes:
     """``families`` in the Prometheus text exposition format (version 0.0.4)."""
     out: list[str] = []
     for family in families:
-        help_text = family.help.replace("\\", r"\\").replace("\n", r"\n")
-        out.append(f"# HELP {family.name} {help_text}\n# TYPE {family.name} {family.kind}\n")
+        out.append(_head(family.name, family.kind, family.help))
         for labels, value in family.samples:
             inner = ",".join([f'{k}="{_escape(v)}"' for k, v in labels.items()])
             out.append(f"{family.name}{{{inner}}} {_number(value)}\n")
     return "".join(out).encode("utf-8")
+
+
+@functools.cache  # a loader's families are always the same few dozen
+def _head(name: str, kind: str, help: str) -> str:
+    help_text = help.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
 
 
 def _escape(value: str) -> str:
