@@ -31,7 +31,8 @@ def explain(source: Any, *, workers: str | None = None, prefetch: int | None = N
             plan = source.pipeline.compile()
         workers = workers or getattr(plan, "workers", None)
         prefetch = prefetch or getattr(plan, "prefetch", None)
-    lines = [_trainer(stats), _operators(stats), _lanes(stats, workers, prefetch)]
+    verdict = _trainer(stats)
+    lines = [verdict[1], _operators(stats), _lanes(stats, workers, prefetch, verdict[0])]
     lines += _packing(stats)
     lines += _mixture(stats)
     for key, what in (
@@ -43,13 +44,15 @@ def explain(source: Any, *, workers: str | None = None, prefetch: int | None = N
     return "\n".join(line for line in lines if line)
 
 
-def _trainer(stats: Mapping[str, Any]) -> str:
-    """Whether the training loop waits for the loader, from its waits over the latest steps
-    against its own time per step (outside ``next()``) over the run."""
+def _trainer(stats: Mapping[str, Any]) -> tuple[str | None, str]:
+    """Whether the training loop waits for the loader (``"keeps up"``, ``"mostly"``,
+    ``"bottleneck"``; None before a step was measured) and the sentence that says so, from its
+    waits over the latest steps against its own time per step (outside ``next()``) over the
+    run."""
     waits = stats.get("trainer_wait") or {}
     steps, recent = waits.get("steps") or 0, int(waits.get("recent_steps") or 0)
     if not steps or not recent:
-        return ""
+        return None, ""
     recent_seconds, seconds = waits["recent_seconds"], waits["seconds"]
     own = max(waits["elapsed"] - seconds, 0.0) / steps
     share = recent_seconds / (recent_seconds + own * recent) if recent_seconds > 0 else 0.0
@@ -59,13 +62,13 @@ def _trainer(stats: Mapping[str, Any]) -> str:
         f"{_duration(seconds)} in all)"
     )
     if share < _KEEPS_UP:
-        return (
+        return "keeps up", (
             f"The loader keeps up: {said}. The training loop, not the loader, sets the pace: a "
             "faster loader would not make training faster."
         )
     if share < _BOTTLENECK:
-        return f"The loader mostly keeps up: {said}."
-    return f"The loader is the bottleneck: {said}."
+        return "mostly", f"The loader mostly keeps up: {said}."
+    return "bottleneck", f"The loader is the bottleneck: {said}."
 
 
 def _duration(seconds: float) -> str:
@@ -101,7 +104,11 @@ def _operators(stats: Mapping[str, Any]) -> str:
     )
 
 
-def _lanes(stats: Mapping[str, Any], workers: str | None, prefetch: int | None) -> str:
+def _lanes(
+    stats: Mapping[str, Any], workers: str | None, prefetch: int | None, verdict: str | None
+) -> str:
+    """Where the lanes run and what they have ready; who sets the pace only when the training
+    loop's waits were not measured (``verdict``), as they say it better than a snapshot."""
     lanes = stats.get("lanes") or {}
     running = {k: v for k, v in lanes.items() if not v.get("ended")}
     if not lanes:
@@ -119,6 +126,14 @@ def _lanes(stats: Mapping[str, Any], workers: str | None, prefetch: int | None) 
     n = len(running)
     ready = [k for k, v in running.items() if v.get("queued", 0) or v.get("buffered", 0)]
     full = [k for k, v in running.items() if prefetch and v.get("queued", 0) >= prefetch]
+    if verdict is not None:
+        lists = f" ({len(full)} with all {prefetch} prefetched item lists)" if prefetch else ""
+        advice = (
+            f" Add lanes or worker processes, or make {slowest} faster."
+            if verdict == "bottleneck"
+            else ""
+        )
+        return f"Right now {len(ready)} of {n} running lanes have items ready{lists}.{advice}"
     if len(full) * 2 >= n:
         return (
             f"The lanes are ahead: {len(full)} of {n} running lanes have all {prefetch} "
