@@ -198,6 +198,7 @@ def test_the_endpoint_serves_metrics_only_and_its_thread_ends_at_close():
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(server.url.removesuffix("metrics") + "other", timeout=30)
         assert missing.value.code == 404
+        missing.value.close()
         head = urllib.request.Request(server.url, method="HEAD")
         with urllib.request.urlopen(head, timeout=30) as reply:
             assert reply.status == 200 and reply.read() == b""
