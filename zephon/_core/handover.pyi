@@ -45,4 +45,5 @@ class LoaderStep:
     _failure: BaseException | None
     _closed: bool
     _started: bool
+    steps: int
     def __next__(self) -> Any: ...

@@ -72,7 +72,7 @@ cdef class LoaderStep:
     is called when ``hand_over_head()`` has nothing. A loader that has not started, has failed or
     was closed goes through ``_first_or_refused()`` first; a lane's contract violations go to
     ``policy.report``, and a chunk it announced to ``_note_inflight()``. A subclass defines those
-    methods, ``_fail(exc)`` and ``_release_source()``.
+    methods, ``_fail(exc)`` and ``_release_source()``. ``steps`` counts the items handed over.
     """
 
     def __cinit__(self):
@@ -84,7 +84,9 @@ cdef class LoaderStep:
         try:
             if self._failure is not None or self._closed or not self._started:
                 self._first_or_refused()
-            return self._round()
+            out = self._round()
+            self.steps += 1
+            return out
         finally:
             lock.release()
 

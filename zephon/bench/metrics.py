@@ -80,11 +80,9 @@ def measure(n: int, rounds: int) -> dict[str, Any]:
     def watched() -> None:
         # Only the stream is timed: starting and stopping the server is not per record.
         with pipeline.iter() as loader, serve_metrics(loader) as server:
-            scraper.stdin.write(server.url + "\n")
-            scraper.stdin.flush()
+            _say(scraper, server.url)
             out["on"].append(drain(loader))
-            scraper.stdin.write("stop\n")
-            scraper.stdin.flush()
+            _say(scraper, "stop")
             out["scrapes"] += _answer(scraper)
 
     scraper = subprocess.Popen(
@@ -100,6 +98,12 @@ def measure(n: int, rounds: int) -> dict[str, Any]:
         scraper.stdin.close()
         scraper.wait(timeout=30)
     return out
+
+
+def _say(scraper: subprocess.Popen, line: str) -> None:
+    assert scraper.stdin is not None
+    scraper.stdin.write(line + "\n")
+    scraper.stdin.flush()
 
 
 def _answer(scraper: subprocess.Popen) -> int:

@@ -575,8 +575,8 @@ def metrics_rows(quick: bool) -> list[Row]:
             f"{cpu:.3f}×",
             "≥ 0.95×",
             cpu >= 0.95,
-            f"median of {len(measured['on'])} pairs of rounds; {measured['scrapes']} scrapes in "
-            f"all; by wall time: {wall:.3f}×",
+            f"ratio: the median of {len(measured['on'])} pairs of rounds' ratios; "
+            f"{measured['scrapes']} scrapes in all; by wall time: {wall:.3f}×",
         )
     ]
 

@@ -12,6 +12,7 @@ import logging
 import threading
 import warnings
 from collections.abc import Hashable
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -97,7 +98,7 @@ class Loader(LoaderStep):
         self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self._end_evenly()
-        self.waits = TrainerWait(self.lanes)  # the training loop's waits in next()
+        self.waits = TrainerWait(self)  # the training loop's waits in next()
         for lane in self.lanes:
             lane.feed.waits = self.waits
         self.history: list[dict[str, Any]] = []  # what was done to the run (``runtime.history``)
@@ -154,8 +155,9 @@ class Loader(LoaderStep):
                 for lane in lanes:
                     lane.feed.start_at["retired"] = self.retirements
             # every lane's worker starts working at once
-            feeds = [lane.feed for lane in lanes if not lane.ended]
-            self.waits.timed(lambda: start_feeds(feeds, lanes[self.next_lane].feed))
+            began = perf_counter()
+            start_feeds([lane.feed for lane in lanes if not lane.ended], lanes[self.next_lane].feed)
+            self.waits.book(perf_counter() - began)
             for lane in lanes:  # a restored lane is back at its position first
                 self._catch_up(lane)
             self._skip_steps()

@@ -7,6 +7,7 @@ being delivered, and adds the lane to any error that comes out of the runner.
 from __future__ import annotations
 
 import threading
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from zephon._core.handover import FeedBuffer
@@ -56,10 +57,15 @@ class LaneFeed(FeedBuffer):
     def refill(self) -> None:
         """The next item list from the runner (started on first use). While its worker process
         waits for the fork server, the lane's first lists are read here (``head_start``)."""
-        if self.waits is not None:
-            self.waits.timed(self._refill)
-        else:
+        waits = self.waits
+        if waits is None:
             self._refill()
+            return
+        began = perf_counter()
+        try:
+            self._refill()
+        finally:
+            waits.book(perf_counter() - began)
 
     def _refill(self) -> None:
         if self.starting is not None and self.starting.claim(self) and self.read_ahead():

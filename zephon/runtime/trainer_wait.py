@@ -2,15 +2,15 @@
 list was not ready (its worker still working on it, or, on an inline lane, the operators making
 it), in total and over the latest steps.
 
-Only the refills of the lanes' feeds are timed: two clock reads per item list, nothing per record
-or per step. An item handed over from a list already there counts as no wait.
+Only the refills of the lanes' feeds are timed (``LaneFeed.refill``): two clock reads and one
+``book()`` per item list, nothing per record or per step. An item handed over from a list
+already there counts as no wait.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from time import monotonic, perf_counter
+from time import monotonic
 from typing import Any
 
 #: The steps the recent wait is summed over.
@@ -18,24 +18,19 @@ RECENT_STEPS = 100
 
 
 class TrainerWait:
-    """The waits of one loader, each booked at the step it held up. A step is an item handed to
-    the training loop, counted over ``lanes`` (``LaneOutlet.delivered``)."""
+    """The waits of one loader, each booked at the step it held up: the step after the
+    ``steps`` its ``next()`` handed over so far (``LoaderStep.steps``)."""
 
-    def __init__(self, lanes: Sequence[Any], recent: int = RECENT_STEPS):
-        self.lanes = lanes
+    def __init__(self, loader: Any, recent: int = RECENT_STEPS):
+        self.loader = loader
         self.recent = recent
         self.seconds = 0.0
-        self._waits: deque[tuple[int, float]] = deque()  # (items delivered before it, seconds)
-        self._first_step = 0
+        self._waits: deque[tuple[int, float]] = deque()  # (steps handed over before it, seconds)
         self._began: float | None = None  # monotonic, at the first next()
         self._ended: float | None = None  # at the end of the stream, close() or a failure
 
-    def _step(self) -> int:
-        return sum(lane.delivered for lane in self.lanes)
-
     def begin(self) -> None:
-        """The first ``next()``: steps and the time running count from here."""
-        self._first_step = self._step()
+        """The first ``next()``: the time running counts from here."""
         self._began = monotonic()
 
     def end(self) -> None:
@@ -43,17 +38,13 @@ class TrainerWait:
         if self._began is not None and self._ended is None:
             self._ended = monotonic()
 
-    def timed(self, refill: Any) -> Any:
-        """``refill()``, its time booked as a wait of the step under way."""
-        began = perf_counter()
-        try:
-            return refill()
-        finally:
-            waited = perf_counter() - began
-            self.seconds += waited
-            step = self._step()
-            waits = self._waits
-            waits.append((step, waited))
+    def book(self, waited: float) -> None:
+        """``waited`` seconds for an item list, in the step under way."""
+        self.seconds += waited
+        step = self.loader.steps
+        waits = self._waits
+        waits.append((step, waited))
+        if waits[0][0] < step - self.recent:
             while waits[0][0] < step - self.recent:
                 waits.popleft()
 
@@ -61,11 +52,10 @@ class TrainerWait:
         """``seconds`` waited and ``steps`` handed over since the first ``next()``, the
         ``recent_seconds`` waited in the last ``recent_steps`` of them, and the ``elapsed``
         seconds from the first ``next()`` to now (or to the end of the stream)."""
-        step = self._step()
-        steps = max(step - self._first_step, 0)
+        steps = self.loader.steps
         recent = min(self.recent, steps)
-        # a wait booked at ``s`` items held up item s + 1: it is recent when s >= step - recent
-        recent_seconds = sum(w for s, w in self._waits if s >= step - recent)
+        # a wait booked at ``s`` steps held up step s + 1: it is recent when s >= steps - recent
+        recent_seconds = sum(w for s, w in self._waits if s >= steps - recent)
         if self._began is None:
             elapsed = 0.0
         else:
