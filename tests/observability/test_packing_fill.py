@@ -4,6 +4,7 @@ and in the metrics log, checked against the rows the training loop received."""
 from __future__ import annotations
 
 import urllib.request
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +102,29 @@ def test_operators_without_counters_have_no_fill():
             pass
         (entry,) = loader.stats()["operators"].values()
     assert set(entry) == {"records_in", "items_out", "seconds"}
+
+
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_after_a_restore_the_packer_counts_the_rows_it_replayed_and_the_rows_delivered(lanes):
+    def pipeline(n_lanes: int) -> zephon.Pipeline:
+        return zephon.Pipeline(
+            texts(900),
+            [fetch(), tokenize(), pack_sequences(SEQ_LEN), batch(4)],
+            lanes=n_lanes,
+            relane=True,
+        )
+
+    with pipeline(2).iter() as loader:
+        for _ in zip(range(25), loader):
+            pass
+        state = loader.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zephon.RelaneWarning)  # onto 3 lanes: said, and meant
+        resumed = pipeline(lanes).iter(state=state)
+    with resumed as loader:
+        rows, _ = drained(loader)
+        stats = loader.stats()
+    packer = stats["operators"]["pack_sequences"]
+    # every row the packers made since the restore: swallowed by the replay, or delivered
+    assert packer["rows"] == rows + stats["replayed"]
+    assert packer["fill"] == packer["real_tokens"] / (packer["rows"] * SEQ_LEN)
