@@ -367,19 +367,19 @@ def test_cut_to_fill_heads_never_end_inside_a_no_cut_range(
 def test_a_head_cut_moves_back_to_the_start_of_the_range_it_would_fall_in() -> None:
     packer = BinPacker(10, 1, "best_fit", cut_to_fill=True)
     packer.add(arr([6]))
-    placements, closed = packer.add(arr([9]), arr([[0, 2, 7]]).reshape(-1, 3))
+    placements, closed = packer.add(arr([9]), np.array([[0, 2, 7]], dtype=np.int64))
     assert rows_of(placements) == [(0, 0, 2, 0, 6), (0, 2, 7, 1, 0)]
     assert ids_of(closed) == [0]
     packer = BinPacker(10, 1, "best_fit", cut_to_fill=True)
     packer.add(arr([6]))
-    placements, _ = packer.add(arr([9]), arr([[0, 0, 5]]).reshape(-1, 3))
+    placements, _ = packer.add(arr([9]), np.array([[0, 0, 5]], dtype=np.int64))
     assert rows_of(placements) == [(0, 0, 9, 1, 0)]  # no head outside the range: not cut
 
 
 def test_no_cut_rows_out_of_order_are_refused_by_row() -> None:
     packer = BinPacker(10, 1, "best_fit", cut_to_fill=True)
     with pytest.raises(ValueError, match="no_cut row 1"):
-        packer.add(arr([9, 9]), arr([[1, 0, 3], [0, 1, 2]]).reshape(-1, 3))
+        packer.add(arr([9, 9]), np.array([[1, 0, 3], [0, 1, 2]], dtype=np.int64))
 
 
 def test_a_bin_leaves_once_it_holds_max_segments_fragments() -> None:
