@@ -506,3 +506,46 @@ def test_text_only_operators_keep_their_identity() -> None:
     assert "images" not in pack_sequences(8).describe()["params"]
     assert "image_token_id" not in tokenize_chat(vision_bpe(), template=OURS).describe()["params"]
     assert "images" not in training_collate().__getstate__()
+
+
+def test_mixtures_by_tokens_count_what_the_model_sees_image_tokens_included() -> None:
+    text_tokens = len(vision_bpe().encode("hello world", add_special_tokens=False).ids)
+    per_image = 2 + 4  # start, end and ceil(16 / 8) ** 2 image tokens
+
+    def docs(images: int) -> list[dict[str, Any]]:
+        n = text_tokens + images * per_image + 1  # and the eos
+        row = {"content": ["hello world"] + [None] * images, "n_tokens": n}
+        return [{**row, "images": [np.zeros((16, 16, 3), np.uint8)] * images}] * 300
+
+    weights = {"text": 0.5, "pics": 0.5}
+
+    def stats(**by: Any) -> dict[str, Any]:
+        parts = {
+            "text": zephon.sources.ListSource(docs(0), chunk_size=8, dataset_id=1),
+            "pics": zephon.sources.ListSource(docs(3), chunk_size=8, dataset_id=2),
+        }
+        ops = [
+            fetch(),
+            tokenize_interleaved(vision_bpe(), eos_id=tid(EOT), **image_kw()),
+            zephon.ops.ensure_mixture(weights, by="tokens", buffer_size=16),
+            pack_sequences(64, extra_fields={"loss_mask": 0}, images="images"),
+            batch(2),
+        ]
+        source = zephon.sources.MixtureSource(parts, weights, chunk_size=8, **by)
+        with zephon.Pipeline(source, ops).iter() as loader:
+            for _ in loader:
+                pass
+            return loader.stats()["mixture_components"]
+
+    with pytest.warns(zephon.MixtureDropWarning):  # by samples, 'pics' has 7x the tokens
+        by_samples = stats()
+    for name, images in (("text", 0), ("pics", 3)):
+        got = by_samples[name]
+        assert got["tokens"] == got["samples"] * (text_tokens + images * per_image + 1)
+        assert got["share"] == pytest.approx(0.5, abs=0.05)
+    # a source weighed by a length column that counts image tokens leaves far less to trim
+    by_tokens = stats(by="tokens", length_column="n_tokens")
+    dropped = [sum(c["dropped_tokens"] for c in s.values()) for s in (by_samples, by_tokens)]
+    assert dropped[1] < dropped[0] / 4
+    for got in by_tokens.values():
+        assert got["share"] == pytest.approx(0.5, abs=0.05)
