@@ -176,28 +176,23 @@ def _consolidated(
     return np.array(out, dtype=np.int64).reshape(-1, 5)
 
 
-def _head_outside(spans: np.ndarray, start: int, head: int) -> int:
+def _head_outside(spans: list[tuple[int, int]], start: int, head: int) -> int:
     """The longest head of at most ``head`` tokens from ``start`` whose end falls inside none
-    of ``spans`` (``[lo, hi)`` rows): a cut inside one moves back to its start."""
+    of ``spans`` (sorted ``[lo, hi)`` ranges): a cut inside one moves back to its start."""
     end = start + head
-    inside = (spans[:, 0] < end) & (end < spans[:, 1])
-    return int(spans[inside, 0][0]) - start if inside.any() else head
+    for lo, hi in spans:
+        if lo < end < hi:
+            return lo - start
+    return head
 
 
-def _whole_span_cuts(spans: np.ndarray, n: int, cap: int) -> list[int]:
+def _whole_span_cuts(spans: list[tuple[int, int]], n: int, cap: int) -> list[int]:
     """Cut points ``0 = p0 < p1 < ... < pk`` of a sequence of ``n > cap`` tokens into pieces
     of at most ``cap`` but the last (``n - pk`` of at most ``cap``), each as long as it can be
-    without ending inside a span; ValueError when a span is longer than ``cap``."""
+    without ending inside a span (spans checked no longer than ``cap``)."""
     cuts = [0]
     while n - cuts[-1] > cap:
-        at = cuts[-1] + _head_outside(spans, cuts[-1], cap)
-        if at <= cuts[-1]:
-            lo, hi = (int(v) for v in spans[spans[:, 0] >= cuts[-1]][0])
-            raise ValueError(
-                f"its image span [{lo}, {hi}) is {hi - lo} tokens, longer than a row of {cap}; "
-                "raise seq_len or make the images smaller (resize_images)"
-            )
-        cuts.append(at)
+        cuts.append(cuts[-1] + _head_outside(spans, cuts[-1], cap))
     return cuts
 
 
@@ -458,29 +453,39 @@ class _Packer(Operator):
         fill.write(placements, arrays, records, sides)
         return self._emit(closed) if len(closed) else []
 
-    def _spans_of(self, rec: SampleRecord, n: int) -> np.ndarray:
-        """``rec``'s image spans as an int64 ``(k, 2)`` array of sorted, disjoint ``[lo, hi)``
-        ranges inside its ``n`` tokens, or an ``OperatorError`` naming the record."""
+    def _spans_of(self, rec: SampleRecord) -> list[tuple[int, int]]:
+        """``rec``'s image spans, ``[lo, hi)`` token ranges (as checked when it was placed)."""
         payload = rec.payload
         value = payload.get(IMAGE_SPANS_FIELD) if isinstance(payload, dict) else None
-        if value is None:
-            return np.empty((0, 2), dtype=np.int64)
-        spans = np.asarray(value, dtype=np.int64).reshape(-1, 2)
-        flat = spans.ravel()
-        if len(flat) and (
-            flat[0] < 0
-            or flat[-1] > n
-            or np.any(np.diff(flat) < 0)
-            or np.any(spans[:, 1] <= spans[:, 0])
-        ):
-            raise record_error(
-                self,
-                rec,
-                ValueError(
-                    f"{IMAGE_SPANS_FIELD!r} holds {spans.tolist()}, not sorted disjoint [start, "
-                    f"end) spans inside its {n} tokens"
-                ),
-            )
+        if value is None or not len(value):
+            return []
+        return [(lo, hi) for lo, hi in np.asarray(value).reshape(-1, 2).tolist()]
+
+    def _checked_spans(self, rec: SampleRecord, n: int) -> list[tuple[int, int]]:
+        """``_spans_of`` after checking them against ``rec``: sorted, disjoint, inside its
+        ``n`` tokens, no longer than a row, one per image; else an ``OperatorError``."""
+        spans = self._spans_of(rec)
+        if not spans:
+            return spans
+        why = None
+        at = 0
+        for lo, hi in spans:
+            if not at <= lo < hi <= n:
+                why = f"{IMAGE_SPANS_FIELD!r} holds {spans}, not sorted disjoint [start, end) "
+                why += f"spans inside its {n} tokens"
+                break
+            if hi - lo > self.seq_len:
+                why = f"its image span [{lo}, {hi}) is {hi - lo} tokens, longer than a row of "
+                why += f"{self.seq_len}; raise seq_len or make the images smaller (resize_images)"
+                break
+            at = hi
+        value = rec.payload.get(self.images)
+        held = len(value) if isinstance(value, (list, tuple)) else int(value is not None)
+        if why is None and held != len(spans):
+            why = f"{IMAGE_SPANS_FIELD!r} holds {len(spans)} spans and field {self.images!r} "
+            why += f"{held} images"
+        if why is not None:
+            raise record_error(self, rec, ValueError(why))
         return spans
 
     def _add_keeping_spans(
@@ -496,24 +501,17 @@ class _Packer(Operator):
         pieces: dict[int, list[int]] = {}
         no_cut = []
         for i, (rec, n) in enumerate(zip(records, lengths.tolist())):
-            spans = self._spans_of(rec, n)
-            if not len(spans):
+            spans = self._checked_spans(rec, n)
+            if not spans:
                 continue
             shift = 0
             if n > cap:
-                try:
-                    cuts = _whole_span_cuts(spans, n, cap)
-                except ValueError as exc:
-                    raise record_error(self, rec, exc) from None
+                cuts = _whole_span_cuts(spans, n, cap)
                 pieces[i] = cuts
                 shift = (len(cuts) - 1) * cap - cuts[-1]
                 virtual[i] = n + shift
-                spans = spans[spans[:, 0] >= cuts[-1]]
-            elif np.any(spans[:, 1] - spans[:, 0] > cap):
-                raise record_error(self, rec, ValueError(
-                    f"an image span is longer than a row of {cap} tokens; raise seq_len or make "
-                    "the images smaller (resize_images)"))  # fmt: skip
-            no_cut += [(i, lo + shift, hi + shift) for lo, hi in spans.tolist()]
+                spans = [(lo, hi) for lo, hi in spans if lo >= cuts[-1]]
+            no_cut += [(i, lo + shift, hi + shift) for lo, hi in spans]
         rows = np.array(no_cut, dtype=np.int64).reshape(-1, 3) if self.cut_to_fill else None
         placements, closed = self._kernel.add(virtual, rows)
         for r in np.flatnonzero(np.isin(placements[:, 0], list(pieces))).tolist():
@@ -535,32 +533,29 @@ class _Packer(Operator):
         at = 0
         for row, recs in zip(rows, bin_records):
             images: list[Any] = []
-            spans: list[np.ndarray] = []
+            spans: list[tuple[int, int]] = []
             sources: list[tuple[int, int]] = []
             grids: list[np.ndarray] = []
             offset = 0
             segment = 0  # the fill numbers non-empty fragments only
-            for rec in recs:
-                start, size, n = (int(v) for v in frags[at])
-                at += 1
+            for rec, (start, size, _) in zip(recs, frags[at : at + len(recs)].tolist()):
                 segment += size > 0
-                own = self._spans_of(rec, n)
-                inside = np.flatnonzero((own[:, 0] >= start) & (own[:, 1] <= start + size))
-                if len(inside):
-                    value = rec.payload.get(self.images)
-                    held = list(value) if isinstance(value, (list, tuple)) else [value]
-                    if len(held) != len(own):
-                        raise record_error(self, rec, ValueError(
-                            f"{IMAGE_SPANS_FIELD!r} holds {len(own)} spans and field "
-                            f"{self.images!r} {len(held)} images"))  # fmt: skip
+                end = start + size
+                inside = [k for k, (lo, hi) in enumerate(self._spans_of(rec)) if start <= lo < end]
+                if inside:
+                    value = rec.payload[self.images]
+                    held = value if isinstance(value, (list, tuple)) else [value]
+                    own = rec.payload[IMAGE_SPANS_FIELD]
                     grid = rec.payload.get(IMAGE_GRID_FIELD)
-                    for k in inside.tolist():
+                    shift = offset - start
+                    for k in inside:
                         images.append(held[k])
-                        spans.append(own[k] - start + offset)
+                        spans.append((int(own[k][0]) + shift, int(own[k][1]) + shift))
                         sources.append((segment, k))
                         if grid is not None:
                             grids.append(np.asarray(grid[k]))
                 offset += size
+            at += len(recs)
             payload = row.payload
             payload[self.images] = images
             payload[IMAGE_SPANS_FIELD] = np.array(spans, dtype=np.int32).reshape(-1, 2)
@@ -708,10 +703,10 @@ class PackSequences(_Packer):
         if not self.cut_to_fill or fill is None or fill.n_open < 2:
             return closed
         rows, items = fill.contents()
-        arrays, lengths, sides = self._inputs(items)
+        arrays, _, sides = self._inputs(items)
         head_of = None
         if self.images is not None:
-            spans = [self._spans_of(rec, n) for rec, n in zip(items, lengths.tolist())]
+            spans = [self._spans_of(rec) for rec in items]
 
             def head_of(item: int, start: int, room: int) -> int:
                 return _head_outside(spans[item], start, room)
