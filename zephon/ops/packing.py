@@ -211,6 +211,7 @@ class _Packer(Operator):
 
     images: str | None = None
     cut_to_fill = False  # pack_sequences' option; the other packers never cut to fill
+    _takes_images = False  # whether images= keeps spans whole (not where rows cut anywhere)
 
     def _setup(
         self,
@@ -314,7 +315,7 @@ class _Packer(Operator):
             return  # published by an operator that no longer writes this packer's tokens
         how = (
             f"pass images={images['images']!r}"
-            if isinstance(self, PackSequences) and self.strategy != "wrap"
+            if self._takes_images
             else f"use pack_sequences(..., images={images['images']!r}) (best_fit or first_fit)"
         )
         raise PlanError(
@@ -541,16 +542,16 @@ class _Packer(Operator):
             for rec, (start, size, _) in zip(recs, frags[at : at + len(recs)].tolist()):
                 segment += size > 0
                 end = start + size
-                inside = [k for k, (lo, hi) in enumerate(self._spans_of(rec)) if start <= lo < end]
+                own = self._spans_of(rec)
+                inside = [k for k, (lo, _) in enumerate(own) if start <= lo < end]
                 if inside:
                     value = rec.payload[self.images]
                     held = value if isinstance(value, (list, tuple)) else [value]
-                    own = rec.payload[IMAGE_SPANS_FIELD]
                     grid = rec.payload.get(IMAGE_GRID_FIELD)
                     shift = offset - start
                     for k in inside:
                         images.append(held[k])
-                        spans.append((int(own[k][0]) + shift, int(own[k][1]) + shift))
+                        spans.append((own[k][0] + shift, own[k][1] + shift))
                         sources.append((segment, k))
                         if grid is not None:
                             grids.append(np.asarray(grid[k]))
@@ -678,6 +679,7 @@ class PackSequences(_Packer):
             )
         self.open_bins = open_bins
         self.strategy = strategy
+        self._takes_images = strategy != "wrap"
         self.cut_to_fill = cut_to_fill
         self.max_segments = max_segments
         if strategy == "wrap":  # rows leave in stream order

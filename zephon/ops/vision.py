@@ -35,7 +35,6 @@ from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.tokenize import (
     ByteTokenizer,
     Tokenize,
-    _checked_id,
     _refuse_batch_padding,
     _tokenizer_digest,
     find_eos,
@@ -65,6 +64,10 @@ def image_size(image: Any) -> tuple[int, int]:
     return int(image.shape[0]), int(image.shape[1])
 
 
+def _token_id(value: Any, name: str, owner: str) -> int:
+    return check_int(value, name, owner, minimum=0, maximum=2**31 - 1)
+
+
 class ImageTokens:
     """How images become token spans (see the module docstring); one instance per tokenizer."""
 
@@ -78,12 +81,10 @@ class ImageTokens:
         image_start_id: int | None,
         image_end_id: int | None,
     ):
-        self.owner = owner
-        self.image_token_id = _checked_id(image_token_id, f"{owner}: image_token_id")
-        self.start_id = (
-            None if image_start_id is None else _checked_id(image_start_id, "image_start_id")
-        )
-        self.end_id = None if image_end_id is None else _checked_id(image_end_id, "image_end_id")
+        ids = {"image_start_id": image_start_id, "image_end_id": image_end_id}
+        ids = {k: v if v is None else _token_id(v, k, owner) for k, v in ids.items()}
+        self.image_token_id = _token_id(image_token_id, "image_token_id", owner)
+        self.start_id, self.end_id = ids["image_start_id"], ids["image_end_id"]
         if (patch_size is None) == (image_tokens is None):
             raise ValueError(
                 f"{owner}: pass patch_size= (and merge=) or image_tokens=(h, w) -> int, one of "
