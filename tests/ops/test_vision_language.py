@@ -549,3 +549,45 @@ def test_mixtures_by_tokens_count_what_the_model_sees_image_tokens_included() ->
     assert dropped[1] < dropped[0] / 4
     for got in by_tokens.values():
         assert got["share"] == pytest.approx(0.5, abs=0.05)
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """90 captioned-picture documents in Parquet: texts with None where a picture goes (the
+    layout of interleaved web corpora), the pictures in a column of their own."""
+    rng = random.Random(7)
+    rows = []
+    for i in range(90):
+        n = 1 + i % 3
+        content: list[str | None] = []
+        for _ in range(n):
+            content += [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8))), None]
+        rows.append({"content": content, "images": [encoded(picture(i, k)) for k in range(n)]})
+    path = tmp_path_factory.mktemp("docs") / "documents.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=30)
+    return path
+
+
+def interleaved(path: Path, **kw: Any) -> zephon.Pipeline:
+    ops = [
+        fetch(),
+        decode_images("images"),
+        random_resized_crop((16, 24), scale=(0.5, 1.0), seed=5, field="images"),
+        tokenize_interleaved(vision_bpe(), eos_id=tid(EOT), **image_kw()),
+        pack_sequences(48, open_bins=2, extra_fields={"loss_mask": 0}, images="images"),
+        batch(2, collate=training_collate(images="images")),
+    ]
+    source = ArrowSource([str(path)], chunk_size=8, shuffle=True, seed=1)
+    return zephon.Pipeline(source, ops, **{"lanes": 2, "epoch_chunks": 2, **kw})
+
+
+def test_interleaved_documents_resume_exactly_on_any_worker_kind(documents: Path) -> None:
+    full = run(iter(interleaved(documents)))
+    assert len(full) > 10
+    assert_resumes_at(interleaved(documents), [3, len(full) // 2], full)
+    with iter(interleaved(documents, workers="process")) as loader:
+        assert run(loader) == full
+    with iter(interleaved(documents)) as loader:
+        first = next(loader).payload
+    assert first["pixel_values"].shape[1:] == (16, 24, 3)  # uint8 HWC, stacked
+    assert (first["input_ids"] == tid(IMAGE)).sum() == 6 * len(first["pixel_values"])
