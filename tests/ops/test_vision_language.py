@@ -552,7 +552,7 @@ def test_mixtures_by_tokens_count_what_the_model_sees_image_tokens_included() ->
 
 
 @pytest.fixture(scope="module")
-def documents(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def web_documents(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """90 captioned-picture documents in Parquet: texts with None where a picture goes (the
     layout of interleaved web corpora), the pictures in a column of their own."""
     rng = random.Random(7)
@@ -581,13 +581,13 @@ def interleaved(path: Path, **kw: Any) -> zephon.Pipeline:
     return zephon.Pipeline(source, ops, **{"lanes": 2, "epoch_chunks": 2, **kw})
 
 
-def test_interleaved_documents_resume_exactly_on_any_worker_kind(documents: Path) -> None:
-    full = run(iter(interleaved(documents)))
+def test_interleaved_documents_resume_exactly_on_any_worker_kind(web_documents: Path) -> None:
+    full = run(iter(interleaved(web_documents)))
     assert len(full) > 10
-    assert_resumes_at(interleaved(documents), [3, len(full) // 2], full)
-    with iter(interleaved(documents, workers="process")) as loader:
+    assert_resumes_at(interleaved(web_documents), [3, len(full) // 2], full)
+    with iter(interleaved(web_documents, workers="process")) as loader:
         assert run(loader) == full
-    with iter(interleaved(documents)) as loader:
+    with iter(interleaved(web_documents)) as loader:
         first = next(loader).payload
     assert first["pixel_values"].shape[1:] == (16, 24, 3)  # uint8 HWC, stacked
     assert (first["input_ids"] == tid(IMAGE)).sum() == 6 * len(first["pixel_values"])
