@@ -234,6 +234,9 @@ def test_images_and_their_items_must_agree_and_the_image_id_is_never_guessed() -
     op = tokenize_chat(vision_bpe(), template=OURS, **image_kw())
     with pytest.raises(OperatorError, match=r"2 image\(s\) but field 'images' holds 1"):
         op.process_many(records_of([conversation(rng, 2)], [[picture(0)]]))
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    with pytest.raises(OperatorError, match=r"places 0 image\(s\) but field 'images' holds 1"):
+        op.process_many(records_of([text_only], [[picture(0)]]))  # it would be dropped
     with pytest.raises(OperatorError, match="pass image_token_id="):
         tokenize_chat(vision_bpe(), template=OURS).process_many(
             records_of([conversation(rng, 1)], [[picture(0)]])

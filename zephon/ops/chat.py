@@ -655,9 +655,11 @@ class TokenizeChat(Operator):
                 ):
                     ids, offsets = self._content_as_text(text, _without(spans, holes), ids, offsets)
                 mask, boundaries = self._mask(messages, spans, ids, offsets)
-                if holes:
-                    out.append(self._with_images(rec, holes, ids, offsets, mask))
-                    continue
+                if self._images is not None:
+                    images = images_of(rec.payload, self._image_field, len(holes))
+                    if images:
+                        out.append(self._with_images(rec, holes, images, ids, offsets, mask))
+                        continue
             except (ValueError, KeyError, TypeError) as exc:
                 raise record_error(self, rec, exc) from exc
             out += self._emit(rec, ids, mask, boundaries)
@@ -667,6 +669,7 @@ class TokenizeChat(Operator):
         self,
         rec: SampleRecord,
         holes: list[tuple[int, int]],
+        images: list[Any],
         ids: np.ndarray,
         offsets: np.ndarray,
         mask: np.ndarray,
@@ -684,7 +687,6 @@ class TokenizeChat(Operator):
                     "conversation was not encoded as its one id"
                 )
             at.append(j)
-        images = images_of(rec.payload, self._image_field, len(at))
         ids, new_mask, spans, grids = self._images.expand(ids, mask, at, images)
         fields = self._images.fields(spans, grids)
         return self._record(rec.meta, rec.payload, ids, new_mask, fields)

@@ -179,21 +179,22 @@ class ImageTokens:
 
 
 def images_of(payload: Any, field: str, expected: int) -> list[Any]:
-    """The ``expected`` images of a record, from ``payload[field]`` (a list, or one image)."""
-    if expected == 0:
+    """The ``expected`` images of a record, from ``payload[field]`` (a list, or one image; the
+    field may be left out when there are none). A count that differs is an error: an image no
+    placeholder stands for would be dropped."""
+    value = payload.get(field) if isinstance(payload, Mapping) else None
+    if value is None:
+        if expected:
+            fields = list(payload) if isinstance(payload, Mapping) else type(payload).__name__
+            raise KeyError(
+                f"it places {expected} image(s) but the payload has no field {field!r} ({fields})"
+            )
         return []
-    try:
-        value = payload[field]
-    except (KeyError, TypeError, IndexError):
-        fields = list(payload) if isinstance(payload, dict) else type(payload).__name__
-        raise KeyError(
-            f"it places {expected} image(s) but the payload has no field {field!r} ({fields})"
-        ) from None
     images = list(value) if isinstance(value, (list, tuple)) else [value]
     if len(images) != expected:
         raise ValueError(
             f"it places {expected} image(s) but field {field!r} holds {len(images)}; each image "
-            "item needs one image, in order"
+            "needs its placeholder, in order"
         )
     return images
 
