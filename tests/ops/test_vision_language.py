@@ -346,6 +346,13 @@ def test_an_image_span_longer_than_a_row_is_an_error_naming_the_sample() -> None
         packed([rec], 10)
 
 
+def test_images_without_their_spans_are_an_error_not_dropped() -> None:
+    (rec,) = interleaved_records([(3, 2, 1)])
+    lost = SampleRecord(rec.meta, {**rec.payload, "image_spans": np.empty((0, 2), np.int32)})
+    with pytest.raises(OperatorError, match="holds 0 spans and field 'images' 1 images"):
+        packed([lost], 16)
+
+
 def test_packers_that_would_drop_or_cut_images_are_refused_at_plan_time() -> None:
     source = zephon.sources.ListSource([{"content": ["x"], "images": []}])
     make = functools.partial(tokenize_interleaved, vision_bpe(), eos_id=tid(EOT), **image_kw())

@@ -464,9 +464,12 @@ class _Packer(Operator):
 
     def _checked_spans(self, rec: SampleRecord, n: int) -> list[tuple[int, int]]:
         """``_spans_of`` after checking them against ``rec``: sorted, disjoint, inside its
-        ``n`` tokens, no longer than a row, one per image; else an ``OperatorError``."""
+        ``n`` tokens, no longer than a row, one per image (an image without a span would be
+        dropped); else an ``OperatorError``."""
         spans = self._spans_of(rec)
-        if not spans:
+        value = rec.payload.get(self.images) if isinstance(rec.payload, dict) else None
+        held = len(value) if isinstance(value, (list, tuple)) else int(value is not None)
+        if not spans and not held:
             return spans
         why = None
         at = 0
@@ -480,8 +483,6 @@ class _Packer(Operator):
                 why += f"{self.seq_len}; raise seq_len or make the images smaller (resize_images)"
                 break
             at = hi
-        value = rec.payload.get(self.images)
-        held = len(value) if isinstance(value, (list, tuple)) else int(value is not None)
         if why is None and held != len(spans):
             why = f"{IMAGE_SPANS_FIELD!r} holds {len(spans)} spans and field {self.images!r} "
             why += f"{held} images"
