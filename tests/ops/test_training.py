@@ -264,11 +264,13 @@ def test_image_spans_are_never_targets_even_where_the_mask_is_one():
         "loss_mask": np.ones(8, np.int32),
         "image_spans": np.array([[1, 3]], np.int32),
     }
-    out = training_collate()([record(payload)])
+    payload["images"] = [np.zeros((2, 2, 3), np.uint8)]
+    out = training_collate(images="images")([record(payload)])
     # labels[t] is token t + 1: tokens 1 and 2 are the image, 6 and 7 padding
     assert out["labels"].tolist() == [[-100, -100, 3, 4, 5, -100, -100, -100]]
     assert out["num_valid_tokens"] == 3
-    assert "pixel_values" not in out  # images= not asked for
+    with pytest.raises(ValueError, match=r"the rows carry images .* pass images="):
+        training_collate()([record(payload)])  # never a batch without the pixels
 
 
 def test_images_stay_out_of_the_identity_until_asked_for():

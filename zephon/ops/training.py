@@ -42,9 +42,10 @@ class TrainingCollate:
     - ``num_valid_tokens``: the number of labels that are not ``ignore_index`` (an int), to
       normalize a summed loss by the tokens trained on.
 
-    Rows that carry ``image_spans`` (``pack_sequences(..., images=...)``) never train on a token
-    of an image's span, whatever the mask says. With ``images="images"`` (the rows' image field)
-    the batch also gets, over the images of its rows in row order:
+    Rows that carry images (``pack_sequences(..., images=...)``) need ``images="images"`` (the
+    rows' image field; without it they are refused rather than batched without their pixels) and
+    never train on a token of an image's span, whatever the mask says. The batch then also gets,
+    over the images of its rows in row order:
 
     - ``pixel_values``: the images stacked (``(N, *shape)``) when they all have one shape, else
       every image's pixels flattened in C order and concatenated (1-D; image ``i`` is the next
@@ -198,6 +199,11 @@ class TrainingCollate:
             target &= tokens[:, 1:] != self.eos_id
         spans = [rec.payload.get(IMAGE_SPANS_FIELD) for rec in records]
         if any(s is not None and len(s) for s in spans):
+            if self.images is None:  # the model would get image tokens without their pixels
+                raise ValueError(
+                    "training_collate: the rows carry images (image_spans); pass images= (the "
+                    "rows' image field, as given to pack_sequences) to batch their pixels"
+                )
             in_image = np.zeros(tokens.shape, dtype=bool)
             for r, row_spans in enumerate(spans):
                 for lo, hi in (
