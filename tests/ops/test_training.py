@@ -257,7 +257,7 @@ def test_bad_options_are_refused(kwargs, error, match):
 
 
 def test_image_spans_are_never_targets_even_where_the_mask_is_one():
-    payload = {
+    payload: dict[str, Any] = {
         "tokens": np.arange(8, dtype=np.int32),
         "segment_ids": np.array([1, 1, 1, 1, 1, 1, 0, 0], np.int32),
         "positions": np.array([0, 1, 2, 3, 4, 5, 0, 0], np.int32),
