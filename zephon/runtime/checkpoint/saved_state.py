@@ -13,10 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from zephon.errors import CheckpointCorruptError
-from zephon.runtime.checkpoint import JOB_FORMAT, check_fingerprint
-from zephon.runtime.history import check_history
-from zephon.runtime.retire import decode_retirements
-from zephon.runtime.state import (
+from zephon.runtime.checkpoint.fields import (
     COUNTERS,
     check_int,
     check_lane_state,
@@ -25,6 +22,9 @@ from zephon.runtime.state import (
     check_turn,
     corrupt,
 )
+from zephon.runtime.checkpoint.format import JOB_FORMAT, check_fingerprint
+from zephon.runtime.checkpoint.history import check_history
+from zephon.runtime.checkpoint.retired import decode_retirements
 
 #: The fields of a rank's state, and of a job state (``merge_states``).
 STATE_KEYS = frozenset(

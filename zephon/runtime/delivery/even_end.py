@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from zephon.plan import Plan
-from zephon.runtime.layout import Layout
+from zephon.runtime.checkpoint.layout import Layout
 
 
 def lane_items(plan: Plan, layout: Layout) -> list[int] | None:

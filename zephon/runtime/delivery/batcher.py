@@ -15,7 +15,7 @@ from zephon._core.handover import PendingBatch
 from zephon._core.records import JoinedRuns, RecordRun, expand_runs
 from zephon.errors import OperatorError
 from zephon.ops.base import Grouper
-from zephon.runtime.control import LaneEnd, RunStart, Skipped
+from zephon.runtime.lanes.control import LaneEnd, RunStart, Skipped
 from zephon.types import SampleRecord
 
 # Control items the delivery loop must see itself even while a batch is pending (a skipped

@@ -13,7 +13,7 @@ import numpy as np
 
 from zephon.compact import unpack_ints
 from zephon.errors import CheckpointCorruptError
-from zephon.runtime.layout import LaneGeometry
+from zephon.runtime.checkpoint.layout import LaneGeometry
 
 
 def _corrupt(where: str, why: str) -> CheckpointCorruptError:
@@ -54,7 +54,7 @@ def _unpacked(text: Any, where: str) -> np.ndarray:
 
 
 def check_held_records(text: Any, where: str, chunks: SnapshotChunks) -> None:
-    """Packed held cursors (``holdings.flat_cursors``): whole cursors, each of a sample in one of
+    """Packed held cursors (``snapshots.flat_cursors``): whole cursors, each of a sample in one of
     the snapshot's chunks."""
     flat = _unpacked(text, where)
     i, n = 0, len(flat)

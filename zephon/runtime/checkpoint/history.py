@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zephon.runtime.checkpoint import JOB_FORMAT, STATE_FORMAT, seal, unseal
-from zephon.runtime.state import MAX_INT, check_int, corrupt
+from zephon.runtime.checkpoint.fields import MAX_INT, check_int, corrupt
+from zephon.runtime.checkpoint.format import JOB_FORMAT, STATE_FORMAT, seal, unseal
 
 MAX_EVENTS = 16  # events kept in a state
 MAX_CHANGES = 20  # changed operators named in one event

@@ -3,7 +3,7 @@
 A worker process is a fresh interpreter that imports the plan's modules before it reads anything:
 a fraction of a second in which the first batches could only wait. Instead, the loader reads the
 lane delivered from first itself while the workers start on a thread
-(``supervision.WorkerStarts``), and so any other lane it needs before the fork server can fork
+(``feeds.WorkerStarts``), and so any other lane it needs before the fork server can fork
 that lane's worker. Such a lane's worker is started afterwards, from the last snapshot
 (``Holdings``) of what the loader read, as a restore would, except that the worker is handed the
 records the operators held there instead of reading and transforming them again. The lane's stream
@@ -25,10 +25,10 @@ from typing import Any
 from zephon._core.records import RecordRun
 from zephon.errors import FetchError
 from zephon.plan import Plan
-from zephon.runtime.control import Holdings, LaneEnd, RunStart
-from zephon.runtime.fork_server import fork_server_cold
-from zephon.runtime.holdings import kept_records, packed
-from zephon.runtime.lane import LaneRunner
+from zephon.runtime.lanes.control import Holdings, LaneEnd, RunStart
+from zephon.runtime.lanes.runner import LaneRunner
+from zephon.runtime.lanes.snapshots import kept_records, packed
+from zephon.runtime.workers.fork_server import fork_server_cold
 from zephon.types import SampleRecord
 
 

@@ -22,8 +22,10 @@ from zephon._core.delivery import DeliveryBook, DeliveryCounters
 from zephon.compact import pack_ints, unpack_ints
 from zephon.errors import CarryStateWarning, ContractViolation
 from zephon.plan import Plan
-from zephon.runtime.contracts import Violation
-from zephon.runtime.control import (
+from zephon.runtime.checkpoint.layout import Layout, Run
+from zephon.runtime.delivery.contracts import Violation
+from zephon.runtime.delivery.skips import SkipLog
+from zephon.runtime.lanes.control import (
     ChunkOpened,
     EpochEnd,
     Holdings,
@@ -32,10 +34,8 @@ from zephon.runtime.control import (
     RunStart,
     Skipped,
 )
-from zephon.runtime.holdings import packed
-from zephon.runtime.lane import operator_labels
-from zephon.runtime.layout import Layout, Run
-from zephon.runtime.skips import SkipLog
+from zephon.runtime.lanes.runner import operator_labels
+from zephon.runtime.lanes.snapshots import packed
 from zephon.types import SampleCursor, SampleRecord
 
 log = logging.getLogger("zephon")

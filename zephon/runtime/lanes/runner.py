@@ -22,7 +22,9 @@ from zephon.errors import FetchError, OperatorError, ZephonError
 from zephon.ops.base import Operator, record_error
 from zephon.ops.children import tombstone_meta, tombstones_for_record
 from zephon.plan import Plan
-from zephon.runtime.control import (
+from zephon.runtime.checkpoint.layout import Layout
+from zephon.runtime.checkpoint.retired import FetchScreen, Retirement
+from zephon.runtime.lanes.control import (
     ChunkOpened,
     EpochEnd,
     Holdings,
@@ -31,10 +33,9 @@ from zephon.runtime.control import (
     RunStart,
     Skipped,
 )
-from zephon.runtime.holdings import rebuild, snapshot_of
-from zephon.runtime.layout import Layout
-from zephon.runtime.operator_setup import OperatorSetup
-from zephon.runtime.retire import FetchScreen, Retirement, tombstoned
+from zephon.runtime.lanes.operator_setup import OperatorSetup
+from zephon.runtime.lanes.retire_screen import tombstoned
+from zephon.runtime.lanes.snapshots import rebuild, snapshot_of
 from zephon.types import ContributorRef, SampleCursor, SampleRecord
 
 #: Samples read between two snapshots of what the stateful operators hold, when the chain has

@@ -18,20 +18,28 @@ from typing import Any
 
 from zephon.errors import PlanError, ZephonError
 from zephon.plan import Plan
-from zephon.runtime.control import LaneEnd
-from zephon.runtime.fork_server import worker_context
-from zephon.runtime.lane_stop import (
+from zephon.runtime.lanes.control import LaneEnd
+from zephon.runtime.workers.fork_server import worker_context
+from zephon.runtime.workers.main_script import main_script_left_out
+from zephon.runtime.workers.pickled_plan import PlanParcel, unguarded_main
+from zephon.runtime.workers.pipe_messages import (
+    ACK,
+    END,
+    READY,
+    STORAGE,
+    WARNINGS,
+    MessageStalled,
+    receive,
+)
+from zephon.runtime.workers.process_group import ProcessGroup
+from zephon.runtime.workers.process_main import EXIT_MAIN_REIMPORTED, process_main
+from zephon.runtime.workers.stopping import (
     WORKER_NAME,
     WorkerLane,
     closed_error,
     timed_out,
 )
-from zephon.runtime.main_script import main_script_left_out
-from zephon.runtime.neighbours import Neighbours
-from zephon.runtime.plan_parcel import PlanParcel, unguarded_main
-from zephon.runtime.wire import ACK, END, READY, STORAGE, WARNINGS, MessageStalled, receive
-from zephon.runtime.worker_process import EXIT_MAIN_REIMPORTED, process_main
-from zephon.runtime.worker_warnings import reraise
+from zephon.runtime.workers.worker_warnings import reraise
 from zephon.sources.storage_waits import StorageWait
 
 _EXIT_STATUS_WAIT = 1.0  # a dead worker's exit status follows the end of its pipe closely
@@ -180,7 +188,7 @@ class ProcessLane(WorkerLane):
     def __init__(self, plan: Plan, lane_id: int, *, parcel: PlanParcel | None = None, **start: Any):
         parcel = parcel or PlanParcel(plan)
         proc, (conn,) = _start_process(plan, [(lane_id, start)], parcel)
-        self._attach(plan, lane_id, proc, conn, _SharedProcess(1), parcel.neighbours)
+        self._attach(plan, lane_id, proc, conn, _SharedProcess(1), parcel.group)
 
     @classmethod
     def group(
@@ -193,7 +201,7 @@ class ProcessLane(WorkerLane):
         lanes = []
         for (lane_id, _), conn in zip(members, conns):
             lane = cls.__new__(cls)
-            lane._attach(plan, lane_id, proc, conn, shared, parcel.neighbours)
+            lane._attach(plan, lane_id, proc, conn, shared, parcel.group)
             lanes.append(lane)
         return lanes
 
@@ -204,7 +212,7 @@ class ProcessLane(WorkerLane):
         proc: Any,
         conn: Connection,
         shared: _SharedProcess,
-        neighbours: Neighbours,
+        group: ProcessGroup,
     ) -> None:
         self.lane_id = lane_id
         self.timeout = plan.timeout
@@ -220,9 +228,20 @@ class ProcessLane(WorkerLane):
         self._ended = False
         self._gone = False  # the pipe ended while receiving ahead: next() reports why
         self._finished = False  # the lane's last list (or its end) came: nothing more is made
-        self._neighbours = neighbours
-        neighbours.add(self)
+        self._group = group
+        group.add(self)
         self._watch(_ProcessWorker(proc, conn, shared))
+
+    @property
+    def connection(self) -> Connection:
+        """The loader's end of the lane's pipe."""
+        return self._conn
+
+    def leave_worker(self) -> bool:
+        """This lane sent its end: True when it was the last producing lane of its worker."""
+        shared = self._worker.shared
+        shared.producing -= 1
+        return not shared.producing
 
     @property
     def exitcode(self) -> int | None:
@@ -236,18 +255,18 @@ class ProcessLane(WorkerLane):
         """Item lists the worker finished that ``next()`` has not taken yet. Messages waiting in
         the pipe are received (not acknowledged, so the worker stays ``prefetch`` lists ahead at
         most) and kept in order for ``next()``."""
-        self._receive_arrived()
+        self.receive_arrived()
         return sum(1 for kind, _ in self._waiting if kind == "items")
 
-    def _may_send(self) -> bool:
+    def may_send(self) -> bool:
         """Whether a message may still arrive (the worker neither ended nor failed)."""
         if self._closed or self._ended or self._gone or self._stalled is not None:
             return False
         return not self._waiting or self._waiting[-1][0] in ("items", WARNINGS)
 
-    def _receive_arrived(self) -> None:
+    def receive_arrived(self) -> None:
         """Move the messages waiting in the pipe to ``_waiting``."""
-        if not self._may_send():
+        if not self.may_send():
             return
         try:
             while self._conn.poll(0):
@@ -288,7 +307,7 @@ class ProcessLane(WorkerLane):
         end = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             wait = None if end is None else max(0.0, end - time.monotonic())
-            others = self._neighbours.arriving(self)
+            others = self._group.arriving(self)
             ready = wait_for_any([conn, self._sentinel, *others], wait)
             if not ready:
                 assert self.timeout is not None
@@ -297,7 +316,7 @@ class ProcessLane(WorkerLane):
                 raise self._lost()
             for other in ready:
                 if other in others:
-                    others[other]._receive_arrived()
+                    others[other].receive_arrived()
             if conn not in ready:
                 continue
             try:
@@ -325,7 +344,7 @@ class ProcessLane(WorkerLane):
             kind == END or (kind == "items" and value and type(value[-1]) is LaneEnd)
         ):
             self._finished = True
-            self._neighbours.lane_ended(self)
+            self._group.lane_ended(self)
         return True
 
     def _on_storage(self) -> StorageWait | None:

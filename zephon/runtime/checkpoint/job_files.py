@@ -13,15 +13,15 @@ import re
 from typing import Any
 
 from zephon.errors import CheckpointCorruptError, CheckpointError
-from zephon.runtime.checkpoint import (
+from zephon.runtime.checkpoint.format import (
     STATE_FORMAT,
     checkpoint_bytes,
     save_checkpoint,
     state_from_checkpoint_bytes,
     unseal,
 )
-from zephon.runtime.job import merge_states
-from zephon.runtime.saved_state import check_saved_state
+from zephon.runtime.checkpoint.job import merge_states
+from zephon.runtime.checkpoint.saved_state import check_saved_state
 from zephon.sources.locations import filesystem_and_path
 
 _NAME = re.compile(r"^rank-(\d{5,})-of-(\d{5,})\.json$")

@@ -203,7 +203,7 @@ class Run:
     cursor: SampleCursor | None = None
     count: int = 0
     digest: int = 0
-    #: A snapshot to continue from instead of ``start`` (``runtime.holdings``; None: replay).
+    #: A snapshot to continue from instead of ``start`` (``lanes.snapshots``; None: replay).
     held: dict[str, Any] | None = None
 
     @property

@@ -6,7 +6,7 @@ same for all three kinds.
 
 The inline lane is here; thread lanes are in ``thread_lanes``, process lanes in
 ``process_lanes`` (the worker's side in ``worker_process``), and how every kind stops in
-``lane_stop``.
+``stopping``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,17 @@ from collections.abc import Generator
 from typing import Any
 
 from zephon.plan import Plan
-from zephon.runtime.lane import LaneRunner
-from zephon.runtime.lane_stop import STOP_TIMEOUT, LaneWorker, closed_error, exit_outside_operator
-from zephon.runtime.operator_setup import in_process_setup
-from zephon.runtime.plan_parcel import PlanParcel
-from zephon.runtime.process_lanes import ProcessLane
-from zephon.runtime.thread_lanes import ThreadLane
+from zephon.runtime.lanes.operator_setup import in_process_setup
+from zephon.runtime.lanes.runner import LaneRunner
+from zephon.runtime.workers.pickled_plan import PlanParcel
+from zephon.runtime.workers.processes import ProcessLane
+from zephon.runtime.workers.stopping import (
+    STOP_TIMEOUT,
+    LaneWorker,
+    closed_error,
+    exit_outside_operator,
+)
+from zephon.runtime.workers.threads import ThreadLane
 
 __all__ = ["LANE_KINDS", "InlineLane", "open_lane", "open_lanes"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zephon.runtime.layout import Layout, Run
-from zephon.runtime.state import encode_cursor, encode_run
+from zephon.runtime.checkpoint.fields import encode_cursor, encode_run
+from zephon.runtime.checkpoint.layout import Layout, Run
 
 
 def relane(

@@ -1,4 +1,4 @@
-"""Lane supervision: where a lane's item lists come from, and stopping its worker.
+"""Lane feeds: where a lane's item lists come from, and stopping its worker.
 
 The feed starts the lane's runner where the plan says lanes run (``workers``), holds the item list
 being delivered, and adds the lane to any error that comes out of the runner.
@@ -13,15 +13,16 @@ from zephon._core.handover import FeedBuffer
 from zephon._core.records import RecordRun
 from zephon.errors import ZephonError
 from zephon.plan import Plan
-from zephon.runtime import head_start
-from zephon.runtime.fork_server import start_fork_server
-from zephon.runtime.lane_stop import close_lanes
-from zephon.runtime.memory import give_back
-from zephon.runtime.plan_parcel import PlanParcel
-from zephon.runtime.workers import open_lane, open_lanes
+from zephon.runtime.lanes.retire_screen import screen
+from zephon.runtime.workers import first_reads
+from zephon.runtime.workers.fork_server import start_fork_server
+from zephon.runtime.workers.kinds import open_lane, open_lanes
+from zephon.runtime.workers.memory_release import give_back
+from zephon.runtime.workers.pickled_plan import PlanParcel
+from zephon.runtime.workers.stopping import close_lanes
 
 if TYPE_CHECKING:
-    from zephon.runtime.retire import RetiredIds
+    from zephon.runtime.checkpoint.retired import RetiredIds
     from zephon.sources.base import WorkSource
 
 
@@ -53,7 +54,7 @@ class LaneFeed(FeedBuffer):
 
     def refill(self) -> None:
         """The next item list from the runner (started on first use). While its worker process
-        waits for the fork server, the lane's first lists are read here (``head_start``)."""
+        waits for the fork server, the lane's first lists are read here (``first_reads``)."""
         if self.starting is not None and self.starting.claim(self) and self.read_ahead():
             return
         self.start()
@@ -63,18 +64,18 @@ class LaneFeed(FeedBuffer):
             raise exc.add_context(lane=self.lane_id) from exc.__cause__
         self.pos = 0
         if self.retired is not None:
-            self.buf = self.retired.screen(self.buf)
+            self.buf = screen(self.retired, self.buf)
 
     def read_ahead(self) -> bool:
         """Read the lane's first lists in this process (its worker, not yet started, continues
         after them); False when nothing was read."""
         try:
-            read = head_start.read_ahead(self.plan, self.lane_id, self.start_at)
+            read = first_reads.read_ahead(self.plan, self.lane_id, self.start_at)
             if read is not None:
                 (self.buf, self.start_at), self.pos = read, 0
                 if self.retired is not None:
-                    self.buf = self.retired.screen(self.buf)
-        except ZephonError as exc:  # its data could not be read (head_start.read_ahead)
+                    self.buf = screen(self.retired, self.buf)
+        except ZephonError as exc:  # its data could not be read (first_reads.read_ahead)
             raise exc.add_context(lane=self.lane_id) from exc.__cause__
         finally:
             assert self.starting is not None
@@ -105,14 +106,14 @@ def start_feeds(feeds: list[LaneFeed], first: LaneFeed | None = None) -> None:
     """Start the runners of many lanes at once, sharing the plan's worker processes or threads
     (``workers.open_lanes``). ``first``, the lane delivered from first, may be read in this
     process while the worker processes start, and so may the others until their workers can
-    (``head_start``)."""
+    (``first_reads``)."""
     waiting = [feed for feed in feeds if feed.runner is None and not feed.closed]
     if not waiting:
         return
     plan = waiting[0].plan
     # The plan is pickled once, here, before a head start and the worker starts run side by side.
     parcel = PlanParcel(plan) if plan.workers == "process" else None
-    if parcel is None or first not in waiting or not head_start.applies(plan, len(waiting)):
+    if parcel is None or first not in waiting or not first_reads.applies(plan, len(waiting)):
         _open_runners(plan, waiting, parcel)
         return
     starts = WorkerStarts(plan, [first, *(f for f in waiting if f is not first)], parcel)
@@ -222,7 +223,7 @@ class WorkerStarts:
 
 
 def close_feeds(feeds: list[LaneFeed]) -> None:
-    """Stop the runners of many lanes at once, under one deadline (``lane_stop.close_lanes``)."""
+    """Stop the runners of many lanes at once, under one deadline (``stopping.close_lanes``)."""
     runners = []
     for feed in feeds:
         if feed.starting is not None:  # what a start under way opened is stopped here too

@@ -29,14 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.records import RecordRun, expand_runs
 from zephon.compact import pack_ints, unpack_ints
 from zephon.errors import CheckpointError, PlanError
-from zephon.ops.children import tombstones_for_record
-from zephon.runtime.control import Retired
-from zephon.runtime.layout import Run
-from zephon.runtime.state import MAX_INT, corrupt
-from zephon.types import SampleRecord
+from zephon.runtime.checkpoint.fields import MAX_INT, corrupt
+from zephon.runtime.checkpoint.layout import Run
 
 MAX_RETIRED = 1_000_000  # ids a state keeps
 MAX_SETS = 16  # retirements a run takes
@@ -123,46 +119,6 @@ class RetiredIds:
         if len(out) != n:
             raise corrupt(where, "holds a sample id twice")
         return out
-
-    # ----------------------------------------------------------------------------- screening
-    def screen(self, items: list[Any]) -> list[Any]:
-        """``items`` with every record that carries a retired sample replaced by ``Retired``
-        (``items`` itself when none does). One look-up for all the records of the list."""
-        hit = self._hits(items)
-        if not hit:
-            return items
-        out: list[Any] = []
-        for i, item in enumerate(items):
-            found = hit.get(i)
-            if found is None:
-                out.append(item)
-            elif type(item) is RecordRun:
-                records = expand_runs([item])
-                out.extend(Retired(r) if h else r for r, h in zip(records, found.tolist()))
-            else:
-                out.append(Retired(item))
-        return out
-
-    def _hits(self, items: list[Any]) -> dict[int, Any]:
-        """Index in ``items`` -> which of its records are retired (a run's mask, else True)."""
-        hit: dict[int, Any] = {}
-        ids: list[tuple[int, ...]] = []
-        owners: list[int] = []
-        for i, item in enumerate(items):
-            kind = type(item)
-            if kind is RecordRun:
-                found = self.contains(item.pointers)
-                if found.any():
-                    hit[i] = found
-            elif kind is SampleRecord and not item.meta.is_tombstone:
-                for ref in item.meta.contribution_refs():
-                    ids.append(ref.cursor.sample_id)
-                    owners.append(i)
-        if ids:
-            found = self.contains(np.array(ids, dtype=np.int64))
-            for i in np.asarray(owners)[found].tolist():
-                hit[i] = True
-        return hit
 
 
 def retired_ids(retire: Any, source: Any) -> RetiredIds:
@@ -316,17 +272,3 @@ class FetchScreen:
                 np.concatenate([self.retirements[i].ids.rows for i in active])
             )
         return self._unions[active]
-
-
-def tombstoned(items: list[Any], ids: RetiredIds) -> list[Any]:
-    """Fetched ``items`` with each retired sample's record replaced by its tombstone."""
-    screened = ids.screen(items)
-    if screened is items:
-        return items
-    out: list[Any] = []
-    for item in screened:
-        if type(item) is Retired:
-            out.extend(tombstones_for_record(item.record))
-        else:
-            out.append(item)
-    return out

@@ -67,7 +67,7 @@ class OverClose:
 class Holdings:
     """A snapshot between two pieces of a micro-batch (or after one): everything before it in the
     lane's stream has been emitted, and the lane's stateful operators hold what ``ops`` says
-    (``runtime.holdings``); a restore can rebuild them and continue at offset ``offset`` of
+    (``lanes.snapshots``); a restore can rebuild them and continue at offset ``offset`` of
     lane-local chunk ``next_local`` of epoch ``epoch``."""
 
     __slots__ = ("epoch", "next_local", "offset", "ops")
@@ -83,7 +83,7 @@ class Holdings:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Leaving a worker process: cursors travel as plain ints, not as objects.
-        from zephon.runtime.holdings import flattened
+        from zephon.runtime.lanes.snapshots import flattened
 
         return (Holdings, (self.next_local, self.offset, self.epoch, flattened(self.ops)))
 

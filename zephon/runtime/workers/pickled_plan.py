@@ -12,12 +12,12 @@ from typing import Any
 
 from zephon.errors import PlanError
 from zephon.plan import Plan
-from zephon.runtime.fork_server import plan_modules
-from zephon.runtime.lane_stop import WORKER_NAME
-from zephon.runtime.main_script import pickle_plan
-from zephon.runtime.neighbours import Neighbours
-from zephon.runtime.thread_budget import worker_environment
-from zephon.runtime.worker_process import EXIT_MAIN_REIMPORTED
+from zephon.runtime.workers.fork_server import plan_modules
+from zephon.runtime.workers.main_script import pickle_plan
+from zephon.runtime.workers.process_group import ProcessGroup
+from zephon.runtime.workers.process_main import EXIT_MAIN_REIMPORTED
+from zephon.runtime.workers.stopping import WORKER_NAME
+from zephon.runtime.workers.thread_budget import worker_environment
 
 
 def unguarded_main() -> str:
@@ -106,4 +106,4 @@ class PlanParcel:
             raise PlanError(_unpicklable_message(plan, exc)) from None
         self.preload = plan_modules(plan)
         self.environment = worker_environment(plan.processes)
-        self.neighbours = Neighbours(min(plan.processes, len(plan.rank_lanes)), self.environment)
+        self.group = ProcessGroup(min(plan.processes, len(plan.rank_lanes)), self.environment)

@@ -14,8 +14,12 @@ from typing import Any
 
 from zephon.compact import unpack_json
 from zephon.errors import CheckpointCorruptError
-from zephon.runtime.held_check import SnapshotChunks, check_held_records, check_open_offsets
-from zephon.runtime.layout import LaneGeometry, Layout, Leftover, Run, lane_total
+from zephon.runtime.checkpoint.held_check import (
+    SnapshotChunks,
+    check_held_records,
+    check_open_offsets,
+)
+from zephon.runtime.checkpoint.layout import LaneGeometry, Layout, Leftover, Run, lane_total
 from zephon.types import SampleCursor
 
 MAX_INT = (1 << 62) - 1  # larger numbers in a state are damage, not positions
@@ -164,7 +168,7 @@ def check_held(
     per_epoch: int,
     n_ops: int,
 ) -> int:
-    """A snapshot (``runtime.holdings``) inside the epoch that starts at ``start``: its next chunk
+    """A snapshot (``lanes.snapshots``) inside the epoch that starts at ``start``: its next chunk
     (returned), per operator its packed records, digest and state, and the open offsets of the
     chunks before the next one; every part decoded and checked."""
     if type(held) is not dict or set(held) != {"next", "offset", "ops", "open"}:

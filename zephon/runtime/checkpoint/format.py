@@ -18,7 +18,7 @@ from zephon.errors import (
 )
 from zephon.identity import identify
 from zephon.plan import digest
-from zephon.runtime.identity_diff import first_difference, operator_differences
+from zephon.runtime.checkpoint.identity_diff import first_difference, operator_differences
 
 STATE_FORMAT = "zephon-loader-state"  # one rank's state
 JOB_FORMAT = "zephon-job-state"  # every rank's lanes together (``merge_states``)

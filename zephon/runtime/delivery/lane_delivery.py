@@ -1,6 +1,6 @@
 """Delivery of one lane: its stages, connected one way.
 
-    lane feed (supervision) -> replay filter -> bookkeeping -> final batcher -> the loader
+    lane feed (workers.feeds) -> replay filter -> bookkeeping -> final batcher -> the loader
 
 The feed yields the lane's items; after a restore the replay filter swallows what was delivered
 before the checkpoint (``catch_up``, before anything is handed over); bookkeeping records what is
@@ -21,16 +21,16 @@ from zephon._core.records import expand_runs, make_batch
 from zephon.errors import CheckpointCorruptError
 from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
-from zephon.runtime.batcher import LEAVE_TO_CALLER, FinalBatcher
-from zephon.runtime.bookkeeping import LaneBook
-from zephon.runtime.carry_check import check_carries
-from zephon.runtime.control import EpochEnd, LaneEnd, Retired, RunStart, Skipped
-from zephon.runtime.layout import Layout, Run
-from zephon.runtime.replay import MASK64, ReplayFilter
-from zephon.runtime.retire import FetchScreen
-from zephon.runtime.skips import SkipLog
-from zephon.runtime.state import check_lane_state, encode_cursor, encode_run
-from zephon.runtime.supervision import LaneFeed
+from zephon.runtime.checkpoint.carry_check import check_carries
+from zephon.runtime.checkpoint.fields import check_lane_state, encode_cursor, encode_run
+from zephon.runtime.checkpoint.layout import Layout, Run
+from zephon.runtime.checkpoint.retired import FetchScreen
+from zephon.runtime.delivery.batcher import LEAVE_TO_CALLER, FinalBatcher
+from zephon.runtime.delivery.bookkeeping import LaneBook
+from zephon.runtime.delivery.replay import MASK64, ReplayFilter
+from zephon.runtime.delivery.skips import SkipLog
+from zephon.runtime.lanes.control import EpochEnd, LaneEnd, Retired, RunStart, Skipped
+from zephon.runtime.workers.feeds import LaneFeed
 from zephon.types import SampleBatch, SampleCursor, SampleRecord
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from zephon.plan import Plan
-from zephon.runtime.main_script import main_script_left_out
+from zephon.runtime.workers.main_script import main_script_left_out
 
 _server_started = False  # this process started its fork server (it lives as long as we do)
 

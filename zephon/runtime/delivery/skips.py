@@ -15,7 +15,7 @@ from typing import Any
 
 from zephon._core.delivery import DeliveryCounters
 from zephon.errors import OperatorError
-from zephon.runtime.control import Skipped
+from zephon.runtime.lanes.control import Skipped
 
 log = logging.getLogger("zephon")
 

@@ -16,13 +16,12 @@ from typing import Any
 from zephon.errors import PlanError, ZephonError
 from zephon.ops.base import OperatorContext
 from zephon.plan import Plan
-from zephon.runtime.blas_threads import limit_loaded_blas
-from zephon.runtime.control import ChunkOpened
-from zephon.runtime.lane import LaneRunner
-from zephon.runtime.lane_stop import exit_outside_operator
-from zephon.runtime.memory import give_back_at_most_every, give_back_once_grown
-from zephon.runtime.operator_setup import OperatorSetup
-from zephon.runtime.wire import (
+from zephon.runtime.lanes.control import ChunkOpened
+from zephon.runtime.lanes.operator_setup import OperatorSetup
+from zephon.runtime.lanes.runner import LaneRunner
+from zephon.runtime.workers.blas_threads import limit_loaded_blas
+from zephon.runtime.workers.memory_release import give_back_at_most_every, give_back_once_grown
+from zephon.runtime.workers.pipe_messages import (
     ACK,
     END,
     READY,
@@ -33,7 +32,8 @@ from zephon.runtime.wire import (
     encode,
     write,
 )
-from zephon.runtime.worker_warnings import forward_warnings, take_warnings
+from zephon.runtime.workers.stopping import exit_outside_operator
+from zephon.runtime.workers.worker_warnings import forward_warnings, take_warnings
 from zephon.sources.storage_waits import longest_wait
 
 #: A worker process hands freed memory back to the OS as its lane starts a chunk, at most this
@@ -117,7 +117,7 @@ class _Outbox:
 def _watch_storage(outbox: _Outbox, timeout: float) -> threading.Event:
     """Tell the loader, through ``outbox``, when the calling thread (a lane's) has waited on a
     remote operation for a while, and when it no longer does, until the event returned is set.
-    The loader's timeout then names the operation (``lane_stop.timed_out``)."""
+    The loader's timeout then names the operation (``stopping.timed_out``)."""
     lane_thread = threading.get_ident()
     patience = min(STORAGE_NOTE_SECONDS, timeout / 4)
     done = threading.Event()
@@ -169,7 +169,7 @@ def _stream(outbox: _Outbox, lane_items: Iterator[list], lane_id: int, prefetch:
 
 def _from_loader(message: Any) -> int:
     """Act on a message from the loader: 1 for an acknowledgement (the loader took an item list,
-    and one more may go), 0 for thread variables to set (``Neighbours.lane_ended``)."""
+    and one more may go), 0 for thread variables to set (``ProcessGroup.lane_ended``)."""
     if message == ACK:
         return 1
     kind, environment = message

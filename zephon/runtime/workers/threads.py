@@ -16,15 +16,15 @@ from typing import Any
 
 from zephon.errors import ZephonError
 from zephon.plan import Plan
-from zephon.runtime.lane import LaneRunner
-from zephon.runtime.lane_stop import (
+from zephon.runtime.lanes.runner import LaneRunner
+from zephon.runtime.workers.pipe_messages import END
+from zephon.runtime.workers.stopping import (
     WORKER_NAME,
     WorkerLane,
     closed_error,
     exit_outside_operator,
     timed_out,
 )
-from zephon.runtime.wire import END
 from zephon.sources.storage_waits import longest_wait
 
 _POLL_SECONDS = 0.2  # how often the two sides of a thread lane check the other is still there
