@@ -123,6 +123,8 @@ class MDSSource(FileSource):
     """
 
     BLOCK_BYTES = 1 << 20
+    #: The cache's subdirectory of decompressed shards.
+    INFLATED_DIR = "mds"
 
     def __init__(
         self,
@@ -167,22 +169,15 @@ class MDSSource(FileSource):
                 if not self.is_local and not isinstance(exc, FileNotFoundError):
                     raise
                 raise FetchError(
-                    f"MDSSource cannot read {locations.uri(index_path)!r}: "
+                    f"{type(self).__name__} cannot read {locations.uri(index_path)!r}: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
 
-        raw: bytes = self.with_retries(load, lambda: f"MDSSource reading {index_path!r}")
-        try:
-            index = json.loads(raw)
-            entries = index["shards"]
-            assert isinstance(entries, list)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise FetchError(
-                f"MDSSource: {locations.uri(index_path)!r} is not an MDS index (a JSON object "
-                "with a 'shards' list)"
-            ) from None
+        name = type(self).__name__
+        raw: bytes = self.with_retries(load, lambda: f"{name} reading {index_path!r}")
+        entries = self.index_entries(raw, locations.uri(index_path))
         if not entries:
-            raise FetchError(f"MDSSource: {locations.uri(index_path)!r} lists no shard")
+            raise FetchError(f"{name}: {locations.uri(index_path)!r} lists no shard")
         self._entries = entries
         names = [self._stored_name(k, e, index_path) for k, e in enumerate(entries)]
         paths = [posixpath.join(root, n) for n in names]
@@ -197,10 +192,24 @@ class MDSSource(FileSource):
         for name, p, info in zip(names, paths, infos, strict=True):
             if info.type != pafs.FileType.File:
                 raise FetchError(
-                    f"MDSSource: shard {locations.uri(p)!r} listed in {index_path!r} is missing"
+                    f"{type(self).__name__}: shard {locations.uri(p)!r} listed in {index_path!r} "
+                    "is missing"
                 )
             files.append(DataFile(p, locations.uri(p), name, int(info.size), info.mtime_ns))
         return locations.uri(root), files
+
+    def index_entries(self, raw: bytes, index_uri: str) -> list[dict[str, Any]]:
+        """The shard entries of the index file's bytes, in order; FetchError when it is not an
+        index of this format. A format with another index (LitData's) overrides it."""
+        try:
+            index = json.loads(raw)
+            entries = index["shards"]
+            assert isinstance(entries, list)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise FetchError(
+                f"MDSSource: {index_uri!r} is not an MDS index (a JSON object with a 'shards' list)"
+            ) from None
+        return entries
 
     def _stored_name(self, k: int, entry: Any, index_path: str) -> str:
         try:
@@ -249,7 +258,8 @@ class MDSSource(FileSource):
 
         def one(i: int) -> _Shard:
             shard: _Shard = self.with_retries(
-                lambda: self._load_shard(i), lambda: f"MDSSource cannot index {self.paths[i]!r}"
+                lambda: self._load_shard(i),
+                lambda: f"{type(self).__name__} cannot index {self.paths[i]!r}",
             )
             return shard
 
@@ -293,16 +303,27 @@ class MDSSource(FileSource):
                 "decode (images: pil, jpeg, png); leave it out with columns="
             )
 
+    def shard_facts(self, i: int) -> tuple[int, int | None, bool]:
+        """``(samples, raw size or None when the index does not say it, compressed)`` of shard
+        ``i`` from its index entry; a compressed shard is inflated whole by ``inflate``."""
+        entry = self._entries[i]
+        compressed = entry.get("compression") is not None
+        return int(entry["samples"]), int(entry["raw_data"]["bytes"]), compressed
+
+    def inflate(self, i: int, data: bytes) -> bytes:
+        """The raw shard of the stored bytes of compressed shard ``i``."""
+        return _zstd_decompress(data, lambda msg: self.fetch_error(i, msg))
+
     def _load_shard(self, i: int) -> _Shard:
         entry = self._entries[i]
         f = self.files()[i]
-        compressed = entry.get("compression") is not None
-        raw_size = int(entry["raw_data"]["bytes"])
-        samples = int(entry["samples"])
+        samples, size, compressed = self.shard_facts(i)
+        raw_size = f.size if size is None else size
         try:
             stored = self._stored_table(i)
             if compressed:
-                raw_path = self._decompressed(i, stored, raw_size)
+                raw_path = self._decompressed(i, stored, size)
+                raw_size = os.path.getsize(raw_path)
                 local = True
             else:
                 raw_path, local = f.path, self.is_local
@@ -341,15 +362,18 @@ class MDSSource(FileSource):
         self.store_sidecar(i, ".zsum", _SUM_TAG, f.size, mtime, [meta, table.digests])
         return table
 
-    def _decompressed(self, i: int, stored: DigestTable, raw_size: int) -> str:
-        # The raw shard, decompressed once into the cache and named after its compressed content.
+    def _decompressed(self, i: int, stored: DigestTable, raw_size: int | None) -> str:
+        # The raw shard, decompressed once into the cache and named after its compressed content
+        # (written whole, then renamed: a copy there is complete).
         f = self.files()[i]
         key = stored.identity()[:20]
-        root_key = hashlib.sha256(f"MDSSource {self.root}".encode()).hexdigest()[:20]
-        where = os.path.join(self.cache_dir or default_cache_dir(), "mds", root_key)
+        name = type(self).__name__
+        root_key = hashlib.sha256(f"{name} {self.root}".encode()).hexdigest()[:20]
+        where = os.path.join(self.cache_dir or default_cache_dir(), self.INFLATED_DIR, root_key)
         target = os.path.join(where, f"{posixpath.basename(f.path)}.{key}.raw")
         with contextlib.suppress(OSError):
-            if os.path.getsize(target) == raw_size:
+            have = os.path.getsize(target)
+            if raw_size is None or have == raw_size:
                 return target
         with self._locations.open_random(f.path) as fh:
             try:
@@ -358,8 +382,8 @@ class MDSSource(FileSource):
                 raise self.fetch_error(
                     i, f"{changed} no longer matches the digest taken when it was indexed"
                 ) from None
-        raw = _zstd_decompress(data, lambda msg: self.fetch_error(i, msg))
-        if len(raw) != raw_size:
+        raw = self.inflate(i, data)
+        if raw_size is not None and len(raw) != raw_size:
             raise self.fetch_error(
                 i, f"decompresses to {len(raw)} bytes, its index entry says {raw_size}"
             )
@@ -408,7 +432,7 @@ class MDSSource(FileSource):
         else:
             samples = self.with_retries(
                 lambda: self._fetch(i, shard, starts, ends, rows[positions[0]]),
-                lambda: f"MDSSource cannot read {self.paths[i]!r}",
+                lambda: f"{type(self).__name__} cannot read {self.paths[i]!r}",
             )
         for k, (pos, sample) in enumerate(zip(positions.tolist(), samples, strict=True)):
             out[pos] = self._decode(i, memoryview(sample), rows[positions[k]], int(idx[k]))
