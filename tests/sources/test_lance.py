@@ -25,7 +25,6 @@ from zephon.errors import CheckpointMismatchError, FetchError, PlanError, Relane
 from zephon.ops import batch, fetch
 from zephon.sources import LanceSource, open_source
 
-
 N = 60
 
 

@@ -185,7 +185,9 @@ class LanceSource(FileSource):
             first = posixpath.join(root, "data", data[0].path) if data else root
             size = sum(int(d.file_size_bytes or 0) for d in data)
             fid = int(frag.fragment_id)
-            files.append(DataFile(first, f"{self.uri}#fragment={fid}", f"fragment-{fid}", size, None))
+            files.append(
+                DataFile(first, f"{self.uri}#fragment={fid}", f"fragment-{fid}", size, None)
+            )
         if not files:
             raise FetchError(
                 f"LanceSource: version {self.pinned_version} of {self.uri!r} holds no fragment"
@@ -335,7 +337,9 @@ def _describe_fragment(frag: Any) -> tuple[_Fragment, list[tuple[str, int]]]:
     entry = {
         "id": int(frag.fragment_id),
         "physical_rows": int(meta.physical_rows),
-        "files": [[name, size, list(d.fields)] for (name, size), d in zip(files, meta.files, strict=True)],
+        "files": [
+            [name, size, list(d.fields)] for (name, size), d in zip(files, meta.files, strict=True)
+        ],
         "deletion": None if deletion is None else posixpath.basename(str(deletion)),
     }
     manifest = hashlib.sha256(b"zephon lance fragment 1")

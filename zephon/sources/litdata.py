@@ -182,21 +182,21 @@ class LitDataSource(MDSSource):
         )
 
     def _load_shard(self, i: int) -> Any:
-        shard = super()._load_shard(i)
-        if self._level != "sample" and shard.raw_size >= 8:
-            tail = self._mapped(i, shard, None) if self.is_local or shard.compressed else None
-            end = bytes(tail[-8:]) if tail is not None else self._remote_tail(i, shard)
+        # Arrow-footer chunks are never wrapped in zstd: only an uncompressed one can be one.
+        f = self.files()[i]
+        if not self._level and f.size >= len(_ARROW_FOOTER_MAGIC):
+            try:
+                with self._locations.open_random(f.path) as fh:
+                    end = bytes(fh.read_at(len(_ARROW_FOOTER_MAGIC), f.size - 8))
+            except OSError as exc:
+                raise self.os_error(exc, i) from exc
             if end == _ARROW_FOOTER_MAGIC:
                 raise PlanError(
                     f"LitDataSource: chunk {self.paths[i]!r} holds its rows as an Arrow IPC "
                     "footer (LitData's layout for samples of strings or nested lists), which "
                     "Zephon does not read; convert the dataset to Parquet"
                 )
-        return shard
-
-    def _remote_tail(self, i: int, shard: Any) -> bytes:
-        with self._locations.open_random(self.files()[i].path) as fh:
-            return bytes(fh.read_at(8, shard.raw_size - 8))
+        return super()._load_shard(i)
 
     # --------------------------------------------------------------------- decoding
     def _decode(self, i: int, sample: memoryview, pointer: np.ndarray, idx: int) -> dict[str, Any]:
