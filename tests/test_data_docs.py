@@ -1,4 +1,5 @@
-"""docs/data.md runs as written, next to an MDS directory written by Mosaic's MDSWriter."""
+"""docs/data.md runs as written, next to an MDS directory written by Mosaic's MDSWriter (its
+Lance and LitData examples write their own data with those formats' writers)."""
 
 from __future__ import annotations
 
@@ -16,5 +17,8 @@ def test_the_data_page_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "[[5, 6, 7, 0], [8, 9, 0]]"
-    assert "10 [" in lines[-3] and "int32" in lines[-3]
-    assert lines[-2:] == ["TokenShardSource", "MDSSource"]
+    mds, lance_counts, _lance_rows, litdata = lines[-8:-4]
+    assert "10 [" in mds and "int32" in mds
+    assert lance_counts == "10 3 1"
+    assert "10 [" in litdata and "int32" in litdata
+    assert lines[-4:] == ["TokenShardSource", "MDSSource", "LanceSource", "LitDataSource"]
