@@ -115,6 +115,23 @@ def test_a_truncated_chunk_is_a_fetch_error_naming_it(tmp_path):
         LitDataSource(tmp_path).num_samples()
 
 
+def test_a_damaged_item_is_a_fetch_error_naming_its_column(tmp_path):
+    write(tmp_path)
+    chunk = tmp_path / "chunk-0-0.bin"
+    data = bytearray(chunk.read_bytes())
+    n = int(np.frombuffer(data, "<u4", count=1)[0])
+    first = int(np.frombuffer(data, "<u4", count=1, offset=4)[0])
+    # Item 0: seven sizes, then idx, text, raw, score, flag and tokens before grid's dtype code.
+    sizes = np.frombuffer(data, "<u4", count=7, offset=first)
+    at = first + 4 * 7 + int(sizes[:6].sum())
+    data[at : at + 4] = np.uint32(99).tobytes()
+    chunk.write_bytes(bytes(data))
+    src = LitDataSource(tmp_path, chunk_size=n)
+    with pytest.raises(FetchError, match=r"chunk-0-0\.bin.*item 0, column 'grid' \(numpy\)"):
+        src.read(src.chunk(0).pointers)
+    assert len(LitDataSource(tmp_path, columns=["idx"]).read(src.chunk(0).pointers)) == n
+
+
 def test_import_zephon_does_not_import_litdata():
     code = "import sys, zephon, zephon.sources; print('litdata' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

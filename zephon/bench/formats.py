@@ -1,5 +1,6 @@
-"""Reading other loaders' formats: ``fetch -> batch`` over ``TokenShardSource`` and ``MDSSource``
-against a bare loop doing the same reads with the format's own reader.
+"""Reading other loaders' formats: ``fetch -> batch`` over ``TokenShardSource``, ``MDSSource``,
+``LanceSource`` and ``LitDataSource`` against a bare loop doing the same reads with the format's
+own reader.
 
 - token shards: a Megatron ``.bin``/``.idx`` pair (written with numpy in the documented layout);
   the baseline slices a numpy memmap of the ``.bin`` at the index's pointers and converts each
@@ -8,6 +9,12 @@ against a bare loop doing the same reads with the format's own reader.
   (``get_item`` of every sample, shard by shard), loaded without the ``streaming`` package's
   ``__init__`` (it imports torchvision). Without streaming-community installed the baseline is
   missing and the row says so.
+- Lance: a dataset written by ``lance.write_dataset``; the baseline takes the same rows, a chunk
+  at a time, with ``LanceDataset.take`` and makes them Python rows (``to_pylist``);
+- LitData: chunks written by LitData's ``BinaryWriter``; the baseline iterates LitData's own
+  ``StreamingDataset`` over the directory (it imports torch, not torchvision).
+
+Every baseline groups its rows into lists of ``BATCH``, as ``batch`` does.
 
 Functions only; ``zephon bench`` (``report.py``) calls them.
 """
@@ -28,9 +35,18 @@ import numpy as np
 
 import zephon
 from zephon.ops import batch, fetch
-from zephon.sources import MDSSource, TokenShardSource
+from zephon.sources import LanceSource, LitDataSource, MDSSource, TokenShardSource
 
-__all__ = ["mds_rates", "token_shard_rates", "write_mds", "write_megatron"]
+__all__ = [
+    "lance_rates",
+    "litdata_rates",
+    "mds_rates",
+    "token_shard_rates",
+    "write_lance",
+    "write_litdata",
+    "write_mds",
+    "write_megatron",
+]
 
 BATCH = 32
 
@@ -132,5 +148,97 @@ def mds_rates(root: Path) -> tuple[float, float]:
                 current = []
     seen += len(current)
     baseline = seen / (time.perf_counter() - began)
+    assert n == seen
+    return ours, baseline
+
+
+def _samples(samples: int) -> Any:
+    # The rows every format bench writes: a token array of 64..511 int32, a text, an int.
+    rng = np.random.default_rng(0)
+    for i in range(samples):
+        size = int(rng.integers(64, 512))
+        yield {
+            "tokens": rng.integers(0, 50_000, size, dtype=np.int32),
+            "text": f"sample {i}",
+            "idx": i,
+        }
+
+
+def _batched_rate(rows: Any) -> tuple[float, int]:
+    # Rows/s of a baseline's rows grouped into lists of BATCH.
+    seen = 0
+    current: list[Any] = []
+    began = time.perf_counter()
+    for row in rows:
+        current.append(row)
+        if len(current) == BATCH:
+            seen += len(current)
+            current = []
+    seen += len(current)
+    return seen / (time.perf_counter() - began), seen
+
+
+def write_lance(root: Path, samples: int) -> bool:
+    """``samples`` rows written at ``root`` by ``lance.write_dataset`` (fragments of 16,384
+    rows); False without pylance."""
+    try:
+        import lance
+        import pyarrow as pa
+    except ImportError:
+        return False
+    rows = list(_samples(samples))
+    table = pa.table(
+        {
+            "tokens": pa.array([r["tokens"] for r in rows], pa.list_(pa.int32())),
+            "text": [r["text"] for r in rows],
+            "idx": [r["idx"] for r in rows],
+        }
+    )
+    lance.write_dataset(table, str(root), max_rows_per_file=16_384)
+    return True
+
+
+def lance_rates(root: Path) -> tuple[float, float]:
+    """``(ours, LanceDataset.take)`` samples/s over the dataset ``write_lance`` wrote."""
+    import lance
+
+    chunk = 1024
+    ours, n = _pipeline_rate(LanceSource(root, chunk_size=chunk), "idx")
+    ds = lance.dataset(str(root))
+    columns = ["tokens", "text", "idx"]
+
+    def rows() -> Any:
+        total = ds.count_rows()
+        for start in range(0, total, chunk):
+            yield from ds.take(list(range(start, min(total, start + chunk))), columns).to_pylist()
+
+    baseline, seen = _batched_rate(rows())
+    assert n == seen
+    return ours, baseline
+
+
+def write_litdata(root: Path, samples: int) -> bool:
+    """``samples`` items written at ``root`` by LitData's ``BinaryWriter`` (raw chunks of
+    16 MB); False without litdata."""
+    try:
+        from litdata.streaming.writer import BinaryWriter
+    except ImportError:
+        return False
+    writer = BinaryWriter(str(root), chunk_bytes=16 << 20)
+    for i, row in enumerate(_samples(samples)):
+        writer[i] = row
+    writer.done()
+    writer.merge()
+    return True
+
+
+def litdata_rates(root: Path, cache: Path) -> tuple[float, float]:
+    """``(ours, LitData's StreamingDataset)`` samples/s over the chunks ``write_litdata``
+    wrote (``cache``: the cache directory both may use)."""
+    from litdata import StreamingDataset
+
+    ours, n = _pipeline_rate(LitDataSource(root, chunk_size=1024, cache_dir=cache), "idx")
+    dataset = StreamingDataset(str(root), shuffle=False)
+    baseline, seen = _batched_rate(iter(dataset))
     assert n == seen
     return ours, baseline

@@ -695,7 +695,8 @@ def storage_rows(quick: bool) -> list[Row]:
 
 def format_rows(quick: bool) -> list[Row]:
     """``fetch -> batch(32)`` over a Megatron token shard against numpy memmap slicing, and over
-    Mosaic MDS shards against Mosaic's own ``MDSReader`` loop (``zephon.bench.formats``)."""
+    Mosaic MDS shards, a Lance dataset and LitData chunks against each format's own reader in a
+    bare loop (``zephon.bench.formats``)."""
     import tempfile
     from pathlib import Path
 
@@ -709,6 +710,15 @@ def format_rows(quick: bool) -> list[Row]:
         runs = [formats.token_shard_rates(idx) for _ in range(repeats)]
         found = formats.write_mds(Path(tmp) / "mds", samples)
         mds = [formats.mds_rates(Path(tmp) / "mds") for _ in range(repeats if found else 0)]
+        lance_found = formats.write_lance(Path(tmp) / "d.lance", samples)
+        lance = [
+            formats.lance_rates(Path(tmp) / "d.lance") for _ in range(repeats if lance_found else 0)
+        ]
+        litdata_found = formats.write_litdata(Path(tmp) / "litdata", samples)
+        litdata = [
+            formats.litdata_rates(Path(tmp) / "litdata", Path(tmp) / "cache")
+            for _ in range(repeats if litdata_found else 0)
+        ]
     ours = statistics.median(r[0] for r in runs)
     base = statistics.median(r[1] for r in runs)
     rows = [
@@ -722,22 +732,42 @@ def format_rows(quick: bool) -> list[Row]:
             "baseline: numpy memmap slices of the .bin at the .idx pointers, as int32",
         )
     ]
-    if not found:
-        rows.append(Row("MDS", "", "streaming-community missing", "", "", None))
-        return rows
-    ours = statistics.median(r[0] for r in mds)
-    base = statistics.median(r[1] for r in mds)
-    rows.append(
-        Row(
-            f"samples/s, MDSSource fetch -> batch(32), {samples:,} raw MDS samples",
-            _si(ours, "sample/s"),
-            _si(base, "sample/s"),
-            f"{ours / base:.2f}×",
-            "≥ 0.9×",
-            ours >= 0.9 * base,
+    for runs_of, what, missing, note in (
+        (
+            mds,
+            f"MDSSource fetch -> batch(32), {samples:,} raw MDS samples",
+            "MDS: streaming-community missing",
             "baseline: Mosaic's MDSReader.get_item over every shard, same columns",
+        ),
+        (
+            lance,
+            f"LanceSource fetch -> batch(32), {samples:,} Lance rows",
+            "Lance: pylance missing",
+            "baseline: LanceDataset.take of the same 1,024-row chunks, to_pylist",
+        ),
+        (
+            litdata,
+            f"LitDataSource fetch -> batch(32), {samples:,} raw LitData items",
+            "LitData: litdata missing",
+            "baseline: LitData's StreamingDataset iterated over the same directory",
+        ),
+    ):
+        if not runs_of:
+            rows.append(Row(missing, "", "not measured", "", "", None))
+            continue
+        ours = statistics.median(r[0] for r in runs_of)
+        base = statistics.median(r[1] for r in runs_of)
+        rows.append(
+            Row(
+                f"samples/s, {what}",
+                _si(ours, "sample/s"),
+                _si(base, "sample/s"),
+                f"{ours / base:.2f}×",
+                "≥ 0.9×",
+                ours >= 0.9 * base,
+                note,
+            )
         )
-    )
     return rows
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -69,6 +71,18 @@ _FRAMED_MAGIC = b"LDFZ01\0\0"
 _FRAMED_PREFIX = struct.Struct("<8sHHIII")
 _FRAME = struct.Struct("<IIQII")
 _ARROW_FOOTER_MAGIC = b"LDARW01\0"
+#: What a damaged item raises while it is decoded.
+_DECODE_ERRORS = (ValueError, UnicodeDecodeError, struct.error, IndexError, KeyError)
+
+
+@dataclass
+class _Plan:
+    """How an item is decoded: its size header, each leaf's column and decoder (None: not
+    read), and whether the payload's keys must be put in ``columns=`` order."""
+
+    sizes: struct.Struct
+    columns: list[tuple[str, Callable[[memoryview], Any] | None]]
+    reorder: bool
 
 
 class LitDataSource(MDSSource):
@@ -97,6 +111,7 @@ class LitDataSource(MDSSource):
         super().__init__(path, columns=columns, **options)
         self._config: dict[str, Any] = {}
         self._level = ""  # "", "chunk", "batch" or "sample"
+        self._plan: _Plan | None = None
 
     # --------------------------------------------------------------------- the index
     def index_entries(self, raw: bytes, index_uri: str) -> list[dict[str, Any]]:
@@ -202,31 +217,67 @@ class LitDataSource(MDSSource):
     def _decode(self, i: int, sample: memoryview, pointer: np.ndarray, idx: int) -> dict[str, Any]:
         if self._level == "sample":
             sample = memoryview(_zstd_decompress(bytes(sample), lambda m: self.fetch_error(i, m)))
-        columns = self._all_columns
-        n = len(columns)
-        if len(sample) < 4 * n:
-            raise self.fetch_error(i, f"item {idx} ends inside its size header", pointer)
-        sizes = np.frombuffer(sample, "<u4", count=n).tolist()
-        at = 4 * n
+        plan = self._plan or self._make_plan()
+        try:
+            sizes = plan.sizes.unpack_from(sample, 0)
+            at = plan.sizes.size
+            values: dict[str, Any] = {}
+            for (name, decode), size in zip(plan.columns, sizes, strict=True):
+                stop = at + size
+                if decode is not None:
+                    values[name] = decode(sample[at:stop])
+                at = stop
+            if at > len(sample):
+                raise ValueError("the item is shorter than its sizes say")
+        except _DECODE_ERRORS as exc:
+            raise self._item_error(i, sample, pointer, idx, exc) from None
+        if plan.reorder:
+            return {c.name: values[c.name] for c in self._selected}
+        return values
+
+    def _make_plan(self) -> _Plan:
+        # What decoding an item needs, made once per process (its decoders do not pickle).
         wanted = self._wanted
-        values: dict[str, Any] = {}
-        for col, size in zip(columns, sizes, strict=True):
+        columns = [
+            (c.name, _decoder(c.encoding) if c.name in wanted else None) for c in self._all_columns
+        ]
+        order = [c.name for c in self._all_columns if c.name in wanted]
+        plan = _Plan(
+            struct.Struct(f"<{len(columns)}I"), columns, order != [c.name for c in self._selected]
+        )
+        self._plan = plan
+        return plan
+
+    def _item_error(
+        self, i: int, sample: memoryview, pointer: np.ndarray, idx: int, exc: Exception
+    ) -> FetchError:
+        # The column an item failed at, found by walking it again one column at a time.
+        n = len(self._all_columns)
+        if len(sample) < 4 * n:
+            return self.fetch_error(i, f"item {idx} ends inside its size header", pointer)
+        at = 4 * n
+        for col, size in zip(self._all_columns, struct.unpack_from(f"<{n}I", sample), strict=True):
             if at + size > len(sample):
-                raise self.fetch_error(
+                return self.fetch_error(
                     i, f"item {idx} ends inside column {col.name!r}; the chunk is damaged", pointer
                 )
-            if col.name in wanted:
+            if col.name in self._wanted:
                 try:
-                    values[col.name] = _decode_leaf(col.encoding, sample[at : at + size])
-                except (ValueError, UnicodeDecodeError, struct.error, KeyError) as exc:
-                    raise self.fetch_error(
+                    _decoder(col.encoding)(sample[at : at + size])
+                except _DECODE_ERRORS as err:
+                    return self.fetch_error(
                         i,
                         f"item {idx}, column {col.name!r} ({col.encoding}) cannot be decoded: "
-                        f"{type(exc).__name__}: {exc}",
+                        f"{type(err).__name__}: {err}",
                         pointer,
-                    ) from None
+                    )
             at += size
-        return {c.name: values[c.name] for c in self._selected}
+        return self.fetch_error(i, f"item {idx} cannot be decoded: {exc}", pointer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_plan"] = None
+        return state
 
     def describe(self) -> dict[str, Any]:
         """``MDSSource``'s description, with LitData's compression in place of MDS's."""
@@ -269,24 +320,30 @@ def _flat_dict_keys(spec: Any) -> list[str] | None:
     return keys
 
 
-def _decode_leaf(encoding: str, data: memoryview) -> Any:
-    """One leaf's value from its bytes, as LitData's serializer wrote it."""
+def _decoder(encoding: str) -> Callable[[memoryview], Any]:
+    """What turns a leaf's bytes into its value, as LitData's serializer ``encoding`` wrote it."""
     scalar = _SCALARS.get(encoding)
     if scalar is not None:
-        return scalar.unpack(data)[0]
+        unpack = scalar.unpack
+        return lambda data: unpack(data)[0]
     if encoding in _TEXT:
-        return str(data, "utf-8")
+        return lambda data: str(data, "utf-8")
     if encoding == "bytes":
-        return bytes(data)
+        return bytes
     if encoding == "bool":
-        return data[0] != 0
+        return lambda data: data[0] != 0
     if encoding == "numpy":
-        code, ndim = np.frombuffer(data, "<u4", count=2).tolist()
-        shape = np.frombuffer(data, "<u4", count=ndim, offset=8).tolist()
-        dtype = np.dtype(_NUMPY_DTYPES[code])
-        return np.frombuffer(data, dtype, offset=8 + 4 * ndim).reshape(shape).copy()
+        return _numpy_with_header
     dtype = np.dtype(_NUMPY_DTYPES[int(encoding.split(":", 1)[1])])
-    return np.frombuffer(data, dtype).copy()
+    return lambda data: np.frombuffer(data, dtype).copy()
+
+
+def _numpy_with_header(data: memoryview) -> np.ndarray:
+    # LitData's ``numpy`` serializer: uint32 dtype index, uint32 ndim, the dims, the values.
+    code, ndim = struct.unpack_from("<II", data)
+    shape = struct.unpack_from(f"<{ndim}I", data, 8)
+    dtype = np.dtype(_NUMPY_DTYPES[code])
+    return np.frombuffer(data, dtype, offset=8 + 4 * ndim).reshape(shape).copy()
 
 
 def _unframe(data: bytes, error: Any) -> bytes:
