@@ -427,7 +427,7 @@ class MDSSource(FileSource):
         starts = shard.offsets[idx].astype(np.int64).tolist()
         ends = shard.offsets[idx + 1].astype(np.int64).tolist()
         if shard.compressed or self.is_local:
-            data = memoryview(self._mapped(i, shard, rows[positions[0]]))
+            data = self._mapped(i, shard, rows[positions[0]]).data
             samples: list[Any] = [data[a:e] for a, e in zip(starts, ends, strict=True)]
         else:
             samples = self.with_retries(
