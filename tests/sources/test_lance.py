@@ -183,7 +183,9 @@ def test_a_changed_dataset_is_refused_unless_the_version_is_pinned(tmp_path, mod
     state = json.loads(json.dumps(loader.state_dict()))
     loader.close()
     write(root, 0, N + 1, mode=mode)
-    with pytest.raises(CheckpointMismatchError):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"'dataset_version': checkpoint 1, pipeline 2"
+    ):
         iter(pipeline(root).iter(state=state))
     # The checkpoint's version is still there: pinned, the run finishes on it.
     assert head + run(pipeline(root, version=1).iter(state=state)) == full

@@ -12,8 +12,9 @@ version once written, so an append or an overwrite made while a job runs is not 
 fingerprint carries the version and, per fragment, its id, row counts, data files (name, size
 and a digest of each file's footer, which holds the layout of all its pages) and deletion file.
 A checkpoint taken on version ``v`` therefore resumes only on the same content: after the
-dataset was appended to or overwritten, build the source with ``version=v`` (the version the
-checkpoint's source read, ``source.pinned_version``) to finish the run on it, as long as
+dataset was appended to or overwritten, the mismatch names both versions; build the source with
+``version=v`` (the version the checkpoint's source read, ``source.pinned_version``) to finish
+the run on it, as long as
 ``v`` was not removed by ``cleanup_old_versions``; a version that no longer exists is a
 ``FetchError`` naming it.
 
@@ -300,7 +301,8 @@ class LanceSource(FileSource):
         and content identity (manifest entry and data file footers)."""
         out = self.describe_files()
         out["columns"] = list(self._selected)
-        out["version"] = self.pinned_version
+        # Named so that it sorts before "files": a checkpoint mismatch names the versions first.
+        out["dataset_version"] = self.pinned_version
         out["files"] = [
             {
                 "name": f.name,
