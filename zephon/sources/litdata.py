@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon.errors import FetchError, PlanError
-from zephon.sources.mds import MDSSource, _Column, _zstd_decompress
+from zephon.sources.mds import Column, MDSSource, zstd_decompress
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -128,7 +128,7 @@ class LitDataSource(MDSSource):
         self._level = _compression_level(config, index_uri)
         return entries
 
-    def _stored_name(self, k: int, entry: Any, index_path: str) -> str:
+    def stored_name(self, k: int, entry: Any, index_path: str) -> str:
         try:
             int(entry["chunk_size"]), int(entry["chunk_bytes"])
             return str(entry["filename"])
@@ -153,10 +153,10 @@ class LitDataSource(MDSSource):
             return self.fetch_error(i, msg)
 
         if self._level == "chunk":
-            return _zstd_decompress(data, error)
+            return zstd_decompress(data, error)
         return _unframe(data, error)
 
-    def _columns_of(self, entries: list[dict[str, Any]]) -> list[_Column]:
+    def columns_of(self, entries: list[dict[str, Any]]) -> list[Column]:
         where = self.root
         config = self._config
         if config.get("encryption"):
@@ -176,9 +176,9 @@ class LitDataSource(MDSSource):
                 f"LitDataSource: the samples of {where!r} are not flat dicts of values (its "
                 "data_spec); write each sample as {column: value}"
             )
-        return [_Column(n, str(f), None) for n, f in zip(names, formats, strict=True)]
+        return [Column(n, str(f), None) for n, f in zip(names, formats, strict=True)]
 
-    def _check_encoding(self, col: _Column) -> None:
+    def check_encoding(self, col: Column) -> None:
         enc = col.encoding
         if enc in _SCALARS or enc in _TEXT or enc in ("bool", "bytes", "numpy"):
             return
@@ -196,8 +196,9 @@ class LitDataSource(MDSSource):
             f"{enc!r}: {why}; leave the column out with columns="
         )
 
-    def _load_shard(self, i: int) -> Any:
-        # Arrow-footer chunks are never wrapped in zstd: only an uncompressed one can be one.
+    def check_stored(self, i: int) -> None:
+        """PlanError for a chunk stored as Arrow rows (never wrapped in zstd: only an
+        uncompressed chunk can be one)."""
         f = self.files()[i]
         if not self._level and f.size >= len(_ARROW_FOOTER_MAGIC):
             try:
@@ -211,12 +212,13 @@ class LitDataSource(MDSSource):
                     "footer (LitData's layout for samples of strings or nested lists), which "
                     "Zephon does not read; convert the dataset to Parquet"
                 )
-        return super()._load_shard(i)
 
     # --------------------------------------------------------------------- decoding
-    def _decode(self, i: int, sample: memoryview, pointer: np.ndarray, idx: int) -> dict[str, Any]:
+    def decode_sample(
+        self, i: int, sample: memoryview, pointer: np.ndarray, idx: int
+    ) -> dict[str, Any]:
         if self._level == "sample":
-            sample = memoryview(_zstd_decompress(bytes(sample), lambda m: self.fetch_error(i, m)))
+            sample = memoryview(zstd_decompress(bytes(sample), lambda m: self.fetch_error(i, m)))
         plan = self._plan or self._make_plan()
         try:
             sizes = plan.sizes.unpack_from(sample, 0)
@@ -360,7 +362,7 @@ def _unframe(data: bytes, error: Any) -> bytes:
     parts = [struct.pack("<I", n), (logical.astype(np.int64) + header).astype("<u4").tobytes()]
     for k in range(n_frames):
         _first, _items, at, length, raw_len = _FRAME.unpack_from(data, table_at + k * _FRAME.size)
-        raw = _zstd_decompress(data[at : at + length], error)
+        raw = zstd_decompress(data[at : at + length], error)
         if len(raw) != raw_len:
             raise error(f"frame {k} inflates to {len(raw)} bytes, its header says {raw_len}")
         parts.append(raw)

@@ -50,7 +50,7 @@ from zephon.sources.locations import DataFile, default_cache_dir
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["MDSSource"]
+__all__ = ["Column", "MDSSource", "zstd_decompress"]
 
 _SUM_TAG = b"ZMDSSUM1"
 _SCALARS = {
@@ -89,7 +89,9 @@ _KEPT_MAPS = 16
 
 
 @dataclass
-class _Column:
+class Column:
+    """One column of a shard's samples: its name, encoding and size."""
+
     name: str
     encoding: str
     size: int | None  # fixed size in bytes, or None: a size in each sample's head
@@ -146,8 +148,8 @@ class MDSSource(FileSource):
         self._entries: list[dict[str, Any]] = []
         self._shards: list[_Shard | None] = []
         self._identities: list[str] = []
-        self._selected: list[_Column] = []
-        self._all_columns: list[_Column] = []
+        self._selected: list[Column] = []
+        self._all_columns: list[Column] = []
         self._wanted: frozenset[str] = frozenset()
         self._variable_columns = 0
         self._maps: dict[int, np.ndarray] = {}
@@ -179,7 +181,7 @@ class MDSSource(FileSource):
         if not entries:
             raise FetchError(f"{name}: {locations.uri(index_path)!r} lists no shard")
         self._entries = entries
-        names = [self._stored_name(k, e, index_path) for k, e in enumerate(entries)]
+        names = [self.stored_name(k, e, index_path) for k, e in enumerate(entries)]
         paths = [posixpath.join(root, n) for n in names]
 
         def stat(p: str) -> Any:
@@ -211,7 +213,9 @@ class MDSSource(FileSource):
             ) from None
         return entries
 
-    def _stored_name(self, k: int, entry: Any, index_path: str) -> str:
+    def stored_name(self, k: int, entry: Any, index_path: str) -> str:
+        """The name of the file shard ``k`` is stored in, relative to the index; FetchError for
+        an entry this source cannot read."""
         try:
             if entry["format"] != "mds":
                 raise FetchError(
@@ -242,7 +246,7 @@ class MDSSource(FileSource):
     def load_metadata(self) -> list[int]:
         """Check the columns, then load each shard's offsets and digests (in parallel for
         remote data); the sample count of each."""
-        self._all_columns = self._columns_of(self._entries)
+        self._all_columns = self.columns_of(self._entries)
         by_name = {c.name: c for c in self._all_columns}
         wanted = self.columns if self.columns is not None else list(by_name)
         unknown = [c for c in wanted if c not in by_name]
@@ -254,7 +258,7 @@ class MDSSource(FileSource):
         self._wanted = frozenset(wanted)
         self._variable_columns = sum(c.size is None for c in self._all_columns)
         for col in self._selected:
-            self._check_encoding(col)
+            self.check_encoding(col)
 
         def one(i: int) -> _Shard:
             shard: _Shard = self.with_retries(
@@ -268,7 +272,8 @@ class MDSSource(FileSource):
         self._identities = [s.identity for s in shards]
         return [s.samples for s in shards]
 
-    def _columns_of(self, entries: list[dict[str, Any]]) -> list[_Column]:
+    def columns_of(self, entries: list[dict[str, Any]]) -> list[Column]:
+        """Every column of the shards ``entries`` describe, in the order samples hold them."""
         layouts = {
             json.dumps([e.get("column_names"), e.get("column_encodings"), e.get("column_sizes")])
             for e in entries
@@ -282,13 +287,14 @@ class MDSSource(FileSource):
             return []
         e = entries[0]
         return [
-            _Column(n, enc, None if size is None else int(size))
+            Column(n, enc, None if size is None else int(size))
             for n, enc, size in zip(
                 e["column_names"], e["column_encodings"], e["column_sizes"], strict=True
             )
         ]
 
-    def _check_encoding(self, col: _Column) -> None:
+    def check_encoding(self, col: Column) -> None:
+        """PlanError naming ``col`` when its values cannot (or may not) be decoded."""
         enc = col.encoding
         if enc == "pkl" and not self.allow_pickle:
             raise PlanError(
@@ -312,11 +318,16 @@ class MDSSource(FileSource):
 
     def inflate(self, i: int, data: bytes) -> bytes:
         """The raw shard of the stored bytes of compressed shard ``i``."""
-        return _zstd_decompress(data, lambda msg: self.fetch_error(i, msg))
+        return zstd_decompress(data, lambda msg: self.fetch_error(i, msg))
+
+    def check_stored(self, i: int) -> None:
+        """Refuse shard ``i`` before its header is read when its stored layout is one this source
+        does not read (none for MDS)."""
 
     def _load_shard(self, i: int) -> _Shard:
         entry = self._entries[i]
         f = self.files()[i]
+        self.check_stored(i)
         samples, size, compressed = self.shard_facts(i)
         raw_size = f.size if size is None else size
         try:
@@ -435,7 +446,7 @@ class MDSSource(FileSource):
                 lambda: f"{type(self).__name__} cannot read {self.paths[i]!r}",
             )
         for k, (pos, sample) in enumerate(zip(positions.tolist(), samples, strict=True)):
-            out[pos] = self._decode(i, memoryview(sample), rows[positions[k]], int(idx[k]))
+            out[pos] = self.decode_sample(i, memoryview(sample), rows[positions[k]], int(idx[k]))
 
     def _fetch(
         self, i: int, shard: _Shard, starts: list[int], ends: list[int], pointer: np.ndarray
@@ -483,7 +494,11 @@ class MDSSource(FileSource):
                 self._maps.pop(next(iter(self._maps)))
         return data
 
-    def _decode(self, i: int, sample: memoryview, pointer: np.ndarray, idx: int) -> dict[str, Any]:
+    def decode_sample(
+        self, i: int, sample: memoryview, pointer: np.ndarray, idx: int
+    ) -> dict[str, Any]:
+        """The payload of sample ``idx`` of shard ``i`` from its bytes (``pointer``: its row, for
+        errors)."""
         columns = self._all_columns
         n_var = self._variable_columns
         sizes = np.frombuffer(sample, "<u4", count=n_var).tolist() if n_var else []
@@ -601,7 +616,9 @@ def _decode_ndarray(encoding: str, data: memoryview) -> np.ndarray:
     return values.reshape(shape).copy()
 
 
-def _zstd_decompress(data: bytes, error: Any) -> bytes:
+def zstd_decompress(data: bytes, error: Any) -> bytes:
+    """The bytes zstd ``data`` holds; ``error(message)`` makes what is raised when it is not
+    zstd or no zstd module is installed."""
     # The zstd module the MDS writer uses (``zstd``), else ``zstandard``: needed for compressed
     # shards only, imported when one is read.
     try:
