@@ -72,7 +72,10 @@ class LanceSource(FileSource):
 
     Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
     ``shuffle``, ``seed``, ``passes``, ``threads`` and the storage deadlines ``timeout`` and
-    ``total_timeout``); Lance reads through its own object store, so ``filesystem`` is refused.
+    ``total_timeout``); Lance reads through its own object store, so ``filesystem`` is refused,
+    and it writes no sidecar (``index_dir`` and ``cache_dir`` are unused). The footers digested
+    for the fingerprint are read with the storage settings of the environment, as every other
+    file source reads.
     """
 
     def __init__(

@@ -203,7 +203,8 @@ class LitDataSource(MDSSource):
         if not self._level and f.size >= len(_ARROW_FOOTER_MAGIC):
             try:
                 with self._locations.open_random(f.path) as fh:
-                    end = bytes(fh.read_at(len(_ARROW_FOOTER_MAGIC), f.size - 8))
+                    tail = len(_ARROW_FOOTER_MAGIC)
+                    end = bytes(fh.read_at(tail, f.size - tail))
             except OSError as exc:
                 raise self.os_error(exc, i) from exc
             if end == _ARROW_FOOTER_MAGIC:
