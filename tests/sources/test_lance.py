@@ -191,6 +191,28 @@ def test_a_changed_dataset_is_refused_unless_the_version_is_pinned(tmp_path, mod
     assert head + run(pipeline(root, version=1).iter(state=state)) == full
 
 
+def test_a_data_file_replaced_in_place_is_a_checkpoint_mismatch_naming_its_fragment(tmp_path):
+    # Lance never rewrites a data file, but a copy tool can: same name, same size, other values.
+    for name, seed in (("a.lance", 0), ("b.lance", 1)):
+        values = pa.table({"x": np.random.default_rng(seed).random(40)})
+        lance.write_dataset(values, str(tmp_path / name), max_rows_per_file=20)
+    a, b = (lance.dataset(str(tmp_path / n)).get_fragments()[0] for n in ("a.lance", "b.lance"))
+    target = tmp_path / "a.lance" / "data" / a.data_files()[0].path
+    source = tmp_path / "b.lance" / "data" / b.data_files()[0].path
+    assert target.stat().st_size == source.stat().st_size
+
+    def pipe() -> zephon.Pipeline:
+        return zephon.Pipeline(LanceSource(tmp_path / "a.lance", chunk_size=5), [fetch()])
+
+    loader = iter(pipe())
+    next(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    target.write_bytes(source.read_bytes())
+    with pytest.raises(CheckpointMismatchError, match=r"file 'fragment-0' changed"):
+        iter(pipe().iter(state=state))
+
+
 # --------------------------------------------------------------------------- remote
 
 
