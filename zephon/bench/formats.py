@@ -75,6 +75,32 @@ def _pipeline_rate(source: Any, field: str) -> tuple[float, int]:
     return n / (time.perf_counter() - began), n
 
 
+def _samples(samples: int) -> Any:
+    # The rows every format bench writes: a token array of 64..511 int32, a text, an int.
+    rng = np.random.default_rng(0)
+    for i in range(samples):
+        size = int(rng.integers(64, 512))
+        yield {
+            "tokens": rng.integers(0, 50_000, size, dtype=np.int32),
+            "text": f"sample {i}",
+            "idx": i,
+        }
+
+
+def _batched_rate(rows: Any) -> tuple[float, int]:
+    # Rows/s of a baseline's rows grouped into lists of BATCH.
+    seen = 0
+    current: list[Any] = []
+    began = time.perf_counter()
+    for row in rows:
+        current.append(row)
+        if len(current) == BATCH:
+            seen += len(current)
+            current = []
+    seen += len(current)
+    return seen / (time.perf_counter() - began), seen
+
+
 def token_shard_rates(idx: Path) -> tuple[float, float]:
     """``(ours, baseline)`` documents/s over the Megatron pair at ``idx``."""
     ours, n = _pipeline_rate(TokenShardSource(idx, chunk_size=1024), "tokens")
@@ -119,13 +145,10 @@ def write_mds(root: Path, samples: int) -> bool:
     if found is None:
         return False
     writer = found[0]
-    rng = np.random.default_rng(0)
     columns = {"tokens": "ndarray:int32", "text": "str", "idx": "int"}
     with writer(out=str(root), columns=columns, size_limit=1 << 24) as out:
-        for i in range(samples):
-            size = int(rng.integers(64, 512))
-            tokens = rng.integers(0, 50_000, size, dtype=np.int32)
-            out.write({"tokens": tokens, "text": f"sample {i}", "idx": i})
+        for row in _samples(samples):
+            out.write(row)
     return True
 
 
@@ -136,46 +159,16 @@ def mds_rates(root: Path) -> tuple[float, float]:
     reader_from_json = found[1]
     ours, n = _pipeline_rate(MDSSource(root, chunk_size=1024), "idx")
     index = json.loads((root / "index.json").read_text())
-    began = time.perf_counter()
-    seen = 0
-    current: list[dict[str, Any]] = []
-    for entry in index["shards"]:
-        reader = reader_from_json(str(root), None, entry)
-        for j in range(reader.samples):
-            current.append(reader.get_item(j))
-            if len(current) == BATCH:
-                seen += len(current)
-                current = []
-    seen += len(current)
-    baseline = seen / (time.perf_counter() - began)
+
+    def rows() -> Any:
+        for entry in index["shards"]:
+            reader = reader_from_json(str(root), None, entry)
+            for j in range(reader.samples):
+                yield reader.get_item(j)
+
+    baseline, seen = _batched_rate(rows())
     assert n == seen
     return ours, baseline
-
-
-def _samples(samples: int) -> Any:
-    # The rows every format bench writes: a token array of 64..511 int32, a text, an int.
-    rng = np.random.default_rng(0)
-    for i in range(samples):
-        size = int(rng.integers(64, 512))
-        yield {
-            "tokens": rng.integers(0, 50_000, size, dtype=np.int32),
-            "text": f"sample {i}",
-            "idx": i,
-        }
-
-
-def _batched_rate(rows: Any) -> tuple[float, int]:
-    # Rows/s of a baseline's rows grouped into lists of BATCH.
-    seen = 0
-    current: list[Any] = []
-    began = time.perf_counter()
-    for row in rows:
-        current.append(row)
-        if len(current) == BATCH:
-            seen += len(current)
-            current = []
-    seen += len(current)
-    return seen / (time.perf_counter() - began), seen
 
 
 def write_lance(root: Path, samples: int) -> bool:
