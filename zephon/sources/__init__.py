@@ -10,6 +10,7 @@ from zephon.sources.mds import MDSSource
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
 from zephon.sources.token_shards import TokenShardSource
+from zephon.sources.webdataset import WebDatasetSource
 
 __all__ = [
     "ArrowSource",
@@ -23,6 +24,7 @@ __all__ = [
     "MixtureSource",
     "RangeSource",
     "TokenShardSource",
+    "WebDatasetSource",
     "WorkSource",
     "open_source",
 ]
