@@ -50,17 +50,27 @@ def key(i: int) -> str:
     return f"part/{i:05d}"
 
 
-def write(root: Path, n: int = N, fmt: str | None = None, long_keys: bool = False) -> Path:
-    """``n`` samples in shards of ``PER_SHARD`` written by ``webdataset.TarWriter`` (``fmt``:
-    tarfile's USTAR_FORMAT by default, PAX_FORMAT or GNU_FORMAT)."""
+def write(root: Path, n: int = N, mtime: float = 1) -> Path:
+    """``n`` samples in shards of ``PER_SHARD`` written by ``webdataset.TarWriter`` (a float
+    ``mtime``, as the writer's default of now, gives every member a PAX header)."""
     root.mkdir(parents=True, exist_ok=True)
     for s, first in enumerate(range(0, n, PER_SHARD)):
-        where = str(root / f"shard-{s:04d}.tar")
-        with wds.TarWriter(where, encoder=False, format=fmt, mtime=1) as out:
+        with wds.TarWriter(str(root / f"shard-{s:04d}.tar"), encoder=False, mtime=mtime) as out:
             for i in range(first, min(first + PER_SHARD, n)):
-                name = f"{'ü' * 130}/{i:05d}" if long_keys else key(i)
-                out.write({"__key__": name, **sample(i)})
+                out.write({"__key__": key(i), **sample(i)})
     return root
+
+
+def write_with_tarfile(path: Path, names: list[str], fmt: int) -> Path:
+    """Samples ``0..`` under these keys, written by ``tarfile`` in the format ``fmt`` (the
+    ``TarWriter`` leaves it to tarfile's default)."""
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for i, name in enumerate(names):
+            for field, data in sample(i).items():
+                info = tarfile.TarInfo(f"{name}.{field}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
 
 
 def webdatasets_samples(shards: list[str]) -> list[dict[str, Any]]:
@@ -106,13 +116,20 @@ def test_every_sample_once_per_pass_with_the_writers_bytes(tmp_path, shuffle):
         assert_written(g, str(root))
 
 
-@pytest.mark.parametrize("fmt", ["USTAR_FORMAT", "PAX_FORMAT", "GNU_FORMAT"])
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 def test_long_and_non_ascii_keys_in_every_tar_format_match_webdatasets_reader(tmp_path, fmt):
-    root = write(tmp_path, n=20, fmt=fmt, long_keys=True)
-    shards = sorted(str(p) for p in root.glob("*.tar"))
-    ours = every_sample(WebDatasetSource(shards))
-    assert ours == webdatasets_samples(shards)
-    assert ours[0]["__key__"] == f"{'ü' * 130}/00000"
+    # 120 bytes of directory: a ustar prefix, a GNU long name, a PAX path record.
+    names = [f"{'ü' * 60}/{i:05d}" for i in range(10)]
+    shard = str(write_with_tarfile(tmp_path / "a.tar", names, fmt))
+    ours = every_sample(WebDatasetSource(shard))
+    assert ours == webdatasets_samples([shard])
+    assert [o["__key__"] for o in ours] == names
+
+
+def test_a_float_mtime_gives_each_member_a_pax_header_and_changes_nothing(tmp_path):
+    plain = every_sample(WebDatasetSource(write(tmp_path / "a")))
+    pax = every_sample(WebDatasetSource(write(tmp_path / "b", mtime=1.5)))
+    assert [{**p, "__url__": ""} for p in pax] == [{**p, "__url__": ""} for p in plain]
 
 
 def test_samples_are_grouped_by_key_as_webdataset_groups_them(tmp_path):
