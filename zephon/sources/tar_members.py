@@ -213,17 +213,17 @@ def _pax_records(payload: bytes, at: int) -> dict[str, Any]:
         space = payload.find(b" ", pos)
         try:
             length = int(payload[pos:space])
+            if length <= 0:
+                raise ValueError(length)
             record = payload[space + 1 : pos + length]
             key, value = record.rstrip(b"\n").split(b"=", 1)
+            if key == b"path":
+                out["path"] = _text(value)
+            elif key == b"size":
+                out["size"] = int(value)
         except ValueError:
             raise TarFormatError(
                 f"the PAX header at byte {at} holds a malformed record at {pos}"
             ) from None
-        if length <= 0:
-            raise TarFormatError(f"the PAX header at byte {at} holds a record of length 0")
-        if key == b"path":
-            out["path"] = _text(value)
-        elif key == b"size":
-            out["size"] = int(value)
         pos += length
     return out

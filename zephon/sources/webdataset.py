@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -57,6 +55,7 @@ from zephon.sources.files import (
     section_text,
     text_section,
 )
+from zephon.sources.mapped_files import ChangedFile, MappedFiles, map_bytes
 from zephon.sources.tar_members import MemberScan, TarFormatError
 from zephon.validation import check_bool
 
@@ -67,8 +66,6 @@ __all__ = ["TEXT_DECODERS", "WebDatasetSource"]
 
 _IDX_TAG = b"ZWDSIDX1"
 _SECTIONS = 10
-#: Memory-mapped local shards kept open between reads.
-_KEPT_MAPS = 16
 #: WebDataset's split of a member path into key and field.
 _KEY_AND_FIELD = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 #: Members WebDataset leaves out of every sample: metadata such as ``__index__``.
@@ -165,8 +162,7 @@ class WebDatasetSource(FileSource):
         self.decode_text = check_bool(decode_text, "decode_text", "WebDatasetSource")
         self._shards: list[_Shard | None] = []
         self._identities: list[str] = []
-        self._maps: dict[int, np.ndarray] = {}
-        self._maps_lock = threading.Lock()
+        self._maps = MappedFiles()
 
     # --------------------------------------------------------------------- the member index
     def column_names(self) -> list[str]:
@@ -409,34 +405,20 @@ class WebDatasetSource(FileSource):
         return out
 
     def _mapped(self, i: int, pointer: np.ndarray) -> np.ndarray:
-        # The shard memory-mapped (kept for the next reads), checked against the size and mtime
-        # it was indexed at on every read.
+        # The shard memory-mapped, checked against the size and mtime it was indexed at.
         f = self.files()[i]
         try:
-            st = os.stat(f.path)
+            return self._maps.get(i, f.path, (f.size, f.mtime_ns), lambda: map_bytes(f.path))
         except OSError as exc:
             raise self.os_error(exc, i, pointer) from exc
-        if (st.st_size, st.st_mtime_ns) != (f.size, f.mtime_ns):
+        except ChangedFile as changed:
             raise self.fetch_error(
                 i,
-                f"the shard changed since it was indexed (size {f.size} -> {st.st_size}, "
-                f"mtime_ns {f.mtime_ns} -> {st.st_mtime_ns}); build a new source (its "
-                "fingerprint will differ from old checkpoints)",
+                f"the shard changed since it was indexed (size {f.size}, mtime_ns {f.mtime_ns} "
+                f"then; {changed} now); build a new source (its fingerprint will differ from "
+                "old checkpoints)",
                 pointer,
-            )
-        with self._maps_lock:
-            kept = self._maps.get(i)
-        if kept is not None:
-            return kept
-        try:
-            data = np.memmap(f.path, dtype=np.uint8, mode="r").view(np.ndarray)
-        except OSError as exc:
-            raise self.os_error(exc, i, pointer) from exc
-        with self._maps_lock:
-            self._maps[i] = data
-            while len(self._maps) > _KEPT_MAPS:
-                self._maps.pop(next(iter(self._maps)))
-        return data
+            ) from None
 
     def _missing(self, i: int, shard: _Shard, sample: int, pointer: np.ndarray) -> FetchError:
         a, b = int(shard.first[sample]), int(shard.first[sample + 1])
@@ -468,8 +450,7 @@ class WebDatasetSource(FileSource):
 
     def drop_read_caches(self) -> None:
         """Unmap the shards kept mapped between reads."""
-        with self._maps_lock:
-            self._maps.clear()
+        self._maps.clear()
 
     # --------------------------------------------------------------------- identity
     def describe(self) -> dict[str, Any]:
@@ -490,17 +471,11 @@ class WebDatasetSource(FileSource):
 
     # --------------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
-        # Without the member indexes and maps: a worker loads them again from the sidecars and
-        # checks they describe the same content (``_shard``).
+        # Without the member indexes: a worker loads them again from the sidecars and checks
+        # they describe the same content (``_shard``).
         state = super().__getstate__()
         state["_shards"] = [None] * len(self._shards)
-        state["_maps"] = {}
-        del state["_maps_lock"]
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._maps_lock = threading.Lock()
 
 
 def _sections(shard: _Shard) -> list[np.ndarray]:
