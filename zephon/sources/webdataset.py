@@ -250,7 +250,7 @@ class WebDatasetSource(FileSource):
                 scan.feed(piece)
             scan.finish(size)
         except TarFormatError as exc:
-            raise self.fetch_error(i, f"not a tar archive WebDataset shards are: {exc}") from None
+            raise self.fetch_error(i, f"malformed tar archive: {exc}") from None
         blocks = regular_table(size, block, np.array(digests, dtype=np.int64))
         return self._group(i, scan, blocks, version)
 
