@@ -178,6 +178,17 @@ def test_decode_text_gives_strings_ints_and_json(tmp_path):
     )
 
 
+def test_a_field_that_cannot_be_decoded_is_named(tmp_path):
+    shard = tmp_path / "a.tar"
+    with wds.TarWriter(str(shard), encoder=False) as out:
+        out.write({"__key__": "k", "cls": b"seven", "txt": b"fine"})
+    src = WebDatasetSource(shard, decode_text=True)
+    assert src.column_names() == ["cls", "txt"]
+    with pytest.raises(FetchError, match=r"a\.tar.*member 'k\.cls' cannot be decoded as number"):
+        src.read(src.chunk(0).pointers)
+    assert WebDatasetSource(shard).read(src.chunk(0).pointers)[0]["cls"] == b"seven"
+
+
 def test_a_sample_missing_a_column_is_named_and_can_be_skipped(tmp_path):
     root = write(tmp_path / "d")
     src = WebDatasetSource(root, columns=["json"], chunk_size=4)
