@@ -363,6 +363,21 @@ def test_a_rewritten_shard_is_refused_at_resume_naming_it(tmp_path):
         iter(pipeline(root).iter(state=state))
 
 
+def test_a_shard_rewritten_with_the_same_size_is_refused_at_resume_by_content(tmp_path):
+    root = write(tmp_path / "d")
+    loader = iter(pipeline(root))
+    next(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    shard = root / "shard-0001.tar"
+    data = bytearray(shard.read_bytes())
+    with tarfile.open(shard) as tar:
+        data[tar.getmembers()[4].offset_data] ^= 1  # one byte of one member, same size
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointMismatchError, match=r"shard-0001\.tar.*content_sha256"):
+        iter(pipeline(root).iter(state=state))
+
+
 def test_a_local_shard_rewritten_while_read_is_refused(tmp_path):
     root = write(tmp_path)
     src = WebDatasetSource(root, chunk_size=5)
@@ -413,6 +428,13 @@ def test_a_bucket_copy_resumes_exactly(tmp_path, bucket):
     loader.close()
     assert head + run(pipeline(uri, lanes=2).iter(state=state)) == full
     assert open_source(uri).num_samples() == N
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_process_lanes_over_a_bucket_deliver_the_inline_stream(tmp_path, bucket):
+    uri = bucket.upload(write(tmp_path / "local"), "wds-process")
+    full = run(iter(pipeline(uri, lanes=2)))
+    assert run(iter(pipeline(uri, lanes=2, workers="process"))) == full
 
 
 def test_an_fsspec_store_delivers_the_local_samples(tmp_path):
