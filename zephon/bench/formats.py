@@ -1,6 +1,6 @@
 """Reading other loaders' formats: ``fetch -> batch`` over ``TokenShardSource``, ``MDSSource``,
-``LanceSource`` and ``LitDataSource`` against a bare loop doing the same reads with the format's
-own reader.
+``WebDatasetSource``, ``LanceSource`` and ``LitDataSource`` against a bare loop doing the same
+reads with the format's own reader.
 
 - token shards: a Megatron ``.bin``/``.idx`` pair (written with numpy in the documented layout);
   the baseline slices a numpy memmap of the ``.bin`` at the index's pointers and converts each
@@ -9,6 +9,10 @@ own reader.
   (``get_item`` of every sample, shard by shard), loaded without the ``streaming`` package's
   ``__init__`` (it imports torchvision). Without streaming-community installed the baseline is
   missing and the row says so.
+- WebDataset: ``.tar`` shards written by WebDataset's ``TarWriter`` (an image-sized ``jpg`` of
+  random bytes, a ``txt`` and a ``cls`` per sample); the baseline iterates
+  ``webdataset.WebDataset(urls)`` over the same shards, in batches of the same size. Without the
+  ``webdataset`` package the baseline is missing and the row says so.
 - Lance: a dataset written by ``lance.write_dataset``; the baseline takes the same rows, a chunk
   at a time, with ``LanceDataset.take`` and makes them Python rows (``to_pylist``);
 - LitData: chunks written by LitData's ``BinaryWriter``; the baseline iterates LitData's own
@@ -35,17 +39,25 @@ import numpy as np
 
 import zephon
 from zephon.ops import batch, fetch
-from zephon.sources import LanceSource, LitDataSource, MDSSource, TokenShardSource
+from zephon.sources import (
+    LanceSource,
+    LitDataSource,
+    MDSSource,
+    TokenShardSource,
+    WebDatasetSource,
+)
 
 __all__ = [
     "lance_rates",
     "litdata_rates",
     "mds_rates",
     "token_shard_rates",
+    "webdataset_rates",
     "write_lance",
     "write_litdata",
     "write_mds",
     "write_megatron",
+    "write_webdataset",
 ]
 
 BATCH = 32
@@ -167,6 +179,43 @@ def mds_rates(root: Path) -> tuple[float, float]:
                 yield reader.get_item(j)
 
     baseline, seen = _batched_rate(rows())
+    assert n == seen
+    return ours, baseline
+
+
+def write_webdataset(root: Path, samples: int, per_shard: int = 2000) -> bool:
+    """``samples`` WebDataset samples (``jpg``: 2..20 kB of random bytes, ``txt``, ``cls``) in
+    ``.tar`` shards of ``per_shard`` written at ``root`` by WebDataset's ``TarWriter``; False
+    without the ``webdataset`` package."""
+    try:
+        import webdataset
+    except ImportError:
+        return False
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for s, first in enumerate(range(0, samples, per_shard)):
+        with webdataset.TarWriter(str(root / f"shard-{s:05d}.tar"), encoder=False) as out:
+            for i in range(first, min(first + per_shard, samples)):
+                size = int(rng.integers(2_000, 20_000))
+                jpg = rng.bytes(size)
+                out.write(
+                    {
+                        "__key__": f"{i:08d}",
+                        "jpg": jpg,
+                        "txt": f"caption {i}".encode(),
+                        "cls": str(i % 1000).encode(),
+                    }
+                )
+    return True
+
+
+def webdataset_rates(root: Path) -> tuple[float, float]:
+    """``(ours, webdataset.WebDataset)`` samples/s over the shards ``write_webdataset`` wrote."""
+    import webdataset
+
+    ours, n = _pipeline_rate(WebDatasetSource(root, chunk_size=1024), "__key__")
+    urls = sorted(str(p) for p in root.glob("*.tar"))
+    baseline, seen = _batched_rate(webdataset.WebDataset(urls, shardshuffle=False))
     assert n == seen
     return ours, baseline
 

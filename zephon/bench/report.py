@@ -695,8 +695,8 @@ def storage_rows(quick: bool) -> list[Row]:
 
 def format_rows(quick: bool) -> list[Row]:
     """``fetch -> batch(32)`` over a Megatron token shard against numpy memmap slicing, and over
-    Mosaic MDS shards, a Lance dataset and LitData chunks against each format's own reader in a
-    bare loop (``zephon.bench.formats``)."""
+    Mosaic MDS shards, WebDataset shards, a Lance dataset and LitData chunks against each
+    format's own reader in a bare loop (``zephon.bench.formats``)."""
     import tempfile
     from pathlib import Path
 
@@ -710,6 +710,10 @@ def format_rows(quick: bool) -> list[Row]:
         runs = [formats.token_shard_rates(idx) for _ in range(repeats)]
         found = formats.write_mds(Path(tmp) / "mds", samples)
         mds = [formats.mds_rates(Path(tmp) / "mds") for _ in range(repeats if found else 0)]
+        has_wds = formats.write_webdataset(Path(tmp) / "wds", samples)
+        wds = [
+            formats.webdataset_rates(Path(tmp) / "wds") for _ in range(repeats if has_wds else 0)
+        ]
         lance_found = formats.write_lance(Path(tmp) / "d.lance", samples)
         lance = [
             formats.lance_rates(Path(tmp) / "d.lance") for _ in range(repeats if lance_found else 0)
@@ -738,6 +742,12 @@ def format_rows(quick: bool) -> list[Row]:
             f"MDSSource fetch -> batch(32), {samples:,} raw MDS samples",
             "MDS: streaming-community missing",
             "baseline: Mosaic's MDSReader.get_item over every shard, same columns",
+        ),
+        (
+            wds,
+            f"WebDatasetSource fetch -> batch(32), {samples:,} samples in .tar shards",
+            "WebDataset: webdataset missing",
+            "baseline: webdataset.WebDataset(urls) over the same shards, batches of 32",
         ),
         (
             lance,

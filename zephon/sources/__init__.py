@@ -12,6 +12,7 @@ from zephon.sources.mds import MDSSource
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
 from zephon.sources.token_shards import TokenShardSource
+from zephon.sources.webdataset import WebDatasetSource
 
 __all__ = [
     "ArrowSource",
@@ -27,6 +28,7 @@ __all__ = [
     "MixtureSource",
     "RangeSource",
     "TokenShardSource",
+    "WebDatasetSource",
     "WorkSource",
     "open_source",
 ]
