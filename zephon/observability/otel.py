@@ -64,9 +64,7 @@ def register_metrics(source: Any, meter_provider: MeterProvider) -> list[Instrum
     ``zephon.integrations.torch`` or a DataLoader around it) on ``meter_provider`` as
     observable instruments, under the meter ``"zephon"``; returns the instruments. Each
     collection reads ``stats()`` once for all of them."""
-    from zephon import __version__
-
-    meter = meter_provider.get_meter("zephon", __version__)
+    meter = meter_provider.get_meter("zephon")
     reading = _Reading(source)
     instruments: list[Instrument] = []
     for name, kind, help in catalogue():

@@ -31,7 +31,15 @@ from zephon.errors import (
 )
 from zephon.plan import Plan
 from zephon.progress import bar
-from zephon.runtime.checkpoint import (
+from zephon.runtime.checkpoint.fields import (
+    check_int,
+    check_lane_state,
+    check_layout,
+    check_turn,
+    corrupt,
+    encode_pairs,
+)
+from zephon.runtime.checkpoint.format import (
     JOB_FORMAT,
     STATE_FORMAT,
     STATE_VERSION,
@@ -39,16 +47,11 @@ from zephon.runtime.checkpoint import (
     seal,
     unseal,
 )
-from zephon.runtime.contracts import ContractPolicy
-from zephon.runtime.delivery import LaneDelivery
-from zephon.runtime.even_end import lane_items
-from zephon.runtime.history import change_event, check_history, global_step, with_event
-from zephon.runtime.job import job_step, rank_served, rank_turn
-from zephon.runtime.layout import Layout
-from zephon.runtime.operator_setup import release_in_process
-from zephon.runtime.relane import relane
-from zephon.runtime.replay import CHANGED_RECORDS
-from zephon.runtime.retire import (
+from zephon.runtime.checkpoint.history import change_event, check_history, global_step, with_event
+from zephon.runtime.checkpoint.job import job_step, rank_served, rank_turn
+from zephon.runtime.checkpoint.layout import Layout
+from zephon.runtime.checkpoint.relane import relane
+from zephon.runtime.checkpoint.retired import (
     MAX_SETS,
     FetchScreen,
     RetiredIds,
@@ -57,18 +60,15 @@ from zephon.runtime.retire import (
     horizons_of,
     retired_ids,
 )
-from zephon.runtime.saved_state import JOB_KEYS, check_keys, check_totals
-from zephon.runtime.skips import SkipLog
-from zephon.runtime.state import (
-    check_int,
-    check_lane_state,
-    check_layout,
-    check_turn,
-    corrupt,
-    encode_pairs,
-)
-from zephon.runtime.supervision import close_feeds, start_feeds
-from zephon.runtime.trainer_wait import TrainerWait
+from zephon.runtime.checkpoint.saved_state import JOB_KEYS, check_keys, check_totals
+from zephon.runtime.delivery.contracts import ContractPolicy
+from zephon.runtime.delivery.even_end import lane_items
+from zephon.runtime.delivery.lane_delivery import LaneDelivery
+from zephon.runtime.delivery.replay import CHANGED_RECORDS
+from zephon.runtime.delivery.skips import SkipLog
+from zephon.runtime.lanes.operator_setup import release_in_process
+from zephon.runtime.workers.feeds import close_feeds, start_feeds
+from zephon.runtime.workers.trainer_wait import TrainerWait
 
 log = logging.getLogger("zephon")
 
@@ -82,6 +82,9 @@ class Loader(LoaderStep):
     itself is compiled (``LoaderStep.__next__``) and calls back into this class for everything
     but the usual step.
     """
+
+    lanes: list[LaneDelivery]
+    policy: ContractPolicy
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -132,7 +135,8 @@ class Loader(LoaderStep):
     def __iter__(self) -> Loader:
         return self
 
-    def _first_or_refused(self) -> None:
+    # The compiled step's hooks (``LoaderStep``): called by ``next()``, not by a training loop.
+    def start_or_refuse(self) -> None:
         """Before a delivery: refuse one from a failed or closed loader, start the lanes on the
         first."""
         if self._failure is not None:
@@ -162,7 +166,7 @@ class Loader(LoaderStep):
                 self._catch_up(lane)
             self._skip_steps()
         except BaseException as exc:
-            self._fail(exc)
+            self.fail(exc)
             raise
 
     def _catch_up(self, lane: LaneDelivery) -> None:
@@ -191,7 +195,8 @@ class Loader(LoaderStep):
                     break
         self.skip = 0
 
-    def _note_inflight(self) -> None:
+    def note_inflight(self) -> None:
+        """A lane announced a chunk: keep the most chunks the lanes held at once."""
         inflight = sum(lane.book.table.n_inflight for lane in self.lanes)
         if inflight > self.max_inflight:
             self.max_inflight = inflight
@@ -218,7 +223,8 @@ class Loader(LoaderStep):
                     lane.replay.target,
                 )
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """A delivery raised ``exc``: every later ``next()`` refuses, and the lanes stop."""
         if isinstance(exc, ContractViolation):
             self._untrusted = exc
         self._failure = exc
@@ -226,9 +232,10 @@ class Loader(LoaderStep):
 
     def _stop_lanes(self) -> None:
         close_feeds([lane.feed for lane in self.lanes])
-        self._release_source()
+        self.release_source()
 
-    def _release_source(self) -> None:
+    def release_source(self) -> None:
+        """The stream is over or the loader stopped: let the source and the setup go."""
         self.waits.end()  # no step comes after this one
         # This loader reads its source no more, and what the reads kept for later ones (decoded
         # row groups, bytes fetched ahead) would otherwise live as long as the pipeline does.
@@ -343,7 +350,7 @@ class Loader(LoaderStep):
 
     def skipped(self) -> list[dict[str, Any]]:
         """The latest skipped records (``Pipeline(on_error="skip")``), oldest first, at most
-        ``zephon.runtime.skips.KEEP``: each one's ``lane``, ``cursor``, ``sample_id``, the
+        ``zephon.runtime.delivery.skips.KEEP``: each one's ``lane``, ``cursor``, ``sample_id``, the
         ``operator`` that failed on it and its ``error``. Only those handed over since this loader
         started: a restored run counts the earlier ones (``stats()["skipped"]``) but does not
         list them."""
