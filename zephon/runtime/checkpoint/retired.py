@@ -262,9 +262,16 @@ class FetchScreen:
 
     def ids_for(self, gen: int, lane: int, k: int) -> RetiredIds | None:
         """The ids screened in chunk ``k`` of lane identity ``(gen, lane)`` (None: none)."""
-        active = tuple(
-            i for i, r in enumerate(self.retirements) if k >= r.horizons.get((gen, lane), 0)
+        return self._union(
+            tuple(i for i, r in enumerate(self.retirements) if k >= r.horizons.get((gen, lane), 0))
         )
+
+    def every(self) -> RetiredIds | None:
+        """Every retired id, wherever it is screened (None: none): what operators that make one
+        record of several samples leave out of it (``Operator.leave_out``)."""
+        return self._union(tuple(range(len(self.retirements))))
+
+    def _union(self, active: tuple[int, ...]) -> RetiredIds | None:
         if not active:
             return None
         if active not in self._unions:
