@@ -426,9 +426,9 @@ class _Packer(Operator):
         sizes = rows[:, 1]
         starts = np.cumsum(sizes) - sizes
         keep = ~gone
-        columns = np.concatenate(
-            [np.arange(s, s + n) for s, n, k in zip(starts, sizes, keep) if k] or [[]]
-        ).astype(np.intp)
+        columns = np.concatenate(  # some fragment is kept: the row mixes
+            [np.arange(s, s + n, dtype=np.intp) for s, n, k in zip(starts, sizes, keep) if k]
+        )
         pads = [self._pad, 0, 0]
         for name, is_float in sides:
             pad = self.extra_fields[name]

@@ -63,7 +63,7 @@ from zephon.runtime.checkpoint.saved_state import JOB_KEYS, check_keys, check_to
 from zephon.runtime.delivery.contracts import ContractPolicy
 from zephon.runtime.delivery.even_end import lane_items
 from zephon.runtime.delivery.lane_delivery import LaneDelivery
-from zephon.runtime.delivery.replay import CHANGED_RECORDS
+from zephon.runtime.delivery.replay import changed_records, merged_records
 from zephon.runtime.delivery.skips import SkipLog
 from zephon.runtime.lanes.operator_setup import release_in_process
 from zephon.runtime.workers.feeds import close_feeds, start_feeds
@@ -536,9 +536,15 @@ class Loader(LoaderStep):
                 global_step(body["lane_states"]), changes, old, plan.fingerprint_parts["operators"]
             )
             history = with_event(history, event)
+            chain = plan.chain
+            reordering = [op.name for op in chain if not op.traits.preserves_cursor_order]
+            cause = changed_records(changes, reordering)
+            merges = merged_records([op.name for op in chain if op.traits.stateful])
             for lane in self.lanes:
-                lane.cause = CHANGED_RECORDS
-                lane.lenient = True  # on the monotone path: see ``ReplayFilter``
+                lane.cause = cause
+                # records reach delivery in cursor order: see ``ReplayFilter``
+                lane.lenient = not reordering
+                lane.merges = merges
         self.history = history
         self._set_retirements(decode_retirements(body["retired"]))
         if relaning:
