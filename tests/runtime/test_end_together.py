@@ -162,4 +162,4 @@ def test_ranks_stop_together_through_a_gloo_all_reduce(tmp_path: Path) -> None:
 
 def test_end_together_needs_a_function() -> None:
     with make().iter() as loader, pytest.raises(TypeError, match="minimum over all ranks"):
-        next(loader.end_together(3))  # type: ignore[arg-type]
+        loader.end_together(3)  # type: ignore[arg-type]

@@ -142,6 +142,9 @@ class Loader(LoaderStep):
                 "end_together needs a function taking this rank's 1 or 0 and returning the "
                 f"minimum over all ranks, got {all_reduce_min!r}"
             )
+        return self._until_one_ends(all_reduce_min)
+
+    def _until_one_ends(self, all_reduce_min: Callable[[int], Any]) -> Iterator[Any]:
         for item in self:
             if int(all_reduce_min(1)) < 1:
                 self._drop_rest(1)
