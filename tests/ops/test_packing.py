@@ -616,6 +616,7 @@ def test_batches_of_packed_rows_held_together_keep_their_values_and_share_no_mem
 def test_rows_leave_retired_inputs_out_and_keep_every_other_token_once(
     seq_len, lengths, packer, micro, retired
 ):
+    op: zephon.ops.Operator
     if packer == "flat":
         op = pack_flat(seq_len, pad_id=0, extra_fields=SIDES)
     else:
