@@ -356,8 +356,9 @@ class Pipeline:
             raise PlanError(
                 "Pipeline uneven_end='carry' needs to know how many items each lane holds, and "
                 f"{', '.join(unknown) or 'the eviction path'} may change the number of records "
-                "(filter, split, pack or skip them): use uneven_end='allow' and end the training "
-                "loop together on every rank (an all-reduce of a 'data left' flag at each step)"
+                "(filter, split, pack or skip them): use uneven_end='allow' and end the ranks "
+                "together with loader.end_together(all_reduce_min) (the torch dataset does it "
+                "by itself)"
             )
         return asked
 

@@ -55,7 +55,7 @@ from zephon._core.packrows import packed_records
 from zephon.errors import PlanError
 from zephon.identity import identify
 from zephon.ops.base import Operator, OpTraits, record_error
-from zephon.ops.children import split_in_proportion
+from zephon.ops.children import split_in_proportion, tombstones_for_record
 from zephon.ops.vision import IMAGE_GRID_FIELD, IMAGE_SPANS_FIELD
 from zephon.types import SampleMeta, SampleRecord
 from zephon.validation import check_int
@@ -211,6 +211,7 @@ class _Packer(Operator):
     ratios = {"fill": ("real_tokens", "row_tokens")}
     _rows = 0  # rows emitted, and the real tokens in them, since this copy was made
     _real_tokens = 0
+    _retired: Callable[[np.ndarray], np.ndarray] | None = None  # ``leave_out``
 
     images: str | None = None
     cut_to_fill = False  # pack_sequences' option; the other packers never cut to fill
@@ -577,10 +578,90 @@ class _Packer(Operator):
         self._real_tokens += int(frags[:, 1].sum())
         # Side rows in block order; float32 fields are views of their row's bits.
         sides = tuple((name, dtype == "float32") for name, dtype in self._sides)
-        rows = packed_records(blocks, bin_records, frags, self.lane_id, sides, _count_spread)
-        if self.images is not None:
-            self._attach_images(rows, bin_records, frags)
-        return rows
+        if self._retired is None:
+            made = packed_records(blocks, bin_records, frags, self.lane_id, sides, _count_spread)
+            if self.images is not None:
+                self._attach_images(made, bin_records, frags)
+            return made
+        out: list[SampleRecord] = []
+        at = 0
+        for block, records in zip(blocks, bin_records):
+            rows = frags[at : at + len(records)]
+            at += len(records)
+            gone = self._retired_inputs(records)
+            if gone.any() and not gone.all():
+                out += self._without(block, records, rows, gone, sides)
+            else:  # a row of retired samples alone is left to delivery, which books it
+                row = packed_records([block], [records], rows, self.lane_id, sides, _count_spread)
+                if self.images is not None:
+                    self._attach_images(row, [records], rows)
+                out += row
+        return out
+
+    def leave_out(self, retired: Callable[[np.ndarray], np.ndarray]) -> bool:
+        """Rows leave the fragments of retired samples out (see ``Operator.leave_out``)."""
+        self._retired = retired
+        return True
+
+    def _retired_inputs(self, records: list[SampleRecord]) -> np.ndarray:
+        """Per input of a bin, whether every sample it carries is retired."""
+        assert self._retired is not None
+        refs = [r.meta.contribution_refs() for r in records]
+        ids = np.array([ref.cursor.sample_id for own in refs for ref in own], dtype=np.int64)
+        found = self._retired(ids.reshape(-1, 3))
+        ends = np.cumsum([len(own) for own in refs])
+        return np.array([found[end - len(own) : end].all() for own, end in zip(refs, ends)])
+
+    def _without(
+        self,
+        block: np.ndarray,
+        records: list[SampleRecord],
+        rows: np.ndarray,
+        gone: np.ndarray,
+        sides: tuple[tuple[str, bool], ...],
+    ) -> list[SampleRecord]:
+        """The row of a bin with the fragments of retired inputs (``gone``) left out: the others
+        moved to its front in their order, segment ids renumbered, the rest padding; its primary
+        cursor as if nothing were left out, so a replay meets the row where it was. Then the
+        tombstones the left-out fragments owe (those that end their input)."""
+        sizes = rows[:, 1]
+        starts = np.cumsum(sizes) - sizes
+        keep = ~gone
+        columns = np.concatenate(  # some fragment is kept: the row mixes
+            [np.arange(s, s + n, dtype=np.intp) for s, n, k in zip(starts, sizes, keep) if k]
+        )
+        pads = [self._pad, 0, 0]
+        for name, is_float in sides:
+            pad = self.extra_fields[name]
+            pads.append(int(np.float32(pad).view(np.int32)) if is_float else int(pad))
+        fresh = np.repeat(np.array(pads, dtype=np.int32)[:, None], block.shape[1], axis=1)
+        fresh[:, : len(columns)] = block[:, columns]
+        kept_sizes = sizes[keep & (sizes > 0)]  # empty fragments get no segment id
+        self._real_tokens -= int(sizes[gone].sum())  # padding now (``counters``)
+        fresh[1, : len(columns)] = np.repeat(np.arange(1, len(kept_sizes) + 1), kept_sizes)
+        kept = [r for r, k in zip(records, keep.tolist()) if k]
+        kept_rows = np.ascontiguousarray(rows[keep])
+        (made,) = packed_records([fresh], [kept], kept_rows, self.lane_id, sides, _count_spread)
+        if self.images is not None:  # the kept fragments' images, at their new places
+            self._attach_images([made], [kept], kept_rows)
+        meta = made.meta
+        primary = records[0].meta.cursor.child(int(rows[0, 0]))
+        out = [
+            SampleRecord(
+                SampleMeta(
+                    primary,
+                    lane_id=meta.lane_id,
+                    contributors=meta.contributors,
+                    component_sample_counts=meta.component_sample_counts,
+                    component_token_counts=meta.component_token_counts,
+                ),
+                made.payload,
+            )
+        ]
+        for rec, row, left_out in zip(records, rows.tolist(), gone.tolist()):
+            if left_out and row[0] + row[1] == row[2]:  # the fragment that ends its input
+                out += tombstones_for_record(rec)
+        return out
 
     def counters(self) -> dict[str, int | float]:
         """The rows emitted, and their ``real_tokens`` of their ``row_tokens`` (the rest is
@@ -856,6 +937,7 @@ class GroupedPacker(Operator):
 
     traits = OpTraits(preserves_cursor_order=False, stateful=True)
     ratios = _Packer.ratios
+    _retired: Callable[[np.ndarray], np.ndarray] | None = None  # ``leave_out``
 
     def __init__(self, packer: _Packer, group_by: str | Callable[[Any], Hashable]):
         if not (isinstance(group_by, str) or callable(group_by)):
@@ -906,11 +988,20 @@ class GroupedPacker(Operator):
             )
         return group
 
+    def leave_out(self, retired: Callable[[np.ndarray], np.ndarray]) -> bool:
+        """Every group's rows leave retired samples out (see ``Operator.leave_out``)."""
+        self._retired = retired
+        for packer in self._groups.values():
+            packer.leave_out(retired)
+        return True
+
     def _packer_of(self, group: int | str) -> _Packer:
         packer = self._groups.get(group)
         if packer is None:
             packer = copy.deepcopy(self.packer)  # the planned template holds no bins
             packer.start_epoch(self.lane_id, self.epoch)
+            if self._retired is not None:
+                packer.leave_out(self._retired)
             self._groups[group] = packer
         return packer
 
