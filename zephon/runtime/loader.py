@@ -431,11 +431,11 @@ class Loader(LoaderStep):
             {"records_in": 0, "items_out": 0, "seconds": 0.0} for _ in labels
         ]
         for lane in self.lanes:
-            for total, part in zip(totals, lane.book.op_stats or ()):
-                total["records_in"] += part[0]
-                total["items_out"] += part[1]
-                total["seconds"] += part[2]
-                for name, value in (part[3] if len(part) > 3 else {}).items():
+            for total, row in zip(totals, lane.book.op_stats or ()):
+                total["records_in"] += row[0]
+                total["items_out"] += row[1]
+                total["seconds"] += row[2]
+                for name, value in (row[3] if len(row) > 3 else {}).items():
                     total[name] = total.get(name, 0) + value
         for op, total in zip(self.plan.chain, totals):
             for name, (part, whole) in op.ratios.items():
