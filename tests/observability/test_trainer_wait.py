@@ -3,7 +3,9 @@ metrics, and turned by explain into whether the loader is the bottleneck at all.
 
 from __future__ import annotations
 
+import gc
 import urllib.request
+import weakref
 
 import pytest
 
@@ -113,3 +115,20 @@ def test_explain_says_the_loader_keeps_up_when_the_training_loop_is_the_slow_sid
     assert " in the last 100 steps (" in first
     assert "The training loop, not the loader, sets the pace" in first
     assert waits["steps"] == 300 and waits["seconds"] < waits["elapsed"]
+
+
+def test_a_loader_dropped_unclosed_goes_with_its_last_reference():
+    # The waits point back at the loader for its steps: weakly, or the loader would live on in
+    # a reference cycle (its workers too) until some later garbage collection.
+    pipeline = zephon.Pipeline(RangeSource(1000, chunk_size=100), [fetch(), batch(10)], lanes=2)
+    loader = pipeline.iter()
+    next(loader)
+    gone = weakref.ref(loader)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del loader
+        assert gone() is None
+    finally:
+        if was:
+            gc.enable()

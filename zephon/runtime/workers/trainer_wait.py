@@ -9,6 +9,7 @@ already there counts as no wait.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from time import monotonic
 from typing import Any
@@ -22,12 +23,18 @@ class TrainerWait:
     ``steps`` its ``next()`` handed over so far (``LoaderStep.steps``)."""
 
     def __init__(self, loader: Any, recent: int = RECENT_STEPS):
-        self.loader = loader
+        # Weak: the loader holds this, and a loader dropped unclosed must still go (and stop its
+        # workers) when its last reference does, not at some later garbage collection.
+        self._loader = weakref.ref(loader)
         self.recent = recent
         self.seconds = 0.0
         self._waits: deque[tuple[int, float]] = deque()  # (steps handed over before it, seconds)
         self._began: float | None = None  # monotonic, at the first next()
         self._ended: float | None = None  # at the end of the stream, close() or a failure
+
+    def _steps(self) -> int:
+        loader = self._loader()
+        return 0 if loader is None else loader.steps
 
     def begin(self) -> None:
         """The first ``next()``: the time running counts from here."""
@@ -41,7 +48,7 @@ class TrainerWait:
     def book(self, waited: float) -> None:
         """``waited`` seconds for an item list, in the step under way."""
         self.seconds += waited
-        step = self.loader.steps
+        step = self._steps()
         waits = self._waits
         waits.append((step, waited))
         if waits[0][0] < step - self.recent:
@@ -52,7 +59,7 @@ class TrainerWait:
         """``seconds`` waited and ``steps`` handed over since the first ``next()``, the
         ``recent_seconds`` waited in the last ``recent_steps`` of them, and the ``elapsed``
         seconds from the first ``next()`` to now (or to the end of the stream)."""
-        steps = self.loader.steps
+        steps = self._steps()
         recent = min(self.recent, steps)
         # a wait booked at ``s`` steps held up step s + 1: it is recent when s >= steps - recent
         recent_seconds = sum(w for s, w in self._waits if s >= steps - recent)
