@@ -8,6 +8,7 @@ the reply is not the loader's, while everything the loader's process does to ans
 from __future__ import annotations
 
 import gc
+import math
 import select
 import statistics
 import subprocess
@@ -122,9 +123,16 @@ def _answer(scraper: subprocess.Popen) -> int:
 
 
 def ratios(measured: dict[str, Any]) -> tuple[float, float]:
-    """Throughput with metrics over throughput without: the median over the pairs of rounds (run
-    back to back, so both saw the same load on the machine), by wall time and by CPU time."""
+    """Throughput with metrics over throughput without, by wall time and by CPU time, from the
+    pairs of rounds (run back to back, so both saw the same load on the machine): the median
+    ratio of the pairs that ran without metrics first, and of those that ran them second, and
+    the geometric mean of the two, so that whichever runs first in a pair gains or loses nothing
+    by it."""
     pairs = list(zip(measured["off"], measured["on"], strict=True))
-    wall = statistics.median(off[0] / on[0] for off, on in pairs)
-    cpu = statistics.median(off[1] / on[1] for off, on in pairs)
-    return wall, cpu
+    out = []
+    for i in (0, 1):  # wall, CPU
+        by_order = [
+            statistics.median(off[i] / on[i] for off, on in pairs[first::2]) for first in (0, 1)
+        ]
+        out.append(math.sqrt(by_order[0] * by_order[1]))
+    return out[0], out[1]
