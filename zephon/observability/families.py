@@ -64,7 +64,7 @@ _SCALARS = (
     ("zephon_chunk_table_bytes", "gauge", "Memory held by the chunk tables.", "bytes_held"),
 )
 
-# name, kind, help, the key in ``trainer_wait`` (``runtime.trainer_wait``)
+# name, kind, help, the key in ``trainer_wait`` (``runtime.workers.trainer_wait``)
 _TRAINER = (
     (
         "zephon_trainer_wait_seconds_total",

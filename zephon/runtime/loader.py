@@ -332,7 +332,7 @@ class Loader(LoaderStep):
         ``trainer_wait`` says how long the training loop waited inside ``next()`` for item lists
         that were not ready: ``seconds`` in all and ``recent_seconds`` over the last
         ``recent_steps`` of the ``steps`` handed over since the first ``next()``, which was
-        ``elapsed`` seconds ago (``runtime.trainer_wait``).
+        ``elapsed`` seconds ago (``runtime.workers.trainer_wait``).
 
         Safe to call from another thread (a metrics server's): it waits for the step under way."""
         with self._lock:

@@ -51,9 +51,8 @@ class TrainerWait:
         step = self._steps()
         waits = self._waits
         waits.append((step, waited))
-        if waits[0][0] < step - self.recent:
-            while waits[0][0] < step - self.recent:
-                waits.popleft()
+        while waits[0][0] < step - self.recent:
+            waits.popleft()
 
     def stats(self) -> dict[str, float | int]:
         """``seconds`` waited and ``steps`` handed over since the first ``next()``, the
