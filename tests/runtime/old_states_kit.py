@@ -118,12 +118,11 @@ def stream_digest(items: list[Any]) -> str:
         records = list(item) if isinstance(item, SampleBatch) else [item]
         h.update(pickle.dumps([tuple(r.meta.cursor.sample_id) for r in records]))
         h.update(repr([r.meta.cursor for r in records]).encode())
-        payloads = [item.payload] if isinstance(item, SampleBatch) else [item.payload]
-        for payload in payloads:
-            for key in sorted(payload):
-                value = payload[key]
-                h.update(key.encode())
-                h.update(value.tobytes() if hasattr(value, "tobytes") else repr(value).encode())
+        payload = item.payload
+        for key in sorted(payload):
+            value = payload[key]
+            h.update(key.encode())
+            h.update(value.tobytes() if hasattr(value, "tobytes") else repr(value).encode())
     return h.hexdigest()
 
 

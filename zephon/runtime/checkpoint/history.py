@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zephon.runtime.checkpoint.fields import MAX_INT, check_int, corrupt
-from zephon.runtime.checkpoint.format import JOB_FORMAT, STATE_FORMAT, seal, unseal
+from zephon.runtime.checkpoint.format import seal, unseal
+from zephon.runtime.checkpoint.schema import JOB_FORMAT, MAX_INT, STATE_FORMAT, check_int, corrupt
 
 MAX_EVENTS = 16  # events kept in a state
 MAX_CHANGES = 20  # changed operators named in one event
@@ -89,6 +89,27 @@ def check_history(value: Any, skip: Any) -> tuple[list[dict[str, Any]], int]:
     if steps and steps not in _trailing_skips(value):
         raise corrupt("skip", f"{steps} is not what the last skip events of the history add up to")
     return value, steps
+
+
+class RunHistory:
+    """What was done to a run on purpose, as a loader keeps it: the events, and the global steps
+    still to skip before its first item; a state's ``history`` and ``skip``."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.skip = 0
+
+    def add(self, event: dict[str, Any]) -> None:
+        """Keep ``event``, the oldest ones dropped past ``MAX_EVENTS``."""
+        self.events = with_event(self.events, event)
+
+    def state(self) -> dict[str, Any]:
+        """The ``history`` and ``skip`` fields of a state."""
+        return {"history": self.events, "skip": self.skip}
+
+    def restore(self, body: dict[str, Any]) -> None:
+        """Take the ``history`` and ``skip`` of state ``body``, checked."""
+        self.events, self.skip = check_history(body["history"], body["skip"])
 
 
 def described(state: dict[str, Any]) -> list[str]:

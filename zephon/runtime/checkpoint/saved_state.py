@@ -12,77 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from zephon.errors import CheckpointCorruptError
-from zephon.runtime.checkpoint.fields import (
-    COUNTERS,
-    check_int,
-    check_lane_state,
-    check_layout,
-    check_pairs,
-    check_turn,
-    corrupt,
-)
-from zephon.runtime.checkpoint.format import JOB_FORMAT, check_fingerprint
+from zephon.runtime.checkpoint.format import check_fingerprint
 from zephon.runtime.checkpoint.history import check_history
 from zephon.runtime.checkpoint.retired import decode_retirements
-
-#: The fields of a rank's state, and of a job state (``merge_states``).
-STATE_KEYS = frozenset(
-    {
-        "format",
-        "version",
-        "fingerprint",
-        "pipeline",
-        "rank",
-        "world_size",
-        "lanes",
-        "next_lane",
-        "layout",
-        "lane_states",
-        "counters",
-        "tag_counts",
-        "mixture",
-        "history",
-        "skip",
-        "retired",
-    }
+from zephon.runtime.checkpoint.schema import (
+    check_int,
+    check_keys,
+    check_lane_list,
+    check_lane_state,
+    check_layout,
+    check_totals,
+    check_turn,
 )
-JOB_KEYS = STATE_KEYS - {"rank", "world_size", "next_lane"}
-# Written since states count global steps; a state without them is read the way it was written.
-NEWER_STATE_KEYS = frozenset({"served"})
-NEWER_JOB_KEYS = frozenset({"step"})
-
-
-def check_keys(body: dict[str, Any]) -> bool:
-    """Whether ``body`` (unsealed) is a job state; ``CheckpointCorruptError`` unless it has
-    exactly the fields of its format (those written since global steps are counted may be
-    missing)."""
-    job = body["format"] == JOB_FORMAT
-    keys = JOB_KEYS if job else STATE_KEYS
-    newer = NEWER_JOB_KEYS if job else NEWER_STATE_KEYS
-    if not keys <= set(body) <= keys | newer:
-        raise CheckpointCorruptError(
-            f"loader state must have exactly the fields {sorted(keys | newer)}, got {sorted(body)}"
-        )
-    return job
-
-
-def check_totals(
-    body: dict[str, Any],
-) -> tuple[dict[str, int], list[tuple[Any, int]], list[tuple[Any, int]], list[tuple[Any, int]]]:
-    """The running totals of a state, checked: counters, tag counts, mixture samples and
-    tokens."""
-    counters = body["counters"]
-    if type(counters) is not dict or set(counters) != set(COUNTERS):
-        raise corrupt("counters", f"must have exactly the fields {list(COUNTERS)}")
-    values = {name: check_int(counters[name], f"counters.{name}") for name in COUNTERS}
-    tag_counts = check_pairs(body["tag_counts"], "tag_counts")
-    mixture = body["mixture"]
-    if type(mixture) is not dict or set(mixture) != {"samples", "tokens"}:
-        raise corrupt("mixture", "must have exactly the fields samples and tokens")
-    samples = check_pairs(mixture["samples"], "mixture.samples")
-    tokens = check_pairs(mixture["tokens"], "mixture.tokens")
-    return values, tag_counts, samples, tokens
 
 
 def check_saved_state(body: dict[str, Any]) -> dict[str, Any]:
@@ -100,9 +41,7 @@ def check_saved_state(body: dict[str, Any]) -> dict[str, Any]:
         rank = check_int(body["rank"], "rank", 0, world_size - 1)
         per_rank = lanes // world_size
         ids = range(rank * per_rank, (rank + 1) * per_rank)
-    lane_states = body["lane_states"]
-    if type(lane_states) is not list or len(lane_states) != len(ids):
-        raise corrupt("lane_states", f"must be a list of {len(ids)} lane states")
+    lane_states = check_lane_list(body["lane_states"], len(ids))
     windows = [w for s in lane_states if type(s) is dict for w in (s, *_pending(s))]
     sizes = [len(w["carry"]) for w in windows if type(w.get("carry")) is list]
     sizes += [len(ops) for w in windows if (ops := _held_ops(w)) is not None]

@@ -22,9 +22,9 @@ from zephon.errors import CheckpointCorruptError
 from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
 from zephon.runtime.checkpoint.carry_check import check_carries
-from zephon.runtime.checkpoint.fields import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.checkpoint.layout import Layout, Run
 from zephon.runtime.checkpoint.retired import FetchScreen
+from zephon.runtime.checkpoint.schema import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.delivery.batcher import LEAVE_TO_CALLER, FinalBatcher
 from zephon.runtime.delivery.bookkeeping import LaneBook
 from zephon.runtime.delivery.replay import MASK64, ReplayFilter
