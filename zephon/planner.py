@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ from zephon.on_error import skip_policy
 from zephon.ops.base import Grouper, Operator, OpTraits, PointerReader
 from zephon.plan import WORKER_KINDS, Plan, digest
 from zephon.ranks import resolve_rank
+from zephon.runtime.workers.thread_budget import usable_cpus
 
 if TYPE_CHECKING:
     from zephon.runtime.loader import Loader
@@ -37,11 +37,7 @@ def _worker_count(processes: int | None, rank_lanes: int) -> int:
     than the CPUs this process may use."""
     if processes is not None:
         return min(processes, rank_lanes)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(rank_lanes, cpus))
+    return max(1, min(rank_lanes, usable_cpus()))
 
 
 _HEX = frozenset("0123456789abcdef")

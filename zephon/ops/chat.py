@@ -44,7 +44,7 @@ from zephon._core.records import counted_meta
 from zephon.errors import PlanError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import spawn_child
-from zephon.ops.tokenize import _refuse_batch_padding, _tokenizer_digest, find_pad
+from zephon.ops.tokenize import _refuse_batch_padding, find_pad, tokenizer_digest
 from zephon.types import SampleRecord
 from zephon.validation import check_int
 
@@ -267,9 +267,6 @@ class TokenizeChat(Operator):
         pad = find_pad(tokenizer)
         self.pad_id = pad.id if pad else None
         self.pad_token = pad.token if pad else None
-        self._tokenizer_digest = _tokenizer_digest(
-            getattr(tokenizer, "backend_tokenizer", tokenizer)
-        )
         self.traits = OpTraits(
             preserves_cursor_order=True,
             preserves_indexability=not self.split_long_samples,
@@ -315,8 +312,13 @@ class TokenizeChat(Operator):
     def describe(self) -> dict[str, Any]:
         """As ``Operator.describe``, plus a digest of the vocabulary and the chat template."""
         out = super().describe()
-        if self._tokenizer_digest is not None:
-            out["params"]["tokenizer_digest"] = self._tokenizer_digest
+        identity = out["params"]["tokenizer"]
+        if isinstance(identity, dict) and "backend_sha256" in identity:
+            digest: str | None = identity["backend_sha256"]  # a transformers fast tokenizer's
+        else:
+            digest = tokenizer_digest(self.tokenizer, identity)
+        if digest is not None:
+            out["params"]["tokenizer_digest"] = digest
         if self.template is None:
             out["params"]["chat_template"] = getattr(self.tokenizer, "chat_template", None)
         return out

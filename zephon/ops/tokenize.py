@@ -406,7 +406,6 @@ class Tokenize(Operator):
         self.pad_id = pad.id if pad else None
         self.pad_token = pad.token if pad else None
         self.name = self._label(eos, pad)
-        self._tokenizer_digest = _tokenizer_digest(tokenizer)
         self.traits = OpTraits(
             preserves_cursor_order=True,
             # 1 -> 1 and stateless unless splitting: restore may skip consumed samples at source.
@@ -462,8 +461,9 @@ class Tokenize(Operator):
         """As ``Operator.describe``, plus a digest of the tokenizer's vocabulary when it can be
         serialized (``to_str``), so a changed vocabulary changes the pipeline fingerprint."""
         out = super().describe()
-        if self._tokenizer_digest is not None:
-            out["params"]["tokenizer_digest"] = self._tokenizer_digest
+        digest = tokenizer_digest(self.tokenizer, out["params"]["tokenizer"])
+        if digest is not None:
+            out["params"]["tokenizer_digest"] = digest
         return out
 
     def _raw(self, texts: list[str]) -> Sequence[Any]:
@@ -540,8 +540,12 @@ class Tokenize(Operator):
         return out
 
 
-def _tokenizer_digest(tokenizer: Any) -> str | None:
-    """A digest of the tokenizer's serialized form (``to_str``, Hugging Face), when it has one."""
+def tokenizer_digest(tokenizer: Any, identity: Any) -> str | None:
+    """A digest of the tokenizer's serialized form (``to_str``, Hugging Face), when it has one.
+    ``identity`` is what ``describe()`` made of the tokenizer: for a ``tokenizers.Tokenizer`` it
+    holds this digest already, which is taken rather than serializing the vocabulary again."""
+    if isinstance(identity, dict) and "tokenizer" in identity and "sha256" in identity:
+        return str(identity["sha256"])
     to_str = getattr(tokenizer, "to_str", None)
     if not callable(to_str):
         return None
