@@ -3,9 +3,9 @@ mistake, so a wrong argument reads the same whichever constructor refused it.
 
 A value of the wrong type raises ``TypeError``; a value of the right type outside its range raises
 ``ValueError`` (a caller that answers with one error class of its own, such as ``Pipeline`` with
-``PlanError``, passes it as ``error``). Every message starts with the owner (the class or function that took the argument)
-and names the parameter, e.g. ``"RangeSource: n must be an int, got 'x'"`` or
-``"JsonlSource: chunk_size must be >= 1, got 0"``.
+``PlanError``, passes it as ``error``). Every message starts with the owner (the class or
+function that took the argument) and names the parameter, e.g.
+``"RangeSource: n must be an int, got 'x'"`` or ``"JsonlSource: chunk_size must be >= 1, got 0"``.
 """
 
 from __future__ import annotations
@@ -71,5 +71,7 @@ def check_seconds(
         raise (error or TypeError)(f"{owner}: {what} must be a number of seconds, got {value!r}")
     seconds = float(value)
     if not 0 < seconds < math.inf:
-        raise (error or ValueError)(f"{owner}: {what} must be a finite number of seconds > 0, got {value!r}")
+        raise (error or ValueError)(
+            f"{owner}: {what} must be a finite number of seconds > 0, got {value!r}"
+        )
     return seconds

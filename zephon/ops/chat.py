@@ -196,6 +196,8 @@ class TokenizeChat(Operator):
             )
         if max_len is not None:
             max_len = check_int(max_len, "max_len", "tokenize_chat", minimum=1)
+        if workers is not None:
+            workers = check_int(workers, "workers", "tokenize_chat", minimum=1)
         if split_long_samples and max_len is None:
             raise ValueError("tokenize_chat: split_long_samples=True needs max_len")
         if isinstance(train_on, str):

@@ -383,6 +383,8 @@ class Tokenize(Operator):
             tokenizer = ByteTokenizer()
         if max_len is not None:
             max_len = check_int(max_len, "max_len", "tokenize", minimum=1)
+        if workers is not None:
+            workers = check_int(workers, "workers", "tokenize", minimum=1)
         if split_long_samples and max_len is None:
             raise ValueError("tokenize: split_long_samples=True needs max_len")
         self.tokenizer = tokenizer
