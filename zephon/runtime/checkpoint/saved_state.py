@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from zephon.runtime.checkpoint.format import check_fingerprint
-from zephon.runtime.checkpoint.history import check_history
 from zephon.runtime.checkpoint.retired import decode_retirements
 from zephon.runtime.checkpoint.schema import (
+    check_history,
     check_int,
     check_keys,
     check_lane_list,

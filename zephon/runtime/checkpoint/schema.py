@@ -77,6 +77,13 @@ RUN_KEYS = frozenset({"run", "start", "cursor", "count", "digest", "carry", "hel
 LANE_KEYS = RUN_KEYS | {"lane", "finished", "delivered", "pending"}
 COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "replayed")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
+MAX_EVENTS = 16  # events kept in a state's history
+# The events of a state's history (``checkpoint.history``), by kind, and their fields.
+EVENTS = {
+    "change": {"event", "step", "changes", "operators"},
+    "skip": {"event", "step", "steps"},
+    "retire": {"event", "step", "ids"},
+}
 
 
 # ------------------------------------------------------------------------------------ versions
@@ -600,3 +607,40 @@ def check_job_turn(
             "taken right after an optimizer step"
         ) from None
     return next_lane
+
+
+# ------------------------------------------------------------------------------------ history
+def _trailing_skips(history: list[dict[str, Any]]) -> list[int]:
+    """The sums of the last 1, 2, ... skip events at the end of ``history``."""
+    sums: list[int] = []
+    for event in reversed(history):
+        if event["event"] != "skip":
+            break
+        sums.append((sums[-1] if sums else 0) + event["steps"])
+    return sums
+
+
+def check_history(value: Any, skip: Any) -> tuple[list[dict[str, Any]], int]:
+    """A state's ``history`` and pending ``skip``, every event checked; a pending skip must be
+    what the skip events at the end of the history add up to."""
+    if type(value) is not list or len(value) > MAX_EVENTS:
+        raise corrupt("history", f"must be a list of at most {MAX_EVENTS} events")
+    for i, event in enumerate(value):
+        where = f"history[{i}]"
+        kind = event.get("event") if type(event) is dict else None
+        if kind not in EVENTS or set(event) != EVENTS[kind]:
+            raise corrupt(where, f"must be an event with the fields of one of {sorted(EVENTS)}")
+        check_int(event["step"], f"{where}.step")
+        if kind == "skip":
+            check_int(event["steps"], f"{where}.steps", 1)
+            continue
+        if kind == "retire":
+            check_int(event["ids"], f"{where}.ids", 1)
+            continue
+        texts = [event["changes"], event["operators"]]
+        if any(type(t) is not list or not all(type(x) is str for x in t) for t in texts):
+            raise corrupt(where, "must name its changes and operators as lists of strings")
+    steps = check_int(skip, "skip", 0, MAX_INT)
+    if steps and steps not in _trailing_skips(value):
+        raise corrupt("skip", f"{steps} is not what the last skip events of the history add up to")
+    return value, steps
