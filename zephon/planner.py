@@ -109,6 +109,25 @@ class _Sizes(NamedTuple):
     processes: int | None
 
 
+def _split_chain(ops: list[Operator]) -> tuple[Any, tuple[Operator, ...], Any]:
+    """``(fetch, chain, batcher)``: the first operator, the ones that run inside the lanes, and
+    the grouper that ends the pipeline (None without one)."""
+    batcher: Any = ops[-1] if len(ops) > 1 and ops[-1].groups_at_delivery else None
+    return ops[0], tuple(ops[1 : len(ops) - (1 if batcher else 0)]), batcher
+
+
+def _indexable(path: str, chain: tuple[Operator, ...], skipping: bool) -> bool:
+    """Whether a restore may skip consumed samples at the source instead of replaying them: on
+    the monotone path, with every operator 1 -> 1 and nothing skipped (a skipped record makes
+    a 1 -> 1 chain drop one, so consumed samples can no longer be counted off the source's
+    pointers)."""
+    return (
+        path == "monotone"
+        and all(op.traits.preserves_indexability for op in chain)
+        and not skipping
+    )
+
+
 def _eviction_path(chain: tuple[Operator, ...]) -> tuple[str, str]:
     """The eviction path and why: ``"monotone"`` when every operator preserves cursor order and
     keeps no state (a chunk's offsets close in order), else ``"epoch"`` (chunks are evicted per
@@ -209,19 +228,11 @@ class Pipeline:
         sizes = self._validate(lanes)
         ops = self._check_operators()
         self._share_facts(ops)
-        fetch_op: Any = ops[0]
-        batcher: Any = ops[-1] if len(ops) > 1 and ops[-1].groups_at_delivery else None
-        chain = tuple(ops[1 : len(ops) - (1 if batcher else 0)])
+        fetch_op, chain, batcher = _split_chain(ops)
         path, why = _eviction_path(chain)
         skip_fetch, skip_chain = skip_policy(self.on_error, self.max_skipped, fetch_op, chain)
         skipping = skip_fetch or any(skip_chain)
-        # A skipped record makes a 1 -> 1 chain drop one: consumed samples can no longer be
-        # counted off the source's pointers, so a restore replays instead.
-        indexable = (
-            path == "monotone"
-            and all(op.traits.preserves_indexability for op in chain)
-            and not skipping
-        )
+        indexable = _indexable(path, chain, skipping)
         uneven_end = self._uneven_end(chain, indexable, sizes.world_size, skipping)
         parts, described = self._fingerprint_parts(sizes)
         return Plan(

@@ -121,7 +121,8 @@ def test_a_rank_state_resumes_only_on_its_rank_and_world_size():
 
 def test_the_lane_states_are_a_list_of_one_state_per_lane():
     assert check_lane_list([{}, {}], 2) == [{}, {}]
-    for value in ([{}], {}, None, [{}, {}, {}]):
+    wrong: list[Any] = [[{}], {}, None, [{}, {}, {}]]
+    for value in wrong:
         with pytest.raises(CheckpointCorruptError, match="lane_states must be a list of 2"):
             check_lane_list(value, 2)
 
