@@ -21,11 +21,10 @@ from zephon.runtime.checkpoint.layout import Layout, Run
 from zephon.runtime.checkpoint.schema import (
     JOB_FORMAT,
     JOB_KEYS,
-    check_int,
     check_lane_list,
     check_lane_state,
     check_layout,
-    check_turn,
+    check_next_lane,
     encode_cursor,
     encode_run,
 )
@@ -59,7 +58,7 @@ def relaned_state(body: dict[str, Any], plan: Plan) -> dict[str, Any]:
         for g, s in enumerate(lane_states)
     ]
     if body["format"] != JOB_FORMAT:
-        check_turn(check_int(body["next_lane"], "next_lane", 0, old - 1), checked)
+        check_next_lane(body["next_lane"], checked)
     new_layout, new_states = relane(
         checked,
         layout,

@@ -1,6 +1,6 @@
 """A loader or job state checked on its own, without the pipeline it belongs to: what
 ``zephon inspect`` shows and what ``merge_states`` merges passes the loader's own field checks
-(``runtime.state``) as far as they go without the pipeline.
+(``checkpoint.schema``) as far as they go without the pipeline.
 
 Left to the loader, which has the pipeline: the source's size (whether a finished lane is at its
 end, a snapshot's offset inside its chunk), the eviction path (a state without snapshots is
@@ -21,8 +21,8 @@ from zephon.runtime.checkpoint.schema import (
     check_lane_list,
     check_lane_state,
     check_layout,
+    check_next_lane,
     check_totals,
-    check_turn,
 )
 
 
@@ -57,7 +57,7 @@ def check_saved_state(body: dict[str, Any]) -> dict[str, Any]:
         for i, (g, s) in enumerate(zip(ids, lane_states))
     ]
     if not job:  # a job's lanes are in step per rank, which the job state no longer says
-        check_turn(check_int(body["next_lane"], "next_lane", 0, len(ids) - 1), checked)
+        check_next_lane(body["next_lane"], checked)
     check_totals(body)
     for key in ("served", "step"):  # the items a rank handed over, a job's global step
         if key in body:
