@@ -6,8 +6,9 @@ A state is plain JSON. Loading checks every field's type and range and the invar
 fields together (a replay cursor exactly when something was delivered in the retained window, a
 cursor that belongs to the lane's retained chunks, a finished lane at the end of its chunks), so
 that an edited state is refused with ``CheckpointCorruptError`` instead of starting a stream at a
-wrong position. Whether a state belongs to this pipeline at all is ``format.check_identity``'s
-question.
+wrong position. Three checks need more than the state and live beside what they check: whether
+a state belongs to this pipeline (``format.check_identity``), whether the carry states fit the
+operators (``carry_check``), and the retired ids, decoded where they are encoded (``retired``).
 
 A stage that adds a field to a state adds it to ``STATE_FIELDS`` (and ``JOB_FIELDS``) with the
 part that writes it, raises ``STATE_VERSION`` and says in ``upgrade`` what an older state means
@@ -48,13 +49,13 @@ STATE_FIELDS = {
     "layout": "checkpoint.layout.Layout: the lane history, over the re-lanings",
     "next_lane": "the loader: where its round-robin over the lanes stands",
     "served": "the loader: items handed over, in global steps of its world size",
-    "lane_states": "delivery.lane_delivery.LaneDelivery, one per lane (LANE_FIELDS)",
+    "lane_states": "delivery.lane_delivery.LaneDelivery, one per lane (LANE_KEYS)",
     "counters": "delivery.totals.RunTotals (COUNTERS)",
     "tag_counts": "delivery.totals.RunTotals",
     "mixture": "delivery.totals.RunTotals",
     "history": "checkpoint.history.RunHistory",
     "skip": "checkpoint.history.RunHistory",
-    "retired": "checkpoint.retired: the retirements (Retirement.encode)",
+    "retired": "checkpoint.retired.Retirements",
 }
 #: A job state (``merge_states``) has no rank of its own but the global step it was merged at.
 JOB_FIELDS = {
