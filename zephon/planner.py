@@ -13,7 +13,7 @@ from zephon.errors import PlanError
 from zephon.identity import identify
 from zephon.on_error import skip_policy
 from zephon.ops.base import Grouper, Operator, OpTraits, PointerReader
-from zephon.plan import WORKER_KINDS, Plan, digest
+from zephon.plan import Plan, digest
 from zephon.ranks import resolve_rank
 from zephon.runtime.workers.thread_budget import usable_cpus
 from zephon.validation import check_bool, check_int, check_seconds
@@ -153,6 +153,9 @@ class Pipeline:
     The delivered stream is a pure function of the definition, the data, ``lanes``,
     ``epoch_chunks``, ``micro_batch``, ``rank`` and ``world_size``; never of ``workers``, timing
     or load. ``deterministic`` is deprecated and changes nothing (see ``DEPRECATED_DETERMINISTIC``).
+
+    ``workers`` is where the lanes run: ``"inline"``, ``"thread"``, ``"process"``, or another
+    kind registered with ``zephon.runtime.workers.registry.register_lane_kind``.
 
     ``timeout`` (seconds, off by default) bounds how long a thread or process lane may take to
     produce its next item list before ``next()`` raises instead of waiting for a stuck or stopped
@@ -299,8 +302,11 @@ class Pipeline:
             )
         check_bool(self.strict, "strict", "Pipeline", error=PlanError)
         check_bool(self.relane, "relane", "Pipeline", error=PlanError)
-        if self.workers not in WORKER_KINDS:
-            raise PlanError(f"Pipeline workers must be one of {WORKER_KINDS}, got {self.workers!r}")
+        # The runtime's registry of lane kinds, imported when a pipeline is checked, as the
+        # loader is when one runs: importing zephon starts no runtime.
+        from zephon.runtime.workers.registry import lane_kind
+
+        lane_kind(self.workers)  # a PlanError naming the registered kinds
         if self.timeout is not None:
             check_seconds(self.timeout, "timeout", "Pipeline", error=PlanError)
         return sizes
@@ -391,8 +397,9 @@ class Pipeline:
             raise PlanError(
                 "Pipeline uneven_end='carry' needs to know how many items each lane holds, and "
                 f"{', '.join(unknown) or 'the eviction path'} may change the number of records "
-                "(filter, split, pack or skip them): use uneven_end='allow' and end the training "
-                "loop together on every rank (an all-reduce of a 'data left' flag at each step)"
+                "(filter, split, pack or skip them): use uneven_end='allow' and end the ranks "
+                "together with loader.end_together(all_reduce_min) (the torch dataset does it "
+                "by itself)"
             )
         return asked
 

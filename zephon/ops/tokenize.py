@@ -557,6 +557,15 @@ def tokenizer_digest(tokenizer: Any, identity: Any) -> str | None:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def backend_digest(tokenizer: Any, identity: Any) -> str | None:
+    """``tokenizer_digest`` of the Hugging Face tokenizer behind ``tokenizer`` (a transformers
+    fast tokenizer's ``backend_tokenizer``, else the tokenizer itself), taken from ``identity``
+    when ``describe()`` hashed it already."""
+    if isinstance(identity, dict) and "backend_sha256" in identity:
+        return str(identity["backend_sha256"])
+    return tokenizer_digest(getattr(tokenizer, "backend_tokenizer", tokenizer), identity)
+
+
 def tokenize(
     tokenizer: Any = None,
     *,
