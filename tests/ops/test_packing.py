@@ -731,3 +731,33 @@ def test_rows_leave_retired_inputs_out_and_keep_every_other_token_once(
         assert p["weights"][real].tolist() == (p["tokens"][real] % STRIDE / 4.0 + 1).tolist()
         assert (p["loss_mask"][~real] == -7).all() and (p["weights"][~real] == 0.5).all()
         assert not p["tokens"][~real].any() and not p["positions"][~real].any()
+
+
+@pytest.mark.parametrize("retired", [{1}, {3, 6}, {0, 2, 4}])
+def test_rows_that_leave_a_retired_input_out_keep_the_other_inputs_images(retired):
+    docs = [[3, 4, 2], [9], [1, 5], [2, 3, 1, 6], [5, 2, 5], [4], [2, 7, 2], [1, 1, 1, 1, 1]] * 2
+    packer = PackSequences(16, pad_id=0, open_bins=3, cut_to_fill=True, images="images")
+    op = copy.deepcopy(packer)
+    assert op.leave_out(lambda ids: np.isin(ids[:, 2], sorted(retired)))
+    rows = [r for r in run(op, image_records(docs)) if not r.is_tombstone]
+    mixed = [
+        r
+        for r in rows
+        if not all(ref.cursor.sample_id[2] in retired for ref in r.contribution_refs())
+    ]
+    seen = Counter(
+        tuple(map(tuple, image.tolist()[0:1])) for r in mixed for image in r.payload["images"]
+    )
+    wanted = Counter(
+        ((i, k),)
+        for i, parts in enumerate(docs)
+        if i not in retired
+        for k in range(len(parts) // 2)
+    )
+    assert seen == wanted  # every image of an input that is not retired, once; none retired
+    for row in mixed:  # each span whole, at the place it says, after the retired parts left
+        tokens = row.payload["tokens"]
+        for lo, hi in row.payload["image_spans"].tolist():
+            assert set(tokens[lo:hi].tolist()) == {IMAGE_ID}
+        spans = row.payload["image_spans"].tolist()
+        assert np.count_nonzero(tokens == IMAGE_ID) == sum(hi - lo for lo, hi in spans)
