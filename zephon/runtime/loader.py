@@ -9,6 +9,7 @@ called at any time, from any thread, and waits for a ``next()`` in progress to f
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 from collections.abc import Hashable
@@ -67,6 +68,7 @@ from zephon.runtime.state import (
     encode_pairs,
 )
 from zephon.runtime.supervision import close_feeds, start_feeds
+from zephon.sources.source_io import latest_counters, merge_counters
 
 log = logging.getLogger("zephon")
 
@@ -277,6 +279,9 @@ class Loader(LoaderStep):
         ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
         (``share_of``, as the target measures) and its ``target`` share: the last chain
         operator's ``target_mixture()``, else the source's (None without either).
+        ``sources`` gives per data set (its dataset root) the bytes read from remote storage
+        (``read_bytes``) and the shard cache's ``cache_hits`` and ``cache_misses``: this
+        process's reads and each worker process's, as of its lane's latest chunk.
 
         Safe to call from another thread (a metrics server's): it waits for the step under way."""
         with self._lock:
@@ -306,6 +311,7 @@ class Loader(LoaderStep):
         out["mixture_tokens"] = dict(self.mix_tokens)
         out["mixture_components"] = self._mixture_components()
         out["operators"] = self._operator_stats()
+        out["sources"] = self._source_stats()
         out["lanes"] = {
             lane.lane_id: {
                 "delivered": lane.delivered,
@@ -377,6 +383,17 @@ class Loader(LoaderStep):
             label: {"records_in": t[0], "items_out": t[1], "seconds": t[2]}
             for label, t in zip(labels, totals)
         }
+
+    def _source_stats(self) -> dict[str, dict[str, int]]:
+        """Per data set, what this process's source and each worker's copy read."""
+        here = os.getpid()
+        parts = {here: self.plan.source.io_counters()}
+        for lane in self.lanes:
+            got = lane.book.source_io
+            if got is not None and got[0] != here:  # inline and thread lanes read through ours
+                # Lanes sharing a worker share its source: its latest counts are the largest.
+                parts[got[0]] = latest_counters(parts.get(got[0], {}), got[1])
+        return merge_counters(parts.values())
 
     def _counters(self) -> dict[str, int]:
         counts = self.counts

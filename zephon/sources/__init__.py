@@ -9,6 +9,7 @@ from zephon.sources.jsonl import JsonlSource
 from zephon.sources.mds import MDSSource
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
+from zephon.sources.shard_cache import ShardCache
 from zephon.sources.token_shards import TokenShardSource
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "MDSSource",
     "MixtureSource",
     "RangeSource",
+    "ShardCache",
     "TokenShardSource",
     "WorkSource",
     "open_source",

@@ -272,7 +272,7 @@ class JsonlSource(FileSource):
         entry = self.files()[i]
         if self.is_local:
             return open(entry.path, "rb")
-        return self._locations.open_random(entry.path)
+        return self.open_random(entry.path)
 
     def _stat(self, i: int, fh: Any) -> tuple[int, int]:
         # (size, mtime_ns) of the open file; remote: the size now, the mtime of the listing.

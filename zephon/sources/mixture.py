@@ -48,6 +48,7 @@ import numpy as np
 from zephon.errors import FetchError
 from zephon.sources.base import IndexedSource, WorkSource, check_pointers
 from zephon.sources.permutation import derive_key
+from zephon.sources.source_io import merge_counters
 from zephon.sources.token_costs import TokenCost, estimate_cost, quantize
 from zephon.types import WorkChunk
 from zephon.validation import check_int
@@ -488,6 +489,10 @@ class MixtureSource(WorkSource):
         """Each component forgets what its reads kept."""
         for src in self._sources:
             src.drop_read_caches()
+
+    def io_counters(self) -> dict[str, dict[str, int]]:
+        """The components' counters, summed where two share a dataset root."""
+        return merge_counters(src.io_counters() for src in self._sources)
 
     def components(self, pointers: np.ndarray) -> list[Any]:
         """The component name of each pointer row (by its dataset_id)."""
