@@ -17,7 +17,7 @@ from worker_kit import assert_no_leftover_workers, lane_threads, wait_until
 
 import zephon
 from zephon.errors import FetchError
-from zephon.observability.families import metric_families
+from zephon.observability.families import metric_families, stats_from_families
 from zephon.ops import batch, fetch
 from zephon.sources import ArrowSource, JsonlSource, ShardCache, TokenShardSource
 
@@ -287,3 +287,5 @@ def test_stats_and_metrics_count_bytes_hits_and_misses_from_worker_processes(tmp
     assert families["zephon_source_read_bytes_total"] == [({"rank": "0", "source": uri}, total)]
     assert families["zephon_shard_cache_hits_total"] == [({"rank": "0", "source": uri}, 4.0)]
     assert families["zephon_shard_cache_misses_total"] == [({"rank": "0", "source": uri}, 4.0)]
+    scraped = [(f.name, f.samples) for f in metric_families(stats, rank=0)]
+    assert stats_from_families(scraped)["sources"] == stats["sources"]

@@ -120,6 +120,28 @@ _OPERATORS = (
     ),
 )
 
+# Per data set (``stats()["sources"]``, labelled ``source``: its dataset root).
+_SOURCES = (
+    (
+        "zephon_source_read_bytes_total",
+        "counter",
+        "Bytes each source read from remote storage (ranged reads and shard downloads).",
+        "read_bytes",
+    ),
+    (
+        "zephon_shard_cache_hits_total",
+        "counter",
+        "Opens of a remote shard its node-local cache already held.",
+        "cache_hits",
+    ),
+    (
+        "zephon_shard_cache_misses_total",
+        "counter",
+        "Opens of a remote shard its node-local cache had to fetch.",
+        "cache_misses",
+    ),
+)
+
 _LANES = (
     (
         "zephon_lane_items_delivered_total",
@@ -171,6 +193,9 @@ def metric_families(stats: Mapping[str, Any], *, rank: int = 0) -> list[Family]:
     operators = stats.get("operators") or {}
     for name, kind, help, key in _OPERATORS:
         add(name, kind, help, [({"operator": op}, v.get(key)) for op, v in operators.items()])
+    sources = stats.get("sources") or {}
+    for name, kind, help, key in _SOURCES:
+        add(name, kind, help, [({"source": str(s)}, v.get(key)) for s, v in sources.items()])
     lanes = stats.get("lanes") or {}
     for name, kind, help, key in _LANES:
         add(name, kind, help, [({"lane": str(lane)}, v.get(key)) for lane, v in lanes.items()])
@@ -207,6 +232,7 @@ def stats_from_families(families: Iterable[tuple[str, list[tuple[Labels, float]]
         ("mixture_components", "component", _COMPONENTS),
         ("operators", "operator", _OPERATORS),
         ("lanes", "lane", _LANES),
+        ("sources", "source", _SOURCES),
     )
     for field_name, label, table in tables:
         rows: dict[str, dict[str, Any]] = {}
