@@ -226,9 +226,7 @@ def test_a_damaged_cache_file_is_fetched_again_never_served(tmp_path, bucket, fa
 
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
-def test_an_object_rewritten_after_caching_is_refused_naming_both_versions(
-    tmp_path, bucket, kind
-):
+def test_an_object_rewritten_after_caching_is_refused_naming_both_versions(tmp_path, bucket, kind):
     local = shards(tmp_path / "data", [40], group=5)
     uri = bucket.upload(local, "g")
     key = f"g/part-000.{kind}"

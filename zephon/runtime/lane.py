@@ -225,7 +225,7 @@ class LaneRunner:
         spacing, piece, split_at = _snapshot_spacing(plan, self.ops)
         since_snapshot = 0
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
-        ahead = source.read_ahead_chunks
+        ahead = source.read_ahead_chunks()
         first_reads = mb if piece < mb else 0  # records still read a piece at a time
         while stop is None or k < stop:
             position = geometry.position(k)

@@ -98,8 +98,10 @@ class WorkSource(ABC):
         workers read); this default keeps nothing."""
         return None
 
-    #: How many chunk positions after the one it reads a lane announces (``upcoming``); 0: none.
-    read_ahead_chunks: int = 0
+    def read_ahead_chunks(self) -> int:
+        """How many chunk positions after the one it reads a lane announces (``upcoming``);
+        this default: 0, none."""
+        return 0
 
     def upcoming(self, positions: Sequence[int]) -> None:
         """The chunk positions a lane reads next, in order, so the source can fetch their data

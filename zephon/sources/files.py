@@ -46,6 +46,7 @@ import threading
 import tokenize
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, TypedDict
 
 import numpy as np
@@ -403,7 +404,9 @@ class FileSource(IndexedSource):
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self.threads = check_int(threads, "threads", name, minimum=1)
         if cache is not None and not isinstance(cache, ShardCache):
-            raise TypeError(f"{name}: cache must be a zephon.sources.ShardCache or None, got {cache!r}")
+            raise TypeError(
+                f"{name}: cache must be a zephon.sources.ShardCache or None, got {cache!r}"
+            )
         self.cache = cache
         self.io = IOCounters()
         self._announced: set[int] = set()  # files handed to the cache's read-ahead
@@ -673,7 +676,6 @@ class FileSource(IndexedSource):
         itself, unless a format keeps its data beside it."""
         return [self.files()[file_index].path]
 
-    @property
     def read_ahead_chunks(self) -> int:
         """How many chunks ahead a lane announces (``upcoming``): with a cache that prefetches,
         ``READ_AHEAD_CHUNKS``; else 0."""
@@ -697,9 +699,9 @@ class FileSource(IndexedSource):
                     continue
                 self._announced.add(i)
                 for path in self.data_paths(i):
-                    cache.prefetch(self._locations.uri(path), lambda path=path: self._fetch(path))
+                    cache.prefetch(self._locations.uri(path), partial(self._fetch_ahead, path))
 
-    def _fetch(self, path: str) -> None:
+    def _fetch_ahead(self, path: str) -> None:
         # On the read-ahead thread: the file's cached copy made (retried like a read).
         def fetch() -> None:
             with self.open_random(path) as f:

@@ -344,7 +344,7 @@ class ShardCache:
                 name, fetch = next(iter(self._queue.items()))
             try:
                 fetch()
-            except Exception:  # noqa: S110 - the read of this shard meets it again and says so
+            except Exception:  # the read of this shard meets it again and reports it
                 pass
             finally:
                 with self._lock:
@@ -364,7 +364,11 @@ class ShardCache:
 
     # --------------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
-        return {"dir": self.dir, "max_bytes": self.max_bytes, "prefetch_shards": self.prefetch_shards}
+        return {
+            "dir": self.dir,
+            "max_bytes": self.max_bytes,
+            "prefetch_shards": self.prefetch_shards,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
