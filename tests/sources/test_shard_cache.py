@@ -16,7 +16,7 @@ import pytest
 from worker_kit import assert_no_leftover_workers, lane_threads, wait_until
 
 import zephon
-from zephon.errors import FetchError
+from zephon.errors import CheckpointMismatchError, FetchError
 from zephon.observability.families import metric_families, stats_from_families
 from zephon.ops import batch, fetch
 from zephon.sources import ArrowSource, JsonlSource, ShardCache, TokenShardSource
@@ -113,10 +113,10 @@ def test_a_warm_restart_reads_no_shard_bytes_from_the_store(tmp_path, bucket, fa
         stats = loader.stats()["sources"]
     assert warm == cold
     assert gets(failing_proxy) == []
-    # The listing, then the version of each shard: once for its metadata, once per open of a read
-    # (eight chunks, two per shard), and nothing else.
+    # The listing, then the version of each shard for its metadata (the fingerprint), and
+    # nothing else: the eight reads (two chunks per shard) are served by the cache.
     heads = [r for r in failing_proxy.requests if r.startswith("HEAD ")]
-    assert len(heads) == 4 + 8 and len(failing_proxy.requests) == 1 + len(heads)
+    assert len(heads) == 4 and len(failing_proxy.requests) == 1 + 4
     assert stats == {uri: {"read_bytes": 0, "cache_hits": 8, "cache_misses": 0}}
 
 
@@ -225,30 +225,58 @@ def test_a_damaged_cache_file_is_fetched_again_never_served(tmp_path, bucket, fa
         source.read(np.array([[0, 0, 1]]))
 
 
+def rewrite_reversed(bucket, key: str, kind: str, n: int) -> None:
+    """The same rows, in reverse order, written over ``key``."""
+    backwards = [{"idx": i, "text": f"row {i}"} for i in reversed(range(n))]
+    if kind == "parquet":
+        buf = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(backwards), buf, row_group_size=5)
+        data = buf.getvalue().to_pybytes()
+    else:
+        data = "".join(json.dumps(r) + "\n" for r in backwards).encode()
+    with bucket.fs.open_output_stream(f"{bucket.name}/{key}") as out:
+        out.write(data)
+
+
+def etag(bucket, key: str) -> str:
+    f = bucket.fs.open_input_file(f"{bucket.name}/{key}")
+    try:
+        return f.metadata()["ETag"].decode()
+    finally:
+        f.close()
+
+
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
-def test_an_object_rewritten_after_caching_is_refused_naming_both_versions(tmp_path, bucket, kind):
+def test_an_object_rewritten_after_caching_is_refused_as_without_a_cache(tmp_path, bucket, kind):
     local = shards(tmp_path / "data", [40], group=5)
     uri = bucket.upload(local, "g")
     key = f"g/part-000.{kind}"
+    where = f"{uri}/*.{kind}"
     cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
-    src = MAKE[kind](f"{uri}/*.{kind}", chunk_size=5, cache=cache)
-    assert src.read(np.array([[0, 0, 1]]))[0]["idx"] == 1  # cached now
-    before = bucket.fs.open_input_file(f"{bucket.name}/{key}").metadata()["ETag"].decode()
-    rows_back = [{"idx": i, "text": f"row {i}"} for i in reversed(range(40))]
-    if kind == "parquet":
-        buf = pa.BufferOutputStream()
-        pq.write_table(pa.Table.from_pylist(rows_back), buf, row_group_size=5)
-        data = buf.getvalue().to_pybytes()
-    else:
-        data = "".join(json.dumps(r) + "\n" for r in rows_back).encode()
-    with bucket.fs.open_output_stream(f"{bucket.name}/{key}") as out:
-        out.write(data)
-    after = bucket.fs.open_input_file(f"{bucket.name}/{key}").metadata()["ETag"].decode()
+    meta = tmp_path / "meta"
+    src = MAKE[kind](where, chunk_size=5, cache=cache, cache_dir=meta)
+    pipeline = zephon.Pipeline(src, [fetch(), batch(4)])
+    with pipeline.iter() as loader:
+        next(loader)
+        state = loader.state_dict()
+    before = etag(bucket, key)
+    rewrite_reversed(bucket, key, kind, 40)
+    after = etag(bucket, key)
+    # The source keeps the version it pinned, and its copy is that version's bytes.
+    assert src.read(np.array([[0, 0, 17]]))[0]["idx"] == 17
+    # A copy it has to fetch again is refused, naming both versions, as an uncached read is.
+    for entry in Path(cache.dir).glob("*.shard"):
+        entry.unlink()
+    src.drop_read_caches()
     with pytest.raises(FetchError) as info:
         src.read(np.array([[0, 0, 17]]))
     message = str(info.value)
-    assert f"{uri}/part-000.{kind}" in message and "pointer (0, 0, 17)" in message
+    assert f"{uri}/part-000.{kind}" in message
     assert f"ETag {before} then, ETag {after} now" in message
+    # A restart sees the new version: the checkpoint of the old one is refused.
+    again = MAKE[kind](where, chunk_size=5, cache=cache, cache_dir=meta)
+    with pytest.raises(CheckpointMismatchError, match=rf"file 'part-000\.{kind}' changed"):
+        zephon.Pipeline(again, [fetch(), batch(4)]).iter(state=state).close()
 
 
 def test_read_ahead_downloads_the_next_shards_and_stops_on_close(tmp_path, bucket):

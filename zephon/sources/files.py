@@ -316,6 +316,15 @@ def load_sidecar(where: str, tag: bytes, size: int) -> tuple[list[np.ndarray], i
 # ------------------------------------------------------------------------- the base
 
 
+def changed_since(pinned: str, now: str) -> str:
+    """What a read says of an object found at version ``now`` after its source pinned
+    ``pinned``."""
+    return (
+        f"the object changed since it was first listed ({pinned} then, {now} now); build a new "
+        "source (its fingerprint will differ from old checkpoints if its content did)"
+    )
+
+
 class FileOptions(TypedDict, total=False):
     """The options every file source takes beside its paths, passed on to ``FileSource``
     (defaults there): ``dataset_id``, chunking (``chunk_size``, ``shuffle``, ``seed``,
@@ -410,6 +419,7 @@ class FileSource(IndexedSource):
         self.cache = cache
         self.io = IOCounters()
         self._announced: set[int] = set()  # files handed to the cache's read-ahead
+        self._pinned: dict[str, tuple[str, int]] = {}  # path -> (version, size) at first open
         super().__init__(
             dataset_id=dataset_id, chunk_size=chunk_size, shuffle=shuffle, seed=seed, passes=passes
         )
@@ -647,29 +657,43 @@ class FileSource(IndexedSource):
         """``path`` (on the source's filesystem) opened for random access, where every format
         opens its data: a memory map for local files; for remote ones the object on the store,
         counting the bytes read (``io``), or with ``cache`` its cached copy (a ``CachedShard``,
-        fetched whole on its first read; the store is asked for the object's version only). An
-        object the store names no version of is read from the store, uncached."""
+        fetched whole on its first read). With a cache, the object's version and size are asked
+        of the store at its first open only and pinned: later opens of a cached copy of that
+        version make no request, and one that has to fetch it again refuses another version
+        (``FetchError`` naming both). An object the store names no version of is read from the
+        store, uncached."""
         locations = self._locations
         if self.is_local:
             return locations.open_random(path)
-        remote = CountedFile(locations.open_random(path), self.io)
         cache = self.cache
-        if cache is None:
-            return remote
-        try:
-            version = locations.version(path, remote)
-            size = remote.size()
-        except BaseException:
-            remote.close()
-            raise
-        if not version:
-            return remote
-        remote.close()  # a hit reads nothing more from the store
+        pinned = self._pinned.get(path)
+        if cache is None or pinned is None:
+            remote = CountedFile(locations.open_random(path), self.io)
+            if cache is None:
+                return remote
+            try:
+                found = (locations.version(path, remote), remote.size())
+            except BaseException:
+                remote.close()
+                raise
+            if not found[0]:
+                return remote  # nothing would tell a rewrite from the copy: read it uncached
+            remote.close()  # a hit reads nothing more from the store
+            pinned = self._pinned[path] = found
+        version, size = pinned
+        uri = locations.uri(path)
 
         def reopen() -> CountedFile:
-            return CountedFile(locations.open_random(path), self.io)
+            f = CountedFile(locations.open_random(path), self.io)
+            now = locations.version(path, f)
+            if now != version:
+                f.close()
+                raise FetchError(
+                    f"{type(self).__name__} cannot read {uri!r}: {changed_since(version, now)}"
+                )
+            return f
 
-        return open_through_cache(cache, locations.uri(path), version, size, reopen, self.io)
+        return open_through_cache(cache, uri, version, size, reopen, self.io)
 
     def data_paths(self, file_index: int) -> list[str]:
         """The paths a read of file ``file_index`` opens (what read-ahead fetches): the file
@@ -738,13 +762,7 @@ class FileSource(IndexedSource):
         longer the version ``pinned`` when its metadata was read."""
         now = self.object_version(file_index, opened)
         if now != pinned:
-            raise self.fetch_error(
-                file_index,
-                f"the object changed since it was first listed ({pinned} then, {now} now); "
-                "build a new source (its fingerprint will differ from old checkpoints if its "
-                "content did)",
-                pointer,
-            )
+            raise self.fetch_error(file_index, changed_since(pinned, now), pointer)
 
     # --------------------------------------------------------------------- errors
     def fetch_error(
