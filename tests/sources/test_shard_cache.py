@@ -315,3 +315,19 @@ def test_stats_and_metrics_count_bytes_hits_and_misses_from_worker_processes(tmp
     assert families["zephon_shard_cache_misses_total"] == [({"rank": "0", "source": uri}, 4.0)]
     scraped = [(f.name, f.samples) for f in metric_families(stats, rank=0)]
     assert stats_from_families(scraped)["sources"] == stats["sources"]
+
+
+def test_arrow_ipc_files_read_through_the_cache_as_without_it(tmp_path, bucket):
+    local = tmp_path / "ipc"
+    local.mkdir()
+    for k in range(3):
+        table = pa.table({"idx": list(range(k * 10, k * 10 + 10))})
+        with pa.ipc.new_file(local / f"part-{k}.arrow", table.schema) as out:
+            for part in table.to_batches(max_chunksize=4):
+                out.write_batch(part)
+    uri = bucket.upload(local, "ipc")
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    plain = ArrowSource(f"{uri}/*.arrow", chunk_size=4, shuffle=True)
+    cached = ArrowSource(f"{uri}/*.arrow", chunk_size=4, shuffle=True, cache=cache)
+    assert cached.describe() == plain.describe()
+    assert rows(cached) == rows(plain)
