@@ -744,9 +744,11 @@ class FileSource(IndexedSource):
         return {self._root or self._locations.items[0]: counts}
 
     def drop_read_caches(self) -> None:
-        """Stop the cache's read-ahead (what was queued is dropped); formats forget more."""
+        """Stop the cache's read-ahead (what was queued is dropped) and close the shards it
+        keeps open between reads; formats forget more."""
         if self.cache is not None:
             self.cache.stop_prefetch()
+            self.cache.let_go()
         self._announced.clear()
 
     def cache_can_tell(self, file_index: int, version: str) -> bool:

@@ -23,11 +23,14 @@ the shard file's size, mtime and inode with the ones recorded when it was writte
 (a stale entry, a file touched since) and the shard is downloaded again. The first open of an
 entry in a process also hashes the whole file against the sha256 taken while downloading, so a
 copy damaged on disk is downloaded again, never served. Past that, the source checks every range
-it reads against the content digests it pinned, as for uncached data.
+it reads against the content digests it pinned, as for uncached data. A process keeps its last
+``KEPT_OPEN`` shards open between reads (locked shared, mapped): opening one again costs a
+``stat`` of its file.
 
 Eviction. Downloads reserve their size first (under ``locks/space.lock``); when the entries and
 the reservations would pass ``max_bytes``, the least recently used entries (the record's mtime is
-the last use) are deleted, skipping every entry some reader holds open. A shard larger than
+the last use) are deleted, skipping every entry some reader holds open (the downloading process
+first lets go of the shards it only keeps open). A shard larger than
 ``max_bytes`` is a ``FetchError``; one that cannot get room because every other entry is in use is
 read from the store directly this time (a bypass), so the bound holds.
 
@@ -69,6 +72,11 @@ class ShardCache:
     too); the entries and reservations never hold more than ``max_bytes``.
     """
 
+    #: Shards a process keeps open between reads (each one's lock held shared, its map kept),
+    #: so a read of a shard read recently costs one ``stat`` of it. The process lets them go
+    #: when it needs room; to other processes they are open (not evicted).
+    KEPT_OPEN = 4
+
     def __init__(
         self, dir: str | os.PathLike[str], *, max_bytes: int, prefetch_shards: int = 0
     ) -> None:
@@ -84,7 +92,12 @@ class ShardCache:
     def _reset(self) -> None:
         self._lock = threading.Lock()
         self._verified: set[tuple[str, int, int, int]] = set()  # key, inode, mtime, size
-        self._open: dict[str, int] = {}  # key -> entries this process holds open
+        # Records read, by their shard file's (key, inode, mtime, size).
+        self._records: dict[tuple[str, int, int, int], dict[str, Any]] = {}
+        self._made_dirs = False
+        # Entries this process has open (in use or kept), and the kept ones, oldest first.
+        self._live: dict[str, _Entry] = {}
+        self._kept: OrderedDict[str, _Entry] = OrderedDict()
         self._queue: OrderedDict[str, Callable[[], None]] = OrderedDict()
         self._worker: threading.Thread | None = None
         self._stopping = False
@@ -122,11 +135,10 @@ class ShardCache:
         and then ``opened(shard)`` is called (its ``hit`` known)."""
         return CachedShard(self, uri, version, size, download, direct, opened)
 
-    def _acquire(
-        self, uri: str, version: str, size: int, download: Download
-    ) -> tuple[Any, int, bool] | None:
-        """``(memory map, lock fd held shared, hit)`` of an intact entry, downloaded first when
-        needed; None when there is no room for it (every other entry in use): read it uncached."""
+    def _acquire(self, uri: str, version: str, size: int, download: Download) -> Any:
+        """``(entry, hit)`` of an intact entry, open and locked shared for the caller (release it
+        with ``_release``), downloaded first when needed; None when there is no room for it
+        (every other entry in use): read it uncached."""
         if size > self.max_bytes:
             raise FetchError(
                 f"ShardCache({self.dir!r}, max_bytes={self.max_bytes}) cannot hold {uri!r} "
@@ -134,7 +146,17 @@ class ShardCache:
                 "without cache="
             )
         key = self.key(uri, version, size)
-        os.makedirs(os.path.dirname(self._lock_path(key)), exist_ok=True)
+        with self._lock:
+            live = self._live.get(key)
+            if live is not None and live.kept and live.unchanged():
+                live.users += 1
+                self._kept.move_to_end(key)
+                return live, True
+        if live is not None:
+            self._unkeep(live)  # changed on disk since it was checked
+        if not self._made_dirs:
+            os.makedirs(os.path.dirname(self._lock_path(key)), exist_ok=True)
+            self._made_dirs = True
         fd = os.open(self._lock_path(key), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fetched = False
@@ -142,10 +164,9 @@ class ShardCache:
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 mapped = self._intact(key, uri, version, size)
                 if mapped is not None:
-                    self._held(key, +1)
-                    return mapped, fd, not fetched
+                    return self._opened(key, fd, mapped), not fetched
                 with self._lock:
-                    busy = self._open.get(key, 0) > 0
+                    busy = key in self._live
                 if busy:  # our own shared lock would block the exclusive one forever
                     raise FetchError(
                         f"ShardCache: the cached copy of {uri!r} ({self.shard_path(key)!r}) "
@@ -168,35 +189,73 @@ class ShardCache:
             os.close(fd)
             raise
 
-    def _release(self, key: str, fd: int) -> None:
-        self._held(key, -1)
-        os.close(fd)  # drops the shared lock
-
-    def _held(self, key: str, delta: int) -> None:
+    def _opened(self, key: str, fd: int, mapped: Any) -> _Entry:
+        # A newly opened entry, used by its caller and kept open for the next reads.
+        entry = _Entry(key, self.shard_path(key), fd, mapped)
         with self._lock:
-            count = self._open.get(key, 0) + delta
-            if count:
-                self._open[key] = count
-            else:
-                self._open.pop(key, None)
+            old = self._live.get(key)
+            self._live[key] = entry
+            self._kept[key] = entry
+            self._kept.move_to_end(key)
+            dropped = [old] if old is not None and old is not entry else []
+            while len(self._kept) > self.KEPT_OPEN:
+                dropped.append(self._kept.popitem(last=False)[1])
+        for old in dropped:
+            self._unkeep(old)
+        return entry
+
+    def _release(self, entry: _Entry) -> None:
+        """One user of ``entry`` is done; closed (its lock let go) when none is and it is no
+        longer kept."""
+        with self._lock:
+            entry.users -= 1
+            done = entry.users == 0 and not entry.kept
+            if done and self._live.get(entry.key) is entry:
+                del self._live[entry.key]
+        if done:
+            entry.close()
+
+    def _unkeep(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.kept = False
+            if self._kept.get(entry.key) is entry:
+                del self._kept[entry.key]
+            done = entry.users == 0
+            if done and self._live.get(entry.key) is entry:
+                del self._live[entry.key]
+        if done:
+            entry.close()
+
+    def let_go(self) -> None:
+        """Close the shards this process keeps open between reads (those in use close when their
+        readers do), so eviction may have them."""
+        with self._lock:
+            kept = list(self._kept.values())
+        for entry in kept:
+            self._unkeep(entry)
 
     def _intact(self, key: str, uri: str, version: str, size: int) -> Any:
         """A memory map of entry ``key`` when its record and file are what was asked for and
         written (the whole file hashed on its first open in this process); else None."""
         import pyarrow as pa
 
-        record = _read_json(self._record_path(key))
-        wanted = {"state": "done", "uri": uri, "version": version, "size": size}
-        if record is None or any(record.get(k) != v for k, v in wanted.items()):
-            return None
         path = self.shard_path(key)
         try:
             st = os.stat(path)
         except OSError:
             return None
         seen = (key, st.st_ino, st.st_mtime_ns, st.st_size)
-        if (st.st_size, st.st_mtime_ns, st.st_ino) != (size, record["mtime_ns"], record["ino"]):
-            return None
+        with self._lock:
+            record = self._records.get(seen)  # a record is written with its shard file only
+        if record is None:
+            record = _read_json(self._record_path(key))
+            wanted = {"state": "done", "uri": uri, "version": version, "size": size}
+            if record is None or any(record.get(k) != v for k, v in wanted.items()):
+                return None
+            if (st.st_size, st.st_mtime_ns, st.st_ino) != (size, record["mtime_ns"], record["ino"]):
+                return None
+            with self._lock:
+                self._records[seen] = record
         try:
             mapped = pa.memory_map(path, "r")
         except OSError:
@@ -270,6 +329,8 @@ class ShardCache:
             self._drop(key)  # a stale or damaged copy of this entry goes first
             entries = sorted(self._entries(), key=lambda e: e[1])
             total = sum(e[2] for e in entries)
+            if total + size > self.max_bytes:
+                self.let_go()  # what this process keeps open but does not read may go
             for other, _, other_size in entries:
                 if total + size <= self.max_bytes:
                     break
@@ -407,8 +468,7 @@ class CachedShard:
         self._direct = direct
         self._opened = opened
         self._file: Any = None
-        self._fd = -1
-        self._key = ShardCache.key(uri, version, size)
+        self._entry: _Entry | None = None
         self.hit: bool | None = None
         self.bypassed = False
         self.closed = False
@@ -423,7 +483,10 @@ class CachedShard:
             if got is None:
                 self._file, self.hit, self.bypassed = self._direct(), False, True
             else:
-                self._file, self._fd, self.hit = got
+                import pyarrow as pa
+
+                self._entry, self.hit = got
+                self._file = pa.BufferReader(self._entry.data)
             self._download = None
             self._opened(self)
         return self._file
@@ -449,9 +512,9 @@ class CachedShard:
         self._download = None
         if self._file is not None:
             self._file.close()
-        if self._fd >= 0:
-            self.cache._release(self._key, self._fd)
-            self._fd = -1
+        if self._entry is not None:
+            self.cache._release(self._entry)
+            self._entry = None
 
     def __enter__(self) -> CachedShard:
         return self
@@ -462,6 +525,36 @@ class CachedShard:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+class _Entry:
+    """A cache entry this process has open: its lock file held shared (``fd``), its memory map
+    and the whole of it as a buffer, and the file's identity when it was checked."""
+
+    def __init__(self, key: str, path: str, fd: int, mapped: Any) -> None:
+        self.key = key
+        self.path = path
+        self.fd = fd
+        self.mapped = mapped
+        mapped.seek(0)
+        self.data = mapped.read_buffer(mapped.size())  # the map itself, no copy
+        st = os.fstat(mapped.fileno())
+        self.seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        self.users = 1
+        self.kept = True
+
+    def unchanged(self) -> bool:
+        """Whether the entry's file is still the one checked when it was opened."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_ino, st.st_mtime_ns, st.st_size) == self.seen
+
+    def close(self) -> None:
+        """Close the map and let go of the lock."""
+        self.mapped.close()
+        os.close(self.fd)
 
 
 # ------------------------------------------------------------------------- helpers
