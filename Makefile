@@ -34,6 +34,7 @@ lint: build
 	$(BIN)/ruff check zephon tests asv_bench docs/examples
 	$(BIN)/ruff format --check zephon tests asv_bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m mypy.stubtest --mypy-config-file pyproject.toml --allowlist tests/stubtest_allowlist.txt $(KERNEL_MODULES)
 
 # The test-only extras: torch pinned to the CPU build this machine kind keeps on disk (an

@@ -1,6 +1,9 @@
-"""docs/data.md runs as written, next to an MDS directory written by Mosaic's MDSWriter."""
+"""docs/data.md runs as written, next to an MDS directory written by Mosaic's MDSWriter (the page
+writes its own WebDataset shards)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 from docs_kit import run_page
@@ -16,5 +19,8 @@ def test_the_data_page_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "[[5, 6, 7, 0], [8, 9, 0]]"
-    assert "10 [" in lines[-3] and "int32" in lines[-3]
-    assert lines[-2:] == ["TokenShardSource", "MDSSource"]
+    assert "10 [" in lines[-7] and "int32" in lines[-7]
+    assert lines[-6] == "8 ['__key__', '__url__', 'txt', 'jpg'] str 100"
+    batches = [json.loads(line.replace("'", '"')) for line in lines[-5:-3]]
+    assert sorted(k for b in batches for k in b) == [f"{i:06d}" for i in range(8)]
+    assert lines[-3:] == ["TokenShardSource", "MDSSource", "WebDatasetSource"]

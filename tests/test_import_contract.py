@@ -1,8 +1,10 @@
 """The package's import contract: data flows one way (sources -> ops -> runtime -> loader).
 
-Read from the source files (every import statement, including those inside functions; imports
-under ``if TYPE_CHECKING:`` are for type checkers only and are left out), so a forbidden import
-fails here before anyone has to notice it in review.
+Read from the source files (every import statement, including those inside functions and those
+under ``if TYPE_CHECKING:``: a cycle only type checkers see is still a cycle a reader has to
+untangle), so a forbidden import fails here before anyone has to notice it in review. The layers
+of the package and of the runtime's rooms are checked by ``lint-imports`` in ``make lint``
+(contracts in ``pyproject.toml``).
 """
 
 from __future__ import annotations
@@ -24,21 +26,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports_of(tree: ast.AST, module: str, is_package: bool) -> set[str]:
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for other in node.orelse:
-                visit(other)
-            return
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

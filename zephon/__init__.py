@@ -28,10 +28,10 @@ from zephon.errors import (  # noqa: E402
 )
 from zephon.planner import Pipeline, Plan  # noqa: E402
 from zephon.progress import show_progress  # noqa: E402
-from zephon.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from zephon.runtime.history import skip_steps  # noqa: E402
-from zephon.runtime.job import merge_states  # noqa: E402
-from zephon.runtime.job_files import load_job_state, save_rank_state  # noqa: E402
+from zephon.runtime.checkpoint.format import load_checkpoint, save_checkpoint  # noqa: E402
+from zephon.runtime.checkpoint.history import skip_steps  # noqa: E402
+from zephon.runtime.checkpoint.job import merge_states  # noqa: E402
+from zephon.runtime.checkpoint.job_files import load_job_state, save_rank_state  # noqa: E402
 from zephon.runtime.loader import Loader  # noqa: E402
 
 __version__ = "0.2.0.dev0"  # the one place the version is stated (pyproject.toml reads it)

@@ -25,7 +25,7 @@ from zephon.ops import (
     pack_sequences,
     tokenize,
 )
-from zephon.runtime.checkpoint import seal
+from zephon.runtime.checkpoint.format import seal
 from zephon.sources.memory import RangeSource
 from zephon.sources.mixture import MixtureSource
 from zephon.testing import check_operator

@@ -9,7 +9,7 @@ import sys
 import numpy as np  # noqa: F401  (loads numpy's BLAS into this process)
 from threadpoolctl import threadpool_info
 
-from zephon.runtime.blas_threads import loaded_libraries
+from zephon.runtime.workers.blas_threads import loaded_libraries
 
 
 def test_loaded_libraries_lists_numpys_blas():
@@ -27,7 +27,7 @@ def limited(environment: dict[str, str]) -> dict:
     code = (
         "import json, numpy\n"
         "from threadpoolctl import threadpool_info\n"
-        "from zephon.runtime.blas_threads import limit_loaded_blas\n"
+        "from zephon.runtime.workers.blas_threads import limit_loaded_blas\n"
         f"changed = limit_loaded_blas({environment!r})\n"
         "sizes = [p['num_threads'] for p in threadpool_info() if p['user_api'] == 'blas']\n"
         "print(json.dumps({'changed': changed, 'sizes': sizes}))\n"

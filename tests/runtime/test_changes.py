@@ -26,7 +26,7 @@ from zephon.ops.basic import fetch
 from zephon.ops.batching import batch
 from zephon.ops.packing import pack_sequences
 from zephon.ops.shuffle import shuffle
-from zephon.runtime.checkpoint import seal
+from zephon.runtime.checkpoint.format import seal
 from zephon.sources.memory import ListSource, RangeSource
 
 SCALE = 1000  # a token is (document + 1) * SCALE + something below SCALE

@@ -21,7 +21,7 @@ from zephon._core.delivery import (
 )
 from zephon._core.records import expand_runs, records_for_chunk
 from zephon.ops.children import tombstones_for_record
-from zephon.runtime.control import LANE_END, ChunkOpened, LaneEnd, RunStart
+from zephon.runtime.lanes.control import LANE_END, ChunkOpened, LaneEnd, RunStart
 from zephon.types import RecordRun, SampleCursor, SampleMeta, SampleRecord
 
 

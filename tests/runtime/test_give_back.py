@@ -12,7 +12,7 @@ import pytest
 
 import zephon
 from zephon.ops import batch, fetch, map_transform
-from zephon.runtime.memory import private_resident_bytes
+from zephon.runtime.workers.memory_release import private_resident_bytes
 from zephon.sources.memory import RangeSource
 
 pytestmark = pytest.mark.skipif(
@@ -26,7 +26,11 @@ SCRIPT = textwrap.dedent(
     """
     import pyarrow as pa
 
-    from zephon.runtime.memory import give_back, give_back_at_most_every, give_back_once_grown
+    from zephon.runtime.workers.memory_release import (
+        give_back,
+        give_back_at_most_every,
+        give_back_once_grown,
+    )
 
 
     def resident_anon_kib():

@@ -20,7 +20,7 @@ from zephon._core.handover import LaneOutlet, LoaderStep
 from zephon.errors import OperatorError
 from zephon.ops.basic import fetch, map_transform
 from zephon.ops.batching import batch
-from zephon.runtime.delivery import LaneDelivery
+from zephon.runtime.delivery.lane_delivery import LaneDelivery
 from zephon.sources.memory import RangeSource
 
 

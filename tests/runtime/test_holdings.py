@@ -25,9 +25,9 @@ from zephon.ops import (
     shuffle,
     tokenize,
 )
-from zephon.runtime.control import Holdings
-from zephon.runtime.holdings import flat_cursors, unpack_cursors
-from zephon.runtime.lane import SNAPSHOT_RECORDS, LaneRunner
+from zephon.runtime.lanes.control import Holdings
+from zephon.runtime.lanes.runner import SNAPSHOT_RECORDS, LaneRunner
+from zephon.runtime.lanes.snapshots import flat_cursors, unpack_cursors
 from zephon.sources.memory import ListSource
 from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleCursor

@@ -14,7 +14,7 @@ from pipeline_kit import fingerprint_item
 import zephon
 from zephon.errors import CheckpointCorruptError, CheckpointError
 from zephon.ops import batch, fetch, shuffle
-from zephon.runtime.checkpoint import seal
+from zephon.runtime.checkpoint.format import seal
 from zephon.sources import RangeSource
 
 N = 4  # the job's lanes

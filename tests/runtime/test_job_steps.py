@@ -18,7 +18,7 @@ from zephon.errors import CheckpointError, RelaneWarning
 from zephon.ops.basic import fetch
 from zephon.ops.batching import batch
 from zephon.ops.shuffle import shuffle
-from zephon.runtime.checkpoint import seal
+from zephon.runtime.checkpoint.format import seal
 from zephon.sources.memory import RangeSource
 
 N = 4  # the job's lanes; 11 chunks of 10: lanes 0..2 hold 3 chunks, lane 3 holds 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zephon.runtime.layout import Layout
+from zephon.runtime.checkpoint.layout import Layout
 
 
 def reference_positions(total: int, generations: list[tuple[int, list[int]]], lanes: int) -> list:

@@ -29,7 +29,7 @@ from zephon.ops.basic import fetch
 from zephon.ops.batching import batch
 from zephon.ops.packing import pack_flat, pack_sequences
 from zephon.ops.shuffle import shuffle
-from zephon.runtime.checkpoint import seal
+from zephon.runtime.checkpoint.format import seal
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleRecord

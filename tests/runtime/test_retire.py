@@ -21,7 +21,7 @@ from zephon.ops.basic import fetch
 from zephon.ops.batching import batch
 from zephon.ops.packing import pack_sequences
 from zephon.ops.shuffle import shuffle
-from zephon.runtime.checkpoint import seal
+from zephon.runtime.checkpoint.format import seal
 from zephon.sources.memory import ListSource, RangeSource
 
 N = 600

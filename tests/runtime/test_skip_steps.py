@@ -14,7 +14,7 @@ from zephon.errors import CheckpointCorruptError
 from zephon.ops.basic import fetch
 from zephon.ops.batching import batch
 from zephon.ops.shuffle import shuffle
-from zephon.runtime.checkpoint import seal
+from zephon.runtime.checkpoint.format import seal
 from zephon.sources.memory import RangeSource
 
 

@@ -22,7 +22,7 @@ import pytest
 import zephon
 from zephon.compact import MAX_UNPACKED, pack_ints, pack_json, unpack_ints, unpack_json
 from zephon.errors import CheckpointCorruptError
-from zephon.runtime.checkpoint import seal
+from zephon.runtime.checkpoint.format import seal
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024

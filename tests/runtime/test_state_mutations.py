@@ -29,7 +29,7 @@ from zephon.errors import (
 from zephon.ops import ensure_mixture, pack_sequences, shuffle, tokenize
 from zephon.ops.basic import fetch, filter_records, map_transform
 from zephon.ops.batching import batch
-from zephon.runtime.checkpoint import seal
+from zephon.runtime.checkpoint.format import seal
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
 

@@ -38,9 +38,9 @@ import zephon
 from zephon.errors import OperatorError, PlanError, ZephonError
 from zephon.ops import Operator, OpTraits, fetch, map_transform
 from zephon.planner import Plan
-from zephon.runtime.lane_stop import close_lanes
-from zephon.runtime.process_lanes import ProcessLane
-from zephon.runtime.workers import open_lane
+from zephon.runtime.workers.kinds import open_lane
+from zephon.runtime.workers.processes import ProcessLane
+from zephon.runtime.workers.stopping import close_lanes
 from zephon.sources import RangeSource
 from zephon.types import SampleRecord
 
@@ -469,7 +469,7 @@ def test_a_message_cut_off_mid_way_times_out_instead_of_blocking():
     import multiprocessing as mp
     import struct
 
-    from zephon.runtime.wire import MessageStalled, encode, receive, write
+    from zephon.runtime.workers.pipe_messages import MessageStalled, encode, receive, write
 
     reader, writer = mp.Pipe(duplex=False)
     try:

@@ -15,8 +15,8 @@ from worker_kit import script_env
 
 import zephon
 from zephon.ops import batch, fetch, filter_records, map_transform, tokenize
-from zephon.runtime.fork_server import plan_modules
-from zephon.runtime.thread_budget import THREAD_VARIABLES, WIDENED, worker_environment
+from zephon.runtime.workers.fork_server import plan_modules
+from zephon.runtime.workers.thread_budget import THREAD_VARIABLES, WIDENED, worker_environment
 from zephon.sources import ArrowSource
 from zephon.sources.memory import RangeSource
 

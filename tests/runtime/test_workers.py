@@ -24,8 +24,8 @@ from zephon._core.records import expand_runs
 from zephon.errors import OperatorError, PlanError, ZephonError
 from zephon.ops.basic import fetch, map_transform
 from zephon.ops.batching import batch
-from zephon.runtime.lane_stop import close_lanes
-from zephon.runtime.workers import open_lanes
+from zephon.runtime.workers.kinds import open_lanes
+from zephon.runtime.workers.stopping import close_lanes
 from zephon.sources.memory import RangeSource
 
 KINDS = ["inline", "thread", "process"]

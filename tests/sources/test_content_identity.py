@@ -202,7 +202,7 @@ def _as_taken_before_content_identity(state: dict, source) -> dict:
     file's description without its ``content_sha256``, beside its footer."""
     from zephon.identity import identify
     from zephon.plan import digest
-    from zephon.runtime.checkpoint import seal
+    from zephon.runtime.checkpoint.format import seal
 
     def strip(value):
         if isinstance(value, list):

@@ -1,5 +1,5 @@
-"""Reading other loaders' formats: ``fetch -> batch`` over ``TokenShardSource`` and ``MDSSource``
-against a bare loop doing the same reads with the format's own reader.
+"""Reading other loaders' formats: ``fetch -> batch`` over ``TokenShardSource``, ``MDSSource`` and
+``WebDatasetSource`` against a bare loop doing the same reads with the format's own reader.
 
 - token shards: a Megatron ``.bin``/``.idx`` pair (written with numpy in the documented layout);
   the baseline slices a numpy memmap of the ``.bin`` at the index's pointers and converts each
@@ -8,6 +8,10 @@ against a bare loop doing the same reads with the format's own reader.
   (``get_item`` of every sample, shard by shard), loaded without the ``streaming`` package's
   ``__init__`` (it imports torchvision). Without streaming-community installed the baseline is
   missing and the row says so.
+- WebDataset: ``.tar`` shards written by WebDataset's ``TarWriter`` (an image-sized ``jpg`` of
+  random bytes, a ``txt`` and a ``cls`` per sample); the baseline iterates
+  ``webdataset.WebDataset(urls)`` over the same shards, in batches of the same size. Without the
+  ``webdataset`` package the baseline is missing and the row says so.
 
 Functions only; ``zephon bench`` (``report.py``) calls them.
 """
@@ -28,9 +32,16 @@ import numpy as np
 
 import zephon
 from zephon.ops import batch, fetch
-from zephon.sources import MDSSource, TokenShardSource
+from zephon.sources import MDSSource, TokenShardSource, WebDatasetSource
 
-__all__ = ["mds_rates", "token_shard_rates", "write_mds", "write_megatron"]
+__all__ = [
+    "mds_rates",
+    "token_shard_rates",
+    "webdataset_rates",
+    "write_mds",
+    "write_megatron",
+    "write_webdataset",
+]
 
 BATCH = 32
 
@@ -130,6 +141,52 @@ def mds_rates(root: Path) -> tuple[float, float]:
             if len(current) == BATCH:
                 seen += len(current)
                 current = []
+    seen += len(current)
+    baseline = seen / (time.perf_counter() - began)
+    assert n == seen
+    return ours, baseline
+
+
+def write_webdataset(root: Path, samples: int, per_shard: int = 2000) -> bool:
+    """``samples`` WebDataset samples (``jpg``: 2..20 kB of random bytes, ``txt``, ``cls``) in
+    ``.tar`` shards of ``per_shard`` written at ``root`` by WebDataset's ``TarWriter``; False
+    without the ``webdataset`` package."""
+    try:
+        import webdataset
+    except ImportError:
+        return False
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for s, first in enumerate(range(0, samples, per_shard)):
+        with webdataset.TarWriter(str(root / f"shard-{s:05d}.tar"), encoder=False) as out:
+            for i in range(first, min(first + per_shard, samples)):
+                size = int(rng.integers(2_000, 20_000))
+                jpg = rng.bytes(size)
+                out.write(
+                    {
+                        "__key__": f"{i:08d}",
+                        "jpg": jpg,
+                        "txt": f"caption {i}".encode(),
+                        "cls": str(i % 1000).encode(),
+                    }
+                )
+    return True
+
+
+def webdataset_rates(root: Path) -> tuple[float, float]:
+    """``(ours, webdataset.WebDataset)`` samples/s over the shards ``write_webdataset`` wrote."""
+    import webdataset
+
+    ours, n = _pipeline_rate(WebDatasetSource(root, chunk_size=1024), "__key__")
+    urls = sorted(str(p) for p in root.glob("*.tar"))
+    began = time.perf_counter()
+    seen = 0
+    current: list[dict[str, Any]] = []
+    for item in webdataset.WebDataset(urls, shardshuffle=False):
+        current.append(item)
+        if len(current) == BATCH:
+            seen += len(current)
+            current = []
     seen += len(current)
     baseline = seen / (time.perf_counter() - began)
     assert n == seen

@@ -705,8 +705,9 @@ def storage_rows(quick: bool) -> list[Row]:
 
 
 def format_rows(quick: bool) -> list[Row]:
-    """``fetch -> batch(32)`` over a Megatron token shard against numpy memmap slicing, and over
-    Mosaic MDS shards against Mosaic's own ``MDSReader`` loop (``zephon.bench.formats``)."""
+    """``fetch -> batch(32)`` over a Megatron token shard against numpy memmap slicing, over
+    Mosaic MDS shards against Mosaic's own ``MDSReader`` loop, and over WebDataset shards against
+    ``webdataset.WebDataset`` (``zephon.bench.formats``)."""
     import tempfile
     from pathlib import Path
 
@@ -720,6 +721,10 @@ def format_rows(quick: bool) -> list[Row]:
         runs = [formats.token_shard_rates(idx) for _ in range(repeats)]
         found = formats.write_mds(Path(tmp) / "mds", samples)
         mds = [formats.mds_rates(Path(tmp) / "mds") for _ in range(repeats if found else 0)]
+        has_wds = formats.write_webdataset(Path(tmp) / "wds", samples)
+        wds = [
+            formats.webdataset_rates(Path(tmp) / "wds") for _ in range(repeats if has_wds else 0)
+        ]
     ours = statistics.median(r[0] for r in runs)
     base = statistics.median(r[1] for r in runs)
     rows = [
@@ -735,18 +740,34 @@ def format_rows(quick: bool) -> list[Row]:
     ]
     if not found:
         rows.append(Row("MDS", "", "streaming-community missing", "", "", None))
+    else:
+        ours = statistics.median(r[0] for r in mds)
+        base = statistics.median(r[1] for r in mds)
+        rows.append(
+            Row(
+                f"samples/s, MDSSource fetch -> batch(32), {samples:,} raw MDS samples",
+                _si(ours, "sample/s"),
+                _si(base, "sample/s"),
+                f"{ours / base:.2f}×",
+                "≥ 0.9×",
+                ours >= 0.9 * base,
+                "baseline: Mosaic's MDSReader.get_item over every shard, same columns",
+            )
+        )
+    if not has_wds:
+        rows.append(Row("WebDataset", "", "webdataset missing", "", "", None))
         return rows
-    ours = statistics.median(r[0] for r in mds)
-    base = statistics.median(r[1] for r in mds)
+    ours = statistics.median(r[0] for r in wds)
+    base = statistics.median(r[1] for r in wds)
     rows.append(
         Row(
-            f"samples/s, MDSSource fetch -> batch(32), {samples:,} raw MDS samples",
+            f"samples/s, WebDatasetSource fetch -> batch(32), {samples:,} samples in .tar shards",
             _si(ours, "sample/s"),
             _si(base, "sample/s"),
             f"{ours / base:.2f}×",
             "≥ 0.9×",
             ours >= 0.9 * base,
-            "baseline: Mosaic's MDSReader.get_item over every shard, same columns",
+            "baseline: webdataset.WebDataset(urls) over the same shards, batches of 32",
         )
     )
     return rows

@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from zephon.errors import MidStepWarning, PlanError, ZephonError
 from zephon.planner import Pipeline
-from zephon.runtime.job import items_into_step, merge_states
+from zephon.runtime.checkpoint.job import items_into_step, merge_states
 from zephon.runtime.loader import Loader
 
 __all__ = ["ZephonIterableDataset", "as_torch_dataset", "job_state", "to_tensors"]

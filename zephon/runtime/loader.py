@@ -31,7 +31,15 @@ from zephon.errors import (
 )
 from zephon.plan import Plan
 from zephon.progress import bar
-from zephon.runtime.checkpoint import (
+from zephon.runtime.checkpoint.fields import (
+    check_int,
+    check_lane_state,
+    check_layout,
+    check_turn,
+    corrupt,
+    encode_pairs,
+)
+from zephon.runtime.checkpoint.format import (
     JOB_FORMAT,
     STATE_FORMAT,
     STATE_VERSION,
@@ -39,16 +47,11 @@ from zephon.runtime.checkpoint import (
     seal,
     unseal,
 )
-from zephon.runtime.contracts import ContractPolicy
-from zephon.runtime.delivery import LaneDelivery
-from zephon.runtime.even_end import lane_items
-from zephon.runtime.history import change_event, check_history, global_step, with_event
-from zephon.runtime.job import job_step, rank_served, rank_turn
-from zephon.runtime.layout import Layout
-from zephon.runtime.operator_setup import release_in_process
-from zephon.runtime.relane import relane
-from zephon.runtime.replay import CHANGED_RECORDS
-from zephon.runtime.retire import (
+from zephon.runtime.checkpoint.history import change_event, check_history, global_step, with_event
+from zephon.runtime.checkpoint.job import job_step, rank_served, rank_turn
+from zephon.runtime.checkpoint.layout import Layout
+from zephon.runtime.checkpoint.relane import relane
+from zephon.runtime.checkpoint.retired import (
     MAX_SETS,
     FetchScreen,
     RetiredIds,
@@ -57,17 +60,14 @@ from zephon.runtime.retire import (
     horizons_of,
     retired_ids,
 )
-from zephon.runtime.saved_state import JOB_KEYS, check_keys, check_totals
-from zephon.runtime.skips import SkipLog
-from zephon.runtime.state import (
-    check_int,
-    check_lane_state,
-    check_layout,
-    check_turn,
-    corrupt,
-    encode_pairs,
-)
-from zephon.runtime.supervision import close_feeds, start_feeds
+from zephon.runtime.checkpoint.saved_state import JOB_KEYS, check_keys, check_totals
+from zephon.runtime.delivery.contracts import ContractPolicy
+from zephon.runtime.delivery.even_end import lane_items
+from zephon.runtime.delivery.lane_delivery import LaneDelivery
+from zephon.runtime.delivery.replay import CHANGED_RECORDS
+from zephon.runtime.delivery.skips import SkipLog
+from zephon.runtime.lanes.operator_setup import release_in_process
+from zephon.runtime.workers.feeds import close_feeds, start_feeds
 from zephon.sources.source_io import latest_counters, merge_counters
 
 log = logging.getLogger("zephon")
@@ -335,7 +335,7 @@ class Loader(LoaderStep):
 
     def skipped(self) -> list[dict[str, Any]]:
         """The latest skipped records (``Pipeline(on_error="skip")``), oldest first, at most
-        ``zephon.runtime.skips.KEEP``: each one's ``lane``, ``cursor``, ``sample_id``, the
+        ``zephon.runtime.delivery.skips.KEEP``: each one's ``lane``, ``cursor``, ``sample_id``, the
         ``operator`` that failed on it and its ``error``. Only those handed over since this loader
         started: a restored run counts the earlier ones (``stats()["skipped"]``) but does not
         list them."""

@@ -11,6 +11,7 @@ from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
 from zephon.sources.shard_cache import ShardCache
 from zephon.sources.token_shards import TokenShardSource
+from zephon.sources.webdataset import WebDatasetSource
 
 __all__ = [
     "ArrowSource",
@@ -25,6 +26,7 @@ __all__ = [
     "RangeSource",
     "ShardCache",
     "TokenShardSource",
+    "WebDatasetSource",
     "WorkSource",
     "open_source",
 ]

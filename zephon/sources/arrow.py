@@ -253,7 +253,7 @@ class ArrowSource(FileSource):
         finally:
             f.close()
         if layout.metadata is not None:
-            self._remember_parquet_meta(i, layout.metadata)
+            self.remember_parquet_metadata(i, layout.metadata)
         return info
 
     def _cached(self, i: int, size: int, mtime_ns: int) -> tuple[FileInfo | None, str | None]:
@@ -265,7 +265,17 @@ class ArrowSource(FileSource):
                 return info, where
         return None, None
 
-    def _remember_parquet_meta(self, i: int, md: Any) -> None:
+    def file_info(self, i: int) -> FileInfo:
+        """The layout of file ``i`` read when the metadata was loaded."""
+        return self._infos[i]
+
+    def parquet_metadata(self, i: int) -> Any:
+        """File ``i``'s Parquet footer when it is still cached, else None."""
+        with self._cache_lock:
+            return self._parquet_meta.get(i)
+
+    def remember_parquet_metadata(self, i: int, md: Any) -> None:
+        """Keep file ``i``'s Parquet footer (the most recently used few are kept)."""
         with self._cache_lock:
             self._parquet_meta[i] = md
             self._parquet_meta.move_to_end(i)

@@ -4,7 +4,7 @@ digested range checked against its digest first."""
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from zephon.sources.arrow_layout import (
     BATCH,
@@ -21,7 +21,21 @@ from zephon.sources.files import DigestTable
 if TYPE_CHECKING:  # pyarrow is imported when a file is first touched, not with zephon.sources
     import pyarrow as pa
 
-    from zephon.sources.arrow import ArrowSource
+    from zephon.sources.arrow_layout import FileInfo
+
+
+class GroupSource(Protocol):
+    """What a ``GroupReader`` needs of its source (``ArrowSource``)."""
+
+    columns: Any
+
+    def file_info(self, i: int) -> FileInfo: ...
+
+    def take_ahead(self, i: int, k: int) -> Any: ...
+
+    def parquet_metadata(self, i: int) -> Any: ...
+
+    def remember_parquet_metadata(self, i: int, md: Any) -> None: ...
 
 
 class RangeChanged(Exception):
@@ -36,12 +50,12 @@ class GroupReader:
     """One open file of an ArrowSource for the duration of a ``read``: decodes single groups with
     the source's column projection, through a ``_CheckedFile``."""
 
-    def __init__(self, source: ArrowSource, i: int, f: pa.NativeFile):
+    def __init__(self, source: GroupSource, i: int, f: pa.NativeFile):
         import pyarrow as pa
 
         self.source = source
         self.i = i
-        self.info = source._infos[i]
+        self.info = source.file_info(i)
         checked = _CheckedFile(
             f, self.info.table, self.info.size, lambda k: source.take_ahead(i, k)
         )
@@ -82,11 +96,10 @@ class GroupReader:
         import pyarrow.parquet as pq
 
         source = self.source
-        with source._cache_lock:
-            md = source._parquet_meta.get(self.i)
+        md = source.parquet_metadata(self.i)
         if md is None:
             md = parquet_footer(self.file, self.info.size)[1]
-            source._remember_parquet_meta(self.i, md)
+            source.remember_parquet_metadata(self.i, md)
         # Page CRCs are checked when the writer stored them (write_page_checksum=True).
         return pq.ParquetFile(self.file, metadata=md, page_checksum_verification=True)
 

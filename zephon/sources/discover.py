@@ -11,7 +11,8 @@ What decides, in order:
   ``state.json`` data files, by ``ArrowSource``); a ``.lance`` directory (not readable yet);
 - otherwise the file names, a directory's files at any depth: ``.parquet`` / ``.pq`` /
   ``.arrow`` / ``.feather`` / ``.ipc`` / ``.arrows`` (``ArrowSource``), ``.jsonl`` / ``.ndjson``
-  (``JsonlSource``), ``.idx`` with its ``.bin`` and ``.npy`` (``TokenShardSource``).
+  (``JsonlSource``), ``.idx`` with its ``.bin`` and ``.npy`` (``TokenShardSource``), ``.tar``
+  (WebDataset shards, ``WebDatasetSource``).
 
 A layout that is none of these, or mixes two, is a ``PlanError`` listing what was found.
 """
@@ -33,6 +34,7 @@ from zephon.sources.jsonl import JsonlSource
 from zephon.sources.locations import filesystem_and_path
 from zephon.sources.mds import MDSSource
 from zephon.sources.token_shards import TokenShardSource
+from zephon.sources.webdataset import WebDatasetSource
 
 __all__ = ["hf_cache_dir", "open_source"]
 
@@ -48,11 +50,13 @@ _FAMILIES = {
     ".ndjson": "jsonl",
     ".idx": "tokens",
     ".npy": "tokens",
+    ".tar": "webdataset",
 }
 _SOURCES: dict[str, type[FileSource]] = {
     "arrow": ArrowSource,
     "jsonl": JsonlSource,
     "tokens": TokenShardSource,
+    "webdataset": WebDatasetSource,
 }
 _SIDECARS = (".zsum", ".zidx")
 _HF_URI = re.compile(r"^hf://([^/]+)/([^/]+)(?:/([^/]+))?/([^/]+)/?$")
@@ -96,7 +100,8 @@ def _open_one(item: str, kw: dict[str, Any]) -> FileSource:
         if family is None:
             raise PlanError(
                 f"open_source: cannot tell the format of the glob {item!r} from its suffix; "
-                "build the source yourself (ArrowSource, JsonlSource, TokenShardSource)"
+                "build the source yourself (ArrowSource, JsonlSource, TokenShardSource, "
+                "WebDatasetSource)"
             )
         return _SOURCES[family](item, **kw)
     info = fs.get_file_info(path)

@@ -35,7 +35,6 @@ import os
 import pickle
 import posixpath
 import tempfile
-import threading
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Any
@@ -46,6 +45,7 @@ from zephon.errors import FetchError, PlanError
 from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
 from zephon.sources.files import DigestTable, FileOptions, FileSource, read_sidecar
 from zephon.sources.locations import DataFile, default_cache_dir
+from zephon.sources.mapped_files import ChangedFile, MappedFiles, map_bytes
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -85,7 +85,6 @@ _NDARRAY_DTYPES = {
 }
 _SHAPE_DTYPES = {0: "<u1", 1: "<u2", 2: "<u4", 3: "<u8"}
 _STR_DECODERS = {"str_int": int, "str_float": float, "str_decimal": Decimal}
-_KEPT_MAPS = 16
 
 
 @dataclass
@@ -148,8 +147,7 @@ class MDSSource(FileSource):
         self._all_columns: list[_Column] = []
         self._wanted: frozenset[str] = frozenset()
         self._variable_columns = 0
-        self._maps: dict[int, np.ndarray] = {}
-        self._maps_lock = threading.Lock()
+        self._maps = MappedFiles()
 
     # --------------------------------------------------------------------- the index
     def list_files(self) -> tuple[str, list[DataFile]]:
@@ -432,32 +430,19 @@ class MDSSource(FileSource):
     def _mapped(self, i: int, shard: _Shard, pointer: np.ndarray) -> np.ndarray:
         # The raw shard memory-mapped (kept for the next reads); a local uncompressed shard is
         # checked against the size and mtime it was indexed at on every read.
+        mtime = None if shard.compressed else self.files()[i].mtime_ns
+        path = shard.raw_path
         try:
-            st = os.stat(shard.raw_path)
+            return self._maps.get(i, path, (shard.raw_size, mtime), lambda: map_bytes(path))
         except OSError as exc:
             raise self.os_error(exc, i, pointer) from exc
-        f = self.files()[i]
-        indexed = (shard.raw_size, st.st_mtime_ns if shard.compressed else f.mtime_ns)
-        if (st.st_size, st.st_mtime_ns) != indexed:
+        except ChangedFile:
             raise self.fetch_error(
                 i,
-                f"{shard.raw_path!r} changed since it was indexed; build a new source (its "
+                f"{path!r} changed since it was indexed; build a new source (its "
                 "fingerprint will differ from old checkpoints)",
                 pointer,
-            )
-        with self._maps_lock:
-            kept = self._maps.get(i)
-        if kept is not None:
-            return kept
-        try:
-            data = np.memmap(shard.raw_path, dtype=np.uint8, mode="r").view(np.ndarray)
-        except OSError as exc:
-            raise self.os_error(exc, i, pointer) from exc
-        with self._maps_lock:
-            self._maps[i] = data
-            while len(self._maps) > _KEPT_MAPS:
-                self._maps.pop(next(iter(self._maps)))
-        return data
+            ) from None
 
     def _decode(self, i: int, sample: memoryview, pointer: np.ndarray, idx: int) -> dict[str, Any]:
         columns = self._all_columns
@@ -500,8 +485,7 @@ class MDSSource(FileSource):
     def drop_read_caches(self) -> None:
         """Unmap the shards kept mapped between reads."""
         super().drop_read_caches()
-        with self._maps_lock:
-            self._maps.clear()
+        self._maps.clear()
 
     # --------------------------------------------------------------------- identity
     def describe(self) -> dict[str, Any]:
@@ -523,13 +507,7 @@ class MDSSource(FileSource):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_shards"] = [None] * len(self._shards)
-        state["_maps"] = {}
-        del state["_maps_lock"]
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._maps_lock = threading.Lock()
 
 
 def _decode_value(encoding: str, data: memoryview) -> Any:

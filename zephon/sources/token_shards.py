@@ -39,8 +39,6 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -50,6 +48,7 @@ import numpy as np
 from zephon.errors import FetchError
 from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
 from zephon.sources.files import DigestTable, FileOptions, FileSource, PathsArg, read_sidecar
+from zephon.sources.mapped_files import ChangedFile, MappedFiles
 from zephon.validation import check_int
 
 if TYPE_CHECKING:
@@ -76,8 +75,6 @@ _INT32_MAX = 2**31 - 1
 _SUM_TAG = b"ZTOKSUM1"
 #: Tokens read at once while scanning a flat file for ``eos_id``.
 _SCAN_TOKENS = 1 << 24
-#: Memory-mapped local shards kept open between reads.
-_KEPT_MAPS = 16
 
 
 @dataclass
@@ -169,8 +166,7 @@ class TokenShardSource(FileSource):
         super().__init__(paths, **options)
         self._shards: list[_Shard | None] = []
         self._identities: list[str] = []
-        self._maps: OrderedDict[int, tuple[tuple[int, int], np.ndarray]] = OrderedDict()
-        self._maps_lock = threading.Lock()
+        self._maps = MappedFiles()
 
     # --------------------------------------------------------------------- facts
     def provides(self) -> dict[str, Any]:
@@ -536,41 +532,31 @@ class TokenShardSource(FileSource):
     def _mapped(self, i: int, shard: _Shard, pointer: np.ndarray) -> np.ndarray:
         # The shard's tokens as a memory map, checked against the size and mtime it was indexed
         # at; kept (a few shards) for the next reads.
+        def make() -> np.ndarray:
+            if shard.tokens == 0:
+                return np.zeros(0, dtype=shard.dtype)
+            return np.memmap(
+                shard.data_path,
+                dtype=shard.dtype,
+                mode="r",
+                offset=shard.offset,
+                shape=(shard.tokens,),
+            ).view(np.ndarray)
+
+        indexed = (shard.data_size, shard.data_mtime_ns)
         try:
-            now = self._stat(shard.data_path)
+            return self._maps.get(i, shard.data_path, indexed, make)
         except OSError as exc:
             raise self.os_error(exc, i, pointer) from exc
-        if now != (shard.data_size, shard.data_mtime_ns):
+        except ChangedFile as changed:
+            now = changed.now
             raise self.fetch_error(
                 i,
                 f"{shard.data_path!r} changed since it was indexed (size {shard.data_size} -> "
                 f"{now[0]}, mtime_ns {shard.data_mtime_ns} -> {now[1]}); build a new source "
                 "(its fingerprint will differ from old checkpoints)",
                 pointer,
-            )
-        with self._maps_lock:
-            kept = self._maps.get(i)
-            if kept is not None and kept[0] == now:
-                self._maps.move_to_end(i)
-                return kept[1]
-        if shard.tokens == 0:
-            tokens = np.zeros(0, dtype=shard.dtype)
-        else:
-            try:
-                tokens = np.memmap(
-                    shard.data_path,
-                    dtype=shard.dtype,
-                    mode="r",
-                    offset=shard.offset,
-                    shape=(shard.tokens,),
-                ).view(np.ndarray)
-            except OSError as exc:
-                raise self.os_error(exc, i, pointer) from exc
-        with self._maps_lock:
-            self._maps[i] = (now, tokens)
-            while len(self._maps) > _KEPT_MAPS:
-                self._maps.popitem(last=False)
-        return tokens
+            ) from None
 
     def _fetch_pieces(
         self,
@@ -604,8 +590,7 @@ class TokenShardSource(FileSource):
     def drop_read_caches(self) -> None:
         """Unmap the shards kept mapped between reads."""
         super().drop_read_caches()
-        with self._maps_lock:
-            self._maps.clear()
+        self._maps.clear()
 
     # --------------------------------------------------------------------- identity
     def describe(self) -> dict[str, Any]:
@@ -637,10 +622,4 @@ class TokenShardSource(FileSource):
         # checks they describe the same content (``_shard``).
         state = super().__getstate__()
         state["_shards"] = [None] * len(self._shards)
-        state["_maps"] = OrderedDict()
-        del state["_maps_lock"]
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._maps_lock = threading.Lock()

@@ -1,0 +1,1 @@
+"""The checkpoint: the state's fields, their checks, its files, and job states merged from ranks."""

@@ -1,0 +1,130 @@
+"""What was done to a run on purpose, kept in its checkpoints: resumes across an operator change,
+skipped steps and retired samples (re-lanings are in the lane history, ``layout``; the retired
+ids themselves in ``retired``, see ``runtime.retire``).
+
+A state's ``history`` is a list of events, oldest first, each a small object with its ``event``
+kind and the global ``step`` it happened at; only the last ``MAX_EVENTS`` are kept, so a state
+never grows with the number of resumes. ``skip`` is the number of global steps a state still has
+to skip (``zephon.skip_steps``), done by the loader before its first item; it is always what the
+last skip events of the history add up to, so an edited count is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zephon.runtime.checkpoint.fields import MAX_INT, check_int, corrupt
+from zephon.runtime.checkpoint.format import JOB_FORMAT, STATE_FORMAT, seal, unseal
+
+MAX_EVENTS = 16  # events kept in a state
+MAX_CHANGES = 20  # changed operators named in one event
+_SHOWN = 200  # characters of one named change
+EVENTS = {
+    "change": {"event", "step", "changes", "operators"},
+    "skip": {"event", "step", "steps"},
+    "retire": {"event", "step", "ids"},
+}
+
+
+def global_step(lane_states: Any) -> int:
+    """The global step a state stands at: the fewest items an unfinished lane delivered (0 when
+    every lane finished or the lane states are not a list)."""
+    if type(lane_states) is not list:
+        return 0
+    counts = [
+        s["delivered"]
+        for s in lane_states
+        if type(s) is dict and not s.get("finished") and type(s.get("delivered")) is int
+    ]
+    return min(counts, default=0)
+
+
+def with_event(history: list[dict[str, Any]], event: dict[str, Any]) -> list[dict[str, Any]]:
+    """``history`` with ``event`` appended, the oldest events dropped past ``MAX_EVENTS``."""
+    return [*history, event][-MAX_EVENTS:]
+
+
+def change_event(step: int, changes: list[str], old: Any, new: Any) -> dict[str, Any]:
+    """A resume with changed operators: what changed, and the operators' digests before and
+    after."""
+    return {
+        "event": "change",
+        "step": step,
+        "changes": [text[:_SHOWN] for text in changes[:MAX_CHANGES]],
+        "operators": [str(old)[:16], str(new)[:16]],
+    }
+
+
+def _trailing_skips(history: list[dict[str, Any]]) -> list[int]:
+    """The sums of the last 1, 2, ... skip events at the end of ``history``."""
+    sums: list[int] = []
+    for event in reversed(history):
+        if event["event"] != "skip":
+            break
+        sums.append((sums[-1] if sums else 0) + event["steps"])
+    return sums
+
+
+def check_history(value: Any, skip: Any) -> tuple[list[dict[str, Any]], int]:
+    """A state's ``history`` and pending ``skip``, every event checked; a pending skip must be
+    what the skip events at the end of the history add up to."""
+    if type(value) is not list or len(value) > MAX_EVENTS:
+        raise corrupt("history", f"must be a list of at most {MAX_EVENTS} events")
+    for i, event in enumerate(value):
+        where = f"history[{i}]"
+        kind = event.get("event") if type(event) is dict else None
+        if kind not in EVENTS or set(event) != EVENTS[kind]:
+            raise corrupt(where, f"must be an event with the fields of one of {sorted(EVENTS)}")
+        check_int(event["step"], f"{where}.step")
+        if kind == "skip":
+            check_int(event["steps"], f"{where}.steps", 1)
+            continue
+        if kind == "retire":
+            check_int(event["ids"], f"{where}.ids", 1)
+            continue
+        texts = [event["changes"], event["operators"]]
+        if any(type(t) is not list or not all(type(x) is str for x in t) for t in texts):
+            raise corrupt(where, "must name its changes and operators as lists of strings")
+    steps = check_int(skip, "skip", 0, MAX_INT)
+    if steps and steps not in _trailing_skips(value):
+        raise corrupt("skip", f"{steps} is not what the last skip events of the history add up to")
+    return value, steps
+
+
+def described(state: dict[str, Any]) -> list[str]:
+    """The history of an unsealed state, one line per event (for ``zephon inspect``)."""
+    lines = []
+    for event in state.get("history", []):
+        at = f"at global step {event['step']}"
+        if event["event"] == "change":
+            lines.append(f"{at}: resumed with changed operators: " + "; ".join(event["changes"]))
+        elif event["event"] == "skip":
+            lines.append(f"{at}: skipped {event['steps']} global step(s)")
+        else:
+            lines.append(f"{at}: retired {event['ids']} sample(s)")
+    if state.get("skip"):
+        lines.append(f"still to skip before the next item: {state['skip']} global step(s)")
+    return lines
+
+
+def skip_steps(state: dict[str, Any], steps: int) -> dict[str, Any]:
+    """``state`` (a rank's or a job's) continued ``steps`` global steps later: resumed from it, the
+    loader first runs the pipeline through those steps and hands their items to no one, booked
+    as delivered, so a loss-spike window is never trained on and nothing else is lost. The skip
+    is kept in the state's ``history``. A torchdata ``StatefulDataLoader``'s state around a
+    Zephon dataset's comes back with the dataset's state skipped."""
+    if type(steps) is not int or steps < 0:
+        raise ValueError(f"skip_steps needs a number of global steps >= 0, got {steps!r}")
+    if isinstance(state, dict) and "dataset_state" in state and "format" not in state:
+        return {**state, "dataset_state": skip_steps(state["dataset_state"], steps)}
+    body = unseal(state, (STATE_FORMAT, JOB_FORMAT))
+    history, pending = check_history(body["history"], body["skip"])
+    if not steps:
+        return seal(body)
+    if pending:  # still to be done: this skip joins the last one
+        last = {**history[-1], "steps": history[-1]["steps"] + steps}
+        history = [*history[:-1], last]
+    else:
+        event = {"event": "skip", "step": global_step(body["lane_states"]), "steps": steps}
+        history = with_event(history, event)
+    return seal({**body, "history": history, "skip": pending + steps})

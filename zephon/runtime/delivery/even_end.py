@@ -1,0 +1,40 @@
+"""Even ends across ranks: how many items every lane hands over, so that every rank of a job
+delivers the same number of global steps and none waits alone in a collective at the end of the
+data.
+
+A global step takes one item of every lane, so a job holds as many whole global steps as its
+shortest lane has items. Every rank works that number out for all the job's lanes from the plan
+alone, without communicating: it is known when each lane's item count follows from its chunks,
+that is when every chain operator is 1 -> 1 (an indexable plan) and the source is finite. A
+lane then delivers one record per sample of its chunks, or one batch per ``batch_size`` of them.
+Chunks are dealt to lanes across pass boundaries, so a pass's remainder is delivered in the next
+pass's global steps; only the end of the last pass can be uneven, and what the longer lanes hold
+beyond the shortest is not delivered.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from zephon.plan import Plan
+from zephon.runtime.checkpoint.layout import Layout
+
+
+def lane_items(plan: Plan, layout: Layout) -> list[int] | None:
+    """Items each lane of the job hands over from the start of its generation to its end, or
+    None when that is not known without running the lanes: an operator filters, splits or
+    packs records, the source is unbounded, or the job was re-laned (what the new lanes finish
+    of the old ones' runs depends on where the checkpoint was taken)."""
+    total = plan.source.total_chunks()
+    if not plan.indexable or layout.current or total is None:
+        return None
+    lanes = plan.lanes
+    lengths = plan.source.chunk_lengths(np.arange(total, dtype=np.int64))
+    padded = np.zeros(-(-total // lanes) * lanes, dtype=np.int64)
+    padded[:total] = lengths
+    records = padded.reshape(-1, lanes).sum(axis=0).tolist()  # position p goes to lane p % lanes
+    batcher = plan.batcher
+    if batcher is None:
+        return records
+    size = batcher.batch_size
+    return [n // size if batcher.drop_remainder else -(-n // size) for n in records]

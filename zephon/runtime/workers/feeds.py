@@ -1,0 +1,238 @@
+"""Lane feeds: where a lane's item lists come from, and stopping its worker.
+
+The feed starts the lane's runner where the plan says lanes run (``workers``), holds the item list
+being delivered, and adds the lane to any error that comes out of the runner.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from zephon._core.handover import FeedBuffer
+from zephon._core.records import RecordRun
+from zephon.errors import ZephonError
+from zephon.plan import Plan
+from zephon.runtime.lanes.retire_screen import screen
+from zephon.runtime.workers import first_reads
+from zephon.runtime.workers.fork_server import start_fork_server
+from zephon.runtime.workers.kinds import open_lane, open_lanes
+from zephon.runtime.workers.memory_release import give_back
+from zephon.runtime.workers.pickled_plan import PlanParcel
+from zephon.runtime.workers.stopping import close_lanes
+
+if TYPE_CHECKING:
+    from zephon.runtime.checkpoint.retired import RetiredIds
+    from zephon.sources.base import WorkSource
+
+
+class LaneFeed(FeedBuffer):
+    """The items of lane ``lane_id``, one list at a time (``buf``, read from ``pos``)."""
+
+    def __init__(self, plan: Plan, lane_id: int):
+        self.plan = plan
+        self.lane_id = lane_id
+        self.buf: list[Any] = []
+        self.pos = 0
+        # Where the runner starts (set on restore, or by a head start); the runner takes it.
+        self.start_at: dict[str, Any] = {}
+        self.runner: Any = None  # the running lane (inline, thread or process)
+        self.starting: WorkerStarts | None = None  # set while its worker starts on a thread
+        self.closed = False
+        self.retired: RetiredIds | None = None  # samples taken out of the run (``retire=``)
+
+    def start(self) -> None:
+        """Start the lane's runner unless it runs already (or wait for a start under way)."""
+        if self.closed:
+            raise ZephonError(f"lane {self.lane_id} was closed")
+        if self.starting is not None:
+            self.starting.wait()
+            self.starting = None
+        if self.runner is None:
+            self.runner = open_lane(self.plan, self.lane_id, **self.start_at)
+            self.start_at = {}  # the runner has it (with any records a head start handed over)
+
+    def refill(self) -> None:
+        """The next item list from the runner (started on first use). While its worker process
+        waits for the fork server, the lane's first lists are read here (``first_reads``)."""
+        if self.starting is not None and self.starting.claim(self) and self.read_ahead():
+            return
+        self.start()
+        try:
+            self.buf = next(self.runner)
+        except ZephonError as exc:
+            raise exc.add_context(lane=self.lane_id) from exc.__cause__
+        self.pos = 0
+        if self.retired is not None:
+            self.buf = screen(self.retired, self.buf)
+
+    def read_ahead(self) -> bool:
+        """Read the lane's first lists in this process (its worker, not yet started, continues
+        after them); False when nothing was read."""
+        try:
+            read = first_reads.read_ahead(self.plan, self.lane_id, self.start_at)
+            if read is not None:
+                (self.buf, self.start_at), self.pos = read, 0
+                if self.retired is not None:
+                    self.buf = screen(self.retired, self.buf)
+        except ZephonError as exc:  # its data could not be read (first_reads.read_ahead)
+            raise exc.add_context(lane=self.lane_id) from exc.__cause__
+        finally:
+            assert self.starting is not None
+            self.starting.read_over(self)
+        return read is not None
+
+    def next_item(self) -> Any:
+        """The next item, a run of records coming as its records one by one."""
+        if self.pos >= len(self.buf):
+            self.refill()
+        item = self.buf[self.pos]
+        if type(item) is RecordRun:
+            self.buf[self.pos : self.pos + 1] = records = item.records()
+            item = records[0]
+        self.pos += 1
+        return item
+
+    def queued(self) -> int:
+        """Item lists the lane's worker has ready beyond ``buf`` (0 before it starts)."""
+        return 0 if self.runner is None or self.closed else self.runner.queued()
+
+    def close(self) -> None:
+        """Stop the runner and release what it holds; nothing is delivered from it afterwards."""
+        close_feeds([self])
+
+
+def start_feeds(feeds: list[LaneFeed], first: LaneFeed | None = None) -> None:
+    """Start the runners of many lanes at once, sharing the plan's worker processes or threads
+    (``workers.open_lanes``). ``first``, the lane delivered from first, may be read in this
+    process while the worker processes start, and so may the others until their workers can
+    (``first_reads``)."""
+    waiting = [feed for feed in feeds if feed.runner is None and not feed.closed]
+    if not waiting:
+        return
+    plan = waiting[0].plan
+    # The plan is pickled once, here, before a head start and the worker starts run side by side.
+    parcel = PlanParcel(plan) if plan.workers == "process" else None
+    if parcel is None or first not in waiting or not first_reads.applies(plan, len(waiting)):
+        _open_runners(plan, waiting, parcel)
+        return
+    starts = WorkerStarts(plan, [first, *(f for f in waiting if f is not first)], parcel)
+    starts.claim(first)
+    try:
+        first.read_ahead()
+    finally:
+        # The fork server boots once the first lane's read is over: its imports would take a
+        # core from that read, and the first batch would wait for them.
+        starts.begin()
+
+
+def _open_runners(plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel | None) -> None:
+    """Start the runners of ``feeds`` where they start (``start_at``), sharing the workers."""
+    runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in feeds], parcel)
+    for feed, runner in zip(feeds, runners):
+        feed.runner, feed.start_at = runner, {}  # the runner has it, as in start()
+
+
+class WorkerStarts:
+    """The worker processes of ``feeds``, started on a thread (``begin``) that boots the fork
+    server and waits until it forks (it imports the plan's modules first). Until then the loader
+    may claim a lane and read its first lists itself (``LaneFeed.read_ahead``): that lane's
+    worker is started when the read is over, from where it ended. Each feed's ``start()`` waits
+    for this; an error here is raised there."""
+
+    def __init__(self, plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel):
+        self.error: BaseException | None = None
+        self._reads_kept: WorkSource | None = plan.source  # until the first wait() drops them
+        self._cancelled = False
+        self._lock = threading.Lock()
+        # Per lane: None once the thread starts its worker as it is; an event, set when the
+        # read is over, while the loader reads it ahead.
+        self._owners: dict[int, threading.Event | None] = {}
+        for feed in feeds:
+            feed.starting = self
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(plan, feeds, parcel),
+            name=f"zephon-worker-starts-{feeds[0].lane_id}",
+            daemon=True,
+        )
+
+    def begin(self) -> None:
+        """Boot the fork server and start the workers, on the thread."""
+        self._thread.start()
+
+    def claim(self, feed: LaneFeed) -> bool:
+        """Whether the loader may read ``feed`` ahead: its worker is not being started yet."""
+        with self._lock:
+            if self._cancelled or feed.lane_id in self._owners:
+                return False
+            self._owners[feed.lane_id] = threading.Event()
+            return True
+
+    def read_over(self, feed: LaneFeed) -> None:
+        """The loader's read of ``feed`` is over: its worker may start."""
+        read = self._owners[feed.lane_id]
+        assert read is not None
+        read.set()
+
+    def _run(self, plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel) -> None:
+        try:
+            start_fork_server(parcel.preload)
+            with self._lock:  # the lanes nobody reads ahead are started first, as they are
+                unclaimed = [feed for feed in feeds if feed.lane_id not in self._owners]
+                self._owners.update((feed.lane_id, None) for feed in unclaimed)
+            if unclaimed and not self._cancelled:
+                _open_runners(plan, unclaimed, parcel)
+            for feed in feeds:
+                read = self._owners[feed.lane_id]
+                if read is not None:
+                    read.wait()
+                    if not self._cancelled:
+                        _open_runners(plan, [feed], parcel)
+        except BaseException as exc:  # raised by the feeds' start()
+            self.error = exc
+
+    def wait(self) -> None:
+        """Until every worker is started; the error that stopped a start, if one did. The first
+        time, the loader's process then frees what its reads ahead kept and took."""
+        self._joined()
+        if self.error is not None:
+            raise self.error
+        if self._reads_kept is not None:
+            source, self._reads_kept = self._reads_kept, None
+            # Every lane is its worker's now and this process reads no more: its source forgets
+            # what the reads kept (decoded row groups, bytes fetched ahead), and the memory goes
+            # back here, in the thread that read (Arrow's mimalloc pool returns only the calling
+            # thread's free pages).
+            source.drop_read_caches()
+            give_back()
+
+    def cancel(self) -> None:
+        """The lanes close: workers not started yet are not; wait for the thread, so that every
+        worker it started is on its feed to be stopped."""
+        with self._lock:
+            self._cancelled = True
+            for read in self._owners.values():
+                if read is not None:
+                    read.set()
+        self._joined()
+
+    def _joined(self) -> None:
+        if self._thread.ident is not None:  # begun
+            self._thread.join()
+
+
+def close_feeds(feeds: list[LaneFeed]) -> None:
+    """Stop the runners of many lanes at once, under one deadline (``stopping.close_lanes``)."""
+    runners = []
+    for feed in feeds:
+        if feed.starting is not None:  # what a start under way opened is stopped here too
+            feed.starting.cancel()
+            feed.starting = None
+        if feed.runner is not None:
+            runners.append(feed.runner)
+        feed.runner = None
+        feed.closed = True
+        feed.buf, feed.pos = [], 0
+    if runners:
+        close_lanes(runners)

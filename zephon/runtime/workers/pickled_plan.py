@@ -1,0 +1,109 @@
+"""What every worker process of one start receives: the plan pickled once (or an error naming
+what cannot be pickled), the modules its fork server preloads and its thread budget."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import types
+from typing import Any
+
+from zephon.errors import PlanError
+from zephon.plan import Plan
+from zephon.runtime.workers.fork_server import plan_modules
+from zephon.runtime.workers.main_script import pickle_plan
+from zephon.runtime.workers.process_group import ProcessGroup
+from zephon.runtime.workers.process_main import EXIT_MAIN_REIMPORTED
+from zephon.runtime.workers.stopping import WORKER_NAME
+from zephon.runtime.workers.thread_budget import worker_environment
+
+
+def unguarded_main() -> str:
+    """Why a worker process could not start: the main script, imported again in it, started the
+    pipeline once more."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+    return (
+        f"workers='process' starts each worker process by importing {script} again, and its "
+        "module-level code started the pipeline once more. Put the code that runs the pipeline "
+        'under `if __name__ == "__main__":` (for example in a main() called from there)'
+    )
+
+
+def _refuse_unguarded_main() -> None:
+    """Fail at once in a process that is re-running the main script as it starts as a worker."""
+    me = mp.current_process()
+    if not getattr(me, "_inheriting", False):  # multiprocessing's own "still bootstrapping" flag
+        return
+    if me.name.startswith(WORKER_NAME):
+        os._exit(EXIT_MAIN_REIMPORTED)  # our lane reports it in the loader, once
+    raise PlanError(unguarded_main())  # some other library's worker re-ran the script
+
+
+def _parts_of(value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [(f"[{k!r}]", v) for k, v in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(value)]
+    attrs = getattr(value, "__dict__", None)
+    if isinstance(attrs, dict) and not isinstance(value, (type, types.ModuleType)):
+        return [(f".{name}", v) for name, v in attrs.items()]
+    return []
+
+
+def _pickle_error(value: Any) -> Exception | None:
+    try:
+        pickle.dumps(value, protocol=5)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _culprit(value: Any, path: str = "", depth: int = 4) -> tuple[str, Exception] | None:
+    """The deepest attribute path (``settings['guard']``) under ``value`` that cannot be pickled."""
+    for name, part in _parts_of(value):
+        error = _pickle_error(part)
+        if error is not None:
+            here = f"{path}{name}"
+            deeper = _culprit(part, here, depth - 1) if depth > 1 else None
+            return deeper or (here, error)
+    return None
+
+
+def _unpicklable_message(plan: Plan, exc: Exception) -> str:
+    ops = [plan.fetch, *plan.chain, *((plan.batcher,) if plan.batcher else ())]
+    parts: list[tuple[str, Any]] = [(f"the source ({type(plan.source).__name__})", plan.source)]
+    parts += [(f"operator {op.name!r} (#{i})", op) for i, op in enumerate(ops)]
+    what = "it"
+    for label, part in parts:
+        error = _pickle_error(part)
+        if error is None:
+            continue
+        found = _culprit(part)
+        what, exc = label, error
+        if found is not None:
+            what, exc = f"{label}, in its attribute {found[0].lstrip('.')},", found[1]
+        break
+    return (
+        f"workers='process' needs a picklable pipeline, but {what} cannot be pickled "
+        f"({type(exc).__name__}: {exc}): define operators and the callables they hold at module "
+        "level instead of lambdas, closures or local classes, and open locks, files and "
+        "connections in start_epoch or on first use rather than in __init__"
+    )
+
+
+class PlanParcel:
+    """What every worker process of one ``open_lanes`` call receives: the plan pickled once
+    (and whether unpickling it needs the main script), the modules its fork server preloads and
+    the environment that sizes the workers' thread pools."""
+
+    def __init__(self, plan: Plan):
+        _refuse_unguarded_main()
+        try:
+            self.plan_bytes, self.needs_main = pickle_plan(plan)
+        except Exception as exc:
+            raise PlanError(_unpicklable_message(plan, exc)) from None
+        self.preload = plan_modules(plan)
+        self.environment = worker_environment(plan.processes)
+        self.group = ProcessGroup(min(plan.processes, len(plan.rank_lanes)), self.environment)

@@ -1,0 +1,292 @@
+"""The life of a worker process: it loads the plan once, runs its lanes, streams their item lists
+to the loader within their credit, and dies with the loader."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+from zephon.errors import PlanError, ZephonError
+from zephon.ops.base import OperatorContext
+from zephon.plan import Plan
+from zephon.runtime.lanes.control import ChunkOpened
+from zephon.runtime.lanes.operator_setup import OperatorSetup
+from zephon.runtime.lanes.runner import LaneRunner
+from zephon.runtime.workers.blas_threads import limit_loaded_blas
+from zephon.runtime.workers.memory_release import give_back_at_most_every, give_back_once_grown
+from zephon.runtime.workers.pipe_messages import (
+    ACK,
+    END,
+    READY,
+    STORAGE,
+    THREADS,
+    WARNINGS,
+    LoaderGone,
+    encode,
+    write,
+)
+from zephon.runtime.workers.stopping import exit_outside_operator
+from zephon.runtime.workers.worker_warnings import forward_warnings, take_warnings
+from zephon.sources.storage_waits import longest_wait
+
+#: A worker process hands freed memory back to the OS as its lane starts a chunk, at most this
+#: often, ...
+GIVE_BACK_SECONDS = 1.0
+#: ... and after an item list once it holds this many bytes more than right after it last did:
+#: what a tokenizer took for a micro-batch of large documents (about 60 bytes per character)
+#: goes back before the next, instead of staying mapped until the next chunk starts.
+GIVE_BACK_GROWTH = 32 << 20
+# Exit status of a worker that found itself re-running the main script while starting (EX_CONFIG).
+EXIT_MAIN_REIMPORTED = 78
+#: A lane waiting on storage this long (at most; less under a short pipeline timeout) tells the
+#: loader, so that a timeout names the remote operation rather than blame an operator.
+STORAGE_NOTE_SECONDS = 0.5
+
+
+def _loader_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed loader waiting to be reaped is a zombie: gone all the same
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _die_with_loader(loader_pid: int) -> None:
+    """Exit as soon as the loader's process is gone, however it died (SIGKILL included)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            # Our parent is the fork server, which exits when the loader dies; the kernel then
+            # kills us at once.
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass  # the watchdog below covers it
+
+    def watch() -> None:  # portable, and covers a spawned worker whose parent is the loader
+        while _loader_alive(loader_pid):
+            threading.Event().wait(0.25)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="zephon-loader-watch", daemon=True).start()
+
+
+def _load_plan(plan_bytes: bytes, lane_ids: list[int]) -> Plan | PlanError:
+    """The plan, loaded once for all the lanes of a worker process, or the error to report."""
+    try:
+        plan: Plan = pickle.loads(plan_bytes)
+        return plan
+    except Exception as exc:
+        which = ", ".join(map(str, lane_ids))
+        error = PlanError(
+            f"the worker process of lane(s) {which} could not load the pipeline "
+            f"({type(exc).__name__}: {exc}): operators, sources and the callables they hold "
+            "must be importable by their module's name in a fresh process"
+        )
+        error.__cause__ = exc
+        return error
+
+
+class _Outbox:
+    """A lane's end of its pipe, written by the lane's thread and by its storage watch: one
+    whole message at a time."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def write(self, message: tuple[tuple, list[Any]]) -> None:
+        """``wire.write`` the message; ``LoaderGone`` when the loader closed the pipe."""
+        with self._lock:
+            write(self.conn, message)
+
+
+def _watch_storage(outbox: _Outbox, timeout: float) -> threading.Event:
+    """Tell the loader, through ``outbox``, when the calling thread (a lane's) has waited on a
+    remote operation for a while, and when it no longer does, until the event returned is set.
+    The loader's timeout then names the operation (``stopping.timed_out``)."""
+    lane_thread = threading.get_ident()
+    patience = min(STORAGE_NOTE_SECONDS, timeout / 4)
+    done = threading.Event()
+
+    def watch() -> None:
+        told: int | None = None  # the token of the wait the loader was told of
+        while not done.wait(patience / 2):
+            wait = longest_wait(lane_thread)
+            if wait is not None and wait.waited < patience:
+                wait = None
+            token = None if wait is None else wait.token
+            if token == told:
+                continue
+            try:
+                outbox.write(encode(STORAGE, wait))
+            except LoaderGone:
+                return
+            told = token
+
+    threading.Thread(target=watch, name="zephon-storage-watch", daemon=True).start()
+    return done
+
+
+def _stream(outbox: _Outbox, lane_items: Iterator[list], lane_id: int, prefetch: int) -> None:
+    """Send the lane's item lists with at most ``prefetch`` not yet taken by the loader."""
+    conn = outbox.conn
+    credits = prefetch
+    for items in lane_items:
+        try:
+            message = encode("items", items)
+        except Exception as exc:
+            raise ZephonError(
+                f"lane {lane_id} produced records that cannot be pickled to reach the loader "
+                f"({type(exc).__name__}: {exc}): with workers='process' payloads must be "
+                "picklable"
+            ) from exc
+        if items and type(items[0]) is ChunkOpened:  # what the last chunk took is free again
+            give_back_at_most_every(GIVE_BACK_SECONDS)
+        try:
+            while credits == 0 or conn.poll():
+                credits += _from_loader(conn.recv())
+        except (OSError, EOFError):
+            raise LoaderGone from None
+        _send_warnings(outbox)
+        outbox.write(message)
+        credits -= 1
+        give_back_once_grown(GIVE_BACK_GROWTH)
+
+
+def _from_loader(message: Any) -> int:
+    """Act on a message from the loader: 1 for an acknowledgement (the loader took an item list,
+    and one more may go), 0 for thread variables to set (``ProcessGroup.lane_ended``)."""
+    if message == ACK:
+        return 1
+    kind, environment = message
+    if kind == THREADS:
+        os.environ.update(environment)  # read by the tokenizer at its next encode_batch
+    return 0
+
+
+def _send_warnings(outbox: _Outbox) -> None:
+    """The warnings raised since the last item list, ahead of what follows them (they take no
+    credit: the loader raises them again as it reads them)."""
+    found = take_warnings()
+    if found:
+        outbox.write(encode(WARNINGS, found))
+
+
+def _send_error(outbox: _Outbox, exc: BaseException) -> None:
+    try:
+        message = encode("error", exc)
+    except Exception as why:
+        message = encode("error", ZephonError(f"{type(exc).__name__}: {exc} (unpicklable: {why})"))
+    outbox.write(message)
+
+
+def process_main(
+    members: list[tuple[Connection, int, dict]],
+    plan_bytes: bytes,
+    prefetch: int,
+    loader_pid: int,
+    environment: dict[str, str],
+) -> None:
+    """A worker process: one lane, or several lanes each on a thread of its own (so that a lane
+    blocked sending to the loader never holds up another). The plan is loaded once, for all."""
+    # Ctrl-C in a terminal reaches the whole process group: the loader's process handles it and
+    # stops its workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_loader(loader_pid)
+    # Before anything starts a thread pool: pools read these when they are first used. BLAS
+    # was loaded with numpy in the fork server, and is told instead.
+    os.environ.update(environment)
+    limit_loaded_blas(environment)
+    forward_warnings()  # the training process shows them, through its own filters
+    for conn, _, _ in members:
+        _write_or_leave(conn, encode(READY, None))
+    lane_ids = [lane_id for _, lane_id, _ in members]
+    plan = _load_plan(plan_bytes, lane_ids)
+    del plan_bytes
+    setup = None
+    if isinstance(plan, Plan) and plan.sets_up:
+        ctx = OperatorContext("process", tuple(lane_ids), plan.rank, plan.world_size, os.getpid())
+        try:
+            setup = OperatorSetup(plan, ctx)
+        except Exception as exc:  # every lane reports it: the loader fails on the first
+            plan = exc  # type: ignore[assignment]
+    try:
+        if len(members) == 1:
+            _lane_main(*members[0], plan, prefetch, setup)
+            return
+        threads = [
+            threading.Thread(
+                target=_lane_main,
+                args=(conn, lane_id, start, plan, prefetch, setup),
+                name=f"zephon-worker-lane-{lane_id}",
+                daemon=True,
+            )
+            for conn, lane_id, start in members
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        if setup is not None:
+            setup.teardown()
+
+
+def _write_or_leave(conn: Connection, message: tuple[tuple, list[Any]]) -> None:
+    with contextlib.suppress(LoaderGone):  # the lane's own loop finds the loader gone
+        write(conn, message)
+
+
+def _lane_main(
+    conn: Connection,
+    lane_id: int,
+    start: dict,
+    plan: Plan | Exception,
+    prefetch: int,
+    setup: OperatorSetup | None = None,
+) -> None:
+    outbox = _Outbox(conn)
+    watching = None
+    try:
+        if isinstance(plan, Exception):  # the plan could not be loaded, or set up
+            raise plan
+        if plan.timeout is not None:
+            watching = _watch_storage(outbox, plan.timeout)
+        runner = LaneRunner(plan, lane_id, setup=setup, **start)
+        with contextlib.closing(runner.run()) as lane_items:
+            _stream(outbox, lane_items, lane_id, prefetch)
+        _send_warnings(outbox)
+        outbox.write(encode(END, None))
+    except LoaderGone:
+        return
+    except BaseException as exc:
+        error = exit_outside_operator(lane_id, exc) if isinstance(exc, SystemExit) else exc
+        try:
+            _send_warnings(outbox)
+            _send_error(outbox, error)
+        except LoaderGone:
+            return
+    finally:
+        if watching is not None:
+            watching.set()
+    # Done or failed: stay until the loader closes its end, so that what we sent is read first
+    # and our exit never looks like a death.
+    try:
+        while True:
+            conn.recv()
+    except (EOFError, OSError):
+        pass
