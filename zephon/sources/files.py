@@ -376,6 +376,8 @@ class FileSource(IndexedSource):
     RETRY_POLICY = RetryPolicy()
     #: Chunks ahead of the one read that a lane announces when the cache prefetches.
     READ_AHEAD_CHUNKS = 8
+    #: Announced chunk positions remembered, so a chunk announced again is not built again.
+    SCANNED_CHUNKS = 256
 
     def __init__(
         self,
@@ -419,6 +421,7 @@ class FileSource(IndexedSource):
         self.cache = cache
         self.io = IOCounters()
         self._announced: set[int] = set()  # files handed to the cache's read-ahead
+        self._scanned: dict[int, None] = {}  # chunk positions whose files were all announced
         self._pinned: dict[str, tuple[str, int]] = {}  # path -> (version, size) at first open
         super().__init__(
             dataset_id=dataset_id, chunk_size=chunk_size, shuffle=shuffle, seed=seed, passes=passes
@@ -716,14 +719,22 @@ class FileSource(IndexedSource):
             return
         total = self.total_chunks()
         for p in positions:
-            if p < 0 or (total is not None and p >= total):
+            if p < 0 or (total is not None and p >= total) or p in self._scanned:
                 continue
-            for i in np.unique(self.chunk(p).pointers[:, 1]).tolist():
+            files = np.unique(self.chunk(p).pointers[:, 1]).tolist()
+            for i in files:
                 if i in self._announced:
                     continue
-                self._announced.add(i)
-                for path in self.data_paths(i):
+                paths = self.data_paths(i)
+                if not all(
                     cache.prefetch(self._locations.uri(path), partial(self._fetch_ahead, path))
+                    for path in paths
+                ):
+                    return  # the queue is full: the rest is announced again by later chunks
+                self._announced.add(i)
+            self._scanned[p] = None
+            while len(self._scanned) > self.SCANNED_CHUNKS:
+                self._scanned.pop(next(iter(self._scanned)))
 
     def _fetch_ahead(self, path: str) -> None:
         # On the read-ahead thread: the file's cached copy made (retried like a read).
@@ -750,6 +761,7 @@ class FileSource(IndexedSource):
             self.cache.stop_prefetch()
             self.cache.let_go()
         self._announced.clear()
+        self._scanned.clear()
 
     def cache_can_tell(self, file_index: int, version: str) -> bool:
         """Whether a cached entry can stand for file ``file_index``: the listing gives its mtime
@@ -802,6 +814,7 @@ class FileSource(IndexedSource):
         self.__dict__.update(state)
         self._lock = threading.RLock()
         self._announced = set()
+        self._scanned = {}
 
     def describe_files(self) -> dict[str, Any]:
         """The part of ``describe()`` every file source shares; formats add their own keys."""

@@ -380,21 +380,25 @@ class ShardCache:
         return sum(size for _, _, size in self._entries())
 
     # --------------------------------------------------------------------- read-ahead
-    def prefetch(self, name: str, fetch: Callable[[], None]) -> None:
+    def prefetch(self, name: str, fetch: Callable[[], None]) -> bool:
         """Run ``fetch`` (which downloads shard ``name`` into the cache) on the read-ahead
-        thread, unless it is queued already or ``prefetch_shards`` are queued; errors are left to
-        the read that needs the shard (it downloads it itself and reports them)."""
+        thread; False when it cannot be queued (``prefetch_shards`` are queued already, or the
+        read-ahead is stopping). Errors are left to the read that needs the shard (it downloads
+        it itself and reports them)."""
         if self.prefetch_shards <= 0:
-            return
+            return False
         with self._lock:
-            if self._stopping or name in self._queue or len(self._queue) >= self.prefetch_shards:
-                return
+            if name in self._queue:
+                return True
+            if self._stopping or len(self._queue) >= self.prefetch_shards:
+                return False
             self._queue[name] = fetch
             if self._worker is None:
                 self._worker = threading.Thread(
                     target=self._prefetch_loop, name="zephon-shard-prefetch", daemon=True
                 )
                 self._worker.start()
+        return True
 
     def _prefetch_loop(self) -> None:
         while True:
