@@ -4,6 +4,7 @@ loopback, with the counting proxy in front of it, and real worker processes."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
@@ -71,9 +72,10 @@ def test_a_cached_source_delivers_exactly_the_uncached_stream(tmp_path, bucket, 
     assert cached.describe() == plain.describe()
     expected = rows(plain)
     assert rows(cached) == expected
-    # The same again on worker processes, reading the copies downloaded by this one.
+    # The same again on worker processes and on threads, reading the copies made by this one.
     again = make(where, cache=cache, cache_dir=tmp_path / "meta", **options)
     assert rows(again, lanes=2, workers="process") == rows(plain, lanes=2, workers="process")
+    assert rows(again, lanes=3, workers="thread") == rows(plain, lanes=3, workers="thread")
     assert sorted(expected) == sorted(list(range(31)) * 2)
 
 
@@ -171,6 +173,22 @@ def test_eviction_keeps_the_bound_and_spares_open_shards(tmp_path, bucket):
     assert cache.cached_bytes() <= cache.max_bytes
     # Every byte still delivered as it is in the bucket.
     assert sorted(rows(source)) == list(range(120))
+
+
+def test_a_shard_open_twice_in_a_process_shares_one_map(tmp_path, bucket):
+    uri = bucket.upload(shards(tmp_path / "data", [10]), "twice")
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    source = ArrowSource(f"{uri}/*.parquet", cache=cache)
+    (path,) = [f.path for f in source.files()]
+    first = source.open_random(path)
+    head = first.read_at(4, 0)
+    cache.let_go()  # no longer kept, but still read
+    with source.open_random(path) as second:
+        assert second.read_at(4, 0) == head == b"PAR1" and second.hit is True
+    first.close()
+    (lock,) = (p for p in (Path(cache.dir) / "locks").iterdir() if p.name != "space.lock")
+    with open(lock, "rb") as fh:  # both closed: nothing holds the shard, eviction may have it
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def test_a_shard_larger_than_the_cache_is_a_fetch_error_naming_both(tmp_path, bucket):

@@ -148,12 +148,20 @@ class ShardCache:
         key = self.key(uri, version, size)
         with self._lock:
             live = self._live.get(key)
-            if live is not None and live.kept and live.unchanged():
-                live.users += 1
-                self._kept.move_to_end(key)
-                return live, True
-        if live is not None:
-            self._unkeep(live)  # changed on disk since it was checked
+        if live is not None:  # open in this process: in use, or kept
+            if not live.unchanged():
+                self._unkeep(live)  # changed on disk since it was checked
+            else:
+                with self._lock:
+                    reused = self._live.get(key) is live  # not closed meanwhile
+                    if reused:
+                        live.users += 1
+                        if live.kept:
+                            self._kept.move_to_end(key)
+                if reused:
+                    with contextlib.suppress(OSError):
+                        os.utime(self._record_path(key))  # its last use, for eviction
+                    return live, True
         if not self._made_dirs:
             os.makedirs(os.path.dirname(self._lock_path(key)), exist_ok=True)
             self._made_dirs = True
