@@ -20,7 +20,13 @@ import zephon
 from zephon.errors import CheckpointMismatchError, FetchError
 from zephon.observability.families import metric_families, stats_from_families
 from zephon.ops import batch, fetch
-from zephon.sources import ArrowSource, JsonlSource, ShardCache, TokenShardSource
+from zephon.sources import (
+    ArrowSource,
+    JsonlSource,
+    MixtureSource,
+    ShardCache,
+    TokenShardSource,
+)
 
 no_leftovers = pytest.fixture(autouse=True)(assert_no_leftover_workers)
 
@@ -311,6 +317,23 @@ def test_read_ahead_downloads_the_next_shards_and_stops_on_close(tmp_path, bucke
         assert [int(i) for i in first.payload["idx"]] == [0, 1, 2, 3]
         # Chunk 0 announced chunks 1 and 2 (shards 1 and 2): downloaded without a read.
         assert wait_until(lambda: len(list(Path(cache.dir).glob("*.shard"))) >= 3, 60)
+    assert not [t for t in lane_threads() if t.name == "zephon-shard-prefetch"]
+
+
+def test_a_mixture_hands_the_chunks_ahead_to_its_cached_components(tmp_path, bucket):
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30, prefetch_shards=8)
+    parts = {}
+    for d, name in enumerate("ab"):
+        uri = bucket.upload(shards(tmp_path / name, [6, 6, 6]), name)
+        parts[name] = ArrowSource(f"{uri}/*.parquet", dataset_id=d, chunk_size=4, cache=cache)
+    mixture = MixtureSource(parts, {"a": 0.5, "b": 0.5}, chunk_size=4)
+    assert mixture.read_ahead_chunks() == ArrowSource.READ_AHEAD_CHUNKS
+    mixture.num_chunks()  # the metadata reads download every shard: start from an empty cache
+    for entry in Path(cache.dir).glob("*.shard"):
+        entry.unlink()
+    mixture.upcoming(list(range(mixture.num_chunks())))
+    assert wait_until(lambda: len(list(Path(cache.dir).glob("*.shard"))) == 6, 60)
+    mixture.drop_read_caches()
     assert not [t for t in lane_threads() if t.name == "zephon-shard-prefetch"]
 
 

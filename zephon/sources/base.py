@@ -109,6 +109,11 @@ class WorkSource(ABC):
         does nothing. Only timing may depend on it, never what a read returns."""
         return None
 
+    def read_ahead(self, pointers: np.ndarray) -> bool:
+        """Fetch, in the background, the data these pointer rows (of a chunk a lane reads
+        soon) will read; False when no more can be taken on now. This default does nothing."""
+        return True
+
     def io_counters(self) -> dict[str, dict[str, int]]:
         """Per data set (a source's label: its dataset root) what this copy of the source read
         from storage in this process (``read_bytes``, ``cache_hits``, ``cache_misses``); this

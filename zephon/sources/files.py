@@ -713,28 +713,33 @@ class FileSource(IndexedSource):
 
     def upcoming(self, positions: Sequence[int]) -> None:
         """Have the cache download, in the background, the files the chunks at ``positions``
-        read that it was not asked for yet (at most ``prefetch_shards`` queued at a time)."""
-        cache = self.cache
-        if cache is None or self.is_local:
+        read (see ``read_ahead``)."""
+        if not self.read_ahead_chunks():
             return
         total = self.total_chunks()
         for p in positions:
             if p < 0 or (total is not None and p >= total) or p in self._scanned:
                 continue
-            files = np.unique(self.chunk(p).pointers[:, 1]).tolist()
-            for i in files:
-                if i in self._announced:
-                    continue
-                paths = self.data_paths(i)
-                if not all(
-                    cache.prefetch(self._locations.uri(path), partial(self._fetch_ahead, path))
-                    for path in paths
-                ):
-                    return  # the queue is full: the rest is announced again by later chunks
-                self._announced.add(i)
+            if not self.read_ahead(self.chunk(p).pointers):
+                return  # the queue is full: the rest is announced again by later chunks
             self._scanned[p] = None
             while len(self._scanned) > self.SCANNED_CHUNKS:
                 self._scanned.pop(next(iter(self._scanned)))
+
+    def read_ahead(self, pointers: np.ndarray) -> bool:
+        """Queue the background download of the files these pointer rows read that the cache
+        was not asked for yet; False when its queue (``prefetch_shards``) is full."""
+        cache = self.cache
+        if cache is None or cache.prefetch_shards <= 0 or self.is_local:
+            return True
+        for i in np.unique(pointers[:, 1]).tolist():
+            if i in self._announced:
+                continue
+            for path in self.data_paths(i):
+                if not cache.prefetch(self._locations.uri(path), partial(self._fetch_ahead, path)):
+                    return False
+            self._announced.add(i)
+        return True
 
     def _fetch_ahead(self, path: str) -> None:
         # On the read-ahead thread: the file's cached copy made (retried like a read).
