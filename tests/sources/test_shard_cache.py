@@ -331,7 +331,7 @@ def test_a_mixture_hands_the_chunks_ahead_to_its_cached_components(tmp_path, buc
     mixture.num_chunks()  # the metadata reads download every shard: start from an empty cache
     for entry in Path(cache.dir).glob("*.shard"):
         entry.unlink()
-    mixture.upcoming(list(range(mixture.num_chunks())))
+    mixture.upcoming(list(range(mixture.total_chunks() or 0)))
     assert wait_until(lambda: len(list(Path(cache.dir).glob("*.shard"))) == 6, 60)
     mixture.drop_read_caches()
     assert not [t for t in lane_threads() if t.name == "zephon-shard-prefetch"]
