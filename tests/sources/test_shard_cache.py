@@ -197,6 +197,13 @@ def test_a_shard_open_twice_in_a_process_shares_one_map(tmp_path, bucket):
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+def test_lance_which_reads_through_its_own_store_refuses_a_cache(tmp_path):
+    from zephon.sources.lance import LanceSource
+
+    with pytest.raises(ValueError, match=r"LanceSource .* leave out cache="):
+        LanceSource("s3://bucket/data.lance", cache=ShardCache(tmp_path, max_bytes=1 << 20))
+
+
 def test_a_shard_larger_than_the_cache_is_a_fetch_error_naming_both(tmp_path, bucket):
     local = shards(tmp_path / "data", [30])
     uri = bucket.upload(local, "big")
