@@ -235,7 +235,7 @@ _REPLAY_ALL = ("zephon_lane_replay_records", "gauge", "Records each restoring la
 def catalogue() -> list[tuple[str, str, str]]:
     """Every family ``metric_families`` may return, as ``(name, kind, help)``, in its order: what
     a sink that declares its instruments up front (OpenTelemetry) declares."""
-    tables = (_SCALARS, _TRAINER, _COMPONENTS, (_SHARE_ERROR,), _OPERATORS, _LANES)
+    tables = (_SCALARS, _TRAINER, _COMPONENTS, (_SHARE_ERROR,), _OPERATORS, _SOURCES, _LANES)
     out = [row[:3] for table in tables for row in table]
     return [*out, _REPLAY_DONE, _REPLAY_ALL]
 
