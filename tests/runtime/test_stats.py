@@ -36,6 +36,7 @@ KEYS = {
     "dropped_at_end",
     "skipped",
     "operators",
+    "sources",
     "lanes",
     "trainer_wait",
 }

@@ -173,6 +173,28 @@ _OPERATORS = (
     ),
 )
 
+# Per data set (``stats()["sources"]``, labelled ``source``: its dataset root).
+_SOURCES = (
+    (
+        "zephon_source_read_bytes_total",
+        "counter",
+        "Bytes each source read from remote storage (ranged reads and shard downloads).",
+        "read_bytes",
+    ),
+    (
+        "zephon_shard_cache_hits_total",
+        "counter",
+        "Opens of a remote shard its node-local cache already held.",
+        "cache_hits",
+    ),
+    (
+        "zephon_shard_cache_misses_total",
+        "counter",
+        "Opens of a remote shard its node-local cache had to fetch.",
+        "cache_misses",
+    ),
+)
+
 _LANES = (
     (
         "zephon_lane_items_delivered_total",
@@ -213,7 +235,7 @@ _REPLAY_ALL = ("zephon_lane_replay_records", "gauge", "Records each restoring la
 def catalogue() -> list[tuple[str, str, str]]:
     """Every family ``metric_families`` may return, as ``(name, kind, help)``, in its order: what
     a sink that declares its instruments up front (OpenTelemetry) declares."""
-    tables = (_SCALARS, _TRAINER, _COMPONENTS, (_SHARE_ERROR,), _OPERATORS, _LANES)
+    tables = (_SCALARS, _TRAINER, _COMPONENTS, (_SHARE_ERROR,), _OPERATORS, _SOURCES, _LANES)
     out = [row[:3] for table in tables for row in table]
     return [*out, _REPLAY_DONE, _REPLAY_ALL]
 
@@ -247,6 +269,9 @@ def metric_families(stats: Mapping[str, Any], *, rank: int = 0) -> list[Family]:
     operators = stats.get("operators") or {}
     for name, kind, help, key in _OPERATORS:
         add(name, kind, help, [({"operator": op}, v.get(key)) for op, v in operators.items()])
+    sources = stats.get("sources") or {}
+    for name, kind, help, key in _SOURCES:
+        add(name, kind, help, [({"source": str(s)}, v.get(key)) for s, v in sources.items()])
     lanes = stats.get("lanes") or {}
     for name, kind, help, key in _LANES:
         add(name, kind, help, [({"lane": str(lane)}, v.get(key)) for lane, v in lanes.items()])
@@ -276,6 +301,7 @@ def stats_from_families(families: Iterable[tuple[str, list[tuple[Labels, float]]
         ("mixture_components", "component", _COMPONENTS),
         ("operators", "operator", _OPERATORS),
         ("lanes", "lane", _LANES),
+        ("sources", "source", _SOURCES),
     )
     for field_name, label, table in tables:
         rows: dict[str, dict[str, Any]] = {}

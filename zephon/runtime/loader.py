@@ -9,6 +9,7 @@ called at any time, from any thread, and waits for a ``next()`` in progress to f
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterator
@@ -62,6 +63,7 @@ from zephon.runtime.delivery.totals import RunTotals
 from zephon.runtime.lanes.operator_setup import release_in_process
 from zephon.runtime.workers.feeds import close_feeds, start_feeds
 from zephon.runtime.workers.trainer_wait import TrainerWait
+from zephon.sources.source_io import latest_counters, merge_counters
 from zephon.validation import check_bool
 
 log = logging.getLogger("zephon")
@@ -321,6 +323,9 @@ class Loader(LoaderStep):
         ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
         (``share_of``, as the target measures) and its ``target`` share: the last chain
         operator's ``target_mixture()``, else the source's (None without either).
+        ``sources`` gives per data set (its dataset root) the bytes read from remote storage
+        (``read_bytes``) and the shard cache's ``cache_hits`` and ``cache_misses``: this
+        process's reads and each worker process's, as of its lane's latest chunk.
         ``trainer_wait`` says how long the training loop waited inside ``next()`` for item lists
         that were not ready: ``seconds`` in all and ``recent_seconds`` over the last
         ``recent_steps`` of the ``steps`` handed over since the first ``next()``, which was
@@ -356,6 +361,7 @@ class Loader(LoaderStep):
         out["mixture_tokens"] = dict(self.mix_tokens)
         out["mixture_components"] = self._mixture_components()
         out["operators"] = self._operator_stats()
+        out["sources"] = self._source_stats()
         out["lanes"] = {
             lane.lane_id: {
                 "delivered": lane.delivered,
@@ -434,6 +440,17 @@ class Loader(LoaderStep):
                 if total.get(whole):
                     total[name] = total.get(part, 0) / total[whole]
         return dict(zip(labels, totals))
+
+    def _source_stats(self) -> dict[str, dict[str, int]]:
+        """Per data set, what this process's source and each worker's copy read."""
+        here = os.getpid()
+        parts = {here: self.plan.source.io_counters()}
+        for lane in self.lanes:
+            got = lane.book.source_io
+            if got is not None and got[0] != here:  # inline and thread lanes read through ours
+                # Lanes sharing a worker share its source: its latest counts are the largest.
+                parts[got[0]] = latest_counters(parts.get(got[0], {}), got[1])
+        return merge_counters(parts.values())
 
     @property
     def served(self) -> int:

@@ -72,10 +72,10 @@ class LanceSource(FileSource):
 
     Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
     ``shuffle``, ``seed``, ``passes``, ``threads`` and the storage deadlines ``timeout`` and
-    ``total_timeout``); Lance reads through its own object store, so ``filesystem`` is refused,
-    and it writes no sidecar (``index_dir`` and ``cache_dir`` are unused). The footers digested
-    for the fingerprint are read with the storage settings of the environment, as every other
-    file source reads.
+    ``total_timeout``); Lance reads through its own object store, so ``filesystem`` and the
+    shard ``cache`` are refused, and it writes no sidecar (``index_dir`` and ``cache_dir`` are
+    unused). The footers digested for the fingerprint are read with the storage settings of the
+    environment, as every other file source reads.
     """
 
     def __init__(
@@ -91,6 +91,11 @@ class LanceSource(FileSource):
             raise ValueError(
                 "LanceSource reads through Lance's own object store; give storage_options= "
                 "instead of filesystem="
+            )
+        if options.get("cache") is not None:
+            raise ValueError(
+                "LanceSource reads through Lance's own object store, which a ShardCache cannot "
+                "stand in front of; leave out cache="
             )
         super().__init__(path, **options)
         if len(self._locations.paths) != 1:

@@ -114,6 +114,8 @@ class LaneDelivery(LaneOutlet):
             if type(item) is LaneEnd:
                 if item.op_stats is not None:
                     book.op_stats = item.op_stats
+                if item.source_io is not None:
+                    book.source_io = item.source_io
                 return self._lane_end()
             if type(item) is RunStart:
                 self._replay_run(item)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import os
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
@@ -208,7 +209,7 @@ class LaneRunner:
             if index:
                 yield [RunStart(index)]
             yield from self._run_chunks(run, self.skip_offset if index == 0 else 0)
-        yield [LaneEnd(self.stats_now())]
+        yield [LaneEnd(self.stats_now(), self._source_io())]
 
     def _run_chunks(self, run: dict[str, Any], skip_offset: int) -> Generator[list, None, None]:
         """One run: its chunks through fresh operators (carry state restored), epoch markers on
@@ -243,17 +244,23 @@ class LaneRunner:
         spacing, piece, split_at = _snapshot_spacing(plan, self.ops)
         since_snapshot = 0
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
+        ahead = source.read_ahead_chunks()
         first_reads = mb if piece < mb else 0  # records still read a piece at a time
         while stop is None or k < stop:
             position = geometry.position(k)
             chunk = source.chunk(position)
+            if ahead:  # the source may fetch the data of the lane's next chunks meanwhile
+                last = k + 1 + ahead if stop is None else min(stop, k + 1 + ahead)
+                source.upcoming([geometry.position(j) for j in range(k + 1, last)])
             n = len(chunk)
             first = skip_offset if k == start else 0
             opened: list = []  # the announcement goes out with the chunk's first read
             if k == start and resumed_at:
                 first = resumed_at
             else:
-                opened = [ChunkOpened(position, k, n, epoch, first, self.stats_now())]
+                opened = [
+                    ChunkOpened(position, k, n, epoch, first, self.stats_now(), self._source_io())
+                ]
             begin = first
             while begin < n:
                 end = min(n, (begin // mb + 1) * mb)  # boundaries stay aligned after a skip
@@ -309,6 +316,12 @@ class LaneRunner:
             out = self._flush_all()
             if out:
                 yield out
+
+    def _source_io(self) -> tuple[int, dict[str, dict[str, int]]] | None:
+        """What this process's copy of the source read so far, and which process it is (the
+        loader sums one per process)."""
+        counts = self.plan.source.io_counters()
+        return (os.getpid(), counts) if counts else None
 
     def _fetch(self, position: int, pointers: Any, start: int) -> list:
         try:
