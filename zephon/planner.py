@@ -14,7 +14,7 @@ from zephon.errors import PlanError
 from zephon.identity import identify
 from zephon.on_error import skip_policy
 from zephon.ops.base import Grouper, Operator, OpTraits, PointerReader
-from zephon.plan import WORKER_KINDS, Plan, digest
+from zephon.plan import Plan, digest
 from zephon.ranks import resolve_rank
 
 if TYPE_CHECKING:
@@ -200,8 +200,11 @@ class Pipeline:
             )
         if type(self.relane) is not bool:
             raise PlanError(f"Pipeline relane must be True or False, got {self.relane!r}")
-        if self.workers not in WORKER_KINDS:
-            raise PlanError(f"Pipeline workers must be one of {WORKER_KINDS}, got {self.workers!r}")
+        # The runtime's registry of lane kinds, imported when a pipeline is checked, as the
+        # loader is when one runs: importing zephon starts no runtime.
+        from zephon.runtime.workers.registry import lane_kind
+
+        lane_kind(self.workers)  # a PlanError naming the registered kinds
         timeout = self.timeout
         if timeout is not None and (
             isinstance(timeout, bool)

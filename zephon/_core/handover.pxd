@@ -28,6 +28,7 @@ cdef class LaneOutlet:
 cdef class LoaderStep:
     cdef public list lanes
     cdef public Py_ssize_t next_lane
+    cdef public object policy           # where the lanes' contract violations are reported
     cdef public object _lock
     cdef public object _failure
     cdef public bint _closed

@@ -81,6 +81,9 @@ class Loader(LoaderStep):
     but the usual step.
     """
 
+    lanes: list[LaneDelivery]
+    policy: ContractPolicy
+
     def __init__(self, plan: Plan):
         self.plan = plan
         self.counts = DeliveryCounters()
@@ -127,7 +130,8 @@ class Loader(LoaderStep):
     def __iter__(self) -> Loader:
         return self
 
-    def _first_or_refused(self) -> None:
+    # The compiled step's hooks (``LoaderStep``): called by ``next()``, not by a training loop.
+    def start_or_refuse(self) -> None:
         """Before a delivery: refuse one from a failed or closed loader, start the lanes on the
         first."""
         if self._failure is not None:
@@ -154,7 +158,7 @@ class Loader(LoaderStep):
                 self._catch_up(lane)
             self._skip_steps()
         except BaseException as exc:
-            self._fail(exc)
+            self.fail(exc)
             raise
 
     def _catch_up(self, lane: LaneDelivery) -> None:
@@ -183,7 +187,8 @@ class Loader(LoaderStep):
                     break
         self.skip = 0
 
-    def _note_inflight(self) -> None:
+    def note_inflight(self) -> None:
+        """A lane announced a chunk: keep the most chunks the lanes held at once."""
         inflight = sum(lane.book.table.n_inflight for lane in self.lanes)
         if inflight > self.max_inflight:
             self.max_inflight = inflight
@@ -210,7 +215,8 @@ class Loader(LoaderStep):
                     lane.replay.target,
                 )
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """A delivery raised ``exc``: every later ``next()`` refuses, and the lanes stop."""
         if isinstance(exc, ContractViolation):
             self._untrusted = exc
         self._failure = exc
@@ -218,9 +224,10 @@ class Loader(LoaderStep):
 
     def _stop_lanes(self) -> None:
         close_feeds([lane.feed for lane in self.lanes])
-        self._release_source()
+        self.release_source()
 
-    def _release_source(self) -> None:
+    def release_source(self) -> None:
+        """The stream is over or the loader stopped: let the source and the setup go."""
         # This loader reads its source no more, and what the reads kept for later ones (decoded
         # row groups, bytes fetched ahead) would otherwise live as long as the pipeline does.
         # Its inline and thread lanes are done with their operators' setup too.

@@ -37,6 +37,10 @@ from zephon.types import SampleBatch, SampleCursor, SampleRecord
 class LaneDelivery(LaneOutlet):
     """The delivery side of lane ``lane_id``: feed, replay filter, bookkeeping and batcher."""
 
+    feed: LaneFeed
+    book: LaneBook
+    batcher: FinalBatcher | None
+
     def __init__(self, plan: Plan, lane_id: int, counters: DeliveryCounters, skips: SkipLog):
         self.plan = plan
         self.lane_id = lane_id
