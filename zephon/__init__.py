@@ -24,6 +24,7 @@ from zephon.errors import (  # noqa: E402
     RelaneWarning,
     ReplayDivergenceError,
     UnverifiedContentWarning,
+    WorkerLostError,
     ZephonError,
 )
 from zephon.planner import Pipeline, Plan  # noqa: E402
@@ -55,6 +56,7 @@ __all__ = [
     "RelaneWarning",
     "ReplayDivergenceError",
     "UnverifiedContentWarning",
+    "WorkerLostError",
     "ZephonError",
     "load_checkpoint",
     "load_job_state",

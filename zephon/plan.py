@@ -76,6 +76,9 @@ class Plan:
     skip_fetch_errors: bool = False
     #: The most records this rank's loader may skip over the run; None: no limit.
     max_skipped: int | None = None
+    #: How each lane's Ray actor is placed (``workers="ray"``): ``ray_options`` as checked by the
+    #: planner. Not part of the fingerprint: where a lane runs never changes what it delivers.
+    ray_options: dict[str, Any] | None = None
 
     @property
     def rank_lanes(self) -> range:

@@ -127,6 +127,10 @@ class Pipeline:
     its tombstones, logged and counted (``Loader.skipped()``), and the run goes on; past
     ``max_skipped`` skipped records (None: no limit) the run fails as with ``"raise"``. Neither
     is part of the fingerprint: a checkpoint taken without skipping resumes with it.
+
+    ``ray_options`` (``workers="ray"`` only): how each lane's Ray actor is placed, from
+    ``num_cpus``, ``memory``, ``resources``, ``scheduling_strategy`` and ``runtime_env`` (see
+    ``docs/distributed.md``); an unknown key is a ``PlanError`` naming it.
     """
 
     def __init__(
@@ -150,6 +154,7 @@ class Pipeline:
         uneven_end: str | None = None,
         on_error: str | Mapping[str, str] = "raise",
         max_skipped: int | None = None,
+        ray_options: Mapping[str, Any] | None = None,
     ):
         self.source = source
         self.ops = list(ops)
@@ -171,6 +176,7 @@ class Pipeline:
         self.uneven_end = uneven_end
         self.on_error = on_error
         self.max_skipped = max_skipped
+        self.ray_options = ray_options
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
@@ -202,9 +208,11 @@ class Pipeline:
             raise PlanError(f"Pipeline relane must be True or False, got {self.relane!r}")
         # The runtime's registry of lane kinds, imported when a pipeline is checked, as the
         # loader is when one runs: importing zephon starts no runtime.
+        from zephon.runtime.workers.ray_options import check_ray_options
         from zephon.runtime.workers.registry import lane_kind
 
         lane_kind(self.workers)  # a PlanError naming the registered kinds
+        ray_options = check_ray_options(self.ray_options, self.workers)
         timeout = self.timeout
         if timeout is not None and (
             isinstance(timeout, bool)
@@ -333,6 +341,7 @@ class Pipeline:
             skip_errors=skip_chain,
             skip_fetch_errors=skip_fetch,
             max_skipped=self.max_skipped,
+            ray_options=ray_options,
         )
 
     def _uneven_end(
