@@ -62,7 +62,7 @@ def ray_cluster() -> Iterator[str]:
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([root, tests, *([path] if path else [])])
     try:
-        context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     finally:
         if path is None:
             del os.environ["PYTHONPATH"]
@@ -70,7 +70,7 @@ def ray_cluster() -> Iterator[str]:
             os.environ["PYTHONPATH"] = path
     allow_ray_daemons({p.pid for p in psutil.Process().children()} - before)
     try:
-        yield context.address_info["address"]
+        yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
         allow_ray_daemons(set())

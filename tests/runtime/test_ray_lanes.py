@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from chat_kit import OURS, bpe
-from pipeline_kit import fingerprint_item, run
+from pipeline_kit import run
 from worker_kit import finishes_within, script_env, wait_until
 
 import zephon

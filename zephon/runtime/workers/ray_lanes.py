@@ -10,6 +10,7 @@ which joins the cluster ``RAY_ADDRESS`` names, or starts a local one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import time
 from typing import Any
@@ -29,9 +30,7 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise PlanError(
-            "workers='ray' needs Ray: pip install 'zephon-loader[ray]'"
-        ) from None
+        raise PlanError("workers='ray' needs Ray: pip install 'zephon-loader[ray]'") from None
     if not ray.is_initialized():
         ray.init()
     return ray
@@ -96,10 +95,8 @@ class _RayWorker:
     def terminate(self) -> None:
         ray = _connected()
         if ray is not None and os.getpid() == self.owner_pid:
-            try:
+            with contextlib.suppress(Exception):  # already gone, or Ray shut down meanwhile
                 ray.kill(self.actor, no_restart=True)
-            except Exception:  # already gone, or Ray shut down meanwhile
-                pass
 
     kill = terminate
 
@@ -133,6 +130,7 @@ class RayLane(WorkerLane):
         self._pending: collections.deque[Any] = collections.deque(
             actor.next.remote() for _ in range(plan.prefetch)
         )
+        self._node: tuple[str, str, int] | None = None  # node id, its address, the actor's pid
         self._ended = False
         self._watch(_RayWorker(actor))
 
@@ -154,7 +152,8 @@ class RayLane(WorkerLane):
             raise closed_error(self.lane_id)
         if self._ended:
             raise StopIteration
-        ray = _ray()
+        import ray  # imported when the lane started
+
         ref = self._pending[0]
         try:
             kind, value, warned = ray.get(ref, timeout=self.timeout)
@@ -170,6 +169,8 @@ class RayLane(WorkerLane):
                 f"{type(exc).__name__}: {exc}"
             ).add_context(lane=self.lane_id, actor=self.actor_id) from None
         self._pending.popleft()
+        if self._node is None:  # the actor answered, so it has said where it runs
+            self._node = ray.get(self._where)
         reraise(warned)  # here, where the training script's filters apply
         if kind == "error":
             self.close()
@@ -181,29 +182,34 @@ class RayLane(WorkerLane):
         self._pending.append(self.actor.next.remote())
         return value
 
-    def _describe(self, ray: Any) -> str:
-        """``Ray actor <id> on node <id> (<address>), pid <pid>``, or that it has not started."""
-        ready, _ = ray.wait([self._where], timeout=0)
-        if not ready:
-            return (
-                f"Ray actor {self.actor_id}, not started yet: no node of the cluster has room "
-                "for it (its ray_options), or it is still starting"
-            )
-        try:
-            node, address, pid = ray.get(ready[0])
-        except ray.exceptions.RayError:
-            return f"Ray actor {self.actor_id}"
-        return f"Ray actor {self.actor_id} on node {node} ({address}), pid {pid}"
+    def _describe(self, ray: Any, dead: bool = False) -> str:
+        """``Ray actor <id> on node <id> (<address>), pid <pid>``, or that it never started."""
+        if self._node is None:
+            ready, _ = ray.wait([self._where], timeout=0)
+            with contextlib.suppress(ray.exceptions.RayError):
+                self._node = ray.get(ready[0]) if ready else None
+        if self._node is not None:
+            node, address, pid = self._node
+            return f"Ray actor {self.actor_id} on node {node} ({address}), pid {pid}"
+        if dead:
+            return f"Ray actor {self.actor_id}, before it started on any node"
+        return (
+            f"Ray actor {self.actor_id}, not started yet: no node of the cluster has room for "
+            "it (its ray_options), or it is still starting"
+        )
 
     def _lost(self, ray: Any, exc: Exception) -> WorkerLostError:
         """The error for an actor that died, after stopping the lane."""
-        where = self._describe(ray)
+        where = self._describe(ray, dead=True)
         self.close()
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        return WorkerLostError(
+        lines = str(exc).strip().splitlines()
+        reason = lines[-1].rstrip(".") if lines else type(exc).__name__
+        error = WorkerLostError(
             f"lane {self.lane_id} ({where}) died: {reason}. The lane cannot go on: resume from "
             "the last checkpoint (on Ray or with any other workers=)"
-        ).add_context(lane=self.lane_id, actor=self.actor_id)
+        )
+        error.add_context(lane=self.lane_id, actor=self.actor_id)
+        return error
 
 
 def open_ray_lanes(plan: Plan, members: list[tuple[int, dict]], shared: RayStart) -> list[RayLane]:
