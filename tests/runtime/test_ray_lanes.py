@@ -24,7 +24,7 @@ from pipeline_kit import run
 from worker_kit import finishes_within, script_env, wait_until
 
 import zephon
-from zephon.errors import PlanError, WorkerLostError, ZephonError
+from zephon.errors import PlanError, RelaneWarning, WorkerLostError, ZephonError
 from zephon.ops import (
     batch,
     ensure_mixture,
@@ -51,7 +51,7 @@ def _texts(dataset: int, n: int) -> ListSource:
 
 def text(**kw: Any) -> zephon.Pipeline:
     ops = [fetch(), tokenize(max_len=24, split_long_samples=True), shuffle(16, seed=3), batch(4)]
-    return zephon.Pipeline(_texts(0, 240), ops, lanes=2, epoch_chunks=4, **kw)
+    return zephon.Pipeline(_texts(0, 240), ops, **{"lanes": 2, "epoch_chunks": 4, **kw})
 
 
 def mixture(**kw: Any) -> zephon.Pipeline:
@@ -140,6 +140,32 @@ def test_ray_lanes_deliver_the_inline_stream_and_resume_across_kinds(name, ray_c
     state = json.loads(json.dumps(inline.state_dict()))
     inline.close()
     assert head + stream(make(workers="ray").iter(state=state)) == full
+
+
+def _job_state(workers: str) -> tuple[dict, list[list[tuple]]]:
+    """Two ranks of 2 lanes each (one after the other), 3 global steps each: the merged job state
+    and what each rank delivered."""
+    states, heads = [], []
+    for rank in range(2):
+        loader = iter(text(lanes=4, rank=rank, world_size=2, workers=workers))
+        heads.append(run(loader, 6))
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        loader.close()
+    return zephon.merge_states(states), heads
+
+
+def test_rank_states_on_ray_lanes_merge_resume_on_one_rank_and_relane(ray_cluster):
+    on_ray, ray_heads = _job_state("ray")
+    inline, inline_heads = _job_state("inline")
+    assert ray_heads == inline_heads
+    rest = stream(text(lanes=4).iter(state=inline))
+    assert rest
+    assert stream(text(lanes=4).iter(state=on_ray)) == rest
+    assert stream(text(lanes=4, workers="ray").iter(state=on_ray)) == rest
+    with pytest.warns(RelaneWarning):
+        relaned = stream(text(lanes=3).iter(state=on_ray))
+    with pytest.warns(RelaneWarning):
+        assert stream(text(lanes=3, workers="ray").iter(state=on_ray)) == relaned
 
 
 def test_a_killed_actor_is_named_and_the_last_state_resumes_exactly(ray_cluster):
