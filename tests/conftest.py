@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -57,10 +58,12 @@ def ray_cluster() -> Iterator[str]:
     import ray
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tests = os.path.join(root, "tests")
+    # The repository and the test directories pytest put on sys.path: operators defined in a
+    # test module travel by reference, and the actors import them from there.
+    ours = [root, *(p for p in sys.path if p.startswith(root + os.sep))]
     before = {p.pid for p in psutil.Process().children()}
     path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([root, tests, *([path] if path else [])])
+    os.environ["PYTHONPATH"] = os.pathsep.join([*dict.fromkeys(ours), *([path] if path else [])])
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     finally:

@@ -15,12 +15,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from chat_kit import OURS, bpe
-from pipeline_kit import run
+from pipeline_kit import fingerprint_item, run
 from worker_kit import finishes_within, script_env, wait_until
 
 import zephon
@@ -35,8 +37,9 @@ from zephon.ops import (
     tokenize_chat,
     training_collate,
 )
+from zephon.ops.basic import map_transform
 from zephon.sources import JsonlSource, MixtureSource
-from zephon.sources.memory import ListSource
+from zephon.sources.memory import ListSource, RangeSource
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
@@ -187,6 +190,32 @@ def test_a_killed_actor_is_named_and_the_last_state_resumes_exactly(ray_cluster)
     loader.close()
     assert head + stream(text().iter(state=state)) == full
     assert head + stream(text(workers="ray").iter(state=state)) == full
+
+
+def with_block(payload: dict) -> dict:
+    """64 KiB of float32 per record (an item list of 16 is far more than Ray copies inline), and
+    a warning at record 3."""
+    if payload["idx"] == 3:
+        warnings.warn("record 3 carries an odd block", UserWarning, stacklevel=1)
+    return {**payload, "block": np.full(16384, payload["idx"], dtype=np.float32)}
+
+
+def blocks(workers: str) -> zephon.Pipeline:
+    ops = [fetch(), map_transform(with_block)]
+    return zephon.Pipeline(RangeSource(64, chunk_size=16), ops, lanes=2, workers=workers)
+
+
+def test_arrays_come_from_the_object_store_and_warnings_reach_the_training_process(ray_cluster):
+    with pytest.warns(UserWarning, match="record 3 carries an odd block"):
+        inline = stream(iter(blocks("inline")))
+    with (
+        pytest.warns(UserWarning, match="record 3 carries an odd block"),
+        iter(blocks("ray")) as loader,
+    ):
+        records = list(loader)
+    assert [fingerprint_item(r) for r in records] == inline
+    # Mapped from Ray's shared memory rather than copied: read-only.
+    assert not any(r.payload["block"].flags.writeable for r in records)
 
 
 def test_close_and_garbage_collection_leave_no_actor_of_ours_alive(ray_cluster):
