@@ -133,6 +133,8 @@ class Plan:
             lines.append(f"  skips records that fail in: {', '.join(skipping)} ({limit})")
         if self.workers != "inline":
             lines.append(f"  {self.processes} worker {self.workers}(s) for this rank's lanes")
+        if self.ray_options:
+            lines.append(f"  each lane's Ray actor placed with {self.ray_options}")
         if self.timeout is not None:
             lines.append(f"  timeout: {self.timeout:g} s for a lane's next item list")
         return "\n".join(lines)

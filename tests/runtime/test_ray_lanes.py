@@ -26,7 +26,13 @@ from pipeline_kit import fingerprint_item, run
 from worker_kit import finishes_within, script_env, wait_until
 
 import zephon
-from zephon.errors import PlanError, RelaneWarning, WorkerLostError, ZephonError
+from zephon.errors import (
+    OperatorError,
+    PlanError,
+    RelaneWarning,
+    WorkerLostError,
+    ZephonError,
+)
 from zephon.ops import (
     batch,
     ensure_mixture,
@@ -218,6 +224,29 @@ def test_arrays_come_from_the_object_store_and_warnings_reach_the_training_proce
     assert not any(r.payload["block"].flags.writeable for r in records)
 
 
+def explode_on_13(payload: dict) -> dict:
+    if payload["idx"] == 13:
+        raise ValueError("thirteen")
+    return payload
+
+
+def test_an_operator_error_on_a_ray_lane_is_the_one_inline_lanes_raise(ray_cluster):
+    def error(workers: str) -> OperatorError:
+        ops = [fetch(), map_transform(explode_on_13)]
+        pipeline = zephon.Pipeline(RangeSource(40, chunk_size=8), ops, lanes=2, workers=workers)
+        with pytest.raises(OperatorError) as caught, iter(pipeline) as loader:
+            list(loader)
+        return caught.value
+
+    inline, on_ray = error("inline"), error("ray")
+    assert "explode_on_13" in str(on_ray) and "thirteen" in str(on_ray)
+    assert (str(on_ray), on_ray.operator, on_ray.cursor) == (
+        str(inline),
+        inline.operator,
+        inline.cursor,
+    )
+
+
 def test_close_and_garbage_collection_leave_no_actor_of_ours_alive(ray_cluster):
     loader = iter(text(workers="ray"))
     next(loader)
@@ -318,6 +347,7 @@ def test_ray_options_need_ray_lanes_and_stay_out_of_the_fingerprint():
     placed = text(workers="ray", ray_options={"num_cpus": 0.5, "scheduling_strategy": "SPREAD"})
     assert placed.compile().ray_options == {"num_cpus": 0.5, "scheduling_strategy": "SPREAD"}
     assert placed.fingerprint == text().fingerprint
+    assert "Ray actor placed with {'num_cpus': 0.5" in placed.compile().describe()
 
 
 def test_importing_zephon_never_imports_ray():
