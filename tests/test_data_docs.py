@@ -1,5 +1,5 @@
 """docs/data.md runs as written, next to an MDS directory written by Mosaic's MDSWriter (the page
-writes its own WebDataset shards)."""
+writes its own WebDataset shards, Lance dataset and LitData chunks with those formats' writers)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,18 @@ def test_the_data_page_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "[[5, 6, 7, 0], [8, 9, 0]]"
-    assert "10 [" in lines[-7] and "int32" in lines[-7]
-    assert lines[-6] == "8 ['__key__', '__url__', 'txt', 'jpg'] str 100"
-    batches = [json.loads(line.replace("'", '"')) for line in lines[-5:-3]]
+    mds, wds = lines[-12:-10]
+    assert "10 [" in mds and "int32" in mds
+    assert wds == "8 ['__key__', '__url__', 'txt', 'jpg'] str 100"
+    batches = [json.loads(line.replace("'", '"')) for line in lines[-10:-8]]
     assert sorted(k for b in batches for k in b) == [f"{i:06d}" for i in range(8)]
-    assert lines[-3:] == ["TokenShardSource", "MDSSource", "WebDatasetSource"]
+    lance_counts, _lance_rows, litdata = lines[-8:-5]
+    assert lance_counts == "10 3 1"
+    assert "10 [" in litdata and "int32" in litdata
+    assert lines[-5:] == [
+        "TokenShardSource",
+        "MDSSource",
+        "WebDatasetSource",
+        "LanceSource",
+        "LitDataSource",
+    ]

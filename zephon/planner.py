@@ -106,6 +106,9 @@ class Pipeline:
     ``epoch_chunks``, ``micro_batch``, ``rank`` and ``world_size``; never of ``workers``, timing
     or load. ``deterministic`` is deprecated and changes nothing (see ``DEPRECATED_DETERMINISTIC``).
 
+    ``workers`` is where the lanes run: ``"inline"``, ``"thread"``, ``"process"``, or another
+    kind registered with ``zephon.runtime.workers.registry.register_lane_kind``.
+
     ``timeout`` (seconds, off by default) bounds how long a thread or process lane may take to
     produce its next item list before ``next()`` raises instead of waiting for a stuck or stopped
     worker; inline lanes run in the caller's thread and cannot time out.
@@ -362,8 +365,9 @@ class Pipeline:
             raise PlanError(
                 "Pipeline uneven_end='carry' needs to know how many items each lane holds, and "
                 f"{', '.join(unknown) or 'the eviction path'} may change the number of records "
-                "(filter, split, pack or skip them): use uneven_end='allow' and end the training "
-                "loop together on every rank (an all-reduce of a 'data left' flag at each step)"
+                "(filter, split, pack or skip them): use uneven_end='allow' and end the ranks "
+                "together with loader.end_together(all_reduce_min) (the torch dataset does it "
+                "by itself)"
             )
         return asked
 

@@ -1,8 +1,9 @@
 """Other loaders' formats: samples/s of ``fetch -> batch(32)`` over WebDataset ``.tar`` shards
 (``WebDatasetSource``) against ``webdataset.WebDataset(urls)`` iterating the same samples in a
-bare loop, on 20,000 samples written by WebDataset's ``TarWriter`` (``zephon.bench.formats``).
+bare loop, on 20,000 samples written by WebDataset's ``TarWriter``; and over a Lance dataset and
+LitData chunks against each format's own reader doing the same reads (``zephon.bench.formats``).
 
-Target: ours at least 0.9x the baseline.
+Target: ours at least 0.9x each baseline.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 
 from zephon.bench import formats
 
+SAMPLES = 20_000
+
 
 class WebDatasetShards:
     """Samples/s over the same shards: ours, webdataset's, and their ratio (higher is better)."""
@@ -22,7 +25,7 @@ class WebDatasetShards:
     def setup_cache(self) -> dict[str, float]:
         with tempfile.TemporaryDirectory() as directory:
             root = Path(directory) / "wds"
-            if not formats.write_webdataset(root, 20_000):
+            if not formats.write_webdataset(root, SAMPLES):
                 return {}
             runs = [formats.webdataset_rates(root) for _ in range(3)]
         ours = statistics.median(r[0] for r in runs)
@@ -47,3 +50,35 @@ class WebDatasetShards:
         return rates["ratio"]
 
     track_ratio_to_webdataset.unit = "x"  # type: ignore[attr-defined]
+
+
+class LanceAndLitData:
+    """Our ratio to ``LanceDataset.take`` and to LitData's ``StreamingDataset`` on data written
+    by each format's own writer (higher is better)."""
+
+    number = 1
+    repeat = 3
+    timeout = 600
+
+    def setup(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.root = Path(self._tmp.name)
+        if not formats.write_lance(self.root / "d.lance", SAMPLES):
+            raise NotImplementedError("pylance is not installed")  # asv skips the benchmark
+        if not formats.write_litdata(self.root / "litdata", SAMPLES):
+            raise NotImplementedError("litdata is not installed")
+
+    def teardown(self) -> None:
+        self._tmp.cleanup()
+
+    def track_ratio_to_lance(self) -> float:
+        ours, baseline = formats.lance_rates(self.root / "d.lance")
+        return ours / baseline
+
+    track_ratio_to_lance.unit = "x"  # type: ignore[attr-defined]
+
+    def track_ratio_to_litdata(self) -> float:
+        ours, baseline = formats.litdata_rates(self.root / "litdata", self.root / "cache")
+        return ours / baseline
+
+    track_ratio_to_litdata.unit = "x"  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ names."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +16,17 @@ from pipeline_kit import fingerprint_item, run
 
 import zephon
 from zephon.errors import PlanError, RelaneWarning
-from zephon.ops import batch, ensure_mixture, fetch, pack_sequences, shuffle, tokenize
+from zephon.ops import (
+    Operator,
+    OperatorContext,
+    OpTraits,
+    batch,
+    ensure_mixture,
+    fetch,
+    pack_sequences,
+    shuffle,
+    tokenize,
+)
 from zephon.runtime.loader import Loader
 from zephon.runtime.workers.kinds import open_lanes
 from zephon.runtime.workers.registry import (
@@ -23,7 +34,7 @@ from zephon.runtime.workers.registry import (
     register_lane_kind,
     unregister_lane_kind,
 )
-from zephon.sources.memory import ListSource
+from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
@@ -149,3 +160,33 @@ def test_the_planner_accepts_exactly_the_registered_kinds() -> None:
             text(workers=NAME).compile()
     finally:
         register_lane_kind(NAME, open_own_thread_lanes)
+
+
+NOTED: list[tuple[str, ...]] = []  # what the operators below did, in this process
+
+
+class NotedSetup(Operator):
+    """Notes its setup (where, and whether on the main thread) and its teardown."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def setup(self, ctx: OperatorContext) -> None:
+        on_main = threading.current_thread() is threading.main_thread()
+        NOTED.append(("setup", ctx.worker, str(list(ctx.lanes)), str(on_main)))
+
+    def teardown(self) -> None:
+        NOTED.append(("teardown",))
+
+    def process_many(self, records: list) -> list:
+        return records
+
+
+def test_a_registered_kind_shares_the_training_process_setup_of_its_operators() -> None:
+    NOTED.clear()
+    pipeline = zephon.Pipeline(
+        RangeSource(64, chunk_size=8), [fetch(), NotedSetup(), batch(4)], lanes=4, workers=NAME
+    )
+    with iter(pipeline) as loader:
+        assert len(run(loader)) == 16
+    # once for the loader's four lanes, on a lane's own thread, and torn down once
+    assert NOTED == [("setup", NAME, "[0, 1, 2, 3]", "False"), ("teardown",)]

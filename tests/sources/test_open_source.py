@@ -14,7 +14,14 @@ import pytest
 from token_files import documents, flat_with_eos, write_megatron
 
 from zephon.errors import PlanError
-from zephon.sources import ArrowSource, JsonlSource, TokenShardSource, open_source
+from zephon.sources import (
+    ArrowSource,
+    JsonlSource,
+    LanceSource,
+    LitDataSource,
+    TokenShardSource,
+    open_source,
+)
 
 
 def rows(src: Any) -> list[Any]:
@@ -119,16 +126,21 @@ def test_lists_must_be_of_one_format(tmp_path):
         open_source([tmp_path / "a.parquet", tmp_path / "b.jsonl"])
 
 
-def test_litdata_and_lance_layouts_are_not_supported_yet(tmp_path):
+def test_litdata_and_lance_layouts_get_their_sources(tmp_path):
+    # The layouts alone decide (nothing is read yet); tests/sources/test_lance.py and
+    # test_litdata.py open real datasets.
     lit = tmp_path / "lit"
     lit.mkdir()
     (lit / "index.json").write_text(json.dumps({"chunks": [], "config": {}}))
-    with pytest.raises(PlanError, match="LitData dataset, which Zephon cannot read yet"):
-        open_source(lit)
+    assert type(open_source(lit)) is LitDataSource
+    assert type(open_source(lit / "index.json")) is LitDataSource
     lance = tmp_path / "t.lance"
     (lance / "_versions").mkdir(parents=True)
-    with pytest.raises(PlanError, match="Lance dataset, which Zephon cannot read yet"):
-        open_source(lance)
+    assert type(open_source(lance)) is LanceSource
+    renamed = tmp_path / "renamed"
+    (renamed / "_versions").mkdir(parents=True)
+    (renamed / "data").mkdir()
+    assert type(open_source(renamed)) is LanceSource
 
 
 def test_a_bucket_directory_opens_like_the_local_one(tmp_path, bucket):

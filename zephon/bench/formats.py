@@ -1,5 +1,6 @@
-"""Reading other loaders' formats: ``fetch -> batch`` over ``TokenShardSource``, ``MDSSource`` and
-``WebDatasetSource`` against a bare loop doing the same reads with the format's own reader.
+"""Reading other loaders' formats: ``fetch -> batch`` over ``TokenShardSource``, ``MDSSource``,
+``WebDatasetSource``, ``LanceSource`` and ``LitDataSource`` against a bare loop doing the same
+reads with the format's own reader.
 
 - token shards: a Megatron ``.bin``/``.idx`` pair (written with numpy in the documented layout);
   the baseline slices a numpy memmap of the ``.bin`` at the index's pointers and converts each
@@ -12,6 +13,12 @@
   random bytes, a ``txt`` and a ``cls`` per sample); the baseline iterates
   ``webdataset.WebDataset(urls)`` over the same shards, in batches of the same size. Without the
   ``webdataset`` package the baseline is missing and the row says so.
+- Lance: a dataset written by ``lance.write_dataset``; the baseline takes the same rows, a chunk
+  at a time, with ``LanceDataset.take`` and makes them Python rows (``to_pylist``);
+- LitData: chunks written by LitData's ``BinaryWriter``; the baseline iterates LitData's own
+  ``StreamingDataset`` over the directory (it imports torch, not torchvision).
+
+Every baseline groups its rows into lists of ``BATCH``, as ``batch`` does.
 
 Functions only; ``zephon bench`` (``report.py``) calls them.
 """
@@ -32,12 +39,22 @@ import numpy as np
 
 import zephon
 from zephon.ops import batch, fetch
-from zephon.sources import MDSSource, TokenShardSource, WebDatasetSource
+from zephon.sources import (
+    LanceSource,
+    LitDataSource,
+    MDSSource,
+    TokenShardSource,
+    WebDatasetSource,
+)
 
 __all__ = [
+    "lance_rates",
+    "litdata_rates",
     "mds_rates",
     "token_shard_rates",
     "webdataset_rates",
+    "write_lance",
+    "write_litdata",
     "write_mds",
     "write_megatron",
     "write_webdataset",
@@ -68,6 +85,32 @@ def _pipeline_rate(source: Any, field: str) -> tuple[float, int]:
         for b in loader:
             n += len(b.payload[field])
     return n / (time.perf_counter() - began), n
+
+
+def _samples(samples: int) -> Any:
+    # The rows every format bench writes: a token array of 64..511 int32, a text, an int.
+    rng = np.random.default_rng(0)
+    for i in range(samples):
+        size = int(rng.integers(64, 512))
+        yield {
+            "tokens": rng.integers(0, 50_000, size, dtype=np.int32),
+            "text": f"sample {i}",
+            "idx": i,
+        }
+
+
+def _batched_rate(rows: Any) -> tuple[float, int]:
+    # Rows/s of a baseline's rows grouped into lists of BATCH.
+    seen = 0
+    current: list[Any] = []
+    began = time.perf_counter()
+    for row in rows:
+        current.append(row)
+        if len(current) == BATCH:
+            seen += len(current)
+            current = []
+    seen += len(current)
+    return seen / (time.perf_counter() - began), seen
 
 
 def token_shard_rates(idx: Path) -> tuple[float, float]:
@@ -114,13 +157,10 @@ def write_mds(root: Path, samples: int) -> bool:
     if found is None:
         return False
     writer = found[0]
-    rng = np.random.default_rng(0)
     columns = {"tokens": "ndarray:int32", "text": "str", "idx": "int"}
     with writer(out=str(root), columns=columns, size_limit=1 << 24) as out:
-        for i in range(samples):
-            size = int(rng.integers(64, 512))
-            tokens = rng.integers(0, 50_000, size, dtype=np.int32)
-            out.write({"tokens": tokens, "text": f"sample {i}", "idx": i})
+        for row in _samples(samples):
+            out.write(row)
     return True
 
 
@@ -131,18 +171,14 @@ def mds_rates(root: Path) -> tuple[float, float]:
     reader_from_json = found[1]
     ours, n = _pipeline_rate(MDSSource(root, chunk_size=1024), "idx")
     index = json.loads((root / "index.json").read_text())
-    began = time.perf_counter()
-    seen = 0
-    current: list[dict[str, Any]] = []
-    for entry in index["shards"]:
-        reader = reader_from_json(str(root), None, entry)
-        for j in range(reader.samples):
-            current.append(reader.get_item(j))
-            if len(current) == BATCH:
-                seen += len(current)
-                current = []
-    seen += len(current)
-    baseline = seen / (time.perf_counter() - began)
+
+    def rows() -> Any:
+        for entry in index["shards"]:
+            reader = reader_from_json(str(root), None, entry)
+            for j in range(reader.samples):
+                yield reader.get_item(j)
+
+    baseline, seen = _batched_rate(rows())
     assert n == seen
     return ours, baseline
 
@@ -179,15 +215,72 @@ def webdataset_rates(root: Path) -> tuple[float, float]:
 
     ours, n = _pipeline_rate(WebDatasetSource(root, chunk_size=1024), "__key__")
     urls = sorted(str(p) for p in root.glob("*.tar"))
-    began = time.perf_counter()
-    seen = 0
-    current: list[dict[str, Any]] = []
-    for item in webdataset.WebDataset(urls, shardshuffle=False):
-        current.append(item)
-        if len(current) == BATCH:
-            seen += len(current)
-            current = []
-    seen += len(current)
-    baseline = seen / (time.perf_counter() - began)
+    baseline, seen = _batched_rate(webdataset.WebDataset(urls, shardshuffle=False))
+    assert n == seen
+    return ours, baseline
+
+
+def write_lance(root: Path, samples: int) -> bool:
+    """``samples`` rows written at ``root`` by ``lance.write_dataset`` (fragments of 16,384
+    rows); False without pylance."""
+    try:
+        import lance
+        import pyarrow as pa
+    except ImportError:
+        return False
+    rows = list(_samples(samples))
+    table = pa.table(
+        {
+            "tokens": pa.array([r["tokens"] for r in rows], pa.list_(pa.int32())),
+            "text": [r["text"] for r in rows],
+            "idx": [r["idx"] for r in rows],
+        }
+    )
+    lance.write_dataset(table, str(root), max_rows_per_file=16_384)
+    return True
+
+
+def lance_rates(root: Path) -> tuple[float, float]:
+    """``(ours, LanceDataset.take)`` samples/s over the dataset ``write_lance`` wrote."""
+    import lance
+
+    chunk = 1024
+    ours, n = _pipeline_rate(LanceSource(root, chunk_size=chunk), "idx")
+    ds = lance.dataset(str(root))
+    columns = ["tokens", "text", "idx"]
+
+    def rows() -> Any:
+        total = ds.count_rows()
+        for start in range(0, total, chunk):
+            yield from ds.take(list(range(start, min(total, start + chunk))), columns).to_pylist()
+
+    baseline, seen = _batched_rate(rows())
+    assert n == seen
+    return ours, baseline
+
+
+def write_litdata(root: Path, samples: int) -> bool:
+    """``samples`` items written at ``root`` by LitData's ``BinaryWriter`` (raw chunks of
+    16 MB); False without litdata."""
+    try:
+        from litdata.streaming.writer import BinaryWriter
+    except ImportError:
+        return False
+    writer = BinaryWriter(str(root), chunk_bytes=16 << 20)
+    for i, row in enumerate(_samples(samples)):
+        writer[i] = row
+    writer.done()
+    writer.merge()
+    return True
+
+
+def litdata_rates(root: Path, cache: Path) -> tuple[float, float]:
+    """``(ours, LitData's StreamingDataset)`` samples/s over the chunks ``write_litdata``
+    wrote (``cache``: the cache directory both may use)."""
+    from litdata import StreamingDataset
+
+    ours, n = _pipeline_rate(LitDataSource(root, chunk_size=1024, cache_dir=cache), "idx")
+    dataset = StreamingDataset(str(root), shuffle=False)
+    baseline, seen = _batched_rate(iter(dataset))
     assert n == seen
     return ours, baseline

@@ -694,9 +694,9 @@ def storage_rows(quick: bool) -> list[Row]:
 
 
 def format_rows(quick: bool) -> list[Row]:
-    """``fetch -> batch(32)`` over a Megatron token shard against numpy memmap slicing, over
-    Mosaic MDS shards against Mosaic's own ``MDSReader`` loop, and over WebDataset shards against
-    ``webdataset.WebDataset`` (``zephon.bench.formats``)."""
+    """``fetch -> batch(32)`` over a Megatron token shard against numpy memmap slicing, and over
+    Mosaic MDS shards, WebDataset shards, a Lance dataset and LitData chunks against each
+    format's own reader in a bare loop (``zephon.bench.formats``)."""
     import tempfile
     from pathlib import Path
 
@@ -714,6 +714,15 @@ def format_rows(quick: bool) -> list[Row]:
         wds = [
             formats.webdataset_rates(Path(tmp) / "wds") for _ in range(repeats if has_wds else 0)
         ]
+        lance_found = formats.write_lance(Path(tmp) / "d.lance", samples)
+        lance = [
+            formats.lance_rates(Path(tmp) / "d.lance") for _ in range(repeats if lance_found else 0)
+        ]
+        litdata_found = formats.write_litdata(Path(tmp) / "litdata", samples)
+        litdata = [
+            formats.litdata_rates(Path(tmp) / "litdata", Path(tmp) / "cache")
+            for _ in range(repeats if litdata_found else 0)
+        ]
     ours = statistics.median(r[0] for r in runs)
     base = statistics.median(r[1] for r in runs)
     rows = [
@@ -727,39 +736,96 @@ def format_rows(quick: bool) -> list[Row]:
             "baseline: numpy memmap slices of the .bin at the .idx pointers, as int32",
         )
     ]
-    if not found:
-        rows.append(Row("MDS", "", "streaming-community missing", "", "", None))
-    else:
-        ours = statistics.median(r[0] for r in mds)
-        base = statistics.median(r[1] for r in mds)
+    for runs_of, what, missing, note in (
+        (
+            mds,
+            f"MDSSource fetch -> batch(32), {samples:,} raw MDS samples",
+            "MDS: streaming-community missing",
+            "baseline: Mosaic's MDSReader.get_item over every shard, same columns",
+        ),
+        (
+            wds,
+            f"WebDatasetSource fetch -> batch(32), {samples:,} samples in .tar shards",
+            "WebDataset: webdataset missing",
+            "baseline: webdataset.WebDataset(urls) over the same shards, batches of 32",
+        ),
+        (
+            lance,
+            f"LanceSource fetch -> batch(32), {samples:,} Lance rows",
+            "Lance: pylance missing",
+            "baseline: LanceDataset.take of the same 1,024-row chunks, to_pylist",
+        ),
+        (
+            litdata,
+            f"LitDataSource fetch -> batch(32), {samples:,} raw LitData items",
+            "LitData: litdata missing",
+            "baseline: LitData's StreamingDataset iterated over the same directory",
+        ),
+    ):
+        if not runs_of:
+            rows.append(Row(missing, "", "not measured", "", "", None))
+            continue
+        ours = statistics.median(r[0] for r in runs_of)
+        base = statistics.median(r[1] for r in runs_of)
         rows.append(
             Row(
-                f"samples/s, MDSSource fetch -> batch(32), {samples:,} raw MDS samples",
+                f"samples/s, {what}",
                 _si(ours, "sample/s"),
                 _si(base, "sample/s"),
                 f"{ours / base:.2f}×",
                 "≥ 0.9×",
                 ours >= 0.9 * base,
-                "baseline: Mosaic's MDSReader.get_item over every shard, same columns",
+                note,
             )
         )
-    if not has_wds:
-        rows.append(Row("WebDataset", "", "webdataset missing", "", "", None))
-        return rows
-    ours = statistics.median(r[0] for r in wds)
-    base = statistics.median(r[1] for r in wds)
-    rows.append(
-        Row(
-            f"samples/s, WebDatasetSource fetch -> batch(32), {samples:,} samples in .tar shards",
-            _si(ours, "sample/s"),
-            _si(base, "sample/s"),
-            f"{ours / base:.2f}×",
-            "≥ 0.9×",
-            ours >= 0.9 * base,
-            "baseline: webdataset.WebDataset(urls) over the same shards, batches of 32",
-        )
-    )
     return rows
+
+
+def seed_rows(quick: bool) -> list[Row]:
+    """``fetch -> pack_sequences(2048) -> batch(8)`` on a Megatron token shard against the seed
+    system's packing of the same documents, in its own interpreter (``zephon.bench.seed_packing``;
+    ``$ZEPHON_SEED_PYTHON``)."""
+    import tempfile
+    from pathlib import Path
+
+    from zephon.bench import formats, seed_packing
+
+    python = seed_packing.seed_python()
+    what = "tokens/s, TokenShardSource fetch -> pack_sequences(2048) -> batch(8)"
+    if python is None:
+        return [
+            Row(
+                what,
+                "",
+                "seed system: not measured",
+                "",
+                "",
+                None,
+                "set ZEPHON_SEED_PYTHON to the interpreter of a venv holding it",
+            )
+        ]
+    # Whole chunks of 1,024 documents: the seed system's pass leaves out a last partial one.
+    docs = 1024 * (20 if quick else 60)
+    repeats = 3
+    with tempfile.TemporaryDirectory() as tmp:
+        idx = formats.write_megatron(Path(tmp) / "tokens", docs)
+        ours = [seed_packing.ours_tokens_per_second(idx) for _ in range(repeats)]
+        seed = [seed_packing.seed_tokens_per_second(idx, python) for _ in range(repeats)]
+    rate = statistics.median(r[0] for r in ours)
+    base = statistics.median(r[0] for r in seed)
+    same = "the same tokens as ours" if seed[0][1] == ours[0][1] else "other tokens than ours"
+    return [
+        Row(
+            f"{what}, {docs:,} Megatron docs",
+            _si(rate, "tok/s"),
+            _si(base, "tok/s"),
+            f"{rate / base:.2f}×",
+            "≥ 10×",
+            rate >= 10 * base,
+            "baseline: the seed system's pack_flat (best fit, 64 open bins, batch 8) over the "
+            f"same documents held in memory, in its own process; it delivered {same}",
+        )
+    ]
 
 
 # ------------------------------------------------------------------------------ text pipeline
@@ -1030,6 +1096,7 @@ SECTIONS: dict[str, Callable[..., list[Row]]] = {
     "metrics": metrics_rows,
     "object storage": storage_rows,
     "other formats": format_rows,
+    "packing against the seed system": seed_rows,
     "text pipeline": text_rows,
     "ray lanes": ray_rows,
 }

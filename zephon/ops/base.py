@@ -5,7 +5,7 @@ end)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -161,6 +161,19 @@ class Operator:
 
     def restore_carry(self, state: dict) -> None:
         """Restore what ``carry_state`` returned; called on fresh operators at restore."""
+
+    def leave_out(self, retired: Callable[[np.ndarray], np.ndarray]) -> bool:
+        """From now on, leave retired samples (``Pipeline.iter(retire=...)``) out of the records
+        this operator makes of several inputs: ``retired(ids)`` says, per row of an ``(n, 3)``
+        int64 array of sample ids, whether that sample is retired. Such a record keeps its
+        primary cursor and the other inputs' parts, and each left-out input's closing
+        contributors follow it as tombstones; a record of retired samples alone is emitted as
+        it is (delivery books it and hands it to no one). Called on a lane's fresh operators
+        when the run has retired samples. Return True when the operator does so; the default,
+        False, suits operators that never put several samples in one record (for one that does,
+        delivery takes a record mixing retired samples with others out whole, with a
+        ``RetireWarning``)."""
+        return False
 
     def provides(self) -> dict[str, Any]:
         """Plan-time facts for the operators after this one (e.g. a tokenizer's ``pad_id``)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
@@ -63,7 +63,7 @@ from zephon.runtime.checkpoint.saved_state import JOB_KEYS, check_keys, check_to
 from zephon.runtime.delivery.contracts import ContractPolicy
 from zephon.runtime.delivery.even_end import lane_items
 from zephon.runtime.delivery.lane_delivery import LaneDelivery
-from zephon.runtime.delivery.replay import CHANGED_RECORDS
+from zephon.runtime.delivery.replay import changed_records, merged_records
 from zephon.runtime.delivery.skips import SkipLog
 from zephon.runtime.lanes.operator_setup import release_in_process
 from zephon.runtime.workers.feeds import close_feeds, start_feeds
@@ -96,6 +96,7 @@ class Loader(LoaderStep):
         # what its lanes delivered: nonzero after a resume from a job state
         self.served_offset = 0
         self.skips = SkipLog(self.counts, plan.max_skipped)
+        self.dropped_together = 0  # items left when another rank's data ended (end_together)
         self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self._end_evenly()
@@ -129,6 +130,41 @@ class Loader(LoaderStep):
     # ----------------------------------------------------------------------------- iteration
     def __iter__(self) -> Loader:
         return self
+
+    def end_together(self, all_reduce_min: Callable[[int], Any]) -> Iterator[Any]:
+        """This loader's items, up to the first global step some rank of the job has none for,
+        so that every rank stops at the same step and none is left waiting in a collective.
+        ``all_reduce_min(n)`` is the job's own minimum all-reduce of one integer over its ranks
+        (``torch.distributed``, ``mpi4py``, jax, ...): before each item every rank says whether
+        it has one (1 or 0), and all stop at the first step where the minimum is 0. Every rank
+        must call it, item for item, as it calls ``next()``. What this rank still had then is
+        read, booked as delivered and counted in ``stats()["dropped_at_end"]``: no later global
+        step could take it (see ``runtime.delivery.even_end``)."""
+        if not callable(all_reduce_min):
+            raise TypeError(
+                "end_together needs a function taking this rank's 1 or 0 and returning the "
+                f"minimum over all ranks, got {all_reduce_min!r}"
+            )
+        return self._until_one_ends(all_reduce_min)
+
+    def _until_one_ends(self, all_reduce_min: Callable[[int], Any]) -> Iterator[Any]:
+        for item in self:
+            if int(all_reduce_min(1)) < 1:
+                self._drop_rest(1)
+                return
+            yield item
+        all_reduce_min(0)  # this rank is out: the others learn it at this same step
+
+    def _drop_rest(self, fetched: int) -> None:
+        """Another rank's data ended: this rank's remaining items are read and handed to no one
+        (its lanes then say they finished), and counted."""
+        self.dropped_together += fetched + sum(1 for _ in self)
+        log.info(
+            "another rank's data ended: %d item(s) of rank %d left undelivered "
+            "(stats()['dropped_at_end'])",
+            self.dropped_together,
+            self.plan.rank,
+        )
 
     # The compiled step's hooks (``LoaderStep``): called by ``next()``, not by a training loop.
     def start_or_refuse(self) -> None:
@@ -278,7 +314,7 @@ class Loader(LoaderStep):
         progress after a restore. ``skipped`` counts the records skipped since the run started
         (``Pipeline(on_error="skip")``; the latest are in ``skipped()``). ``dropped_at_end``
         counts the items this rank's lanes left out at the end of the data so that every rank
-        delivers the same global steps (``uneven_end="carry"``).
+        delivers the same global steps (``uneven_end="carry"``, or ``end_together``).
         ``mixture_components`` gives per component its delivered ``samples`` and ``tokens``, the
         ``dropped_samples``/``dropped_tokens`` that counted tombstones carried (what
         ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
@@ -304,7 +340,8 @@ class Loader(LoaderStep):
             "mixture": {k: v / total for k, v in basis.items()} if total else {},
             "bytes_held": sum(lane.book.table.bytes_held for lane in self.lanes),
             "eviction_path": self.plan.eviction_path,
-            "dropped_at_end": sum(lane.surplus for lane in self.lanes if lane.cut),
+            "dropped_at_end": self.dropped_together
+            + sum(lane.surplus for lane in self.lanes if lane.cut),
             "skipped": self.skips.count,
         }
         for tag in self.plan.counted_tags:
@@ -509,9 +546,15 @@ class Loader(LoaderStep):
                 global_step(body["lane_states"]), changes, old, plan.fingerprint_parts["operators"]
             )
             history = with_event(history, event)
+            chain = plan.chain
+            reordering = [op.name for op in chain if not op.traits.preserves_cursor_order]
+            cause = changed_records(changes, reordering)
+            merges = merged_records([op.name for op in chain if op.traits.stateful])
             for lane in self.lanes:
-                lane.cause = CHANGED_RECORDS
-                lane.lenient = True  # on the monotone path: see ``ReplayFilter``
+                lane.cause = cause
+                # records reach delivery in cursor order: see ``ReplayFilter``
+                lane.lenient = not reordering
+                lane.merges = merges
         self.history = history
         self._set_retirements(decode_retirements(body["retired"]))
         if relaning:

@@ -6,6 +6,8 @@ from zephon.sources.discover import open_source
 from zephon.sources.files import FileOptions, FileSource
 from zephon.sources.hf import HFDatasetSource
 from zephon.sources.jsonl import JsonlSource
+from zephon.sources.lance import LanceSource
+from zephon.sources.litdata import LitDataSource
 from zephon.sources.mds import MDSSource
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
@@ -19,7 +21,9 @@ __all__ = [
     "HFDatasetSource",
     "IndexedSource",
     "JsonlSource",
+    "LanceSource",
     "ListSource",
+    "LitDataSource",
     "MDSSource",
     "MixtureSource",
     "RangeSource",

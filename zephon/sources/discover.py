@@ -6,9 +6,10 @@ What decides, in order:
   (``$HF_DATASETS_CACHE``, else ``$HF_HOME/datasets``, else ``~/.cache/huggingface/datasets``):
   the split's Arrow files under ``org___dataset/subset/<version>/<hash>/`` (subset ``default``
   when not given), read by ``ArrowSource``. The hub is never contacted.
-- a directory holding ``index.json``: Mosaic MDS (``MDSSource``) or LitData (not readable
-  yet); ``dataset_info.json`` and ``state.json``: a ``datasets`` ``save_to_disk`` directory (its
-  ``state.json`` data files, by ``ArrowSource``); a ``.lance`` directory (not readable yet);
+- a directory holding ``index.json``: Mosaic MDS (``MDSSource``) or LitData
+  (``LitDataSource``), told apart by the index's keys; ``dataset_info.json`` and ``state.json``:
+  a ``datasets`` ``save_to_disk`` directory (its ``state.json`` data files, by ``ArrowSource``);
+  a ``.lance`` directory, or one holding ``_versions`` and ``data`` (``LanceSource``);
 - otherwise the file names, a directory's files at any depth: ``.parquet`` / ``.pq`` /
   ``.arrow`` / ``.feather`` / ``.ipc`` / ``.arrows`` (``ArrowSource``), ``.jsonl`` / ``.ndjson``
   (``JsonlSource``), ``.idx`` with its ``.bin`` and ``.npy`` (``TokenShardSource``), ``.tar``
@@ -31,6 +32,8 @@ from zephon.errors import PlanError
 from zephon.sources.arrow import ArrowSource
 from zephon.sources.files import FileSource
 from zephon.sources.jsonl import JsonlSource
+from zephon.sources.lance import LanceSource
+from zephon.sources.litdata import LitDataSource
 from zephon.sources.locations import filesystem_and_path
 from zephon.sources.mds import MDSSource
 from zephon.sources.token_shards import TokenShardSource
@@ -127,21 +130,21 @@ def _open_one(item: str, kw: dict[str, Any]) -> FileSource:
 def _open_directory(fs: Any, path: str, item: str, kw: dict[str, Any]) -> FileSource:
     import pyarrow.fs as pafs
 
-    if path.endswith(".lance"):
-        raise _not_yet(item, "Lance")
+    if path.rstrip("/").endswith(".lance"):
+        return LanceSource(item, **kw)
     top = {
         posixpath.basename(i.path): i
         for i in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     }
     if "index.json" in top:
         kind = _index_kind(fs, posixpath.join(path, "index.json"))
-        if kind != "Mosaic MDS":
-            raise _not_yet(item, kind)
+        if kind == "LitData":
+            return LitDataSource(item, **kw)
         return MDSSource(item, **kw)
     if "dataset_info.json" in top and "state.json" in top:
         return ArrowSource(_saved_dataset_files(fs, path, item), **kw)
     if "_versions" in top and "data" in top:
-        raise _not_yet(item, "Lance")
+        return LanceSource(item, **kw)
     files = [
         i.path
         for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
@@ -156,7 +159,8 @@ def _open_directory(fs: Any, path: str, item: str, kw: dict[str, Any]) -> FileSo
     if not readable:
         raise PlanError(
             f"open_source: {item!r} holds no file of a readable format (found {found}); "
-            f"readable: {', '.join(sorted(_FAMILIES))}, MDS and HF datasets directories"
+            f"readable: {', '.join(sorted(_FAMILIES))}, MDS, LitData, Lance and HF datasets "
+            "directories"
         )
     raise PlanError(
         f"open_source: {item!r} mixes formats ({found}); give one source per format, e.g. "
@@ -171,13 +175,6 @@ def _hidden(relative: str) -> bool:
 def _found(files: Iterable[str], root: str) -> str:
     counts = Counter(posixpath.splitext(f)[1] or posixpath.relpath(f, root) for f in files)
     return ", ".join(f"{n} {ext}" for ext, n in sorted(counts.items())) or "nothing"
-
-
-def _not_yet(item: str, kind: str) -> PlanError:
-    return PlanError(
-        f"open_source: {item!r} is a {kind} dataset, which Zephon cannot read yet; convert it "
-        "to Parquet, or read it with its own loader"
-    )
 
 
 def _index_kind(fs: Any, path: str) -> str:

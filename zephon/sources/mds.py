@@ -50,7 +50,7 @@ from zephon.sources.mapped_files import ChangedFile, MappedFiles, map_bytes
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["MDSSource"]
+__all__ = ["Column", "MDSSource", "zstd_decompress"]
 
 _SUM_TAG = b"ZMDSSUM1"
 _SCALARS = {
@@ -88,7 +88,9 @@ _STR_DECODERS = {"str_int": int, "str_float": float, "str_decimal": Decimal}
 
 
 @dataclass
-class _Column:
+class Column:
+    """One column of a shard's samples: its name, encoding and size."""
+
     name: str
     encoding: str
     size: int | None  # fixed size in bytes, or None: a size in each sample's head
@@ -122,6 +124,8 @@ class MDSSource(FileSource):
     """
 
     BLOCK_BYTES = 1 << 20
+    #: The cache's subdirectory of decompressed shards.
+    INFLATED_DIR = "mds"
 
     def __init__(
         self,
@@ -143,8 +147,8 @@ class MDSSource(FileSource):
         self._entries: list[dict[str, Any]] = []
         self._shards: list[_Shard | None] = []
         self._identities: list[str] = []
-        self._selected: list[_Column] = []
-        self._all_columns: list[_Column] = []
+        self._selected: list[Column] = []
+        self._all_columns: list[Column] = []
         self._wanted: frozenset[str] = frozenset()
         self._variable_columns = 0
         self._maps = MappedFiles()
@@ -165,24 +169,17 @@ class MDSSource(FileSource):
                 if not self.is_local and not isinstance(exc, FileNotFoundError):
                     raise
                 raise FetchError(
-                    f"MDSSource cannot read {locations.uri(index_path)!r}: "
+                    f"{type(self).__name__} cannot read {locations.uri(index_path)!r}: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
 
-        raw: bytes = self.with_retries(load, lambda: f"MDSSource reading {index_path!r}")
-        try:
-            index = json.loads(raw)
-            entries = index["shards"]
-            assert isinstance(entries, list)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise FetchError(
-                f"MDSSource: {locations.uri(index_path)!r} is not an MDS index (a JSON object "
-                "with a 'shards' list)"
-            ) from None
+        name = type(self).__name__
+        raw: bytes = self.with_retries(load, lambda: f"{name} reading {index_path!r}")
+        entries = self.index_entries(raw, locations.uri(index_path))
         if not entries:
-            raise FetchError(f"MDSSource: {locations.uri(index_path)!r} lists no shard")
+            raise FetchError(f"{name}: {locations.uri(index_path)!r} lists no shard")
         self._entries = entries
-        names = [self._stored_name(k, e, index_path) for k, e in enumerate(entries)]
+        names = [self.stored_name(k, e, index_path) for k, e in enumerate(entries)]
         paths = [posixpath.join(root, n) for n in names]
 
         def stat(p: str) -> Any:
@@ -195,12 +192,28 @@ class MDSSource(FileSource):
         for name, p, info in zip(names, paths, infos, strict=True):
             if info.type != pafs.FileType.File:
                 raise FetchError(
-                    f"MDSSource: shard {locations.uri(p)!r} listed in {index_path!r} is missing"
+                    f"{type(self).__name__}: shard {locations.uri(p)!r} listed in {index_path!r} "
+                    "is missing"
                 )
             files.append(DataFile(p, locations.uri(p), name, int(info.size), info.mtime_ns))
         return locations.uri(root), files
 
-    def _stored_name(self, k: int, entry: Any, index_path: str) -> str:
+    def index_entries(self, raw: bytes, index_uri: str) -> list[dict[str, Any]]:
+        """The shard entries of the index file's bytes, in order; FetchError when it is not an
+        index of this format. A format with another index (LitData's) overrides it."""
+        try:
+            index = json.loads(raw)
+            entries = index["shards"]
+            assert isinstance(entries, list)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise FetchError(
+                f"MDSSource: {index_uri!r} is not an MDS index (a JSON object with a 'shards' list)"
+            ) from None
+        return entries
+
+    def stored_name(self, k: int, entry: Any, index_path: str) -> str:
+        """The name of the file shard ``k`` is stored in, relative to the index; FetchError for
+        an entry this source cannot read."""
         try:
             if entry["format"] != "mds":
                 raise FetchError(
@@ -231,7 +244,7 @@ class MDSSource(FileSource):
     def load_metadata(self) -> list[int]:
         """Check the columns, then load each shard's offsets and digests (in parallel for
         remote data); the sample count of each."""
-        self._all_columns = self._columns_of(self._entries)
+        self._all_columns = self.columns_of(self._entries)
         by_name = {c.name: c for c in self._all_columns}
         wanted = self.columns if self.columns is not None else list(by_name)
         unknown = [c for c in wanted if c not in by_name]
@@ -243,11 +256,12 @@ class MDSSource(FileSource):
         self._wanted = frozenset(wanted)
         self._variable_columns = sum(c.size is None for c in self._all_columns)
         for col in self._selected:
-            self._check_encoding(col)
+            self.check_encoding(col)
 
         def one(i: int) -> _Shard:
             shard: _Shard = self.with_retries(
-                lambda: self._load_shard(i), lambda: f"MDSSource cannot index {self.paths[i]!r}"
+                lambda: self._load_shard(i),
+                lambda: f"{type(self).__name__} cannot index {self.paths[i]!r}",
             )
             return shard
 
@@ -256,7 +270,8 @@ class MDSSource(FileSource):
         self._identities = [s.identity for s in shards]
         return [s.samples for s in shards]
 
-    def _columns_of(self, entries: list[dict[str, Any]]) -> list[_Column]:
+    def columns_of(self, entries: list[dict[str, Any]]) -> list[Column]:
+        """Every column of the shards ``entries`` describe, in the order samples hold them."""
         layouts = {
             json.dumps([e.get("column_names"), e.get("column_encodings"), e.get("column_sizes")])
             for e in entries
@@ -270,13 +285,14 @@ class MDSSource(FileSource):
             return []
         e = entries[0]
         return [
-            _Column(n, enc, None if size is None else int(size))
+            Column(n, enc, None if size is None else int(size))
             for n, enc, size in zip(
                 e["column_names"], e["column_encodings"], e["column_sizes"], strict=True
             )
         ]
 
-    def _check_encoding(self, col: _Column) -> None:
+    def check_encoding(self, col: Column) -> None:
+        """PlanError naming ``col`` when its values cannot (or may not) be decoded."""
         enc = col.encoding
         if enc == "pkl" and not self.allow_pickle:
             raise PlanError(
@@ -291,16 +307,32 @@ class MDSSource(FileSource):
                 "decode (images: pil, jpeg, png); leave it out with columns="
             )
 
+    def shard_facts(self, i: int) -> tuple[int, int | None, bool]:
+        """``(samples, raw size or None when the index does not say it, compressed)`` of shard
+        ``i`` from its index entry; a compressed shard is inflated whole by ``inflate``."""
+        entry = self._entries[i]
+        compressed = entry.get("compression") is not None
+        return int(entry["samples"]), int(entry["raw_data"]["bytes"]), compressed
+
+    def inflate(self, i: int, data: bytes) -> bytes:
+        """The raw shard of the stored bytes of compressed shard ``i``."""
+        return zstd_decompress(data, lambda msg: self.fetch_error(i, msg))
+
+    def check_stored(self, i: int) -> None:
+        """Refuse shard ``i`` before its header is read when its stored layout is one this source
+        does not read (none for MDS)."""
+
     def _load_shard(self, i: int) -> _Shard:
         entry = self._entries[i]
         f = self.files()[i]
-        compressed = entry.get("compression") is not None
-        raw_size = int(entry["raw_data"]["bytes"])
-        samples = int(entry["samples"])
+        self.check_stored(i)
+        samples, size, compressed = self.shard_facts(i)
+        raw_size = f.size if size is None else size
         try:
             stored = self._stored_table(i)
             if compressed:
-                raw_path = self._decompressed(i, stored, raw_size)
+                raw_path = self._decompressed(i, stored, size)
+                raw_size = os.path.getsize(raw_path)
                 local = True
             else:
                 raw_path, local = f.path, self.is_local
@@ -339,15 +371,18 @@ class MDSSource(FileSource):
         self.store_sidecar(i, ".zsum", _SUM_TAG, f.size, mtime, [meta, table.digests])
         return table
 
-    def _decompressed(self, i: int, stored: DigestTable, raw_size: int) -> str:
-        # The raw shard, decompressed once into the cache and named after its compressed content.
+    def _decompressed(self, i: int, stored: DigestTable, raw_size: int | None) -> str:
+        # The raw shard, decompressed once into the cache and named after its compressed content
+        # (written whole, then renamed: a copy there is complete).
         f = self.files()[i]
         key = stored.identity()[:20]
-        root_key = hashlib.sha256(f"MDSSource {self.root}".encode()).hexdigest()[:20]
-        where = os.path.join(self.cache_dir or default_cache_dir(), "mds", root_key)
+        name = type(self).__name__
+        root_key = hashlib.sha256(f"{name} {self.root}".encode()).hexdigest()[:20]
+        where = os.path.join(self.cache_dir or default_cache_dir(), self.INFLATED_DIR, root_key)
         target = os.path.join(where, f"{posixpath.basename(f.path)}.{key}.raw")
         with contextlib.suppress(OSError):
-            if os.path.getsize(target) == raw_size:
+            have = os.path.getsize(target)
+            if raw_size is None or have == raw_size:
                 return target
         with self._locations.open_random(f.path) as fh:
             try:
@@ -356,8 +391,8 @@ class MDSSource(FileSource):
                 raise self.fetch_error(
                     i, f"{changed} no longer matches the digest taken when it was indexed"
                 ) from None
-        raw = _zstd_decompress(data, lambda msg: self.fetch_error(i, msg))
-        if len(raw) != raw_size:
+        raw = self.inflate(i, data)
+        if raw_size is not None and len(raw) != raw_size:
             raise self.fetch_error(
                 i, f"decompresses to {len(raw)} bytes, its index entry says {raw_size}"
             )
@@ -401,15 +436,15 @@ class MDSSource(FileSource):
         starts = shard.offsets[idx].astype(np.int64).tolist()
         ends = shard.offsets[idx + 1].astype(np.int64).tolist()
         if shard.compressed or self.is_local:
-            data = self._mapped(i, shard, rows[positions[0]])
+            data = self._mapped(i, shard, rows[positions[0]]).data
             samples: list[Any] = [data[a:e] for a, e in zip(starts, ends, strict=True)]
         else:
             samples = self.with_retries(
                 lambda: self._fetch(i, shard, starts, ends, rows[positions[0]]),
-                lambda: f"MDSSource cannot read {self.paths[i]!r}",
+                lambda: f"{type(self).__name__} cannot read {self.paths[i]!r}",
             )
         for k, (pos, sample) in enumerate(zip(positions.tolist(), samples, strict=True)):
-            out[pos] = self._decode(i, memoryview(sample), rows[positions[k]], int(idx[k]))
+            out[pos] = self.decode_sample(i, memoryview(sample), rows[positions[k]], int(idx[k]))
 
     def _fetch(
         self, i: int, shard: _Shard, starts: list[int], ends: list[int], pointer: np.ndarray
@@ -444,7 +479,11 @@ class MDSSource(FileSource):
                 pointer,
             ) from None
 
-    def _decode(self, i: int, sample: memoryview, pointer: np.ndarray, idx: int) -> dict[str, Any]:
+    def decode_sample(
+        self, i: int, sample: memoryview, pointer: np.ndarray, idx: int
+    ) -> dict[str, Any]:
+        """The payload of sample ``idx`` of shard ``i`` from its bytes (``pointer``: its row, for
+        errors)."""
         columns = self._all_columns
         n_var = self._variable_columns
         sizes = np.frombuffer(sample, "<u4", count=n_var).tolist() if n_var else []
@@ -555,7 +594,9 @@ def _decode_ndarray(encoding: str, data: memoryview) -> np.ndarray:
     return values.reshape(shape).copy()
 
 
-def _zstd_decompress(data: bytes, error: Any) -> bytes:
+def zstd_decompress(data: bytes, error: Any) -> bytes:
+    """The bytes zstd ``data`` holds; ``error(message)`` makes what is raised when it is not
+    zstd or no zstd module is installed."""
     # The zstd module the MDS writer uses (``zstd``), else ``zstandard``: needed for compressed
     # shards only, imported when one is read.
     try:

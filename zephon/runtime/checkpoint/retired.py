@@ -14,7 +14,9 @@ ever covers the epoch a checkpoint is in), or from the chunk after the last one 
 (the monotone path), and from the start for chunks nothing was delivered from, a retired sample
 is replaced by its tombstone as it is fetched. Those starting points (``horizons``: per lane
 identity, the first lane-local chunk screened) are kept with the ids, one set per retirement, so
-that a restore screens exactly where the run did.
+that a restore screens exactly where the run did. Before them, in what was in flight at the
+resume, an operator that makes one record of several samples (a packer) leaves the retired ones
+out of it (``Operator.leave_out``), so that the others' parts are still delivered.
 
 A state keeps the ids, never a predicate: ``retire=`` given as a predicate is evaluated once,
 at the resume, over every sample id of the source, and the ids it selects are kept. The ids are
@@ -262,9 +264,16 @@ class FetchScreen:
 
     def ids_for(self, gen: int, lane: int, k: int) -> RetiredIds | None:
         """The ids screened in chunk ``k`` of lane identity ``(gen, lane)`` (None: none)."""
-        active = tuple(
-            i for i, r in enumerate(self.retirements) if k >= r.horizons.get((gen, lane), 0)
+        return self._union(
+            tuple(i for i, r in enumerate(self.retirements) if k >= r.horizons.get((gen, lane), 0))
         )
+
+    def every(self) -> RetiredIds | None:
+        """Every retired id, wherever it is screened (None: none): what operators that make one
+        record of several samples leave out of it (``Operator.leave_out``)."""
+        return self._union(tuple(range(len(self.retirements))))
+
+    def _union(self, active: tuple[int, ...]) -> RetiredIds | None:
         if not active:
             return None
         if active not in self._unions:

@@ -57,6 +57,7 @@ class LaneDelivery(LaneOutlet):
         self.surplus = 0
         self.cause: str | None = None  # what a replay divergence means (``ReplayFilter``)
         self.lenient = False  # replays need not meet the delivered records (``ReplayFilter``)
+        self.merges: str | None = None  # why a lenient replay refuses merged records (same)
         self.fetch_screen = FetchScreen([])  # what the lane's runner screens out at fetch
 
     # ----------------------------------------------------------------------------- delivery
@@ -160,6 +161,7 @@ class LaneDelivery(LaneOutlet):
             monotone=self.book.monotone,
             cause=self.cause,
             lenient=self.lenient,
+            merges=self.merges,
         )
         marker.replayed = [
             SampleRecord(item.meta, None)  # the payload is not needed to book it
@@ -182,12 +184,14 @@ class LaneDelivery(LaneOutlet):
                 # A retired record was booked as delivered: the replay window counts it.
                 rec = item.record if kind is Retired else item
                 if lenient and not rec.meta.is_tombstone and replay.past(rec.meta.cursor):
+                    replay.check_unmerged(f"{rec.meta.cursor!r} came first, above the cursor")
                     feed.pos -= 1
                     return
                 yield item
-                if not rec.meta.is_tombstone and replay.swallow(rec.meta.cursor):
+                if not rec.meta.is_tombstone and replay.swallow(rec):
                     return
-            elif lenient and (kind is LaneEnd or kind is RunStart):
+            elif lenient and (kind is LaneEnd or kind is RunStart or kind is EpochEnd):
+                replay.check_unmerged("the replay cursor was not met again")
                 feed.pos -= 1
                 return
             elif kind is LaneEnd:
@@ -306,6 +310,7 @@ class LaneDelivery(LaneOutlet):
                     monotone=self.book.monotone,
                     cause=self.cause,
                     lenient=self.lenient,
+                    merges=self.merges,
                 )
         self.feed.start_at = {
             "runs": [run.for_runner() for run in runs],
@@ -362,5 +367,6 @@ class LaneDelivery(LaneOutlet):
                 seen=seen,
                 cause=self.cause,
                 lenient=self.lenient,
+                merges=self.merges,
             )
         return skip

@@ -205,6 +205,10 @@ class LaneRunner:
         geometry = self.layout.geometry(run["gen"], run["lane"])
         self.seed_lane = self.layout.seed_lane(run["gen"], run["lane"])
         self.ops = [self._fresh(j, op) for j, op in enumerate(plan.chain)]
+        retired = self.screen.every() if self.screen is not None else None
+        if retired is not None:  # rows in flight at a retirement keep their other samples
+            for op in self.ops:
+                op.leave_out(retired.contains)
         if run["carry"] is not None:
             for op, state in zip(self.ops, run["carry"]):
                 if state is not None:

@@ -140,10 +140,9 @@ def _open_runners(plan: Plan, feeds: list[LaneFeed], shared: Any) -> None:
 class WorkerStarts:
     """The workers of ``feeds``, started on a thread (``begin``) that first warms the kind up
     (``LaneKind.warm_up``: worker processes wait for the fork server, which imports the plan's
-    modules before it forks). Until then the loader
-    may claim a lane and read its first lists itself (``LaneFeed.read_ahead``): that lane's
-    worker is started when the read is over, from where it ended. Each feed's ``start()`` waits
-    for this; an error here is raised there."""
+    modules before it forks). Until then the loader may claim a lane and read its first lists
+    itself (``LaneFeed.read_ahead``): that lane's worker is started when the read is over, from
+    where it ended. Each feed's ``start()`` waits for this; an error here is raised there."""
 
     def __init__(self, plan: Plan, kind: LaneKind, feeds: list[LaneFeed], shared: Any):
         self.error: BaseException | None = None

@@ -223,7 +223,7 @@ class ProcessLane(WorkerLane):
         self._ready = False  # the worker said it runs: a death before that is a failed start
         self._waiting: collections.deque[tuple[str, Any]] = collections.deque()  # see queued()
         self._stalled: ZephonError | None = None
-        # What the worker said it waits on (see process_main._watch_storage), and since when.
+        # What the worker said it waits on (its storage watch, in process_main), and since when.
         self._storage: tuple[StorageWait, float] | None = None
         self._ended = False
         self._gone = False  # the pipe ended while receiving ahead: next() reports why

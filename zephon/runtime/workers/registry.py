@@ -68,11 +68,13 @@ def register_lane_kind(
     do with ``lanes.operator_setup.OperatorSetup``); otherwise every lane's runner is handed the
     training process's setup (the ``setup`` runner argument). ``make_shared(plan)``: made once
     per start of many lanes, passed to each opener call (worker processes: the plan, pickled
-    once). ``loader_reads_first(plan, n_lanes)``: whether, while the workers start,
-    the loader reads the first lanes' first item lists itself (``first_reads``); the workers are
-    then opened on a thread, after ``warm_up(shared)`` (worker processes: the fork server's
-    imports). A name registered again is refused.
+    once). ``loader_reads_first(plan, n_lanes)``: whether, while the workers start, the loader
+    reads the first lanes' first item lists itself (``first_reads``); the workers are then
+    opened on a thread, after ``warm_up(shared)`` (worker processes: the fork server's imports).
+    A name registered again is refused.
     """
+    if not isinstance(name, str) or not name:
+        raise PlanError(f"a lane kind's name must be a non-empty str, got {name!r}")
     if name in _kinds:
         raise PlanError(f"a lane kind named {name!r} is registered already; choose another name")
     kind = LaneKind(name, opener, setup_in_workers, make_shared, loader_reads_first, warm_up)

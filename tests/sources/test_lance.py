@@ -1,0 +1,240 @@
+"""LanceSource over datasets written by Lance's own writer (``lance.write_dataset``), locally and
+on the loopback S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pytest
+from pipeline_kit import fingerprint_item, run
+from worker_kit import worker_processes
+
+import zephon
+from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.ops import batch, fetch
+from zephon.sources import LanceSource, open_source
+
+N = 60
+
+
+def table(lo: int, hi: int) -> pa.Table:
+    idx = np.arange(lo, hi)
+    return pa.table(
+        {
+            "idx": idx,
+            "text": [f"row {i} é" for i in idx],
+            "tokens": pa.array(
+                [np.arange(i % 5, dtype=np.int32) + i for i in idx], pa.list_(pa.int32())
+            ),
+            "score": idx / 3,
+        }
+    )
+
+
+def write(root: Path | str, lo: int = 0, hi: int = N, **kw: Any) -> str:
+    options = {"max_rows_per_file": 16, "max_rows_per_group": 8, **kw}
+    lance.write_dataset(table(lo, hi), str(root), **options)
+    return str(root)
+
+
+def every_sample(src: LanceSource) -> list[dict[str, Any]]:
+    total = src.total_chunks()
+    assert total is not None
+    return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
+
+
+def assert_written(got: dict[str, Any]) -> None:
+    i = got["idx"]
+    assert got["text"] == f"row {i} é" and got["score"] == i / 3
+    assert got["tokens"].dtype == np.int32
+    np.testing.assert_array_equal(got["tokens"], np.arange(i % 5, dtype=np.int32) + i)
+
+
+# --------------------------------------------------------------------------- coverage
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_row_once_per_pass_with_the_writers_values(tmp_path, shuffle):
+    src = LanceSource(write(tmp_path / "d.lance"), chunk_size=7, shuffle=shuffle, passes=2)
+    assert len(src.files()) == 4, "the rows should span several fragments"
+    got = every_sample(src)
+    assert Counter(g["idx"] for g in got) == Counter({i: 2 for i in range(N)})
+    for g in got:
+        assert_written(g)
+
+
+def test_deleted_rows_are_not_samples(tmp_path):
+    ds = lance.dataset(write(tmp_path / "d.lance"))
+    ds.delete("idx % 10 = 3")
+    got = every_sample(LanceSource(tmp_path / "d.lance", chunk_size=9, shuffle=True))
+    assert sorted(g["idx"] for g in got) == [i for i in range(N) if i % 10 != 3]
+
+
+def test_columns_pick_and_order_the_payload(tmp_path):
+    src = LanceSource(write(tmp_path / "d.lance"), columns=["text", "idx"])
+    assert src.read(src.chunk(0).pointers[:1]) == [{"text": "row 0 é", "idx": 0}]
+    with pytest.raises(PlanError, match=r"no column \['nope'\]"):
+        LanceSource(tmp_path / "d.lance", columns=["nope"]).num_samples()
+
+
+def test_a_worker_reads_the_version_its_source_pinned(tmp_path):
+    root = write(tmp_path / "d.lance")
+    src = LanceSource(root, chunk_size=N)
+    assert src.num_samples() == N and src.pinned_version == 1
+    write(root, N, N + 5, mode="append")
+    clone = pickle.loads(pickle.dumps(src))  # what a worker process receives
+    assert [g["idx"] for g in clone.read(clone.chunk(0).pointers)] == list(range(N))
+    assert LanceSource(root).num_samples() == N + 5
+
+
+def test_a_version_that_does_not_exist_is_a_fetch_error_naming_it(tmp_path):
+    root = write(tmp_path / "d.lance")
+    with pytest.raises(FetchError, match=r"cannot open version 7 of .*d\.lance"):
+        LanceSource(root, version=7).num_samples()
+
+
+def test_import_zephon_does_not_import_lance():
+    code = "import sys, zephon, zephon.sources; print('lance' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_open_source_picks_lance(tmp_path):
+    root = write(tmp_path / "d.lance")
+    src = open_source(root)
+    assert type(src) is LanceSource and src.num_samples() == N
+    renamed = tmp_path / "plain-name"
+    os.rename(root, renamed)
+    assert type(open_source(renamed)) is LanceSource
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+def pipeline(root: Path | str, **kw: Any) -> zephon.Pipeline:
+    version = kw.pop("version", None)
+    src = LanceSource(root, columns=["idx", "tokens"], chunk_size=5, shuffle=True, version=version)
+    return zephon.Pipeline(src, [fetch(), batch(3)], **kw)
+
+
+def delivered(items: list[Any]) -> Counter:
+    return Counter(r.payload["idx"] for item in items for r in item)
+
+
+def test_resumes_exactly_at_any_step(tmp_path):
+    root = write(tmp_path / "d.lance")
+    full = run(iter(pipeline(root, lanes=2)))
+    for step in (0, 3, 9, len(full) - 1):
+        loader = iter(pipeline(root, lanes=2))
+        head = run(loader, step) if step else []
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_a_killed_worker_resumes_exactly(tmp_path):
+    root = write(tmp_path / "d.lance")
+    full = run(iter(pipeline(root, lanes=2)))
+    loader = iter(pipeline(root, lanes=2, workers="process"))
+    head = run(loader, 4)
+    os.kill(worker_processes()[0].pid, signal.SIGKILL)
+    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
+        for item in loader:
+            head.append(fingerprint_item(item))
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+
+
+def test_a_job_of_four_ranks_resumes_on_two_and_relanes(tmp_path):
+    root = write(tmp_path / "d.lance")
+    states, before = [], []
+    for rank in range(4):
+        loader = iter(pipeline(root, lanes=4, rank=rank, world_size=4))
+        before += [next(loader) for _ in range(2)]
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        loader.close()
+    job = zephon.merge_states(states)
+    after = [x for r in range(2) for x in pipeline(root, rank=r, world_size=2).iter(state=job)]
+    assert delivered(before) + delivered(after) == Counter(range(N))
+    with pytest.warns(RelaneWarning):
+        relaned = list(pipeline(root, lanes=3).iter(state=job))
+    assert delivered(before) + delivered(relaned) == Counter(range(N))
+
+
+@pytest.mark.parametrize("mode", ["append", "overwrite"])
+def test_a_changed_dataset_is_refused_unless_the_version_is_pinned(tmp_path, mode):
+    root = write(tmp_path / "d.lance")
+    full = run(iter(pipeline(root)))
+    loader = iter(pipeline(root))
+    head = run(loader, 3)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    write(root, 0, N + 1, mode=mode)
+    with pytest.raises(
+        CheckpointMismatchError, match=r"'dataset_version': checkpoint 1, pipeline 2"
+    ):
+        iter(pipeline(root).iter(state=state))
+    # The checkpoint's version is still there: pinned, the run finishes on it.
+    assert head + run(pipeline(root, version=1).iter(state=state)) == full
+
+
+def test_a_data_file_replaced_in_place_is_a_checkpoint_mismatch_naming_its_fragment(tmp_path):
+    # Lance never rewrites a data file, but a copy tool can: same name, same size, other values.
+    for name, seed in (("a.lance", 0), ("b.lance", 1)):
+        values = pa.table({"x": np.random.default_rng(seed).random(40)})
+        lance.write_dataset(values, str(tmp_path / name), max_rows_per_file=20)
+    a, b = (lance.dataset(str(tmp_path / n)).get_fragments()[0] for n in ("a.lance", "b.lance"))
+    target = tmp_path / "a.lance" / "data" / a.data_files()[0].path
+    source = tmp_path / "b.lance" / "data" / b.data_files()[0].path
+    assert target.stat().st_size == source.stat().st_size
+
+    def pipe() -> zephon.Pipeline:
+        return zephon.Pipeline(LanceSource(tmp_path / "a.lance", chunk_size=5), [fetch()])
+
+    loader = iter(pipe())
+    next(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    target.write_bytes(source.read_bytes())
+    with pytest.raises(CheckpointMismatchError, match=r"file 'fragment-0' changed"):
+        iter(pipe().iter(state=state))
+
+
+# --------------------------------------------------------------------------- remote
+
+
+def test_a_bucket_copy_delivers_the_local_rows(tmp_path, bucket):
+    local = write(tmp_path / "d.lance")
+    uri = bucket.upload(Path(local), "lance/d.lance")
+    here = LanceSource(local, chunk_size=6, shuffle=True)
+    there = LanceSource(uri, chunk_size=6, shuffle=True)
+    assert there.describe() == here.describe()
+    got = every_sample(there)
+    assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
+    for g in got:
+        assert_written(g)
+    assert type(open_source(uri)) is LanceSource
+
+
+def test_a_bucket_dataset_resumes_exactly(tmp_path, bucket):
+    uri = write(f"s3://{bucket.name}/written.lance", storage_options={"allow_http": "true"})
+    assert delivered(list(pipeline(uri))) == Counter(range(N))
+    full = run(iter(pipeline(uri, lanes=2)))
+    loader = iter(pipeline(uri, lanes=2))
+    head = run(loader, 6)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert head + run(pipeline(uri, lanes=2).iter(state=state)) == full

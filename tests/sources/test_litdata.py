@@ -1,0 +1,269 @@
+"""LitDataSource over directories written by LitData's own writer (``BinaryWriter``), raw and
+in each of its zstd layouts, locally and on the loopback S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from litdata.streaming.writer import BinaryWriter
+from pipeline_kit import fingerprint_item, run
+from worker_kit import worker_processes
+
+import zephon
+from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.ops import batch, fetch
+from zephon.sources import LitDataSource, open_source
+
+N = 40
+#: LitData's zstd layouts: framed (its default), whole-file ``.zstd.bin``, one frame per item.
+LAYOUTS = {
+    "raw": {},
+    "batch": {"compression": "zstd"},
+    "chunk": {"compression": "zstd", "compression_level": "chunk"},
+    "sample": {"compression": "zstd", "compression_level": "sample"},
+}
+
+
+def sample(i: int) -> dict[str, Any]:
+    return {
+        "idx": i,
+        "text": f"sample {i} é",
+        "raw": bytes([i % 256]) * (1 + i % 4),
+        "score": i / 3,
+        "flag": i % 2 == 0,
+        "tokens": np.arange(1 + i % 6, dtype=np.int32) + i,
+        "grid": np.full((2, 1 + i % 3), i, dtype=np.float32),
+    }
+
+
+def write(root: Path, layout: str = "raw", n: int = N, **kw: Any) -> Path:
+    writer = BinaryWriter(str(root), chunk_bytes=600, **{**LAYOUTS[layout], **kw})
+    for i in range(n):
+        writer[i] = sample(i)
+    writer.done()
+    writer.merge()
+    return root
+
+
+def every_sample(src: LitDataSource) -> list[dict[str, Any]]:
+    total = src.total_chunks()
+    assert total is not None
+    return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
+
+
+def assert_written(got: dict[str, Any]) -> None:
+    want = sample(got["idx"])
+    assert list(got) == list(want)
+    for key, value in want.items():
+        if isinstance(value, np.ndarray):
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
+        else:
+            assert got[key] == value and type(got[key]) is type(value), key
+
+
+# --------------------------------------------------------------------------- coverage
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_sample_once_per_pass_with_the_writers_values(tmp_path, layout, shuffle):
+    root = write(tmp_path / "ld", layout)
+    src = LitDataSource(root, chunk_size=7, shuffle=shuffle, passes=2, cache_dir=tmp_path / "c")
+    assert len(src.files()) > 3, "the data should span several chunks"
+    got = every_sample(src)
+    assert Counter(g["idx"] for g in got) == Counter({i: 2 for i in range(N)})
+    for g in got:
+        assert_written(g)
+
+
+def test_columns_pick_and_order_the_payload(tmp_path):
+    src = LitDataSource(write(tmp_path), columns=["text", "idx"])
+    assert src.read(src.chunk(0).pointers[:1]) == [{"text": "sample 0 é", "idx": 0}]
+    with pytest.raises(PlanError, match=r"no column \['nope'\]"):
+        LitDataSource(tmp_path, columns=["nope"]).num_samples()
+
+
+def test_a_pickled_column_is_refused_naming_it_and_its_serializer(tmp_path):
+    writer = BinaryWriter(str(tmp_path), chunk_bytes=600)
+    for i in range(5):
+        writer[i] = {"idx": i, "meta": {1, i}}  # a set: LitData pickles it
+    writer.done()
+    writer.merge()
+    with pytest.raises(PlanError, match=r"column 'meta' .* serializer 'pickle': unpickling"):
+        LitDataSource(tmp_path).num_samples()
+    src = LitDataSource(tmp_path, columns=["idx"])
+    assert [p["idx"] for p in every_sample(src)] == list(range(5))
+
+
+def test_a_truncated_chunk_is_a_fetch_error_naming_it(tmp_path):
+    write(tmp_path)
+    chunk = tmp_path / "chunk-0-1.bin"
+    chunk.write_bytes(chunk.read_bytes()[:-7])
+    with pytest.raises(FetchError, match=r"chunk-0-1\.bin.*holds \d+ bytes, its index"):
+        LitDataSource(tmp_path).num_samples()
+
+
+def test_a_damaged_item_is_a_fetch_error_naming_its_column(tmp_path):
+    write(tmp_path)
+    chunk = tmp_path / "chunk-0-0.bin"
+    data = bytearray(chunk.read_bytes())
+    n = int(np.frombuffer(data, "<u4", count=1)[0])
+    first = int(np.frombuffer(data, "<u4", count=1, offset=4)[0])
+    # Item 0: seven sizes, then idx, text, raw, score, flag and tokens before grid's dtype code.
+    sizes = np.frombuffer(data, "<u4", count=7, offset=first)
+    at = first + 4 * 7 + int(sizes[:6].sum())
+    data[at : at + 4] = np.uint32(99).tobytes()
+    chunk.write_bytes(bytes(data))
+    src = LitDataSource(tmp_path, chunk_size=n)
+    with pytest.raises(FetchError, match=r"chunk-0-0\.bin.*item 0, column 'grid' \(numpy\)"):
+        src.read(src.chunk(0).pointers)
+    assert len(LitDataSource(tmp_path, columns=["idx"]).read(src.chunk(0).pointers)) == n
+
+
+def test_import_zephon_does_not_import_litdata():
+    code = "import sys, zephon, zephon.sources; print('litdata' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_open_source_picks_litdata_for_the_directory_and_its_index(tmp_path):
+    write(tmp_path, "batch")
+    for given in (tmp_path, tmp_path / "index.json"):
+        src = open_source(given, cache_dir=tmp_path / "c")
+        assert type(src) is LitDataSource and src.num_samples() == N
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+def pipeline(root: Path | str, cache: Path, **kw: Any) -> zephon.Pipeline:
+    src = LitDataSource(
+        root, columns=["idx", "tokens"], chunk_size=5, shuffle=True, cache_dir=cache
+    )
+    return zephon.Pipeline(src, [fetch(), batch(3)], **kw)
+
+
+def delivered(items: list[Any]) -> Counter:
+    return Counter(r.payload["idx"] for item in items for r in item)
+
+
+@pytest.mark.parametrize("layout", ["raw", "batch"])
+def test_resumes_exactly_at_any_step(tmp_path, layout):
+    root = write(tmp_path / "d", layout)
+    full = run(iter(pipeline(root, tmp_path / "c", lanes=2)))
+    for step in (0, 3, 9, len(full) - 1):
+        loader = iter(pipeline(root, tmp_path / "c", lanes=2))
+        head = run(loader, step) if step else []
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        assert head + run(pipeline(root, tmp_path / "c", lanes=2).iter(state=state)) == full
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_a_killed_worker_resumes_exactly(tmp_path):
+    root = write(tmp_path / "d", "batch")
+    cache = tmp_path / "c"
+    full = run(iter(pipeline(root, cache, lanes=2)))
+    loader = iter(pipeline(root, cache, lanes=2, workers="process"))
+    head = run(loader, 4)
+    os.kill(worker_processes()[0].pid, signal.SIGKILL)
+    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
+        for item in loader:
+            head.append(fingerprint_item(item))
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert head + run(pipeline(root, cache, lanes=2).iter(state=state)) == full
+
+
+def test_a_job_of_four_ranks_resumes_on_two_and_relanes(tmp_path):
+    root = write(tmp_path / "d")
+    cache = tmp_path / "c"
+    states, before = [], []
+    for rank in range(4):
+        loader = iter(pipeline(root, cache, lanes=4, rank=rank, world_size=4))
+        before += [next(loader) for _ in range(2)]
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        loader.close()
+    job = zephon.merge_states(states)
+    after = [
+        x for r in range(2) for x in pipeline(root, cache, rank=r, world_size=2).iter(state=job)
+    ]
+    assert delivered(before) + delivered(after) == Counter(range(N))
+    with pytest.warns(RelaneWarning):
+        relaned = list(pipeline(root, cache, lanes=3).iter(state=job))
+    assert delivered(before) + delivered(relaned) == Counter(range(N))
+
+
+@pytest.mark.parametrize("layout", ["raw", "batch"])
+def test_a_rewritten_chunk_is_a_checkpoint_mismatch(tmp_path, layout):
+    root = write(tmp_path / "d", layout)
+    loader = iter(pipeline(root, tmp_path / "c"))
+    next(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    shutil.rmtree(root)
+    write(root, layout, n=N + 1)  # the same chunks but the last, which gains a sample
+    last = sorted(p.name for p in root.glob("chunk-*"))[-1]
+    with pytest.raises(CheckpointMismatchError, match=re.escape(last)):
+        iter(pipeline(root, tmp_path / "c").iter(state=state))
+
+
+# --------------------------------------------------------------------------- remote
+
+
+@pytest.mark.parametrize("layout", ["raw", "batch", "sample"])
+def test_a_bucket_copy_delivers_the_local_samples(tmp_path, bucket, layout):
+    local = write(tmp_path / "local", layout)
+    uri = bucket.upload(local, f"litdata-{layout}")
+    here = LitDataSource(local, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c1")
+    there = LitDataSource(uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2")
+    assert there.describe() == here.describe()
+    got = every_sample(there)
+    assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
+    for g in got:
+        assert_written(g)
+
+
+def test_a_changed_remote_block_is_refused(tmp_path, bucket):
+    local = write(tmp_path / "local")
+    uri = bucket.upload(local, "litdata-changed")
+    there = LitDataSource(uri, cache_dir=tmp_path / "c")
+    there.num_samples()
+    data = bytearray((local / "chunk-0-0.bin").read_bytes())
+    data[-3] ^= 1
+    with bucket.fs.open_output_stream(f"{bucket.name}/litdata-changed/chunk-0-0.bin") as out:
+        out.write(bytes(data))
+    with pytest.raises(FetchError, match=r"chunk-0-0\.bin.*no longer matches the digest"):
+        every_sample(there)
+
+
+def test_a_bucket_copy_resumes_exactly(tmp_path, bucket):
+    uri = bucket.upload(write(tmp_path / "local", "batch"), "litdata-resume")
+    full = run(iter(pipeline(uri, tmp_path / "c", lanes=2)))
+    loader = iter(pipeline(uri, tmp_path / "c", lanes=2))
+    head = run(loader, 6)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert head + run(pipeline(uri, tmp_path / "c", lanes=2).iter(state=state)) == full
+
+
+def test_chunks_stored_as_an_arrow_footer_are_refused(tmp_path):
+    writer = BinaryWriter(str(tmp_path), chunk_bytes=1 << 20)
+    for i in range(5):
+        writer[i] = {"a": f"x{i}", "b": f"y{i}"}  # strings only: LitData stores Arrow rows
+    writer.done()
+    writer.merge()
+    with pytest.raises(PlanError, match=r"chunk-0-0\.bin.* holds its rows as an Arrow IPC footer"):
+        LitDataSource(tmp_path).num_samples()
