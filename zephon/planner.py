@@ -106,10 +106,10 @@ class Pipeline:
     ``epoch_chunks``, ``micro_batch``, ``rank`` and ``world_size``; never of ``workers``, timing
     or load. ``deterministic`` is deprecated and changes nothing (see ``DEPRECATED_DETERMINISTIC``).
 
-    ``workers`` is where the lanes run: ``"inline"``, ``"thread"``, ``"process"``, or another
-    kind registered with ``zephon.runtime.workers.registry.register_lane_kind``.
+    ``workers`` is where the lanes run: ``"inline"``, ``"thread"``, ``"process"``, ``"ray"``, or
+    another kind registered with ``zephon.runtime.workers.registry.register_lane_kind``.
 
-    ``timeout`` (seconds, off by default) bounds how long a thread or process lane may take to
+    ``timeout`` (seconds, off by default) bounds how long a thread, process or Ray lane may take to
     produce its next item list before ``next()`` raises instead of waiting for a stuck or stopped
     worker; inline lanes run in the caller's thread and cannot time out.
 

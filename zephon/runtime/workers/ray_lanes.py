@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import sys
 import time
 from typing import Any
 
@@ -103,8 +104,6 @@ class _RayWorker:
 
 def _connected() -> Any:
     """The ``ray`` module while this process is connected to a cluster, else None."""
-    import sys
-
     ray = sys.modules.get("ray")
     return ray if ray is not None and ray.is_initialized() else None
 
