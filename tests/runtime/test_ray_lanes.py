@@ -114,15 +114,15 @@ def stream(loader: zephon.Loader) -> list[tuple]:
         return run(loader)
 
 
-def our_actors(states: tuple[str, ...] = ("ALIVE",)) -> list[str]:
-    """Ids of the Ray lanes' actors (of any driver) in one of ``states``, as Ray's control store
-    knows them."""
+def our_actors(*, dead_too: bool = False) -> list[str]:
+    """Ids of the Ray lanes' actors (of any driver) not dead yet, as Ray's control store knows
+    them: alive, or still being placed or started (``dead_too``: all of them)."""
     import ray._private.state as ray_state
 
     return [
         actor_id
         for actor_id, actor in ray_state.actors().items()
-        if actor["ActorClassName"] == "LaneActor" and actor["State"] in states
+        if actor["ActorClassName"] == "LaneActor" and (dead_too or actor["State"] != "DEAD")
     ]
 
 
@@ -267,9 +267,12 @@ def test_close_and_garbage_collection_leave_no_actor_of_ours_alive(ray_cluster):
 
 def test_an_actor_without_room_on_the_cluster_times_out_saying_so(ray_cluster):
     pipeline = text(workers="ray", timeout=3.0, ray_options={"resources": {"no-such-thing": 1}})
+    before = set(our_actors(dead_too=True))
     with finishes_within(DEADLINE), pytest.raises(ZephonError, match="not started yet"):
         stream(iter(pipeline))
-    assert wait_until(lambda: not our_actors(("ALIVE", "PENDING_CREATION")), DEADLINE)
+    ids = set(our_actors(dead_too=True)) - before
+    assert len(ids) == 2
+    assert wait_until(lambda: not set(ids) & set(our_actors()), DEADLINE)
 
 
 CRASH_SCRIPT = textwrap.dedent("""
