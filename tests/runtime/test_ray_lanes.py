@@ -247,6 +247,52 @@ def test_an_operator_error_on_a_ray_lane_is_the_one_inline_lanes_raise(ray_clust
     )
 
 
+class LoggedTokens:
+    """Tokens made of a record's idx; each read logged with the reading process's pid."""
+
+    def __init__(self, log: str):
+        self.log = log
+
+    def __call__(self, payload: dict) -> dict:
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {payload['idx']}\n")
+        idx = payload["idx"]
+        return {"tokens": np.arange(idx, idx + 1 + idx * 7919 % 97, dtype=np.int32)}
+
+
+def packed(log: str, **kw: Any) -> zephon.Pipeline:
+    ops = [
+        fetch(),
+        map_transform(LoggedTokens(log)),
+        pack_sequences(128, open_bins=8, pad_id=0),
+        batch(4),
+    ]
+    source = RangeSource(600, chunk_size=64, shuffle=True, seed=5)
+    return zephon.Pipeline(source, ops, lanes=2, epoch_chunks=4, **kw)
+
+
+def reads(log: Path) -> list[tuple[int, int]]:
+    """(pid, idx) of every read ``LoggedTokens`` logged, in order."""
+    pairs = [line.split() for line in log.read_text().splitlines()]
+    return [(int(pid), int(idx)) for pid, idx in pairs]
+
+
+def test_the_loader_reads_the_first_lane_while_the_actors_start(ray_cluster, tmp_path):
+    full = stream(iter(packed(str(tmp_path / "inline.log"))))
+    log = tmp_path / "ray.log"
+    assert stream(iter(packed(str(log), workers="ray"))) == full
+    read = reads(log)
+    assert len(read) == len({idx for _, idx in read}) == 600, "no sample was read twice"
+    readers = [pid for pid, _ in read]
+    assert readers[0] == os.getpid(), "the training process read the first lane's first samples"
+    assert len(set(readers) - {os.getpid()}) == 2, "both lanes' actors read the rest"
+    # With a timeout nothing could interrupt an operator stuck in the loader's thread: the
+    # actors read everything.
+    log = tmp_path / "timeout.log"
+    assert stream(iter(packed(str(log), workers="ray", timeout=DEADLINE))) == full
+    assert os.getpid() not in {pid for pid, _ in reads(log)}
+
+
 def test_close_and_garbage_collection_leave_no_actor_of_ours_alive(ray_cluster):
     loader = iter(text(workers="ray"))
     next(loader)

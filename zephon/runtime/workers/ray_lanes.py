@@ -211,6 +211,14 @@ class RayLane(WorkerLane):
         return error
 
 
+def loader_reads_first(plan: Plan, n_lanes: int) -> bool:
+    """Whether the loader reads the first lanes itself while their actors start (each a fresh
+    interpreter importing the plan's modules: seconds), as it does for process lanes
+    (``first_reads``): where nothing is lost by it, a plan that snapshots its holders, sets no
+    operator up (its operators are set up in the actors only) and has no ``timeout``."""
+    return plan.timeout is None and plan.restores_holdings and not plan.sets_up
+
+
 def open_ray_lanes(plan: Plan, members: list[tuple[int, dict]], shared: RayStart) -> list[RayLane]:
     """One Ray actor per lane of ``members`` (lane id, runner start): Ray, not ``processes``,
     decides where each runs (``Pipeline(ray_options=...)``)."""

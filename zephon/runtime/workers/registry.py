@@ -20,7 +20,7 @@ from zephon.runtime.workers.inline import open_inline_lanes
 from zephon.runtime.workers.lane import Lane
 from zephon.runtime.workers.pickled_plan import PlanParcel
 from zephon.runtime.workers.processes import ProcessLane
-from zephon.runtime.workers.ray_lanes import RayStart, open_ray_lanes
+from zephon.runtime.workers.ray_lanes import RayStart, loader_reads_first, open_ray_lanes
 from zephon.runtime.workers.threads import open_thread_lanes
 
 
@@ -117,4 +117,10 @@ register_lane_kind(
     loader_reads_first=first_reads.applies,
     warm_up=_boot_fork_server,
 )
-register_lane_kind("ray", open_ray_lanes, setup_in_workers=True, make_shared=RayStart)
+register_lane_kind(
+    "ray",
+    open_ray_lanes,
+    setup_in_workers=True,
+    make_shared=RayStart,
+    loader_reads_first=loader_reads_first,
+)
