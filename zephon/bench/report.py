@@ -944,8 +944,9 @@ def ray_rows(quick: bool) -> list[Row]:
             steady >= 0.8,
             f"throughput from batch {tb.STEADY_FROM} on (time shown); first batch "
             f"{_seconds(on_ray['first_batch'])} vs {_seconds(process['first_batch'])} "
-            f"({on_ray['first_batch'] / process['first_batch']:.2f}×: an actor's start against "
-            f"a fork server's); whole runs {_seconds(on_ray['seconds'])} vs "
+            f"({on_ray['first_batch'] / process['first_batch']:.2f}×; with either kind the "
+            f"training process reads the first lane while the workers start); whole runs "
+            f"{_seconds(on_ray['seconds'])} vs "
             f"{_seconds(process['seconds'])}; fresh training processes joining one local Ray "
             f"cluster of 2 CPUs (its start not timed), tokenizer threads off, medians of "
             f"{repeats} rounds in turns",
