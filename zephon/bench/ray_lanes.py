@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import zephon
+from zephon.bench import text as tb
 from zephon.ops import batch, fetch
 from zephon.sources.memory import RangeSource
 
@@ -67,13 +68,11 @@ def per_record(workers: str, n: int, repeats: int) -> float:
     return statistics.median(small_records_seconds(workers, n) for _ in range(repeats))
 
 
-def text_runs(
-    data: str, tokenizer: str, repeats: int, measure: Any
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def text_runs(data: str, tokenizer: str, repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The text pipeline on 2 process lanes and on 2 Ray lanes, ``repeats`` rounds in turns, each
-    run in a fresh process (``measure``: ``text.alternating_runs``): the medians of each."""
+    run in a fresh process (``text.alternating_runs``): the medians of each."""
     common = {"data": data, "tokenizer": tokenizer, "threads": False, "lanes": 2}
-    process, on_ray, _ = measure(
+    process, on_ray, _ = tb.alternating_runs(
         repeats, {"workers": "process", **common}, {"workers": "ray", **common}
     )
     return process, on_ray

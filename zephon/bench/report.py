@@ -917,21 +917,21 @@ def ray_rows(quick: bool) -> list[Row]:
     """The text pipeline on 2 Ray lanes against 2 process lanes (fresh training processes joining
     one local Ray cluster of 2 CPUs): throughput once started, the first batch, and the cost per
     record of the hand-over with records too small to hide it."""
-    from zephon.bench import ray_lanes as rb
-    from zephon.bench import text as tb
-
     try:
         import pyarrow  # noqa: F401
         import ray  # noqa: F401
         import tokenizers  # noqa: F401
     except ImportError as exc:
         return [Row("ray lanes", "", f"skipped: {exc}", "", "", None)]
+    from zephon.bench import ray_lanes as rb
+    from zephon.bench import text as tb
+
     megabytes = 8.0 if quick else 32.0
     repeats = 1 if quick else 3
     n_small = 20_000 if quick else 100_000
     data, tok_path = tb.corpus(megabytes)
     with rb.local_cluster(2):
-        process, on_ray = rb.text_runs(data, tok_path, repeats, tb.alternating_runs)
+        process, on_ray = rb.text_runs(data, tok_path, repeats)
         small = {w: rb.per_record(w, n_small, repeats) for w in ("process", "ray")}
     steady = process["steady_seconds"] / on_ray["steady_seconds"]
     return [
