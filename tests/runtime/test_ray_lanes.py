@@ -383,6 +383,7 @@ def test_a_sigkilled_training_process_resumes_exactly_and_its_actors_end(ray_clu
         ({"resources": {"GPU": "one"}}, r"ray_options\['resources'\] must be a mapping"),
         ({"scheduling_strategy": "PACK"}, r"'scheduling_strategy'\] must be one of"),
         ({"runtime_env": "env"}, r"ray_options\['runtime_env'\] must be a mapping"),
+        ({"memory": 0}, r"Pipeline: ray_options\['memory'\] must be >= 1, got 0"),
     ],
 )
 def test_ray_options_are_checked_when_planning(options, message):

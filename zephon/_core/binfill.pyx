@@ -16,6 +16,7 @@ from cpython.pythread cimport (
     PyThread_allocate_lock,
     PyThread_free_lock,
 )
+from zephon._core._ints cimport checked_int
 from zephon._core._lock cimport drop_lock, take_lock
 from libc.stdint cimport INT64_MAX
 from libc.string cimport memmove
@@ -34,17 +35,7 @@ cdef Py_ssize_t _MAX_ROWS = PY_SSIZE_T_MAX // 64
 
 cdef offset_t _as_count(object value, str owner, str name) except? -1:
     """A positive int64 from an integer-like value, or an error naming the argument."""
-    if isinstance(value, (bool, float)):
-        raise TypeError(f"{owner} {name} must be an int, got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{owner} {name} must be an int, got {type(value).__name__}") from None
-    if v < 1:
-        raise ValueError(f"{owner} {name} must be >= 1, got {v}")
-    if v > INT64_MAX:
-        raise ValueError(f"{owner} {name} must fit in signed 64 bits, got {v}")
-    return <offset_t>v
+    return <offset_t>checked_int(value, owner, name, 1, INT64_MAX)
 
 
 cdef inline void _put(offset_t* row, Py_ssize_t item, offset_t frag_start, offset_t frag_len,

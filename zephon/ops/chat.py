@@ -45,7 +45,7 @@ from zephon.errors import PlanError
 from zephon.identity import identify
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import spawn_child
-from zephon.ops.tokenize import _refuse_batch_padding, _tokenizer_digest, find_pad
+from zephon.ops.tokenize import _refuse_batch_padding, backend_digest, find_pad
 from zephon.ops.vision import ImageTokens, images_of
 from zephon.types import SampleRecord
 from zephon.validation import check_int
@@ -292,6 +292,8 @@ class TokenizeChat(Operator):
             )
         if max_len is not None:
             max_len = check_int(max_len, "max_len", "tokenize_chat", minimum=1)
+        if workers is not None:
+            workers = check_int(workers, "workers", "tokenize_chat", minimum=1)
         if split_long_samples and max_len is None:
             raise ValueError("tokenize_chat: split_long_samples=True needs max_len")
         if isinstance(train_on, str):
@@ -363,9 +365,6 @@ class TokenizeChat(Operator):
         pad = find_pad(tokenizer)
         self.pad_id = pad.id if pad else None
         self.pad_token = pad.token if pad else None
-        self._tokenizer_digest = _tokenizer_digest(
-            getattr(tokenizer, "backend_tokenizer", tokenizer)
-        )
         self._image_text = None if self._images is None else self._image_token_text()
         self.traits = OpTraits(
             preserves_cursor_order=True,
@@ -435,8 +434,9 @@ class TokenizeChat(Operator):
     def describe(self) -> dict[str, Any]:
         """As ``Operator.describe``, plus a digest of the vocabulary and the chat template."""
         out = super().describe()
-        if self._tokenizer_digest is not None:
-            out["params"]["tokenizer_digest"] = self._tokenizer_digest
+        digest = backend_digest(self.tokenizer, out["params"]["tokenizer"])
+        if digest is not None:
+            out["params"]["tokenizer_digest"] = digest
         if self.template is None:
             out["params"]["chat_template"] = getattr(self.tokenizer, "chat_template", None)
         if self._images is not None:  # only then, so text-only pipelines keep their identity

@@ -208,6 +208,9 @@ class _Packer(Operator):
     _pad: int | None
     _kernel: Any
     _fill: BinFill | None
+    ratios = {"fill": ("real_tokens", "row_tokens")}
+    _rows = 0  # rows emitted, and the real tokens in them, since this copy was made
+    _real_tokens = 0
     _retired: Callable[[np.ndarray], np.ndarray] | None = None  # ``leave_out``
 
     images: str | None = None
@@ -571,6 +574,8 @@ class _Packer(Operator):
         handed over by the fill, not copied, and their metadata is built in C
         (``zephon._core.packrows``)."""
         blocks, bin_records, frags = self._bins().take(bin_ids)
+        self._rows += len(blocks)
+        self._real_tokens += int(frags[:, 1].sum())
         # Side rows in block order; float32 fields are views of their row's bits.
         sides = tuple((name, dtype == "float32") for name, dtype in self._sides)
         if self._retired is None:
@@ -632,6 +637,7 @@ class _Packer(Operator):
         fresh = np.repeat(np.array(pads, dtype=np.int32)[:, None], block.shape[1], axis=1)
         fresh[:, : len(columns)] = block[:, columns]
         kept_sizes = sizes[keep & (sizes > 0)]  # empty fragments get no segment id
+        self._real_tokens -= int(sizes[gone].sum())  # padding now (``counters``)
         fresh[1, : len(columns)] = np.repeat(np.arange(1, len(kept_sizes) + 1), kept_sizes)
         kept = [r for r, k in zip(records, keep.tolist()) if k]
         kept_rows = np.ascontiguousarray(rows[keep])
@@ -656,6 +662,15 @@ class _Packer(Operator):
             if left_out and row[0] + row[1] == row[2]:  # the fragment that ends its input
                 out += tombstones_for_record(rec)
         return out
+
+    def counters(self) -> dict[str, int | float]:
+        """The rows emitted, and their ``real_tokens`` of their ``row_tokens`` (the rest is
+        padding): ``Loader.stats()`` gives their ratio as the packer's ``fill``."""
+        return {
+            "rows": self._rows,
+            "real_tokens": self._real_tokens,
+            "row_tokens": self._rows * self.seq_len,
+        }
 
     def _leaving_bins(self) -> np.ndarray:
         """The ids of the bins a flush emits: every open one."""
@@ -921,6 +936,7 @@ class GroupedPacker(Operator):
     appeared, so a restore from what the packers hold continues the same stream."""
 
     traits = OpTraits(preserves_cursor_order=False, stateful=True)
+    ratios = _Packer.ratios
     _retired: Callable[[np.ndarray], np.ndarray] | None = None  # ``leave_out``
 
     def __init__(self, packer: _Packer, group_by: str | Callable[[Any], Hashable]):
@@ -996,6 +1012,14 @@ class GroupedPacker(Operator):
         out: list[SampleRecord] = []
         for group, members in by_group.items():  # groups in order of first appearance
             out += self._packer_of(group).process_many(members)
+        return out
+
+    def counters(self) -> dict[str, int | float]:
+        """Its group packers' counts, added up."""
+        out: dict[str, int | float] = dict.fromkeys(("rows", "real_tokens", "row_tokens"), 0)
+        for packer in self._groups.values():
+            for name, value in packer.counters().items():
+                out[name] += value
         return out
 
     def _in_order(self) -> list[tuple[int | str, _Packer]]:

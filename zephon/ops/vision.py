@@ -36,7 +36,7 @@ from zephon.ops.tokenize import (
     ByteTokenizer,
     Tokenize,
     _refuse_batch_padding,
-    _tokenizer_digest,
+    backend_digest,
     find_eos,
     find_pad,
 )
@@ -259,9 +259,6 @@ class TokenizeInterleaved(Operator):
         pad = find_pad(tokenizer)
         self.pad_id = pad.id if pad else None
         self._pad_token = pad.token if pad else None
-        self._tokenizer_digest = _tokenizer_digest(
-            getattr(tokenizer, "backend_tokenizer", tokenizer)
-        )
         self.traits = OpTraits(
             preserves_cursor_order=True, preserves_indexability=True, workers=workers
         )
@@ -272,8 +269,9 @@ class TokenizeInterleaved(Operator):
         where = f"operator {self.name!r} parameter"
         for key, value in self._images.identity().items():
             out["params"][key] = identify(value, where=f"{where} {key!r}")
-        if self._tokenizer_digest is not None:
-            out["params"]["tokenizer_digest"] = self._tokenizer_digest
+        digest = backend_digest(self.tokenizer, out["params"]["tokenizer"])
+        if digest is not None:
+            out["params"]["tokenizer_digest"] = digest
         return out
 
     def provides(self) -> dict[str, Any]:

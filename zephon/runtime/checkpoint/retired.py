@@ -33,8 +33,8 @@ import numpy as np
 
 from zephon.compact import pack_ints, unpack_ints
 from zephon.errors import CheckpointError, PlanError
-from zephon.runtime.checkpoint.fields import MAX_INT, corrupt
 from zephon.runtime.checkpoint.layout import Run
+from zephon.runtime.checkpoint.schema import MAX_INT, corrupt
 
 MAX_RETIRED = 1_000_000  # ids a state keeps
 MAX_SETS = 16  # retirements a run takes
@@ -228,6 +228,31 @@ def decode_retirements(value: Any) -> list[Retirement]:
     if type(value) is not list or not 1 <= len(value) <= MAX_SETS:
         raise corrupt("retired", f"must be null or a list of 1 to {MAX_SETS} retirements")
     return [Retirement.decode(part, f"retired[{i}]") for i, part in enumerate(value)]
+
+
+class Retirements:
+    """The retirements of a run, oldest first: a state's ``retired`` (null when there are
+    none)."""
+
+    def __init__(self) -> None:
+        self.sets: list[Retirement] = []
+        self._encoded: list[dict[str, Any]] | None = None  # encoded once, saved often
+
+    def add(self, retirement: Retirement) -> None:
+        """Keep one more retirement."""
+        self._keep([*self.sets, retirement])
+
+    def state(self) -> list[dict[str, Any]] | None:
+        """The ``retired`` field of a state."""
+        return self._encoded
+
+    def restore(self, part: Any) -> None:
+        """Take the retirements a state's ``retired`` holds, checked."""
+        self._keep(decode_retirements(part))
+
+    def _keep(self, sets: list[Retirement]) -> None:
+        self.sets = sets
+        self._encoded = [r.encode() for r in sets] or None
 
 
 def merge_retired(values: list[Any]) -> Any:

@@ -22,12 +22,12 @@ from zephon.errors import CheckpointCorruptError
 from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
 from zephon.runtime.checkpoint.carry_check import check_carries
-from zephon.runtime.checkpoint.fields import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.checkpoint.layout import Layout, Run
 from zephon.runtime.checkpoint.retired import FetchScreen
+from zephon.runtime.checkpoint.schema import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.delivery.batcher import LEAVE_TO_CALLER, FinalBatcher
 from zephon.runtime.delivery.bookkeeping import LaneBook
-from zephon.runtime.delivery.replay import MASK64, ReplayFilter
+from zephon.runtime.delivery.replay import ReplayFilter
 from zephon.runtime.delivery.skips import SkipLog
 from zephon.runtime.lanes.control import EpochEnd, LaneEnd, Retired, RunStart, Skipped
 from zephon.runtime.workers.feeds import LaneFeed
@@ -346,7 +346,7 @@ class LaneDelivery(LaneOutlet):
         if screened is not None:
             kept = (~screened.contains(pointers[:skip])).tolist()
             cursors = [c for c, keep in zip(cursors, kept) if keep]
-        seen = (len(cursors), digest_cursors(cursors) & MASK64)
+        seen = (len(cursors), digest_cursors(cursors))
         self.book.book.window_push(position, *seen)
         if skip == offset + 1:
             # After a change on the monotone path every sample up to the cursor was consumed,

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zephon.errors import PlanError
+from zephon.validation import check_int
 
 #: The keys ``ray_options`` accepts, each passed to the actor's ``.options()`` as is.
 RAY_OPTION_KEYS = ("num_cpus", "memory", "resources", "scheduling_strategy", "runtime_env")
@@ -26,22 +27,25 @@ def check_ray_options(options: Mapping[str, Any] | None, workers: str) -> dict[s
         return None
     if workers != "ray":
         raise PlanError(
-            f"Pipeline ray_options applies to workers='ray' only, got workers={workers!r}: "
+            f"Pipeline: ray_options applies to workers='ray' only, got workers={workers!r}: "
             "drop ray_options or run the lanes on Ray"
         )
     if not isinstance(options, Mapping):
-        raise PlanError(f"Pipeline ray_options must be a mapping, got {options!r}")
+        raise PlanError(f"Pipeline: ray_options must be a mapping, got {options!r}")
     unknown = [key for key in options if key not in RAY_OPTION_KEYS]
     if unknown:
         raise PlanError(
-            f"Pipeline ray_options has unknown key(s) {', '.join(map(repr, unknown))}: it accepts "
+            f"Pipeline: ray_options has unknown key(s) {', '.join(map(repr, unknown))}: it accepts "
             f"{', '.join(RAY_OPTION_KEYS)}"
         )
     checked = dict(options)
+    if "memory" in checked:
+        memory = checked["memory"]
+        check_int(memory, "ray_options['memory']", "Pipeline", minimum=1, error=PlanError)
     problem = _problem(checked)
     if problem is not None:
         key, wanted = problem
-        raise PlanError(f"Pipeline ray_options[{key!r}] must be {wanted}, got {checked[key]!r}")
+        raise PlanError(f"Pipeline: ray_options[{key!r}] must be {wanted}, got {checked[key]!r}")
     return checked
 
 
@@ -49,9 +53,6 @@ def _problem(options: dict[str, Any]) -> tuple[str, str] | None:
     """The first key whose value Ray would refuse, and what it must be."""
     if "num_cpus" in options and not _number(options["num_cpus"]):
         return "num_cpus", "a number of CPUs >= 0 per lane's actor"
-    memory = options.get("memory")
-    if "memory" in options and (type(memory) is not int or memory <= 0):
-        return "memory", "a number of bytes > 0"
     resources = options.get("resources")
     if "resources" in options and not (
         isinstance(resources, Mapping)
