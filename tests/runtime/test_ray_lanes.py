@@ -17,7 +17,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -44,6 +44,9 @@ from zephon.ops import (
     training_collate,
 )
 from zephon.ops.basic import map_transform
+from zephon.runtime.workers.kinds import open_lanes
+from zephon.runtime.workers.ray_lanes import RayLane
+from zephon.runtime.workers.stopping import close_lanes
 from zephon.sources import JsonlSource, MixtureSource
 from zephon.sources.memory import ListSource, RangeSource
 
@@ -114,16 +117,21 @@ def stream(loader: zephon.Loader) -> list[tuple]:
         return run(loader)
 
 
-def our_actors(*, dead_too: bool = False) -> list[str]:
-    """Ids of the Ray lanes' actors (of any driver) not dead yet, as Ray's control store knows
-    them: alive, or still being placed or started (``dead_too``: all of them)."""
+def actor_states() -> dict[str, str]:
+    """The state of every Ray lane's actor (of any driver) by id, as Ray's control store knows
+    it: ``ALIVE``, ``DEAD``, or on its way (placed, started)."""
     import ray._private.state as ray_state
 
-    return [
-        actor_id
+    return {
+        actor_id: actor["State"]
         for actor_id, actor in ray_state.actors().items()
-        if actor["ActorClassName"] == "LaneActor" and (dead_too or actor["State"] != "DEAD")
-    ]
+        if actor["ActorClassName"] == "LaneActor"
+    }
+
+
+def our_actors(*, dead_too: bool = False) -> list[str]:
+    """Ids of the Ray lanes' actors not dead yet (``dead_too``: all of them)."""
+    return [a for a, state in actor_states().items() if dead_too or state != "DEAD"]
 
 
 def lanes_of(loader: zephon.Loader) -> list[Any]:
@@ -319,6 +327,40 @@ def test_an_actor_without_room_on_the_cluster_times_out_saying_so(ray_cluster):
     ids = set(our_actors(dead_too=True)) - before
     assert len(ids) == 2
     assert wait_until(lambda: not set(ids) & set(our_actors()), DEADLINE)
+
+
+class StallOnZero:
+    """Record 0 (lane 0's first) waits for the file ``release``, which no one creates."""
+
+    def __init__(self, release: str):
+        self.release = release
+
+    def __call__(self, payload: dict) -> dict:
+        if payload["idx"] == 0:
+            wait_until(lambda: os.path.exists(self.release), 10 * DEADLINE)
+        return payload
+
+
+def test_an_actor_stuck_in_an_operator_times_out_and_close_ends_it(ray_cluster, tmp_path):
+    ops = [fetch(), map_transform(StallOnZero(str(tmp_path / "release")))]
+    pipeline = zephon.Pipeline(RangeSource(64, chunk_size=8), ops, lanes=2, workers="ray")
+    pipeline.timeout = 2.0
+    plan = pipeline.compile()
+    lanes = open_lanes(plan, [(lane, {}) for lane in plan.rank_lanes])
+    assert all(isinstance(lane, RayLane) for lane in lanes)
+    ids = {cast(RayLane, lane).actor_id for lane in lanes}
+    try:
+        # Started (the timeout also covers an actor's start: that case is the no-room test's).
+        assert wait_until(lambda: all(actor_states().get(a) == "ALIVE" for a in ids), DEADLINE)
+        with finishes_within(DEADLINE), pytest.raises(ZephonError) as caught:
+            next(lanes[0])
+    finally:
+        with finishes_within(DEADLINE):
+            close_lanes(lanes)  # the stuck actor does not stop when asked: it is killed
+    message = str(caught.value)
+    assert "produced nothing for 2 s, the pipeline's timeout" in message
+    assert f"lane 0 (Ray actor {cast(RayLane, lanes[0]).actor_id} on node " in message
+    assert wait_until(lambda: not ids & set(our_actors()), DEADLINE)
 
 
 CRASH_SCRIPT = textwrap.dedent("""
