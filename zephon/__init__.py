@@ -25,6 +25,7 @@ from zephon.errors import (  # noqa: E402
     ReplayDivergenceError,
     RetireWarning,
     UnverifiedContentWarning,
+    WorkerLostError,
     ZephonError,
 )
 from zephon.planner import Pipeline, Plan  # noqa: E402
@@ -57,6 +58,7 @@ __all__ = [
     "ReplayDivergenceError",
     "RetireWarning",
     "UnverifiedContentWarning",
+    "WorkerLostError",
     "ZephonError",
     "load_checkpoint",
     "load_job_state",

@@ -60,6 +60,11 @@ class FetchError(ZephonError):
     """A sample could not be read; the message names the pointer and the file."""
 
 
+class WorkerLostError(ZephonError):
+    """A lane's worker died under it (a Ray actor killed, its node lost): the message names the
+    lane and where it ran. The lane cannot go on; resume from the last checkpoint."""
+
+
 class OperatorError(ZephonError):
     """An exception raised inside an operator, naming the operator, the cursor and the sample id."""
 

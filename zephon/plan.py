@@ -76,6 +76,9 @@ class Plan:
     skip_fetch_errors: bool = False
     #: The most records this rank's loader may skip over the run; None: no limit.
     max_skipped: int | None = None
+    #: How each lane's Ray actor is placed (``workers="ray"``): ``ray_options`` as checked by the
+    #: planner. Not part of the fingerprint: where a lane runs never changes what it delivers.
+    ray_options: dict[str, Any] | None = None
 
     @property
     def rank_lanes(self) -> range:
@@ -130,6 +133,8 @@ class Plan:
             lines.append(f"  skips records that fail in: {', '.join(skipping)} ({limit})")
         if self.workers != "inline":
             lines.append(f"  {self.processes} worker {self.workers}(s) for this rank's lanes")
+        if self.ray_options:
+            lines.append(f"  each lane's Ray actor placed with {self.ray_options}")
         if self.timeout is not None:
             lines.append(f"  timeout: {self.timeout:g} s for a lane's next item list")
         return "\n".join(lines)

@@ -154,10 +154,10 @@ class Pipeline:
     ``epoch_chunks``, ``micro_batch``, ``rank`` and ``world_size``; never of ``workers``, timing
     or load. ``deterministic`` is deprecated and changes nothing (see ``DEPRECATED_DETERMINISTIC``).
 
-    ``workers`` is where the lanes run: ``"inline"``, ``"thread"``, ``"process"``, or another
-    kind registered with ``zephon.runtime.workers.registry.register_lane_kind``.
+    ``workers`` is where the lanes run: ``"inline"``, ``"thread"``, ``"process"``, ``"ray"``, or
+    another kind registered with ``zephon.runtime.workers.registry.register_lane_kind``.
 
-    ``timeout`` (seconds, off by default) bounds how long a thread or process lane may take to
+    ``timeout`` (seconds, off by default) bounds how long a thread, process or Ray lane may take to
     produce its next item list before ``next()`` raises instead of waiting for a stuck or stopped
     worker; inline lanes run in the caller's thread and cannot time out.
 
@@ -178,6 +178,10 @@ class Pipeline:
     its tombstones, logged and counted (``Loader.skipped()``), and the run goes on; past
     ``max_skipped`` skipped records (None: no limit) the run fails as with ``"raise"``. Neither
     is part of the fingerprint: a checkpoint taken without skipping resumes with it.
+
+    ``ray_options`` (``workers="ray"`` only): how each lane's Ray actor is placed, from
+    ``num_cpus``, ``memory``, ``resources``, ``scheduling_strategy`` and ``runtime_env`` (see
+    ``docs/distributed.md``); an unknown key is a ``PlanError`` naming it.
     """
 
     def __init__(
@@ -201,6 +205,7 @@ class Pipeline:
         uneven_end: str | None = None,
         on_error: str | Mapping[str, str] = "raise",
         max_skipped: int | None = None,
+        ray_options: Mapping[str, Any] | None = None,
     ):
         self.source = source
         self.ops = list(ops)
@@ -222,6 +227,7 @@ class Pipeline:
         self.uneven_end = uneven_end
         self.on_error = on_error
         self.max_skipped = max_skipped
+        self.ray_options = ray_options
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
@@ -270,6 +276,7 @@ class Pipeline:
             skip_errors=skip_chain,
             skip_fetch_errors=skip_fetch,
             max_skipped=self.max_skipped,
+            ray_options=None if self.ray_options is None else dict(self.ray_options),
         )
 
     def _validate(self, lanes: int | None) -> _Sizes:
@@ -304,9 +311,11 @@ class Pipeline:
         check_bool(self.relane, "relane", "Pipeline", error=PlanError)
         # The runtime's registry of lane kinds, imported when a pipeline is checked, as the
         # loader is when one runs: importing zephon starts no runtime.
+        from zephon.runtime.workers.ray_options import check_ray_options
         from zephon.runtime.workers.registry import lane_kind
 
         lane_kind(self.workers)  # a PlanError naming the registered kinds
+        check_ray_options(self.ray_options, self.workers)
         if self.timeout is not None:
             check_seconds(self.timeout, "timeout", "Pipeline", error=PlanError)
         return sizes

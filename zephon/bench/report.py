@@ -880,6 +880,57 @@ def text_rows(quick: bool) -> list[Row]:
     return rows
 
 
+def ray_rows(quick: bool) -> list[Row]:
+    """The text pipeline on 2 Ray lanes against 2 process lanes (fresh training processes joining
+    one local Ray cluster of 2 CPUs): throughput once started, the first batch, and the cost per
+    record of the hand-over with records too small to hide it."""
+    try:
+        import pyarrow  # noqa: F401
+        import ray  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError as exc:
+        return [Row("ray lanes", "", f"skipped: {exc}", "", "", None)]
+    from zephon.bench import ray_lanes as rb
+    from zephon.bench import text as tb
+
+    megabytes = 8.0 if quick else 32.0
+    repeats = 1 if quick else 3
+    n_small = 20_000 if quick else 100_000
+    data, tok_path = tb.corpus(megabytes)
+    with rb.local_cluster(2):
+        process, on_ray = rb.text_runs(data, tok_path, repeats)
+        small = {w: rb.per_record(w, n_small, repeats) for w in ("process", "ray")}
+    steady = process["steady_seconds"] / on_ray["steady_seconds"]
+    return [
+        Row(
+            f"ray lanes: text pipeline, 2 Ray lanes vs 2 process lanes, {megabytes:g} MB",
+            _seconds(on_ray["steady_seconds"]),
+            _seconds(process["steady_seconds"]),
+            f"{steady:.2f}×",
+            "≥ 0.8×",
+            steady >= 0.8,
+            f"throughput from batch {tb.STEADY_FROM} on (time shown); first batch "
+            f"{_seconds(on_ray['first_batch'])} vs {_seconds(process['first_batch'])} "
+            f"({on_ray['first_batch'] / process['first_batch']:.2f}×; with either kind the "
+            f"training process reads the first lane while the workers start); whole runs "
+            f"{_seconds(on_ray['seconds'])} vs "
+            f"{_seconds(process['seconds'])}; fresh training processes joining one local Ray "
+            f"cluster of 2 CPUs (its start not timed), tokenizer threads off, medians of "
+            f"{repeats} rounds in turns",
+        ),
+        Row(
+            f"ray lanes: per record, fetch→batch(64) of {n_small:,} integers, 2 lanes",
+            f"{small['ray'] * 1e6:.2f} µs",
+            f"{small['process'] * 1e6:.2f} µs",
+            f"{small['ray'] / small['process']:.2f}×",
+            "",
+            None,
+            "Ray lanes vs process lanes, from the first batch on: the hand-over's cost per "
+            "record (an actor call and the object store against a pipe), item lists of 256",
+        ),
+    ]
+
+
 def _whole_fill_row(what: str, m: dict[str, Any]) -> Row:
     """Fill with documents whole against Grain's best fit (``text.fill_versus_grain``)."""
     grain, ours = m["grain"], m["whole"]
@@ -1015,6 +1066,7 @@ SECTIONS: dict[str, Callable[..., list[Row]]] = {
     "other formats": format_rows,
     "packing against the seed system": seed_rows,
     "text pipeline": text_rows,
+    "ray lanes": ray_rows,
 }
 
 
