@@ -127,6 +127,12 @@ class Pipeline:
     its tombstones, logged and counted (``Loader.skipped()``), and the run goes on; past
     ``max_skipped`` skipped records (None: no limit) the run fails as with ``"raise"``. Neither
     is part of the fingerprint: a checkpoint taken without skipping resumes with it.
+
+    ``max_inflight_bytes`` (None: no byte bound, only ``prefetch`` item lists) bounds the payload
+    bytes each thread or process lane reads ahead of the loader: once the lists it has ready hold
+    that many bytes, it makes no more until the loader takes one. A single list larger than the
+    bound is still handed over, alone. Not part of the fingerprint: it changes when lists are
+    made, never what they hold.
     """
 
     def __init__(
@@ -150,6 +156,7 @@ class Pipeline:
         uneven_end: str | None = None,
         on_error: str | Mapping[str, str] = "raise",
         max_skipped: int | None = None,
+        max_inflight_bytes: int | None = None,
     ):
         self.source = source
         self.ops = list(ops)
@@ -171,6 +178,7 @@ class Pipeline:
         self.uneven_end = uneven_end
         self.on_error = on_error
         self.max_skipped = max_skipped
+        self.max_inflight_bytes = max_inflight_bytes
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
@@ -193,6 +201,12 @@ class Pipeline:
             )
         if self.processes is not None and (type(self.processes) is not int or self.processes < 1):
             raise PlanError(f"Pipeline processes must be an int >= 1, got {self.processes!r}")
+        bound = self.max_inflight_bytes
+        if bound is not None and (type(bound) is not int or bound < 1):
+            raise PlanError(
+                f"Pipeline max_inflight_bytes must be an int >= 1 (or None for no byte bound), "
+                f"got {bound!r}"
+            )
         if n_lanes % world_size:
             raise PlanError(
                 f"Pipeline lanes={n_lanes} cannot be shared by world_size={world_size} ranks: "
@@ -330,6 +344,7 @@ class Pipeline:
             skip_errors=skip_chain,
             skip_fetch_errors=skip_fetch,
             max_skipped=self.max_skipped,
+            max_inflight_bytes=bound,
         )
 
     def _uneven_end(
