@@ -72,7 +72,7 @@ def _picture(i: int, size: tuple[int, int]) -> Any:
     ).astype(np.uint8)
     image = Image.fromarray(rgb)
     draw = ImageDraw.Draw(image)
-    draw.rectangle([i % 50, i % 30, w // 2, h // 2], fill=(255 - i % 256, 20, 200))
+    draw.rectangle([i % (w // 4), i % (h // 4), w // 2, h // 2], fill=(255 - i % 256, 20, 200))
     draw.line([0, h - 1, w - 1, 0], fill=(0, 255, 0), width=3)
     return image
 
@@ -272,18 +272,19 @@ def torch_rate(path: str, *, train: bool = False, workers: int = 2) -> float:
 
 def alternating(rounds: int, **runs: Callable[[], float]) -> dict[str, float]:
     """``rounds`` rounds of every run in turns (so each sees the machine as it was that round):
-    the median of each, and of each run's ratio to the first run, named ``<name>/<first>``."""
+    the median of each, and the median of each round's ratio of every run to every other, named
+    ``"<name>/<other>"``."""
     seen: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
             seen[name].append(run())
-    first = next(iter(runs))
     out = {name: statistics.median(v) for name, v in seen.items()}
     for name, values in seen.items():
-        if name != first:
-            out[f"{name}/{first}"] = statistics.median(
-                a / b for a, b in zip(values, seen[first], strict=True)
-            )
+        for other, others in seen.items():
+            if other != name:
+                out[f"{name}/{other}"] = statistics.median(
+                    a / b for a, b in zip(values, others, strict=True)
+                )
     return out
 
 

@@ -1089,7 +1089,7 @@ def image_rows(quick: bool) -> list[Row]:
             f"of 1.6× and 0.9× the ceiling); medians of {rounds} interleaved rounds",
         )
     )
-    versus_torch = m["process/inline"] / m["torch/inline"]
+    versus_torch = m["process/torch"]
     rows.append(
         Row(
             "images: 2 process lanes vs torch DataLoader(num_workers=2), same Pillow calls",
