@@ -19,6 +19,7 @@ Functions only; ``zephon bench`` (``report.py``) and the asv suite call them.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -33,8 +34,8 @@ from typing import Any
 import numpy as np
 
 import zephon
-from zephon.ops import batch, center_crop, decode_images, fetch, random_resized_crop
-from zephon.ops import resize_images
+from zephon.ops import batch, center_crop, decode_images, fetch, random_resized_crop, resize_images
+from zephon.ops.base import Operator
 from zephon.sources.arrow import ArrowSource
 
 __all__ = [
@@ -114,6 +115,7 @@ def image_pipeline(
 ) -> zephon.Pipeline:
     """Decode, resize and center-crop (``train=False``) or random-resized-crop (``train``) to
     ``crop``, in batches of ``BATCH``."""
+    chain: list[Operator]
     if train:
         chain = [random_resized_crop(crop, seed=7)]
     else:
@@ -251,8 +253,9 @@ def torch_loader(path: str, *, train: bool = False, workers: int = 2) -> Any:
     ``BATCH`` by its default collate (a uint8 tensor per batch)."""
     import torch.utils.data as tud
 
+    dataset: Any = _TorchImages(path, train)  # map-style: __len__ and __getitem__
     return tud.DataLoader(
-        _TorchImages(path, train),
+        dataset,
         batch_size=BATCH,
         num_workers=workers,
         persistent_workers=False,
@@ -301,10 +304,8 @@ def _rss_child(path: str, passes: int, workers: str, bound: int | None) -> None:
     def rss() -> int:
         total = me.memory_info().rss
         for child in me.children(recursive=True):
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):  # it ended meanwhile
                 total += child.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
         return total
 
     pipeline = image_pipeline(

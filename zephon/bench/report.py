@@ -9,6 +9,7 @@ several); ratios that depend on the size (restore step, RSS growth) say which si
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -1053,8 +1054,8 @@ def image_rows(quick: bool) -> list[Row]:
         chain = "random_resized_crop(224)" if train else "resize(256)→center_crop(224)"
         m = ib.alternating(
             rounds,
-            bare=lambda t=train: ib.bare_rate(path, train=t),
-            ours=lambda t=train: ib.pipeline_rate(ib.image_pipeline(path, train=t)),
+            bare=functools.partial(ib.bare_rate, path, train=train),
+            ours=functools.partial(ib.pipeline_rate, ib.image_pipeline(path, train=train)),
         )
         rows.append(
             Row(

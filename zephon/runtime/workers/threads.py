@@ -224,9 +224,7 @@ class ThreadLane(WorkerLane):
     def group(cls, plan: Plan, members: list[tuple[int, dict]]) -> list[ThreadLane]:
         """Several lanes on one worker thread (which advances whichever has room)."""
         room = threading.Event()
-        channels = [
-            _ThreadChannel(plan.prefetch, room, plan.max_inflight_bytes) for _ in members
-        ]
+        channels = [_ThreadChannel(plan.prefetch, room, plan.max_inflight_bytes) for _ in members]
         thread = threading.Thread(
             target=_thread_group_main,
             args=(
