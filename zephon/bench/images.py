@@ -121,7 +121,7 @@ def image_pipeline(
     else:
         chain = [resize_images(crop * SHORT_EDGE // CROP), center_crop(crop)]
     return zephon.Pipeline(
-        ArrowSource(path, columns=["image"], chunk_size=ROW_GROUP, passes=passes),
+        ArrowSource(path, columns=["image"], chunk_size=BATCH, passes=passes),
         [fetch(), decode_images("image"), *chain, batch(BATCH)],
         lanes=lanes,
         workers=workers,
