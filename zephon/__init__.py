@@ -23,6 +23,7 @@ from zephon.errors import (  # noqa: E402
     PlanError,
     RelaneWarning,
     ReplayDivergenceError,
+    RetireWarning,
     UnverifiedContentWarning,
     ZephonError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "PlanError",
     "RelaneWarning",
     "ReplayDivergenceError",
+    "RetireWarning",
     "UnverifiedContentWarning",
     "ZephonError",
     "load_checkpoint",

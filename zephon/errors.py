@@ -110,6 +110,12 @@ class PipelineChangeWarning(UserWarning):
     delivered; everything after it comes from the new operators."""
 
 
+class RetireWarning(UserWarning):
+    """A record that mixes a retired sample with others (a row of a packer that cannot leave
+    retired samples out: ``Operator.leave_out``) was taken out whole at delivery, so the other
+    samples' parts in it were not delivered. The message names the record's cursor."""
+
+
 class MixtureDropWarning(UserWarning):
     """``ensure_mixture`` dropped more than a fifth of what it saw to reach its weights: the input
     is far from them, and most of the work upstream is thrown away. The message says what to

@@ -15,8 +15,6 @@ if TYPE_CHECKING:
     from zephon.ops.base import Grouper, Operator, PointerReader
     from zephon.sources.base import WorkSource
 
-WORKER_KINDS = ("inline", "thread", "process")
-
 
 def digest(obj: Any) -> str:
     """The stable hex digest fingerprints are made of (sorted keys, plain JSON)."""

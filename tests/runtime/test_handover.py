@@ -114,16 +114,41 @@ def test_a_collate_that_fails_in_the_compiled_step_names_the_batch_and_books_not
 
 
 class Step(LoaderStep):
-    def _fail(self, exc: BaseException) -> None:
+    def start_or_refuse(self) -> None:
+        pass
+
+    def note_inflight(self) -> None:
+        pass
+
+    def fail(self, exc: BaseException) -> None:
         self._failure = exc
+
+    def release_source(self) -> None:
+        pass
 
 
 def test_the_compiled_bases_refuse_what_is_not_a_lane() -> None:
     step = Step()
-    step.lanes = [object()]
+    step.lanes = [object()]  # type: ignore[list-item]
     step._started = True
     step._lock = threading.Lock()
     with pytest.raises(TypeError, match="LaneOutlet"):
         next(step)
     assert isinstance(step._failure, TypeError)  # a failed step is a failed loader
-    assert LaneOutlet().hand_over_head() is None  # no batcher, no feed: nothing to hand over
+    assert Outlet().hand_over_head() is None  # no batcher, no feed: nothing to hand over
+
+
+class Outlet(LaneOutlet):
+    def next_delivery(self) -> None:
+        return None
+
+
+def test_a_hook_the_subclass_left_out_is_refused_by_name() -> None:
+    step = Step()
+    step.lanes = [LaneOutlet()]  # type: ignore[abstract]  # (a type checker refuses it too)
+    step._started = True
+    step._lock = threading.Lock()
+    with pytest.raises(NotImplementedError, match=r"LaneOutlet must define next_delivery\(\)"):
+        next(step)
+    with pytest.raises(NotImplementedError, match=r"LoaderStep must define fail\(\)"):
+        LoaderStep().fail(ValueError())  # type: ignore[abstract]

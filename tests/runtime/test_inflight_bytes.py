@@ -88,7 +88,7 @@ def test_a_resume_is_exact_with_the_bound_on(workers):
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "1GB"])
 def test_max_inflight_bytes_must_be_a_positive_int(value):
-    with pytest.raises(PlanError, match="max_inflight_bytes must be an int >= 1"):
+    with pytest.raises(PlanError, match=r"max_inflight_bytes must be (an int|>= 1)"):
         pipeline(bound=value).compile()
 
 

@@ -25,6 +25,7 @@ from zephon.errors import OperatorError, PlanError, ZephonError
 from zephon.ops.basic import fetch, map_transform
 from zephon.ops.batching import batch
 from zephon.runtime.workers.kinds import open_lanes
+from zephon.runtime.workers.processes import ProcessLane
 from zephon.runtime.workers.stopping import close_lanes
 from zephon.sources.memory import RangeSource
 
@@ -248,12 +249,14 @@ def test_a_worker_killed_while_another_lane_is_awaited_is_reported_by_its_own_la
         RangeSource(64, chunk_size=8), [fetch(), map_transform(hold)], lanes=2, workers="process"
     ).compile()
     lanes = open_lanes(plan, [(0, {}), (1, {})])
+    killed = lanes[1]
+    assert isinstance(killed, ProcessLane)
     spent: list[float] = []
 
     def kill_lane_1_then_release() -> None:
         wait_until(lambda: os.path.exists(hold.log), 30)
-        os.kill(lanes[1].pid, signal.SIGKILL)
-        wait_until(lambda: not os.path.exists(f"/proc/{lanes[1].pid}/status"), 30)
+        os.kill(killed.pid, signal.SIGKILL)
+        wait_until(lambda: not os.path.exists(f"/proc/{killed.pid}/status"), 30)
         before = time.process_time()
         time.sleep(1.0)  # the loader keeps waiting for lane 0, its pipe to lane 1 at its end
         spent.append(time.process_time() - before)

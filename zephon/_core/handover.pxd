@@ -28,9 +28,11 @@ cdef class LaneOutlet:
 cdef class LoaderStep:
     cdef public list lanes
     cdef public Py_ssize_t next_lane
+    cdef public object policy           # where the lanes' contract violations are reported
     cdef public object _lock
     cdef public object _failure
     cdef public bint _closed
     cdef public bint _started
+    cdef public Py_ssize_t steps        # items handed over by ``next()`` (not by a restore)
 
     cdef object _round(self)

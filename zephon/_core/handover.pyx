@@ -7,6 +7,11 @@ wrap; ``delivery.hand_over_run``), look at two flags, release the lock. Written 
 took about as long as booking the batch itself, so the state those steps read lives in the
 compiled bases below; the runtime's classes derive from them and keep every other case (the
 first step, a refill, a pending batch, control items, the end, errors) in Python.
+
+What the step calls back is declared here, as methods a subclass defines (each refuses by name
+until it does), and, for the objects it is handed, as the protocols of ``handover.pyi``
+(``HandoverBook``, ``ViolationReport``), so that a type checker holds the runtime's classes to
+them.
 """
 
 from zephon._core.delivery cimport DeliveryBook, hand_over_run
@@ -14,6 +19,12 @@ from zephon._core.delivery cimport DeliveryBook, hand_over_run
 from zephon._core.delivery import CollateFailed
 
 NO_LIMIT = (1 << 62) - 1  # a lane's ``limit`` when it runs to its end
+
+
+cdef object _undefined(object obj, str name):
+    return NotImplementedError(
+        f"{type(obj).__name__} must define {name}(), which the compiled hand-over calls"
+    )
 
 
 cdef class FeedBuffer:
@@ -25,20 +36,29 @@ cdef class FeedBuffer:
 
 cdef class PendingBatch:
     """A lane's pending batch: ``n_pending`` real records wait in ``pending`` for ``batch_size``;
-    ``collate`` makes the batch's payload."""
+    ``collate`` makes the batch's payload, and ``collate_failed`` (a subclass's) the error for a
+    collate that raised."""
 
     def __cinit__(self):
         self.pending = []
 
+    def collate_failed(self, records, exc):
+        """The error to raise for a collate of ``records`` that raised ``exc``."""
+        raise _undefined(self, "collate_failed")
+
 
 cdef class LaneOutlet:
     """One lane's delivery: its ``feed`` (a ``FeedBuffer``), its ``batcher`` (a ``PendingBatch``
-    or None) and its ``book`` (whose ``book`` attribute is the lane's current ``DeliveryBook``).
-    ``hand_over_head()`` is the usual step; the runtime's subclass delivers everything else.
-    A lane that has handed over ``limit`` items hands over nothing more."""
+    or None) and its ``book`` (a ``HandoverBook``: its ``book`` attribute is the lane's current
+    ``DeliveryBook``). ``hand_over_head()`` is the usual step; everything else is the subclass's
+    ``next_delivery()``. A lane that has handed over ``limit`` items hands over nothing more."""
 
     def __cinit__(self, *args, **kwargs):
         self.limit = NO_LIMIT
+
+    def next_delivery(self):
+        """The lane's next item when ``hand_over_head()`` had none; None once the lane is done."""
+        raise _undefined(self, "next_delivery")
 
     cpdef object hand_over_head(self):
         """The usual hand-over: when the lane is running, nothing is pending and the feed position
@@ -67,24 +87,42 @@ cdef class LaneOutlet:
 
 
 cdef class LoaderStep:
-    """The loader's ``__next__``: a round over its ``lanes`` from ``next_lane`` under ``_lock``,
-    until one delivers. Each lane is a ``LaneOutlet`` with a ``next_delivery()`` method, which
-    is called when ``hand_over_head()`` has nothing. A loader that has not started, has failed or
-    was closed goes through ``_first_or_refused()`` first; a lane's contract violations go to
-    ``policy.report``, and a chunk it announced to ``_note_inflight()``. A subclass defines those
-    methods, ``_fail(exc)`` and ``_release_source()``.
+    """The loader's ``__next__``: a round over its ``lanes`` (``LaneOutlet``s) from
+    ``next_lane`` under ``_lock``, until one delivers. A loader that has not started, has failed
+    or was closed goes through ``start_or_refuse()`` first; a lane's contract violations go to
+    ``policy`` (a ``ViolationReport``), a chunk it announced to ``note_inflight()``, an error to
+    ``fail(exc)``, and the end of the stream to ``release_source()``: a subclass defines those.
+    ``steps`` counts the items handed over.
     """
 
     def __cinit__(self):
         self.lanes = []
+
+    def start_or_refuse(self):
+        """Before a step of a loader not started, failed or closed: start it, or raise."""
+        raise _undefined(self, "start_or_refuse")
+
+    def note_inflight(self):
+        """A lane announced a chunk: the lanes may hold more chunks than before."""
+        raise _undefined(self, "note_inflight")
+
+    def fail(self, exc):
+        """The step raised ``exc`` (raised again afterwards): the loader has failed."""
+        raise _undefined(self, "fail")
+
+    def release_source(self):
+        """Every lane has ended: the loader reads its source no more."""
+        raise _undefined(self, "release_source")
 
     def __next__(self):
         lock = self._lock
         lock.acquire()
         try:
             if self._failure is not None or self._closed or not self._started:
-                self._first_or_refused()
-            return self._round()
+                self.start_or_refuse()
+            out = self._round()
+            self.steps += 1
+            return out
         finally:
             lock.release()
 
@@ -104,11 +142,11 @@ cdef class LoaderStep:
                     self.policy.report(book.take_violations())
                 if book.opened:  # the lanes hold more chunks only after an announcement
                     book.opened = False
-                    self._note_inflight()
+                    self.note_inflight()
                 if out is not None:
                     return out
         except BaseException as exc:
-            self._fail(exc)
+            self.fail(exc)
             raise
-        self._release_source()  # the stream is over
+        self.release_source()  # the stream is over
         raise StopIteration

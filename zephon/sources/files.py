@@ -61,7 +61,7 @@ __all__ = [
     "DigestTable",
     "FileSource",
     "PathsArg",
-    "digest",
+    "content_digest",
     "digest_ranges",
     "is_permanent",
     "load_sidecar",
@@ -101,7 +101,7 @@ def transient_error(exc: OSError, path: str, where: str) -> OSError:
 DIGEST_PIECE = 8 << 20
 
 
-def digest(data: Any) -> int:
+def content_digest(data: Any) -> int:
     """The 64-bit content digest of a bytes-like object (the first 8 bytes of its sha256, as a
     signed int64): what a ``DigestTable`` stores for each range."""
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little", signed=True)
@@ -139,7 +139,7 @@ def digest_ranges(
             raise EOFError(f"the file ends inside bytes {a}..{end}")
         for j in range(k, m):
             lo = begin[j] - a
-            out[j] = digest(buf[lo : lo + size[j]])
+            out[j] = content_digest(buf[lo : lo + size[j]])
         k = m
     return out
 
@@ -188,7 +188,7 @@ class DigestTable:
 
     def matches(self, k: int, data: Any) -> bool:
         """True when ``data`` is the content range ``k`` had when the table was built."""
-        return len(data) == int(self.lengths[k]) and digest(data) == int(self.digests[k])
+        return len(data) == int(self.lengths[k]) and content_digest(data) == int(self.digests[k])
 
     def is_well_formed(self, size: int) -> bool:
         """True when the ranges are non-empty, sorted, disjoint and inside a file of ``size``."""

@@ -37,7 +37,7 @@ import numpy as np
 
 from zephon.errors import FetchError, PlanError
 from zephon.sources.arrow_rows import table_rows
-from zephon.sources.files import FileOptions, FileSource, digest
+from zephon.sources.files import FileOptions, FileSource, content_digest
 from zephon.sources.locations import DataFile
 from zephon.sources.remote import is_transient
 
@@ -241,7 +241,7 @@ class LanceSource(FileSource):
                     f"LanceSource: the data file {self._locations.uri(where)!r} holds fewer "
                     f"than the {size} bytes the manifest of version {self.pinned_version} says"
                 )
-            return f"{digest(tail):016x}"
+            return f"{content_digest(tail):016x}"
 
         out: list[str] = self.with_retries(
             lambda: [one(name, size) for name, size in files],

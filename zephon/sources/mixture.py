@@ -146,10 +146,11 @@ class MixtureSource(WorkSource):
             raise ValueError(f"MixtureSource: by must be one of {_BY}, got {by!r}")
         self.by = by
         self._costs: dict[str, TokenCost] = {}
+        # checked whatever ``by`` is: an argument is refused the same way wherever it is used
+        added = check_int(added_tokens, "added_tokens", "MixtureSource", minimum=0)
+        size = check_int(estimate_size, "estimate_size", "MixtureSource", minimum=1)
+        calibrate = check_int(calibration_size, "calibration_size", "MixtureSource", minimum=1)
         if by == "tokens":
-            added = check_int(added_tokens, "added_tokens", "MixtureSource", minimum=0)
-            size = check_int(estimate_size, "estimate_size", "MixtureSource", minimum=1)
-            calibrate = check_int(calibration_size, "calibration_size", "MixtureSource", minimum=1)
             self._estimate: dict[str, Any] = {
                 "length_column": length_column,
                 "text_field": text_field,

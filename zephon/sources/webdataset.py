@@ -50,7 +50,7 @@ from zephon.sources.files import (
     FileOptions,
     FileSource,
     PathsArg,
-    digest,
+    content_digest,
     read_sidecar,
     section_text,
     text_section,
@@ -246,7 +246,7 @@ class WebDatasetSource(FileSource):
                 piece = memoryview(fh.read_at(want, at))
                 if len(piece) != want:
                     raise self.fetch_error(i, "the file changed while it was being indexed")
-                digests += [digest(piece[a : a + block]) for a in range(0, want, block)]
+                digests += [content_digest(piece[a : a + block]) for a in range(0, want, block)]
                 scan.feed(piece)
             scan.finish(size)
         except TarFormatError as exc:

@@ -73,7 +73,7 @@ class LaneBook:
         self.next_local = 0  # lane-local index of the next chunk to be announced
         self.carry: list[Any] | None = None  # carry state at the start of the retained epoch
         self.suspects: set[str] = set()  # operators seen emitting too many closing contributors
-        self.op_stats: list[list[float]] | None = None  # the runner's, as of its latest chunk
+        self.op_stats: list[list[Any]] | None = None  # the runner's (``stats_now``), latest chunk
         self.opened = False  # a chunk was announced since the loader last looked
         self.carry_warn_bytes = plan.carry_warn_bytes
         self.carry_warned = False

@@ -7,6 +7,7 @@ being delivered, and adds the lane to any error that comes out of the runner.
 from __future__ import annotations
 
 import threading
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from zephon._core.handover import FeedBuffer
@@ -15,14 +16,15 @@ from zephon.errors import ZephonError
 from zephon.plan import Plan
 from zephon.runtime.lanes.retire_screen import screen
 from zephon.runtime.workers import first_reads
-from zephon.runtime.workers.fork_server import start_fork_server
 from zephon.runtime.workers.kinds import open_lane, open_lanes
+from zephon.runtime.workers.lane import Lane
 from zephon.runtime.workers.memory_release import give_back
-from zephon.runtime.workers.pickled_plan import PlanParcel
+from zephon.runtime.workers.registry import LaneKind, lane_kind
 from zephon.runtime.workers.stopping import close_lanes
 
 if TYPE_CHECKING:
     from zephon.runtime.checkpoint.retired import RetiredIds
+    from zephon.runtime.workers.trainer_wait import TrainerWait
     from zephon.sources.base import WorkSource
 
 
@@ -36,10 +38,11 @@ class LaneFeed(FeedBuffer):
         self.pos = 0
         # Where the runner starts (set on restore, or by a head start); the runner takes it.
         self.start_at: dict[str, Any] = {}
-        self.runner: Any = None  # the running lane (inline, thread or process)
+        self.runner: Lane | None = None  # the running lane, of the plan's kind
         self.starting: WorkerStarts | None = None  # set while its worker starts on a thread
         self.closed = False
         self.retired: RetiredIds | None = None  # samples taken out of the run (``retire=``)
+        self.waits: TrainerWait | None = None  # the loader's, which times every refill
 
     def start(self) -> None:
         """Start the lane's runner unless it runs already (or wait for a start under way)."""
@@ -55,9 +58,21 @@ class LaneFeed(FeedBuffer):
     def refill(self) -> None:
         """The next item list from the runner (started on first use). While its worker process
         waits for the fork server, the lane's first lists are read here (``first_reads``)."""
+        waits = self.waits
+        if waits is None:
+            self._refill()
+            return
+        began = perf_counter()
+        try:
+            self._refill()
+        finally:
+            waits.book(perf_counter() - began)
+
+    def _refill(self) -> None:
         if self.starting is not None and self.starting.claim(self) and self.read_ahead():
             return
         self.start()
+        assert self.runner is not None
         try:
             self.buf = next(self.runner)
         except ZephonError as exc:
@@ -104,43 +119,46 @@ class LaneFeed(FeedBuffer):
 
 def start_feeds(feeds: list[LaneFeed], first: LaneFeed | None = None) -> None:
     """Start the runners of many lanes at once, sharing the plan's worker processes or threads
-    (``workers.open_lanes``). ``first``, the lane delivered from first, may be read in this
-    process while the worker processes start, and so may the others until their workers can
+    (``kinds.open_lanes``). Where the lane kind says the loader reads first
+    (``LaneKind.loader_reads_first``), ``first``, the lane delivered from first, is read in this
+    process while the workers start, and so may the others until their workers can
     (``first_reads``)."""
     waiting = [feed for feed in feeds if feed.runner is None and not feed.closed]
     if not waiting:
         return
     plan = waiting[0].plan
-    # The plan is pickled once, here, before a head start and the worker starts run side by side.
-    parcel = PlanParcel(plan) if plan.workers == "process" else None
-    if parcel is None or first not in waiting or not first_reads.applies(plan, len(waiting)):
-        _open_runners(plan, waiting, parcel)
+    kind = lane_kind(plan.workers)
+    # Made once, here, before the loader's reads and the worker starts run side by side.
+    shared = kind.shared_for(plan)
+    reads_first = kind.loader_reads_first
+    if first not in waiting or reads_first is None or not reads_first(plan, len(waiting)):
+        _open_runners(plan, waiting, shared)
         return
-    starts = WorkerStarts(plan, [first, *(f for f in waiting if f is not first)], parcel)
+    starts = WorkerStarts(plan, kind, [first, *(f for f in waiting if f is not first)], shared)
     starts.claim(first)
     try:
         first.read_ahead()
     finally:
-        # The fork server boots once the first lane's read is over: its imports would take a
-        # core from that read, and the first batch would wait for them.
+        # The workers warm up (the fork server's imports) once the first lane's read is over:
+        # they would take a core from that read, and the first batch would wait for them.
         starts.begin()
 
 
-def _open_runners(plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel | None) -> None:
+def _open_runners(plan: Plan, feeds: list[LaneFeed], shared: Any) -> None:
     """Start the runners of ``feeds`` where they start (``start_at``), sharing the workers."""
-    runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in feeds], parcel)
+    runners = open_lanes(plan, [(feed.lane_id, feed.start_at) for feed in feeds], shared)
     for feed, runner in zip(feeds, runners):
         feed.runner, feed.start_at = runner, {}  # the runner has it, as in start()
 
 
 class WorkerStarts:
-    """The worker processes of ``feeds``, started on a thread (``begin``) that boots the fork
-    server and waits until it forks (it imports the plan's modules first). Until then the loader
-    may claim a lane and read its first lists itself (``LaneFeed.read_ahead``): that lane's
-    worker is started when the read is over, from where it ended. Each feed's ``start()`` waits
-    for this; an error here is raised there."""
+    """The workers of ``feeds``, started on a thread (``begin``) that first warms the kind up
+    (``LaneKind.warm_up``: worker processes wait for the fork server, which imports the plan's
+    modules before it forks). Until then the loader may claim a lane and read its first lists
+    itself (``LaneFeed.read_ahead``): that lane's worker is started when the read is over, from
+    where it ended. Each feed's ``start()`` waits for this; an error here is raised there."""
 
-    def __init__(self, plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel):
+    def __init__(self, plan: Plan, kind: LaneKind, feeds: list[LaneFeed], shared: Any):
         self.error: BaseException | None = None
         self._reads_kept: WorkSource | None = plan.source  # until the first wait() drops them
         self._cancelled = False
@@ -152,13 +170,13 @@ class WorkerStarts:
             feed.starting = self
         self._thread = threading.Thread(
             target=self._run,
-            args=(plan, feeds, parcel),
+            args=(plan, kind, feeds, shared),
             name=f"zephon-worker-starts-{feeds[0].lane_id}",
             daemon=True,
         )
 
     def begin(self) -> None:
-        """Boot the fork server and start the workers, on the thread."""
+        """Warm the kind up and start the workers, on the thread."""
         self._thread.start()
 
     def claim(self, feed: LaneFeed) -> bool:
@@ -175,20 +193,21 @@ class WorkerStarts:
         assert read is not None
         read.set()
 
-    def _run(self, plan: Plan, feeds: list[LaneFeed], parcel: PlanParcel) -> None:
+    def _run(self, plan: Plan, kind: LaneKind, feeds: list[LaneFeed], shared: Any) -> None:
         try:
-            start_fork_server(parcel.preload)
+            if kind.warm_up is not None:
+                kind.warm_up(shared)
             with self._lock:  # the lanes nobody reads ahead are started first, as they are
                 unclaimed = [feed for feed in feeds if feed.lane_id not in self._owners]
                 self._owners.update((feed.lane_id, None) for feed in unclaimed)
             if unclaimed and not self._cancelled:
-                _open_runners(plan, unclaimed, parcel)
+                _open_runners(plan, unclaimed, shared)
             for feed in feeds:
                 read = self._owners[feed.lane_id]
                 if read is not None:
                     read.wait()
                     if not self._cancelled:
-                        _open_runners(plan, [feed], parcel)
+                        _open_runners(plan, [feed], shared)
         except BaseException as exc:  # raised by the feeds' start()
             self.error = exc
 

@@ -227,7 +227,7 @@ class ProcessLane(WorkerLane):
         self._acks = 0  # item lists taken (and acknowledged)
         self._held_at = -1  # how many acknowledgements the worker had when it last waited on bytes
         self._stalled: ZephonError | None = None
-        # What the worker said it waits on (see worker_process._watch_storage), and since when.
+        # What the worker said it waits on (its storage watch, in process_main), and since when.
         self._storage: tuple[StorageWait, float] | None = None
         self._ended = False
         self._gone = False  # the pipe ended while receiving ahead: next() reports why

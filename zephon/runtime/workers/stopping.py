@@ -13,31 +13,14 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Iterable
-from typing import Protocol
 
 from zephon.errors import FetchError, ZephonError
+from zephon.runtime.workers.lane import STOP_TIMEOUT, Lane, LaneWorker
 from zephon.sources.storage_waits import StorageWait
 
-#: Seconds a worker gets to stop by itself once asked, before a worker process is terminated.
-STOP_TIMEOUT = 0.1
 _TERMINATE_WAIT = 0.05  # SIGTERM ends a Python process at once unless it handles the signal
 _KILL_WAIT = 1.0  # SIGKILL cannot be refused; only a process stuck in the kernel outlasts this
 WORKER_NAME = "zephon-lane-"
-
-
-class LaneWorker(Protocol):
-    """What stopping needs of a worker; held by the lane's finalizer, so never the lane itself."""
-
-    #: Whether ``terminate`` and ``kill`` can end the worker (a process) or not (a thread).
-    forcible: bool
-
-    def request_stop(self) -> None: ...
-
-    def wait(self, deadline: float) -> bool: ...
-
-    def terminate(self) -> None: ...
-
-    def kill(self) -> None: ...
 
 
 def join_workers(workers: list[LaneWorker], deadline: float) -> bool:
@@ -63,13 +46,7 @@ def stop_workers(workers: list[LaneWorker], timeout: float) -> None:
     join_workers(workers, time.monotonic() + timeout)
 
 
-class _Lane(Protocol):
-    def request_stop(self) -> None: ...
-
-    def _release(self) -> list[LaneWorker]: ...
-
-
-def close_lanes(lanes: Iterable[_Lane], timeout: float = STOP_TIMEOUT) -> None:
+def close_lanes(lanes: Iterable[Lane], timeout: float = STOP_TIMEOUT) -> None:
     """Stop many lanes in the time of one: ask every lane's worker to stop, then wait for all of
     them with a single deadline ``timeout`` seconds away, past which worker processes still
     running are terminated, then killed. Idempotent; a lane may appear more than once.
@@ -80,15 +57,15 @@ def close_lanes(lanes: Iterable[_Lane], timeout: float = STOP_TIMEOUT) -> None:
     lanes = list(lanes)
     for lane in lanes:
         lane.request_stop()
-    workers = [worker for lane in lanes for worker in lane._release()]
+    workers = [worker for lane in lanes for worker in lane.release()]
     join_workers(workers, time.monotonic() + timeout)
 
 
-class WorkerLane:
-    """What a thread lane and a process lane share: stopping their worker. ``_watch`` is called
-    once as the lane is set up; from then on the worker is stopped by ``close()``, by
-    ``close_lanes``, or by the lane's finalizer when the lane is collected unclosed (the
-    finalizer holds the worker, never the lane)."""
+class WorkerLane(Lane):
+    """A lane with a worker of its own (a thread, a process), and how that worker is stopped.
+    ``_watch`` is called once as the lane is set up; from then on the worker is stopped by
+    ``close()``, by ``close_lanes``, or by the lane's finalizer when the lane is collected
+    unclosed (the finalizer holds the worker, never the lane)."""
 
     _worker: LaneWorker
     _closed: bool
@@ -107,10 +84,10 @@ class WorkerLane:
         """Wait until ``deadline`` (``time.monotonic()``) for the worker to stop; whether it did.
         A worker process still running then is terminated, then killed; a thread busy inside an
         operator stops by itself once the operator returns."""
-        return join_workers(self._release(), deadline)
+        return join_workers(self.release(), deadline)
 
-    def _release(self) -> list[LaneWorker]:
-        # The lane's worker, once: later calls (and the finalizer) have nothing left to stop.
+    def release(self) -> list[LaneWorker]:
+        """The lane's worker, once: later calls (and the finalizer) have nothing left to stop."""
         return [self._worker] if self._finalizer.detach() is not None else []
 
     def close(self, timeout: float = STOP_TIMEOUT) -> None:

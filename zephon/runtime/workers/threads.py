@@ -299,3 +299,14 @@ class ThreadLane(WorkerLane):
             self._ended = True
             raise StopIteration
         return value
+
+
+def open_thread_lanes(
+    plan: Plan, members: list[tuple[int, dict]], shared: None
+) -> list[ThreadLane]:
+    """The lanes ``members`` (lane id, runner start) on one worker thread: a thread of its own
+    for a single lane, one shared thread for several (``ThreadLane.group``)."""
+    if len(members) == 1:
+        lane_id, start = members[0]
+        return [ThreadLane(plan, lane_id, **start)]
+    return ThreadLane.group(plan, members)
