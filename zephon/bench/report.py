@@ -1040,9 +1040,10 @@ def image_rows(quick: bool) -> list[Row]:
             _si(m["inline"], "img/s"),
             f"{m['process/inline']:.2f}×",
             "≥ 1.6× (2 cores)",
-            m["process/inline"] >= min(1.6, 0.9 * ceiling),
-            f"the machine's two-process ceiling now: {ceiling:.2f}× (the target is the lesser "
-            f"of 1.6× and 0.9× the ceiling); medians of {rounds} interleaved rounds",
+            # Judged only where the machine's own two processes reach 1.8× one.
+            m["process/inline"] >= 1.6 if ceiling >= 1.8 else None,
+            f"the machine's two-process ceiling now: {ceiling:.2f}× (judged only from 1.8×: "
+            f"two free cores); medians of {rounds} interleaved rounds",
         )
     )
     versus_torch = m["process/torch"]
