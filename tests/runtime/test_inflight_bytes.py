@@ -27,7 +27,9 @@ def with_pixels(payload):
     return {"idx": i, "pixels": np.full(PIXELS, i % 251, dtype=np.uint8), "name": f"s{i}"}
 
 
-def pipeline(workers="inline", *, n=200, lanes=1, prefetch=2, bound=None, batch_size=None):
+def pipeline(
+    workers="inline", *, n=200, lanes=1, prefetch=2, bound=None, batch_size=None, processes=None
+):
     ops = [fetch(), map_transform(with_pixels)]
     if batch_size:
         ops.append(batch(batch_size))
@@ -39,6 +41,7 @@ def pipeline(workers="inline", *, n=200, lanes=1, prefetch=2, bound=None, batch_
         micro_batch=MICRO,
         prefetch=prefetch,
         max_inflight_bytes=bound,
+        processes=processes,
     )
 
 
@@ -52,11 +55,15 @@ def test_item_list_bytes_counts_arrays_bytes_and_str_of_the_payloads():
     loader.close()
 
 
-@pytest.mark.parametrize("workers", ["thread", "process"])
-def test_the_read_ahead_stops_growing_at_the_byte_bound(workers):
-    # prefetch alone would let the lane run 50 lists ahead; 3 lists of ~40 kB reach the bound.
+# One worker per lane, and two lanes sharing one worker (one thread; one process).
+SHARED = [("thread", 1), ("thread", 2), ("process", 1), ("process", 2)]
+
+
+@pytest.mark.parametrize(("workers", "lanes"), SHARED)
+def test_the_read_ahead_stops_growing_at_the_byte_bound(workers, lanes):
+    # prefetch alone would let the lane run 50 lists ahead; 2 lists of ~40 kB reach the bound.
     bound = 2 * MICRO * PIXELS + 1
-    loader = pipeline(workers, prefetch=50, bound=bound).iter()
+    loader = pipeline(workers, lanes=lanes, prefetch=50, bound=bound, processes=1).iter()
     first = next(loader)
     lane = loader.lanes[0].feed.runner
     assert wait_until(lane.held_by_bytes, 60), "the lane never reached its byte bound"
@@ -66,15 +73,15 @@ def test_the_read_ahead_stops_growing_at_the_byte_bound(workers):
     assert 2 <= lane.queued() < 50  # two lists reach the bound; the next waits in the worker
     rest = run(loader)
     assert [first.meta.cursor, *(c for _, c, _ in rest)] == [
-        r.meta.cursor for r in pipeline().iter()
+        r.meta.cursor for r in pipeline(lanes=lanes).iter()
     ]
     loader.close()
 
 
-@pytest.mark.parametrize("workers", ["inline", "thread", "process"])
-def test_one_item_list_larger_than_the_bound_is_still_delivered(workers):
+@pytest.mark.parametrize(("workers", "processes"), [("inline", None), *SHARED])
+def test_one_item_list_larger_than_the_bound_is_still_delivered(workers, processes):
     expected = run(pipeline(lanes=2, batch_size=6).iter())
-    bounded = pipeline(workers, lanes=2, bound=1, batch_size=6)
+    bounded = pipeline(workers, lanes=2, bound=1, batch_size=6, processes=processes)
     assert run_with_timeout(lambda: run(bounded.iter()), 120) == expected
 
 
