@@ -179,6 +179,7 @@ def _stream(
                 if _from_loader(conn.recv()):
                     credits += 1
                     acks += 1
+                    told = False  # still held after this one, the loader hears so again
                     if unacked:
                         inflight -= unacked.popleft()
         except (OSError, EOFError):
