@@ -64,18 +64,20 @@ def test_the_read_ahead_stops_growing_at_the_byte_bound(workers, lanes):
     # prefetch alone would let the lane run 50 lists ahead; 2 lists of ~40 kB reach the bound.
     bound = 2 * MICRO * PIXELS + 1
     loader = pipeline(workers, lanes=lanes, prefetch=50, bound=bound, processes=1).iter()
-    first = next(loader)
-    lane = loader.lanes[0].feed.runner
-    assert wait_until(lane.held_by_bytes, 60), "the lane never reached its byte bound"
-    # The worker said it waits on the bound: everything it made before is here, untaken.
-    one_list = MICRO * PIXELS + 4096  # a list's payloads, with room for the pickle around them
-    assert bound <= lane.queued_bytes() < bound + one_list
-    assert 2 <= lane.queued() < 50  # two lists reach the bound; the next waits in the worker
-    rest = run(loader)
+    try:
+        first = next(loader)
+        lane = loader.lanes[0].feed.runner
+        assert wait_until(lane.held_by_bytes, 60), "the lane never reached its byte bound"
+        # The worker said it waits on the bound: everything it made before is here, untaken.
+        one_list = MICRO * PIXELS + 4096  # a list's payloads, with room for the pickle around them
+        assert bound <= lane.queued_bytes() < bound + one_list
+        assert 2 <= lane.queued() < 50  # two lists reach the bound; the next waits in the worker
+        rest = run(loader)
+    finally:
+        loader.close()
     assert [first.meta.cursor, *(c for _, c, _ in rest)] == [
         r.meta.cursor for r in pipeline(lanes=lanes).iter()
     ]
-    loader.close()
 
 
 @pytest.mark.parametrize(("workers", "processes"), [("inline", None), *SHARED])
