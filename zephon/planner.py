@@ -107,6 +107,7 @@ class _Sizes(NamedTuple):
     micro_batch: int
     carry_warn_bytes: int
     processes: int | None
+    max_inflight_bytes: int | None
 
 
 def _split_chain(ops: list[Operator]) -> tuple[Any, tuple[Operator, ...], Any]:
@@ -182,6 +183,11 @@ class Pipeline:
     ``ray_options`` (``workers="ray"`` only): how each lane's Ray actor is placed, from
     ``num_cpus``, ``memory``, ``resources``, ``scheduling_strategy`` and ``runtime_env`` (see
     ``docs/distributed.md``); an unknown key is a ``PlanError`` naming it.
+    ``max_inflight_bytes`` (None: no byte bound, only ``prefetch`` item lists) bounds the payload
+    bytes each thread or process lane reads ahead of the loader: once the lists it has ready hold
+    that many bytes, it makes no more until the loader takes one. A single list larger than the
+    bound is still handed over, alone. Not part of the fingerprint: it changes when lists are
+    made, never what they hold.
     """
 
     def __init__(
@@ -206,6 +212,7 @@ class Pipeline:
         on_error: str | Mapping[str, str] = "raise",
         max_skipped: int | None = None,
         ray_options: Mapping[str, Any] | None = None,
+        max_inflight_bytes: int | None = None,
     ):
         self.source = source
         self.ops = list(ops)
@@ -228,6 +235,7 @@ class Pipeline:
         self.on_error = on_error
         self.max_skipped = max_skipped
         self.ray_options = ray_options
+        self.max_inflight_bytes = max_inflight_bytes
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
@@ -277,6 +285,7 @@ class Pipeline:
             skip_fetch_errors=skip_fetch,
             max_skipped=self.max_skipped,
             ray_options=None if self.ray_options is None else dict(self.ray_options),
+            max_inflight_bytes=sizes.max_inflight_bytes,
         )
 
     def _validate(self, lanes: int | None) -> _Sizes:
@@ -301,6 +310,9 @@ class Pipeline:
             micro_batch=size("micro_batch", self.micro_batch, 1),
             carry_warn_bytes=size("carry_warn_bytes", self.carry_warn_bytes, 0),
             processes=None if self.processes is None else size("processes", self.processes, 1),
+            max_inflight_bytes=None
+            if self.max_inflight_bytes is None
+            else size("max_inflight_bytes", self.max_inflight_bytes, 1),
         )
         if sizes.lanes % sizes.world_size:
             raise PlanError(
