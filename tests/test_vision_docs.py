@@ -11,6 +11,7 @@ from docs_kit import run_page
 
 pytest.importorskip("torchdata")
 pytest.importorskip("PIL")
+pytest.importorskip("webdataset")
 
 
 def test_the_vision_tutorial_runs_and_its_resumed_stream_is_identical(tmp_path: Path) -> None:
@@ -18,3 +19,4 @@ def test_the_vision_tutorial_runs_and_its_resumed_stream_is_identical(tmp_path: 
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "identical stream, pixels included, after SIGKILL and resume" in done.stdout
     assert "pixel_values (" in done.stdout and "image_grid_thw (" in done.stdout
+    assert "WebDataset shards: the same batches, pixels included" in done.stdout
