@@ -50,10 +50,12 @@ def no_leftover_workers() -> Iterator[None]:
     yield from assert_no_leftover_workers()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[str]:
-    """The address of a local Ray cluster of 2 CPUs started once for the whole test run (a start
-    takes tens of seconds), shut down at its end. Its workers import the code under test."""
+    """The address of a local Ray cluster of 2 CPUs started once for the module that uses it (a
+    start takes tens of seconds), shut down at the module's end: a process still connected to
+    Ray cannot fork safely (the child's exit hangs in Ray's own shutdown), and later tests fork
+    the test process. Its workers import the code under test."""
     import psutil
     import ray
 

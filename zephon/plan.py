@@ -79,7 +79,7 @@ class Plan:
     #: How each lane's Ray actor is placed (``workers="ray"``): ``ray_options`` as checked by the
     #: planner. Not part of the fingerprint: where a lane runs never changes what it delivers.
     ray_options: dict[str, Any] | None = None
-    #: The most payload bytes a thread or process lane holds ready ahead of the loader (beyond
+    #: The most payload bytes a thread, process or Ray lane holds ready ahead of the loader (beyond
     #: one list larger than that); None: only ``prefetch`` bounds the read-ahead. Not part of
     #: the fingerprint: it changes when item lists are made, never what they hold.
     max_inflight_bytes: int | None = None

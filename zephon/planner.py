@@ -184,9 +184,9 @@ class Pipeline:
     ``num_cpus``, ``memory``, ``resources``, ``scheduling_strategy`` and ``runtime_env`` (see
     ``docs/distributed.md``); an unknown key is a ``PlanError`` naming it.
     ``max_inflight_bytes`` (None: no byte bound, only ``prefetch`` item lists) bounds the payload
-    bytes each thread or process lane reads ahead of the loader: once the lists it has ready hold
-    that many bytes, it makes no more until the loader takes one. A single list larger than the
-    bound is still handed over, alone. Not part of the fingerprint: it changes when lists are
+    bytes each thread, process or Ray lane reads ahead of the loader: once the lists it has ready
+    hold that many bytes, it makes no more until the loader takes one. A single list larger than
+    the bound is still handed over, alone. Not part of the fingerprint: it changes when lists are
     made, never what they hold.
     """
 

@@ -232,6 +232,33 @@ def test_arrays_come_from_the_object_store_and_warnings_reach_the_training_proce
     assert not any(r.payload["block"].flags.writeable for r in records)
 
 
+def test_ray_lanes_ask_ahead_only_what_max_inflight_bytes_allows(ray_cluster):
+    # Each item list holds 16 records of 64 KiB: a bound of 1.5 lists lets two calls be
+    # outstanding (the second once the first is below the bound) where prefetch would allow
+    # three; the stream is the inline one all the same.
+    one_list = 16 * 65536
+    with pytest.warns(UserWarning, match="record 3"):
+        inline = stream(iter(blocks("inline")))
+    ops = [fetch(), map_transform(with_block)]
+    pipeline = zephon.Pipeline(
+        RangeSource(64, chunk_size=16),
+        ops,
+        lanes=2,
+        workers="ray",
+        prefetch=3,
+        max_inflight_bytes=3 * one_list // 2,
+    )
+    with pytest.warns(UserWarning, match="record 3"), iter(pipeline) as loader:
+        got = [fingerprint_item(next(loader))]
+        lanes = lanes_of(loader)
+        ahead = []
+        for record in loader:
+            got.append(fingerprint_item(record))
+            ahead += [lane.queued_bytes() for lane in lanes]
+    assert got == inline
+    assert max(ahead) == 2 * one_list  # never the three lists prefetch alone allows
+
+
 def explode_on_13(payload: dict) -> dict:
     if payload["idx"] == 13:
         raise ValueError("thirteen")

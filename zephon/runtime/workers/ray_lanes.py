@@ -18,6 +18,7 @@ from typing import Any
 
 from zephon.errors import PlanError, WorkerLostError, ZephonError
 from zephon.plan import Plan
+from zephon.runtime.workers.inflight_bytes import has_room, item_list_bytes
 from zephon.runtime.workers.pipe_messages import END
 from zephon.runtime.workers.ray_actor import LaneActor
 from zephon.runtime.workers.stopping import WorkerLane, closed_error, timed_out
@@ -126,9 +127,13 @@ class RayLane(WorkerLane):
         self.actor = actor  # the handle: ray.kill(lane.actor) ends the lane's actor
         self.actor_id: str = actor._actor_id.hex()
         self._where = actor.where.remote()  # answered once the actor runs
-        self._pending: collections.deque[Any] = collections.deque(
-            actor.next.remote() for _ in range(plan.prefetch)
-        )
+        self._prefetch = plan.prefetch
+        # ``max_inflight_bytes``: the lists asked for ahead are taken to be as large as the
+        # latest one (their answers lie in the object store until ``next()`` gets them).
+        self._max_bytes = plan.max_inflight_bytes
+        self._latest_bytes = 0
+        self._pending: collections.deque[Any] = collections.deque()
+        self._ask_ahead()
         self._node: tuple[str, str, int] | None = None  # node id, its address, the actor's pid
         self._ended = False
         self._watch(_RayWorker(actor))
@@ -178,8 +183,26 @@ class RayLane(WorkerLane):
             self._ended = True
             self._pending.clear()
             raise StopIteration
-        self._pending.append(self.actor.next.remote())
+        if self._max_bytes is not None:
+            self._latest_bytes = item_list_bytes(value)
+        self._ask_ahead()
         return value
+
+    def _ask_ahead(self) -> None:
+        """Keep ``prefetch`` ``next`` calls outstanding, fewer when their lists would hold more
+        than ``max_inflight_bytes`` (never none: one list larger than the bound still comes)."""
+        pending = self._pending
+        while len(pending) < self._prefetch and (
+            not pending
+            or self._max_bytes is None
+            or has_room(len(pending) * self._latest_bytes, self._max_bytes)
+        ):
+            pending.append(self.actor.next.remote())
+
+    def queued_bytes(self) -> int:
+        """The payload bytes of the lists asked for ahead, as estimated from the latest one
+        (counted only under ``max_inflight_bytes``)."""
+        return len(self._pending) * self._latest_bytes
 
     def _describe(self, ray: Any, dead: bool = False) -> str:
         """``Ray actor <id> on node <id> (<address>), pid <pid>``, or that it never started."""
