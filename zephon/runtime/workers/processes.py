@@ -189,11 +189,25 @@ def ship_plan(conn: Connection, plan_bytes: bytes) -> None:
     """Send a started worker its pickled plan, queued in the pipe's send buffer (widened to
     ``PLAN_SEND_BUFFER`` where the pipe is a socket) so that this does not wait for the worker
     to read it. A worker that is already gone is left for the lane's ``next()`` to report."""
-    with contextlib.suppress(OSError, ValueError):  # not a socket (Windows): a plain send
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PLAN_SEND_BUFFER)
+    _widen_send_buffer(conn)
     with contextlib.suppress(OSError):
         conn.send_bytes(plan_bytes)
+
+
+def _widen_send_buffer(conn: Connection) -> None:
+    """Raise the send buffer of ``conn``'s socket to ``PLAN_SEND_BUFFER`` (a pipe that is no
+    socket, as on Windows, is left as it is)."""
+    try:
+        fd = os.dup(conn.fileno())
+    except (OSError, ValueError):
+        return
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        return
+    with sock, contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PLAN_SEND_BUFFER)
 
 
 class ProcessLane(WorkerLane):
