@@ -302,8 +302,8 @@ def test_starting_a_worker_does_not_wait_for_it_to_read_its_plan(tmp_path):
     gate = str(tmp_path / "gate")
     os.mkfifo(gate)
     texts = [f"{i:06d}" * 200 for i in range(300)]
-    plan = zephon.Pipeline(ListSource(texts, chunk_size=100), [fetch()], workers="process")
-    plan = plan.compile()
+    pipeline = zephon.Pipeline(ListSource(texts, chunk_size=100), [fetch()], workers="process")
+    plan = pipeline.compile()
     assert len(PlanParcel(plan).plan_bytes) > 256 * 1024
     started: list[ProcessLane] = []
     returned = threading.Event()
