@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 from net_kit import free_port
-from worker_kit import assert_no_leftover_workers
+from worker_kit import allow_ray_daemons, assert_no_leftover_workers
 
 _PROFILE: dict[str, Any] = {
     "deadline": None,
@@ -47,6 +48,35 @@ def no_leftover_workers() -> Iterator[None]:
     """The test leaves no lane thread and no worker process behind (modules that start workers
     use it for every test: ``pytestmark = pytest.mark.usefixtures("no_leftover_workers")``)."""
     yield from assert_no_leftover_workers()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str]:
+    """The address of a local Ray cluster of 2 CPUs started once for the whole test run (a start
+    takes tens of seconds), shut down at its end. Its workers import the code under test."""
+    import psutil
+    import ray
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The repository and the test directories pytest put on sys.path: operators defined in a
+    # test module travel by reference, and the actors import them from there.
+    ours = [root, *(p for p in sys.path if p.startswith(root + os.sep))]
+    before = {p.pid for p in psutil.Process().children()}
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*dict.fromkeys(ours), *([path] if path else [])])
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        if path is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = path
+    allow_ray_daemons({p.pid for p in psutil.Process().children()} - before)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+        allow_ray_daemons(set())
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,8 @@ import pytest
 import zephon
 from zephon.cli import DISTRIBUTION, main
 from zephon.ops import batch, fetch
-from zephon.runtime.checkpoint.format import STATE_VERSION, seal
+from zephon.runtime.checkpoint.format import seal
+from zephon.runtime.checkpoint.schema import STATE_VERSION
 from zephon.sources import RangeSource
 
 REPO = Path(__file__).resolve().parents[1]

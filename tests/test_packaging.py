@@ -101,9 +101,10 @@ def wheel(sdist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_pyproject_names_the_distribution_the_cli_reports():
-    text = (REPO / "pyproject.toml").read_text()
-    names = re.findall(r'^name = "([^"]+)"', text, flags=re.MULTILINE)
-    assert names == [DISTRIBUTION]
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["name"] == DISTRIBUTION
 
 
 def test_the_build_check_covers_every_kernel():

@@ -15,6 +15,26 @@ import zephon
 
 # Started once per test process by multiprocessing and shared by every later worker: not a leak.
 _MULTIPROCESSING_SERVICES = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+# The daemons of the local Ray cluster the test run started (``ray_cluster``), kept for the whole
+# run: they and the worker processes they start are Ray's, not leaks (Ray lanes' actors are
+# checked through Ray instead).
+_ray_daemons: set[int] = set()
+
+
+def allow_ray_daemons(pids: set[int]) -> None:
+    """Leave these processes (the local Ray cluster's daemons) and their descendants out of
+    ``worker_processes``; an empty set takes the allowance back."""
+    _ray_daemons.clear()
+    _ray_daemons.update(pids)
+
+
+def _ray_processes() -> set[int]:
+    found = set()
+    for pid in _ray_daemons:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found.add(pid)
+            found.update(p.pid for p in psutil.Process(pid).children(recursive=True))
+    return found
 
 
 def lane_threads() -> list[threading.Thread]:
@@ -23,7 +43,8 @@ def lane_threads() -> list[threading.Thread]:
 
 
 def worker_processes() -> list[psutil.Process]:
-    """Descendants of this process except multiprocessing's fork server and resource tracker.
+    """Descendants of this process except multiprocessing's fork server and resource tracker,
+    and the local Ray cluster's processes (``allow_ray_daemons``).
 
     The services are told apart from the workers by being direct children: a worker forked by
     the fork server has the same command line as the server itself.
@@ -34,6 +55,7 @@ def worker_processes() -> list[psutil.Process]:
         with contextlib.suppress(psutil.NoSuchProcess):
             if any(service in " ".join(child.cmdline()) for service in _MULTIPROCESSING_SERVICES):
                 services.add(child.pid)
+    services |= _ray_processes()
     return [p for p in me.children(recursive=True) if p.pid not in services]
 
 

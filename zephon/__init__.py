@@ -23,7 +23,9 @@ from zephon.errors import (  # noqa: E402
     PlanError,
     RelaneWarning,
     ReplayDivergenceError,
+    RetireWarning,
     UnverifiedContentWarning,
+    WorkerLostError,
     ZephonError,
 )
 from zephon.planner import Pipeline, Plan  # noqa: E402
@@ -54,7 +56,9 @@ __all__ = [
     "PlanError",
     "RelaneWarning",
     "ReplayDivergenceError",
+    "RetireWarning",
     "UnverifiedContentWarning",
+    "WorkerLostError",
     "ZephonError",
     "load_checkpoint",
     "load_job_state",

@@ -19,9 +19,10 @@ from typing import Any
 
 import zephon
 from zephon.errors import CheckpointError, ZephonError
-from zephon.runtime.checkpoint.format import FILE_FORMAT, JOB_FORMAT, STATE_FORMAT, unseal
+from zephon.runtime.checkpoint.format import FILE_FORMAT, unseal
 from zephon.runtime.checkpoint.history import described as described_history
 from zephon.runtime.checkpoint.saved_state import check_saved_state
+from zephon.runtime.checkpoint.schema import JOB_FORMAT, STATE_FORMAT
 
 _STATE_FORMATS = (STATE_FORMAT, JOB_FORMAT)
 

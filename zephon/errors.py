@@ -60,6 +60,11 @@ class FetchError(ZephonError):
     """A sample could not be read; the message names the pointer and the file."""
 
 
+class WorkerLostError(ZephonError):
+    """A lane's worker died under it (a Ray actor killed, its node lost): the message names the
+    lane and where it ran. The lane cannot go on; resume from the last checkpoint."""
+
+
 class OperatorError(ZephonError):
     """An exception raised inside an operator, naming the operator, the cursor and the sample id."""
 
@@ -108,6 +113,12 @@ class PipelineChangeWarning(UserWarning):
     """A checkpoint was resumed with changed operators (``allow_changes=True``): the message names
     each changed operator and parameter. What was delivered before the checkpoint stays
     delivered; everything after it comes from the new operators."""
+
+
+class RetireWarning(UserWarning):
+    """A record that mixes a retired sample with others (a row of a packer that cannot leave
+    retired samples out: ``Operator.leave_out``) was taken out whole at delivery, so the other
+    samples' parts in it were not delivered. The message names the record's cursor."""
 
 
 class MixtureDropWarning(UserWarning):

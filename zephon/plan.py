@@ -76,6 +76,13 @@ class Plan:
     skip_fetch_errors: bool = False
     #: The most records this rank's loader may skip over the run; None: no limit.
     max_skipped: int | None = None
+    #: How each lane's Ray actor is placed (``workers="ray"``): ``ray_options`` as checked by the
+    #: planner. Not part of the fingerprint: where a lane runs never changes what it delivers.
+    ray_options: dict[str, Any] | None = None
+    #: The most payload bytes a thread or process lane holds ready ahead of the loader (beyond
+    #: one list larger than that); None: only ``prefetch`` bounds the read-ahead. Not part of
+    #: the fingerprint: it changes when item lists are made, never what they hold.
+    max_inflight_bytes: int | None = None
 
     @property
     def rank_lanes(self) -> range:
@@ -130,6 +137,13 @@ class Plan:
             lines.append(f"  skips records that fail in: {', '.join(skipping)} ({limit})")
         if self.workers != "inline":
             lines.append(f"  {self.processes} worker {self.workers}(s) for this rank's lanes")
+        if self.ray_options:
+            lines.append(f"  each lane's Ray actor placed with {self.ray_options}")
         if self.timeout is not None:
             lines.append(f"  timeout: {self.timeout:g} s for a lane's next item list")
+        if self.max_inflight_bytes is not None and self.workers != "inline":
+            lines.append(
+                f"  read-ahead: at most {self.prefetch} item list(s) and "
+                f"{self.max_inflight_bytes:,} payload bytes per lane"
+            )
         return "\n".join(lines)

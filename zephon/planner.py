@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
-import os
+import operator
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from zephon.compact import pack_json
 from zephon.errors import PlanError
@@ -16,6 +15,8 @@ from zephon.on_error import skip_policy
 from zephon.ops.base import Grouper, Operator, OpTraits, PointerReader
 from zephon.plan import Plan, digest
 from zephon.ranks import resolve_rank
+from zephon.runtime.workers.thread_budget import usable_cpus
+from zephon.validation import check_bool, check_int, check_seconds
 
 if TYPE_CHECKING:
     from zephon.runtime.loader import Loader
@@ -37,11 +38,7 @@ def _worker_count(processes: int | None, rank_lanes: int) -> int:
     than the CPUs this process may use."""
     if processes is not None:
         return min(processes, rank_lanes)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(rank_lanes, cpus))
+    return max(1, min(rank_lanes, usable_cpus()))
 
 
 _HEX = frozenset("0123456789abcdef")
@@ -99,6 +96,58 @@ def _restores_holdings(chain: tuple[Operator, ...]) -> bool:
     return True
 
 
+class _Sizes(NamedTuple):
+    """A pipeline's integer arguments, checked, as Python ints."""
+
+    rank: int
+    world_size: int
+    lanes: int
+    epoch_chunks: int
+    prefetch: int
+    micro_batch: int
+    carry_warn_bytes: int
+    processes: int | None
+    max_inflight_bytes: int | None
+
+
+def _split_chain(ops: list[Operator]) -> tuple[Any, tuple[Operator, ...], Any]:
+    """``(fetch, chain, batcher)``: the first operator, the ones that run inside the lanes, and
+    the grouper that ends the pipeline (None without one)."""
+    batcher: Any = ops[-1] if len(ops) > 1 and ops[-1].groups_at_delivery else None
+    return ops[0], tuple(ops[1 : len(ops) - (1 if batcher else 0)]), batcher
+
+
+def _indexable(path: str, chain: tuple[Operator, ...], skipping: bool) -> bool:
+    """Whether a restore may skip consumed samples at the source instead of replaying them: on
+    the monotone path, with every operator 1 -> 1 and nothing skipped (a skipped record makes
+    a 1 -> 1 chain drop one, so consumed samples can no longer be counted off the source's
+    pointers)."""
+    return (
+        path == "monotone"
+        and all(op.traits.preserves_indexability for op in chain)
+        and not skipping
+    )
+
+
+def _eviction_path(chain: tuple[Operator, ...]) -> tuple[str, str]:
+    """The eviction path and why: ``"monotone"`` when every operator preserves cursor order and
+    keeps no state (a chunk's offsets close in order), else ``"epoch"`` (chunks are evicted per
+    epoch), naming the operators that reorder or keep state."""
+    reorder = [op.name for op in chain if not op.traits.preserves_cursor_order]
+    stateful = [op.name for op in chain if op.traits.stateful]
+    if not (reorder or stateful):
+        return "monotone", "every operator preserves cursor order and keeps no state"
+    why = "; ".join(
+        part
+        for part in (
+            f"reorders: {', '.join(reorder)}" if reorder else "",
+            f"keeps state: {', '.join(stateful)}" if stateful else "",
+        )
+        if part
+    )
+    return "epoch", why
+
+
 class Pipeline:
     """A source and a chain of operators: ``fetch`` first, optionally ``batch`` last.
 
@@ -106,10 +155,10 @@ class Pipeline:
     ``epoch_chunks``, ``micro_batch``, ``rank`` and ``world_size``; never of ``workers``, timing
     or load. ``deterministic`` is deprecated and changes nothing (see ``DEPRECATED_DETERMINISTIC``).
 
-    ``workers`` is where the lanes run: ``"inline"``, ``"thread"``, ``"process"``, or another
-    kind registered with ``zephon.runtime.workers.registry.register_lane_kind``.
+    ``workers`` is where the lanes run: ``"inline"``, ``"thread"``, ``"process"``, ``"ray"``, or
+    another kind registered with ``zephon.runtime.workers.registry.register_lane_kind``.
 
-    ``timeout`` (seconds, off by default) bounds how long a thread or process lane may take to
+    ``timeout`` (seconds, off by default) bounds how long a thread, process or Ray lane may take to
     produce its next item list before ``next()`` raises instead of waiting for a stuck or stopped
     worker; inline lanes run in the caller's thread and cannot time out.
 
@@ -130,6 +179,15 @@ class Pipeline:
     its tombstones, logged and counted (``Loader.skipped()``), and the run goes on; past
     ``max_skipped`` skipped records (None: no limit) the run fails as with ``"raise"``. Neither
     is part of the fingerprint: a checkpoint taken without skipping resumes with it.
+
+    ``ray_options`` (``workers="ray"`` only): how each lane's Ray actor is placed, from
+    ``num_cpus``, ``memory``, ``resources``, ``scheduling_strategy`` and ``runtime_env`` (see
+    ``docs/distributed.md``); an unknown key is a ``PlanError`` naming it.
+    ``max_inflight_bytes`` (None: no byte bound, only ``prefetch`` item lists) bounds the payload
+    bytes each thread or process lane reads ahead of the loader: once the lists it has ready hold
+    that many bytes, it makes no more until the loader takes one. A single list larger than the
+    bound is still handed over, alone. Not part of the fingerprint: it changes when lists are
+    made, never what they hold.
     """
 
     def __init__(
@@ -153,6 +211,8 @@ class Pipeline:
         uneven_end: str | None = None,
         on_error: str | Mapping[str, str] = "raise",
         max_skipped: int | None = None,
+        ray_options: Mapping[str, Any] | None = None,
+        max_inflight_bytes: int | None = None,
     ):
         self.source = source
         self.ops = list(ops)
@@ -174,50 +234,108 @@ class Pipeline:
         self.uneven_end = uneven_end
         self.on_error = on_error
         self.max_skipped = max_skipped
+        self.ray_options = ray_options
+        self.max_inflight_bytes = max_inflight_bytes
 
     def compile(self, lanes: int | None = None) -> Plan:
         """Plan without running anything; errors are ``PlanError`` naming the operator.
 
         ``lanes`` is the job's lane count when the pipeline leaves it open (``lanes=None``): a
         restore passes the checkpoint's; a fresh run gets one lane per rank."""
+        sizes = self._validate(lanes)
+        ops = self._check_operators()
+        self._share_facts(ops)
+        fetch_op, chain, batcher = _split_chain(ops)
+        path, why = _eviction_path(chain)
+        skip_fetch, skip_chain = skip_policy(self.on_error, self.max_skipped, fetch_op, chain)
+        skipping = skip_fetch or any(skip_chain)
+        indexable = _indexable(path, chain, skipping)
+        uneven_end = self._uneven_end(chain, indexable, sizes.world_size, skipping)
+        parts, described = self._fingerprint_parts(sizes)
+        return Plan(
+            source=self.source,
+            fetch=fetch_op,
+            chain=chain,
+            batcher=batcher,
+            eviction_path=path,
+            path_reason=why,
+            indexable=indexable,
+            lanes=sizes.lanes,
+            workers=self.workers,
+            epoch_chunks=sizes.epoch_chunks,
+            micro_batch=sizes.micro_batch,
+            prefetch=sizes.prefetch,
+            strict=bool(self.strict),
+            rank=sizes.rank,
+            world_size=sizes.world_size,
+            fingerprint=digest(parts),
+            # The trees the digests are made of ride along (outside the fingerprint, compressed),
+            # so that a checkpoint of another pipeline can be told apart field by field.
+            fingerprint_parts={**parts, **described},
+            batch_sensitive=any(op.traits.batch_sensitive for op in chain),
+            counted_tags=tuple(dict.fromkeys(tag for op in ops for tag in op.counted_tags)),
+            carry_warn_bytes=sizes.carry_warn_bytes,
+            processes=_worker_count(sizes.processes, sizes.lanes // sizes.world_size),
+            timeout=None if self.timeout is None else float(self.timeout),
+            relane=bool(self.relane),
+            restores_holdings=path == "epoch" and _restores_holdings(chain),
+            sets_up=any(op.has_setup for op in chain),
+            uneven_end=uneven_end,
+            skip_errors=skip_chain,
+            skip_fetch_errors=skip_fetch,
+            max_skipped=self.max_skipped,
+            ray_options=None if self.ray_options is None else dict(self.ray_options),
+            max_inflight_bytes=sizes.max_inflight_bytes,
+        )
+
+    def _validate(self, lanes: int | None) -> _Sizes:
+        """Every argument of the pipeline checked (``PlanError`` naming it; a bool is not an
+        int) and its sizes resolved: the rank from the arguments or the framework, the job's
+        lane count from the pipeline, else ``lanes``, else one per rank."""
+        for name, value in (("rank", self.rank), ("world_size", self.world_size)):
+            if value is not None:
+                check_int(value, name, "Pipeline", error=PlanError)
         rank, world_size = resolve_rank(self.rank, self.world_size)
         n_lanes = self.lanes if self.lanes is not None else lanes or world_size
-        for name, value in (
-            ("lanes", n_lanes),
-            ("epoch_chunks", self.epoch_chunks),
-            ("prefetch", self.prefetch),
-            ("micro_batch", self.micro_batch),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise PlanError(f"Pipeline {name} must be an int >= 1, got {value!r}")
-        if type(self.carry_warn_bytes) is not int or self.carry_warn_bytes < 0:
+
+        def size(name: str, value: Any, minimum: int) -> int:
+            return check_int(value, name, "Pipeline", minimum=minimum, error=PlanError)
+
+        sizes = _Sizes(
+            rank=operator.index(rank),
+            world_size=operator.index(world_size),
+            lanes=size("lanes", n_lanes, 1),
+            epoch_chunks=size("epoch_chunks", self.epoch_chunks, 1),
+            prefetch=size("prefetch", self.prefetch, 1),
+            micro_batch=size("micro_batch", self.micro_batch, 1),
+            carry_warn_bytes=size("carry_warn_bytes", self.carry_warn_bytes, 0),
+            processes=None if self.processes is None else size("processes", self.processes, 1),
+            max_inflight_bytes=None
+            if self.max_inflight_bytes is None
+            else size("max_inflight_bytes", self.max_inflight_bytes, 1),
+        )
+        if sizes.lanes % sizes.world_size:
             raise PlanError(
-                f"Pipeline carry_warn_bytes must be an int >= 0, got {self.carry_warn_bytes!r}"
+                f"Pipeline lanes={sizes.lanes} cannot be shared by world_size={world_size} "
+                "ranks: the job's lane count must be a multiple of the number of ranks"
             )
-        if self.processes is not None and (type(self.processes) is not int or self.processes < 1):
-            raise PlanError(f"Pipeline processes must be an int >= 1, got {self.processes!r}")
-        if n_lanes % world_size:
-            raise PlanError(
-                f"Pipeline lanes={n_lanes} cannot be shared by world_size={world_size} ranks: "
-                "the job's lane count must be a multiple of the number of ranks"
-            )
-        if type(self.relane) is not bool:
-            raise PlanError(f"Pipeline relane must be True or False, got {self.relane!r}")
+        check_bool(self.strict, "strict", "Pipeline", error=PlanError)
+        check_bool(self.relane, "relane", "Pipeline", error=PlanError)
         # The runtime's registry of lane kinds, imported when a pipeline is checked, as the
         # loader is when one runs: importing zephon starts no runtime.
+        from zephon.runtime.workers.ray_options import check_ray_options
         from zephon.runtime.workers.registry import lane_kind
 
         lane_kind(self.workers)  # a PlanError naming the registered kinds
-        timeout = self.timeout
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not 0 < timeout < math.inf
-        ):
-            raise PlanError(
-                f"Pipeline timeout must be a finite number of seconds > 0 (or None for no limit), "
-                f"got {timeout!r}"
-            )
+        check_ray_options(self.ray_options, self.workers)
+        if self.timeout is not None:
+            check_seconds(self.timeout, "timeout", "Pipeline", error=PlanError)
+        return sizes
+
+    def _check_operators(self) -> list[Operator]:
+        """The chain, each operator checked for its place: ``fetch`` (a ``PointerReader``)
+        first, a ``Grouper`` only last, declared traits, and a stateful operator on one
+        thread."""
         ops = self.ops
         if not ops:
             raise PlanError("a pipeline needs at least the fetch operator")
@@ -242,101 +360,45 @@ class Pipeline:
                 raise PlanError(
                     f"{label} groups records but lacks batch_size/drop_remainder/collate (Grouper)"
                 )
-            workers = op.traits.workers or 1
-            if op.traits.stateful and workers > 1:
-                # Its calls depend on each other, so it always runs on one thread; saying
-                # otherwise is refused rather than ignored.
-                message = (
-                    f"{label} is stateful and cannot run with {workers} workers: a stateful "
-                    "operator always runs on one thread; set workers=1"
-                )
-                if self.deterministic is not False:
-                    raise PlanError(message)
-                # deterministic=False let this through before it was deprecated: keep it
-                # running, and say that the workers are ignored.
-                warnings.warn(
-                    f"{message} (ignored for now because deterministic=False was passed; this "
-                    "will be a PlanError when the deprecated argument is removed)",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
+            self._check_one_thread(op, label)
         if not ops[0].consumes_pointers:
             raise PlanError(f"the first operator must be fetch, got {ops[0].name!r}")
-        # Plan-time facts flow downstream: the source and each operator may publish some
-        # (``provides()``, e.g. a tokenizer's pad id) and is handed those of the operators before it
-        # (``use_upstream_facts(facts)``, which raises PlanError when a fact it needs is missing).
-        # The source's own target mixture comes first (``source_mixture``: ``(by, shares)`` or
-        # None), so that an operator correcting the mixture can tell how the source draws it;
-        # then the facts the source publishes itself (a pre-tokenized source's pad id).
+        return ops
+
+    def _check_one_thread(self, op: Operator, label: str) -> None:
+        """A stateful operator's calls depend on each other, so it always runs on one thread;
+        saying otherwise is refused rather than ignored."""
+        workers = op.traits.workers or 1
+        if not op.traits.stateful or workers <= 1:
+            return
+        message = (
+            f"{label} is stateful and cannot run with {workers} workers: a stateful "
+            "operator always runs on one thread; set workers=1"
+        )
+        if self.deterministic is not False:
+            raise PlanError(message)
+        # deterministic=False let this through before it was deprecated: keep it running, and
+        # say that the workers are ignored.
+        warnings.warn(
+            f"{message} (ignored for now because deterministic=False was passed; this "
+            "will be a PlanError when the deprecated argument is removed)",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+
+    def _share_facts(self, ops: list[Operator]) -> None:
+        """Plan-time facts flow downstream: the source and each operator may publish some
+        (``provides()``, e.g. a tokenizer's pad id) and is handed those of the operators before
+        it (``use_upstream_facts(facts)``, which raises ``PlanError`` when a fact it needs is
+        missing). The source's own target mixture comes first (``source_mixture``: ``(by,
+        shares)`` or None), so that an operator correcting the mixture can tell how the source
+        draws it; then the facts the source publishes itself (a pre-tokenized source's pad
+        id)."""
         facts: dict[str, Any] = {"source_mixture": self.source.target_mixture()}
         facts.update(self.source.provides())
         for op in ops:
             op.use_upstream_facts(dict(facts))
             facts.update(op.provides())
-        fetch_op: Any = ops[0]
-        batcher: Any = ops[-1] if len(ops) > 1 and ops[-1].groups_at_delivery else None
-        chain = tuple(ops[1 : len(ops) - (1 if batcher else 0)])
-
-        reorder = [op.name for op in chain if not op.traits.preserves_cursor_order]
-        stateful = [op.name for op in chain if op.traits.stateful]
-        if reorder or stateful:
-            path = "epoch"
-            why = "; ".join(
-                part
-                for part in (
-                    f"reorders: {', '.join(reorder)}" if reorder else "",
-                    f"keeps state: {', '.join(stateful)}" if stateful else "",
-                )
-                if part
-            )
-        else:
-            path = "monotone"
-            why = "every operator preserves cursor order and keeps no state"
-        skip_fetch, skip_chain = skip_policy(self.on_error, self.max_skipped, fetch_op, chain)
-        # A skipped record makes a 1 -> 1 chain drop one: consumed samples can no longer be
-        # counted off the source's pointers, so a restore replays instead.
-        indexable = (
-            path == "monotone"
-            and all(op.traits.preserves_indexability for op in chain)
-            and not (skip_fetch or any(skip_chain))
-        )
-
-        skipping = skip_fetch or any(skip_chain)
-        uneven_end = self._uneven_end(chain, indexable, world_size, skipping)
-        parts, described = self._fingerprint_parts(n_lanes)
-        return Plan(
-            source=self.source,
-            fetch=fetch_op,
-            chain=chain,
-            batcher=batcher,
-            eviction_path=path,
-            path_reason=why,
-            indexable=indexable,
-            lanes=n_lanes,
-            workers=self.workers,
-            epoch_chunks=self.epoch_chunks,
-            micro_batch=self.micro_batch,
-            prefetch=self.prefetch,
-            strict=self.strict,
-            rank=rank,
-            world_size=world_size,
-            fingerprint=digest(parts),
-            # The trees the digests are made of ride along (outside the fingerprint, compressed),
-            # so that a checkpoint of another pipeline can be told apart field by field.
-            fingerprint_parts={**parts, **described},
-            batch_sensitive=any(op.traits.batch_sensitive for op in chain),
-            counted_tags=tuple(dict.fromkeys(tag for op in ops for tag in op.counted_tags)),
-            carry_warn_bytes=self.carry_warn_bytes,
-            processes=_worker_count(self.processes, n_lanes // world_size),
-            timeout=None if timeout is None else float(timeout),
-            relane=self.relane,
-            restores_holdings=path == "epoch" and _restores_holdings(chain),
-            sets_up=any(op.has_setup for op in chain),
-            uneven_end=uneven_end,
-            skip_errors=skip_chain,
-            skip_fetch_errors=skip_fetch,
-            max_skipped=self.max_skipped,
-        )
 
     def _uneven_end(
         self, chain: tuple[Operator, ...], indexable: bool, world_size: int, skipping: bool
@@ -356,12 +418,15 @@ class Pipeline:
             raise PlanError(
                 "Pipeline uneven_end='carry' needs to know how many items each lane holds, and "
                 f"{', '.join(unknown) or 'the eviction path'} may change the number of records "
-                "(filter, split, pack or skip them): use uneven_end='allow' and end the training "
-                "loop together on every rank (an all-reduce of a 'data left' flag at each step)"
+                "(filter, split, pack or skip them): use uneven_end='allow' and end the ranks "
+                "together with loader.end_together(all_reduce_min) (the torch dataset does it "
+                "by itself)"
             )
         return asked
 
-    def _fingerprint_parts(self, lanes: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _fingerprint_parts(self, sizes: _Sizes) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The parts of the pipeline's fingerprint (digests of the source and the operators,
+        the sizes that shape the stream), and the described trees behind them."""
         # The job's lane count is part of the stream's identity; the world size is not: the
         # same lanes give the same global steps on any number of ranks. Second: the described
         # source and operators as plain JSON, packed, or nothing when they are not plain JSON.
@@ -370,9 +435,9 @@ class Pipeline:
         parts = {
             "source": digest(source),
             "operators": digest(operators),
-            "lanes": lanes,
-            "epoch_chunks": self.epoch_chunks,
-            "micro_batch": self.micro_batch,
+            "lanes": sizes.lanes,
+            "epoch_chunks": sizes.epoch_chunks,
+            "micro_batch": sizes.micro_batch,
         }
         try:
             tree = {"source": source, "operators": operators}

@@ -13,9 +13,12 @@ import zephon
 from zephon.bench.packing import (
     SEQ_LEN,
     SIDE_FIELDS,
+    image_comparison,
+    image_payloads,
     packing_comparison,
     python_first_fit,
     run_grain_pack,
+    run_pack_collate,
     run_zephon_pack,
     side_payloads,
     token_payloads,
@@ -71,6 +74,24 @@ class PackSideFields:
 
     def time_pipeline_with_side_fields(self, packer: str) -> None:
         _deliver_all(self.pipeline)
+
+
+class PackImages:
+    """Packing and collating sequences that carry images (one 66-token span and its pixels in
+    four of five sequences) against the same tokens and masks without images."""
+
+    timeout = 300
+
+    def setup(self) -> None:
+        self.payloads = image_payloads(uniform_lengths())
+
+    def time_pack_and_collate_with_images(self) -> None:
+        run_pack_collate(self.payloads, images=True)
+
+    def track_ratio_to_text_only(self) -> float:
+        return float(image_comparison(repeat=1)["ratio"])
+
+    track_ratio_to_text_only.unit = "ratio"  # type: ignore[attr-defined]
 
 
 class PackVersusGrain:

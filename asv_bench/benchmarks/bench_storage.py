@@ -1,11 +1,13 @@
 """Object storage: start-up over 1,000 shards on a local S3 server, with and without the
-metadata cache, and tokens/s read from it against the same files on disk."""
+metadata cache, and tokens/s read from it, and from a warm shard cache, against the same files
+on disk."""
 
 from __future__ import annotations
 
 import tempfile
 
 from zephon.bench import storage
+from zephon.sources import ShardCache
 
 
 class Storage:
@@ -34,6 +36,12 @@ class Storage:
 
     def track_tokens_per_second_s3(self) -> float:
         return storage.tokens_per_second(self.uri, self.cache)
+
+    def track_tokens_per_second_shard_cache(self) -> float:
+        with tempfile.TemporaryDirectory(dir=self.cache) as where:
+            shards = ShardCache(where, max_bytes=1 << 40)
+            storage.tokens_per_second(self.uri, self.cache, shards)  # fills it
+            return storage.tokens_per_second(self.uri, self.cache, shards)
 
     def track_tokens_per_second_local(self) -> float:
         return storage.tokens_per_second(self.local, self.cache)

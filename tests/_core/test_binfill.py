@@ -77,7 +77,9 @@ class RefBinPacker:
     def _room(self, b: list[int]) -> int:
         return self.capacity - b[1]
 
-    def add(self, lengths: Sequence[int]) -> tuple[list[Row], list[int]]:
+    def add(
+        self, lengths: Sequence[int], no_cut: Sequence[tuple[int, int, int]] = ()
+    ) -> tuple[list[Row], list[int]]:
         cap = self.capacity
         rows: list[Row] = []
         closed: list[int] = []
@@ -95,10 +97,14 @@ class RefBinPacker:
             cut = False
             fits = [b for b in self.open if self._room(b) >= r]
             uncut = [b for b in self.open if not b[2]]
-            if not fits and len(self.open) == self.max_open_bins and self.cut_to_fill and uncut:
+            fullest = min(uncut, key=lambda b: (self._room(b), b[0])) if uncut else None
+            head = 0 if fullest is None else self._room(fullest)
+            for it, lo, hi in no_cut:  # a cut inside a no-cut range moves back to its start
+                if it == item and lo < start + head < hi:
+                    head = lo - start
+            if not fits and len(self.open) == self.max_open_bins and self.cut_to_fill and head > 0:
                 # the bin that would leave is filled with the head of the item first
-                fullest = min(uncut, key=lambda b: (self._room(b), b[0]))
-                head = self._room(fullest)
+                assert fullest is not None
                 rows.append((item, start, head, fullest[0], fullest[1]))
                 self.open = [b for b in self.open if b is not fullest]
                 closed.append(fullest[0])
@@ -149,7 +155,9 @@ class RefFlatPacker:
         self.g = 0  # stream position of the next token
         self.bin_open = False  # a zero-length item can open a bin before any token lands in it
 
-    def add(self, lengths: Sequence[int]) -> tuple[list[Row], list[int]]:
+    def add(
+        self, lengths: Sequence[int], no_cut: Sequence[tuple[int, int, int]] = ()
+    ) -> tuple[list[Row], list[int]]:
         cap = self.capacity
         rows: list[Row] = []
         closed: list[int] = []
@@ -327,6 +335,51 @@ def test_bin_packer_matches_the_reference(
         RefBinPacker(capacity, max_open, strategy, cut, segments),
         ops,
     )
+
+
+@st.composite
+def no_cut_streams(draw: st.DrawFn) -> tuple[int, list[int], list[tuple[int, int, int]]]:
+    """Lengths of at most capacity and, per item, sorted disjoint no-cut ranges inside it."""
+    capacity = draw(st.integers(2, 24))
+    lengths = draw(st.lists(st.integers(0, capacity), max_size=40))
+    no_cut = []
+    for item, n in enumerate(lengths):
+        bounds = sorted(set(draw(st.lists(st.integers(0, n), max_size=6))))
+        no_cut += [(item, lo, hi) for lo, hi in zip(bounds[::2], bounds[1::2])]
+    return capacity, lengths, no_cut
+
+
+@settings(max_examples=300, deadline=None)
+@given(stream=no_cut_streams(), max_open=st.integers(1, 5), strategy=STRATEGIES)
+def test_cut_to_fill_heads_never_end_inside_a_no_cut_range(
+    stream: tuple[int, list[int], list[tuple[int, int, int]]], max_open: int, strategy: Strategy
+) -> None:
+    capacity, lengths, no_cut = stream
+    packer = BinPacker(capacity, max_open, strategy, cut_to_fill=True)
+    ref = RefBinPacker(capacity, max_open, strategy, cut_to_fill=True)
+    placements, closed = packer.add(arr(lengths), np.array(no_cut, dtype=np.int64).reshape(-1, 3))
+    assert (rows_of(placements), ids_of(closed)) == ref.add(lengths, no_cut)
+    for item, start, size, _, _ in rows_of(placements):
+        for it, lo, hi in no_cut:
+            assert not (it == item and lo < start + size < hi and start + size < lengths[item])
+
+
+def test_a_head_cut_moves_back_to_the_start_of_the_range_it_would_fall_in() -> None:
+    packer = BinPacker(10, 1, "best_fit", cut_to_fill=True)
+    packer.add(arr([6]))
+    placements, closed = packer.add(arr([9]), np.array([[0, 2, 7]], dtype=np.int64))
+    assert rows_of(placements) == [(0, 0, 2, 0, 6), (0, 2, 7, 1, 0)]
+    assert ids_of(closed) == [0]
+    packer = BinPacker(10, 1, "best_fit", cut_to_fill=True)
+    packer.add(arr([6]))
+    placements, _ = packer.add(arr([9]), np.array([[0, 0, 5]], dtype=np.int64))
+    assert rows_of(placements) == [(0, 0, 9, 1, 0)]  # no head outside the range: not cut
+
+
+def test_no_cut_rows_out_of_order_are_refused_by_row() -> None:
+    packer = BinPacker(10, 1, "best_fit", cut_to_fill=True)
+    with pytest.raises(ValueError, match="no_cut row 1"):
+        packer.add(arr([9, 9]), np.array([[1, 0, 3], [0, 1, 2]], dtype=np.int64))
 
 
 def test_a_bin_leaves_once_it_holds_max_segments_fragments() -> None:

@@ -65,10 +65,15 @@ class Reference:
         return offset in chunk.explicit or self.below_watermark(chunk.chunk_id, offset)
 
     def lookup(self, chunk_id: int) -> RefChunk | None:
-        """The inflight chunk, None if evicted, ValueError if never opened."""
+        """The inflight chunk, None if evicted, ValueError if never opened. An id between the
+        first opened and the last evicted that was skipped counts as evicted: the table keeps
+        nothing of the chunks it evicted, so it cannot tell a skipped id from an evicted one
+        (its callers ask only about their own lane's ids)."""
         if chunk_id in self.chunks:
             return self.chunks[chunk_id]
         if chunk_id in self.evicted:
+            return None
+        if self.evicted and self.opened[0] <= chunk_id <= max(self.evicted):
             return None
         raise ValueError(f"chunk {chunk_id} was never opened")
 

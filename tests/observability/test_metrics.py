@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -113,10 +114,11 @@ def test_explain_names_the_slow_operator():
         for _ in zip(range(60), loader):
             pass
         text = loader.explain()
-    first = text.splitlines()[0]
-    assert first.startswith("slow_map takes") and "of the operators' busy time" in first
+        stats = loader.stats()
+    line = text.splitlines()[1]  # after whether the loader is the bottleneck
+    assert line.startswith("slow_map takes") and "of the operators' busy time" in line
     assert "inline" in text  # and says where the lanes run
-    assert explain(loader.stats()).splitlines()[0] == first
+    assert explain(stats).splitlines()[1] == line
 
 
 def test_the_metrics_log_holds_a_line_per_write_and_a_last_one_at_close(tmp_path: Path):
@@ -154,7 +156,7 @@ def test_zephon_top_once_explain_and_report_run(tmp_path: Path, capsys):
 
     with Image.open(tmp_path / "report.png") as png:
         png.load()
-        assert png.format == "PNG" and png.size == (1200, 800)
+        assert png.format == "PNG" and png.size == (1800, 800)
 
 
 def test_metric_names_follow_prometheus_conventions():
@@ -166,3 +168,50 @@ def test_metric_names_follow_prometheus_conventions():
         assert family.name.startswith("zephon_")
         assert family.name.endswith("_total") == (family.kind == "counter"), family.name
         assert all(labels["rank"] == "3" for labels, _ in family.samples)
+
+
+def test_the_text_format_round_trips_through_the_prometheus_parser():
+    from zephon.observability import Family
+    from zephon.observability.server import render
+
+    odd = 'a"b\\c\nd'
+    text = render(
+        [
+            Family("zephon_x_total", "counter", 'counts "x"\nand more', [({"rank": "0"}, 3.0)]),
+            Family("zephon_y", "gauge", "y", [({"rank": "0", "component": odd}, float("inf"))]),
+        ]
+    ).decode()
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in prometheus_parser.text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert got == {
+        ("zephon_x_total", (("rank", "0"),)): 3.0,
+        ("zephon_y", (("component", odd), ("rank", "0"))): float("inf"),
+    }
+
+
+def test_the_endpoint_serves_metrics_only_and_its_thread_ends_at_close():
+    with pipeline().iter() as loader:
+        server = serve_metrics(loader)
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(server.url.removesuffix("metrics") + "other", timeout=30)
+        assert missing.value.code == 404
+        missing.value.close()
+        head = urllib.request.Request(server.url, method="HEAD")
+        with urllib.request.urlopen(head, timeout=30) as reply:
+            assert reply.status == 200 and reply.read() == b""
+        server.close()
+        server.close()  # twice is once
+        assert not any(t.name == "zephon-metrics" for t in threading.enumerate())
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(server.url, timeout=30)
+
+
+def test_the_docs_list_every_metric_family():
+    from zephon.observability.families import catalogue
+
+    page = (Path(__file__).parents[2] / "docs" / "observability.md").read_text()
+    listed = {line.split("`")[1] for line in page.splitlines() if line.startswith("| `zephon_")}
+    assert listed == {name for name, _, _ in catalogue()}

@@ -603,3 +603,161 @@ def test_batches_of_packed_rows_held_together_keep_their_values_and_share_no_mem
     arrays = [p["tokens"] for p in held]
     for a, b in itertools.pairwise(arrays):
         assert not np.shares_memory(a, b)
+
+
+# ------------------------------------------------------------------------------ images
+IMAGE_ID = 2**31 - 1  # the image token of the records below, never a text token of theirs
+
+
+def image_records(docs: list[list[int]]) -> list[SampleRecord]:
+    """Records whose tokens alternate text runs and image spans: ``[text, span, text, span,
+    ...]`` lengths; each span is ``IMAGE_ID`` tokens and its image's pixels name (doc, image)."""
+    out = []
+    for rec, parts in zip(token_records([sum(d) for d in docs]), docs):
+        tokens = rec.payload["tokens"].copy()
+        spans: list[tuple[int, int]] = []
+        images: list[np.ndarray] = []
+        at = 0
+        for k, n in enumerate(parts):
+            if k % 2:
+                tokens[at : at + n] = IMAGE_ID
+                spans.append((at, at + n))
+                images.append(np.array([[rec.meta.cursor.chunk_offset, len(images)]], np.int32))
+            at += n
+        payload = {**rec.payload, "tokens": tokens, "images": images}
+        payload["image_spans"] = np.array(spans, np.int32).reshape(-1, 2)
+        out.append(SampleRecord(rec.meta, payload))
+    return out
+
+
+def image_rows(out: list[SampleRecord]) -> list[tuple]:
+    return [
+        (
+            r.payload["tokens"].tolist(),
+            r.payload["image_spans"].tolist(),
+            [image.tolist() for image in r.payload["images"]],
+            r.payload["image_sources"].tolist(),
+        )
+        for r in out
+    ]
+
+
+def test_a_packer_with_images_restores_its_held_bins_and_continues_the_same_rows():
+    docs = [[3, 4, 2], [9], [1, 5], [2, 3, 1, 6], [5, 2, 5], [4], [2, 7, 2], [1, 1, 1, 1, 1]] * 4
+    records = image_records(docs)
+    packer = PackSequences(16, pad_id=0, open_bins=3, cut_to_fill=True, images="images")
+    whole = run(packer, records)
+    head_op = copy.deepcopy(packer)
+    head_op.start_epoch(0, 0)
+    head = head_op.process_many(records[:13])
+    held, state = head_op.holdings()
+    assert held, "the test needs bins held at the cut"
+    tail_op = copy.deepcopy(packer)
+    tail_op.start_epoch(0, 0)
+    tail_op.restore_holdings(held, state)
+    tail = tail_op.process_many(records[13:]) + tail_op.flush()
+    assert image_rows(head + tail) == image_rows(whole)
+    for row in whole:  # every span whole, at the positions it says
+        for lo, hi in row.payload["image_spans"].tolist():
+            assert set(row.payload["tokens"][lo:hi].tolist()) == {IMAGE_ID}
+        assert np.count_nonzero(row.payload["tokens"] == IMAGE_ID) == sum(
+            hi - lo for lo, hi in row.payload["image_spans"].tolist()
+        )
+
+
+def test_check_operator_passes_with_images():
+    check_operator(
+        pack_sequences(8, pad_id=0, cut_to_fill=True, images="images"),
+        image_records([[2, 3, 1], [8], [1, 6, 1, 1], [4, 2]]),
+    )
+
+
+def test_images_change_the_fingerprint_only_when_given():
+    assert "images" not in pack_sequences(8).describe()["params"]
+    assert pack_sequences(8, images="images").describe()["params"]["images"] == "images"
+
+
+@settings(max_examples=80)
+@given(
+    seq_len=st.integers(1, 24),
+    lengths=st.lists(st.integers(0, 70), max_size=30),
+    packer=st.sampled_from(["best_fit", "first_fit", "flat", "grouped"]),
+    micro=st.integers(1, 9),
+    retired=st.sets(st.integers(0, 29)),
+)
+def test_rows_leave_retired_inputs_out_and_keep_every_other_token_once(
+    seq_len, lengths, packer, micro, retired
+):
+    op: zephon.ops.Operator
+    if packer == "flat":
+        op = pack_flat(seq_len, pad_id=0, extra_fields=SIDES)
+    else:
+        op = pack_sequences(
+            seq_len,
+            open_bins=3,
+            strategy="best_fit" if packer == "grouped" else packer,
+            pad_id=0,
+            extra_fields=SIDES,
+            group_by=(lambda p: len(p["tokens"]) % 2) if packer == "grouped" else None,
+        )
+    op = copy.deepcopy(op)
+    assert op.leave_out(lambda ids: np.isin(ids[:, 2], sorted(retired)))
+    out = run(op, with_sides(token_records(lengths)), micro)
+    rows = [r for r in out if not r.is_tombstone]
+    gone = [
+        r for r in rows if all(ref.cursor.sample_id[2] in retired for ref in r.contribution_refs())
+    ]
+    kept = [r for r in rows if r not in gone]
+    # rows that mix are made without the retired inputs, whose tokens only rows of their own hold
+    assert not any(
+        ref.cursor.sample_id[2] in retired for r in kept for ref in r.contribution_refs()
+    )
+    by_input: dict[int, list[tuple[int, list[int]]]] = {}
+    for item, start, values in fragments(kept):
+        by_input.setdefault(item, []).append((start, values))
+    for i, n in enumerate(lengths):
+        joined = [v for _, values in sorted(by_input.pop(i, [])) for v in values]
+        if i not in retired:
+            assert joined == list(range(n)), f"input {i} ({n} tokens) not delivered exactly once"
+    assert not by_input
+    # every input still closes exactly once: in a row, or by a tombstone for a left-out part
+    closing = Counter(ref.cursor for r in out for ref in r.contribution_refs() if ref.is_last_child)
+    assert sorted(closing.values()) == [1] * len(lengths)
+    assert len({r.meta.cursor for r in rows}) == len(rows)
+    for rec in kept:
+        p = rec.payload
+        real = p["segment_ids"] > 0
+        assert p["loss_mask"][real].tolist() == (p["tokens"][real] % 2).tolist()
+        assert p["weights"][real].tolist() == (p["tokens"][real] % STRIDE / 4.0 + 1).tolist()
+        assert (p["loss_mask"][~real] == -7).all() and (p["weights"][~real] == 0.5).all()
+        assert not p["tokens"][~real].any() and not p["positions"][~real].any()
+
+
+@pytest.mark.parametrize("retired", [{1}, {3, 6}, {0, 2, 4}])
+def test_rows_that_leave_a_retired_input_out_keep_the_other_inputs_images(retired):
+    docs = [[3, 4, 2], [9], [1, 5], [2, 3, 1, 6], [5, 2, 5], [4], [2, 7, 2], [1, 1, 1, 1, 1]] * 2
+    packer = PackSequences(16, pad_id=0, open_bins=3, cut_to_fill=True, images="images")
+    op = copy.deepcopy(packer)
+    assert op.leave_out(lambda ids: np.isin(ids[:, 2], sorted(retired)))
+    rows = [r for r in run(op, image_records(docs)) if not r.is_tombstone]
+    mixed = [
+        r
+        for r in rows
+        if not all(ref.cursor.sample_id[2] in retired for ref in r.contribution_refs())
+    ]
+    seen = Counter(
+        tuple(map(tuple, image.tolist()[0:1])) for r in mixed for image in r.payload["images"]
+    )
+    wanted = Counter(
+        ((i, k),)
+        for i, parts in enumerate(docs)
+        if i not in retired
+        for k in range(len(parts) // 2)
+    )
+    assert seen == wanted  # every image of an input that is not retired, once; none retired
+    for row in mixed:  # each span whole, at the place it says, after the retired parts left
+        tokens = row.payload["tokens"]
+        for lo, hi in row.payload["image_spans"].tolist():
+            assert set(tokens[lo:hi].tolist()) == {IMAGE_ID}
+        spans = row.payload["image_spans"].tolist()
+        assert np.count_nonzero(tokens == IMAGE_ID) == sum(hi - lo for lo, hi in spans)

@@ -3,6 +3,7 @@ ids converted once and range-checked, splitting, truncation, heritage."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -481,3 +482,13 @@ def test_copies_of_the_operator_share_a_hugging_face_tokenizer_and_copy_any_othe
     )
     for op in (tokenize(ByteTokenizer()), tokenize(transformers_tok)):
         assert copy.deepcopy(op).tokenizer is not op.tokenizer
+
+
+def test_the_vocabulary_digest_in_the_fingerprint_is_the_one_checkpoints_stored():
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    expected = hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+    params = tokenize(tok, append_eos=False).describe()["params"]
+    # the digest checkpoints have always stored, taken from the tokenizer's own identity
+    assert params["tokenizer_digest"] == params["tokenizer"]["sha256"] == expected
+    assert "tokenizer_digest" not in tokenize().describe()["params"]  # no to_str(): none

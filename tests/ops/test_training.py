@@ -254,3 +254,27 @@ def test_default_options_keep_the_identity_pipelines_had_before_they_existed():
 def test_bad_options_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         training_collate(**kwargs)
+
+
+def test_image_spans_are_never_targets_even_where_the_mask_is_one():
+    payload: dict[str, Any] = {
+        "tokens": np.arange(8, dtype=np.int32),
+        "segment_ids": np.array([1, 1, 1, 1, 1, 1, 0, 0], np.int32),
+        "positions": np.array([0, 1, 2, 3, 4, 5, 0, 0], np.int32),
+        "loss_mask": np.ones(8, np.int32),
+        "image_spans": np.array([[1, 3]], np.int32),
+    }
+    payload["images"] = [np.zeros((2, 2, 3), np.uint8)]
+    out = training_collate(images="images")([record(payload)])
+    # labels[t] is token t + 1: tokens 1 and 2 are the image, 6 and 7 padding
+    assert out["labels"].tolist() == [[-100, -100, 3, 4, 5, -100, -100, -100]]
+    assert out["num_valid_tokens"] == 3
+    with pytest.raises(ValueError, match=r"the rows carry images .* pass images="):
+        training_collate()([record(payload)])  # never a batch without the pixels
+
+
+def test_images_stay_out_of_the_identity_until_asked_for():
+    from zephon.identity import identify
+
+    assert "images" not in identify(training_collate())["state"]
+    assert identify(training_collate(images="images"))["state"]["images"] == "images"

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pipeline_kit import fingerprint_item
+from pipeline_kit import RunningTotal, fingerprint_item
 
 import zephon
 from zephon.errors import (
@@ -24,7 +24,7 @@ from zephon.errors import (
 from zephon.ops import filter_records, map_transform, tokenize
 from zephon.ops.basic import fetch
 from zephon.ops.batching import batch
-from zephon.ops.packing import pack_sequences
+from zephon.ops.packing import pack_flat, pack_sequences
 from zephon.ops.shuffle import shuffle
 from zephon.runtime.checkpoint.format import seal
 from zephon.sources.memory import ListSource, RangeSource
@@ -251,7 +251,33 @@ def test_a_map_that_stops_dropping_records_resumes_at_the_source() -> None:
     assert all(r["value"] == r["idx"] * 5 for r in _rows(after))
 
 
-def test_a_change_that_makes_other_in_flight_records_on_the_epoch_path_is_refused() -> None:
+def _in_order(keep: Callable[[dict], bool], **kw: Any) -> zephon.Pipeline:
+    """The epoch path (an operator keeps state across records) with every operator in order."""
+    ops = [fetch(), filter_records(keep), RunningTotal(), batch(3)]
+    return zephon.Pipeline(
+        RangeSource(240, chunk_size=6), ops, **{"lanes": 2, "epoch_chunks": 4, **kw}
+    )
+
+
+@pytest.mark.parametrize("steps", [1, 5, 14])
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_a_new_filter_takes_over_where_each_lane_stood_on_the_epoch_path_in_order(
+    steps: int, lanes: int
+) -> None:
+    before, state = head(_in_order(_odd_or_small), steps)
+    after = resumed(_in_order(_odd_or_large, lanes=lanes), state)
+    seen = [int(r["idx"]) for r in _rows(before)]
+    # a lane's chunks are positions p % 2 == lane; every sample up to its last one was consumed
+    last = {lane: max((i for i in seen if i // 6 % 2 == lane), default=-1) for lane in (0, 1)}
+    expected = [i for i in range(240) if _odd_or_large({"idx": i}) and i > last[i // 6 % 2]]
+    got = [int(r["idx"]) for r in _rows(after)]
+    assert sorted(got) == expected
+    assert not set(got) & set(seen)
+
+
+def test_a_change_that_makes_other_in_flight_records_behind_a_reordering_operator_is_refused() -> (
+    None
+):
     def shuffled(keep: Callable[[dict], bool]) -> zephon.Pipeline:
         ops = [fetch(), filter_records(keep), shuffle(7, seed=4), batch(3)]
         return zephon.Pipeline(RangeSource(240, chunk_size=6), ops, lanes=2, epoch_chunks=4)
@@ -259,8 +285,32 @@ def test_a_change_that_makes_other_in_flight_records_on_the_epoch_path_is_refuse
     _, state = head(shuffled(_odd_or_small), 3)
     with pytest.warns(PipelineChangeWarning):
         loader = shuffled(_odd_or_large).iter(state=state, allow_changes=True)
-    with pytest.raises(ReplayDivergenceError, match="changed operators make other records"):
+    with pytest.raises(
+        ReplayDivergenceError, match=r"(?s)changed operators make other records.*'shuffle'"
+    ) as raised:
         next(loader)
+    assert "filter_records" in str(raised.value)  # the change, named
+
+
+def _flat(fn: Callable[[dict], dict]) -> zephon.Pipeline:
+    ops = [fetch(), map_transform(fn), tokenize(_encode, append_eos=False), pack_flat(32, pad_id=0)]
+    return zephon.Pipeline(ListSource(_docs(160), chunk_size=5), ops, lanes=2, epoch_chunks=2)
+
+
+def _suffix_bb(payload: dict) -> dict:
+    return {**payload, "text": payload["text"] + "bb"}
+
+
+def test_a_change_of_the_rows_a_packer_makes_is_refused_naming_the_packer() -> None:
+    _, state = head(_flat(_suffix_a), 3)
+    with pytest.warns(PipelineChangeWarning):
+        loader = _flat(_suffix_bb).iter(state=state, allow_changes=True)
+    with pytest.raises(ReplayDivergenceError, match=r"(?s)'pack_flat' make one record of several"):
+        next(loader)
+    # the same lengths make the same rows: that change resumes
+    with pytest.warns(PipelineChangeWarning):
+        after = list(_flat(_suffix_b).iter(state=state, allow_changes=True))
+    assert after
 
 
 def test_a_state_of_the_previous_format_still_loads() -> None:

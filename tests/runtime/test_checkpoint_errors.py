@@ -13,8 +13,8 @@ import zephon
 from zephon.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zephon.ops.basic import fetch
 from zephon.plan import digest
-from zephon.runtime.checkpoint.fields import check_pairs, encode_pairs
 from zephon.runtime.checkpoint.format import seal
+from zephon.runtime.checkpoint.schema import check_pairs, encode_pairs
 from zephon.sources.memory import RangeSource
 
 

@@ -36,7 +36,9 @@ KEYS = {
     "dropped_at_end",
     "skipped",
     "operators",
+    "sources",
     "lanes",
+    "trainer_wait",
 }
 
 
@@ -70,8 +72,9 @@ def test_stats_before_during_after_the_end_and_after_close() -> None:
     op = after["operators"]["filter_records(_odd)"]
     assert (op["records_in"], op["items_out"]) == (100, 100)  # 50 kept, 50 tombstones
     assert op["seconds"] >= 0
+    assert after["trainer_wait"]["steps"] == 10  # the batches handed over
     loader.close()
-    assert loader.stats() == after
+    assert loader.stats() == after  # the time running stopped at the end of the stream
 
 
 @pytest.mark.parametrize("workers", ["thread", "process"])

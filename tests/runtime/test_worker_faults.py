@@ -493,9 +493,10 @@ def test_a_message_cut_off_mid_way_times_out_instead_of_blocking():
         message = encode("items", [*arrays, "x"])
         sender = threading.Thread(target=write, args=(writer, message))
         sender.start()
-        got_kind, value = receive(reader, 5.0)
+        got_kind, value, size = receive(reader, 5.0)
         sender.join()
         assert got_kind == "items" and value[-1] == "x"
+        assert size == sum(len(part) for part in message[1])  # the body: pickle and arrays
         for got, want in zip(value, arrays, strict=False):
             np.testing.assert_array_equal(got, want)
             assert got.flags.writeable
@@ -506,7 +507,7 @@ def test_a_message_cut_off_mid_way_times_out_instead_of_blocking():
         # and without a deadline, as lanes that wait for ever read it
         sender = threading.Thread(target=write, args=(writer, message))
         sender.start()
-        _, again = receive(reader)
+        _, again, _ = receive(reader)
         sender.join()
         np.testing.assert_array_equal(again[3], arrays[3])
     finally:

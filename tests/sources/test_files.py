@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from zephon.sources import JsonlSource
 from zephon.sources.files import (
     DigestTable,
-    digest,
+    content_digest,
     digest_ranges,
     read_sidecar,
     write_sidecar,
@@ -54,7 +54,7 @@ def test_range_digests_are_the_sha256_of_each_range_whatever_the_read_size(case,
     got = digest_ranges(reader(data), starts, lengths, piece=piece)
     assert got.dtype == np.int64
     assert got.tolist() == [sha64(data[a:b]) for a, b in ranges]
-    assert [digest(data[a:b]) for a, b in ranges] == got.tolist()
+    assert [content_digest(data[a:b]) for a, b in ranges] == got.tolist()
 
 
 def test_a_file_shorter_than_its_ranges_is_an_eof_error():

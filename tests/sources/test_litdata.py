@@ -23,7 +23,7 @@ from worker_kit import worker_processes
 import zephon
 from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
 from zephon.ops import batch, fetch
-from zephon.sources import LitDataSource, open_source
+from zephon.sources import LitDataSource, ShardCache, open_source
 
 N = 40
 #: LitData's zstd layouts: framed (its default), whole-file ``.zstd.bin``, one frame per item.
@@ -234,6 +234,17 @@ def test_a_bucket_copy_delivers_the_local_samples(tmp_path, bucket, layout):
     assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
     for g in got:
         assert_written(g)
+
+
+def test_a_bucket_copy_read_through_a_shard_cache_delivers_the_local_samples(tmp_path, bucket):
+    local = write(tmp_path / "local")
+    uri = bucket.upload(local, "litdata-cached")
+    here = LitDataSource(local, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c1")
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    there = LitDataSource(uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2", cache=cache)
+    assert there.describe() == here.describe()
+    assert [g["idx"] for g in every_sample(there)] == [g["idx"] for g in every_sample(here)]
+    assert there.io_counters()[there.root]["cache_misses"] == len(there.files())
 
 
 def test_a_changed_remote_block_is_refused(tmp_path, bucket):

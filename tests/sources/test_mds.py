@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from mds_kit import mds_writer
 from pipeline_kit import fingerprint_item, run
-from worker_kit import worker_processes
+from worker_kit import wait_until, worker_processes
 
 import zephon
 from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
 from zephon.ops import batch, fetch
-from zephon.sources import MDSSource, open_source
+from zephon.sources import MDSSource, ShardCache, open_source
 
 N = 60
 COLUMNS = {
@@ -262,3 +262,25 @@ def test_a_local_shard_rewritten_since_it_was_indexed_is_refused_on_read(tmp_pat
     os.utime(shard, ns=(1, 1))
     with pytest.raises(FetchError, match=r"shard\.00000\.mds.*changed since it was indexed"):
         src.read(src.chunk(0).pointers)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_bucket_copy_read_through_a_shard_cache_and_ahead_of_its_reads(
+    tmp_path, bucket, compression
+):
+    local = write(tmp_path / "local", compression)
+    uri = bucket.upload(local, f"mds-cached-{compression}")
+    here = MDSSource(local, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c1")
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30, prefetch_shards=64)
+    there = MDSSource(uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2", cache=cache)
+    assert there.describe() == here.describe()
+    for entry in Path(cache.dir).glob("*.shard"):
+        entry.unlink()  # the metadata reads cached every shard: start from an empty cache
+    # Announced chunks have their shards downloaded in the background, before any read.
+    there.upcoming(list(range(there.num_chunks())))
+    shards = len(there.files())
+    assert wait_until(lambda: len(list(Path(cache.dir).glob("*.shard"))) == shards, 60)
+    there.drop_read_caches()
+    got = every_sample(there)
+    assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
+    assert there.io_counters()[there.root]["cache_misses"] == 2 * shards  # metadata, then ahead

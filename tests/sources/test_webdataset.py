@@ -25,7 +25,7 @@ from worker_kit import script_env, worker_processes
 import zephon
 from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
 from zephon.ops import batch, fetch
-from zephon.sources import WebDatasetSource, open_source
+from zephon.sources import ShardCache, WebDatasetSource, open_source
 
 N = 60
 PER_SHARD = 16
@@ -404,6 +404,21 @@ def test_a_bucket_copy_delivers_the_local_samples(tmp_path, bucket):
     assert [g["__key__"] for g in got] == [g["__key__"] for g in every_sample(here)]
     for g in got:
         assert_written(g, uri)
+
+
+def test_a_bucket_copy_read_through_a_shard_cache_delivers_the_local_samples(tmp_path, bucket):
+    local = write(tmp_path / "local")
+    uri = bucket.upload(local, "wds-cached")
+    here = WebDatasetSource(local, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c1")
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    there = WebDatasetSource(
+        uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2", cache=cache
+    )
+    assert there.describe() == here.describe()
+    got = every_sample(there)
+    assert [g["__key__"] for g in got] == [g["__key__"] for g in every_sample(here)]
+    counts = there.io_counters()[there.root]
+    assert counts["cache_misses"] == len(there.files()) and counts["cache_hits"] > 0
 
 
 def test_a_changed_remote_block_is_refused(tmp_path, bucket):

@@ -43,8 +43,9 @@ cdef class BinPacker:
     cdef object _open_ids(self)
     cdef void _close_at(self, Py_ssize_t k) noexcept nogil
     cdef Py_ssize_t _fullest_uncut(self) noexcept nogil
-    cdef Py_ssize_t _place(self, const offset_t[:] lengths, offset_t* rows,
-                           offset_t* closed, Py_ssize_t* n_rows_out) noexcept nogil
+    cdef Py_ssize_t _place(self, const offset_t[:] lengths, const offset_t[:, :] no_cut,
+                           offset_t* rows, offset_t* closed,
+                           Py_ssize_t* n_rows_out) noexcept nogil
 
 
 cdef class FlatPacker:

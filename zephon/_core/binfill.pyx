@@ -16,6 +16,7 @@ from cpython.pythread cimport (
     PyThread_allocate_lock,
     PyThread_free_lock,
 )
+from zephon._core._ints cimport checked_int
 from zephon._core._lock cimport drop_lock, take_lock
 from libc.stdint cimport INT64_MAX
 from libc.string cimport memmove
@@ -34,17 +35,7 @@ cdef Py_ssize_t _MAX_ROWS = PY_SSIZE_T_MAX // 64
 
 cdef offset_t _as_count(object value, str owner, str name) except? -1:
     """A positive int64 from an integer-like value, or an error naming the argument."""
-    if isinstance(value, (bool, float)):
-        raise TypeError(f"{owner} {name} must be an int, got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{owner} {name} must be an int, got {type(value).__name__}") from None
-    if v < 1:
-        raise ValueError(f"{owner} {name} must be >= 1, got {v}")
-    if v > INT64_MAX:
-        raise ValueError(f"{owner} {name} must fit in signed 64 bits, got {v}")
-    return <offset_t>v
+    return <offset_t>checked_int(value, owner, name, 1, INT64_MAX)
 
 
 cdef inline void _put(offset_t* row, Py_ssize_t item, offset_t frag_start, offset_t frag_len,
@@ -151,6 +142,47 @@ cdef inline void _sift_down(OpenBin* bins, Py_ssize_t p) noexcept nogil:
         bins[lo] = moved
 
 
+cdef inline offset_t _head_outside(const offset_t[:, :] no_cut, Py_ssize_t span, Py_ssize_t item,
+                                   offset_t start, offset_t head) noexcept nogil:
+    # The head of item ``item`` from ``start`` cut at most ``head`` long whose cut falls strictly
+    # inside none of the item's ``(lo, hi)`` rows of ``no_cut`` (from row ``span`` on): moved back
+    # to the ``lo`` of the row it falls in (0 or less: no head can be cut).
+    cdef offset_t at = start + head
+    while span < no_cut.shape[0] and no_cut[span, 0] == item:
+        if no_cut[span, 1] < at < no_cut[span, 2]:
+            return no_cut[span, 1] - start
+        span += 1
+    return head
+
+
+_NO_SPANS = np.empty((0, 3), dtype=np.int64)
+
+
+cdef object _no_cut_rows(object no_cut, Py_ssize_t n_items):
+    """``no_cut`` as an int64 ``(m, 3)`` array of ``(item, lo, hi)`` rows sorted by item then
+    ``lo`` with ``lo < hi`` and items in ``[0, n_items)``; ValueError naming a bad row."""
+    if no_cut is None:
+        return _NO_SPANS
+    rows = np.asarray(no_cut)
+    if rows.dtype != np.int64 or rows.ndim != 2 or rows.shape[1] != 3:
+        raise ValueError(
+            f"BinPacker.add: no_cut must be an int64 (m, 3) array of (item, lo, hi) rows, got "
+            f"{rows.dtype} {rows.shape}"
+        )
+    if len(rows):
+        items, lo, hi = rows[:, 0], rows[:, 1], rows[:, 2]
+        bad = (items < 0) | (items >= n_items) | (lo >= hi)
+        bad[1:] |= (items[1:] < items[:-1]) | ((items[1:] == items[:-1]) & (lo[1:] < hi[:-1]))
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"BinPacker.add: no_cut row {k} {rows[k].tolist()} is not an (item, lo, hi) range "
+                f"with lo < hi, sorted by item then lo without overlaps, of an item in "
+                f"0..{n_items - 1}"
+            )
+    return rows
+
+
 cdef class BinPacker:
     """Online best-fit or first-fit packing of sequences into at most ``max_open_bins`` open bins.
 
@@ -160,7 +192,7 @@ cdef class BinPacker:
     limit is reached, the fullest open bin leaves. With ``cut_to_fill``, that bin is first filled
     with the head of the sequence (so it leaves full), and the rest goes where it fits best among
     the bins that hold no piece of a cut sequence (else to a new bin): a bin takes at most one such
-    piece. A bin that becomes exactly full leaves at once, and so does one that holds
+    piece; ``add(..., no_cut=)`` keeps such a head cut out of given ranges of an item. A bin that becomes exactly full leaves at once, and so does one that holds
     ``max_segments`` fragments (when given). Invariant: no bin ever holds more than ``capacity``
     tokens or more than ``max_segments`` fragments, every bin id (0, 1, 2, ... in opening order)
     leaves exactly once, and fragments in a bin sit back to back from offset 0.
@@ -288,17 +320,21 @@ cdef class BinPacker:
                 k = p
         return k
 
-    cdef Py_ssize_t _place(self, const offset_t[:] lengths, offset_t* rows,
-                           offset_t* closed, Py_ssize_t* n_rows_out) noexcept nogil:
+    cdef Py_ssize_t _place(self, const offset_t[:] lengths, const offset_t[:, :] no_cut,
+                           offset_t* rows, offset_t* closed,
+                           Py_ssize_t* n_rows_out) noexcept nogil:
         """Place every item of ``lengths``; write its rows (their count to ``n_rows_out``) and
         closed bin ids; return the count of closed ids. ``rows`` must hold ``_bin_rows(lengths)``
-        rows, and one more per item with ``cut_to_fill`` (lengths checked >= 0)."""
+        rows, and one more per item with ``cut_to_fill`` (lengths checked >= 0). ``no_cut``:
+        ``(item, lo, hi)`` rows sorted by item then ``lo`` (checked), where a head cut may not
+        fall strictly inside ``(lo, hi)``."""
         cdef offset_t cap = self._capacity
         cdef OpenBin* bins = self._bins
         cdef bint best_fit = self._strategy == BEST_FIT
         cdef bint cut
-        cdef Py_ssize_t i, k, p, n_closed = 0, n_rows = 0
-        cdef offset_t length, start, r, bin_id
+        cdef Py_ssize_t i, k, p, n_closed = 0, n_rows = 0, span = 0
+        cdef Py_ssize_t n_spans = no_cut.shape[0]
+        cdef offset_t length, start, r, bin_id, head
         for i in range(lengths.shape[0]):
             length = lengths[i]
             start = 0
@@ -326,13 +362,20 @@ cdef class BinPacker:
                     p += 1
             if p == self._n_open and self._n_open == self._max_open and self._cut_to_fill:
                 # Fill the rest of the bin that would leave with the head of this item: it
-                # leaves full, and the tail (a piece of a cut sequence) is placed as usual.
+                # leaves full (or up to a no-cut range the cut would fall in), and the tail (a
+                # piece of a cut sequence) is placed as usual.
                 k = self._fullest_uncut()
+                head = 0
                 if k >= 0:
-                    _put(rows, i, start, bins[k].room, bins[k].bin_id, cap - bins[k].room)
+                    head = bins[k].room
+                    while span < n_spans and no_cut[span, 0] < i:
+                        span += 1
+                    head = _head_outside(no_cut, span, i, start, head)
+                if head > 0:
+                    _put(rows, i, start, head, bins[k].bin_id, cap - bins[k].room)
                     rows += PLACEMENT_COLUMNS
                     n_rows += 1
-                    start += bins[k].room
+                    start += head
                     r = length - start
                     closed[n_closed] = bins[k].bin_id
                     n_closed += 1
@@ -384,17 +427,24 @@ cdef class BinPacker:
         n_rows_out[0] = n_rows
         return n_closed
 
-    def add(self, const offset_t[:] lengths not None):
+    def add(self, const offset_t[:] lengths not None, no_cut=None):
         """Place sequences of the given lengths, in order.
 
         Returns ``(placements, closed_bins)``: an int64 ``(k, 5)`` array of rows
         ``(item, frag_start, frag_len, bin_id, bin_offset)`` in placement order, and the int64 ids
         of the bins that left during this call, in the order they left. Nothing changes if a length
         is negative (ValueError naming its index).
+
+        ``no_cut`` (with ``cut_to_fill``): int64 ``(item, lo, hi)`` rows, sorted by item then
+        ``lo``, the ranges of item positions a head cut may not fall strictly inside (an image's
+        token span): such a head ends at ``lo`` instead, and when that leaves no head the item is
+        not cut (the bin leaves as it would without ``cut_to_fill``). Whole-capacity fragments of
+        an item longer than ``capacity`` are cut at capacity whatever it says.
         """
         cdef Py_ssize_t bad = -1, n_rows, n_closed, written = 0
         cdef offset_t[:, ::1] rows_view
         cdef offset_t[::1] closed_view
+        cdef const offset_t[:, :] spans = _no_cut_rows(no_cut, lengths.shape[0])
         self._enter()
         try:
             with nogil:
@@ -414,7 +464,9 @@ cdef class BinPacker:
             rows_view = placements
             closed_view = closed
             with nogil:
-                n_closed = self._place(lengths, &rows_view[0, 0], &closed_view[0], &written)
+                n_closed = self._place(
+                    lengths, spans, &rows_view[0, 0], &closed_view[0], &written
+                )
         finally:
             self._exit()
         if written < n_rows:

@@ -8,9 +8,11 @@ All fields are kept as C integers so comparing, hashing and sorting never build 
 cimport cython
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdlib cimport qsort
+from libc.stdint cimport INT64_MAX
 from libc.string cimport memcpy
 
-import operator
+from zephon._core._ints cimport checked_int
+
 
 import numpy as np
 
@@ -48,17 +50,7 @@ cdef int _cmp_fields(offset_t ca, offset_t oa, const offset_t* la, Py_ssize_t na
 
 cdef offset_t _as_field(object value, str field) except? -1:
     """A non-negative int64 from any integer-like value, or an error naming the field."""
-    if isinstance(value, bool) or isinstance(value, float):
-        raise TypeError(f"SampleCursor {field} must be an int, got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"SampleCursor {field} must be an int, got {type(value).__name__}") from None
-    if v < 0:
-        raise ValueError(f"SampleCursor {field} must be >= 0, got {v}")
-    if v > 0x7FFFFFFFFFFFFFFF:
-        raise ValueError(f"SampleCursor {field} must fit in signed 64 bits, got {v}")
-    return <offset_t>v
+    return <offset_t>checked_int(value, "SampleCursor", field, 0, INT64_MAX)
 
 
 @cython.freelist(1024)

@@ -33,5 +33,6 @@ cdef class LoaderStep:
     cdef public object _failure
     cdef public bint _closed
     cdef public bint _started
+    cdef public Py_ssize_t steps        # items handed over by ``next()`` (not by a restore)
 
     cdef object _round(self)

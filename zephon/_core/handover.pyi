@@ -77,6 +77,7 @@ class LoaderStep:
     _failure: BaseException | None
     _closed: bool
     _started: bool
+    steps: int
     def __next__(self) -> Any: ...
     @abstractmethod
     def start_or_refuse(self) -> None: ...

@@ -92,6 +92,7 @@ cdef class LoaderStep:
     or was closed goes through ``start_or_refuse()`` first; a lane's contract violations go to
     ``policy`` (a ``ViolationReport``), a chunk it announced to ``note_inflight()``, an error to
     ``fail(exc)``, and the end of the stream to ``release_source()``: a subclass defines those.
+    ``steps`` counts the items handed over.
     """
 
     def __cinit__(self):
@@ -119,7 +120,9 @@ cdef class LoaderStep:
         try:
             if self._failure is not None or self._closed or not self._started:
                 self.start_or_refuse()
-            return self._round()
+            out = self._round()
+            self.steps += 1
+            return out
         finally:
             lock.release()
 

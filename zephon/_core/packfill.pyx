@@ -24,6 +24,7 @@ from cpython.pythread cimport (
     PyThread_allocate_lock,
     PyThread_free_lock,
 )
+from zephon._core._ints cimport checked_int
 from zephon._core._lock cimport drop_lock, take_lock
 from zephon._core.records cimport SampleRecord
 from libc.stdint cimport INT32_MAX, INT32_MIN
@@ -287,14 +288,8 @@ cdef class BinFill:
     """
 
     def __cinit__(self, seq_len, pad_id=0, side_pads=()):
-        if isinstance(seq_len, bool) or isinstance(pad_id, bool):
-            raise TypeError("BinFill seq_len and pad_id must be ints, not bools")
-        cdef object n = operator.index(seq_len)
-        cdef object pad = operator.index(pad_id)
-        if not 1 <= n <= INT32_MAX:
-            raise ValueError(f"BinFill seq_len must be in [1, 2**31 - 1] (int32 positions), got {n}")
-        if not INT32_MIN <= pad <= INT32_MAX:
-            raise ValueError(f"BinFill pad_id must be an int32, got {pad}")
+        cdef object n = checked_int(seq_len, "BinFill", "seq_len", 1, INT32_MAX)
+        cdef object pad = checked_int(pad_id, "BinFill", "pad_id", INT32_MIN, INT32_MAX)
         pads = tuple(side_pads)
         coded = [_side_pad(value, k) for k, value in enumerate(pads)]
         self._n_side = len(pads)

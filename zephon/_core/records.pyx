@@ -6,11 +6,12 @@ immutable: their attributes are read-only, and "changing" one means building a n
 
 cimport cython
 
+from zephon._core._ints cimport checked_int
 from zephon._core._types cimport offset_t
+from libc.stdint cimport INT64_MAX
 from zephon._core.cursor cimport SampleCursor, make_cursor
 
 import collections.abc as _abc
-import operator
 
 import numpy as np
 
@@ -115,15 +116,7 @@ cdef class SampleMeta:
         if not isinstance(cursor, SampleCursor):
             raise TypeError(f"SampleMeta cursor must be a SampleCursor, got {cursor!r}")
         self.cursor = cursor
-        if isinstance(lane_id, bool):
-            raise TypeError(f"SampleMeta lane_id must be an int, got {lane_id!r}")
-        try:
-            lane = operator.index(lane_id)
-        except TypeError:
-            raise TypeError(f"SampleMeta lane_id must be an int, got {lane_id!r}") from None
-        if lane < 0 or lane > 0x7FFFFFFFFFFFFFFF:
-            raise ValueError(f"SampleMeta lane_id must be in [0, 2**63), got {lane}")
-        self.lane_id = lane
+        self.lane_id = checked_int(lane_id, "SampleMeta", "lane_id", 0, INT64_MAX)
         self.contributors = None if contributors is None else _as_contributors(contributors)
         self.tags = as_tags(tags, "SampleMeta")
         self.is_tombstone = bool(is_tombstone)

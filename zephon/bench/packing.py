@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 import zephon
-from zephon.ops import batch, fetch, pack_flat, pack_sequences
+from zephon.ops import batch, fetch, pack_flat, pack_sequences, training_collate
 from zephon.sources.memory import RangeSource
 
 __all__ = [
+    "image_comparison",
     "packing_comparison",
     "run_grain_pack",
     "run_python_first_fit",
@@ -369,3 +370,83 @@ def side_field_comparison(
             }
         )
     return rows
+
+
+#: The image workload: a span of 66 tokens (start, 64 image tokens, end: a 224 x 224 image in
+#: patches of 14 merged 2 x 2) a third of the way into every sequence of at least 100 tokens.
+IMAGE_SPAN = 66
+
+
+def image_payloads(
+    lengths: Sequence[int] | np.ndarray, pixels: np.ndarray | None = None
+) -> list[dict[str, Any]]:
+    """``token_payloads`` with a loss mask, and one image (``pixels``, shared: a float32
+    ``(3, 32, 32)`` by default) with its ``image_spans`` in every sequence of 100 tokens or
+    more."""
+    image = np.zeros((3, 32, 32), dtype=np.float32) if pixels is None else pixels
+    out: list[dict[str, Any]] = []
+    for tokens in token_payloads(lengths):
+        payload: dict[str, Any] = dict(tokens)
+        n = len(payload["tokens"])
+        payload["loss_mask"] = np.ones(n, dtype=np.int32)
+        held = n >= 100
+        payload["images"] = [image] if held else []
+        spans = [(n // 3, n // 3 + IMAGE_SPAN)] if held else []
+        payload["image_spans"] = np.array(spans, dtype=np.int32).reshape(-1, 2)
+        out.append(payload)
+    return out
+
+
+def run_pack_collate(
+    payloads: list[dict[str, Any]], *, images: bool, batch_size: int = 8
+) -> dict[str, float]:
+    """Seconds (and rows) of ``fetch -> pack_sequences(1024, extra_fields={"loss_mask": 0})
+    -> batch(collate=training_collate())`` over ``payloads``, with ``images="images"`` in the
+    packer and the collate when ``images``, on one inline lane; planning is not timed."""
+    where = "images" if images else None
+    ops = [
+        fetch(),
+        pack_sequences(
+            SEQ_LEN, open_bins=OPEN_BINS, pad_id=0, extra_fields={"loss_mask": 0}, images=where
+        ),
+        batch(batch_size, collate=training_collate(images=where)),
+    ]
+    pipeline = zephon.Pipeline(
+        RangeSource(len(payloads), make=PayloadAt(payloads), chunk_size=CHUNK_SIZE),
+        ops,
+        epoch_chunks=EPOCH_SEQUENCES // CHUNK_SIZE,
+    )
+    loader = pipeline.iter()
+    start = time.perf_counter()
+    rows = 0
+    with loader:
+        for item in loader:
+            rows += len(item)
+    return {"seconds": time.perf_counter() - start, "rows": rows}
+
+
+def image_comparison(
+    repeat: int = 5, *, lengths: Sequence[int] | np.ndarray | None = None
+) -> dict[str, Any]:
+    """Median seconds of packing and collating sequences that carry images (``image_payloads``)
+    against the same tokens and masks without images, runs alternating; ``ratio``: the median
+    of each round's with / without."""
+    lengths = uniform_lengths() if lengths is None else np.asarray(lengths)
+    with_images = image_payloads(lengths)
+    plain = [
+        {k: v for k, v in payload.items() if k in ("tokens", "loss_mask")}
+        for payload in with_images
+    ]
+    alone: list[float] = []
+    carried: list[float] = []
+    for _ in range(repeat):
+        alone.append(run_pack_collate(plain, images=False)["seconds"])
+        carried.append(run_pack_collate(with_images, images=True)["seconds"])
+    return {
+        "sequences": len(lengths),
+        "images": sum(len(p["images"]) for p in with_images),
+        "text_only_s": statistics.median(alone),
+        "with_images_s": statistics.median(carried),
+        "ratio": statistics.median(w / a for w, a in zip(carried, alone)),
+        "repeat": repeat,
+    }

@@ -4,7 +4,9 @@ S3-compatible server (moto's server mode, a test dependency) against the same fi
 - startup: ``ArrowSource("s3://bucket/prefix").num_samples()`` over ``shards`` Parquet shards:
   listing, every footer and every content digest (in parallel), then again with the metadata
   cache a first run left (one HEAD per shard for its version);
-- throughput: tokens/s of ``fetch -> batch`` over the shards from the server and from disk.
+- throughput: tokens/s of ``fetch -> batch`` over the shards from the server and from disk;
+- shard cache: tokens/s of the same read served from a warm ``ShardCache`` (every shard a hit:
+  one HEAD for its version, its bytes from the cache's memory map) against the files on disk.
 
 Functions only; ``zephon bench`` (``report.py``) and the asv suite call them.
 """
@@ -24,9 +26,9 @@ import numpy as np
 
 import zephon
 from zephon.ops import batch, fetch
-from zephon.sources import ArrowSource
+from zephon.sources import ArrowSource, ShardCache
 
-__all__ = ["s3_dataset", "startup_seconds", "tokens_per_second"]
+__all__ = ["cache_hit_rates", "s3_dataset", "startup_seconds", "tokens_per_second"]
 
 TOKENS_PER_ROW = 128
 
@@ -90,10 +92,14 @@ def startup_seconds(uri: str, cache_dir: str | os.PathLike[str]) -> float:
     return time.perf_counter() - began
 
 
-def tokens_per_second(where: str | os.PathLike[str], cache_dir: Any) -> float:
+def tokens_per_second(
+    where: str | os.PathLike[str], cache_dir: Any, shard_cache: ShardCache | None = None
+) -> float:
     """Tokens/s delivered by ``fetch -> batch(32)`` over the shards at ``where`` (metadata
-    loaded before the clock starts)."""
-    src = ArrowSource(where, columns=["tokens"], chunk_size=256, cache_dir=cache_dir)
+    loaded before the clock starts), through ``shard_cache`` when given."""
+    src = ArrowSource(
+        where, columns=["tokens"], chunk_size=256, cache_dir=cache_dir, cache=shard_cache
+    )
     src.num_samples()
     tokens = 0
     began = time.perf_counter()
@@ -101,3 +107,21 @@ def tokens_per_second(where: str | os.PathLike[str], cache_dir: Any) -> float:
         for b in loader:
             tokens += sum(len(t) for t in b.payload["tokens"])
     return tokens / (time.perf_counter() - began)
+
+
+def cache_hit_rates(
+    uri: str, local: str | os.PathLike[str], cache_dir: Any, repeats: int = 5
+) -> tuple[float, float, float]:
+    """``(cached, disk, ratio)``: median tokens/s over ``repeats`` pairs of runs, taken in
+    turn, of the shards at ``uri`` read through a warm ``ShardCache`` (filled by a first run,
+    not timed) and of ``local``, and the median over the pairs of disk tokens/s over cached
+    ones (the cached read's time over the local one's)."""
+    with tempfile.TemporaryDirectory() as where:
+        shards = ShardCache(where, max_bytes=1 << 40)
+        tokens_per_second(uri, cache_dir, shards)  # fills the cache
+        cached, disk = [], []
+        for _ in range(repeats):
+            cached.append(tokens_per_second(uri, cache_dir, shards))
+            disk.append(tokens_per_second(local, cache_dir))
+    ratios = [d / c for c, d in zip(cached, disk, strict=True)]
+    return float(np.median(cached)), float(np.median(disk)), float(np.median(ratios))

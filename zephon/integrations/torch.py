@@ -95,7 +95,6 @@ class ZephonIterableDataset(IterableDataset[Any]):
         self.pipeline = pipeline
         self.end_together = end_together
         self._together: _EndTogether | None = None
-        self._dropped_at_end = 0  # items fetched on this rank after another rank's data ended
         self._loader: Loader | None = None
         self._pending: dict[str, Any] | None = None  # from load_state_dict, for the next iter()
         self.allow_changes = allow_changes
@@ -124,11 +123,9 @@ class ZephonIterableDataset(IterableDataset[Any]):
 
     def _generate(self, loader: Loader) -> Iterator[Any]:
         together = self._end_agreement(loader)
+        items = loader if together is None else loader.end_together(together.least)
         try:
-            for item in _items(loader, together):
-                if item is _OTHERS_ENDED:
-                    self._dropped_at_end += 1
-                    break
+            for item in items:
                 yield to_tensors(item.payload)
         except GeneratorExit:
             self._retire(loader)
@@ -164,19 +161,13 @@ class ZephonIterableDataset(IterableDataset[Any]):
         the next ``iter()`` starts from (a fresh start when none was loaded); after the stream
         ended or was abandoned, the last loader's."""
         if self._loader is not None:
-            return self._with_dropped(self._loader.stats())
+            return self._loader.stats()
         if self._final_stats is not None and self._pending is None:
-            return self._with_dropped(self._final_stats)
+            return self._final_stats
         with self.pipeline.iter(
             state=self._pending, allow_changes=self._pending_changes
         ) as upcoming:
             return upcoming.stats()
-
-    def _with_dropped(self, stats: dict[str, Any]) -> dict[str, Any]:
-        # Items this rank had when another rank's data ended count as dropped at the end.
-        if not self._dropped_at_end:
-            return stats
-        return {**stats, "dropped_at_end": stats.get("dropped_at_end", 0) + self._dropped_at_end}
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last item yielded (see the class docstring)."""
@@ -228,15 +219,10 @@ def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
     return state["dataset_state"] if _is_dataloader_state(state) else state
 
 
-_OTHERS_ENDED = object()  # what _items yields when another rank has no item for the step
-
-
 class _EndTogether:
-    """The ranks of a job stop at the same global step: before each item, every rank says
-    whether it has one (an all-reduce of one number, the minimum, over a gloo group of the
-    whole job, so the training's own NCCL group is untouched), and all stop at the first step
-    one of them lacks. One small collective per item; made once, by every rank at its first
-    ``iter()``, since creating a group is itself collective."""
+    """The minimum all-reduce of one number that ``Loader.end_together`` asks for, over a gloo
+    group of the whole job, so the training's own NCCL group is untouched. Made once, by every
+    rank at its first ``iter()``, since creating a group is itself collective."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -246,25 +232,11 @@ class _EndTogether:
         self.group = None if default_gloo else dist.new_group(backend="gloo")
         self._flag = torch.zeros(1, dtype=torch.int32)
 
-    def all_have(self, have: bool) -> bool:
-        """Whether every rank has an item for this step (``have``: this rank's answer)."""
-        self._flag[0] = 1 if have else 0
+    def least(self, value: int) -> int:
+        """The minimum of ``value`` over the ranks."""
+        self._flag[0] = value
         self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MIN, group=self.group)
-        return bool(self._flag[0])
-
-
-def _items(loader: Loader, together: _EndTogether | None) -> Iterator[Any]:
-    """``loader``'s items; with ``together``, up to the first step some rank has none for
-    (then ``_OTHERS_ENDED`` if this rank still had one)."""
-    if together is None:
-        yield from loader
-        return
-    for item in loader:
-        if not together.all_have(True):
-            yield _OTHERS_ENDED
-            return
-        yield item
-    together.all_have(False)  # this rank is out: the others learn it at this same step
+        return int(self._flag[0])
 
 
 def as_torch_dataset(
@@ -275,11 +247,11 @@ def as_torch_dataset(
     loaded states may come from the same pipeline with changed operators (``Pipeline.iter``).
 
     ``end_together``: on a job of several ranks, every rank stops at the first global step some
-    rank has no item for, so none is left waiting in a collective at the end of the data (one
-    all-reduce of one number per item, over a gloo group; what the other ranks still had counts
-    in ``stats()["dropped_at_end"]``). ``None`` (the default) turns it on when the pipeline
-    cannot end its ranks together by itself: plans that filter, split or pack records, whose
-    ``uneven_end`` defaults to ``"allow"``."""
+    rank has no item for, so none is left waiting in a collective at the end of the data
+    (``Loader.end_together``: one all-reduce of one number per item, over a gloo group; what
+    the other ranks still had counts in ``stats()["dropped_at_end"]``). ``None`` (the default)
+    turns it on when the pipeline cannot end its ranks together by itself: plans that filter,
+    split or pack records, whose ``uneven_end`` defaults to ``"allow"``."""
     return ZephonIterableDataset(pipeline, allow_changes=allow_changes, end_together=end_together)
 
 

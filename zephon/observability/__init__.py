@@ -3,7 +3,8 @@
 for runs without one (``MetricsLog``), and the bottleneck named in words (``explain``).
 
 Nothing here runs unless you call it, and nothing here imports an optional dependency until it
-needs it: ``serve_metrics`` imports ``prometheus_client`` (the ``metrics`` extra).
+needs it: ``ZephonCollector`` (``zephon.observability.prometheus``) needs ``prometheus_client`` (the
+``metrics`` extra), ``zephon.observability.otel`` the OpenTelemetry SDK (the ``otel`` extra).
 """
 
 from __future__ import annotations
@@ -32,6 +33,6 @@ def serve_metrics(source: Any, port: int = 0, addr: str = "127.0.0.1") -> Any:
     ``StatefulDataLoader`` around one) in the Prometheus text format at
     ``http://addr:port/metrics``, from a daemon thread; ``port=0`` picks a free port. Returns a
     ``MetricsServer`` (``.url``, ``.port``, ``.close()``; a context manager)."""
-    from zephon.observability.prometheus import MetricsServer
+    from zephon.observability.server import MetricsServer
 
     return MetricsServer(source, port=port, addr=addr)

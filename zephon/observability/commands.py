@@ -133,8 +133,9 @@ def _frame(url: str, ranks: dict[str, dict[str, Any]], earlier: tuple[float, dic
 
 def report(path: str, out: str | None = None) -> Path:
     """Plots of a ``MetricsLog`` file as one PNG (``out``, else beside the log): delivered
-    records per second, mixture shares against their targets, records replayed by restores, and
-    each operator's share of the busy time, over the run's elapsed time. Returns its path."""
+    records per second, mixture shares against their targets, records replayed by restores, the
+    share of its time the training loop waited inside ``next()``, each packer's fill, and each
+    operator's share of the busy time, over the run's elapsed time. Returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -144,7 +145,7 @@ def report(path: str, out: str | None = None) -> Path:
     if len(lines) < 2:
         raise ZephonError(f"{path} holds {len(lines)} line(s): a report needs at least two")
     target = Path(out) if out else Path(path).with_suffix(".png")
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    fig, axes = plt.subplots(2, 3, figsize=(18, 8), constrained_layout=True)
     for rank in sorted({line["rank"] for line in lines}):
         mine = [line for line in lines if line["rank"] == rank]
         t = [line["elapsed"] for line in mine]
@@ -164,6 +165,18 @@ def report(path: str, out: str | None = None) -> Path:
                 axes[0][1].plot(t, [float("nan") if x is None else x for x in targets],
                                 linestyle="--", color=line[0].get_color())  # fmt: skip
         axes[1][0].plot(t, [s.get("replayed", 0) for s in stats], label=f"rank {rank}")
+        waits = [s.get("trainer_wait") or {} for s in stats]
+        waited = [
+            (w2.get("seconds", 0.0) - w1.get("seconds", 0.0))
+            / max(w2.get("elapsed", 0.0) - w1.get("elapsed", 0.0), 1e-9)
+            for w1, w2 in zip(waits[:-k], waits[k:])
+        ]
+        axes[0][2].plot(t[k:], waited, label=f"rank {rank}")
+        for name in sorted({n for s in stats for n, v in (s.get("operators") or {}).items()
+                            if "fill" in v}):  # fmt: skip
+            fills = [(s.get("operators") or {}).get(name, {}).get("fill") for s in stats]
+            axes[1][2].plot(t, [float("nan") if f is None else f for f in fills],
+                            label=f"{name} (rank {rank})")  # fmt: skip
         last = stats[-1].get("operators") or {}
         total = sum(v.get("seconds", 0.0) for v in last.values()) or 1.0
         names = list(last)
@@ -171,8 +184,10 @@ def report(path: str, out: str | None = None) -> Path:
     for ax, title, ylabel in (
         (axes[0][0], "throughput", "records/s"),
         (axes[0][1], "mixture share (dashed: target)", "share"),
+        (axes[0][2], "training loop waiting in next()", "share of its time"),
         (axes[1][0], "records replayed by restores", "records"),
         (axes[1][1], "operators' share of busy time (last line)", ""),
+        (axes[1][2], "packing fill (real tokens / row tokens)", "fill"),
     ):
         ax.set_title(title)
         ax.set_ylabel(ylabel)

@@ -64,6 +64,40 @@ _SCALARS = (
     ("zephon_chunk_table_bytes", "gauge", "Memory held by the chunk tables.", "bytes_held"),
 )
 
+# name, kind, help, the key in ``trainer_wait`` (``runtime.workers.trainer_wait``)
+_TRAINER = (
+    (
+        "zephon_trainer_wait_seconds_total",
+        "counter",
+        "Seconds the training loop waited inside next() for batches that were not ready.",
+        "seconds",
+    ),
+    (
+        "zephon_trainer_steps_total",
+        "counter",
+        "Items (batches or records) handed to the training loop since the first next().",
+        "steps",
+    ),
+    (
+        "zephon_trainer_wait_recent_seconds",
+        "gauge",
+        "Seconds the training loop waited inside next() over its latest steps.",
+        "recent_seconds",
+    ),
+    (
+        "zephon_trainer_wait_recent_steps",
+        "gauge",
+        "How many latest steps zephon_trainer_wait_recent_seconds covers.",
+        "recent_steps",
+    ),
+    (
+        "zephon_trainer_elapsed_seconds",
+        "gauge",
+        "Seconds since the first next() (until the end of the stream).",
+        "elapsed",
+    ),
+)
+
 # name, kind, help, the key in a component's ``mixture_components`` entry
 _COMPONENTS = (
     (
@@ -118,6 +152,47 @@ _OPERATORS = (
         "Records and tombstones each operator emitted.",
         "items_out",
     ),
+    (
+        "zephon_packing_fill",
+        "gauge",
+        "Fraction of each packer's row tokens that are real tokens (the rest is padding).",
+        "fill",
+    ),
+    ("zephon_packed_rows_total", "counter", "Rows each packer emitted.", "rows"),
+    (
+        "zephon_packed_real_tokens_total",
+        "counter",
+        "Real (not padding) tokens in the rows each packer emitted.",
+        "real_tokens",
+    ),
+    (
+        "zephon_packed_row_tokens_total",
+        "counter",
+        "Tokens, padding included, in the rows each packer emitted.",
+        "row_tokens",
+    ),
+)
+
+# Per data set (``stats()["sources"]``, labelled ``source``: its dataset root).
+_SOURCES = (
+    (
+        "zephon_source_read_bytes_total",
+        "counter",
+        "Bytes each source read from remote storage (ranged reads and shard downloads).",
+        "read_bytes",
+    ),
+    (
+        "zephon_shard_cache_hits_total",
+        "counter",
+        "Opens of a remote shard its node-local cache already held.",
+        "cache_hits",
+    ),
+    (
+        "zephon_shard_cache_misses_total",
+        "counter",
+        "Opens of a remote shard its node-local cache had to fetch.",
+        "cache_misses",
+    ),
 )
 
 _LANES = (
@@ -143,6 +218,28 @@ _LANES = (
 )
 
 
+# name, kind, help of the families made from more than one stats value
+_SHARE_ERROR = (
+    "zephon_mixture_share_error",
+    "gauge",
+    "Realized minus target share per component.",
+)
+_REPLAY_DONE = (
+    "zephon_lane_replay_done_records",
+    "gauge",
+    "Records each restoring lane has replayed so far.",
+)
+_REPLAY_ALL = ("zephon_lane_replay_records", "gauge", "Records each restoring lane replays in all.")
+
+
+def catalogue() -> list[tuple[str, str, str]]:
+    """Every family ``metric_families`` may return, as ``(name, kind, help)``, in its order: what
+    a sink that declares its instruments up front (OpenTelemetry) declares."""
+    tables = (_SCALARS, _TRAINER, _COMPONENTS, (_SHARE_ERROR,), _OPERATORS, _SOURCES, _LANES)
+    out = [row[:3] for table in tables for row in table]
+    return [*out, _REPLAY_DONE, _REPLAY_ALL]
+
+
 def metric_families(stats: Mapping[str, Any], *, rank: int = 0) -> list[Family]:
     """The families of one rank's ``stats()``; a value the stats do not hold is left out."""
     base = {"rank": str(rank)}
@@ -155,13 +252,14 @@ def metric_families(stats: Mapping[str, Any], *, rank: int = 0) -> list[Family]:
 
     for name, kind, help, key in _SCALARS:
         add(name, kind, help, [({}, stats.get(key))])
+    waits = stats.get("trainer_wait") or {}
+    for name, kind, help, key in _TRAINER:
+        add(name, kind, help, [({}, waits.get(key))])
     components = stats.get("mixture_components") or {}
     for name, kind, help, key in _COMPONENTS:
         add(name, kind, help, [({"component": str(c)}, v.get(key)) for c, v in components.items()])
     add(
-        "zephon_mixture_share_error",
-        "gauge",
-        "Realized minus target share per component.",
+        *_SHARE_ERROR,
         [
             ({"component": str(c)}, v["share"] - v["target"])
             for c, v in components.items()
@@ -171,22 +269,15 @@ def metric_families(stats: Mapping[str, Any], *, rank: int = 0) -> list[Family]:
     operators = stats.get("operators") or {}
     for name, kind, help, key in _OPERATORS:
         add(name, kind, help, [({"operator": op}, v.get(key)) for op, v in operators.items()])
+    sources = stats.get("sources") or {}
+    for name, kind, help, key in _SOURCES:
+        add(name, kind, help, [({"source": str(s)}, v.get(key)) for s, v in sources.items()])
     lanes = stats.get("lanes") or {}
     for name, kind, help, key in _LANES:
         add(name, kind, help, [({"lane": str(lane)}, v.get(key)) for lane, v in lanes.items()])
     replays = [(str(lane), v["replay"]) for lane, v in lanes.items() if v.get("replay")]
-    add(
-        "zephon_lane_replay_done_records",
-        "gauge",
-        "Records each restoring lane has replayed so far.",
-        [({"lane": lane}, r.get("done")) for lane, r in replays],
-    )
-    add(
-        "zephon_lane_replay_records",
-        "gauge",
-        "Records each restoring lane replays in all.",
-        [({"lane": lane}, r.get("of")) for lane, r in replays],
-    )
+    add(*_REPLAY_DONE, [({"lane": lane}, r.get("done")) for lane, r in replays])
+    add(*_REPLAY_ALL, [({"lane": lane}, r.get("of")) for lane, r in replays])
     return out
 
 
@@ -203,10 +294,14 @@ def stats_from_families(families: Iterable[tuple[str, list[tuple[Labels, float]]
     for name, _, _, key in _SCALARS:
         for _, value in by_name.get(name, [])[:1]:
             stats[key] = value
+    waits = {key: v for name, _, _, key in _TRAINER for _, v in by_name.get(name, [])[:1]}
+    if waits:
+        stats["trainer_wait"] = waits
     tables = (
         ("mixture_components", "component", _COMPONENTS),
         ("operators", "operator", _OPERATORS),
         ("lanes", "lane", _LANES),
+        ("sources", "source", _SOURCES),
     )
     for field_name, label, table in tables:
         rows: dict[str, dict[str, Any]] = {}

@@ -18,6 +18,7 @@ from zephon.ops.packing import PackFlat, PackSequences, pack_flat, pack_sequence
 from zephon.ops.shuffle import Shuffle, shuffle
 from zephon.ops.tokenize import ByteTokenizer, Tokenize, tokenize
 from zephon.ops.training import TrainingCollate, training_collate
+from zephon.ops.vision import TokenizeInterleaved, tokenize_interleaved
 
 __all__ = [
     "MIXTURE_DROP_TAG",
@@ -32,6 +33,7 @@ __all__ = [
     "Shuffle",
     "Tokenize",
     "TokenizeChat",
+    "TokenizeInterleaved",
     "TrainingCollate",
     "batch",
     "center_crop",
@@ -52,6 +54,7 @@ __all__ = [
     "spawn_child",
     "tokenize",
     "tokenize_chat",
+    "tokenize_interleaved",
     "tombstone_meta",
     "tombstones_for_record",
     "training_collate",

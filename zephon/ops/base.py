@@ -5,7 +5,7 @@ end)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -78,6 +78,9 @@ class Operator:
     #: changes no metadata and never drops, splits or reorders. The lane runner may then hand it
     #: a run of fetched records (``map_payloads``) instead of a list of records.
     maps_payloads: bool = False
+    #: Ratios of two of the counts of ``counters()``, by name (a packer's ``"fill"``: real tokens
+    #: over row tokens), which ``Loader.stats()`` gives beside the counts summed over the lanes.
+    ratios: ClassVar[Mapping[str, tuple[str, str]]] = {}
 
     lane_id: int = 0
     epoch: int = 0
@@ -161,6 +164,25 @@ class Operator:
 
     def restore_carry(self, state: dict) -> None:
         """Restore what ``carry_state`` returned; called on fresh operators at restore."""
+
+    def counters(self) -> dict[str, int | float]:
+        """Counts of this operator's own work since it was made (a packer's rows and their real
+        and padded tokens); ``Loader.stats()`` adds them up over the lanes under the operator's
+        entry. Read once per chunk a lane opens; none by default."""
+        return {}
+
+    def leave_out(self, retired: Callable[[np.ndarray], np.ndarray]) -> bool:
+        """From now on, leave retired samples (``Pipeline.iter(retire=...)``) out of the records
+        this operator makes of several inputs: ``retired(ids)`` says, per row of an ``(n, 3)``
+        int64 array of sample ids, whether that sample is retired. Such a record keeps its
+        primary cursor and the other inputs' parts, and each left-out input's closing
+        contributors follow it as tombstones; a record of retired samples alone is emitted as
+        it is (delivery books it and hands it to no one). Called on a lane's fresh operators
+        when the run has retired samples. Return True when the operator does so; the default,
+        False, suits operators that never put several samples in one record (for one that does,
+        delivery takes a record mixing retired samples with others out whole, with a
+        ``RetireWarning``)."""
+        return False
 
     def provides(self) -> dict[str, Any]:
         """Plan-time facts for the operators after this one (e.g. a tokenizer's ``pad_id``)."""

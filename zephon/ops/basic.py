@@ -126,6 +126,8 @@ class MapTransform(Operator):
     ):
         if not callable(fn):
             raise TypeError(f"map_transform needs a callable, got {fn!r}")
+        if workers is not None:
+            workers = check_int(workers, "workers", "map_transform", minimum=1)
         self.fn = fn
         self.drop_none = drop_none
         self.name = name or f"map_transform({getattr(fn, '__qualname__', type(fn).__name__)})"
@@ -198,6 +200,8 @@ class MapBatch(Operator):
             raise TypeError(
                 f"map_batch: batch_sensitive must be True or False, got {batch_sensitive!r}"
             )
+        if workers is not None:
+            workers = check_int(workers, "workers", "map_batch", minimum=1)
         self.fn = fn
         self.batch_sensitive = batch_sensitive
         self.name = name or f"map_batch({getattr(fn, '__qualname__', type(fn).__name__)})"

@@ -35,16 +35,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from zephon._core.records import counted_meta
 from zephon.errors import PlanError
+from zephon.identity import identify
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import spawn_child
-from zephon.ops.tokenize import _refuse_batch_padding, _tokenizer_digest, find_pad
+from zephon.ops.tokenize import _refuse_batch_padding, backend_digest, find_pad
+from zephon.ops.vision import ImageTokens, images_of
 from zephon.types import SampleRecord
 from zephon.validation import check_int
 
@@ -130,23 +132,86 @@ def _is_fast_transformers(tokenizer: Any) -> bool:
     )
 
 
-def _checked_messages(messages: Any) -> list[Mapping[str, Any]]:
-    """The messages of a conversation, or a TypeError saying which one is malformed."""
+@dataclasses.dataclass
+class _Conversation:
+    """A conversation with each message's content as one string: a structured content's text
+    parts joined, each image part replaced by the image token's text (``images``: where, per
+    message, as character offsets into its content; ``texts``: its text parts alone)."""
+
+    messages: list[Mapping[str, Any]]
+    images: list[list[int]]
+    texts: list[str]
+
+
+def _checked_messages(messages: Any, image_text: str | None) -> _Conversation:
+    """The messages of a conversation, or a TypeError saying which one is malformed. Content is
+    a str or a list of parts ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` (images
+    need ``image_text``, the image token's text)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(
             f"the conversation must be a list of {{'role', 'content'}} messages, got "
             f"{type(messages).__name__}"
         )
+    out = _Conversation([], [], [])
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TypeError(f"message {i} is {type(message).__name__}, not a dict")
         role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not isinstance(content, str):
+        images: list[int] = []
+        if isinstance(content, list) and isinstance(role, str):
+            texts, parts = [], []
+            at = 0
+            for k, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    piece = part["text"]
+                    texts.append(piece)
+                elif kind == "image":
+                    if image_text is None:
+                        raise TypeError(
+                            f"message {i} holds an image (part {k}); pass image_token_id= (and "
+                            "patch_size= or image_tokens=) to tokenize_chat"
+                        )
+                    images.append(at)
+                    piece = image_text
+                else:
+                    raise TypeError(
+                        f"message {i} part {k} is {part!r:.60}, not {{'type': 'text', 'text': "
+                        "str} or {'type': 'image'}"
+                    )
+                parts.append(piece)
+                at += len(piece)
+            message = {**message, "content": "".join(parts)}
+            text = "".join(texts)
+        elif not isinstance(role, str) or not isinstance(content, str):
             raise TypeError(
-                f"message {i} needs a str 'role' and a str 'content', got role={role!r} and "
-                f"content of type {type(content).__name__}"
+                f"message {i} needs a str 'role' and a str 'content' (or a list of parts), got "
+                f"role={role!r} and content of type {type(content).__name__}"
             )
-    return list(messages)
+        else:
+            text = content
+        out.messages.append(message)
+        out.images.append(images)
+        out.texts.append(text)
+    return out
+
+
+def _without(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The character spans ``spans`` with the (sorted, inside them) ranges ``holes`` taken out."""
+    if not holes:
+        return spans
+    out = []
+    it = iter(holes)
+    hole = next(it, None)
+    for lo, hi in spans:
+        while hole is not None and hole[0] < hi:
+            if hole[0] > lo:
+                out.append((lo, hole[0]))
+            lo = hole[1]
+            hole = next(it, None)
+        if hi > lo:
+            out.append((lo, hi))
+    return out
 
 
 def _turn_cuts(n: int, boundaries: list[int], max_len: int) -> list[int]:
@@ -170,7 +235,8 @@ class TokenizeChat(Operator):
 
     1 -> 1 (truncated to ``max_len`` when given), or with ``split_long_samples`` 1 -> N by turn
     through ``spawn_child`` (only the last child closes its base offset). Every output carries
-    ``component_token_counts`` / ``component_sample_counts`` like ``tokenize``'s.
+    ``component_token_counts`` / ``component_sample_counts`` like ``tokenize``'s (image tokens
+    included). With ``image_token_id`` messages may hold images (see ``tokenize_chat``).
     """
 
     name = "tokenize_chat"
@@ -188,7 +254,37 @@ class TokenizeChat(Operator):
         split_long_samples: bool = False,
         content_specials: str = "text",
         workers: int | None = None,
+        image_field: str = "images",
+        image_token_id: int | None = None,
+        patch_size: int | None = None,
+        merge: int = 1,
+        image_tokens: Callable[[int, int], int] | None = None,
+        image_start_id: int | None = None,
+        image_end_id: int | None = None,
     ):
+        self._images: ImageTokens | None = None
+        if image_token_id is not None:
+            if max_len is not None:
+                raise ValueError(
+                    "tokenize_chat: max_len cannot be combined with images (a cut could fall "
+                    "inside an image's tokens); leave long conversations to pack_sequences, "
+                    "which never cuts an image's span"
+                )
+            self._images = ImageTokens(
+                self.name,
+                image_token_id,
+                patch_size,
+                merge,
+                image_tokens,
+                image_start_id,
+                image_end_id,
+            )
+        elif patch_size is not None or image_tokens is not None:
+            raise ValueError(
+                "tokenize_chat: patch_size= and image_tokens= need image_token_id= (the id an "
+                "image's tokens have; it is never guessed)"
+            )
+        self._image_field = image_field
         if not isinstance(content_specials, str) or content_specials not in _CONTENT_SPECIALS:
             raise (ValueError if isinstance(content_specials, str) else TypeError)(
                 "tokenize_chat: content_specials must be 'text' or 'special', got "
@@ -196,6 +292,8 @@ class TokenizeChat(Operator):
             )
         if max_len is not None:
             max_len = check_int(max_len, "max_len", "tokenize_chat", minimum=1)
+        if workers is not None:
+            workers = check_int(workers, "workers", "tokenize_chat", minimum=1)
         if split_long_samples and max_len is None:
             raise ValueError("tokenize_chat: split_long_samples=True needs max_len")
         if isinstance(train_on, str):
@@ -267,9 +365,7 @@ class TokenizeChat(Operator):
         pad = find_pad(tokenizer)
         self.pad_id = pad.id if pad else None
         self.pad_token = pad.token if pad else None
-        self._tokenizer_digest = _tokenizer_digest(
-            getattr(tokenizer, "backend_tokenizer", tokenizer)
-        )
+        self._image_text = None if self._images is None else self._image_token_text()
         self.traits = OpTraits(
             preserves_cursor_order=True,
             preserves_indexability=not self.split_long_samples,
@@ -287,6 +383,23 @@ class TokenizeChat(Operator):
             )
         return int(ids[0])
 
+    def _image_token_text(self) -> str:
+        """The text of the image token, which stands for each image in the rendered conversation:
+        a special token, so the tokenizer gives its one id wherever the template puts it."""
+        assert self._images is not None
+        token_id = self._images.image_token_id
+        tok = self.tokenizer
+        text = (
+            tok.convert_ids_to_tokens(token_id) if self._transformers else tok.id_to_token(token_id)
+        )
+        if not isinstance(text, str) or token_id not in self._special_ids:
+            raise PlanError(
+                f"tokenize_chat: image_token_id {token_id} ({text!r}) is not a special token of "
+                "the tokenizer; add the image token with tokenizer.add_special_tokens and pass "
+                "its id"
+            )
+        return text
+
     def _special_tokens(self) -> dict[int, Any]:
         """The tokenizer's special (added) tokens by id: what may end a turn."""
         decoder = getattr(self.tokenizer, "added_tokens_decoder", None)
@@ -298,6 +411,11 @@ class TokenizeChat(Operator):
     def provides(self) -> dict[str, Any]:
         """Plan-time facts for the operators after this one: the token field, the tokenizer's
         padding id (``None`` when it has none) and the side field a packer must carry."""
+        images = (
+            {}
+            if self._images is None
+            else self._images.facts(self.output_field, self._image_field, self.name)
+        )
         return {
             "token_field": self.output_field,
             "eos_id": None,
@@ -310,15 +428,24 @@ class TokenizeChat(Operator):
                 "fields": [self.mask_field],
                 "source": self.name,
             },
+            **images,
         }
 
     def describe(self) -> dict[str, Any]:
         """As ``Operator.describe``, plus a digest of the vocabulary and the chat template."""
         out = super().describe()
-        if self._tokenizer_digest is not None:
-            out["params"]["tokenizer_digest"] = self._tokenizer_digest
+        digest = backend_digest(self.tokenizer, out["params"]["tokenizer"])
+        if digest is not None:
+            out["params"]["tokenizer_digest"] = digest
         if self.template is None:
             out["params"]["chat_template"] = getattr(self.tokenizer, "chat_template", None)
+        if self._images is not None:  # only then, so text-only pipelines keep their identity
+            where = f"operator {self.name!r} parameter"
+            for key, value in {
+                "image_field": self._image_field,
+                **self._images.identity(),
+            }.items():
+                out["params"][key] = identify(value, where=f"{where} {key!r}")
         return out
 
     # ------------------------------------------------------------------------- encoding
@@ -500,8 +627,8 @@ class TokenizeChat(Operator):
                     self, rec, KeyError(f"the payload has no field {self.field!r} ({fields})")
                 ) from None
             try:
-                messages = _checked_messages(value)
-                rendered.append((messages, *self._render(messages)))
+                conversation = _checked_messages(value, self._image_text)
+                rendered.append((conversation, *self._render(conversation.messages)))
             except Exception as exc:
                 raise record_error(self, rec, exc) from exc
         try:
@@ -513,17 +640,56 @@ class TokenizeChat(Operator):
         out: list[SampleRecord] = []
         as_text = self.content_specials == "text"
         spelled = self._spelled
-        for rec, (messages, text, spans), (ids, offsets) in zip(records, rendered, encoded):
+        for rec, (conversation, text, spans), (ids, offsets) in zip(records, rendered, encoded):
+            messages = conversation.messages
+            # Where the image tokens' texts are: not content, for _content_as_text.
+            image_len = len(self._image_text or "")
+            holes = [
+                (lo + at, lo + at + image_len)
+                for (lo, _), ats in zip(spans, conversation.images)
+                for at in ats
+            ]
             try:
                 if as_text and (
-                    spelled is None or any(spelled.search(m["content"]) for m in messages)
+                    spelled is None or any(spelled.search(t) for t in conversation.texts)
                 ):
-                    ids, offsets = self._content_as_text(text, spans, ids, offsets)
+                    ids, offsets = self._content_as_text(text, _without(spans, holes), ids, offsets)
                 mask, boundaries = self._mask(messages, spans, ids, offsets)
-            except ValueError as exc:
+                if self._images is not None:
+                    images = images_of(rec.payload, self._image_field, len(holes))
+                    if images:
+                        out.append(self._with_images(rec, holes, images, ids, offsets, mask))
+                        continue
+            except (ValueError, KeyError, TypeError) as exc:
                 raise record_error(self, rec, exc) from exc
             out += self._emit(rec, ids, mask, boundaries)
         return out
+
+    def _with_images(
+        self,
+        rec: SampleRecord,
+        holes: list[tuple[int, int]],
+        images: list[Any],
+        ids: np.ndarray,
+        offsets: np.ndarray,
+        mask: np.ndarray,
+    ) -> SampleRecord:
+        """The record of a conversation with images: each image token the template rendered
+        (at the character ranges ``holes``) expanded into its image's span."""
+        assert self._images is not None
+        starts = offsets[:, 0]
+        at = []
+        for lo, hi in holes:
+            j = int(np.searchsorted(starts, lo, side="left"))
+            if not (j < len(ids) and ids[j] == self._images.image_token_id and offsets[j, 1] == hi):
+                raise ValueError(
+                    f"the image token {self._image_text!r} at character {lo} of the rendered "
+                    "conversation was not encoded as its one id"
+                )
+            at.append(j)
+        ids, new_mask, spans, grids = self._images.expand(ids, mask, at, images)
+        fields = self._images.fields(spans, grids)
+        return self._record(rec.meta, rec.payload, ids, new_mask, fields)
 
     def _emit(
         self, rec: SampleRecord, ids: np.ndarray, mask: np.ndarray, boundaries: list[int]
@@ -544,10 +710,22 @@ class TokenizeChat(Operator):
             out.append(self._record(child, payload, ids[lo:hi].copy(), mask[lo:hi].copy()))
         return out
 
-    def _record(self, meta: Any, payload: Any, ids: np.ndarray, mask: np.ndarray) -> SampleRecord:
+    def _record(
+        self,
+        meta: Any,
+        payload: Any,
+        ids: np.ndarray,
+        mask: np.ndarray | None,
+        images: Mapping[str, np.ndarray] | None = None,
+    ) -> SampleRecord:
+        if images is None and self._images is not None:  # a conversation without images
+            images = self._images.fields(
+                np.empty((0, 2), dtype=np.int32),
+                np.empty((0, 3), dtype=np.int32) if self._images.has_grid else None,
+            )
         return SampleRecord(
             counted_meta(meta, len(ids)),
-            {**payload, self.output_field: ids, self.mask_field: mask},
+            {**payload, self.output_field: ids, self.mask_field: mask, **(images or {})},
         )
 
 
@@ -563,6 +741,13 @@ def tokenize_chat(
     split_long_samples: bool = False,
     content_specials: str = "text",
     workers: int | None = None,
+    image_field: str = "images",
+    image_token_id: int | None = None,
+    patch_size: int | None = None,
+    merge: int = 1,
+    image_tokens: Callable[[int, int], int] | None = None,
+    image_start_id: int | None = None,
+    image_end_id: int | None = None,
 ) -> TokenizeChat:
     """Tokenize the conversation in ``payload[field]`` (``[{"role", "content"}, ...]``) through a
     chat template into ``payload[output_field]`` (int32 ids) and ``payload[mask_field]`` (int32,
@@ -578,6 +763,16 @@ def tokenize_chat(
     ``content_specials``: a special token's string inside message content (``"<|end|>"``) is
     encoded as plain text (``"text"``, the default), so content can never end a turn or start
     one, or as the special token it spells (``"special"``, what the tokenizer does by itself).
+
+    Images (``image_token_id=`` given, never guessed: a special token of the tokenizer): a
+    message's content may be a list of parts, ``{"type": "text", "text": ...}`` and ``{"type":
+    "image"}``, whose images are ``payload[image_field]`` (decoded, in the order the parts come).
+    The parts are joined into one content, each image as the image token's text, which the
+    template renders like any content; each image token is then expanded into its image's span:
+    ``image_start_id``, as many ``image_token_id`` as ``patch_size``/``merge`` or
+    ``image_tokens(h, w)`` say (see ``zephon.ops.vision``), ``image_end_id``. Image spans are never
+    trained on; the record gets ``image_spans`` (and with ``patch_size`` ``image_grid_thw``), which
+    ``pack_sequences(..., images=image_field)`` carries. Not with ``max_len``.
     """
     return TokenizeChat(
         tokenizer,
@@ -590,6 +785,13 @@ def tokenize_chat(
         split_long_samples=split_long_samples,
         content_specials=content_specials,
         workers=workers,
+        image_field=image_field,
+        image_token_id=image_token_id,
+        patch_size=patch_size,
+        merge=merge,
+        image_tokens=image_tokens,
+        image_start_id=image_start_id,
+        image_end_id=image_end_id,
     )
 
 

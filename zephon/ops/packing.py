@@ -21,6 +21,17 @@ token of the tokenizer upstream, which ``tokenize`` publishes at plan time (``pr
 the planner hands to the packer (``use_upstream_facts``). Without either, planning fails with a
 ``PlanError`` saying to pass ``pad_id=``.
 
+Images (``pack_sequences(..., images="images")``): inputs made by ``tokenize_chat`` or
+``tokenize_interleaved`` with images carry their images in ``payload[images]`` and the token spans
+standing for them in ``image_spans``. A row is never cut inside such a span (a sequence longer
+than ``seq_len`` is cut before the span that would cross the cut, so its row leaves padded; a
+``cut_to_fill`` head stops before it), and each row carries the images whose spans it holds, in
+row order: ``payload[images]`` (a list), ``image_spans`` (``int32 (k, 2)``, row positions),
+``image_sources`` (``int32 (k, 2)``: the segment id of the image's sequence in the row and the
+image's index in that sequence) and ``image_grid_thw`` when the inputs have it. A span longer than
+``seq_len`` is an error naming the sample. ``strategy="wrap"`` and ``pack_flat`` cut anywhere and
+take no images.
+
 Mixture heritage of a packed record: ``component_sample_counts`` counts fragments per component and
 ``component_token_counts`` counts tokens per component (``None`` when some input carries no token
 counts, i.e. was not produced by ``tokenize``). An input's tokens are attributed to components by
@@ -44,7 +55,8 @@ from zephon._core.packrows import packed_records
 from zephon.errors import PlanError
 from zephon.identity import identify
 from zephon.ops.base import Operator, OpTraits, record_error
-from zephon.ops.children import split_in_proportion
+from zephon.ops.children import split_in_proportion, tombstones_for_record
+from zephon.ops.vision import IMAGE_GRID_FIELD, IMAGE_SPANS_FIELD
 from zephon.types import SampleMeta, SampleRecord
 from zephon.validation import check_int
 
@@ -127,13 +139,17 @@ def _count_spread(
         lo = hi
 
 
-def _consolidated(rows: np.ndarray, seq_len: int) -> np.ndarray:
+def _consolidated(
+    rows: np.ndarray, seq_len: int, head_of: Callable[[int, int, int], int] | None = None
+) -> np.ndarray:
     """New placement rows for the fragments of ``rows`` (``BinFill.contents()`` rows: item,
     frag_start, frag_len, bin_id, bin_offset) in as few bins as their tokens need: each bin
     takes the largest fragment that fits until none does, then the head of the smallest one
     that does not fills its rest (one cut per bin; the tail goes back to be placed). Every bin
     is full but the last. Ties keep the fragments' order in ``rows``, so the result depends on
-    the held bins alone."""
+    the held bins alone. ``head_of(item, start, room)``: the longest head of at most ``room``
+    tokens that may be cut from a fragment (0: none; the next smallest is tried, and when no
+    fragment can be cut the bin leaves with its room)."""
     pool = sorted((int(size), k, int(item), int(start)) for k, (item, start, size, _, _) in
                   enumerate(rows.tolist()))  # fmt: skip
     out: list[tuple[int, int, int, int, int]] = []
@@ -144,14 +160,40 @@ def _consolidated(rows: np.ndarray, seq_len: int) -> np.ndarray:
             at = bisect.bisect_right(pool, (room, len(rows)))  # fragments that fit: pool[:at]
             if at:
                 size, _, item, start = pool.pop(at - 1)
-            else:  # nothing fits: cut the smallest one, its head fills the bin
-                size, k, item, start = pool.pop(0)
-                bisect.insort(pool, (size - room, k, item, start + room))
-                size = room
+            else:  # nothing fits: cut the smallest one that can be, its head fills the bin
+                for j, (size, k, item, start) in enumerate(pool):  # noqa: B007 (used after)
+                    head = room if head_of is None else head_of(item, start, room)
+                    if head > 0:
+                        break
+                else:
+                    break
+                del pool[j]
+                bisect.insort(pool, (size - head, k, item, start + head))
+                size = head
             out.append((item, start, size, bin_id, seq_len - room))
             room -= size
         bin_id += 1
     return np.array(out, dtype=np.int64).reshape(-1, 5)
+
+
+def _head_outside(spans: list[tuple[int, int]], start: int, head: int) -> int:
+    """The longest head of at most ``head`` tokens from ``start`` whose end falls inside none
+    of ``spans`` (sorted ``[lo, hi)`` ranges): a cut inside one moves back to its start."""
+    end = start + head
+    for lo, hi in spans:
+        if lo < end < hi:
+            return lo - start
+    return head
+
+
+def _whole_span_cuts(spans: list[tuple[int, int]], n: int, cap: int) -> list[int]:
+    """Cut points ``0 = p0 < p1 < ... < pk`` of a sequence of ``n > cap`` tokens into pieces
+    of at most ``cap`` but the last (``n - pk`` of at most ``cap``), each as long as it can be
+    without ending inside a span (spans checked no longer than ``cap``)."""
+    cuts = [0]
+    while n - cuts[-1] > cap:
+        cuts.append(cuts[-1] + _head_outside(spans, cuts[-1], cap))
+    return cuts
 
 
 class _Packer(Operator):
@@ -166,9 +208,22 @@ class _Packer(Operator):
     _pad: int | None
     _kernel: Any
     _fill: BinFill | None
+    ratios = {"fill": ("real_tokens", "row_tokens")}
+    _rows = 0  # rows emitted, and the real tokens in them, since this copy was made
+    _real_tokens = 0
+    _retired: Callable[[np.ndarray], np.ndarray] | None = None  # ``leave_out``
+
+    images: str | None = None
+    cut_to_fill = False  # pack_sequences' option; the other packers never cut to fill
+    _takes_images = False  # whether images= keeps spans whole (not where rows cut anywhere)
 
     def _setup(
-        self, seq_len: int, field: str, pad_id: int | None, extra_fields: Any = None
+        self,
+        seq_len: int,
+        field: str,
+        pad_id: int | None,
+        extra_fields: Any = None,
+        images: str | None = None,
     ) -> None:
         seq_len = check_int(seq_len, "seq_len", self.name, minimum=1, maximum=2**31 - 1)
         if pad_id is not None:
@@ -183,6 +238,12 @@ class _Packer(Operator):
             for name, pad in self.extra_fields.items()
         )
         self._pad = pad_id  # the id padding is written with: pad_id, else the tokenizer's
+        if images is not None and not isinstance(images, str):
+            raise TypeError(
+                f"{self.name}: images must name the payload field holding the images, got "
+                f"{images!r}"
+            )
+        self.images = images
         self._fill = self._new_fill()
 
     def _new_fill(self) -> BinFill | None:
@@ -197,6 +258,8 @@ class _Packer(Operator):
         out = super().describe()
         if not self.extra_fields:
             del out["params"]["extra_fields"]
+        if self.images is None:
+            out["params"].pop("images", None)
         return out
 
     @property
@@ -212,6 +275,7 @@ class _Packer(Operator):
         packer's tokens also wrote per-token side fields (``token_side_fields``) that
         ``extra_fields`` does not carry."""
         self._check_side_fields(facts)
+        self._check_images(facts)
         if self.pad_id is not None:
             return
         pad = facts.get("pad_id")
@@ -246,6 +310,22 @@ class _Packer(Operator):
                 f"{', '.join(map(repr, missing))} next to {self.field!r}, and this packer would "
                 f"drop them; pass extra_fields={{{pads}}} (the value is the padding) to carry them"
             )
+
+    def _check_images(self, facts: Mapping[str, Any]) -> None:
+        images = facts.get("image_fields")
+        if not images or self.images is not None or facts.get("token_field") != self.field:
+            return
+        if images.get("field") != self.field or images.get("source") != facts.get("pad_from"):
+            return  # published by an operator that no longer writes this packer's tokens
+        how = (
+            f"pass images={images['images']!r}"
+            if self._takes_images
+            else f"use pack_sequences(..., images={images['images']!r}) (best_fit or first_fit)"
+        )
+        raise PlanError(
+            f"{self.name}: {images['source']} places images in {self.field!r}, and this packer "
+            f"would drop them and could cut their token spans; {how}"
+        )
 
     def _no_pad_error(self, why: str) -> PlanError:
         return PlanError(
@@ -371,18 +451,226 @@ class _Packer(Operator):
             return []
         fill = self._bins()
         arrays, lengths, sides = self._inputs(records)
-        placements, closed = self._kernel.add(lengths)
+        if self.images is None:
+            placements, closed = self._kernel.add(lengths)
+        else:
+            placements, closed = self._add_keeping_spans(records, lengths)
         fill.write(placements, arrays, records, sides)
         return self._emit(closed) if len(closed) else []
+
+    def _spans_of(self, rec: SampleRecord) -> list[tuple[int, int]]:
+        """``rec``'s image spans, ``[lo, hi)`` token ranges (as checked when it was placed)."""
+        payload = rec.payload
+        value = payload.get(IMAGE_SPANS_FIELD) if isinstance(payload, dict) else None
+        if value is None or not len(value):
+            return []
+        return [(lo, hi) for lo, hi in np.asarray(value).reshape(-1, 2).tolist()]
+
+    def _checked_spans(self, rec: SampleRecord, n: int) -> list[tuple[int, int]]:
+        """``_spans_of`` after checking them against ``rec``: sorted, disjoint, inside its
+        ``n`` tokens, no longer than a row, one per image (an image without a span would be
+        dropped); else an ``OperatorError``."""
+        spans = self._spans_of(rec)
+        value = rec.payload.get(self.images) if isinstance(rec.payload, dict) else None
+        held = len(value) if isinstance(value, (list, tuple)) else int(value is not None)
+        if not spans and not held:
+            return spans
+        why = None
+        at = 0
+        for lo, hi in spans:
+            if not at <= lo < hi <= n:
+                why = f"{IMAGE_SPANS_FIELD!r} holds {spans}, not sorted disjoint [start, end) "
+                why += f"spans inside its {n} tokens"
+                break
+            if hi - lo > self.seq_len:
+                why = f"its image span [{lo}, {hi}) is {hi - lo} tokens, longer than a row of "
+                why += f"{self.seq_len}; raise seq_len or make the images smaller (resize_images)"
+                break
+            at = hi
+        if why is None and held != len(spans):
+            why = f"{IMAGE_SPANS_FIELD!r} holds {len(spans)} spans and field {self.images!r} "
+            why += f"{held} images"
+        if why is not None:
+            raise record_error(self, rec, ValueError(why))
+        return spans
+
+    def _add_keeping_spans(
+        self, records: list[SampleRecord], lengths: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The kernel's placement of ``records`` with no cut inside an image span. A sequence
+        longer than ``seq_len`` is cut here, into pieces that end before the span a cut at
+        ``seq_len`` would fall in, and handed to the kernel as the whole ``seq_len`` pieces it
+        would make of it (each fills a bin of its own) plus its last piece; ``cut_to_fill``
+        heads are kept out of spans by the kernel (``no_cut``)."""
+        cap = self.seq_len
+        virtual = np.array(lengths, dtype=np.int64)
+        pieces: dict[int, list[int]] = {}
+        no_cut = []
+        for i, (rec, n) in enumerate(zip(records, lengths.tolist())):
+            spans = self._checked_spans(rec, n)
+            if not spans:
+                continue
+            shift = 0
+            if n > cap:
+                cuts = _whole_span_cuts(spans, n, cap)
+                pieces[i] = cuts
+                shift = (len(cuts) - 1) * cap - cuts[-1]
+                virtual[i] = n + shift
+                spans = [(lo, hi) for lo, hi in spans if lo >= cuts[-1]]
+            no_cut += [(i, lo + shift, hi + shift) for lo, hi in spans]
+        rows = np.array(no_cut, dtype=np.int64).reshape(-1, 3) if self.cut_to_fill else None
+        placements, closed = self._kernel.add(virtual, rows)
+        for r in np.flatnonzero(np.isin(placements[:, 0], list(pieces))).tolist():
+            cuts = pieces[int(placements[r, 0])]
+            whole = (len(cuts) - 1) * cap
+            start = int(placements[r, 1])
+            if start < whole:  # one of the whole pieces
+                j = start // cap
+                placements[r, 1:3] = (cuts[j], cuts[j + 1] - cuts[j])
+            else:
+                placements[r, 1] = start - whole + cuts[-1]
+        return placements, closed
+
+    def _attach_images(
+        self, rows: list[SampleRecord], bin_records: list[list[SampleRecord]], frags: np.ndarray
+    ) -> None:
+        """Give each packed row the images whose spans its fragments hold, in row order."""
+        assert self.images is not None
+        at = 0
+        for row, recs in zip(rows, bin_records):
+            images: list[Any] = []
+            spans: list[tuple[int, int]] = []
+            sources: list[tuple[int, int]] = []
+            grids: list[np.ndarray] = []
+            offset = 0
+            segment = 0  # the fill numbers non-empty fragments only
+            for rec, (start, size, _) in zip(recs, frags[at : at + len(recs)].tolist()):
+                segment += size > 0
+                end = start + size
+                own = self._spans_of(rec)
+                inside = [k for k, (lo, _) in enumerate(own) if start <= lo < end]
+                if inside:
+                    value = rec.payload[self.images]
+                    held = value if isinstance(value, (list, tuple)) else [value]
+                    grid = rec.payload.get(IMAGE_GRID_FIELD)
+                    shift = offset - start
+                    for k in inside:
+                        images.append(held[k])
+                        spans.append((own[k][0] + shift, own[k][1] + shift))
+                        sources.append((segment, k))
+                        if grid is not None:
+                            grids.append(np.asarray(grid[k]))
+                offset += size
+            at += len(recs)
+            payload = row.payload
+            payload[self.images] = images
+            payload[IMAGE_SPANS_FIELD] = np.array(spans, dtype=np.int32).reshape(-1, 2)
+            payload["image_sources"] = np.array(sources, dtype=np.int32).reshape(-1, 2)
+            if grids or any(IMAGE_GRID_FIELD in r.payload for r in recs):
+                payload[IMAGE_GRID_FIELD] = np.array(grids, dtype=np.int32).reshape(-1, 3)
 
     def _emit(self, bin_ids: np.ndarray) -> list[SampleRecord]:
         """The packed records of the bins ``bin_ids``, in that order: their payload blocks are
         handed over by the fill, not copied, and their metadata is built in C
         (``zephon._core.packrows``)."""
         blocks, bin_records, frags = self._bins().take(bin_ids)
+        self._rows += len(blocks)
+        self._real_tokens += int(frags[:, 1].sum())
         # Side rows in block order; float32 fields are views of their row's bits.
         sides = tuple((name, dtype == "float32") for name, dtype in self._sides)
-        return packed_records(blocks, bin_records, frags, self.lane_id, sides, _count_spread)
+        if self._retired is None:
+            made = packed_records(blocks, bin_records, frags, self.lane_id, sides, _count_spread)
+            if self.images is not None:
+                self._attach_images(made, bin_records, frags)
+            return made
+        out: list[SampleRecord] = []
+        at = 0
+        for block, records in zip(blocks, bin_records):
+            rows = frags[at : at + len(records)]
+            at += len(records)
+            gone = self._retired_inputs(records)
+            if gone.any() and not gone.all():
+                out += self._without(block, records, rows, gone, sides)
+            else:  # a row of retired samples alone is left to delivery, which books it
+                row = packed_records([block], [records], rows, self.lane_id, sides, _count_spread)
+                if self.images is not None:
+                    self._attach_images(row, [records], rows)
+                out += row
+        return out
+
+    def leave_out(self, retired: Callable[[np.ndarray], np.ndarray]) -> bool:
+        """Rows leave the fragments of retired samples out (see ``Operator.leave_out``)."""
+        self._retired = retired
+        return True
+
+    def _retired_inputs(self, records: list[SampleRecord]) -> np.ndarray:
+        """Per input of a bin, whether every sample it carries is retired."""
+        assert self._retired is not None
+        refs = [r.meta.contribution_refs() for r in records]
+        ids = np.array([ref.cursor.sample_id for own in refs for ref in own], dtype=np.int64)
+        found = self._retired(ids.reshape(-1, 3))
+        ends = np.cumsum([len(own) for own in refs])
+        return np.array([found[end - len(own) : end].all() for own, end in zip(refs, ends)])
+
+    def _without(
+        self,
+        block: np.ndarray,
+        records: list[SampleRecord],
+        rows: np.ndarray,
+        gone: np.ndarray,
+        sides: tuple[tuple[str, bool], ...],
+    ) -> list[SampleRecord]:
+        """The row of a bin with the fragments of retired inputs (``gone``) left out: the others
+        moved to its front in their order, segment ids renumbered, the rest padding; its primary
+        cursor as if nothing were left out, so a replay meets the row where it was. Then the
+        tombstones the left-out fragments owe (those that end their input)."""
+        sizes = rows[:, 1]
+        starts = np.cumsum(sizes) - sizes
+        keep = ~gone
+        columns = np.concatenate(  # some fragment is kept: the row mixes
+            [np.arange(s, s + n, dtype=np.intp) for s, n, k in zip(starts, sizes, keep) if k]
+        )
+        pads = [self._pad, 0, 0]
+        for name, is_float in sides:
+            pad = self.extra_fields[name]
+            pads.append(int(np.float32(pad).view(np.int32)) if is_float else int(pad))
+        fresh = np.repeat(np.array(pads, dtype=np.int32)[:, None], block.shape[1], axis=1)
+        fresh[:, : len(columns)] = block[:, columns]
+        kept_sizes = sizes[keep & (sizes > 0)]  # empty fragments get no segment id
+        self._real_tokens -= int(sizes[gone].sum())  # padding now (``counters``)
+        fresh[1, : len(columns)] = np.repeat(np.arange(1, len(kept_sizes) + 1), kept_sizes)
+        kept = [r for r, k in zip(records, keep.tolist()) if k]
+        kept_rows = np.ascontiguousarray(rows[keep])
+        (made,) = packed_records([fresh], [kept], kept_rows, self.lane_id, sides, _count_spread)
+        if self.images is not None:  # the kept fragments' images, at their new places
+            self._attach_images([made], [kept], kept_rows)
+        meta = made.meta
+        primary = records[0].meta.cursor.child(int(rows[0, 0]))
+        out = [
+            SampleRecord(
+                SampleMeta(
+                    primary,
+                    lane_id=meta.lane_id,
+                    contributors=meta.contributors,
+                    component_sample_counts=meta.component_sample_counts,
+                    component_token_counts=meta.component_token_counts,
+                ),
+                made.payload,
+            )
+        ]
+        for rec, row, left_out in zip(records, rows.tolist(), gone.tolist()):
+            if left_out and row[0] + row[1] == row[2]:  # the fragment that ends its input
+                out += tombstones_for_record(rec)
+        return out
+
+    def counters(self) -> dict[str, int | float]:
+        """The rows emitted, and their ``real_tokens`` of their ``row_tokens`` (the rest is
+        padding): ``Loader.stats()`` gives their ratio as the packer's ``fill``."""
+        return {
+            "rows": self._rows,
+            "real_tokens": self._real_tokens,
+            "row_tokens": self._rows * self.seq_len,
+        }
 
     def _leaving_bins(self) -> np.ndarray:
         """The ids of the bins a flush emits: every open one."""
@@ -461,13 +749,19 @@ class PackSequences(_Packer):
         extra_fields: Mapping[str, int | float] | None = None,
         cut_to_fill: bool = False,
         max_segments: int | None = None,
+        images: str | None = None,
     ):
         if strategy not in _STRATEGIES:
             raise ValueError(
                 f"pack_sequences: strategy must be one of {_STRATEGIES}, got {strategy!r}"
             )
         open_bins = check_int(open_bins, "open_bins", "pack_sequences", minimum=1)
-        self._setup(seq_len, field, pad_id, extra_fields)
+        if strategy == "wrap" and images is not None:
+            raise ValueError(
+                "pack_sequences: strategy='wrap' cuts the stream anywhere, also inside an "
+                "image's tokens, so it takes no images; use best_fit or first_fit"
+            )
+        self._setup(seq_len, field, pad_id, extra_fields, images)
         if not isinstance(cut_to_fill, bool):
             raise TypeError(
                 f"pack_sequences: cut_to_fill must be True or False, got {cut_to_fill!r}"
@@ -481,6 +775,7 @@ class PackSequences(_Packer):
             )
         self.open_bins = open_bins
         self.strategy = strategy
+        self._takes_images = strategy != "wrap"
         self.cut_to_fill = cut_to_fill
         self.max_segments = max_segments
         if strategy == "wrap":  # rows leave in stream order
@@ -507,7 +802,14 @@ class PackSequences(_Packer):
             return closed
         rows, items = fill.contents()
         arrays, _, sides = self._inputs(items)
-        rows = _consolidated(rows, self.seq_len)
+        head_of = None
+        if self.images is not None:
+            spans = [self._spans_of(rec) for rec in items]
+
+            def head_of(item: int, start: int, room: int) -> int:
+                return _head_outside(spans[item], start, room)
+
+        rows = _consolidated(rows, self.seq_len, head_of)
         fill.clear()
         fill.write(rows, arrays, items, sides)
         return np.arange(rows[-1, 3] + 1, dtype=np.int64)  # _consolidated numbers bins 0, 1, ...
@@ -560,6 +862,7 @@ def pack_sequences(
     cut_to_fill: bool = False,
     max_segments: int | None = None,
     group_by: str | Callable[[Any], Hashable] | None = None,
+    images: str | None = None,
 ) -> Operator:
     """Pack ``payload[field]`` sequences into ``seq_len``-token bins, holding at most ``open_bins``
     open; ``strategy`` ``"best_fit"`` (tightest bin that fits) or ``"first_fit"``. A sequence
@@ -591,7 +894,11 @@ def pack_sequences(
 
     ``extra_fields`` (``{"loss_mask": 0, "weights": 0.0}``): per-token fields packed alongside,
     each padded with its value (an int: ``int32``, a float: ``float32``) and cut wherever the tokens
-    are cut; every input must hold each of them, as long as its tokens."""
+    are cut; every input must hold each of them, as long as its tokens.
+
+    ``images`` (``"images"``): the payload field holding the images of inputs tokenized with
+    images (``tokenize_chat`` / ``tokenize_interleaved``): no row is cut inside an image's token
+    span and each row carries its images (see the module docstring)."""
     packer = PackSequences(
         seq_len,
         field=field,
@@ -601,6 +908,7 @@ def pack_sequences(
         extra_fields=extra_fields,
         cut_to_fill=cut_to_fill,
         max_segments=max_segments,
+        images=images,
     )
     return packer if group_by is None else GroupedPacker(packer, group_by)
 
@@ -628,6 +936,8 @@ class GroupedPacker(Operator):
     appeared, so a restore from what the packers hold continues the same stream."""
 
     traits = OpTraits(preserves_cursor_order=False, stateful=True)
+    ratios = _Packer.ratios
+    _retired: Callable[[np.ndarray], np.ndarray] | None = None  # ``leave_out``
 
     def __init__(self, packer: _Packer, group_by: str | Callable[[Any], Hashable]):
         if not (isinstance(group_by, str) or callable(group_by)):
@@ -678,11 +988,20 @@ class GroupedPacker(Operator):
             )
         return group
 
+    def leave_out(self, retired: Callable[[np.ndarray], np.ndarray]) -> bool:
+        """Every group's rows leave retired samples out (see ``Operator.leave_out``)."""
+        self._retired = retired
+        for packer in self._groups.values():
+            packer.leave_out(retired)
+        return True
+
     def _packer_of(self, group: int | str) -> _Packer:
         packer = self._groups.get(group)
         if packer is None:
             packer = copy.deepcopy(self.packer)  # the planned template holds no bins
             packer.start_epoch(self.lane_id, self.epoch)
+            if self._retired is not None:
+                packer.leave_out(self._retired)
             self._groups[group] = packer
         return packer
 
@@ -693,6 +1012,14 @@ class GroupedPacker(Operator):
         out: list[SampleRecord] = []
         for group, members in by_group.items():  # groups in order of first appearance
             out += self._packer_of(group).process_many(members)
+        return out
+
+    def counters(self) -> dict[str, int | float]:
+        """Its group packers' counts, added up."""
+        out: dict[str, int | float] = dict.fromkeys(("rows", "real_tokens", "row_tokens"), 0)
+        for packer in self._groups.values():
+            for name, value in packer.counters().items():
+                out[name] += value
         return out
 
     def _in_order(self) -> list[tuple[int | str, _Packer]]:

@@ -383,6 +383,8 @@ class Tokenize(Operator):
             tokenizer = ByteTokenizer()
         if max_len is not None:
             max_len = check_int(max_len, "max_len", "tokenize", minimum=1)
+        if workers is not None:
+            workers = check_int(workers, "workers", "tokenize", minimum=1)
         if split_long_samples and max_len is None:
             raise ValueError("tokenize: split_long_samples=True needs max_len")
         self.tokenizer = tokenizer
@@ -406,7 +408,6 @@ class Tokenize(Operator):
         self.pad_id = pad.id if pad else None
         self.pad_token = pad.token if pad else None
         self.name = self._label(eos, pad)
-        self._tokenizer_digest = _tokenizer_digest(tokenizer)
         self.traits = OpTraits(
             preserves_cursor_order=True,
             # 1 -> 1 and stateless unless splitting: restore may skip consumed samples at source.
@@ -462,8 +463,9 @@ class Tokenize(Operator):
         """As ``Operator.describe``, plus a digest of the tokenizer's vocabulary when it can be
         serialized (``to_str``), so a changed vocabulary changes the pipeline fingerprint."""
         out = super().describe()
-        if self._tokenizer_digest is not None:
-            out["params"]["tokenizer_digest"] = self._tokenizer_digest
+        digest = tokenizer_digest(self.tokenizer, out["params"]["tokenizer"])
+        if digest is not None:
+            out["params"]["tokenizer_digest"] = digest
         return out
 
     def _raw(self, texts: list[str]) -> Sequence[Any]:
@@ -540,8 +542,12 @@ class Tokenize(Operator):
         return out
 
 
-def _tokenizer_digest(tokenizer: Any) -> str | None:
-    """A digest of the tokenizer's serialized form (``to_str``, Hugging Face), when it has one."""
+def tokenizer_digest(tokenizer: Any, identity: Any) -> str | None:
+    """A digest of the tokenizer's serialized form (``to_str``, Hugging Face), when it has one.
+    ``identity`` is what ``describe()`` made of the tokenizer: for a ``tokenizers.Tokenizer`` it
+    holds this digest already, which is taken rather than serializing the vocabulary again."""
+    if isinstance(identity, dict) and "tokenizer" in identity and "sha256" in identity:
+        return str(identity["sha256"])
     to_str = getattr(tokenizer, "to_str", None)
     if not callable(to_str):
         return None
@@ -549,6 +555,15 @@ def _tokenizer_digest(tokenizer: Any) -> str | None:
     if not isinstance(text, str):
         return None
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def backend_digest(tokenizer: Any, identity: Any) -> str | None:
+    """``tokenizer_digest`` of the Hugging Face tokenizer behind ``tokenizer`` (a transformers
+    fast tokenizer's ``backend_tokenizer``, else the tokenizer itself), taken from ``identity``
+    when ``describe()`` hashed it already."""
+    if isinstance(identity, dict) and "backend_sha256" in identity:
+        return str(identity["backend_sha256"])
+    return tokenizer_digest(getattr(tokenizer, "backend_tokenizer", tokenizer), identity)
 
 
 def tokenize(

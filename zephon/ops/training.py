@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from zephon.ops.vision import IMAGE_GRID_FIELD, IMAGE_SPANS_FIELD, image_size
 from zephon.types import SampleRecord
 from zephon.validation import check_int
 
@@ -41,6 +42,19 @@ class TrainingCollate:
     - ``num_valid_tokens``: the number of labels that are not ``ignore_index`` (an int), to
       normalize a summed loss by the tokens trained on.
 
+    Rows that carry images (``pack_sequences(..., images=...)``) need ``images="images"`` (the
+    rows' image field; without it they are refused rather than batched without their pixels) and
+    never train on a token of an image's span, whatever the mask says. The batch then also gets,
+    over the images of its rows in row order:
+
+    - ``pixel_values``: the images stacked (``(N, *shape)``) when they all have one shape, else
+      every image's pixels flattened in C order and concatenated (1-D; image ``i`` is the next
+      ``prod(shape)`` values, its shape from ``image_sizes`` and the channels); a batch without
+      images gets an empty 1-D float32 array;
+    - ``image_sizes``: ``(N, 2)`` int64 ``(height, width)``;
+    - ``image_grid_thw``: ``(N, 3)`` int64, when the rows carry it (``patch_size`` tokenization);
+    - ``image_to_row``: ``(N,)`` int64, the batch row of each image.
+
     ``input_ids``, ``labels`` and ``position_ids`` are ``dtype`` (int64 or int32). With
     ``layout="flat"`` every per-token array is ``(1, B * L)`` (one long sequence, as
     variable-length attention takes it) instead of ``(B, L)``. ``rename`` maps output names to
@@ -55,6 +69,10 @@ class TrainingCollate:
         "cu_seqlens",
         "max_seqlen",
         "num_valid_tokens",
+        "pixel_values",
+        "image_sizes",
+        "image_grid_thw",
+        "image_to_row",
     )
     # Options left at these values stay out of the identity, so pipelines made before they
     # existed keep their fingerprint (and their checkpoints).
@@ -65,6 +83,7 @@ class TrainingCollate:
         "dtype": "int64",
         "layout": "rows",
         "rename": {},
+        "images": None,
     }
 
     def __init__(
@@ -78,8 +97,11 @@ class TrainingCollate:
         dtype: str = "int64",
         layout: str = "rows",
         rename: Mapping[str, str] | None = None,
+        images: str | None = None,
     ):
         where = "training_collate"
+        if images is not None and not isinstance(images, str):
+            raise TypeError(f"{where}: images must name the rows' image field, got {images!r}")
         if mask_field is not None and not isinstance(mask_field, str):
             raise TypeError(f"{where}: mask_field must be a str or None, got {mask_field!r}")
         self.mask_field = mask_field
@@ -113,6 +135,7 @@ class TrainingCollate:
         self.dtype = dtype
         self.layout = layout
         self.rename = renamed
+        self.images = images
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -174,6 +197,20 @@ class TrainingCollate:
             target &= mask[:, 1:] != 0
         if not self.train_on_eos:
             target &= tokens[:, 1:] != self.eos_id
+        spans = [rec.payload.get(IMAGE_SPANS_FIELD) for rec in records]
+        if any(s is not None and len(s) for s in spans):
+            if self.images is None:  # the model would get image tokens without their pixels
+                raise ValueError(
+                    "training_collate: the rows carry images (image_spans); pass images= (the "
+                    "rows' image field, as given to pack_sequences) to batch their pixels"
+                )
+            in_image = np.zeros(tokens.shape, dtype=bool)
+            for r, row_spans in enumerate(spans):
+                for lo, hi in (
+                    np.asarray(row_spans).reshape(-1, 2).tolist() if row_spans is not None else ()
+                ):
+                    in_image[r, lo:hi] = True
+            target &= ~in_image[:, 1:]
         dtype = np.dtype(self.dtype)
         labels = np.full((n_rows, length), self.ignore_index, dtype=dtype)
         shifted = labels[:, :-1] if self.shift_labels else labels[:, 1:]
@@ -194,8 +231,48 @@ class TrainingCollate:
             "max_seqlen": int(np.diff(cu_seqlens).max()),
             "num_valid_tokens": int(np.count_nonzero(target)),
         }
+        if self.images is not None:
+            out.update(self._images(records))
         rename = self.rename
         return {rename.get(k, k): v for k, v in out.items()} if rename else out
+
+    def _images(self, records: Sequence[SampleRecord]) -> dict[str, np.ndarray]:
+        """The batch's image outputs (see the class docstring)."""
+        images: list[np.ndarray] = []
+        rows: list[int] = []
+        grids: list[np.ndarray] = []
+        has_grid = False
+        for r, rec in enumerate(records):
+            payload = rec.payload
+            if not isinstance(payload, dict) or self.images not in payload:
+                raise ValueError(
+                    f"training_collate: record {rec.meta.cursor!r} has no field {self.images!r} "
+                    "(pack with pack_sequences(..., images=...) so rows carry their images)"
+                )
+            held = list(payload[self.images])
+            images += [np.asarray(image) for image in held]
+            rows += [r] * len(held)
+            grid = payload.get(IMAGE_GRID_FIELD)
+            if grid is not None:
+                has_grid = True
+                grids.append(np.asarray(grid, dtype=np.int64).reshape(-1, 3))
+        shapes = {image.shape for image in images}
+        if len(shapes) == 1:
+            pixels = np.stack(images)
+        elif images:
+            pixels = np.concatenate([image.reshape(-1) for image in images])
+        else:
+            pixels = np.empty(0, dtype=np.float32)
+        out = {
+            "pixel_values": pixels,
+            "image_sizes": np.array(
+                [image_size(image) for image in images], dtype=np.int64
+            ).reshape(-1, 2),
+            "image_to_row": np.array(rows, dtype=np.int64),
+        }
+        if has_grid:
+            out["image_grid_thw"] = np.concatenate(grids) if grids else np.empty((0, 3), np.int64)
+        return out
 
     def __repr__(self) -> str:
         options = "".join(
@@ -217,6 +294,7 @@ def training_collate(
     dtype: str = "int64",
     layout: str = "rows",
     rename: Mapping[str, str] | None = None,
+    images: str | None = None,
 ) -> TrainingCollate:
     """A collate for ``batch(n, collate=training_collate())`` after a packer: per packed row
     ``input_ids``, ``labels`` (``ignore_index`` on padding, segment starts and where
@@ -224,7 +302,9 @@ def training_collate(
     one unless ``shift_labels=False``; ``train_on_eos=False`` with ``eos_id=`` also ignores the
     end-of-sequence targets), ``position_ids``, ``segment_ids``, the batch's ``cu_seqlens`` /
     ``max_seqlen`` and ``num_valid_tokens``; ``dtype``, ``layout="flat"`` (``(1, B*L)``) and
-    ``rename`` shape them for the model (see ``TrainingCollate``). Numpy arrays;
+    ``rename`` shape them for the model (see ``TrainingCollate``). ``images="images"`` adds the
+    rows' images: ``pixel_values``, ``image_sizes``, ``image_grid_thw`` and ``image_to_row``;
+    image spans are never trained on (see ``TrainingCollate``). Numpy arrays;
     ``as_torch_dataset`` yields them as tensors."""
     return TrainingCollate(
         mask_field=mask_field,
@@ -235,4 +315,5 @@ def training_collate(
         dtype=dtype,
         layout=layout,
         rename=rename,
+        images=images,
     )

@@ -9,9 +9,11 @@ called at any time, from any thread, and waits for a ``next()`` in progress to f
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterator
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -19,54 +21,50 @@ import numpy as np
 from zephon._core.delivery import DeliveryCounters, parse_heritage_key
 from zephon._core.handover import NO_LIMIT, LoaderStep
 from zephon.errors import (
-    CheckpointCorruptError,
     CheckpointError,
-    CheckpointMismatchError,
     ContractViolation,
     PipelineChangeWarning,
     PlanError,
-    RelaneWarning,
     ZephonError,
 )
 from zephon.plan import Plan
 from zephon.progress import bar
-from zephon.runtime.checkpoint.fields import (
-    check_int,
-    check_lane_state,
-    check_layout,
-    check_turn,
-    corrupt,
-    encode_pairs,
-)
-from zephon.runtime.checkpoint.format import (
-    JOB_FORMAT,
-    STATE_FORMAT,
-    STATE_VERSION,
-    check_identity,
-    seal,
-    unseal,
-)
-from zephon.runtime.checkpoint.history import change_event, check_history, global_step, with_event
+from zephon.runtime.checkpoint.format import check_identity, seal, unseal
+from zephon.runtime.checkpoint.history import RunHistory, change_event, global_step
 from zephon.runtime.checkpoint.job import job_step, rank_served, rank_turn
 from zephon.runtime.checkpoint.layout import Layout
-from zephon.runtime.checkpoint.relane import relane
+from zephon.runtime.checkpoint.relane import relaned_state
 from zephon.runtime.checkpoint.retired import (
     MAX_SETS,
     FetchScreen,
     RetiredIds,
     Retirement,
-    decode_retirements,
+    Retirements,
     horizons_of,
     retired_ids,
 )
-from zephon.runtime.checkpoint.saved_state import JOB_KEYS, check_keys, check_totals
+from zephon.runtime.checkpoint.schema import (
+    JOB_FORMAT,
+    STATE_FORMAT,
+    STATE_VERSION,
+    check_job_turn,
+    check_keys,
+    check_lane_list,
+    check_layout,
+    check_next_lane,
+    check_rank,
+)
 from zephon.runtime.delivery.contracts import ContractPolicy
 from zephon.runtime.delivery.even_end import lane_items
 from zephon.runtime.delivery.lane_delivery import LaneDelivery
-from zephon.runtime.delivery.replay import CHANGED_RECORDS
+from zephon.runtime.delivery.replay import changed_records, merged_records
 from zephon.runtime.delivery.skips import SkipLog
+from zephon.runtime.delivery.totals import RunTotals
 from zephon.runtime.lanes.operator_setup import release_in_process
 from zephon.runtime.workers.feeds import close_feeds, start_feeds
+from zephon.runtime.workers.trainer_wait import TrainerWait
+from zephon.sources.source_io import latest_counters, merge_counters
+from zephon.validation import check_bool
 
 log = logging.getLogger("zephon")
 
@@ -89,20 +87,21 @@ class Loader(LoaderStep):
         self.counts = DeliveryCounters()
         self.counts.counted_tags = frozenset(plan.counted_tags)
         self.policy = ContractPolicy(plan.strict)
-        self.restored_replayed = 0
-        self.max_inflight = 0
+        self.totals = RunTotals(self.counts, self.policy)
         self.next_lane = 0
         # ``served`` (the items this rank handed over, in global steps of its world size) less
         # what its lanes delivered: nonzero after a resume from a job state
         self.served_offset = 0
         self.skips = SkipLog(self.counts, plan.max_skipped)
+        self.dropped_together = 0  # items left when another rank's data ended (end_together)
         self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
         self._end_evenly()
-        self.history: list[dict[str, Any]] = []  # what was done to the run (``runtime.history``)
-        self.skip = 0  # global steps still to skip before the first item (``skip_steps``)
-        self.retirements: list[Retirement] = []  # samples never delivered (``retire``)
-        self._retired_state: list[dict[str, Any]] | None = None  # as a state stores them
+        self.waits = TrainerWait(self)  # the training loop's waits in next()
+        for lane in self.lanes:
+            lane.feed.waits = self.waits
+        self.history = RunHistory()  # what was done to the run, the steps still to skip
+        self.retired = Retirements()  # samples never delivered (``retire``)
         self._lock = threading.Lock()  # one delivery, or one state, at a time
         self._started = False
         self._closed = False
@@ -130,6 +129,41 @@ class Loader(LoaderStep):
     def __iter__(self) -> Loader:
         return self
 
+    def end_together(self, all_reduce_min: Callable[[int], Any]) -> Iterator[Any]:
+        """This loader's items, up to the first global step some rank of the job has none for,
+        so that every rank stops at the same step and none is left waiting in a collective.
+        ``all_reduce_min(n)`` is the job's own minimum all-reduce of one integer over its ranks
+        (``torch.distributed``, ``mpi4py``, jax, ...): before each item every rank says whether
+        it has one (1 or 0), and all stop at the first step where the minimum is 0. Every rank
+        must call it, item for item, as it calls ``next()``. What this rank still had then is
+        read, booked as delivered and counted in ``stats()["dropped_at_end"]``: no later global
+        step could take it (see ``runtime.delivery.even_end``)."""
+        if not callable(all_reduce_min):
+            raise TypeError(
+                "end_together needs a function taking this rank's 1 or 0 and returning the "
+                f"minimum over all ranks, got {all_reduce_min!r}"
+            )
+        return self._until_one_ends(all_reduce_min)
+
+    def _until_one_ends(self, all_reduce_min: Callable[[int], Any]) -> Iterator[Any]:
+        for item in self:
+            if int(all_reduce_min(1)) < 1:
+                self._drop_rest(1)
+                return
+            yield item
+        all_reduce_min(0)  # this rank is out: the others learn it at this same step
+
+    def _drop_rest(self, fetched: int) -> None:
+        """Another rank's data ended: this rank's remaining items are read and handed to no one
+        (its lanes then say they finished), and counted."""
+        self.dropped_together += fetched + sum(1 for _ in self)
+        log.info(
+            "another rank's data ended: %d item(s) of rank %d left undelivered "
+            "(stats()['dropped_at_end'])",
+            self.dropped_together,
+            self.plan.rank,
+        )
+
     # The compiled step's hooks (``LoaderStep``): called by ``next()``, not by a training loop.
     def start_or_refuse(self) -> None:
         """Before a delivery: refuse one from a failed or closed loader, start the lanes on the
@@ -147,13 +181,16 @@ class Loader(LoaderStep):
             )
         lanes = self.lanes
         self._started = True
+        self.waits.begin()
         try:
             self._log_start()
-            if self.retirements:  # screened at fetch too, from where replays allow it
+            if self.retired.sets:  # screened at fetch too, from where replays allow it
                 for lane in lanes:
-                    lane.feed.start_at["retired"] = self.retirements
+                    lane.feed.start_at["retired"] = self.retired.sets
             # every lane's worker starts working at once
+            began = perf_counter()
             start_feeds([lane.feed for lane in lanes if not lane.ended], lanes[self.next_lane].feed)
+            self.waits.book(perf_counter() - began)
             for lane in lanes:  # a restored lane is back at its position first
                 self._catch_up(lane)
             self._skip_steps()
@@ -178,20 +215,21 @@ class Loader(LoaderStep):
         """``skip_steps``: every lane hands over its next ``skip`` items to no one, booked as
         delivered, so the stream goes on where the uninterrupted run is that many global steps
         later."""
-        if not self.skip:
+        steps = self.history.skip
+        if not steps:
             return
-        log.info("skipping %d global step(s) before delivering", self.skip)
+        log.info("skipping %d global step(s) before delivering", steps)
         for lane in self.lanes:
-            for _ in range(self.skip):
+            for _ in range(steps):
                 if lane.next_delivery() is None:
                     break
-        self.skip = 0
+        self.history.skip = 0
 
     def note_inflight(self) -> None:
         """A lane announced a chunk: keep the most chunks the lanes held at once."""
         inflight = sum(lane.book.table.n_inflight for lane in self.lanes)
-        if inflight > self.max_inflight:
-            self.max_inflight = inflight
+        if inflight > self.totals.max_inflight:
+            self.totals.max_inflight = inflight
 
     def _log_start(self) -> None:
         plan = self.plan
@@ -228,6 +266,7 @@ class Loader(LoaderStep):
 
     def release_source(self) -> None:
         """The stream is over or the loader stopped: let the source and the setup go."""
+        self.waits.end()  # no step comes after this one
         # This loader reads its source no more, and what the reads kept for later ones (decoded
         # row groups, bytes fetched ahead) would otherwise live as long as the pipeline does.
         # Its inline and thread lanes are done with their operators' setup too.
@@ -261,7 +300,7 @@ class Loader(LoaderStep):
     @property
     def replayed(self) -> int:
         """Records swallowed by the replay filter since the first restore of this run."""
-        return self.restored_replayed + sum(lane.replayed for lane in self.lanes)
+        return self.totals.restored_replayed + sum(lane.replayed for lane in self.lanes)
 
     def stats(self) -> dict[str, Any]:
         """Counters of the run, valid at any time (also after the end and after ``close()``).
@@ -278,12 +317,19 @@ class Loader(LoaderStep):
         progress after a restore. ``skipped`` counts the records skipped since the run started
         (``Pipeline(on_error="skip")``; the latest are in ``skipped()``). ``dropped_at_end``
         counts the items this rank's lanes left out at the end of the data so that every rank
-        delivers the same global steps (``uneven_end="carry"``).
+        delivers the same global steps (``uneven_end="carry"``, or ``end_together``).
         ``mixture_components`` gives per component its delivered ``samples`` and ``tokens``, the
         ``dropped_samples``/``dropped_tokens`` that counted tombstones carried (what
         ``ensure_mixture`` dropped), its realized ``share`` of delivered tokens or samples
         (``share_of``, as the target measures) and its ``target`` share: the last chain
         operator's ``target_mixture()``, else the source's (None without either).
+        ``sources`` gives per data set (its dataset root) the bytes read from remote storage
+        (``read_bytes``) and the shard cache's ``cache_hits`` and ``cache_misses``: this
+        process's reads and each worker process's, as of its lane's latest chunk.
+        ``trainer_wait`` says how long the training loop waited inside ``next()`` for item lists
+        that were not ready: ``seconds`` in all and ``recent_seconds`` over the last
+        ``recent_steps`` of the ``steps`` handed over since the first ``next()``, which was
+        ``elapsed`` seconds ago (``runtime.workers.trainer_wait``).
 
         Safe to call from another thread (a metrics server's): it waits for the step under way."""
         with self._lock:
@@ -298,14 +344,16 @@ class Loader(LoaderStep):
             "tombstones": counts.tombstones,
             "replayed": self.replayed,
             "inflight_chunks": sum(lane.book.table.n_inflight for lane in self.lanes),
-            "max_inflight_chunks": self.max_inflight,
+            "max_inflight_chunks": self.totals.max_inflight,
             "evicted_chunks": counts.evicted,
             "violations": self.policy.count,
             "mixture": {k: v / total for k, v in basis.items()} if total else {},
             "bytes_held": sum(lane.book.table.bytes_held for lane in self.lanes),
             "eviction_path": self.plan.eviction_path,
-            "dropped_at_end": sum(lane.surplus for lane in self.lanes if lane.cut),
+            "dropped_at_end": self.dropped_together
+            + sum(lane.surplus for lane in self.lanes if lane.cut),
             "skipped": self.skips.count,
+            "trainer_wait": self.waits.stats(),
         }
         for tag in self.plan.counted_tags:
             out[tag] = counts.tag_counts.get(tag, 0)
@@ -313,6 +361,7 @@ class Loader(LoaderStep):
         out["mixture_tokens"] = dict(self.mix_tokens)
         out["mixture_components"] = self._mixture_components()
         out["operators"] = self._operator_stats()
+        out["sources"] = self._source_stats()
         out["lanes"] = {
             lane.lane_id: {
                 "delivered": lane.delivered,
@@ -373,28 +422,35 @@ class Loader(LoaderStep):
         }
 
     def _operator_stats(self) -> dict[str, dict[str, float]]:
-        """Per chain operator, summed over this rank's lanes as of each lane's latest chunk."""
+        """Per chain operator, summed over this rank's lanes as of each lane's latest chunk: its
+        records in, items out and seconds, its own ``counters()`` and their ``ratios``."""
         labels = self.lanes[0].book.labels if self.lanes else []
-        totals = [[0, 0, 0.0] for _ in labels]
+        totals: list[dict[str, float]] = [
+            {"records_in": 0, "items_out": 0, "seconds": 0.0} for _ in labels
+        ]
         for lane in self.lanes:
-            for total, part in zip(totals, lane.book.op_stats or ()):
-                for i in range(3):
-                    total[i] += part[i]
-        return {
-            label: {"records_in": t[0], "items_out": t[1], "seconds": t[2]}
-            for label, t in zip(labels, totals)
-        }
+            for total, row in zip(totals, lane.book.op_stats or ()):
+                total["records_in"] += row[0]
+                total["items_out"] += row[1]
+                total["seconds"] += row[2]
+                for name, value in (row[3] if len(row) > 3 else {}).items():
+                    total[name] = total.get(name, 0) + value
+        for op, total in zip(self.plan.chain, totals):
+            for name, (part, whole) in op.ratios.items():
+                if total.get(whole):
+                    total[name] = total.get(part, 0) / total[whole]
+        return dict(zip(labels, totals))
 
-    def _counters(self) -> dict[str, int]:
-        counts = self.counts
-        return {
-            "delivered": counts.delivered,
-            "tombstones": counts.tombstones,
-            "evicted": counts.evicted,
-            "violations": self.policy.count,
-            "max_inflight": self.max_inflight,
-            "replayed": self.replayed,
-        }
+    def _source_stats(self) -> dict[str, dict[str, int]]:
+        """Per data set, what this process's source and each worker's copy read."""
+        here = os.getpid()
+        parts = {here: self.plan.source.io_counters()}
+        for lane in self.lanes:
+            got = lane.book.source_io
+            if got is not None and got[0] != here:  # inline and thread lanes read through ours
+                # Lanes sharing a worker share its source: its latest counts are the largest.
+                parts[got[0]] = latest_counters(parts.get(got[0], {}), got[1])
+        return merge_counters(parts.values())
 
     @property
     def served(self) -> int:
@@ -406,7 +462,8 @@ class Loader(LoaderStep):
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """A small JSON-serializable state: the position after the last item handed over.
-        ``pipeline.iter(state=...)`` continues exactly from there."""
+        ``pipeline.iter(state=...)`` continues exactly from there. Each part comes from the
+        stage that keeps it (``runtime.checkpoint.schema.STATE_FIELDS``)."""
         with self._lock:
             if self._untrusted is not None:
                 raise CheckpointError(
@@ -428,15 +485,9 @@ class Loader(LoaderStep):
                     "next_lane": self.next_lane,
                     "served": self.served,
                     "lane_states": [lane.state() for lane in self.lanes],
-                    "counters": self._counters(),
-                    "tag_counts": encode_pairs(self.counts.tag_counts),
-                    "mixture": {
-                        "samples": encode_pairs(self.mix_samples),
-                        "tokens": encode_pairs(self.mix_tokens),
-                    },
-                    "history": self.history,
-                    "skip": self.skip,
-                    "retired": self._retired_state,
+                    **self.totals.state(self.replayed),
+                    **self.history.state(),
+                    "retired": self.retired.state(),
                 }
             )
 
@@ -449,7 +500,7 @@ class Loader(LoaderStep):
         taken = retired_ids(retire, self.plan.source)
         if not len(taken):
             return
-        if len(self.retirements) == MAX_SETS:
+        if len(self.retired.sets) == MAX_SETS:
             raise PlanError(
                 f"this run has retired samples {MAX_SETS} times, as often as a state keeps; "
                 "make a new source without them instead"
@@ -467,20 +518,17 @@ class Loader(LoaderStep):
                     )
                 )
         step = global_step([lane.state() for lane in self.lanes])
-        self.history = with_event(
-            self.history, {"event": "retire", "step": step, "ids": len(taken)}
-        )
-        self._set_retirements([*self.retirements, Retirement(taken, horizons)])
+        self.history.add({"event": "retire", "step": step, "ids": len(taken)})
+        self.retired.add(Retirement(taken, horizons))
+        self._screen_retired()
 
-    def _set_retirements(self, retirements: list[Retirement]) -> None:
-        self.retirements = retirements
-        self._retired_state = [r.encode() for r in retirements] or None
-        union = (
-            RetiredIds(np.concatenate([r.ids.rows for r in retirements])) if retirements else None
-        )
+    def _screen_retired(self) -> None:
+        """Every lane screens the run's retired samples, at delivery and at fetch."""
+        sets = self.retired.sets
+        union = RetiredIds(np.concatenate([r.ids.rows for r in sets])) if sets else None
         for lane in self.lanes:
             lane.feed.retired = union
-            lane.fetch_screen = FetchScreen(retirements)
+            lane.fetch_screen = FetchScreen(sets)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changes: bool = False) -> None:
         """Continue from ``state`` (this rank's own, or a job state from ``merge_states``); only
@@ -498,83 +546,43 @@ class Loader(LoaderStep):
         plan = self.plan
         job = check_keys(body)
         relaning = plan.relane and type(body.get("lanes")) is int and body["lanes"] != plan.lanes
-        if type(allow_changes) is not bool:
-            raise TypeError(f"allow_changes must be True or False, got {allow_changes!r}")
+        check_bool(allow_changes, "allow_changes", "Loader.load_state_dict")
         changes = check_identity(body, plan, relane=relaning, allow_changes=allow_changes)
-        history, self.skip = check_history(body["history"], body["skip"])
+        self.history.restore(body)
         if changes:
-            self._announce(changes)
-            old = body["pipeline"].get("operators")
-            event = change_event(
-                global_step(body["lane_states"]), changes, old, plan.fingerprint_parts["operators"]
-            )
-            history = with_event(history, event)
-            for lane in self.lanes:
-                lane.cause = CHANGED_RECORDS
-                lane.lenient = True  # on the monotone path: see ``ReplayFilter``
-        self.history = history
-        self._set_retirements(decode_retirements(body["retired"]))
+            self._take_changes(changes, body)
+        self.retired.restore(body["retired"])
+        self._screen_retired()
         if relaning:
-            body = self._relane(body)
+            body = relaned_state(body, plan)
             job = True
         self.layout = check_layout(body["layout"], plan.lanes, plan.source.total_chunks())
         if self.layout.current:
             self._end_evenly()
-        lane_states = body["lane_states"]
         if job:
-            if type(lane_states) is not list or len(lane_states) != plan.lanes:
-                raise corrupt("lane_states", f"must be a list of {plan.lanes} lane states")
-            mine = [lane_states[g] for g in plan.rank_lanes]
-            where = [f"lane_states[{g}]" for g in plan.rank_lanes]
+            lane_states = check_lane_list(body["lane_states"], plan.lanes)
+            mine = [(f"lane_states[{g}]", lane_states[g]) for g in plan.rank_lanes]
         else:
-            saved = (body["rank"], body["world_size"])
-            if saved != (plan.rank, plan.world_size):
-                raise CheckpointMismatchError(
-                    f"this is the state of rank {saved[0]!r} (world_size={saved[1]!r}); this "
-                    f"pipeline runs rank {plan.rank} (world_size={plan.world_size}). To resume on "
-                    "another world size, "
-                    "merge the states of all ranks with zephon.merge_states()"
-                )
-            if type(lane_states) is not list or len(lane_states) != len(self.lanes):
-                raise corrupt("lane_states", f"must be a list of {len(self.lanes)} lane states")
-            mine = lane_states
-            where = [f"lane_states[{i}]" for i in range(len(mine))]
-        checked = [lane.restore(s, w, self.layout) for lane, s, w in zip(self.lanes, mine, where)]
+            check_rank(body, plan.rank, plan.world_size)
+            lane_states = check_lane_list(body["lane_states"], len(self.lanes))
+            mine = [(f"lane_states[{i}]", s) for i, s in enumerate(lane_states)]
+        checked = [lane.restore(s, w, self.layout) for lane, (w, s) in zip(self.lanes, mine)]
         delivered = sum(s["delivered"] for s in checked)
         if job:
             self.next_lane = rank_turn(checked)
             # a job of one rank may have been merged inside a global step: the rank resumes
             # there, as far into the step as its lanes' items say (unless lanes ended)
-            into_step = self._check_job_turn(lane_states, checked)
+            into_step = check_job_turn(self.next_lane, lane_states, checked, plan.rank)
             self.served_offset = job_step(body) * len(self.lanes) + into_step - delivered
         else:
-            self.next_lane = check_int(body["next_lane"], "next_lane", 0, len(self.lanes) - 1)
-            check_turn(self.next_lane, checked)
+            self.next_lane = check_next_lane(body["next_lane"], checked)
             self.served_offset = rank_served(body) - delivered
-        values, tag_counts, samples, tokens = check_totals(body)
-        if job:
-            return  # a job's counters belong to all its ranks: this rank counts afresh
-        self._restore_counters(values, tag_counts, samples, tokens)
+        # a job's totals belong to all its ranks: this rank counts afresh
+        self.totals.restore(body, counted=not job)
 
-    def _check_job_turn(self, lane_states: list[Any], checked: list[dict[str, Any]]) -> int:
-        """How far into its global step this rank resumes (``next_lane``): its lanes are level,
-        or one round apart. Once a lane of the job ended, lanes of the old ranks delivered
-        different numbers of items per step: any level is right, and the step is whole."""
-        if any(type(s) is dict and s.get("finished") is True for s in lane_states):
-            return 0
-        try:
-            check_turn(self.next_lane, checked)
-        except CheckpointCorruptError:
-            counts = [s["delivered"] for s in checked]
-            raise CheckpointError(
-                f"this job state was merged from ranks checkpointed inside a global step (the "
-                f"lanes of rank {self.plan.rank} delivered {counts} items): resume each rank "
-                "from its own state on the world size it was taken with, or from a job state "
-                "taken right after an optimizer step"
-            ) from None
-        return self.next_lane
-
-    def _announce(self, changes: list[str]) -> None:
+    def _take_changes(self, changes: list[str], body: dict[str, Any]) -> None:
+        """Resume with changed operators (``allow_changes``): say so, keep it in the history, and
+        let the lanes' replays meet the new operators' records."""
         text = (
             "resuming a checkpoint with changed operators (allow_changes=True): "
             + "; ".join(changes)
@@ -583,78 +591,15 @@ class Loader(LoaderStep):
         )
         log.warning(text)
         warnings.warn(text, PipelineChangeWarning, stacklevel=4)
-
-    def _restore_counters(
-        self,
-        values: dict[str, int],
-        tag_counts: list[tuple[Any, int]],
-        samples: list[tuple[Any, int]],
-        tokens: list[tuple[Any, int]],
-    ) -> None:
-        counts = self.counts
-        counts.delivered = values["delivered"]
-        counts.tombstones = values["tombstones"]
-        counts.evicted = values["evicted"]
-        self.policy.count = values["violations"]
-        self.max_inflight = values["max_inflight"]
-        self.restored_replayed = values["replayed"]
-        counts.flush()
-        counts.tag_counts = dict(tag_counts)
-        counts.mix_samples = dict(samples)
-        counts.mix_tokens = dict(tokens)
-
-    def _relane(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``body`` (taken with another lane count) as a job state of this plan's lanes."""
-        plan = self.plan
-        old = body["lanes"]
-        if body["format"] != JOB_FORMAT and body.get("world_size") != 1:
-            raise CheckpointMismatchError(
-                f"this is the state of rank {body.get('rank')!r} of a job of "
-                f"{body.get('world_size')!r} ranks with {old} lanes; to continue on "
-                f"{plan.lanes} lanes, merge the states of all ranks with zephon.merge_states()"
-            )
-        layout = check_layout(body["layout"], old, plan.source.total_chunks())
-        lane_states = body["lane_states"]
-        if type(lane_states) is not list or len(lane_states) != old:
-            raise corrupt("lane_states", f"must be a list of {old} lane states")
-        monotone = plan.eviction_path == "monotone"
-        window: dict[str, Any] = {
-            "layout": layout,
-            "monotone": monotone,
-            "per_epoch": plan.epoch_chunks,
-            "n_ops": len(plan.chain),
-            "holdings": plan.restores_holdings,
-            "source": plan.source,
-        }
-        checked = [
-            check_lane_state(s, f"lane_states[{g}]", lane_id=g, **window)
-            for g, s in enumerate(lane_states)
-        ]
-        if body["format"] != JOB_FORMAT:
-            check_turn(check_int(body["next_lane"], "next_lane", 0, old - 1), checked)
-        new_layout, new_states = relane(
-            checked,
-            layout,
-            plan.lanes,
-            monotone=monotone,
-            per_epoch=plan.epoch_chunks,
-        )
-        text = (
-            f"re-laning a checkpoint of {old} lanes onto {plan.lanes} lanes: every sample the "
-            "pipeline delivers is delivered exactly once, but the batches differ from here on "
-            "(what was in flight finishes first, under the old lanes' seeds); operators that "
-            "drop records by running totals (ensure_mixture) restart them on the new lanes, so "
-            "which samples they drop can differ from the uninterrupted run's"
-        )
-        log.warning(text)
-        warnings.warn(text, RelaneWarning, stacklevel=4)
-        job = {k: v for k, v in body.items() if k in JOB_KEYS}
-        step = job_step(body) if body["format"] == JOB_FORMAT else rank_served(body) // old
-        return {
-            **job,
-            "format": JOB_FORMAT,
-            "step": step,
-            "lanes": plan.lanes,
-            "layout": new_layout.encode(),
-            "lane_states": new_states,
-        }
+        old = body["pipeline"].get("operators")
+        new = self.plan.fingerprint_parts["operators"]
+        self.history.add(change_event(global_step(body["lane_states"]), changes, old, new))
+        chain = self.plan.chain
+        reordering = [op.name for op in chain if not op.traits.preserves_cursor_order]
+        cause = changed_records(changes, reordering)
+        merges = merged_records([op.name for op in chain if op.traits.stateful])
+        for lane in self.lanes:
+            lane.cause = cause
+            # records reach delivery in cursor order: see ``ReplayFilter``
+            lane.lenient = not reordering
+            lane.merges = merges

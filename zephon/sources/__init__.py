@@ -11,6 +11,7 @@ from zephon.sources.litdata import LitDataSource
 from zephon.sources.mds import MDSSource
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
+from zephon.sources.shard_cache import ShardCache
 from zephon.sources.token_shards import TokenShardSource
 from zephon.sources.webdataset import WebDatasetSource
 
@@ -27,6 +28,7 @@ __all__ = [
     "MDSSource",
     "MixtureSource",
     "RangeSource",
+    "ShardCache",
     "TokenShardSource",
     "WebDatasetSource",
     "WorkSource",

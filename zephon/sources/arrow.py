@@ -113,8 +113,8 @@ class ArrowSource(FileSource):
     shorter or different stream.
 
     Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
-    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads`` and the
-    storage deadlines ``timeout`` and ``total_timeout``).
+    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads``, the
+    storage deadlines ``timeout`` and ``total_timeout``, and the shard ``cache``).
     """
 
     #: What a worker process reading these files imports (lazily here): its fork server
@@ -164,7 +164,7 @@ class ArrowSource(FileSource):
         """Open ``path`` (a path on the source's filesystem) for random-access reading (a memory
         map for local files); every byte the source reads goes through the file returned here (a
         subclass may wrap it, e.g. to count I/O)."""
-        return self._locations.open_random(path)
+        return self.open_random(path)
 
     def file_format(self, file_index: int) -> str:
         """``"parquet"``, ``"arrow_file"`` or ``"arrow_stream"``: the detected format of a file."""
@@ -421,6 +421,7 @@ class ArrowSource(FileSource):
 
     def drop_read_caches(self) -> None:
         """Forget the decoded groups and the bytes fetched ahead; footers stay."""
+        super().drop_read_caches()
         with self._cache_lock:
             self._groups.clear()
             self._ahead.clear()
@@ -456,8 +457,9 @@ class ArrowSource(FileSource):
         its group is needed, naming that group and its pointer in ``at``; one fetched ahead of
         need is left for the read of its own group, and so is every range not fetched yet."""
         info = self._infos[i]
-        if self.is_local or info.kind != PARQUET or self.readahead <= 0 or not groups:
-            return
+        cached = self.cache is not None
+        if self.is_local or cached or info.kind != PARQUET or self.readahead <= 0 or not groups:
+            return  # a cached file is read whole from the cache
         wanted_cols = None
         if self.columns is not None:
             wanted_cols = {

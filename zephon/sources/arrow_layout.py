@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from zephon.sources.files import DigestTable, digest, section_text, text_section
+from zephon.sources.files import DigestTable, content_digest, section_text, text_section
 
 if TYPE_CHECKING:  # pyarrow is imported when a file is first touched, not with zephon.sources
     import pyarrow as pa
@@ -223,7 +223,15 @@ def parquet_layout(f: pa.NativeFile, size: int) -> FileLayout:
     names = tuple(md.schema.to_arrow_schema().names)
     leaves = tuple(md.schema.column(c).path for c in range(md.num_columns))
     return FileLayout(
-        PARQUET, names, leaves, (size - len(footer), size), digest(footer), rows, None, None, md
+        PARQUET,
+        names,
+        leaves,
+        (size - len(footer), size),
+        content_digest(footer),
+        rows,
+        None,
+        None,
+        md,
     )
 
 
@@ -247,7 +255,7 @@ def ipc_file_layout(f: pa.NativeFile, size: int) -> FileLayout:
         names,
         names,
         (start, size),
-        digest(read_span(f, start, size - start)),
+        content_digest(read_span(f, start, size - start)),
         None,
         reader.num_record_batches,
         reader.schema,
@@ -271,7 +279,15 @@ def ipc_stream_layout(f: pa.NativeFile, size: int) -> FileLayout:
     schema = pa.ipc.read_schema(message)
     names = tuple(schema.names)
     return FileLayout(
-        IPC_STREAM, names, names, (0, end), digest(read_span(f, 0, end)), None, None, schema, None
+        IPC_STREAM,
+        names,
+        names,
+        (0, end),
+        content_digest(read_span(f, 0, end)),
+        None,
+        None,
+        schema,
+        None,
     )
 
 

@@ -12,6 +12,7 @@ from here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -96,6 +97,28 @@ class WorkSource(ABC):
         (a loader whose stream ended or that was closed, and the loader's process once its
         workers read); this default keeps nothing."""
         return None
+
+    def read_ahead_chunks(self) -> int:
+        """How many chunk positions after the one it reads a lane announces (``upcoming``);
+        this default: 0, none."""
+        return 0
+
+    def upcoming(self, positions: Sequence[int]) -> None:
+        """The chunk positions a lane reads next, in order, so the source can fetch their data
+        in the background (a lane calls it when ``read_ahead_chunks`` is not 0); this default
+        does nothing. Only timing may depend on it, never what a read returns."""
+        return None
+
+    def read_ahead(self, pointers: np.ndarray) -> bool:
+        """Fetch, in the background, the data these pointer rows (of a chunk a lane reads
+        soon) will read; False when no more can be taken on now. This default does nothing."""
+        return True
+
+    def io_counters(self) -> dict[str, dict[str, int]]:
+        """Per data set (a source's label: its dataset root) what this copy of the source read
+        from storage in this process (``read_bytes``, ``cache_hits``, ``cache_misses``); this
+        default reads nothing worth counting."""
+        return {}
 
     def provides(self) -> dict[str, Any]:
         """Plan-time facts for the operators after ``fetch`` (e.g. the token field and pad id of

@@ -46,6 +46,7 @@ import threading
 import tokenize
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, TypedDict
 
 import numpy as np
@@ -54,6 +55,8 @@ from zephon.errors import FetchError
 from zephon.sources.base import IndexedSource, check_int, check_pointers
 from zephon.sources.locations import DataFile, default_cache_dir, parse_locations
 from zephon.sources.remote import RetryPolicy, is_transient, parallel_map, with_retries
+from zephon.sources.shard_cache import CachedShard, ShardCache
+from zephon.sources.source_io import CountedFile, IOCounters, open_through_cache
 from zephon.validation import check_seconds
 
 __all__ = [
@@ -61,7 +64,7 @@ __all__ = [
     "DigestTable",
     "FileSource",
     "PathsArg",
-    "digest",
+    "content_digest",
     "digest_ranges",
     "is_permanent",
     "load_sidecar",
@@ -101,7 +104,7 @@ def transient_error(exc: OSError, path: str, where: str) -> OSError:
 DIGEST_PIECE = 8 << 20
 
 
-def digest(data: Any) -> int:
+def content_digest(data: Any) -> int:
     """The 64-bit content digest of a bytes-like object (the first 8 bytes of its sha256, as a
     signed int64): what a ``DigestTable`` stores for each range."""
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little", signed=True)
@@ -139,7 +142,7 @@ def digest_ranges(
             raise EOFError(f"the file ends inside bytes {a}..{end}")
         for j in range(k, m):
             lo = begin[j] - a
-            out[j] = digest(buf[lo : lo + size[j]])
+            out[j] = content_digest(buf[lo : lo + size[j]])
         k = m
     return out
 
@@ -188,7 +191,7 @@ class DigestTable:
 
     def matches(self, k: int, data: Any) -> bool:
         """True when ``data`` is the content range ``k`` had when the table was built."""
-        return len(data) == int(self.lengths[k]) and digest(data) == int(self.digests[k])
+        return len(data) == int(self.lengths[k]) and content_digest(data) == int(self.digests[k])
 
     def is_well_formed(self, size: int) -> bool:
         """True when the ranges are non-empty, sorted, disjoint and inside a file of ``size``."""
@@ -313,12 +316,22 @@ def load_sidecar(where: str, tag: bytes, size: int) -> tuple[list[np.ndarray], i
 # ------------------------------------------------------------------------- the base
 
 
+def changed_since(pinned: str, now: str) -> str:
+    """What a read says of an object found at version ``now`` after its source pinned
+    ``pinned``."""
+    return (
+        f"the object changed since it was first listed ({pinned} then, {now} now); build a new "
+        "source (its fingerprint will differ from old checkpoints if its content did)"
+    )
+
+
 class FileOptions(TypedDict, total=False):
     """The options every file source takes beside its paths, passed on to ``FileSource``
     (defaults there): ``dataset_id``, chunking (``chunk_size``, ``shuffle``, ``seed``,
     ``passes``), where metadata is cached (``index_dir``, ``cache_dir``), the storage
-    (``filesystem``, ``threads`` for parallel metadata reads) and its deadlines (``timeout`` a
-    request, ``total_timeout`` all attempts of one operation)."""
+    (``filesystem``, ``threads`` for parallel metadata reads), its deadlines (``timeout`` a
+    request, ``total_timeout`` all attempts of one operation) and the node-local ``cache`` of
+    whole remote shards (a ``ShardCache``)."""
 
     dataset_id: int
     chunk_size: int
@@ -331,6 +344,7 @@ class FileOptions(TypedDict, total=False):
     threads: int
     timeout: float
     total_timeout: float
+    cache: ShardCache | None
 
 
 class FileSource(IndexedSource):
@@ -349,7 +363,10 @@ class FileSource(IndexedSource):
 
     Remote data: ``timeout`` seconds at most for one request, ``total_timeout`` for every
     attempt of one operation (a listing, a file's metadata, a file's part of a read) together;
-    past them, ``FetchError`` naming the URI, the operation and the time waited.
+    past them, ``FetchError`` naming the URI, the operation and the time waited. With ``cache``
+    (a ``ShardCache``) each remote file is downloaded whole into it once and read from there
+    (see ``open_random``); its ``prefetch_shards`` downloads the files of the chunks a lane
+    reads next in the background (see ``upcoming``).
     """
 
     #: File name endings a directory listing keeps (a glob keeps whatever it matches).
@@ -357,6 +374,10 @@ class FileSource(IndexedSource):
     #: Retries of remote reads and metadata (transient errors only; see ``zephon.sources.remote``);
     #: its deadlines are replaced by the source's ``timeout`` and ``total_timeout``.
     RETRY_POLICY = RetryPolicy()
+    #: Chunks ahead of the one read that a lane announces when the cache prefetches.
+    READ_AHEAD_CHUNKS = 8
+    #: Announced chunk positions remembered, so a chunk announced again is not built again.
+    SCANNED_CHUNKS = 256
 
     def __init__(
         self,
@@ -373,6 +394,7 @@ class FileSource(IndexedSource):
         threads: int = 16,
         timeout: float = RetryPolicy.timeout,
         total_timeout: float = RetryPolicy.total_timeout,
+        cache: ShardCache | None = None,
     ) -> None:
         name = type(self).__name__
         timeout = check_seconds(timeout, "timeout", name)
@@ -392,6 +414,15 @@ class FileSource(IndexedSource):
         self.index_dir = None if index_dir is None else os.fspath(index_dir)
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self.threads = check_int(threads, "threads", name, minimum=1)
+        if cache is not None and not isinstance(cache, ShardCache):
+            raise TypeError(
+                f"{name}: cache must be a zephon.sources.ShardCache or None, got {cache!r}"
+            )
+        self.cache = cache
+        self.io = IOCounters()
+        self._announced: set[int] = set()  # files handed to the cache's read-ahead
+        self._scanned: dict[int, None] = {}  # chunk positions whose files were all announced
+        self._pinned: dict[str, tuple[str, int]] = {}  # path -> (version, size) at first open
         super().__init__(
             dataset_id=dataset_id, chunk_size=chunk_size, shuffle=shuffle, seed=seed, passes=passes
         )
@@ -620,7 +651,122 @@ class FileSource(IndexedSource):
     def object_version(self, file_index: int, opened: Any) -> str:
         """The store's version of file ``file_index`` (``opened``: a file just opened on it),
         ``""`` when local or when the store gives none; see ``Locations.version``."""
+        if isinstance(opened, CachedShard):
+            return opened.version
         return self._locations.version(self.files()[file_index].path, opened)
+
+    # --------------------------------------------------------------------- opening data
+    def open_random(self, path: str) -> Any:
+        """``path`` (on the source's filesystem) opened for random access, where every format
+        opens its data: a memory map for local files; for remote ones the object on the store,
+        counting the bytes read (``io``), or with ``cache`` its cached copy (a ``CachedShard``,
+        fetched whole on its first read). With a cache, the object's version and size are asked
+        of the store at its first open only and pinned: later opens of a cached copy of that
+        version make no request, and one that has to fetch it again refuses another version
+        (``FetchError`` naming both). An object the store names no version of is read from the
+        store, uncached."""
+        locations = self._locations
+        if self.is_local:
+            return locations.open_random(path)
+        cache = self.cache
+        pinned = self._pinned.get(path)
+        if cache is None or pinned is None:
+            remote = CountedFile(locations.open_random(path), self.io)
+            if cache is None:
+                return remote
+            try:
+                found = (locations.version(path, remote), remote.size())
+            except BaseException:
+                remote.close()
+                raise
+            if not found[0]:
+                return remote  # nothing would tell a rewrite from the copy: read it uncached
+            remote.close()  # a hit reads nothing more from the store
+            pinned = self._pinned[path] = found
+        version, size = pinned
+        uri = locations.uri(path)
+
+        def reopen() -> CountedFile:
+            f = CountedFile(locations.open_random(path), self.io)
+            now = locations.version(path, f)
+            if now != version:
+                f.close()
+                raise FetchError(
+                    f"{type(self).__name__} cannot read {uri!r}: {changed_since(version, now)}"
+                )
+            return f
+
+        return open_through_cache(cache, uri, version, size, reopen, self.io)
+
+    def data_paths(self, file_index: int) -> list[str]:
+        """The paths a read of file ``file_index`` opens (what read-ahead fetches): the file
+        itself, unless a format keeps its data beside it."""
+        return [self.files()[file_index].path]
+
+    def read_ahead_chunks(self) -> int:
+        """How many chunks ahead a lane announces (``upcoming``): with a cache that prefetches,
+        ``READ_AHEAD_CHUNKS``; else 0."""
+        cache = self.cache
+        if cache is None or cache.prefetch_shards <= 0 or self.is_local:
+            return 0
+        return self.READ_AHEAD_CHUNKS
+
+    def upcoming(self, positions: Sequence[int]) -> None:
+        """Have the cache download, in the background, the files the chunks at ``positions``
+        read (see ``read_ahead``)."""
+        if not self.read_ahead_chunks():
+            return
+        total = self.total_chunks()
+        for p in positions:
+            if p < 0 or (total is not None and p >= total) or p in self._scanned:
+                continue
+            if not self.read_ahead(self.chunk(p).pointers):
+                return  # the queue is full: the rest is announced again by later chunks
+            self._scanned[p] = None
+            while len(self._scanned) > self.SCANNED_CHUNKS:
+                self._scanned.pop(next(iter(self._scanned)))
+
+    def read_ahead(self, pointers: np.ndarray) -> bool:
+        """Queue the background download of the files these pointer rows read that the cache
+        was not asked for yet; False when its queue (``prefetch_shards``) is full."""
+        cache = self.cache
+        if cache is None or cache.prefetch_shards <= 0 or self.is_local:
+            return True
+        for i in np.unique(pointers[:, 1]).tolist():
+            if i in self._announced:
+                continue
+            for path in self.data_paths(i):
+                if not cache.prefetch(self._locations.uri(path), partial(self._fetch_ahead, path)):
+                    return False
+            self._announced.add(i)
+        return True
+
+    def _fetch_ahead(self, path: str) -> None:
+        # On the read-ahead thread: the file's cached copy made (retried like a read).
+        def fetch() -> None:
+            with self.open_random(path) as f:
+                if isinstance(f, CachedShard):
+                    f.materialize()
+
+        self.with_retries(fetch, lambda: f"{type(self).__name__} fetching {path!r} ahead")
+
+    def io_counters(self) -> dict[str, dict[str, int]]:
+        """Bytes read from remote storage and shard cache hits and misses by this copy of the
+        source since it was made (a copy unpickled in a worker counts its own), under the
+        dataset root; nothing before anything was read."""
+        counts = self.io.as_dict()
+        if not any(counts.values()):
+            return {}
+        return {self._root or self._locations.items[0]: counts}
+
+    def drop_read_caches(self) -> None:
+        """Stop the cache's read-ahead (what was queued is dropped) and close the shards it
+        keeps open between reads; formats forget more."""
+        if self.cache is not None:
+            self.cache.stop_prefetch()
+            self.cache.let_go()
+        self._announced.clear()
+        self._scanned.clear()
 
     def cache_can_tell(self, file_index: int, version: str) -> bool:
         """Whether a cached entry can stand for file ``file_index``: the listing gives its mtime
@@ -635,13 +781,7 @@ class FileSource(IndexedSource):
         longer the version ``pinned`` when its metadata was read."""
         now = self.object_version(file_index, opened)
         if now != pinned:
-            raise self.fetch_error(
-                file_index,
-                f"the object changed since it was first listed ({pinned} then, {now} now); "
-                "build a new source (its fingerprint will differ from old checkpoints if its "
-                "content did)",
-                pointer,
-            )
+            raise self.fetch_error(file_index, changed_since(pinned, now), pointer)
 
     # --------------------------------------------------------------------- errors
     def fetch_error(
@@ -678,6 +818,8 @@ class FileSource(IndexedSource):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+        self._announced = set()
+        self._scanned = {}
 
     def describe_files(self) -> dict[str, Any]:
         """The part of ``describe()`` every file source shares; formats add their own keys."""

@@ -229,8 +229,8 @@ class JsonlSource(FileSource):
     index names the block, and the index file when it is at fault).
 
     Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
-    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads`` and the
-    storage deadlines ``timeout`` and ``total_timeout``).
+    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads``, the
+    storage deadlines ``timeout`` and ``total_timeout``, and the shard ``cache``).
     """
 
     #: Target size of an index block (one page): what a random read costs in I/O and hashing,
@@ -272,7 +272,7 @@ class JsonlSource(FileSource):
         entry = self.files()[i]
         if self.is_local:
             return open(entry.path, "rb")
-        return self._locations.open_random(entry.path)
+        return self.open_random(entry.path)
 
     def _stat(self, i: int, fh: Any) -> tuple[int, int]:
         # (size, mtime_ns) of the open file; remote: the size now, the mtime of the listing.

@@ -37,7 +37,7 @@ import numpy as np
 
 from zephon.errors import FetchError, PlanError
 from zephon.sources.arrow_rows import table_rows
-from zephon.sources.files import FileOptions, FileSource, digest
+from zephon.sources.files import FileOptions, FileSource, content_digest
 from zephon.sources.locations import DataFile
 from zephon.sources.remote import is_transient
 
@@ -72,10 +72,10 @@ class LanceSource(FileSource):
 
     Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
     ``shuffle``, ``seed``, ``passes``, ``threads`` and the storage deadlines ``timeout`` and
-    ``total_timeout``); Lance reads through its own object store, so ``filesystem`` is refused,
-    and it writes no sidecar (``index_dir`` and ``cache_dir`` are unused). The footers digested
-    for the fingerprint are read with the storage settings of the environment, as every other
-    file source reads.
+    ``total_timeout``); Lance reads through its own object store, so ``filesystem`` and the
+    shard ``cache`` are refused, and it writes no sidecar (``index_dir`` and ``cache_dir`` are
+    unused). The footers digested for the fingerprint are read with the storage settings of the
+    environment, as every other file source reads.
     """
 
     def __init__(
@@ -91,6 +91,11 @@ class LanceSource(FileSource):
             raise ValueError(
                 "LanceSource reads through Lance's own object store; give storage_options= "
                 "instead of filesystem="
+            )
+        if options.get("cache") is not None:
+            raise ValueError(
+                "LanceSource reads through Lance's own object store, which a ShardCache cannot "
+                "stand in front of; leave out cache="
             )
         super().__init__(path, **options)
         if len(self._locations.paths) != 1:
@@ -241,7 +246,7 @@ class LanceSource(FileSource):
                     f"LanceSource: the data file {self._locations.uri(where)!r} holds fewer "
                     f"than the {size} bytes the manifest of version {self.pinned_version} says"
                 )
-            return f"{digest(tail):016x}"
+            return f"{content_digest(tail):016x}"
 
         out: list[str] = self.with_retries(
             lambda: [one(name, size) for name, size in files],

@@ -202,7 +202,7 @@ class LitDataSource(MDSSource):
         f = self.files()[i]
         if not self._level and f.size >= len(_ARROW_FOOTER_MAGIC):
             try:
-                with self._locations.open_random(f.path) as fh:
+                with self.open_random(f.path) as fh:
                     tail = len(_ARROW_FOOTER_MAGIC)
                     end = bytes(fh.read_at(tail, f.size - tail))
             except OSError as exc:

@@ -119,8 +119,8 @@ class MDSSource(FileSource):
     naming the shard, the sample and the column.
 
     Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
-    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads`` and the
-    storage deadlines ``timeout`` and ``total_timeout``).
+    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads``, the
+    storage deadlines ``timeout`` and ``total_timeout``, and the shard ``cache``).
     """
 
     BLOCK_BYTES = 1 << 20
@@ -365,7 +365,7 @@ class MDSSource(FileSource):
                 block = int(sections[0][0])
                 if block == self.BLOCK_BYTES and len(sections[1]) == -(-f.size // block):
                     return regular_table(f.size, block, sections[1])
-        with self._locations.open_random(f.path) as fh:
+        with self.open_random(f.path) as fh:
             table = block_table(fh, f.size, self.BLOCK_BYTES)
         meta = np.array([self.BLOCK_BYTES], dtype=np.int64)
         self.store_sidecar(i, ".zsum", _SUM_TAG, f.size, mtime, [meta, table.digests])
@@ -384,7 +384,7 @@ class MDSSource(FileSource):
             have = os.path.getsize(target)
             if raw_size is None or have == raw_size:
                 return target
-        with self._locations.open_random(f.path) as fh:
+        with self.open_random(f.path) as fh:
             try:
                 (data,) = read_spans(fh, stored, self.BLOCK_BYTES, [0], [f.size])
             except ChangedBlock as changed:
@@ -409,7 +409,7 @@ class MDSSource(FileSource):
             with open(path, "rb") as fh:
                 head = fh.read(want)
         else:
-            with self._locations.open_random(path) as fh:
+            with self.open_random(path) as fh:
                 head = bytes(fh.read_at(want, 0))
         if len(head) != want or int(np.frombuffer(head[:4], "<u4")[0]) != samples:
             raise self.fetch_error(
@@ -450,7 +450,7 @@ class MDSSource(FileSource):
         self, i: int, shard: _Shard, starts: list[int], ends: list[int], pointer: np.ndarray
     ) -> list[bytes]:
         try:
-            with self._locations.open_random(self.files()[i].path) as fh:
+            with self.open_random(self.files()[i].path) as fh:
                 return read_spans(fh, shard.stored, self.BLOCK_BYTES, starts, ends)
         except OSError as exc:
             raise self.os_error(exc, i, pointer) from exc
@@ -523,6 +523,7 @@ class MDSSource(FileSource):
 
     def drop_read_caches(self) -> None:
         """Unmap the shards kept mapped between reads."""
+        super().drop_read_caches()
         self._maps.clear()
 
     # --------------------------------------------------------------------- identity

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -48,6 +48,7 @@ import numpy as np
 from zephon.errors import FetchError
 from zephon.sources.base import IndexedSource, WorkSource, check_pointers
 from zephon.sources.permutation import derive_key
+from zephon.sources.source_io import merge_counters
 from zephon.sources.token_costs import TokenCost, estimate_cost, quantize
 from zephon.types import WorkChunk
 from zephon.validation import check_int
@@ -140,16 +141,18 @@ class MixtureSource(WorkSource):
                 )
             owner[src.dataset_id] = name
         self._index_of_id = {did: names.index(name) for did, name in owner.items()}
+        self._announced: dict[int, None] = {}  # chunk positions handed to ``upcoming`` lately
 
         self._weights = self._check_weights(weights)
         if by not in _BY:
             raise ValueError(f"MixtureSource: by must be one of {_BY}, got {by!r}")
         self.by = by
         self._costs: dict[str, TokenCost] = {}
+        # checked whatever ``by`` is: an argument is refused the same way wherever it is used
+        added = check_int(added_tokens, "added_tokens", "MixtureSource", minimum=0)
+        size = check_int(estimate_size, "estimate_size", "MixtureSource", minimum=1)
+        calibrate = check_int(calibration_size, "calibration_size", "MixtureSource", minimum=1)
         if by == "tokens":
-            added = check_int(added_tokens, "added_tokens", "MixtureSource", minimum=0)
-            size = check_int(estimate_size, "estimate_size", "MixtureSource", minimum=1)
-            calibrate = check_int(calibration_size, "calibration_size", "MixtureSource", minimum=1)
             self._estimate: dict[str, Any] = {
                 "length_column": length_column,
                 "text_field": text_field,
@@ -488,6 +491,28 @@ class MixtureSource(WorkSource):
         """Each component forgets what its reads kept."""
         for src in self._sources:
             src.drop_read_caches()
+
+    def read_ahead_chunks(self) -> int:
+        """The most chunks ahead any component wants to hear of."""
+        return max((src.read_ahead_chunks() for src in self._sources), default=0)
+
+    def upcoming(self, positions: Sequence[int]) -> None:
+        """Each component fetches ahead what its rows of these chunks read."""
+        total = self.total_chunks()
+        for p in positions:
+            if p < 0 or (total is not None and p >= total) or p in self._announced:
+                continue
+            rows = self.chunk(p).pointers
+            taken = [src.read_ahead(rows[rows[:, 0] == src.dataset_id]) for src in self._sources]
+            if not all(taken):
+                return  # a queue is full: later chunks announce the rest again
+            self._announced[p] = None
+            while len(self._announced) > 256:
+                self._announced.pop(next(iter(self._announced)))
+
+    def io_counters(self) -> dict[str, dict[str, int]]:
+        """The components' counters, summed where two share a dataset root."""
+        return merge_counters(src.io_counters() for src in self._sources)
 
     def components(self, pointers: np.ndarray) -> list[Any]:
         """The component name of each pointer row (by its dataset_id)."""

@@ -120,8 +120,8 @@ class TokenShardSource(FileSource):
     naming the shard, the document and what to do.
 
     Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
-    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads`` and the
-    storage deadlines ``timeout`` and ``total_timeout``).
+    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads``, the
+    storage deadlines ``timeout`` and ``total_timeout``, and the shard ``cache``).
     """
 
     #: Bytes per digested block: what a remote read fetches at least, and per-block index cost.
@@ -212,6 +212,11 @@ class TokenShardSource(FileSource):
             "Megatron .idx files (their .bin beside), .npy files, or dtype= for raw token files"
         )
 
+    def data_paths(self, file_index: int) -> list[str]:
+        """The file a read of shard ``file_index`` opens: a Megatron index's ``.bin``."""
+        path = self.files()[file_index].path
+        return [path[: -len(".idx")] + ".bin" if self.kind_of(file_index) == "megatron" else path]
+
     def load_metadata(self) -> list[int]:
         """Load or build each shard's document table and digests (in parallel for remote data,
         each retried on transient errors); the document count of each."""
@@ -253,7 +258,7 @@ class TokenShardSource(FileSource):
             data_size, data_mtime = (
                 self._stat(data_path) if kind == "megatron" else (size, mtime_ns)
             )
-            with self._locations.open_random(entry.path) as fh:
+            with self.open_random(entry.path) as fh:
                 if kind == "megatron":
                     layout = self._megatron_layout(i, fh, size, data_size)
                 else:
@@ -261,13 +266,13 @@ class TokenShardSource(FileSource):
             dtype, offset, tokens, starts, lengths = layout
             idx_blocks = None
             if kind == "megatron":
-                with self._locations.open_random(entry.path) as fh:
+                with self.open_random(entry.path) as fh:
                     idx_blocks = block_table(fh, size, self.BLOCK_BYTES)
             cached = self._cached_sums(i, kind, size, mtime_ns, (data_size, data_mtime))
             if cached is not None:
                 blocks, ends = cached
             else:
-                with self._locations.open_random(data_path) as fh:
+                with self.open_random(data_path) as fh:
                     blocks, ends = self._scan(fh, kind, dtype, offset, data_size)
         except OSError as exc:
             raise self.os_error(exc, i) from exc
@@ -566,7 +571,7 @@ class TokenShardSource(FileSource):
         byte_starts = shard.offset + starts * item
         byte_ends = byte_starts + lengths * item
         try:
-            with self._locations.open_random(shard.data_path) as fh:
+            with self.open_random(shard.data_path) as fh:
                 spans = read_spans(
                     fh, shard.blocks, self.BLOCK_BYTES, byte_starts.tolist(), byte_ends.tolist()
                 )
@@ -584,6 +589,7 @@ class TokenShardSource(FileSource):
 
     def drop_read_caches(self) -> None:
         """Unmap the shards kept mapped between reads."""
+        super().drop_read_caches()
         self._maps.clear()
 
     # --------------------------------------------------------------------- identity

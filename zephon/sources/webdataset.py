@@ -50,7 +50,7 @@ from zephon.sources.files import (
     FileOptions,
     FileSource,
     PathsArg,
-    digest,
+    content_digest,
     read_sidecar,
     section_text,
     text_section,
@@ -131,8 +131,8 @@ class WebDatasetSource(FileSource):
     raises ``FetchError`` naming the shard and the sample.
 
     Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
-    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads`` and the
-    storage deadlines ``timeout`` and ``total_timeout``).
+    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads``, the
+    storage deadlines ``timeout`` and ``total_timeout``, and the shard ``cache``).
     """
 
     #: Bytes per digested block: what a remote read fetches at least, and per-block index cost.
@@ -211,7 +211,7 @@ class WebDatasetSource(FileSource):
         f = self.files()[i]
         mtime = f.mtime_ns or 0
         try:
-            with self._locations.open_random(f.path) as fh:
+            with self.open_random(f.path) as fh:
                 version = self.object_version(i, fh)
                 shard = self._cached(i, mtime, version)
                 if shard is None:
@@ -246,7 +246,7 @@ class WebDatasetSource(FileSource):
                 piece = memoryview(fh.read_at(want, at))
                 if len(piece) != want:
                     raise self.fetch_error(i, "the file changed while it was being indexed")
-                digests += [digest(piece[a : a + block]) for a in range(0, want, block)]
+                digests += [content_digest(piece[a : a + block]) for a in range(0, want, block)]
                 scan.feed(piece)
             scan.finish(size)
         except TarFormatError as exc:
@@ -383,7 +383,7 @@ class WebDatasetSource(FileSource):
         span_starts = starts[bounds[:-1][has]].tolist()
         span_ends = ends[bounds[1:][has] - 1].tolist()
         try:
-            with self._locations.open_random(self.files()[i].path) as fh:
+            with self.open_random(self.files()[i].path) as fh:
                 self.check_version(i, fh, shard.version, pointer)
                 spans = read_spans(fh, shard.blocks, self.BLOCK_BYTES, span_starts, span_ends)
         except OSError as exc:
@@ -450,6 +450,7 @@ class WebDatasetSource(FileSource):
 
     def drop_read_caches(self) -> None:
         """Unmap the shards kept mapped between reads."""
+        super().drop_read_caches()
         self._maps.clear()
 
     # --------------------------------------------------------------------- identity

@@ -19,12 +19,8 @@ from zephon.errors import (
 from zephon.identity import identify
 from zephon.plan import digest
 from zephon.runtime.checkpoint.identity_diff import first_difference, operator_differences
+from zephon.runtime.checkpoint.schema import STATE_FORMAT, check_version, upgrade
 
-STATE_FORMAT = "zephon-loader-state"  # one rank's state
-JOB_FORMAT = "zephon-job-state"  # every rank's lanes together (``merge_states``)
-# 4: what was done to the run on purpose (``history``, ``skip``, ``retired``); 3: the lane
-# history (``layout``) and inherited runs per lane; 2 and 3 are read too
-STATE_VERSION = 4
 FILE_FORMAT = "zephon-checkpoint"
 
 
@@ -39,16 +35,11 @@ def seal(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, Any]:
-    """Check format, version and checksum; ``CheckpointCorruptError`` for anything else."""
+    """Check format, version and checksum; ``CheckpointCorruptError`` for anything else. The
+    body is returned in the current version (``schema.upgrade``)."""
     if not isinstance(state, dict):
         raise CheckpointCorruptError(f"a loader state is a dict, got {type(state).__name__}")
-    if state.get("format") not in formats:
-        raise CheckpointCorruptError(f"not a Zephon loader state (format={state.get('format')!r})")
-    if state.get("version") not in (2, 3, STATE_VERSION):
-        raise CheckpointCorruptError(
-            f"loader state version {state.get('version')!r} is not known to this Zephon "
-            f"(it reads versions 2 to {STATE_VERSION})"
-        )
+    check_version(state, formats)
     body = {k: v for k, v in state.items() if k != "checksum"}
     try:
         expected = hashlib.sha256(_canonical(body)).hexdigest()
@@ -58,28 +49,7 @@ def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, 
         raise CheckpointCorruptError(
             "loader state checksum does not match: it was altered or damaged"
         )
-    if body["version"] == 2:
-        body = _from_version_2(body)
-    if body["version"] == 3:
-        body = {**body, "version": STATE_VERSION, "history": [], "skip": 0, "retired": None}
-    return body
-
-
-def _from_version_2(body: dict[str, Any]) -> dict[str, Any]:
-    """A version 2 state as version 3 says the same: one generation of lanes, no inherited
-    runs."""
-    lanes = body.get("lane_states")
-    return {
-        **body,
-        "version": 3,
-        "layout": [{"lanes": body.get("lanes")}],
-        "lane_states": [
-            {**lane, "held": None, "run": None, "pending": []} if isinstance(lane, dict) else lane
-            for lane in lanes
-        ]
-        if isinstance(lanes, list)
-        else lanes,
-    }
+    return upgrade(body)
 
 
 def check_identity(

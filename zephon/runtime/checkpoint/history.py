@@ -13,17 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from zephon.runtime.checkpoint.fields import MAX_INT, check_int, corrupt
-from zephon.runtime.checkpoint.format import JOB_FORMAT, STATE_FORMAT, seal, unseal
+from zephon.runtime.checkpoint.format import seal, unseal
+from zephon.runtime.checkpoint.schema import JOB_FORMAT, MAX_EVENTS, STATE_FORMAT, check_history
 
-MAX_EVENTS = 16  # events kept in a state
 MAX_CHANGES = 20  # changed operators named in one event
 _SHOWN = 200  # characters of one named change
-EVENTS = {
-    "change": {"event", "step", "changes", "operators"},
-    "skip": {"event", "step", "steps"},
-    "retire": {"event", "step", "ids"},
-}
 
 
 def global_step(lane_states: Any) -> int:
@@ -55,40 +49,25 @@ def change_event(step: int, changes: list[str], old: Any, new: Any) -> dict[str,
     }
 
 
-def _trailing_skips(history: list[dict[str, Any]]) -> list[int]:
-    """The sums of the last 1, 2, ... skip events at the end of ``history``."""
-    sums: list[int] = []
-    for event in reversed(history):
-        if event["event"] != "skip":
-            break
-        sums.append((sums[-1] if sums else 0) + event["steps"])
-    return sums
+class RunHistory:
+    """What was done to a run on purpose, as a loader keeps it: the events, and the global steps
+    still to skip before its first item; a state's ``history`` and ``skip``."""
 
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.skip = 0
 
-def check_history(value: Any, skip: Any) -> tuple[list[dict[str, Any]], int]:
-    """A state's ``history`` and pending ``skip``, every event checked; a pending skip must be
-    what the skip events at the end of the history add up to."""
-    if type(value) is not list or len(value) > MAX_EVENTS:
-        raise corrupt("history", f"must be a list of at most {MAX_EVENTS} events")
-    for i, event in enumerate(value):
-        where = f"history[{i}]"
-        kind = event.get("event") if type(event) is dict else None
-        if kind not in EVENTS or set(event) != EVENTS[kind]:
-            raise corrupt(where, f"must be an event with the fields of one of {sorted(EVENTS)}")
-        check_int(event["step"], f"{where}.step")
-        if kind == "skip":
-            check_int(event["steps"], f"{where}.steps", 1)
-            continue
-        if kind == "retire":
-            check_int(event["ids"], f"{where}.ids", 1)
-            continue
-        texts = [event["changes"], event["operators"]]
-        if any(type(t) is not list or not all(type(x) is str for x in t) for t in texts):
-            raise corrupt(where, "must name its changes and operators as lists of strings")
-    steps = check_int(skip, "skip", 0, MAX_INT)
-    if steps and steps not in _trailing_skips(value):
-        raise corrupt("skip", f"{steps} is not what the last skip events of the history add up to")
-    return value, steps
+    def add(self, event: dict[str, Any]) -> None:
+        """Keep ``event``, the oldest ones dropped past ``MAX_EVENTS``."""
+        self.events = with_event(self.events, event)
+
+    def state(self) -> dict[str, Any]:
+        """The ``history`` and ``skip`` fields of a state."""
+        return {"history": self.events, "skip": self.skip}
+
+    def restore(self, body: dict[str, Any]) -> None:
+        """Take the ``history`` and ``skip`` of state ``body``, checked."""
+        self.events, self.skip = check_history(body["history"], body["skip"])
 
 
 def described(state: dict[str, Any]) -> list[str]:

@@ -13,10 +13,19 @@ from itertools import islice
 from typing import Any
 
 from zephon.errors import CheckpointError, CheckpointMismatchError
-from zephon.runtime.checkpoint.fields import COUNTERS, check_int, check_pairs, corrupt, encode_pairs
-from zephon.runtime.checkpoint.format import JOB_FORMAT, STATE_FORMAT, STATE_VERSION, seal, unseal
+from zephon.runtime.checkpoint.format import seal, unseal
 from zephon.runtime.checkpoint.retired import merge_retired
 from zephon.runtime.checkpoint.saved_state import check_saved_state
+from zephon.runtime.checkpoint.schema import (
+    COUNTERS,
+    JOB_FORMAT,
+    STATE_FORMAT,
+    STATE_VERSION,
+    check_int,
+    check_pairs,
+    corrupt,
+    encode_pairs,
+)
 
 _SHOWN = 8  # missing lanes or ranks named in an error
 

@@ -14,7 +14,6 @@ from typing import Any
 
 from zephon.errors import CheckpointCorruptError, CheckpointError
 from zephon.runtime.checkpoint.format import (
-    STATE_FORMAT,
     checkpoint_bytes,
     save_checkpoint,
     state_from_checkpoint_bytes,
@@ -22,6 +21,7 @@ from zephon.runtime.checkpoint.format import (
 )
 from zephon.runtime.checkpoint.job import merge_states
 from zephon.runtime.checkpoint.saved_state import check_saved_state
+from zephon.runtime.checkpoint.schema import STATE_FORMAT
 from zephon.sources.locations import filesystem_and_path
 
 _NAME = re.compile(r"^rank-(\d{5,})-of-(\d{5,})\.json$")

@@ -10,10 +10,81 @@ any restore. Every chunk no old lane had taken is dealt to the new lanes in incr
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Any
 
-from zephon.runtime.checkpoint.fields import encode_cursor, encode_run
+from zephon.errors import CheckpointMismatchError, RelaneWarning
+from zephon.plan import Plan
+from zephon.runtime.checkpoint.job import job_step, rank_served
 from zephon.runtime.checkpoint.layout import Layout, Run
+from zephon.runtime.checkpoint.schema import (
+    JOB_FORMAT,
+    JOB_KEYS,
+    check_lane_list,
+    check_lane_state,
+    check_layout,
+    check_next_lane,
+    encode_cursor,
+    encode_run,
+)
+
+log = logging.getLogger("zephon")
+
+
+def relaned_state(body: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """``body`` (a state taken with another lane count, unsealed) as a job state of ``plan``'s
+    lanes, every field it re-lanes checked; a ``RelaneWarning`` says what changes."""
+    old = body["lanes"]
+    if body["format"] != JOB_FORMAT and body.get("world_size") != 1:
+        raise CheckpointMismatchError(
+            f"this is the state of rank {body.get('rank')!r} of a job of "
+            f"{body.get('world_size')!r} ranks with {old} lanes; to continue on "
+            f"{plan.lanes} lanes, merge the states of all ranks with zephon.merge_states()"
+        )
+    layout = check_layout(body["layout"], old, plan.source.total_chunks())
+    lane_states = check_lane_list(body["lane_states"], old)
+    monotone = plan.eviction_path == "monotone"
+    window: dict[str, Any] = {
+        "layout": layout,
+        "monotone": monotone,
+        "per_epoch": plan.epoch_chunks,
+        "n_ops": len(plan.chain),
+        "holdings": plan.restores_holdings,
+        "source": plan.source,
+    }
+    checked = [
+        check_lane_state(s, f"lane_states[{g}]", lane_id=g, **window)
+        for g, s in enumerate(lane_states)
+    ]
+    if body["format"] != JOB_FORMAT:
+        check_next_lane(body["next_lane"], checked)
+    new_layout, new_states = relane(
+        checked,
+        layout,
+        plan.lanes,
+        monotone=monotone,
+        per_epoch=plan.epoch_chunks,
+    )
+    text = (
+        f"re-laning a checkpoint of {old} lanes onto {plan.lanes} lanes: every sample the "
+        "pipeline delivers is delivered exactly once, but the batches differ from here on "
+        "(what was in flight finishes first, under the old lanes' seeds); operators that "
+        "drop records by running totals (ensure_mixture) restart them on the new lanes, so "
+        "which samples they drop can differ from the uninterrupted run's"
+    )
+    log.warning(text)
+    warnings.warn(text, RelaneWarning, stacklevel=4)
+    job = {k: v for k, v in body.items() if k in JOB_KEYS}
+    step = job_step(body) if body["format"] == JOB_FORMAT else rank_served(body) // old
+    return {
+        **job,
+        "format": JOB_FORMAT,
+        "step": step,
+        "lanes": plan.lanes,
+        "layout": new_layout.encode(),
+        "lane_states": new_states,
+    }
 
 
 def relane(

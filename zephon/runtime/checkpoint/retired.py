@@ -14,7 +14,9 @@ ever covers the epoch a checkpoint is in), or from the chunk after the last one 
 (the monotone path), and from the start for chunks nothing was delivered from, a retired sample
 is replaced by its tombstone as it is fetched. Those starting points (``horizons``: per lane
 identity, the first lane-local chunk screened) are kept with the ids, one set per retirement, so
-that a restore screens exactly where the run did.
+that a restore screens exactly where the run did. Before them, in what was in flight at the
+resume, an operator that makes one record of several samples (a packer) leaves the retired ones
+out of it (``Operator.leave_out``), so that the others' parts are still delivered.
 
 A state keeps the ids, never a predicate: ``retire=`` given as a predicate is evaluated once,
 at the resume, over every sample id of the source, and the ids it selects are kept. The ids are
@@ -31,8 +33,8 @@ import numpy as np
 
 from zephon.compact import pack_ints, unpack_ints
 from zephon.errors import CheckpointError, PlanError
-from zephon.runtime.checkpoint.fields import MAX_INT, corrupt
 from zephon.runtime.checkpoint.layout import Run
+from zephon.runtime.checkpoint.schema import MAX_INT, corrupt
 
 MAX_RETIRED = 1_000_000  # ids a state keeps
 MAX_SETS = 16  # retirements a run takes
@@ -228,6 +230,31 @@ def decode_retirements(value: Any) -> list[Retirement]:
     return [Retirement.decode(part, f"retired[{i}]") for i, part in enumerate(value)]
 
 
+class Retirements:
+    """The retirements of a run, oldest first: a state's ``retired`` (null when there are
+    none)."""
+
+    def __init__(self) -> None:
+        self.sets: list[Retirement] = []
+        self._encoded: list[dict[str, Any]] | None = None  # encoded once, saved often
+
+    def add(self, retirement: Retirement) -> None:
+        """Keep one more retirement."""
+        self._keep([*self.sets, retirement])
+
+    def state(self) -> list[dict[str, Any]] | None:
+        """The ``retired`` field of a state."""
+        return self._encoded
+
+    def restore(self, part: Any) -> None:
+        """Take the retirements a state's ``retired`` holds, checked."""
+        self._keep(decode_retirements(part))
+
+    def _keep(self, sets: list[Retirement]) -> None:
+        self.sets = sets
+        self._encoded = [r.encode() for r in sets] or None
+
+
 def merge_retired(values: list[Any]) -> Any:
     """The ``retired`` of a job state from those of its ranks: the same ids, each rank's
     horizons for its own lanes together."""
@@ -262,9 +289,16 @@ class FetchScreen:
 
     def ids_for(self, gen: int, lane: int, k: int) -> RetiredIds | None:
         """The ids screened in chunk ``k`` of lane identity ``(gen, lane)`` (None: none)."""
-        active = tuple(
-            i for i, r in enumerate(self.retirements) if k >= r.horizons.get((gen, lane), 0)
+        return self._union(
+            tuple(i for i, r in enumerate(self.retirements) if k >= r.horizons.get((gen, lane), 0))
         )
+
+    def every(self) -> RetiredIds | None:
+        """Every retired id, wherever it is screened (None: none): what operators that make one
+        record of several samples leave out of it (``Operator.leave_out``)."""
+        return self._union(tuple(range(len(self.retirements))))
+
+    def _union(self, active: tuple[int, ...]) -> RetiredIds | None:
         if not active:
             return None
         if active not in self._unions:

@@ -73,7 +73,9 @@ class LaneBook:
         self.next_local = 0  # lane-local index of the next chunk to be announced
         self.carry: list[Any] | None = None  # carry state at the start of the retained epoch
         self.suspects: set[str] = set()  # operators seen emitting too many closing contributors
-        self.op_stats: list[list[float]] | None = None  # the runner's, as of its latest chunk
+        self.op_stats: list[list[Any]] | None = None  # the runner's (``stats_now``), latest chunk
+        # (process id, its source's io_counters), as of the runner's latest chunk
+        self.source_io: tuple[int, dict[str, dict[str, int]]] | None = None
         self.opened = False  # a chunk was announced since the loader last looked
         self.carry_warn_bytes = plan.carry_warn_bytes
         self.carry_warned = False
@@ -131,6 +133,8 @@ class LaneBook:
                 self.table.close_below(item.chunk_id, item.skip_below)
             if item.op_stats is not None:
                 self.op_stats = item.op_stats
+            if item.source_io is not None:
+                self.source_io = item.source_io
         elif kind is EpochEnd:
             self._epoch_end(item)
         elif kind is OverClose:

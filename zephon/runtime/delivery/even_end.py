@@ -10,6 +10,12 @@ lane then delivers one record per sample of its chunks, or one batch per ``batch
 Chunks are dealt to lanes across pass boundaries, so a pass's remainder is delivered in the next
 pass's global steps; only the end of the last pass can be uneven, and what the longer lanes hold
 beyond the shortest is not delivered.
+
+Plans whose item counts are unknown (they filter, split or pack) end their ranks together at
+run time instead (``Loader.end_together``): one minimum all-reduce per item, with the job's own
+collective. What the ranks with more data still hold then is dropped and counted, not carried:
+the lanes already run on from one pass into the next, so the only uneven end is the end of the
+last pass, and no later global step exists that could take it.
 """
 
 from __future__ import annotations

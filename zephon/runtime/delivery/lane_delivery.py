@@ -22,12 +22,12 @@ from zephon.errors import CheckpointCorruptError
 from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
 from zephon.runtime.checkpoint.carry_check import check_carries
-from zephon.runtime.checkpoint.fields import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.checkpoint.layout import Layout, Run
 from zephon.runtime.checkpoint.retired import FetchScreen
+from zephon.runtime.checkpoint.schema import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.delivery.batcher import LEAVE_TO_CALLER, FinalBatcher
 from zephon.runtime.delivery.bookkeeping import LaneBook
-from zephon.runtime.delivery.replay import MASK64, ReplayFilter
+from zephon.runtime.delivery.replay import ReplayFilter
 from zephon.runtime.delivery.skips import SkipLog
 from zephon.runtime.lanes.control import EpochEnd, LaneEnd, Retired, RunStart, Skipped
 from zephon.runtime.workers.feeds import LaneFeed
@@ -57,6 +57,7 @@ class LaneDelivery(LaneOutlet):
         self.surplus = 0
         self.cause: str | None = None  # what a replay divergence means (``ReplayFilter``)
         self.lenient = False  # replays need not meet the delivered records (``ReplayFilter``)
+        self.merges: str | None = None  # why a lenient replay refuses merged records (same)
         self.fetch_screen = FetchScreen([])  # what the lane's runner screens out at fetch
 
     # ----------------------------------------------------------------------------- delivery
@@ -113,6 +114,8 @@ class LaneDelivery(LaneOutlet):
             if type(item) is LaneEnd:
                 if item.op_stats is not None:
                     book.op_stats = item.op_stats
+                if item.source_io is not None:
+                    book.source_io = item.source_io
                 return self._lane_end()
             if type(item) is RunStart:
                 self._replay_run(item)
@@ -160,6 +163,7 @@ class LaneDelivery(LaneOutlet):
             monotone=self.book.monotone,
             cause=self.cause,
             lenient=self.lenient,
+            merges=self.merges,
         )
         marker.replayed = [
             SampleRecord(item.meta, None)  # the payload is not needed to book it
@@ -182,12 +186,14 @@ class LaneDelivery(LaneOutlet):
                 # A retired record was booked as delivered: the replay window counts it.
                 rec = item.record if kind is Retired else item
                 if lenient and not rec.meta.is_tombstone and replay.past(rec.meta.cursor):
+                    replay.check_unmerged(f"{rec.meta.cursor!r} came first, above the cursor")
                     feed.pos -= 1
                     return
                 yield item
-                if not rec.meta.is_tombstone and replay.swallow(rec.meta.cursor):
+                if not rec.meta.is_tombstone and replay.swallow(rec):
                     return
-            elif lenient and (kind is LaneEnd or kind is RunStart):
+            elif lenient and (kind is LaneEnd or kind is RunStart or kind is EpochEnd):
+                replay.check_unmerged("the replay cursor was not met again")
                 feed.pos -= 1
                 return
             elif kind is LaneEnd:
@@ -306,6 +312,7 @@ class LaneDelivery(LaneOutlet):
                     monotone=self.book.monotone,
                     cause=self.cause,
                     lenient=self.lenient,
+                    merges=self.merges,
                 )
         self.feed.start_at = {
             "runs": [run.for_runner() for run in runs],
@@ -341,7 +348,7 @@ class LaneDelivery(LaneOutlet):
         if screened is not None:
             kept = (~screened.contains(pointers[:skip])).tolist()
             cursors = [c for c, keep in zip(cursors, kept) if keep]
-        seen = (len(cursors), digest_cursors(cursors) & MASK64)
+        seen = (len(cursors), digest_cursors(cursors))
         self.book.book.window_push(position, *seen)
         if skip == offset + 1:
             # After a change on the monotone path every sample up to the cursor was consumed,
@@ -362,5 +369,6 @@ class LaneDelivery(LaneOutlet):
                 seen=seen,
                 cause=self.cause,
                 lenient=self.lenient,
+                merges=self.merges,
             )
         return skip

@@ -12,7 +12,15 @@ from typing import Any
 class ChunkOpened:
     """A chunk starts: delivery enters it in the lane's chunk table before any record of it."""
 
-    __slots__ = ("chunk_id", "epoch", "local_index", "n_offsets", "op_stats", "skip_below")
+    __slots__ = (
+        "chunk_id",
+        "epoch",
+        "local_index",
+        "n_offsets",
+        "op_stats",
+        "skip_below",
+        "source_io",
+    )
 
     def __init__(
         self,
@@ -22,6 +30,7 @@ class ChunkOpened:
         epoch: int,
         skip_below: int = 0,
         op_stats: list[list[float]] | None = None,
+        source_io: tuple[int, dict[str, dict[str, int]]] | None = None,
     ):
         self.chunk_id = chunk_id
         self.local_index = local_index
@@ -31,6 +40,8 @@ class ChunkOpened:
         self.skip_below = skip_below
         # The lane's operators so far: [records in, records out, seconds] each (for stats()).
         self.op_stats = op_stats
+        # (process id, what its copy of the source read so far): ``WorkSource.io_counters``.
+        self.source_io = source_io
 
     def __repr__(self) -> str:
         return f"ChunkOpened({self.chunk_id}, local={self.local_index}, n={self.n_offsets})"
@@ -134,12 +145,17 @@ class Retired:
 
 class LaneEnd:
     """The lane has no more chunks; everything before it has been emitted. Carries the lane's
-    final operator stats (as ``ChunkOpened.op_stats``)."""
+    final operator stats and source counters (as ``ChunkOpened``)."""
 
-    __slots__ = ("op_stats",)
+    __slots__ = ("op_stats", "source_io")
 
-    def __init__(self, op_stats: list[list[float]] | None = None):
+    def __init__(
+        self,
+        op_stats: list[list[float]] | None = None,
+        source_io: tuple[int, dict[str, dict[str, int]]] | None = None,
+    ):
         self.op_stats = op_stats
+        self.source_io = source_io
 
     def __repr__(self) -> str:
         return "LaneEnd()"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import os
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
@@ -125,7 +126,7 @@ class LaneRunner:
         skip_offset: int = 0,
         runs: list[dict[str, Any]] | None = None,
         layout: list[dict[str, Any]] | None = None,
-        op_stats: list[list[float]] | None = None,
+        op_stats: list[list[Any]] | None = None,
         setup: OperatorSetup | Callable[[], OperatorSetup | None] | None = None,
         retired: list[Retirement] | None = None,
     ):
@@ -164,8 +165,21 @@ class LaneRunner:
         self._skips = plan.skip_errors or (False,) * len(plan.chain)
         # Per operator: records in, records out, seconds inside process_many/flush.
         self.op_stats: list[list[float]] = (
-            [list(s) for s in op_stats] if op_stats else [[0, 0, 0.0] for _ in plan.chain]
+            [list(s[:3]) for s in op_stats] if op_stats else [[0, 0, 0.0] for _ in plan.chain]
         )
+        # Per operator: what the ``counters()`` of its copies in earlier runs counted.
+        self.op_counts: list[dict[str, float]] = [
+            dict(s[3]) if len(s) > 3 else {} for s in op_stats or [[] for _ in plan.chain]
+        ]
+
+    def stats_now(self) -> list[list[Any]]:
+        """Per operator its records in, items out and seconds, then what its ``counters()``
+        counted, over every run so far: what ``ChunkOpened`` and ``LaneEnd`` carry."""
+        counts = [op.counters() for op in self.ops] or [{} for _ in self.op_counts]
+        return [
+            [*stats, _summed(base, now)]
+            for stats, base, now in zip(self.op_stats, self.op_counts, counts)
+        ]
 
     def _fresh(self, j: int, op: Operator) -> Operator:
         """A new copy of chain operator ``j`` for a run: of the set-up one when the worker set
@@ -195,7 +209,7 @@ class LaneRunner:
             if index:
                 yield [RunStart(index)]
             yield from self._run_chunks(run, self.skip_offset if index == 0 else 0)
-        yield [LaneEnd([list(s) for s in self.op_stats])]
+        yield [LaneEnd(self.stats_now(), self._source_io())]
 
     def _run_chunks(self, run: dict[str, Any], skip_offset: int) -> Generator[list, None, None]:
         """One run: its chunks through fresh operators (carry state restored), epoch markers on
@@ -204,7 +218,12 @@ class LaneRunner:
         source = plan.source
         geometry = self.layout.geometry(run["gen"], run["lane"])
         self.seed_lane = self.layout.seed_lane(run["gen"], run["lane"])
+        self.op_counts = [row[3] for row in self.stats_now()]  # before the copies go
         self.ops = [self._fresh(j, op) for j, op in enumerate(plan.chain)]
+        retired = self.screen.every() if self.screen is not None else None
+        if retired is not None:  # rows in flight at a retirement keep their other samples
+            for op in self.ops:
+                op.leave_out(retired.contains)
         if run["carry"] is not None:
             for op, state in zip(self.ops, run["carry"]):
                 if state is not None:
@@ -225,18 +244,23 @@ class LaneRunner:
         spacing, piece, split_at = _snapshot_spacing(plan, self.ops)
         since_snapshot = 0
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
+        ahead = source.read_ahead_chunks()
         first_reads = mb if piece < mb else 0  # records still read a piece at a time
         while stop is None or k < stop:
             position = geometry.position(k)
             chunk = source.chunk(position)
+            if ahead:  # the source may fetch the data of the lane's next chunks meanwhile
+                last = k + 1 + ahead if stop is None else min(stop, k + 1 + ahead)
+                source.upcoming([geometry.position(j) for j in range(k + 1, last)])
             n = len(chunk)
             first = skip_offset if k == start else 0
             opened: list = []  # the announcement goes out with the chunk's first read
             if k == start and resumed_at:
                 first = resumed_at
             else:
-                stats = [list(s) for s in self.op_stats]
-                opened = [ChunkOpened(position, k, n, epoch, first, stats)]
+                opened = [
+                    ChunkOpened(position, k, n, epoch, first, self.stats_now(), self._source_io())
+                ]
             begin = first
             while begin < n:
                 end = min(n, (begin // mb + 1) * mb)  # boundaries stay aligned after a skip
@@ -292,6 +316,12 @@ class LaneRunner:
             out = self._flush_all()
             if out:
                 yield out
+
+    def _source_io(self) -> tuple[int, dict[str, dict[str, int]]] | None:
+        """What this process's copy of the source read so far, and which process it is (the
+        loader sums one per process)."""
+        counts = self.plan.source.io_counters()
+        return (os.getpid(), counts) if counts else None
 
     def _fetch(self, position: int, pointers: Any, start: int) -> list:
         try:
@@ -543,3 +573,11 @@ class LaneRunner:
         self._reset_audit()
         out.append(EpochEnd(epoch, carry, deficits))
         return out
+
+
+def _summed(base: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """Two operators' counts added up, name by name."""
+    out = dict(base)
+    for name, value in more.items():
+        out[name] = out.get(name, 0) + value
+    return out

@@ -30,9 +30,6 @@ from zephon.errors import ReplayDivergenceError, ZephonError
 from zephon.ops.base import Operator
 from zephon.types import SampleCursor, SampleRecord
 
-MASK64 = (1 << 64) - 1
-
-
 Key = tuple[int, int, tuple[int, ...]]  # a held record: chunk id, offset, lineage
 
 
@@ -99,7 +96,7 @@ def flattened(snapshot: list[dict[str, Any] | None]) -> list[dict[str, Any] | No
         out.append(
             {
                 "cursors": flat_cursors(cursors),
-                "digest": f"{digest_cursors(cursors) & MASK64:016x}",
+                "digest": f"{digest_cursors(cursors):016x}",
                 "state": _plain(entry["state"]),
             }
         )
@@ -154,7 +151,7 @@ def rebuild(
         if mine is None:
             wanted = unpack_cursors(entry["records"])
             mine = _rebuilt(ops, j, wanted, fetch, source, chunks, lane_id)
-        got = f"{digest_cursors([r.meta.cursor for r in mine]) & MASK64:016x}"
+        got = f"{digest_cursors([r.meta.cursor for r in mine]):016x}"
         if got != entry["digest"]:
             raise _diverged(lane_id, ops[j], "the rebuilt records are not the ones it held")
         try:

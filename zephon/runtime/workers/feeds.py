@@ -7,6 +7,7 @@ being delivered, and adds the lane to any error that comes out of the runner.
 from __future__ import annotations
 
 import threading
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from zephon._core.handover import FeedBuffer
@@ -23,6 +24,7 @@ from zephon.runtime.workers.stopping import close_lanes
 
 if TYPE_CHECKING:
     from zephon.runtime.checkpoint.retired import RetiredIds
+    from zephon.runtime.workers.trainer_wait import TrainerWait
     from zephon.sources.base import WorkSource
 
 
@@ -40,6 +42,7 @@ class LaneFeed(FeedBuffer):
         self.starting: WorkerStarts | None = None  # set while its worker starts on a thread
         self.closed = False
         self.retired: RetiredIds | None = None  # samples taken out of the run (``retire=``)
+        self.waits: TrainerWait | None = None  # the loader's, which times every refill
 
     def start(self) -> None:
         """Start the lane's runner unless it runs already (or wait for a start under way)."""
@@ -55,6 +58,17 @@ class LaneFeed(FeedBuffer):
     def refill(self) -> None:
         """The next item list from the runner (started on first use). While its worker process
         waits for the fork server, the lane's first lists are read here (``first_reads``)."""
+        waits = self.waits
+        if waits is None:
+            self._refill()
+            return
+        began = perf_counter()
+        try:
+            self._refill()
+        finally:
+            waits.book(perf_counter() - began)
+
+    def _refill(self) -> None:
         if self.starting is not None and self.starting.claim(self) and self.read_ahead():
             return
         self.start()

@@ -95,6 +95,6 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
         **start,
         "runs": [{**first, "held": held}, *rest],
         "skip_offset": 0,  # the snapshot says where the chunk was read up to
-        "op_stats": runner.op_stats,
+        "op_stats": runner.stats_now(),
     }
     return items, resumed

@@ -61,6 +61,16 @@ class Lane(abc.ABC):
     def queued(self) -> int:
         """Item lists made ahead that ``next()`` has not taken yet (0 when nothing runs ahead)."""
 
+    def queued_bytes(self) -> int:
+        """The bytes of those lists as the lane counts them against ``max_inflight_bytes``
+        (0 when nothing runs ahead, or nothing is counted)."""
+        return 0
+
+    def held_by_bytes(self) -> bool:
+        """Whether the lane's worker waits on ``max_inflight_bytes`` since ``next()`` last took
+        a list: what is ``queued`` now is all it makes until the next is taken."""
+        return False
+
     @abc.abstractmethod
     def request_stop(self) -> None:
         """Tell the lane's worker to stop; never blocks. ``next()`` delivers nothing afterwards."""

@@ -1,5 +1,7 @@
 """Messages between the loader and a worker process, over a pipe: a small header, then one body
-holding the pickle and its out-of-band buffers (numpy data is never copied into the pickle)."""
+holding the pickle and its out-of-band buffers. A numpy array's data is never copied on either
+side: the worker's array goes from its own memory into the pipe (one gathered write), and the
+loader reads it from the pipe straight into the buffer its received array is made on."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ END = "end"  # the runner is exhausted: next() raises StopIteration from now on
 THREADS = "threads"  # from the loader: thread variables to set (other workers have finished)
 WARNINGS = "warnings"  # from a worker: warnings its lanes raised, for the loader to raise again
 STORAGE = "storage"  # from a worker: its lane waits on storage (a StorageWait), or no more (None)
+HELD = "held"  # from a worker: its lane holds max_inflight_bytes ahead and waits (acks it had)
 
 
 class LoaderGone(Exception):
@@ -33,24 +36,50 @@ def encode(kind: str, value: Any) -> tuple[tuple, list[Any]]:
     return (kind, len(data), [r.nbytes for r in raws]), [data, *raws]
 
 
+def body_size(message: tuple[tuple, list[Any]]) -> int:
+    """The bytes of an ``encode``d message's body: its pickle and out-of-band buffers."""
+    (_, size, sizes), _ = message
+    return int(size + sum(sizes))
+
+
 def write(conn: Connection, message: tuple[tuple, list[Any]]) -> None:
     """Send an ``encode``d message; ``LoaderGone`` when the other end has closed the pipe."""
     header, parts = message
     try:
         conn.send(header)
-        # One body, however many arrays: a message of packed rows holds hundreds of them.
-        conn.send_bytes(parts[0] if len(parts) == 1 else b"".join(parts))
+        if sys.platform == "win32":
+            # One body, however many arrays: a message of packed rows holds hundreds of them.
+            conn.send_bytes(parts[0] if len(parts) == 1 else b"".join(parts))
+        else:
+            _write_gathered(conn.fileno(), parts)
     except (OSError, EOFError):
         raise LoaderGone from None
+
+
+def _write_gathered(fd: int, parts: list[Any]) -> None:
+    """One body of all ``parts`` in ``Connection``'s framing (what ``send_bytes`` of their join
+    would write), gathered from where each part lies: no array is copied into a joined body."""
+    total = sum(memoryview(p).nbytes for p in parts)
+    framing = struct.pack("!i", total) if total <= 0x7FFFFFFF else struct.pack("!iQ", -1, total)
+    views = [memoryview(framing), *(memoryview(p).cast("B") for p in parts if len(p))]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i : i + _IOV_MAX])
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
 
 
 class MessageStalled(Exception):
     """The rest of a message did not arrive before the deadline (its sender stopped mid-way)."""
 
 
-def receive(conn: Connection, patience: float | None = None) -> tuple[str, Any]:
-    """One message (``encode``'s header, then its body). With ``patience``, ``MessageStalled``
-    when the body has not arrived that many seconds after the header."""
+def receive(conn: Connection, patience: float | None = None) -> tuple[str, Any, int]:
+    """One message (``encode``'s header, then its body): its kind, value and body bytes. With
+    ``patience``, ``MessageStalled`` when the body has not arrived that many seconds after the
+    header."""
     kind, size, sizes = conn.recv()  # small: written to the pipe in one piece
     deadline = None if patience is None else time.monotonic() + patience
     data = bytearray(size)
@@ -58,7 +87,7 @@ def receive(conn: Connection, patience: float | None = None) -> tuple[str, Any]:
     # arrays, and holding one array holds no other.
     buffers = [bytearray(n) for n in sizes]
     _recv_body_into(conn, [data, *buffers], deadline)
-    return kind, pickle.loads(data, buffers=buffers)
+    return kind, pickle.loads(data, buffers=buffers), size + sum(sizes)
 
 
 def _recv_body_into(conn: Connection, parts: list[bytearray], deadline: float | None) -> None:

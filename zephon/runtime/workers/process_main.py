@@ -3,6 +3,7 @@ to the loader within their credit, and dies with the loader."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import pickle
@@ -20,15 +21,18 @@ from zephon.runtime.lanes.control import ChunkOpened
 from zephon.runtime.lanes.operator_setup import OperatorSetup
 from zephon.runtime.lanes.runner import LaneRunner
 from zephon.runtime.workers.blas_threads import limit_loaded_blas
+from zephon.runtime.workers.inflight_bytes import has_room
 from zephon.runtime.workers.memory_release import give_back_at_most_every, give_back_once_grown
 from zephon.runtime.workers.pipe_messages import (
     ACK,
     END,
+    HELD,
     READY,
     STORAGE,
     THREADS,
     WARNINGS,
     LoaderGone,
+    body_size,
     encode,
     write,
 )
@@ -141,10 +145,17 @@ def _watch_storage(outbox: _Outbox, timeout: float) -> threading.Event:
     return done
 
 
-def _stream(outbox: _Outbox, lane_items: Iterator[list], lane_id: int, prefetch: int) -> None:
-    """Send the lane's item lists with at most ``prefetch`` not yet taken by the loader."""
+def _stream(
+    outbox: _Outbox, lane_items: Iterator[list], lane_id: int, ahead: tuple[int, int | None]
+) -> None:
+    """Send the lane's item lists with at most ``prefetch`` not yet taken by the loader, and,
+    under ``max_inflight_bytes``, no new one while those hold that many bytes (``ahead``: the
+    two). The loader takes lists in the order they were sent, so each acknowledgement frees the
+    oldest one's bytes."""
     conn = outbox.conn
-    credits = prefetch
+    credits, max_bytes = ahead
+    unacked: collections.deque[int] = collections.deque()  # body bytes of lists not taken yet
+    inflight = acks = 0
     for items in lane_items:
         try:
             message = encode("items", items)
@@ -156,26 +167,43 @@ def _stream(outbox: _Outbox, lane_items: Iterator[list], lane_id: int, prefetch:
             ) from exc
         if items and type(items[0]) is ChunkOpened:  # what the last chunk took is free again
             give_back_at_most_every(GIVE_BACK_SECONDS)
+        told = False
         try:
-            while credits == 0 or conn.poll():
-                credits += _from_loader(conn.recv())
+            while True:
+                by_bytes = not has_room(inflight, max_bytes)
+                if not (credits == 0 or by_bytes or conn.poll()):
+                    break
+                if by_bytes and credits and not told:  # the bytes, not the count, hold it
+                    outbox.write(encode(HELD, acks))
+                    told = True
+                if _from_loader(conn.recv()):
+                    credits += 1
+                    acks += 1
+                    told = False  # still held after this one, the loader hears so again
+                    if unacked:
+                        inflight -= unacked.popleft()
         except (OSError, EOFError):
             raise LoaderGone from None
         _send_warnings(outbox)
         outbox.write(message)
         credits -= 1
+        if max_bytes is not None:
+            size = body_size(message)
+            unacked.append(size)
+            inflight += size
+        del message  # its buffers are the arrays of ``items``: nothing of them is kept here
         give_back_once_grown(GIVE_BACK_GROWTH)
 
 
-def _from_loader(message: Any) -> int:
-    """Act on a message from the loader: 1 for an acknowledgement (the loader took an item list,
-    and one more may go), 0 for thread variables to set (``ProcessGroup.lane_ended``)."""
+def _from_loader(message: Any) -> bool:
+    """Act on a message from the loader: True for an acknowledgement (the loader took an item
+    list, and one more may go); thread variables to set (``ProcessGroup.lane_ended``) are set."""
     if message == ACK:
-        return 1
+        return True
     kind, environment = message
     if kind == THREADS:
         os.environ.update(environment)  # read by the tokenizer at its next encode_batch
-    return 0
+    return False
 
 
 def _send_warnings(outbox: _Outbox) -> None:
@@ -196,7 +224,7 @@ def _send_error(outbox: _Outbox, exc: BaseException) -> None:
 
 def process_main(
     members: list[tuple[Connection, int, dict]],
-    prefetch: int,
+    ahead: tuple[int, int | None],
     loader_pid: int,
     environment: dict[str, str],
 ) -> None:
@@ -230,12 +258,12 @@ def process_main(
             plan = exc  # type: ignore[assignment]
     try:
         if len(members) == 1:
-            _lane_main(*members[0], plan, prefetch, setup)
+            _lane_main(*members[0], plan, ahead, setup)
             return
         threads = [
             threading.Thread(
                 target=_lane_main,
-                args=(conn, lane_id, start, plan, prefetch, setup),
+                args=(conn, lane_id, start, plan, ahead, setup),
                 name=f"zephon-worker-lane-{lane_id}",
                 daemon=True,
             )
@@ -260,7 +288,7 @@ def _lane_main(
     lane_id: int,
     start: dict,
     plan: Plan | Exception,
-    prefetch: int,
+    ahead: tuple[int, int | None],
     setup: OperatorSetup | None = None,
 ) -> None:
     outbox = _Outbox(conn)
@@ -272,7 +300,7 @@ def _lane_main(
             watching = _watch_storage(outbox, plan.timeout)
         runner = LaneRunner(plan, lane_id, setup=setup, **start)
         with contextlib.closing(runner.run()) as lane_items:
-            _stream(outbox, lane_items, lane_id, prefetch)
+            _stream(outbox, lane_items, lane_id, ahead)
         _send_warnings(outbox)
         outbox.write(encode(END, None))
     except LoaderGone:

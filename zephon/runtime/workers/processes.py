@@ -26,6 +26,7 @@ from zephon.runtime.workers.pickled_plan import PlanParcel, unguarded_main
 from zephon.runtime.workers.pipe_messages import (
     ACK,
     END,
+    HELD,
     READY,
     STORAGE,
     WARNINGS,
@@ -162,7 +163,7 @@ def _start_process(
         target=process_main,
         args=(
             [(child, lane_id, start) for (_, child), (lane_id, start) in zip(pipes, members)],
-            plan.prefetch,
+            (plan.prefetch, plan.max_inflight_bytes),
             os.getpid(),
             parcel.environment,
         ),
@@ -257,7 +258,10 @@ class ProcessLane(WorkerLane):
         self._sentinel = proc.sentinel
         self._proc = proc
         self._ready = False  # the worker said it runs: a death before that is a failed start
-        self._waiting: collections.deque[tuple[str, Any]] = collections.deque()  # see queued()
+        # Messages received ahead of next() (see queued()): kind, value and body bytes.
+        self._waiting: collections.deque[tuple[str, Any, int]] = collections.deque()
+        self._acks = 0  # item lists taken (and acknowledged)
+        self._held_at = -1  # how many acknowledgements the worker had when it last waited on bytes
         self._stalled: ZephonError | None = None
         # What the worker said it waits on (its storage watch, in process_main), and since when.
         self._storage: tuple[StorageWait, float] | None = None
@@ -292,7 +296,19 @@ class ProcessLane(WorkerLane):
         the pipe are received (not acknowledged, so the worker stays ``prefetch`` lists ahead at
         most) and kept in order for ``next()``."""
         self.receive_arrived()
-        return sum(1 for kind, _ in self._waiting if kind == "items")
+        return sum(1 for kind, _, _ in self._waiting if kind == "items")
+
+    def queued_bytes(self) -> int:
+        """The bytes of those lists, as they crossed the pipe (pickle and arrays)."""
+        self.receive_arrived()
+        return sum(size for kind, _, size in self._waiting if kind == "items")
+
+    def held_by_bytes(self) -> bool:
+        """Whether the worker waits because of ``max_inflight_bytes`` since the last list was
+        taken: every list it sent is received (``queued``), and it sends no more until the next
+        is taken."""
+        self.receive_arrived()
+        return self._held_at == self._acks
 
     def may_send(self) -> bool:
         """Whether a message may still arrive (the worker neither ended nor failed)."""
@@ -306,9 +322,9 @@ class ProcessLane(WorkerLane):
             return
         try:
             while self._conn.poll(0):
-                kind, value = receive(self._conn, self.timeout)
+                kind, value, size = receive(self._conn, self.timeout)
                 if self._arrived(kind, value):
-                    self._waiting.append((kind, value))
+                    self._waiting.append((kind, value, size))
         except MessageStalled:
             self._stalled = self._stall()
         except (EOFError, OSError):
@@ -322,7 +338,7 @@ class ProcessLane(WorkerLane):
         if self._ended:
             raise StopIteration
         while True:
-            kind, value = self._waiting.popleft() if self._waiting else self._next_message()
+            kind, value, _ = self._waiting.popleft() if self._waiting else self._next_message()
             if kind != WARNINGS:
                 break
             reraise(value)  # here, where the training script's filters apply
@@ -336,9 +352,10 @@ class ProcessLane(WorkerLane):
             self._conn.send(ACK)
         except OSError:
             raise self._lost() from None
+        self._acks += 1
         return value
 
-    def _next_message(self) -> tuple[str, Any]:
+    def _next_message(self) -> tuple[str, Any, int]:
         conn = self._conn
         end = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
@@ -356,13 +373,13 @@ class ProcessLane(WorkerLane):
             if conn not in ready:
                 continue
             try:
-                kind, value = receive(conn, self.timeout)
+                kind, value, size = receive(conn, self.timeout)
             except MessageStalled:
                 raise self._stall() from None
             except (EOFError, OSError):
                 raise self._lost() from None
             if self._arrived(kind, value):
-                return kind, value
+                return kind, value, size
 
     def _arrived(self, kind: str, value: Any) -> bool:
         """A message came off the pipe: whether it is for ``next()`` (the worker's ready signal
@@ -374,6 +391,9 @@ class ProcessLane(WorkerLane):
             return False
         if kind == STORAGE:
             self._storage = None if value is None else (value, time.monotonic() - value.waited)
+            return False
+        if kind == HELD:
+            self._held_at = value
             return False
         self._storage = None  # a list came: the worker is not waiting any more
         if not self._finished and (

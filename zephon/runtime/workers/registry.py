@@ -2,8 +2,8 @@
 
 A kind is a ``Lane`` implementation and an opener registered here; the planner accepts the
 registered names, and ``kinds.open_lanes`` and ``feeds.start_feeds`` open lanes through the
-registry only. The built-in kinds (``inline``, ``thread``, ``process``) are registered at the
-bottom of this module, as any other kind would be.
+registry only. The built-in kinds (``inline``, ``thread``, ``process``, ``ray``) are registered
+at the bottom of this module, as any other kind would be.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from zephon.runtime.workers.inline import open_inline_lanes
 from zephon.runtime.workers.lane import Lane
 from zephon.runtime.workers.pickled_plan import PlanParcel
 from zephon.runtime.workers.processes import ProcessLane
+from zephon.runtime.workers.ray_lanes import RayStart, loader_reads_first, open_ray_lanes
 from zephon.runtime.workers.threads import open_thread_lanes
 
 
@@ -115,4 +116,11 @@ register_lane_kind(
     make_shared=PlanParcel,
     loader_reads_first=first_reads.applies,
     warm_up=_boot_fork_server,
+)
+register_lane_kind(
+    "ray",
+    open_ray_lanes,
+    setup_in_workers=True,
+    make_shared=RayStart,
+    loader_reads_first=loader_reads_first,
 )

@@ -14,7 +14,8 @@ THREAD_VARIABLES = (
 )
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS says, else all of them)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -27,7 +28,7 @@ def worker_environment(processes: int, environ: dict[str, str] | None = None) ->
     gets ``cpus // processes`` threads (at least 1), and a tokenizer runs single-threaded when
     that is 1. A variable the user set in the loader's environment keeps the user's value."""
     environ = dict(os.environ) if environ is None else environ
-    threads = max(1, _usable_cpus() // max(1, processes))
+    threads = max(1, usable_cpus() // max(1, processes))
     wanted = {name: str(threads) for name in THREAD_VARIABLES}
     wanted["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
     return {name: environ.get(name, value) for name, value in wanted.items()}

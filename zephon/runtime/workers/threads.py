@@ -17,6 +17,7 @@ from typing import Any
 from zephon.errors import ZephonError
 from zephon.plan import Plan
 from zephon.runtime.lanes.runner import LaneRunner
+from zephon.runtime.workers.inflight_bytes import has_room, item_list_bytes
 from zephon.runtime.workers.pipe_messages import END
 from zephon.runtime.workers.stopping import (
     WORKER_NAME,
@@ -31,30 +32,79 @@ _POLL_SECONDS = 0.2  # how often the two sides of a thread lane check the other 
 
 
 class _ThreadChannel:
-    """What a thread lane and its worker thread share: the bounded queue and the stop flag."""
+    """What a thread lane and its worker thread share: the bounded queue, the payload bytes
+    queued in it (``Plan.max_inflight_bytes``) and the stop flag."""
 
-    def __init__(self, maxsize: int, room: threading.Event | None = None):
+    def __init__(
+        self, maxsize: int, room: threading.Event | None = None, max_bytes: int | None = None
+    ):
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.stop = threading.Event()
         self.done = threading.Event()  # the worker thread has left this lane
         self.room = room  # set by the lane when it takes an item list (shared worker threads)
+        self.max_bytes = max_bytes
+        self.queued_bytes = 0
+        self._bytes_changed = threading.Condition()
+        #: Set while the worker thread waits because of the byte bound, cleared when the lane
+        #: takes a list: once set, what the lane has queued is all it will queue.
+        self.held = threading.Event()
 
-    def put(self, message: tuple) -> bool:
-        """Hand ``message`` over unless the lane is stopped first; whether it was handed over."""
+    def size_of(self, items: list) -> int:
+        """What ``items`` count against the byte bound (nothing is measured without one)."""
+        return 0 if self.max_bytes is None else item_list_bytes(items)
+
+    def has_room(self) -> bool:
+        """Whether one more item list may be queued now (by count and by bytes)."""
+        if self.queue.full():
+            return False
+        with self._bytes_changed:
+            if has_room(self.queued_bytes, self.max_bytes):
+                return True
+            self.held.set()
+            return False
+
+    def put(self, message: tuple, nbytes: int = 0) -> bool:
+        """Hand ``message`` (of ``nbytes`` payload bytes) over unless the lane is stopped first;
+        whether it was handed over. A list with payload bytes waits while the lane holds its
+        byte bound."""
+        with self._bytes_changed:
+            while nbytes and not has_room(self.queued_bytes, self.max_bytes):
+                self.held.set()
+                if self.stop.is_set():
+                    return False
+                self._bytes_changed.wait(_POLL_SECONDS)
+            self.queued_bytes += nbytes
         while not self.stop.is_set():
             try:
-                self.queue.put(message, timeout=_POLL_SECONDS)
+                self.queue.put((*message, nbytes), timeout=_POLL_SECONDS)
                 return True
             except queue.Full:
                 continue
         return False
+
+    def put_nowait(self, message: tuple, nbytes: int) -> None:
+        """Queue ``message`` now: the caller saw ``has_room`` and is the only one putting."""
+        with self._bytes_changed:
+            self.queued_bytes += nbytes
+        self.queue.put_nowait((*message, nbytes))
+
+    def took(self, nbytes: int) -> None:
+        """The lane took a list of ``nbytes`` payload bytes off the queue."""
+        if nbytes:
+            with self._bytes_changed:
+                self.queued_bytes -= nbytes
+                self.held.clear()
+                self._bytes_changed.notify_all()
 
     def drain(self) -> None:
         while True:
             try:
                 self.queue.get_nowait()
             except queue.Empty:
-                return
+                break
+        with self._bytes_changed:
+            self.queued_bytes = 0
+            self._bytes_changed.notify_all()
 
 
 def _thread_main(channel: _ThreadChannel, plan: Plan, lane_id: int, start: dict) -> None:
@@ -62,7 +112,7 @@ def _thread_main(channel: _ThreadChannel, plan: Plan, lane_id: int, start: dict)
     try:
         with contextlib.closing(LaneRunner(plan, lane_id, **start).run()) as lane_items:
             for items in lane_items:
-                if not channel.put(("items", items)):
+                if not channel.put(("items", items), channel.size_of(items)):
                     return
         channel.put((END, None))
     except SystemExit as exc:
@@ -85,7 +135,7 @@ def _thread_group_main(
             progressed = False
             for member in list(active):
                 channel, lane_id, lane_items = member
-                if channel.stop.is_set() or not channel.queue.full():
+                if channel.stop.is_set() or channel.has_room():
                     progressed = True
                     if not _advance(channel, lane_id, lane_items):
                         active.remove(member)
@@ -115,7 +165,7 @@ def _advance(channel: _ThreadChannel, lane_id: int, lane_items: Iterator[list]) 
     except BaseException as exc:  # delivered to the caller, who re-raises it
         channel.put(("error", exc))
         return False
-    channel.queue.put_nowait(("items", items))  # only this thread puts: the room is still there
+    channel.put_nowait(("items", items), channel.size_of(items))
     return True
 
 
@@ -160,7 +210,7 @@ class ThreadLane(WorkerLane):
     """
 
     def __init__(self, plan: Plan, lane_id: int, **start: Any):
-        channel = _ThreadChannel(plan.prefetch)
+        channel = _ThreadChannel(plan.prefetch, max_bytes=plan.max_inflight_bytes)
         thread = threading.Thread(
             target=_thread_main,
             args=(channel, plan, lane_id, start),
@@ -174,7 +224,7 @@ class ThreadLane(WorkerLane):
     def group(cls, plan: Plan, members: list[tuple[int, dict]]) -> list[ThreadLane]:
         """Several lanes on one worker thread (which advances whichever has room)."""
         room = threading.Event()
-        channels = [_ThreadChannel(plan.prefetch, room) for _ in members]
+        channels = [_ThreadChannel(plan.prefetch, room, plan.max_inflight_bytes) for _ in members]
         thread = threading.Thread(
             target=_thread_group_main,
             args=(
@@ -209,6 +259,15 @@ class ThreadLane(WorkerLane):
         """Item lists the worker thread finished that ``next()`` has not taken yet."""
         return self._channel.queue.qsize()
 
+    def queued_bytes(self) -> int:
+        """The payload bytes of those lists (counted only under ``max_inflight_bytes``)."""
+        return self._channel.queued_bytes
+
+    def held_by_bytes(self) -> bool:
+        """Whether the worker thread waits because of ``max_inflight_bytes`` since the lane last
+        took a list (so the lists queued now are all it queues until the next is taken)."""
+        return self._channel.held.is_set()
+
     def __next__(self) -> list:
         if self._closed:
             raise closed_error(self.lane_id)
@@ -218,7 +277,8 @@ class ThreadLane(WorkerLane):
         while True:
             wait = _POLL_SECONDS if end is None else min(_POLL_SECONDS, end - time.monotonic())
             try:
-                kind, value = self._channel.queue.get(timeout=max(0.0, wait))
+                kind, value, nbytes = self._channel.queue.get(timeout=max(0.0, wait))
+                self._channel.took(nbytes)
                 if self._channel.room is not None:
                     self._channel.room.set()
                 break

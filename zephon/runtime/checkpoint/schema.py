@@ -1,10 +1,18 @@
-"""The checkpoint state of a loader, field by field: building it, and refusing a bad one on load.
+"""The checkpoint schema: a loader's state and a job's, their versions, their fields, and every
+field's check. Each stage writes its own part of a state (``state()``) and takes it back
+(``restore(part)``); this module says which fields there are and refuses a bad one on load.
 
 A state is plain JSON. Loading checks every field's type and range and the invariants that tie
 fields together (a replay cursor exactly when something was delivered in the retained window, a
 cursor that belongs to the lane's retained chunks, a finished lane at the end of its chunks), so
 that an edited state is refused with ``CheckpointCorruptError`` instead of starting a stream at a
-wrong position. Whether a state belongs to this pipeline at all is ``check_identity``'s question.
+wrong position. Three checks need more than the state and live beside what they check: whether
+a state belongs to this pipeline (``format.check_identity``), whether the carry states fit the
+operators (``carry_check``), and the retired ids, decoded where they are encoded (``retired``).
+
+A stage that adds a field to a state adds it to ``STATE_FIELDS`` (and ``JOB_FIELDS``) with the
+part that writes it, raises ``STATE_VERSION`` and says in ``upgrade`` what an older state means
+by its absence, so that every state written before still loads.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import re
 from typing import Any
 
 from zephon.compact import unpack_json
-from zephon.errors import CheckpointCorruptError
+from zephon.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zephon.runtime.checkpoint.held_check import (
     SnapshotChunks,
     check_held_records,
@@ -22,15 +30,116 @@ from zephon.runtime.checkpoint.held_check import (
 from zephon.runtime.checkpoint.layout import LaneGeometry, Layout, Leftover, Run, lane_total
 from zephon.types import SampleCursor
 
+STATE_FORMAT = "zephon-loader-state"  # one rank's state
+JOB_FORMAT = "zephon-job-state"  # every rank's lanes together (``merge_states``)
+# 4: what was done to the run on purpose (``history``, ``skip``, ``retired``); 3: the lane
+# history (``layout``) and inherited runs per lane; 2 and 3 are read too (``upgrade``)
+STATE_VERSION = 4
+READ_VERSIONS = (2, 3, STATE_VERSION)
+
+#: The fields of a rank's state, each with the part of the loader that writes and restores it.
+STATE_FIELDS = {
+    "format": "the schema: STATE_FORMAT or JOB_FORMAT",
+    "version": "the schema: STATE_VERSION",
+    "fingerprint": "the plan: the digest of its pipeline description",
+    "pipeline": "the plan: its pipeline description (format.check_identity)",
+    "rank": "the plan",
+    "world_size": "the plan",
+    "lanes": "the plan: the job's lane count",
+    "layout": "checkpoint.layout.Layout: the lane history, over the re-lanings",
+    "next_lane": "the loader: where its round-robin over the lanes stands",
+    "served": "the loader: items handed over, in global steps of its world size",
+    "lane_states": "delivery.lane_delivery.LaneDelivery, one per lane (LANE_KEYS)",
+    "counters": "delivery.totals.RunTotals (COUNTERS)",
+    "tag_counts": "delivery.totals.RunTotals",
+    "mixture": "delivery.totals.RunTotals",
+    "history": "checkpoint.history.RunHistory",
+    "skip": "checkpoint.history.RunHistory",
+    "retired": "checkpoint.retired.Retirements",
+}
+#: A job state (``merge_states``) has no rank of its own but the global step it was merged at.
+JOB_FIELDS = {
+    **{
+        k: v
+        for k, v in STATE_FIELDS.items()
+        if k not in ("rank", "world_size", "next_lane", "served")
+    },
+    "step": "checkpoint.job.merge_states: the global step of every rank",
+}
+# Written since states count global steps; a state without them is read the way it was written.
+NEWER_STATE_KEYS = frozenset({"served"})
+NEWER_JOB_KEYS = frozenset({"step"})
+STATE_KEYS = frozenset(STATE_FIELDS) - NEWER_STATE_KEYS
+JOB_KEYS = frozenset(JOB_FIELDS) - NEWER_JOB_KEYS
+
 MAX_INT = (1 << 62) - 1  # larger numbers in a state are damage, not positions
 # A replay window, and the run it belongs to (``pending`` lists runs of these fields).
 RUN_KEYS = frozenset({"run", "start", "cursor", "count", "digest", "carry", "held"})
 LANE_KEYS = RUN_KEYS | {"lane", "finished", "delivered", "pending"}
 COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "replayed")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
+MAX_EVENTS = 16  # events kept in a state's history
+# The events of a state's history (``checkpoint.history``), by kind, and their fields.
+EVENTS = {
+    "change": {"event", "step", "changes", "operators"},
+    "skip": {"event", "step", "steps"},
+    "retire": {"event", "step", "ids"},
+}
 
 
+# ------------------------------------------------------------------------------------ versions
+def upgrade(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` (format and version checked) as the current version says the same: a version 2
+    state had one generation of lanes and no inherited runs, a version 3 state nothing done to
+    the run on purpose."""
+    if body["version"] == 2:
+        lanes = body.get("lane_states")
+        body = {
+            **body,
+            "version": 3,
+            "layout": [{"lanes": body.get("lanes")}],
+            "lane_states": [
+                {**lane, "held": None, "run": None, "pending": []}
+                if isinstance(lane, dict)
+                else lane
+                for lane in lanes
+            ]
+            if isinstance(lanes, list)
+            else lanes,
+        }
+    if body["version"] == 3:
+        body = {**body, "version": STATE_VERSION, "history": [], "skip": 0, "retired": None}
+    return body
+
+
+def check_version(state: dict[str, Any], formats: tuple[str, ...]) -> None:
+    """``state`` is one of ``formats`` in a version this Zephon reads."""
+    if state.get("format") not in formats:
+        raise CheckpointCorruptError(f"not a Zephon loader state (format={state.get('format')!r})")
+    if state.get("version") not in READ_VERSIONS:
+        raise CheckpointCorruptError(
+            f"loader state version {state.get('version')!r} is not known to this Zephon "
+            f"(it reads versions {READ_VERSIONS[0]} to {STATE_VERSION})"
+        )
+
+
+def check_keys(body: dict[str, Any]) -> bool:
+    """Whether ``body`` (unsealed) is a job state; ``CheckpointCorruptError`` unless it has
+    exactly the fields of its format (those written since global steps are counted may be
+    missing)."""
+    job = body["format"] == JOB_FORMAT
+    keys = JOB_KEYS if job else STATE_KEYS
+    newer = NEWER_JOB_KEYS if job else NEWER_STATE_KEYS
+    if not keys <= set(body) <= keys | newer:
+        raise CheckpointCorruptError(
+            f"loader state must have exactly the fields {sorted(keys | newer)}, got {sorted(body)}"
+        )
+    return job
+
+
+# ------------------------------------------------------------------------------------ scalars
 def corrupt(where: str, why: str) -> CheckpointCorruptError:
+    """The error for a state whose field ``where`` is wrong, saying ``why``."""
     return CheckpointCorruptError(f"loader state field {where} {why}")
 
 
@@ -44,6 +153,7 @@ def check_int(value: Any, where: str, low: int = 0, high: int = MAX_INT) -> int:
 
 
 def check_bool(value: Any, where: str) -> bool:
+    """``value`` if it is true or false; else the error naming it."""
     if type(value) is not bool:
         raise corrupt(where, f"must be true or false, got {value!r}")
     return value
@@ -429,3 +539,109 @@ def check_pairs(value: Any, where: str) -> list[tuple[Any, int]]:
 def _is_component(key: Any) -> bool:
     """A component name or id as JSON keeps it (a tuple one is a list of these)."""
     return key is None or (isinstance(key, (str, int)) and not isinstance(key, bool))
+
+
+# ------------------------------------------------------------------------------------ totals
+def check_totals(
+    body: dict[str, Any],
+) -> tuple[dict[str, int], list[tuple[Any, int]], list[tuple[Any, int]], list[tuple[Any, int]]]:
+    """The running totals of a state, checked: counters, tag counts, mixture samples and
+    tokens."""
+    counters = body["counters"]
+    if type(counters) is not dict or set(counters) != set(COUNTERS):
+        raise corrupt("counters", f"must have exactly the fields {list(COUNTERS)}")
+    values = {name: check_int(counters[name], f"counters.{name}") for name in COUNTERS}
+    tag_counts = check_pairs(body["tag_counts"], "tag_counts")
+    mixture = body["mixture"]
+    if type(mixture) is not dict or set(mixture) != {"samples", "tokens"}:
+        raise corrupt("mixture", "must have exactly the fields samples and tokens")
+    samples = check_pairs(mixture["samples"], "mixture.samples")
+    tokens = check_pairs(mixture["tokens"], "mixture.tokens")
+    return values, tag_counts, samples, tokens
+
+
+# ------------------------------------------------------------------------------------ ranks
+def check_rank(body: dict[str, Any], rank: int, world_size: int) -> None:
+    """A rank's state resumes only on the rank and world size it was taken with."""
+    saved = (body["rank"], body["world_size"])
+    if saved != (rank, world_size):
+        raise CheckpointMismatchError(
+            f"this is the state of rank {saved[0]!r} (world_size={saved[1]!r}); this "
+            f"pipeline runs rank {rank} (world_size={world_size}). To resume on "
+            "another world size, "
+            "merge the states of all ranks with zephon.merge_states()"
+        )
+
+
+def check_lane_list(value: Any, count: int) -> list[Any]:
+    """A state's ``lane_states``: a list of ``count`` lane states (each checked by its lane)."""
+    if type(value) is not list or len(value) != count:
+        raise corrupt("lane_states", f"must be a list of {count} lane states")
+    return value
+
+
+def check_next_lane(value: Any, checked: list[dict[str, Any]]) -> int:
+    """A rank's ``next_lane``: one of its lanes (``checked``, in lane order), where its
+    round-robin over them stands (``check_turn``)."""
+    next_lane = check_int(value, "next_lane", 0, len(checked) - 1)
+    check_turn(next_lane, checked)
+    return next_lane
+
+
+def check_job_turn(
+    next_lane: int, lane_states: list[Any], checked: list[dict[str, Any]], rank: int
+) -> int:
+    """How far into its global step a rank of a job state resumes (``next_lane``): its lanes
+    (``checked``) are level, or one round apart. Once a lane of the job ended, lanes of the old
+    ranks delivered different numbers of items per step: any level is right, and the step is
+    whole."""
+    if any(type(s) is dict and s.get("finished") is True for s in lane_states):
+        return 0
+    try:
+        check_turn(next_lane, checked)
+    except CheckpointCorruptError:
+        counts = [s["delivered"] for s in checked]
+        raise CheckpointError(
+            f"this job state was merged from ranks checkpointed inside a global step (the "
+            f"lanes of rank {rank} delivered {counts} items): resume each rank "
+            "from its own state on the world size it was taken with, or from a job state "
+            "taken right after an optimizer step"
+        ) from None
+    return next_lane
+
+
+# ------------------------------------------------------------------------------------ history
+def _trailing_skips(history: list[dict[str, Any]]) -> list[int]:
+    """The sums of the last 1, 2, ... skip events at the end of ``history``."""
+    sums: list[int] = []
+    for event in reversed(history):
+        if event["event"] != "skip":
+            break
+        sums.append((sums[-1] if sums else 0) + event["steps"])
+    return sums
+
+
+def check_history(value: Any, skip: Any) -> tuple[list[dict[str, Any]], int]:
+    """A state's ``history`` and pending ``skip``, every event checked; a pending skip must be
+    what the skip events at the end of the history add up to."""
+    if type(value) is not list or len(value) > MAX_EVENTS:
+        raise corrupt("history", f"must be a list of at most {MAX_EVENTS} events")
+    for i, event in enumerate(value):
+        where = f"history[{i}]"
+        kind = event.get("event") if type(event) is dict else None
+        if kind not in EVENTS or set(event) != EVENTS[kind]:
+            raise corrupt(where, f"must be an event with the fields of one of {sorted(EVENTS)}")
+        check_int(event["step"], f"{where}.step")
+        if kind == "skip":
+            check_int(event["steps"], f"{where}.steps", 1)
+            continue
+        if kind == "retire":
+            check_int(event["ids"], f"{where}.ids", 1)
+            continue
+        texts = [event["changes"], event["operators"]]
+        if any(type(t) is not list or not all(type(x) is str for x in t) for t in texts):
+            raise corrupt(where, "must name its changes and operators as lists of strings")
+    steps = check_int(skip, "skip", 0, MAX_INT)
+    if steps and steps not in _trailing_skips(value):
+        raise corrupt("skip", f"{steps} is not what the last skip events of the history add up to")
+    return value, steps

@@ -1,0 +1,165 @@
+"""Ranks whose data ends at different global steps stop together without torch:
+``Loader.end_together`` takes the job's own minimum all-reduce (here one made of a
+multiprocessing barrier, and one over gloo on 127.0.0.1), every rank stops at the step the
+shortest one ends at, and what the others still had is counted in ``dropped_at_end``."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from net_kit import free_port
+
+import zephon
+from zephon.ops import batch, fetch, filter_records
+from zephon.sources import RangeSource
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEADLINE = 120  # seconds: generous, only to turn a hang into a failure
+
+
+def keep(payload: dict) -> bool:
+    # Lane 0 (rank 0) reads the first half of each chunk pair, lane 1 the second: rank 1 keeps less.
+    return payload["idx"] % 64 < 40 or payload["idx"] % 3 == 0
+
+
+def make(rank: int = 0, world_size: int = 1) -> zephon.Pipeline:
+    ops = [fetch(), filter_records(keep), batch(4)]
+    return zephon.Pipeline(
+        RangeSource(1024, chunk_size=32), ops, lanes=2, rank=rank, world_size=world_size
+    )
+
+
+def alone() -> list[list[list[int]]]:
+    """Each rank's batches, as sample ids, when nothing makes the ranks end together."""
+    return [[[r.meta.cursor.sample_id[2] for r in b] for b in make(r, 2)] for r in range(2)]
+
+
+def train(rank: int, least: Callable[[int], Any], step_done: Callable[[], None]) -> dict:
+    """What a rank's training loop sees: its batches until the job's data ends together."""
+    loader = make(rank, 2).iter()
+    seen = []
+    for item in loader.end_together(least):
+        step_done()  # a training step: every rank must be there
+        seen.append([r.meta.cursor.sample_id[2] for r in item])
+    state = loader.state_dict()
+    loader.close()
+    return {
+        "seen": seen,
+        "dropped": loader.stats()["dropped_at_end"],
+        "finished": all(s["finished"] for s in state["lane_states"]),
+    }
+
+
+def _barrier_rank(rank: int, slots: Any, barrier: Any, out: Any) -> None:
+    def least(value: int) -> int:
+        slots[rank] = value
+        barrier.wait(DEADLINE)
+        smallest = min(slots[:])
+        barrier.wait(DEADLINE)  # nobody writes the next value before every rank read this one
+        return smallest
+
+    try:
+        out.send(train(rank, least, lambda: barrier.wait(DEADLINE)))
+    except BaseException:
+        barrier.abort()  # the other rank fails at once instead of waiting out the deadline
+        raise
+    out.close()
+
+
+def _check(results: list[dict]) -> None:
+    counts = [len(s) for s in alone()]
+    assert counts[0] != counts[1]  # the data really ends at different steps
+    assert [len(r["seen"]) for r in results] == [min(counts)] * 2
+    assert [r["seen"] for r in results] == [s[: min(counts)] for s in alone()]
+    assert sum(r["dropped"] for r in results) == max(counts) - min(counts)
+    assert all(r["finished"] for r in results)
+    delivered = Counter(i for r in results for batch_ids in r["seen"] for i in batch_ids)
+    assert max(delivered.values()) == 1
+
+
+def test_ranks_stop_together_through_a_barrier_made_all_reduce() -> None:
+    ctx = multiprocessing.get_context("fork")
+    slots = ctx.Array("q", 2)
+    barrier = ctx.Barrier(2)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [
+        ctx.Process(target=_barrier_rank, args=(r, slots, barrier, pipes[r][1])) for r in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        results = []
+        for reader, _ in pipes:
+            assert reader.poll(DEADLINE), "a rank did not finish"
+            results.append(reader.recv())
+    finally:
+        for proc in procs:
+            proc.join(DEADLINE)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    _check(results)
+
+
+GLOO_RANK = textwrap.dedent("""
+    import json, sys, warnings
+    warnings.simplefilter("ignore")
+    sys.path.insert(0, {tests!r})
+    import torch
+    import torch.distributed as dist
+    from runtime.test_end_together import train
+
+    url, rank = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=2)
+
+    def least(value):
+        flag = torch.tensor([value])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return flag.item()
+
+    print(json.dumps(train(rank, least, dist.barrier)))
+    dist.destroy_process_group()
+""").format(tests=TESTS)
+
+
+def test_ranks_stop_together_through_a_gloo_all_reduce(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed")
+    script = tmp_path / "rank.py"
+    script.write_text(GLOO_RANK)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), url, str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        done = [proc.communicate(timeout=DEADLINE) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-3000:] for _, err in done]
+    _check([json.loads(out.strip().splitlines()[-1]) for out, _ in done])
+
+
+def test_end_together_needs_a_function() -> None:
+    with make().iter() as loader, pytest.raises(TypeError, match="minimum over all ranks"):
+        loader.end_together(3)  # type: ignore[arg-type]

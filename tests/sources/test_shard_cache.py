@@ -1,0 +1,381 @@
+"""The node-local shard cache: whole remote shards downloaded once into a directory shared by
+every lane, thread and process, and read from there. A real S3-compatible server (moto) on
+loopback, with the counting proxy in front of it, and real worker processes."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from worker_kit import assert_no_leftover_workers, lane_threads, wait_until
+
+import zephon
+from zephon.errors import CheckpointMismatchError, FetchError
+from zephon.observability.families import metric_families, stats_from_families
+from zephon.ops import batch, fetch
+from zephon.sources import (
+    ArrowSource,
+    JsonlSource,
+    MixtureSource,
+    ShardCache,
+    TokenShardSource,
+)
+
+no_leftovers = pytest.fixture(autouse=True)(assert_no_leftover_workers)
+
+MAKE = {"parquet": ArrowSource, "jsonl": JsonlSource}
+
+
+def shards(root: Path, sizes: list[int], group: int = 5) -> Path:
+    """``part-K.parquet`` and ``part-K.jsonl`` per size, rows numbered across shards."""
+    root.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for k, n in enumerate(sizes):
+        idx = list(range(start, start + n))
+        table = pa.table({"idx": idx, "text": [f"row {i}" for i in idx]})
+        pq.write_table(table, root / f"part-{k:03d}.parquet", row_group_size=group)
+        lines = "".join(json.dumps({"idx": i, "text": f"row {i}"}) + "\n" for i in idx)
+        (root / f"part-{k:03d}.jsonl").write_text(lines)
+        start += n
+    return root
+
+
+def rows(source, take: int | None = None, **iter_options) -> list[int]:
+    """The idx of every delivered row (of the first ``take`` batches)."""
+    got: list[int] = []
+    pipeline = zephon.Pipeline(source, [fetch(), batch(4)], **iter_options)
+    with pipeline.iter() as loader:
+        for k, b in enumerate(loader):
+            got += [int(i) for i in b.payload["idx"]]
+            if take is not None and k + 1 == take:
+                break
+    return got
+
+
+def gets(proxy, marker: str = "part-") -> list[str]:
+    """The GETs of shard bytes the proxy forwarded."""
+    return [r for r in proxy.requests if r.startswith("GET ") and marker in r]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_cached_source_delivers_exactly_the_uncached_stream(tmp_path, bucket, kind, shuffle):
+    local = shards(tmp_path / "data", [7, 12, 3, 9])
+    uri = bucket.upload(local, "c")
+    make = MAKE[kind]
+    where = f"{uri}/*.{kind}"
+    options = {"chunk_size": 5, "shuffle": shuffle, "seed": 3, "passes": 2}
+    plain = make(where, **options)
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    cached = make(where, cache=cache, cache_dir=tmp_path / "meta", **options)
+    assert cached.describe() == plain.describe()
+    expected = rows(plain)
+    assert rows(cached) == expected
+    # The same again on worker processes and on threads, reading the copies made by this one.
+    again = make(where, cache=cache, cache_dir=tmp_path / "meta", **options)
+    assert rows(again, lanes=2, workers="process") == rows(plain, lanes=2, workers="process")
+    assert rows(again, lanes=3, workers="thread") == rows(plain, lanes=3, workers="thread")
+    assert sorted(expected) == sorted(list(range(31)) * 2)
+
+
+def test_token_shards_read_through_the_cache_as_without_it(tmp_path, bucket):
+    local = tmp_path / "tok"
+    local.mkdir()
+    for k in range(3):
+        np.save(local / f"s{k}.npy", np.arange(k * 100, k * 100 + 64, dtype=np.uint16))
+    uri = bucket.upload(local, "t")
+    plain = TokenShardSource(f"{uri}/*.npy", window=8, chunk_size=3)
+    cached = TokenShardSource(
+        f"{uri}/*.npy", window=8, chunk_size=3, cache=ShardCache(tmp_path / "s", max_bytes=1 << 20)
+    )
+    pointers = np.concatenate([plain.chunk(p).pointers for p in range(plain.num_chunks())])
+    want = [d[plain.field].tolist() for d in plain.read(pointers)]
+    assert [d[plain.field].tolist() for d in cached.read(pointers)] == want
+    assert cached.io_counters()[cached.root]["cache_misses"] == 3
+
+
+def test_a_warm_restart_reads_no_shard_bytes_from_the_store(tmp_path, bucket, failing_proxy):
+    local = shards(tmp_path / "data", [10, 10, 10, 10])
+    uri = bucket.upload(local, "w")
+    bucket.point_at(failing_proxy.endpoint)
+    where = f"{uri}/*.parquet"
+
+    def make() -> ArrowSource:
+        cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+        return ArrowSource(where, chunk_size=5, cache=cache, cache_dir=tmp_path / "meta")
+
+    cold = rows(make())
+    assert len(gets(failing_proxy)) == 4  # each shard downloaded once, in one request
+    failing_proxy.requests.clear()
+    source = make()
+    pipeline = zephon.Pipeline(source, [fetch(), batch(4)])
+    with pipeline.iter() as loader:
+        warm = [int(i) for b in loader for i in b.payload["idx"]]
+        stats = loader.stats()["sources"]
+    assert warm == cold
+    assert gets(failing_proxy) == []
+    # The listing, then the version of each shard for its metadata (the fingerprint), and
+    # nothing else: the eight reads (two chunks per shard) are served by the cache.
+    heads = [r for r in failing_proxy.requests if r.startswith("HEAD ")]
+    assert len(heads) == 4 and len(failing_proxy.requests) == 1 + 4
+    assert stats == {uri: {"read_bytes": 0, "cache_hits": 8, "cache_misses": 0}}
+
+
+def _read_all(where: str, cache_dir: str, meta: str, ready, out) -> None:
+    # A loader in its own process: waits for the other one, then reads every row.
+    cache = ShardCache(cache_dir, max_bytes=1 << 30)
+    source = ArrowSource(where, chunk_size=5, cache=cache, cache_dir=meta)
+    ready.wait(60)
+    out.put(sorted(int(p["idx"]) for p in source.read(source.pointer_rows(np.arange(30)))))
+
+
+def test_two_processes_share_one_download_of_each_shard(tmp_path, bucket, failing_proxy):
+    local = shards(tmp_path / "data", [10, 10, 10])
+    uri = bucket.upload(local, "p")
+    bucket.point_at(failing_proxy.endpoint)
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Barrier(2)
+    out = ctx.Queue()
+    args = (f"{uri}/*.parquet", str(tmp_path / "shards"), str(tmp_path / "meta"), ready, out)
+    procs = [ctx.Process(target=_read_all, args=args) for _ in range(2)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+    assert got == [list(range(30))] * 2
+    downloads = sorted(r.split()[1].split("?")[0] for r in gets(failing_proxy))
+    assert downloads == [f"/{bucket.name}/p/part-{k:03d}.parquet" for k in range(3)]
+
+
+def test_eviction_keeps_the_bound_and_spares_open_shards(tmp_path, bucket):
+    local = shards(tmp_path / "data", [30, 30, 30, 30])
+    uri = bucket.upload(local, "e")
+    size = (local / "part-000.parquet").stat().st_size
+    cache = ShardCache(tmp_path / "shards", max_bytes=2 * size + size // 2)  # two shards fit
+    source = ArrowSource(f"{uri}/*.parquet", chunk_size=5, cache=cache)
+    paths = [f.path for f in source.files()]
+    held = source.open_random(paths[0])
+    held.materialize()  # open for reading: never evicted while it is
+    for k in (1, 2, 3):
+        with source.open_random(paths[k]) as f:
+            f.materialize()
+            assert f.hit is False
+        assert cache.cached_bytes() <= cache.max_bytes
+    with source.open_random(paths[0]) as f:
+        f.materialize()
+        assert f.hit is True and not f.bypassed  # kept: it was open
+    held.close()
+    with source.open_random(paths[1]) as f:
+        f.materialize()
+        assert f.hit is False  # the least recently used, evicted for shard 3
+    assert cache.cached_bytes() <= cache.max_bytes
+    # Every byte still delivered as it is in the bucket.
+    assert sorted(rows(source)) == list(range(120))
+
+
+def test_a_shard_open_twice_in_a_process_shares_one_map(tmp_path, bucket):
+    uri = bucket.upload(shards(tmp_path / "data", [10]), "twice")
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    source = ArrowSource(f"{uri}/*.parquet", cache=cache)
+    (path,) = [f.path for f in source.files()]
+    first = source.open_random(path)
+    head = first.read_at(4, 0)
+    cache.let_go()  # no longer kept, but still read
+    with source.open_random(path) as second:
+        assert second.read_at(4, 0) == head == b"PAR1" and second.hit is True
+    first.close()
+    (lock,) = (p for p in (Path(cache.dir) / "locks").iterdir() if p.name != "space.lock")
+    with open(lock, "rb") as fh:  # both closed: nothing holds the shard, eviction may have it
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_lance_which_reads_through_its_own_store_refuses_a_cache(tmp_path):
+    from zephon.sources.lance import LanceSource
+
+    with pytest.raises(ValueError, match=r"LanceSource .* leave out cache="):
+        LanceSource("s3://bucket/data.lance", cache=ShardCache(tmp_path, max_bytes=1 << 20))
+
+
+def test_a_shard_larger_than_the_cache_is_a_fetch_error_naming_both(tmp_path, bucket):
+    local = shards(tmp_path / "data", [30])
+    uri = bucket.upload(local, "big")
+    cache = ShardCache(tmp_path / "shards", max_bytes=100)
+    source = ArrowSource(f"{uri}/*.parquet", cache=cache)
+    with pytest.raises(FetchError, match=r"max_bytes=100\) cannot hold .*part-000\.parquet"):
+        source.num_samples()
+
+
+def _only_entry(cache: ShardCache) -> Path:
+    (entry,) = Path(cache.dir).glob("*.shard")
+    return entry
+
+
+def test_a_damaged_cache_file_is_fetched_again_never_served(tmp_path, bucket, failing_proxy):
+    local = shards(tmp_path / "data", [40], group=5)
+    uri = bucket.upload(local, "d")
+    bucket.point_at(failing_proxy.endpoint)
+    where = f"{uri}/*.parquet"
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    assert sorted(rows(ArrowSource(where, chunk_size=5, cache=cache))) == list(range(40))
+    entry = _only_entry(cache)
+    data = bytearray(entry.read_bytes())
+    data[100:110] = b"\0" * 10
+    # Rewritten (a new mtime): the record no longer describes the file.
+    entry.write_bytes(bytes(data))
+    failing_proxy.requests.clear()
+    assert sorted(rows(ArrowSource(where, chunk_size=5, cache=cache))) == list(range(40))
+    assert len(gets(failing_proxy)) == 1
+    # Damaged in place with its size and mtime kept: a process's first open hashes it.
+    st = entry.stat()
+    with open(entry, "r+b") as fh:
+        fh.seek(100)
+        fh.write(b"\0" * 10)
+    os.utime(entry, ns=(st.st_atime_ns, st.st_mtime_ns))
+    failing_proxy.requests.clear()
+    fresh = ShardCache(cache.dir, max_bytes=1 << 30)  # as a new process has it
+    source = ArrowSource(where, chunk_size=5, cache=fresh)
+    assert sorted(rows(source)) == list(range(40))
+    assert len(gets(failing_proxy)) == 1
+    # Damaged after this process checked it: the content digests refuse it.
+    entry = _only_entry(fresh)
+    st = entry.stat()
+    with open(entry, "r+b") as fh:
+        fh.seek(4)
+        fh.write(b"\0" * 64)
+    os.utime(entry, ns=(st.st_atime_ns, st.st_mtime_ns))
+    source.drop_read_caches()
+    with pytest.raises(FetchError, match=r"part-000\.parquet.*no longer match their digest"):
+        source.read(np.array([[0, 0, 1]]))
+
+
+def rewrite_reversed(bucket, key: str, kind: str, n: int) -> None:
+    """The same rows, in reverse order, written over ``key``."""
+    backwards = [{"idx": i, "text": f"row {i}"} for i in reversed(range(n))]
+    if kind == "parquet":
+        buf = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(backwards), buf, row_group_size=5)
+        data = buf.getvalue().to_pybytes()
+    else:
+        data = "".join(json.dumps(r) + "\n" for r in backwards).encode()
+    with bucket.fs.open_output_stream(f"{bucket.name}/{key}") as out:
+        out.write(data)
+
+
+def etag(bucket, key: str) -> str:
+    f = bucket.fs.open_input_file(f"{bucket.name}/{key}")
+    try:
+        return f.metadata()["ETag"].decode()
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_an_object_rewritten_after_caching_is_refused_as_without_a_cache(tmp_path, bucket, kind):
+    local = shards(tmp_path / "data", [40], group=5)
+    uri = bucket.upload(local, "g")
+    key = f"g/part-000.{kind}"
+    where = f"{uri}/*.{kind}"
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    meta = tmp_path / "meta"
+    src = MAKE[kind](where, chunk_size=5, cache=cache, cache_dir=meta)
+    pipeline = zephon.Pipeline(src, [fetch(), batch(4)])
+    with pipeline.iter() as loader:
+        next(loader)
+        state = loader.state_dict()
+    before = etag(bucket, key)
+    rewrite_reversed(bucket, key, kind, 40)
+    after = etag(bucket, key)
+    # The source keeps the version it pinned, and its copy is that version's bytes.
+    assert src.read(np.array([[0, 0, 17]]))[0]["idx"] == 17
+    # A copy it has to fetch again is refused, naming both versions, as an uncached read is.
+    for entry in Path(cache.dir).glob("*.shard"):
+        entry.unlink()
+    src.drop_read_caches()
+    with pytest.raises(FetchError) as info:
+        src.read(np.array([[0, 0, 17]]))
+    message = str(info.value)
+    assert f"{uri}/part-000.{kind}" in message
+    assert f"ETag {before} then, ETag {after} now" in message
+    # A restart sees the new version: the checkpoint of the old one is refused.
+    again = MAKE[kind](where, chunk_size=5, cache=cache, cache_dir=meta)
+    with pytest.raises(CheckpointMismatchError, match=rf"file 'part-000\.{kind}' changed"):
+        zephon.Pipeline(again, [fetch(), batch(4)]).iter(state=state).close()
+
+
+def test_read_ahead_downloads_the_next_shards_and_stops_on_close(tmp_path, bucket):
+    local = shards(tmp_path / "data", [8, 8, 8, 8])
+    uri = bucket.upload(local, "r")
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30, prefetch_shards=2)
+    source = ArrowSource(f"{uri}/*.parquet", chunk_size=8, cache=cache)
+    source.num_samples()  # the metadata reads download every shard: start from an empty cache
+    for entry in Path(cache.dir).glob("*.shard"):
+        entry.unlink()
+    pipeline = zephon.Pipeline(source, [fetch(), batch(4)])
+    with pipeline.iter() as loader:
+        first = next(loader)
+        assert [int(i) for i in first.payload["idx"]] == [0, 1, 2, 3]
+        # Chunk 0 announced chunks 1 and 2 (shards 1 and 2): downloaded without a read.
+        assert wait_until(lambda: len(list(Path(cache.dir).glob("*.shard"))) >= 3, 60)
+    assert not [t for t in lane_threads() if t.name == "zephon-shard-prefetch"]
+
+
+def test_a_mixture_hands_the_chunks_ahead_to_its_cached_components(tmp_path, bucket):
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30, prefetch_shards=8)
+    parts = {}
+    for d, name in enumerate("ab"):
+        uri = bucket.upload(shards(tmp_path / name, [6, 6, 6]), name)
+        parts[name] = ArrowSource(f"{uri}/*.parquet", dataset_id=d, chunk_size=4, cache=cache)
+    mixture = MixtureSource(parts, {"a": 0.5, "b": 0.5}, chunk_size=4)
+    assert mixture.read_ahead_chunks() == ArrowSource.READ_AHEAD_CHUNKS
+    mixture.num_chunks()  # the metadata reads download every shard: start from an empty cache
+    for entry in Path(cache.dir).glob("*.shard"):
+        entry.unlink()
+    mixture.upcoming(list(range(mixture.total_chunks() or 0)))
+    assert wait_until(lambda: len(list(Path(cache.dir).glob("*.shard"))) == 6, 60)
+    mixture.drop_read_caches()
+    assert not [t for t in lane_threads() if t.name == "zephon-shard-prefetch"]
+
+
+def test_stats_and_metrics_count_bytes_hits_and_misses_from_worker_processes(tmp_path, bucket):
+    local = shards(tmp_path / "data", [10, 10, 10, 10])
+    uri = bucket.upload(local, "m")
+    where = f"{uri}/*.parquet"
+    total = sum((local / f"part-{k:03d}.parquet").stat().st_size for k in range(4))
+    source = ArrowSource(where, chunk_size=10, cache=ShardCache(tmp_path / "s", max_bytes=1 << 30))
+    source.num_samples()  # downloads every shard in this process: misses, and their bytes
+    pipeline = zephon.Pipeline(source, [fetch(), batch(5)], lanes=2, workers="process")
+    with pipeline.iter() as loader:
+        assert sorted(int(i) for b in loader for i in b.payload["idx"]) == list(range(40))
+        stats = loader.stats()
+    # Four shards downloaded here; each worker then opened its two shards from the cache.
+    assert stats["sources"] == {uri: {"read_bytes": total, "cache_hits": 4, "cache_misses": 4}}
+    families = {f.name: f.samples for f in metric_families(stats, rank=0)}
+    assert families["zephon_source_read_bytes_total"] == [({"rank": "0", "source": uri}, total)]
+    assert families["zephon_shard_cache_hits_total"] == [({"rank": "0", "source": uri}, 4.0)]
+    assert families["zephon_shard_cache_misses_total"] == [({"rank": "0", "source": uri}, 4.0)]
+    scraped = [(f.name, f.samples) for f in metric_families(stats, rank=0)]
+    assert stats_from_families(scraped)["sources"] == stats["sources"]
+
+
+def test_arrow_ipc_files_read_through_the_cache_as_without_it(tmp_path, bucket):
+    local = tmp_path / "ipc"
+    local.mkdir()
+    for k in range(3):
+        table = pa.table({"idx": list(range(k * 10, k * 10 + 10))})
+        with pa.ipc.new_file(local / f"part-{k}.arrow", table.schema) as out:
+            for part in table.to_batches(max_chunksize=4):
+                out.write_batch(part)
+    uri = bucket.upload(local, "ipc")
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    plain = ArrowSource(f"{uri}/*.arrow", chunk_size=4, shuffle=True)
+    cached = ArrowSource(f"{uri}/*.arrow", chunk_size=4, shuffle=True, cache=cache)
+    assert cached.describe() == plain.describe()
+    assert rows(cached) == rows(plain)

@@ -1,0 +1,133 @@
+"""A loader's metrics in the Prometheus text format, served on a port of its own.
+
+The server shares the interpreter with the training loop, so what it costs is the time it holds
+the GIL, and every time it takes the GIL back from the training loop's thread. It is built to do
+both as rarely as possible: its thread sleeps in ``select`` until a scrape (or ``close()``)
+arrives, and a scrape is one read of the request, one ``stats()`` and one write of the whole
+reply, rendered straight from ``metric_families`` without the per-sample objects of a client
+library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import selectors
+import socket
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from zephon.observability.families import Family, metric_families
+from zephon.observability.sources import stats_source
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_MAX_REQUEST = 64 * 1024  # a scrape's request is a few hundred bytes
+_CLIENT_DEADLINE = 10.0  # seconds a client has to send its request and read the reply
+
+
+def render(families: Iterable[Family]) -> bytes:
+    """``families`` in the Prometheus text exposition format (version 0.0.4)."""
+    out: list[str] = []
+    for family in families:
+        out.append(_head(family.name, family.kind, family.help))
+        for labels, value in family.samples:
+            inner = ",".join([f'{k}="{_escape(v)}"' for k, v in labels.items()])
+            out.append(f"{family.name}{{{inner}}} {_number(value)}\n")
+    return "".join(out).encode("utf-8")
+
+
+@functools.cache  # a loader's families are always the same few dozen
+def _head(name: str, kind: str, help: str) -> str:
+    help_text = help.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
+
+
+def _escape(value: str) -> str:
+    if "\\" not in value and "\n" not in value and '"' not in value:
+        return value  # ranks, lanes and most names
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _number(value: float) -> str:
+    if value in (math.inf, -math.inf):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+class MetricsServer:
+    """Serves one loader's metrics at ``url`` (``GET /metrics``) from a daemon thread until
+    ``close()``; every scrape reads ``stats()`` afresh."""
+
+    def __init__(self, source: Any, *, port: int = 0, addr: str = "127.0.0.1"):
+        self.source = stats_source(source)
+        self._listener = socket.create_server((addr, port))
+        self._listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the thread with it
+        self.addr = addr
+        self.port = int(self._listener.getsockname()[1])
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="zephon-metrics", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        """Where the metrics are: ``http://addr:port/metrics``."""
+        return f"http://{self.addr}:{self.port}/metrics"
+
+    def _serve(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                ready = {key.fileobj for key, _ in selector.select()}
+                if self._wake_r in ready:
+                    return
+                try:
+                    conn, _ = self._listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                # OSError: the client went away; its scrape is lost, not the server
+                with conn, contextlib.suppress(OSError):
+                    self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(_CLIENT_DEADLINE)
+        request = b""
+        while b"\r\n\r\n" not in request and len(request) < _MAX_REQUEST:
+            part = conn.recv(4096)
+            if not part:
+                return
+            request += part
+        method, _, rest = request.partition(b" ")
+        path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
+        if method not in (b"GET", b"HEAD"):
+            status, body, kind = "405 Method Not Allowed", b"GET /metrics only\n", "text/plain"
+        elif path.rstrip(b"/") not in (b"", b"/metrics"):
+            status, body, kind = "404 Not Found", b"the metrics are at /metrics\n", "text/plain"
+        else:
+            source = self.source
+            status, kind = "200 OK", CONTENT_TYPE
+            body = render(metric_families(source.read(), rank=source.rank))
+        head = (
+            f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode("ascii")
+        conn.sendall(head if method == b"HEAD" else head + body)
+
+    def close(self) -> None:
+        """Stop serving and join the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake_w.send(b"x")
+        self._thread.join()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,614 @@
+"""A node-local cache of whole remote shards, shared by every lane, thread and process of the
+machine that reads through it.
+
+A file source given ``cache=ShardCache(dir, max_bytes=...)`` over remote data downloads each file
+(shard) it reads whole, once, into ``dir`` and reads it from there: memory-mapped, through the
+same checks as without the cache.
+
+Entries. A shard is cached under the key of its URI, its store version (ETag, generation or
+version id) and its size: ``<key>.shard`` holds its bytes and ``<key>.json`` its record (URI,
+version, size, sha256 of the bytes, and the size, mtime and inode the shard file was written
+with). An object the store names no version of is read without the cache: nothing would tell a
+rewrite from the copy.
+
+Sharing. Each key has a lock file (``locks/<key>.lock``, ``fcntl.flock``): a reader holds it
+shared while the entry is open; a download holds it exclusively, so a second reader of the same
+shard (another thread, another process) waits for that download instead of making its own. The
+bytes go to a temporary name first and are renamed into place, so no reader ever sees a partial
+shard. A process that dies while downloading leaves its lock released by the kernel and its
+temporary file to be swept by the next download of the key.
+
+Checks. Every open compares the record with the version, size and URI the source asked for, and
+the shard file's size, mtime and inode with the ones recorded when it was written: any difference
+(a stale entry, a file touched since) and the shard is downloaded again. The first open of an
+entry in a process also hashes the whole file against the sha256 taken while downloading, so a
+copy damaged on disk is downloaded again, never served. Past that, the source checks every range
+it reads against the content digests it pinned, as for uncached data. A process keeps its last
+``KEPT_OPEN`` shards open between reads (locked shared, mapped): opening one again costs a
+``stat`` of its file.
+
+Eviction. Downloads reserve their size first (under ``locks/space.lock``); when the entries and
+the reservations would pass ``max_bytes``, the least recently used entries (the record's mtime is
+the last use) are deleted, skipping every entry some reader holds open (the downloading process
+first lets go of the shards it only keeps open). A shard larger than
+``max_bytes`` is a ``FetchError``; one that cannot get room because every other entry is in use is
+read from the store directly this time (a bypass), so the bound holds.
+
+Read-ahead. With ``prefetch_shards=N`` a background thread (``zephon-shard-prefetch``) downloads
+at most N announced shards ahead of their reads; ``stop_prefetch`` drops what was not started and
+waits for the download under way, and the thread ends by itself whenever its queue is empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from zephon.errors import FetchError
+from zephon.validation import check_int
+
+__all__ = ["CachedShard", "ShardCache"]
+
+#: Bytes a download writes (and hashes) at a time.
+DOWNLOAD_PIECE = 16 << 20
+
+#: ``download(write)``: write the object's bytes through ``write``; returns how many it wrote.
+Download = Callable[[Callable[[bytes], None]], int]
+
+
+class ShardCache:
+    """A directory of whole remote shards, bounded by ``max_bytes``, shared through file locks by
+    every process of the machine that uses the same ``dir``; see the module docstring.
+
+    Invariant: a shard is served only when its record names the URI, version and size asked for
+    and its file is the one the cache wrote (size, mtime, inode; in each process once, its sha256
+    too); the entries and reservations never hold more than ``max_bytes``.
+    """
+
+    #: Shards a process keeps open between reads (each one's lock held shared, its map kept),
+    #: so a read of a shard read recently costs one ``stat`` of it. The process lets them go
+    #: when it needs room; to other processes they are open (not evicted).
+    KEPT_OPEN = 4
+
+    def __init__(
+        self, dir: str | os.PathLike[str], *, max_bytes: int, prefetch_shards: int = 0
+    ) -> None:
+        if not isinstance(dir, (str, os.PathLike)):
+            raise TypeError(f"ShardCache: dir must be a path, got {dir!r}")
+        self.dir = os.path.abspath(os.fspath(dir))
+        self.max_bytes = check_int(max_bytes, "max_bytes", "ShardCache", minimum=1)
+        self.prefetch_shards = check_int(
+            prefetch_shards, "prefetch_shards", "ShardCache", minimum=0
+        )
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._verified: set[tuple[str, int, int, int]] = set()  # key, inode, mtime, size
+        # Records read, by their shard file's (key, inode, mtime, size).
+        self._records: dict[tuple[str, int, int, int], dict[str, Any]] = {}
+        self._made_dirs = False
+        # Entries this process has open (in use or kept), and the kept ones, oldest first.
+        self._live: dict[str, _Entry] = {}
+        self._kept: OrderedDict[str, _Entry] = OrderedDict()
+        self._queue: OrderedDict[str, Callable[[], None]] = OrderedDict()
+        self._worker: threading.Thread | None = None
+        self._stopping = False
+
+    # --------------------------------------------------------------------- paths
+    @staticmethod
+    def key(uri: str, version: str, size: int) -> str:
+        """The entry name of one version of an object."""
+        text = f"zephon shard 1\0{uri}\0{version}\0{size}"
+        return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+    def shard_path(self, key: str) -> str:
+        """Where the bytes of entry ``key`` are kept."""
+        return os.path.join(self.dir, key + ".shard")
+
+    def _record_path(self, key: str) -> str:
+        return os.path.join(self.dir, key + ".json")
+
+    def _lock_path(self, key: str) -> str:
+        return os.path.join(self.dir, "locks", key + ".lock")
+
+    # --------------------------------------------------------------------- opening
+    def open(
+        self,
+        uri: str,
+        version: str,
+        size: int,
+        download: Download,
+        direct: Callable[[], Any],
+        opened: Callable[[CachedShard], None] = lambda shard: None,
+    ) -> CachedShard:
+        """Entry of ``uri`` at ``version`` (``size`` bytes), made by ``download`` when missing or
+        not intact, or read through ``direct()`` (the object opened on the store) when the cache
+        has no room; nothing is locked, checked or downloaded before its bytes are first needed,
+        and then ``opened(shard)`` is called (its ``hit`` known)."""
+        return CachedShard(self, uri, version, size, download, direct, opened)
+
+    def _acquire(self, uri: str, version: str, size: int, download: Download) -> Any:
+        """``(entry, hit)`` of an intact entry, open and locked shared for the caller (release it
+        with ``_release``), downloaded first when needed; None when there is no room for it
+        (every other entry in use): read it uncached."""
+        if size > self.max_bytes:
+            raise FetchError(
+                f"ShardCache({self.dir!r}, max_bytes={self.max_bytes}) cannot hold {uri!r} "
+                f"({size} bytes); raise max_bytes above the largest shard, or read this data "
+                "without cache="
+            )
+        key = self.key(uri, version, size)
+        with self._lock:
+            live = self._live.get(key)
+        if live is not None:  # open in this process: in use, or kept
+            if not live.unchanged():
+                self._unkeep(live)  # changed on disk since it was checked
+            else:
+                with self._lock:
+                    reused = self._live.get(key) is live  # not closed meanwhile
+                    if reused:
+                        live.users += 1
+                        if live.kept:
+                            self._kept.move_to_end(key)
+                if reused:
+                    with contextlib.suppress(OSError):
+                        os.utime(self._record_path(key))  # its last use, for eviction
+                    return live, True
+        if not self._made_dirs:
+            os.makedirs(os.path.dirname(self._lock_path(key)), exist_ok=True)
+            self._made_dirs = True
+        fd = os.open(self._lock_path(key), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fetched = False
+            for _ in range(8):  # another process may evict between our downgrade and check
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                mapped = self._intact(key, uri, version, size)
+                if mapped is not None:
+                    return self._opened(key, fd, mapped), not fetched
+                with self._lock:
+                    busy = key in self._live
+                if busy:  # our own shared lock would block the exclusive one forever
+                    raise FetchError(
+                        f"ShardCache: the cached copy of {uri!r} ({self.shard_path(key)!r}) "
+                        "changed on disk while this process had it open; do not write into the "
+                        "cache directory"
+                    )
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if self._intact(key, uri, version, size) is None:
+                    if not self._reserve(key, uri, version, size):
+                        os.close(fd)
+                        return None
+                    self._download(key, uri, version, size, download)
+                    fetched = True
+                # Shared again; not atomic, so the entry is checked once more.
+            raise FetchError(
+                f"ShardCache: {uri!r} was evicted again and again before it could be read; "
+                f"raise max_bytes of {self.dir!r}"
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _opened(self, key: str, fd: int, mapped: Any) -> _Entry:
+        # A newly opened entry, used by its caller and kept open for the next reads.
+        entry = _Entry(key, self.shard_path(key), fd, mapped)
+        with self._lock:
+            old = self._live.get(key)
+            self._live[key] = entry
+            self._kept[key] = entry
+            self._kept.move_to_end(key)
+            dropped = [old] if old is not None and old is not entry else []
+            while len(self._kept) > self.KEPT_OPEN:
+                dropped.append(self._kept.popitem(last=False)[1])
+        for old in dropped:
+            self._unkeep(old)
+        return entry
+
+    def _release(self, entry: _Entry) -> None:
+        """One user of ``entry`` is done; closed (its lock let go) when none is and it is no
+        longer kept."""
+        with self._lock:
+            entry.users -= 1
+            done = entry.users == 0 and not entry.kept
+            if done and self._live.get(entry.key) is entry:
+                del self._live[entry.key]
+        if done:
+            entry.close()
+
+    def _unkeep(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.kept = False
+            if self._kept.get(entry.key) is entry:
+                del self._kept[entry.key]
+            done = entry.users == 0
+            if done and self._live.get(entry.key) is entry:
+                del self._live[entry.key]
+        if done:
+            entry.close()
+
+    def let_go(self) -> None:
+        """Close the shards this process keeps open between reads (those in use close when their
+        readers do), so eviction may have them."""
+        with self._lock:
+            kept = list(self._kept.values())
+        for entry in kept:
+            self._unkeep(entry)
+
+    def _intact(self, key: str, uri: str, version: str, size: int) -> Any:
+        """A memory map of entry ``key`` when its record and file are what was asked for and
+        written (the whole file hashed on its first open in this process); else None."""
+        import pyarrow as pa
+
+        path = self.shard_path(key)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        seen = (key, st.st_ino, st.st_mtime_ns, st.st_size)
+        with self._lock:
+            record = self._records.get(seen)  # a record is written with its shard file only
+        if record is None:
+            record = _read_json(self._record_path(key))
+            wanted = {"state": "done", "uri": uri, "version": version, "size": size}
+            if record is None or any(record.get(k) != v for k, v in wanted.items()):
+                return None
+            if (st.st_size, st.st_mtime_ns, st.st_ino) != (size, record["mtime_ns"], record["ino"]):
+                return None
+            with self._lock:
+                self._records[seen] = record
+        try:
+            mapped = pa.memory_map(path, "r")
+        except OSError:
+            return None
+        with self._lock:
+            verified = seen in self._verified
+        if not verified:
+            if _sha256_of(mapped) != record["sha256"]:
+                mapped.close()
+                return None
+            with self._lock:
+                self._verified.add(seen)
+        mapped.seek(0)
+        with contextlib.suppress(OSError):
+            os.utime(self._record_path(key))  # its last use, for eviction
+        return mapped
+
+    # --------------------------------------------------------------------- downloading
+    def _download(self, key: str, uri: str, version: str, size: int, download: Download) -> None:
+        # Under the entry's exclusive lock, with its size reserved: to a temporary name, then
+        # renamed into place and recorded.
+        for stale in _leftovers(self.dir, key):
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
+        tmp = os.path.join(self.dir, f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        h = hashlib.sha256()
+        try:
+            with open(tmp, "wb") as out:
+
+                def write(data: bytes) -> None:
+                    out.write(data)
+                    h.update(data)
+
+                got = download(write)
+            if got != size:
+                raise FetchError(
+                    f"ShardCache: {uri!r} ({version}) gave {got} bytes, {size} were expected: "
+                    "the object changed while it was downloaded; build a new source"
+                )
+            path = self.shard_path(key)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self._drop(key)
+            raise
+        st = os.stat(path)
+        record = {
+            "state": "done",
+            "uri": uri,
+            "version": version,
+            "size": size,
+            "sha256": h.hexdigest(),
+            "mtime_ns": st.st_mtime_ns,
+            "ino": st.st_ino,
+        }
+        _write_json(self._record_path(key), record)
+        with self._lock:
+            self._verified.add((key, st.st_ino, st.st_mtime_ns, st.st_size))
+
+    def _drop(self, key: str) -> None:
+        for path in (self.shard_path(key), self._record_path(key)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    # --------------------------------------------------------------------- space
+    def _reserve(self, key: str, uri: str, version: str, size: int) -> bool:
+        """Room for ``size`` bytes of entry ``key`` (held exclusively), least recently used
+        entries nobody holds open deleted first; False when they cannot make it."""
+        with _flocked(os.path.join(self.dir, "locks", "space.lock")):
+            self._drop(key)  # a stale or damaged copy of this entry goes first
+            entries = sorted(self._entries(), key=lambda e: e[1])
+            total = sum(e[2] for e in entries)
+            if total + size > self.max_bytes:
+                self.let_go()  # what this process keeps open but does not read may go
+            for other, _, other_size in entries:
+                if total + size <= self.max_bytes:
+                    break
+                if other != key and self._evict(other):
+                    total -= other_size
+            if total + size > self.max_bytes:
+                return False
+            reservation = {"state": "downloading", "uri": uri, "version": version, "size": size}
+            _write_json(self._record_path(key), reservation)
+            return True
+
+    def _entries(self) -> Iterator[tuple[str, int, int]]:
+        """``(key, last use, size)`` of every entry and reservation."""
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.dir):
+                if not name.endswith(".json") or name.startswith("."):
+                    continue
+                path = os.path.join(self.dir, name)
+                record = _read_json(path)
+                if record is None:
+                    continue
+                with contextlib.suppress(OSError):
+                    yield name[: -len(".json")], os.stat(path).st_mtime_ns, int(record["size"])
+
+    def _evict(self, key: str) -> bool:
+        """Delete entry ``key`` unless someone holds it (open for reading, or downloading)."""
+        try:
+            fd = os.open(self._lock_path(key), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        try:
+            self._drop(key)
+            for stale in _leftovers(self.dir, key):
+                with contextlib.suppress(OSError):
+                    os.unlink(stale)
+        finally:
+            os.close(fd)
+        return True
+
+    def cached_bytes(self) -> int:
+        """Bytes of the entries (and reservations) in the directory now."""
+        return sum(size for _, _, size in self._entries())
+
+    # --------------------------------------------------------------------- read-ahead
+    def prefetch(self, name: str, fetch: Callable[[], None]) -> bool:
+        """Run ``fetch`` (which downloads shard ``name`` into the cache) on the read-ahead
+        thread; False when it cannot be queued (``prefetch_shards`` are queued already, or the
+        read-ahead is stopping). Errors are left to the read that needs the shard (it downloads
+        it itself and reports them)."""
+        if self.prefetch_shards <= 0:
+            return False
+        with self._lock:
+            if name in self._queue:
+                return True
+            if self._stopping or len(self._queue) >= self.prefetch_shards:
+                return False
+            self._queue[name] = fetch
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._prefetch_loop, name="zephon-shard-prefetch", daemon=True
+                )
+                self._worker.start()
+        return True
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue or self._stopping:
+                    self._worker = None
+                    return
+                name, fetch = next(iter(self._queue.items()))
+            try:
+                fetch()
+            except Exception:  # the read of this shard meets it again and reports it
+                pass
+            finally:
+                with self._lock:
+                    self._queue.pop(name, None)
+
+    def stop_prefetch(self) -> None:
+        """Drop the queued read-ahead and wait for the download under way (its own deadlines
+        bound it); later announcements start the thread again."""
+        with self._lock:
+            self._stopping = True
+            self._queue.clear()
+            worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
+        with self._lock:
+            self._stopping = False
+
+    # --------------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "dir": self.dir,
+            "max_bytes": self.max_bytes,
+            "prefetch_shards": self.prefetch_shards,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardCache({self.dir!r}, max_bytes={self.max_bytes}, "
+            f"prefetch_shards={self.prefetch_shards})"
+        )
+
+
+class CachedShard:
+    """One remote shard opened through a ``ShardCache``: a file object (``read_at``, ``read``,
+    ``seek``, ...; whatever its copy's memory map has) over its cached copy, made on first use;
+    ``size()``, ``metadata()`` and ``version`` (the store version it was opened at) are known
+    without it. ``hit`` is None until the copy is needed, then whether it was there already
+    (False: this open downloaded it, or, ``bypassed``, read the store directly because the cache
+    had no room)."""
+
+    def __init__(
+        self,
+        cache: ShardCache,
+        uri: str,
+        version: str,
+        size: int,
+        download: Download,
+        direct: Callable[[], Any],
+        opened: Callable[[CachedShard], None] = lambda shard: None,
+    ) -> None:
+        self.cache = cache
+        self.uri = uri
+        self.version = version
+        self._size = size
+        self._download: Download | None = download
+        self._direct = direct
+        self._opened = opened
+        self._file: Any = None
+        self._entry: _Entry | None = None
+        self.hit: bool | None = None
+        self.bypassed = False
+        self.closed = False
+
+    def materialize(self) -> Any:
+        """The open cached copy, downloaded first when needed (or the object opened on the store
+        when the cache has no room for it)."""
+        if self._file is None:
+            if self.closed or self._download is None:
+                raise ValueError(f"I/O operation on a closed cached shard {self.uri!r}")
+            got = self.cache._acquire(self.uri, self.version, self._size, self._download)
+            if got is None:
+                self._file, self.hit, self.bypassed = self._direct(), False, True
+            else:
+                import pyarrow as pa
+
+                self._entry, self.hit = got
+                self._file = pa.BufferReader(self._entry.data)
+            self._download = None
+            self._opened(self)
+        return self._file
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    def size(self) -> int:
+        """The shard's size in bytes."""
+        return self._size
+
+    def metadata(self) -> dict[str, str]:
+        """The store version the shard was opened at (as ``Locations.version`` reads it)."""
+        return {"zephon-version": self.version}
+
+    def close(self) -> None:
+        """Close the copy and let eviction have it again."""
+        if self.closed:
+            return
+        self.closed = True
+        self._download = None
+        if self._file is not None:
+            self._file.close()
+        if self._entry is not None:
+            self.cache._release(self._entry)
+            self._entry = None
+
+    def __enter__(self) -> CachedShard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class _Entry:
+    """A cache entry this process has open: its lock file held shared (``fd``), its memory map
+    and the whole of it as a buffer, and the file's identity when it was checked."""
+
+    def __init__(self, key: str, path: str, fd: int, mapped: Any) -> None:
+        self.key = key
+        self.path = path
+        self.fd = fd
+        self.mapped = mapped
+        mapped.seek(0)
+        self.data = mapped.read_buffer(mapped.size())  # the map itself, no copy
+        st = os.fstat(mapped.fileno())
+        self.seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        self.users = 1
+        self.kept = True
+
+    def unchanged(self) -> bool:
+        """Whether the entry's file is still the one checked when it was opened."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_ino, st.st_mtime_ns, st.st_size) == self.seen
+
+    def close(self) -> None:
+        """Close the map and let go of the lock."""
+        self.mapped.close()
+        os.close(self.fd)
+
+
+# ------------------------------------------------------------------------- helpers
+
+
+def _sha256_of(mapped: Any) -> str:
+    h = hashlib.sha256()
+    size = mapped.size()
+    for at in range(0, size, DOWNLOAD_PIECE):
+        h.update(mapped.read_at(min(DOWNLOAD_PIECE, size - at), at))
+    return h.hexdigest()
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as fh:
+            value = json.loads(fh.read())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) and isinstance(value.get("size"), int) else None
+
+
+def _write_json(path: str, value: dict[str, Any]) -> None:
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(value, fh)
+    os.replace(tmp, path)
+
+
+def _leftovers(directory: str, key: str) -> list[str]:
+    """Temporary files of downloads of ``key`` that never finished (their process died)."""
+    prefix = f".{key}."
+    with contextlib.suppress(OSError):
+        return [os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(prefix)]
+    return []
+
+
+@contextlib.contextmanager
+def _flocked(path: str) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
