@@ -25,9 +25,11 @@ from zephon.errors import OperatorError, PlanError, ZephonError
 from zephon.ops.basic import fetch, map_transform
 from zephon.ops.batching import batch
 from zephon.runtime.workers.kinds import open_lanes
+from zephon.runtime.workers.pickled_plan import PlanParcel
 from zephon.runtime.workers.processes import ProcessLane
 from zephon.runtime.workers.stopping import close_lanes
-from zephon.sources.memory import RangeSource
+from zephon.sources.memory import ListSource, RangeSource
+from zephon.types import SampleRecord
 
 KINDS = ["inline", "thread", "process"]
 
@@ -276,3 +278,54 @@ def test_a_worker_killed_while_another_lane_is_awaited_is_reported_by_its_own_la
     finally:
         close_lanes(lanes)
     assert spent[0] < 0.5  # it waited, rather than spinning on the ended pipe
+
+
+def _through_gate(path: str) -> None:
+    with open(path, "rb"):  # a FIFO: opening it waits for the test to open its other end
+        return None
+
+
+class Gate:
+    """Unpickled (in a worker, as it starts) only once the test opens the FIFO ``path``; it
+    becomes None, the runner's default ``carry``."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (_through_gate, (self.path,))
+
+
+def test_starting_a_worker_does_not_wait_for_it_to_read_its_plan(tmp_path):
+    # A plan larger than a pipe holds: were it part of the start, starting the worker would
+    # wait for the worker to read it, and so would the start of every worker after it.
+    gate = str(tmp_path / "gate")
+    os.mkfifo(gate)
+    texts = [f"{i:06d}" * 200 for i in range(300)]
+    pipeline = zephon.Pipeline(ListSource(texts, chunk_size=100), [fetch()], workers="process")
+    plan = pipeline.compile()
+    assert len(PlanParcel(plan).plan_bytes) > 256 * 1024
+    started: list[ProcessLane] = []
+    returned = threading.Event()
+
+    def start() -> None:
+        started.append(ProcessLane(plan, 0, carry=Gate(gate)))
+        returned.set()
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    try:
+        # The worker is still held at the gate, before it could read anything.
+        held = returned.wait(60)
+    finally:
+        with open(gate, "wb"):  # lets the worker go on
+            pass
+        thread.join(60)
+    try:
+        assert held, "starting the worker waited for it to read its plan"
+        (lane,) = started
+        items = expand_runs([item for got in lane for item in got])
+        payloads = [r.payload for r in items if type(r) is SampleRecord]
+    finally:
+        close_lanes(started)
+    assert payloads == texts

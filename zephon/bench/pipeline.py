@@ -56,7 +56,9 @@ __all__ = [
     "pack_pipeline",
     "peak_rss",
     "process_ceiling",
+    "ratio_sides",
     "restore_pipeline",
+    "run_side",
     "square",
     "torchdata_map_batch",
     "trivial_collate",
@@ -274,6 +276,29 @@ RATIOS = {
 }
 
 
+def ratio_sides(n: int) -> dict[str, Callable[[], Any]]:
+    """The sides ``measure_ratios`` times, by name: each makes an iterator over ``n`` records
+    (None for torchdata when it is missing)."""
+    return {
+        "trivial": lambda: iter(overhead_pipeline_with(n, trivial_collate)),
+        "default": lambda: iter(overhead_pipeline_with(n, None)),
+        "bare": lambda: bare_trivial(n),
+        "bare_default": lambda: bare_chain(n),
+        "torchdata": lambda: torchdata_map_batch(n),
+    }
+
+
+def run_side(side: str, n: int) -> None:
+    """Drain one of ``ratio_sides`` over ``n`` records, after a short run of the pipeline that
+    imports and warms up what every side uses: what an instruction count runs, twice (a long
+    ``n`` and a short one, whose difference is the per-record cost; see docs/benchmarks.md)."""
+    drain(iter(overhead_pipeline_with(2 * CHUNK_SIZE, None)))
+    it = ratio_sides(n)[side]()
+    if it is None:
+        raise RuntimeError(f"side {side!r} needs torchdata, which is not installed")
+    drain(it)
+
+
 def measure_ratios(n: int = 300_000, *, repeats: int = 5) -> dict[str, float]:
     """Seconds per record (medians, runs alternating) of the pipeline with the trivial and the
     default collate, of the bare chain with the trivial and with the default collate, and of
@@ -282,13 +307,7 @@ def measure_ratios(n: int = 300_000, *, repeats: int = 5) -> dict[str, float]:
     moves both sides of a ratio alike. ``torchdata/bare_default`` is the ceiling of the
     torchdata row: how far any engine could get ahead of torchdata on this work if it added
     nothing at all to the reads, the map and the collate."""
-    makers: dict[str, Callable[[], Any]] = {
-        "trivial": lambda: iter(overhead_pipeline_with(n, trivial_collate)),
-        "default": lambda: iter(overhead_pipeline_with(n, None)),
-        "bare": lambda: bare_trivial(n),
-        "bare_default": lambda: bare_chain(n),
-        "torchdata": lambda: torchdata_map_batch(n),
-    }
+    makers = ratio_sides(n)
     runs: dict[str, list[float]] = {key: [] for key in makers}
     torchdata_map_batch(1)  # import torch and torchdata before the clock starts
     for _ in range(repeats):

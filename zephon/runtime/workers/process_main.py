@@ -224,13 +224,13 @@ def _send_error(outbox: _Outbox, exc: BaseException) -> None:
 
 def process_main(
     members: list[tuple[Connection, int, dict]],
-    plan_bytes: bytes,
     ahead: tuple[int, int | None],
     loader_pid: int,
     environment: dict[str, str],
 ) -> None:
     """A worker process: one lane, or several lanes each on a thread of its own (so that a lane
-    blocked sending to the loader never holds up another). The plan is loaded once, for all."""
+    blocked sending to the loader never holds up another). The plan is loaded once, for all,
+    from the first lane's pipe, where the loader sends it after the start (``ship_plan``)."""
     # Ctrl-C in a terminal reaches the whole process group: the loader's process handles it and
     # stops its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -243,6 +243,10 @@ def process_main(
     for conn, _, _ in members:
         _write_or_leave(conn, encode(READY, None))
     lane_ids = [lane_id for _, lane_id, _ in members]
+    try:
+        plan_bytes = members[0][0].recv_bytes()
+    except (EOFError, OSError):  # the loader stopped the lane before sending the plan
+        return
     plan = _load_plan(plan_bytes, lane_ids)
     del plan_bytes
     setup = None

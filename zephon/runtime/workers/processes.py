@@ -10,6 +10,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import socket
 import time
 import weakref
 from multiprocessing.connection import Connection
@@ -44,6 +45,11 @@ from zephon.runtime.workers.worker_warnings import reraise
 from zephon.sources.storage_waits import StorageWait
 
 _EXIT_STATUS_WAIT = 1.0  # a dead worker's exit status follows the end of its pipe closely
+
+#: The loader's send buffer on the pipe a worker reads its plan from: large enough that the
+#: pickled plan (a tokenizer's vocabulary makes it hundreds of kB) is queued at once, so that
+#: starting a worker never waits for the worker to read it (the kernel caps it: ``wmem_max``).
+PLAN_SEND_BUFFER = 8 << 20
 
 
 # Worker processes started by this process, forgotten by multiprocessing in a fork()ed child.
@@ -146,14 +152,17 @@ def _start_process(
     plan: Plan, members: list[tuple[int, dict]], parcel: PlanParcel
 ) -> tuple[Any, list[Connection]]:
     """Start one worker process for the lanes ``members`` (lane id, runner start); the process
-    and the loader's end of each lane's pipe."""
+    and the loader's end of each lane's pipe.
+
+    The plan goes to the worker on its first lane's pipe once it runs (``ship_plan``), not with
+    its start: a start that carries more than a pipe holds waits until the worker has booted and
+    read it, and the next worker would only start then."""
     ctx = worker_context(parcel.preload)
     pipes = [ctx.Pipe(duplex=True) for _ in members]
     proc = ctx.Process(
         target=process_main,
         args=(
             [(child, lane_id, start) for (_, child), (lane_id, start) in zip(pipes, members)],
-            parcel.plan_bytes,
             (plan.prefetch, plan.max_inflight_bytes),
             os.getpid(),
             parcel.environment,
@@ -172,7 +181,34 @@ def _start_process(
         for _, child in pipes:
             child.close()
     _started_here.add(proc)
-    return proc, [parent for parent, _ in pipes]
+    parents = [parent for parent, _ in pipes]
+    ship_plan(parents[0], parcel.plan_bytes)
+    return proc, parents
+
+
+def ship_plan(conn: Connection, plan_bytes: bytes) -> None:
+    """Send a started worker its pickled plan, queued in the pipe's send buffer (widened to
+    ``PLAN_SEND_BUFFER`` where the pipe is a socket) so that this does not wait for the worker
+    to read it. A worker that is already gone is left for the lane's ``next()`` to report."""
+    _widen_send_buffer(conn)
+    with contextlib.suppress(OSError):
+        conn.send_bytes(plan_bytes)
+
+
+def _widen_send_buffer(conn: Connection) -> None:
+    """Raise the send buffer of ``conn``'s socket to ``PLAN_SEND_BUFFER`` (a pipe that is no
+    socket, as on Windows, is left as it is)."""
+    try:
+        fd = os.dup(conn.fileno())
+    except (OSError, ValueError):
+        return
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        return
+    with sock, contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PLAN_SEND_BUFFER)
 
 
 class ProcessLane(WorkerLane):
