@@ -3,13 +3,12 @@ on the loopback S3 server."""
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +16,17 @@ import lance
 import numpy as np
 import pyarrow as pa
 import pytest
-from pipeline_kit import fingerprint_item, run
-from worker_kit import worker_processes
+from format_kit import (
+    assert_a_changed_dataset_is_refused,
+    assert_a_killed_worker_resumes_exactly,
+    assert_resumes_exactly,
+    assert_resumes_on_two_ranks_and_relanes,
+    stopped_after,
+)
+from pipeline_kit import run
 
 import zephon
-from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.errors import CheckpointMismatchError, FetchError, PlanError
 from zephon.ops import batch, fetch
 from zephon.sources import LanceSource, open_source
 
@@ -134,54 +139,24 @@ def delivered(items: list[Any]) -> Counter:
 
 def test_resumes_exactly_at_any_step(tmp_path):
     root = write(tmp_path / "d.lance")
-    full = run(iter(pipeline(root, lanes=2)))
-    for step in (0, 3, 9, len(full) - 1):
-        loader = iter(pipeline(root, lanes=2))
-        head = run(loader, step) if step else []
-        state = json.loads(json.dumps(loader.state_dict()))
-        loader.close()
-        assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, root), lambda n: (0, 3, 9, n - 1))
 
 
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_a_killed_worker_resumes_exactly(tmp_path):
-    root = write(tmp_path / "d.lance")
-    full = run(iter(pipeline(root, lanes=2)))
-    loader = iter(pipeline(root, lanes=2, workers="process"))
-    head = run(loader, 4)
-    os.kill(worker_processes()[0].pid, signal.SIGKILL)
-    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
-        for item in loader:
-            head.append(fingerprint_item(item))
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+    assert_a_killed_worker_resumes_exactly(partial(pipeline, write(tmp_path / "d.lance")), 4)
 
 
 def test_a_job_of_four_ranks_resumes_on_two_and_relanes(tmp_path):
-    root = write(tmp_path / "d.lance")
-    states, before = [], []
-    for rank in range(4):
-        loader = iter(pipeline(root, lanes=4, rank=rank, world_size=4))
-        before += [next(loader) for _ in range(2)]
-        states.append(json.loads(json.dumps(loader.state_dict())))
-        loader.close()
-    job = zephon.merge_states(states)
-    after = [x for r in range(2) for x in pipeline(root, rank=r, world_size=2).iter(state=job)]
-    assert delivered(before) + delivered(after) == Counter(range(N))
-    with pytest.warns(RelaneWarning):
-        relaned = list(pipeline(root, lanes=3).iter(state=job))
-    assert delivered(before) + delivered(relaned) == Counter(range(N))
+    make = partial(pipeline, write(tmp_path / "d.lance"))
+    assert_resumes_on_two_ranks_and_relanes(make, delivered, Counter(range(N)))
 
 
 @pytest.mark.parametrize("mode", ["append", "overwrite"])
 def test_a_changed_dataset_is_refused_unless_the_version_is_pinned(tmp_path, mode):
     root = write(tmp_path / "d.lance")
     full = run(iter(pipeline(root)))
-    loader = iter(pipeline(root))
-    head = run(loader, 3)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
+    head, state = stopped_after(partial(pipeline, root), 3)
     write(root, 0, N + 1, mode=mode)
     with pytest.raises(
         CheckpointMismatchError, match=r"'dataset_version': checkpoint 1, pipeline 2"
@@ -204,13 +179,10 @@ def test_a_data_file_replaced_in_place_is_a_checkpoint_mismatch_naming_its_fragm
     def pipe() -> zephon.Pipeline:
         return zephon.Pipeline(LanceSource(tmp_path / "a.lance", chunk_size=5), [fetch()])
 
-    loader = iter(pipe())
-    next(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    target.write_bytes(source.read_bytes())
-    with pytest.raises(CheckpointMismatchError, match=r"file 'fragment-0' changed"):
-        iter(pipe().iter(state=state))
+    def replace() -> None:
+        target.write_bytes(source.read_bytes())
+
+    assert_a_changed_dataset_is_refused(pipe, replace, r"file 'fragment-0' changed")
 
 
 # --------------------------------------------------------------------------- remote
@@ -232,9 +204,4 @@ def test_a_bucket_copy_delivers_the_local_rows(tmp_path, bucket):
 def test_a_bucket_dataset_resumes_exactly(tmp_path, bucket):
     uri = write(f"s3://{bucket.name}/written.lance", storage_options={"allow_http": "true"})
     assert delivered(list(pipeline(uri))) == Counter(range(N))
-    full = run(iter(pipeline(uri, lanes=2)))
-    loader = iter(pipeline(uri, lanes=2))
-    head = run(loader, 6)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(uri, lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, uri), lambda n: (6,))

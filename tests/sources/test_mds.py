@@ -3,24 +3,29 @@ zstd-compressed, locally and on the loopback S3 server."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import signal
 from collections import Counter
 from decimal import Decimal
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from format_kit import (
+    assert_a_changed_dataset_is_refused,
+    assert_a_changed_object_is_refused,
+    assert_a_killed_worker_resumes_exactly,
+    assert_resumes_exactly,
+    assert_resumes_on_two_ranks_and_relanes,
+)
 from mds_kit import mds_writer
-from pipeline_kit import fingerprint_item, run
-from worker_kit import wait_until, worker_processes
+from worker_kit import wait_until
 
 import zephon
-from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.errors import FetchError, PlanError
 from zephon.ops import batch, fetch
 from zephon.sources import MDSSource, ShardCache, open_source
 
@@ -153,62 +158,34 @@ def delivered(items: list[Any]) -> Counter:
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_resumes_exactly_at_any_step(tmp_path, compression):
     root = write(tmp_path / "d", compression)
-    full = run(iter(pipeline(root, tmp_path / "c", lanes=2)))
-    for step in (0, 3, 9, len(full) - 1):
-        loader = iter(pipeline(root, tmp_path / "c", lanes=2))
-        head = run(loader, step) if step else []
-        state = json.loads(json.dumps(loader.state_dict()))
-        loader.close()
-        assert head + run(pipeline(root, tmp_path / "c", lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, root, tmp_path / "c"), lambda n: (0, 3, 9, n - 1))
 
 
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_a_killed_worker_resumes_exactly(tmp_path):
     root = write(tmp_path / "d", "zstd")
-    cache = tmp_path / "c"
-    full = run(iter(pipeline(root, cache, lanes=2)))
-    loader = iter(pipeline(root, cache, lanes=2, workers="process"))
-    head = run(loader, 4)
-    os.kill(worker_processes()[0].pid, signal.SIGKILL)
-    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
-        for item in loader:
-            head.append(fingerprint_item(item))
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(root, cache, lanes=2).iter(state=state)) == full
+    assert_a_killed_worker_resumes_exactly(partial(pipeline, root, tmp_path / "c"), 4)
 
 
 def test_a_job_of_four_ranks_resumes_on_two_and_relanes(tmp_path):
-    root = write(tmp_path / "d")
-    cache = tmp_path / "c"
-    states, before = [], []
-    for rank in range(4):
-        loader = iter(pipeline(root, cache, lanes=4, rank=rank, world_size=4))
-        before += [next(loader) for _ in range(2)]
-        states.append(json.loads(json.dumps(loader.state_dict())))
-        loader.close()
-    job = zephon.merge_states(states)
-    after = [
-        x for r in range(2) for x in pipeline(root, cache, rank=r, world_size=2).iter(state=job)
-    ]
-    assert delivered(before) + delivered(after) == Counter(range(N))
-    with pytest.warns(RelaneWarning):
-        relaned = list(pipeline(root, cache, lanes=3).iter(state=job))
-    assert delivered(before) + delivered(relaned) == Counter(range(N))
+    make = partial(pipeline, write(tmp_path / "d"), tmp_path / "c")
+    assert_resumes_on_two_ranks_and_relanes(make, delivered, Counter(range(N)))
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_a_rewritten_shard_is_a_checkpoint_mismatch(tmp_path, compression):
     root = write(tmp_path / "d", compression)
-    loader = iter(pipeline(root, tmp_path / "c"))
-    next(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    shutil.rmtree(root)
-    write(root, compression, n=N + 1)  # the same shards but the last, which gains a sample
-    last = sorted(p.name for p in root.glob("shard.*"))[-1]
-    with pytest.raises(CheckpointMismatchError, match=re.escape(last)):
-        iter(pipeline(root, tmp_path / "c").iter(state=state))
+
+    def rewrite() -> None:
+        shutil.rmtree(root)
+        write(root, compression, n=N + 1)  # the same shards but the last, which gains a sample
+
+    make = partial(pipeline, root, tmp_path / "c")
+
+    def last() -> str:
+        return re.escape(sorted(p.name for p in root.glob("shard.*"))[-1])
+
+    assert_a_changed_dataset_is_refused(make, rewrite, last)
 
 
 # --------------------------------------------------------------------------- remote
@@ -232,23 +209,20 @@ def test_a_changed_remote_block_is_refused(tmp_path, bucket):
     uri = bucket.upload(local, "mds-changed")
     there = MDSSource(uri, cache_dir=tmp_path / "c")
     there.num_samples()
-    data = bytearray((local / "shard.00000.mds").read_bytes())
-    data[-3] ^= 1
-    with bucket.fs.open_output_stream(f"{bucket.name}/mds-changed/shard.00000.mds") as out:
-        out.write(bytes(data))
-    with pytest.raises(FetchError, match=r"shard\.00000\.mds.*no longer matches the digest"):
-        every_sample(there)
+    assert_a_changed_object_is_refused(
+        bucket,
+        "mds-changed/shard.00000.mds",
+        local / "shard.00000.mds",
+        flip=-3,
+        read=lambda: every_sample(there),
+        match=r"shard\.00000\.mds.*no longer matches the digest",
+    )
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_a_bucket_copy_resumes_exactly(tmp_path, bucket, compression):
     uri = bucket.upload(write(tmp_path / "local", compression), f"mds-resume-{compression}")
-    full = run(iter(pipeline(uri, tmp_path / "c", lanes=2)))
-    loader = iter(pipeline(uri, tmp_path / "c", lanes=2))
-    head = run(loader, 6)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(uri, tmp_path / "c", lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, uri, tmp_path / "c"), lambda n: (6,))
 
 
 def test_a_local_shard_rewritten_since_it_was_indexed_is_refused_on_read(tmp_path):

@@ -8,22 +8,29 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
 import textwrap
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import webdataset as wds
-from pipeline_kit import fingerprint_item, run
-from worker_kit import script_env, worker_processes
+from format_kit import (
+    assert_a_changed_dataset_is_refused,
+    assert_a_changed_object_is_refused,
+    assert_a_killed_worker_resumes_exactly,
+    assert_resumes_exactly,
+    assert_resumes_on_two_ranks_and_relanes,
+)
+from pipeline_kit import run
+from worker_kit import script_env
 
 import zephon
-from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.errors import FetchError, PlanError
 from zephon.ops import batch, fetch
 from zephon.sources import ShardCache, WebDatasetSource, open_source
 
@@ -311,71 +318,43 @@ def delivered(items: list[Any]) -> Counter:
 
 def test_resumes_exactly_at_any_step(tmp_path):
     root = write(tmp_path / "d")
-    full = run(iter(pipeline(root, lanes=2)))
-    for step in (0, 3, 9, len(full) - 1):
-        loader = iter(pipeline(root, lanes=2))
-        head = run(loader, step) if step else []
-        state = json.loads(json.dumps(loader.state_dict()))
-        loader.close()
-        assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, root), lambda n: (0, 3, 9, n - 1))
 
 
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_a_killed_worker_resumes_exactly(tmp_path):
-    root = write(tmp_path / "d")
-    full = run(iter(pipeline(root, lanes=2)))
-    loader = iter(pipeline(root, lanes=2, workers="process"))
-    head = run(loader, 4)
-    os.kill(worker_processes()[0].pid, signal.SIGKILL)
-    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
-        for item in loader:
-            head.append(fingerprint_item(item))
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+    assert_a_killed_worker_resumes_exactly(partial(pipeline, write(tmp_path / "d")), 4)
 
 
 def test_a_job_of_four_ranks_resumes_on_two_and_relanes(tmp_path):
-    root = write(tmp_path / "d")
-    states, before = [], []
-    for rank in range(4):
-        loader = iter(pipeline(root, lanes=4, rank=rank, world_size=4))
-        before += [next(loader) for _ in range(2)]
-        states.append(json.loads(json.dumps(loader.state_dict())))
-        loader.close()
-    job = zephon.merge_states(states)
-    after = [x for r in range(2) for x in pipeline(root, rank=r, world_size=2).iter(state=job)]
-    assert delivered(before) + delivered(after) == Counter(range(N))
-    with pytest.warns(RelaneWarning):
-        relaned = list(pipeline(root, lanes=3).iter(state=job))
-    assert delivered(before) + delivered(relaned) == Counter(range(N))
+    make = partial(pipeline, write(tmp_path / "d"))
+    assert_resumes_on_two_ranks_and_relanes(make, delivered, Counter(range(N)))
 
 
 def test_a_rewritten_shard_is_refused_at_resume_naming_it(tmp_path):
     root = write(tmp_path / "d")
-    loader = iter(pipeline(root))
-    next(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    shutil.rmtree(root)
-    write(root, n=N + 1)  # the same shards but the last, which gains a sample
-    with pytest.raises(CheckpointMismatchError, match=re.escape("shard-0003.tar")):
-        iter(pipeline(root).iter(state=state))
+
+    def rewrite() -> None:
+        shutil.rmtree(root)
+        write(root, n=N + 1)  # the same shards but the last, which gains a sample
+
+    assert_a_changed_dataset_is_refused(
+        partial(pipeline, root), rewrite, re.escape("shard-0003.tar")
+    )
 
 
 def test_a_shard_rewritten_with_the_same_size_is_refused_at_resume_by_content(tmp_path):
     root = write(tmp_path / "d")
-    loader = iter(pipeline(root))
-    next(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
     shard = root / "shard-0001.tar"
-    data = bytearray(shard.read_bytes())
-    with tarfile.open(shard) as tar:
-        data[tar.getmembers()[4].offset_data] ^= 1  # one byte of one member, same size
-    shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointMismatchError, match=r"shard-0001\.tar.*content_sha256"):
-        iter(pipeline(root).iter(state=state))
+
+    def flip() -> None:
+        data = bytearray(shard.read_bytes())
+        with tarfile.open(shard) as tar:
+            data[tar.getmembers()[4].offset_data] ^= 1  # one byte of one member, same size
+        shard.write_bytes(bytes(data))
+
+    match = r"shard-0001\.tar.*content_sha256"
+    assert_a_changed_dataset_is_refused(partial(pipeline, root), flip, match)
 
 
 def test_a_local_shard_rewritten_while_read_is_refused(tmp_path):
@@ -426,22 +405,19 @@ def test_a_changed_remote_block_is_refused(tmp_path, bucket):
     uri = bucket.upload(local, "wds-changed")
     there = WebDatasetSource(uri, cache_dir=tmp_path / "c")
     there.num_samples()
-    data = bytearray((local / "shard-0000.tar").read_bytes())
-    data[-2000] ^= 1
-    with bucket.fs.open_output_stream(f"{bucket.name}/wds-changed/shard-0000.tar") as out:
-        out.write(bytes(data))
-    with pytest.raises(FetchError, match=r"shard-0000\.tar.*(no longer matches|changed since)"):
-        every_sample(there)
+    assert_a_changed_object_is_refused(
+        bucket,
+        "wds-changed/shard-0000.tar",
+        local / "shard-0000.tar",
+        flip=-2000,
+        read=lambda: every_sample(there),
+        match=r"shard-0000\.tar.*(no longer matches|changed since)",
+    )
 
 
 def test_a_bucket_copy_resumes_exactly(tmp_path, bucket):
     uri = bucket.upload(write(tmp_path / "local"), "wds-resume")
-    full = run(iter(pipeline(uri, lanes=2)))
-    loader = iter(pipeline(uri, lanes=2))
-    head = run(loader, 6)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(uri, lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, uri), lambda n: (6,))
     assert open_source(uri).num_samples() == N
 
 

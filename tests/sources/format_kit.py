@@ -1,0 +1,128 @@
+"""Checks every file format's source must pass, written once: exact resume, resume after a
+killed worker, a job resumed on fewer ranks and re-laned, a checkpoint refused once its data
+changed, a bucket object changed behind the source. Each format's tests call them with a
+``make(**pipeline_options)`` building its own pipeline over files its own writer made."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pipeline_kit import fingerprint_item, run
+from worker_kit import worker_processes
+
+import zephon
+from zephon.errors import CheckpointMismatchError, FetchError, RelaneWarning
+
+Make = Callable[..., zephon.Pipeline]
+Delivered = Callable[[list[Any]], Counter]
+
+
+def stopped_after(make: Make, items: int, **kw: Any) -> tuple[list[tuple], dict[str, Any]]:
+    """What ``make(**kw)`` delivers first (``items`` of it), and its state then after a JSON
+    round trip (the loader closed)."""
+    loader = iter(make(**kw))
+    head = run(loader, items) if items else []
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    return head, state
+
+
+def assert_resumes_exactly(make: Make, steps: Callable[[int], Iterable[int]]) -> None:
+    """Stopped after each of ``steps(len(full))`` items and resumed by a new pipeline, two lanes
+    deliver the uninterrupted stream ``full``."""
+    full = run(iter(make(lanes=2)))
+    for step in steps(len(full)):
+        head, state = stopped_after(make, step, lanes=2)
+        assert head + run(make(lanes=2).iter(state=state)) == full, f"step {step}"
+
+
+def assert_a_killed_worker_resumes_exactly(make: Make, items: int) -> None:
+    """A process lane SIGKILLed after ``items`` items fails the loader naming the signal; its
+    last state resumes (in threads) to the uninterrupted stream."""
+    full = run(iter(make(lanes=2)))
+    loader = iter(make(lanes=2, workers="process"))
+    head = run(loader, items)
+    os.kill(worker_processes()[0].pid, signal.SIGKILL)
+    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
+        for item in loader:
+            head.append(fingerprint_item(item))
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert head + run(make(lanes=2).iter(state=state)) == full
+
+
+def four_ranks_stopped(make: Make) -> tuple[list[Any], dict[str, Any]]:
+    """Four ranks of four lanes each take two items; what they took and their merged state."""
+    states, before = [], []
+    for rank in range(4):
+        loader = iter(make(lanes=4, rank=rank, world_size=4))
+        before += [next(loader) for _ in range(2)]
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        loader.close()
+    return before, zephon.merge_states(states)
+
+
+def assert_resumes_on_two_ranks(
+    make: Make, delivered: Delivered, every: Counter
+) -> tuple[list[Any], dict[str, Any]]:
+    """A job of four ranks resumed on two: each of ``every`` delivered once in all. Returns
+    what the four ranks took and their merged state."""
+    before, job = four_ranks_stopped(make)
+    after = [x for r in range(2) for x in make(rank=r, world_size=2).iter(state=job)]
+    assert delivered(before) + delivered(after) == every
+    return before, job
+
+
+def assert_relanes(
+    pipeline: zephon.Pipeline,
+    state: dict[str, Any],
+    before: list[Any],
+    delivered: Delivered,
+    every: Counter,
+) -> None:
+    """``pipeline`` resumed from a ``state`` of another lane count warns, and delivers what
+    ``before`` did not: each of ``every`` once in all."""
+    with pytest.warns(RelaneWarning):
+        after = list(pipeline.iter(state=state))
+    assert delivered(before) + delivered(after) == every
+
+
+def assert_resumes_on_two_ranks_and_relanes(
+    make: Make, delivered: Delivered, every: Counter
+) -> None:
+    """A job of four ranks resumes on two ranks, and on one rank of three lanes (re-laned):
+    each of ``every`` delivered once both times."""
+    before, job = assert_resumes_on_two_ranks(make, delivered, every)
+    assert_relanes(make(lanes=3), job, before, delivered, every)
+
+
+def assert_a_changed_dataset_is_refused(
+    make: Make, change: Callable[[], None], match: str | Callable[[], str]
+) -> None:
+    """A state taken after one item no longer resumes once ``change()`` changed the data:
+    CheckpointMismatchError matching ``match`` (or what ``match()`` returns after the change)."""
+    _, state = stopped_after(make, 1)
+    change()
+    with pytest.raises(CheckpointMismatchError, match=match if isinstance(match, str) else match()):
+        iter(make().iter(state=state))
+
+
+def assert_a_changed_object_is_refused(
+    bucket: Any, key: str, local: Path, *, flip: int, read: Callable[[], Any], match: str
+) -> None:
+    """The bucket object ``key``, a copy of the local file ``local``, overwritten with its byte
+    ``flip`` flipped after the source indexed it: ``read()`` raises FetchError matching
+    ``match``."""
+    data = bytearray(local.read_bytes())
+    data[flip] ^= 1
+    with bucket.fs.open_output_stream(f"{bucket.name}/{key}") as out:
+        out.write(bytes(data))
+    with pytest.raises(FetchError, match=match):
+        read()
