@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from pipeline_kit import fingerprint_item, run
 from worker_kit import worker_processes
@@ -22,6 +23,33 @@ from zephon.errors import CheckpointMismatchError, FetchError, RelaneWarning
 
 Make = Callable[..., zephon.Pipeline]
 Delivered = Callable[[list[Any]], Counter]
+
+
+def every_sample(src: Any) -> list[Any]:
+    """Every sample ``src`` holds, read chunk by chunk in its order."""
+    total = src.total_chunks()
+    assert total is not None
+    return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
+
+
+def assert_a_copy_reads_the_same(here: Any, there: Any, key: str) -> list[Any]:
+    """``there`` (a copy of ``here``'s files) describes itself as ``here`` does and reads its
+    samples in the same order (compared by ``key``); what ``there`` read."""
+    assert there.describe() == here.describe()
+    got = every_sample(there)
+    assert [g[key] for g in got] == [g[key] for g in every_sample(here)]
+    return got
+
+
+def assert_same_values(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Each of ``want``'s values in ``got``: arrays of the same dtype, shape and elements, any
+    other value equal and of the same type."""
+    for key, value in want.items():
+        if isinstance(value, np.ndarray):
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
+        else:
+            assert got[key] == value and type(got[key]) is type(value), key
 
 
 def stopped_after(make: Make, items: int, **kw: Any) -> tuple[list[tuple], dict[str, Any]]:

@@ -18,9 +18,11 @@ import pyarrow as pa
 import pytest
 from format_kit import (
     assert_a_changed_dataset_is_refused,
+    assert_a_copy_reads_the_same,
     assert_a_killed_worker_resumes_exactly,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks_and_relanes,
+    every_sample,
     stopped_after,
 )
 from pipeline_kit import run
@@ -51,12 +53,6 @@ def write(root: Path | str, lo: int = 0, hi: int = N, **kw: Any) -> str:
     options = {"max_rows_per_file": 16, "max_rows_per_group": 8, **kw}
     lance.write_dataset(table(lo, hi), str(root), **options)
     return str(root)
-
-
-def every_sample(src: LanceSource) -> list[dict[str, Any]]:
-    total = src.total_chunks()
-    assert total is not None
-    return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
 
 
 def assert_written(got: dict[str, Any]) -> None:
@@ -193,9 +189,7 @@ def test_a_bucket_copy_delivers_the_local_rows(tmp_path, bucket):
     uri = bucket.upload(Path(local), "lance/d.lance")
     here = LanceSource(local, chunk_size=6, shuffle=True)
     there = LanceSource(uri, chunk_size=6, shuffle=True)
-    assert there.describe() == here.describe()
-    got = every_sample(there)
-    assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
+    got = assert_a_copy_reads_the_same(here, there, "idx")
     for g in got:
         assert_written(g)
     assert type(open_source(uri)) is LanceSource

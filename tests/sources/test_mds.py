@@ -17,9 +17,12 @@ import pytest
 from format_kit import (
     assert_a_changed_dataset_is_refused,
     assert_a_changed_object_is_refused,
+    assert_a_copy_reads_the_same,
     assert_a_killed_worker_resumes_exactly,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks_and_relanes,
+    assert_same_values,
+    every_sample,
 )
 from mds_kit import mds_writer
 from worker_kit import wait_until
@@ -80,21 +83,10 @@ def write(root: Path, compression: str | None = None, n: int = N, **columns: str
     return root
 
 
-def every_sample(src: MDSSource) -> list[dict[str, Any]]:
-    total = src.total_chunks()
-    assert total is not None
-    return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
-
-
 def assert_written(got: dict[str, Any]) -> None:
     want = sample(got["idx"])
     assert list(got) == sorted(COLUMNS)
-    for key, value in want.items():
-        if isinstance(value, np.ndarray):
-            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
-            np.testing.assert_array_equal(got[key], value, err_msg=key)
-        else:
-            assert got[key] == value and type(got[key]) is type(value), key
+    assert_same_values(got, want)
 
 
 # --------------------------------------------------------------------------- coverage
@@ -197,9 +189,7 @@ def test_a_bucket_copy_delivers_the_local_samples(tmp_path, bucket, compression)
     uri = bucket.upload(local, f"mds-{compression}")
     here = MDSSource(local, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c1")
     there = MDSSource(uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2")
-    assert there.describe() == here.describe()
-    got = every_sample(there)
-    assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
+    got = assert_a_copy_reads_the_same(here, there, "idx")
     for g in got:
         assert_written(g)
 

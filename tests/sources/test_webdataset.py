@@ -22,9 +22,11 @@ import webdataset as wds
 from format_kit import (
     assert_a_changed_dataset_is_refused,
     assert_a_changed_object_is_refused,
+    assert_a_copy_reads_the_same,
     assert_a_killed_worker_resumes_exactly,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks_and_relanes,
+    every_sample,
 )
 from pipeline_kit import run
 from worker_kit import script_env
@@ -93,12 +95,6 @@ def webdatasets_samples(shards: list[str]) -> list[dict[str, Any]]:
 
 def index_of(payload: dict[str, Any]) -> int:
     return int(payload["__key__"].rsplit("/", 1)[1])
-
-
-def every_sample(src: WebDatasetSource) -> list[dict[str, Any]]:
-    total = src.total_chunks()
-    assert total is not None
-    return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
 
 
 def assert_written(got: dict[str, Any], url: str | None = None) -> None:
@@ -378,9 +374,7 @@ def test_a_bucket_copy_delivers_the_local_samples(tmp_path, bucket):
     uri = bucket.upload(local, "wds")
     here = WebDatasetSource(local, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c1")
     there = WebDatasetSource(uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2")
-    assert there.describe() == here.describe()
-    got = every_sample(there)
-    assert [g["__key__"] for g in got] == [g["__key__"] for g in every_sample(here)]
+    got = assert_a_copy_reads_the_same(here, there, "__key__")
     for g in got:
         assert_written(g, uri)
 
@@ -393,9 +387,7 @@ def test_a_bucket_copy_read_through_a_shard_cache_delivers_the_local_samples(tmp
     there = WebDatasetSource(
         uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2", cache=cache
     )
-    assert there.describe() == here.describe()
-    got = every_sample(there)
-    assert [g["__key__"] for g in got] == [g["__key__"] for g in every_sample(here)]
+    assert_a_copy_reads_the_same(here, there, "__key__")
     counts = there.io_counters()[there.root]
     assert counts["cache_misses"] == len(there.files()) and counts["cache_hits"] > 0
 
@@ -437,8 +429,6 @@ def test_an_fsspec_store_delivers_the_local_samples(tmp_path):
         memory.pipe(f"/{tmp_path.name}/{path.name}", path.read_bytes())
     there = WebDatasetSource(f"memory:///{tmp_path.name}", chunk_size=6, shuffle=True)
     here = WebDatasetSource(local, chunk_size=6, shuffle=True)
-    assert there.describe() == here.describe()
-    got = every_sample(there)
-    assert [g["__key__"] for g in got] == [g["__key__"] for g in every_sample(here)]
+    got = assert_a_copy_reads_the_same(here, there, "__key__")
     for g in got:
         assert_written(g)
