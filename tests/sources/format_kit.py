@@ -150,7 +150,6 @@ def assert_a_changed_object_is_refused(
     ``match``."""
     data = bytearray(local.read_bytes())
     data[flip] ^= 1
-    with bucket.fs.open_output_stream(f"{bucket.name}/{key}") as out:
-        out.write(bytes(data))
+    bucket.overwrite(key, bytes(data))
     with pytest.raises(FetchError, match=match):
         read()

@@ -305,8 +305,7 @@ def test_a_bucket_copy_delivers_the_local_documents_and_refuses_a_changed_block(
     assert [t.tolist() for t in every_document(there)] == want
     data = bytearray((local / "s0.bin").read_bytes())
     data[2] ^= 1
-    with bucket.fs.open_output_stream(f"{bucket.name}/tok/s0.bin") as out:
-        out.write(bytes(data))
+    bucket.overwrite("tok/s0.bin", bytes(data))
     with pytest.raises(FetchError, match=r"s0\.bin.*no longer matches the digest"):
         every_document(there)
 
