@@ -32,6 +32,17 @@ def every_sample(src: Any) -> list[Any]:
     return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
 
 
+def assert_each_sample_twice(
+    src: Any, n: int, index: Callable[[Any], int], check: Callable[[Any], None]
+) -> None:
+    """Over two passes ``src`` reads each of its ``n`` samples (told apart by ``index``) twice,
+    each passing ``check``."""
+    got = every_sample(src)
+    assert Counter(index(g) for g in got) == Counter({i: 2 for i in range(n)})
+    for g in got:
+        check(g)
+
+
 def assert_a_copy_reads_the_same(here: Any, there: Any, key: str) -> list[Any]:
     """``there`` (a copy of ``here``'s files) describes itself as ``here`` does and reads its
     samples in the same order (compared by ``key``); what ``there`` read."""
@@ -143,13 +154,22 @@ def assert_a_changed_dataset_is_refused(
 
 
 def assert_a_changed_object_is_refused(
-    bucket: Any, key: str, local: Path, *, flip: int, read: Callable[[], Any], match: str
+    bucket: Any,
+    local: Path,
+    prefix: str,
+    name: str,
+    source: Callable[[str], Any],
+    *,
+    flip: int,
+    match: str,
 ) -> None:
-    """The bucket object ``key``, a copy of the local file ``local``, overwritten with its byte
-    ``flip`` flipped after the source indexed it: ``read()`` raises FetchError matching
-    ``match``."""
-    data = bytearray(local.read_bytes())
+    """``local`` uploaded under ``prefix`` and indexed by ``source(uri)``; then its object
+    ``name`` overwritten with its byte ``flip`` flipped: reading every sample raises FetchError
+    matching ``match``."""
+    there = source(bucket.upload(local, prefix))
+    there.num_samples()
+    data = bytearray((local / name).read_bytes())
     data[flip] ^= 1
-    bucket.overwrite(key, bytes(data))
+    bucket.overwrite(f"{prefix}/{name}", bytes(data))
     with pytest.raises(FetchError, match=match):
-        read()
+        every_sample(there)

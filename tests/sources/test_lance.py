@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 from functools import partial
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from format_kit import (
     assert_a_changed_dataset_is_refused,
     assert_a_copy_reads_the_same,
     assert_a_killed_worker_resumes_exactly,
+    assert_each_sample_twice,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks_and_relanes,
     every_sample,
@@ -69,10 +71,7 @@ def assert_written(got: dict[str, Any]) -> None:
 def test_every_row_once_per_pass_with_the_writers_values(tmp_path, shuffle):
     src = LanceSource(write(tmp_path / "d.lance"), chunk_size=7, shuffle=shuffle, passes=2)
     assert len(src.files()) == 4, "the rows should span several fragments"
-    got = every_sample(src)
-    assert Counter(g["idx"] for g in got) == Counter({i: 2 for i in range(N)})
-    for g in got:
-        assert_written(g)
+    assert_each_sample_twice(src, N, itemgetter("idx"), assert_written)
 
 
 def test_deleted_rows_are_not_samples(tmp_path):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 from functools import partial
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from format_kit import (
     assert_a_changed_object_is_refused,
     assert_a_copy_reads_the_same,
     assert_a_killed_worker_resumes_exactly,
+    assert_each_sample_twice,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks_and_relanes,
     assert_same_values,
@@ -77,10 +79,7 @@ def test_every_sample_once_per_pass_with_the_writers_values(tmp_path, layout, sh
     root = write(tmp_path / "ld", layout)
     src = LitDataSource(root, chunk_size=7, shuffle=shuffle, passes=2, cache_dir=tmp_path / "c")
     assert len(src.files()) > 3, "the data should span several chunks"
-    got = every_sample(src)
-    assert Counter(g["idx"] for g in got) == Counter({i: 2 for i in range(N)})
-    for g in got:
-        assert_written(g)
+    assert_each_sample_twice(src, N, itemgetter("idx"), assert_written)
 
 
 def test_columns_pick_and_order_the_payload(tmp_path):
@@ -212,16 +211,13 @@ def test_a_bucket_copy_read_through_a_shard_cache_delivers_the_local_samples(tmp
 
 
 def test_a_changed_remote_block_is_refused(tmp_path, bucket):
-    local = write(tmp_path / "local")
-    uri = bucket.upload(local, "litdata-changed")
-    there = LitDataSource(uri, cache_dir=tmp_path / "c")
-    there.num_samples()
     assert_a_changed_object_is_refused(
         bucket,
-        "litdata-changed/chunk-0-0.bin",
-        local / "chunk-0-0.bin",
+        write(tmp_path / "local"),
+        "litdata-changed",
+        "chunk-0-0.bin",
+        partial(LitDataSource, cache_dir=tmp_path / "c"),
         flip=-3,
-        read=lambda: every_sample(there),
         match=r"chunk-0-0\.bin.*no longer matches the digest",
     )
 

@@ -9,6 +9,7 @@ import shutil
 from collections import Counter
 from decimal import Decimal
 from functools import partial
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from format_kit import (
     assert_a_changed_object_is_refused,
     assert_a_copy_reads_the_same,
     assert_a_killed_worker_resumes_exactly,
+    assert_each_sample_twice,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks_and_relanes,
     assert_same_values,
@@ -98,10 +100,7 @@ def test_every_sample_once_per_pass_with_the_writers_values(tmp_path, compressio
     root = write(tmp_path / "mds", compression)
     src = MDSSource(root, chunk_size=7, shuffle=shuffle, passes=2, cache_dir=tmp_path / "c")
     assert len(src.files()) > 3, "the data should span several shards"
-    got = every_sample(src)
-    assert Counter(g["idx"] for g in got) == Counter({i: 2 for i in range(N)})
-    for g in got:
-        assert_written(g)
+    assert_each_sample_twice(src, N, itemgetter("idx"), assert_written)
 
 
 def test_columns_pick_and_order_the_payload(tmp_path):
@@ -195,16 +194,13 @@ def test_a_bucket_copy_delivers_the_local_samples(tmp_path, bucket, compression)
 
 
 def test_a_changed_remote_block_is_refused(tmp_path, bucket):
-    local = write(tmp_path / "local")
-    uri = bucket.upload(local, "mds-changed")
-    there = MDSSource(uri, cache_dir=tmp_path / "c")
-    there.num_samples()
     assert_a_changed_object_is_refused(
         bucket,
-        "mds-changed/shard.00000.mds",
-        local / "shard.00000.mds",
+        write(tmp_path / "local"),
+        "mds-changed",
+        "shard.00000.mds",
+        partial(MDSSource, cache_dir=tmp_path / "c"),
         flip=-3,
-        read=lambda: every_sample(there),
         match=r"shard\.00000\.mds.*no longer matches the digest",
     )
 

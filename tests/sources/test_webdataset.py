@@ -24,6 +24,7 @@ from format_kit import (
     assert_a_changed_object_is_refused,
     assert_a_copy_reads_the_same,
     assert_a_killed_worker_resumes_exactly,
+    assert_each_sample_twice,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks_and_relanes,
     every_sample,
@@ -113,10 +114,7 @@ def test_every_sample_once_per_pass_with_the_writers_bytes(tmp_path, shuffle):
     root = write(tmp_path / "wds")
     src = WebDatasetSource(root, chunk_size=7, shuffle=shuffle, passes=2)
     assert len(src.files()) == 4 and src.num_samples() == N
-    got = every_sample(src)
-    assert Counter(index_of(g) for g in got) == Counter({i: 2 for i in range(N)})
-    for g in got:
-        assert_written(g, str(root))
+    assert_each_sample_twice(src, N, index_of, partial(assert_written, url=str(root)))
 
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
@@ -393,16 +391,13 @@ def test_a_bucket_copy_read_through_a_shard_cache_delivers_the_local_samples(tmp
 
 
 def test_a_changed_remote_block_is_refused(tmp_path, bucket):
-    local = write(tmp_path / "local")
-    uri = bucket.upload(local, "wds-changed")
-    there = WebDatasetSource(uri, cache_dir=tmp_path / "c")
-    there.num_samples()
     assert_a_changed_object_is_refused(
         bucket,
-        "wds-changed/shard-0000.tar",
-        local / "shard-0000.tar",
+        write(tmp_path / "local"),
+        "wds-changed",
+        "shard-0000.tar",
+        partial(WebDatasetSource, cache_dir=tmp_path / "c"),
         flip=-2000,
-        read=lambda: every_sample(there),
         match=r"shard-0000\.tar.*(no longer matches|changed since)",
     )
 
