@@ -305,15 +305,7 @@ class LaneDelivery(LaneOutlet):
             if plan.indexable and cursor.chunk_id == position:
                 skip = self._skip_at_source(position, cursor, expect, where, first)
             else:
-                self.replay = ReplayFilter(
-                    self.lane_id,
-                    cursor,
-                    expect,
-                    monotone=self.book.monotone,
-                    cause=self.cause,
-                    lenient=self.lenient,
-                    merges=self.merges,
-                )
+                self.replay = self._replay_to(cursor, expect)
         self.feed.start_at = {
             "runs": [run.for_runner() for run in runs],
             "layout": layout.encode(),
@@ -361,14 +353,21 @@ class LaneDelivery(LaneOutlet):
                 )
             self.book.book.last_cursor = cursor
         else:
-            self.replay = ReplayFilter(
-                self.lane_id,
-                cursor,
-                expect,
-                monotone=self.book.monotone,
-                seen=seen,
-                cause=self.cause,
-                lenient=self.lenient,
-                merges=self.merges,
-            )
+            self.replay = self._replay_to(cursor, expect, seen)
         return skip
+
+    def _replay_to(
+        self, cursor: SampleCursor, expect: tuple[int, int], seen: tuple[int, int] = (0, 0)
+    ) -> ReplayFilter:
+        # What swallows the records this lane delivered before the checkpoint, up to ``cursor``
+        # (``seen``: the count and digest of those skipped at the source already).
+        return ReplayFilter(
+            self.lane_id,
+            cursor,
+            expect,
+            monotone=self.book.monotone,
+            seen=seen,
+            cause=self.cause,
+            lenient=self.lenient,
+            merges=self.merges,
+        )
