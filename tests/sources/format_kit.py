@@ -153,6 +153,21 @@ def assert_a_changed_dataset_is_refused(
         iter(make().iter(state=state))
 
 
+def assert_a_file_rewritten_under_a_reader_is_refused(
+    src: Any, path: Path, *, flip: int, match: str
+) -> None:
+    """``src`` read its first chunk; then the local file ``path`` is rewritten with its byte
+    ``flip`` flipped (same size, another mtime): reading the chunk again raises FetchError
+    matching ``match``."""
+    src.read(src.chunk(0).pointers)
+    data = bytearray(path.read_bytes())
+    data[flip] ^= 1
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(1, 1))
+    with pytest.raises(FetchError, match=match):
+        src.read(src.chunk(0).pointers)
+
+
 def assert_a_changed_object_is_refused(
     bucket: Any,
     local: Path,

@@ -3,7 +3,6 @@ zstd-compressed, locally and on the loopback S3 server."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from collections import Counter
@@ -19,6 +18,7 @@ from format_kit import (
     assert_a_changed_dataset_is_refused,
     assert_a_changed_object_is_refused,
     assert_a_copy_reads_the_same,
+    assert_a_file_rewritten_under_a_reader_is_refused,
     assert_a_killed_worker_resumes_exactly,
     assert_each_sample_twice,
     assert_resumes_exactly,
@@ -213,15 +213,12 @@ def test_a_bucket_copy_resumes_exactly(tmp_path, bucket, compression):
 
 def test_a_local_shard_rewritten_since_it_was_indexed_is_refused_on_read(tmp_path):
     root = write(tmp_path)
-    src = MDSSource(root, chunk_size=5)
-    src.read(src.chunk(0).pointers)
-    shard = root / "shard.00000.mds"
-    data = bytearray(shard.read_bytes())
-    data[-2] ^= 1
-    shard.write_bytes(bytes(data))
-    os.utime(shard, ns=(1, 1))
-    with pytest.raises(FetchError, match=r"shard\.00000\.mds.*changed since it was indexed"):
-        src.read(src.chunk(0).pointers)
+    assert_a_file_rewritten_under_a_reader_is_refused(
+        MDSSource(root, chunk_size=5),
+        root / "shard.00000.mds",
+        flip=-2,
+        match=r"shard\.00000\.mds.*changed since it was indexed",
+    )
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])

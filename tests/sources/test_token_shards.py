@@ -4,7 +4,6 @@ layout, numpy.save arrays and raw arrays, locally and on the loopback S3 server.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 from collections import Counter
 from functools import partial
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from format_kit import (
     assert_a_changed_dataset_is_refused,
+    assert_a_file_rewritten_under_a_reader_is_refused,
     assert_a_killed_worker_resumes_exactly,
     assert_relanes,
     assert_resumes_exactly,
@@ -167,14 +167,9 @@ def test_float_arrays_are_not_token_files(tmp_path):
 
 def test_a_shard_rewritten_since_it_was_indexed_is_refused_on_read(tmp_path):
     src = TokenShardSource(megatron_dir(tmp_path), chunk_size=10)
-    src.read(src.chunk(0).pointers)
-    bin_path = tmp_path / "s0.bin"
-    data = bytearray(bin_path.read_bytes())
-    data[0] ^= 1
-    bin_path.write_bytes(bytes(data))
-    os.utime(bin_path, ns=(1, 1))
-    with pytest.raises(FetchError, match=r"s0\.bin.*changed since it was indexed"):
-        src.read(src.chunk(0).pointers)
+    assert_a_file_rewritten_under_a_reader_is_refused(
+        src, tmp_path / "s0.bin", flip=0, match=r"s0\.bin.*changed since it was indexed"
+    )
 
 
 # --------------------------------------------------------------------------- pipelines

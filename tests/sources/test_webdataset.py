@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from format_kit import (
     assert_a_changed_dataset_is_refused,
     assert_a_changed_object_is_refused,
     assert_a_copy_reads_the_same,
+    assert_a_file_rewritten_under_a_reader_is_refused,
     assert_a_killed_worker_resumes_exactly,
     assert_each_sample_twice,
     assert_resumes_exactly,
@@ -353,15 +353,12 @@ def test_a_shard_rewritten_with_the_same_size_is_refused_at_resume_by_content(tm
 
 def test_a_local_shard_rewritten_while_read_is_refused(tmp_path):
     root = write(tmp_path)
-    src = WebDatasetSource(root, chunk_size=5)
-    src.read(src.chunk(0).pointers)
-    shard = root / "shard-0000.tar"
-    data = bytearray(shard.read_bytes())
-    data[700] ^= 1
-    shard.write_bytes(bytes(data))
-    os.utime(shard, ns=(1, 1))
-    with pytest.raises(FetchError, match=r"shard-0000\.tar.*changed since it was indexed"):
-        src.read(src.chunk(0).pointers)
+    assert_a_file_rewritten_under_a_reader_is_refused(
+        WebDatasetSource(root, chunk_size=5),
+        root / "shard-0000.tar",
+        flip=700,
+        match=r"shard-0000\.tar.*changed since it was indexed",
+    )
 
 
 # --------------------------------------------------------------------------- remote
