@@ -1,7 +1,8 @@
-"""Checks every file format's source must pass, written once: exact resume, resume after a
-killed worker, a job resumed on fewer ranks and re-laned, a checkpoint refused once its data
-changed, a bucket object changed behind the source. Each format's tests call them with a
-``make(**pipeline_options)`` building its own pipeline over files its own writer made."""
+"""Checks every file format's source must pass, written once: each sample once per pass, a
+bucket copy read as the local files, exact resume, resume after a killed worker, a job resumed on
+fewer ranks and re-laned, a checkpoint refused once its data changed, a file or bucket object
+changed behind the source refused. Each format's tests call them with its own source, or a
+``make(**pipeline_options)`` building its own pipeline, over files its own writer made."""
 
 from __future__ import annotations
 
@@ -63,14 +64,19 @@ def assert_same_values(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert got[key] == value and type(got[key]) is type(value), key
 
 
+def closed_state(loader: Any) -> dict[str, Any]:
+    """``loader``'s state after a JSON round trip (it must survive JSON); the loader closed."""
+    state: dict[str, Any] = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    return state
+
+
 def stopped_after(make: Make, items: int, **kw: Any) -> tuple[list[tuple], dict[str, Any]]:
     """What ``make(**kw)`` delivers first (``items`` of it), and its state then after a JSON
     round trip (the loader closed)."""
     loader = iter(make(**kw))
     head = run(loader, items) if items else []
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    return head, state
+    return head, closed_state(loader)
 
 
 def assert_resumes_exactly(make: Make, steps: Callable[[int], Iterable[int]]) -> None:
@@ -92,9 +98,7 @@ def assert_a_killed_worker_resumes_exactly(make: Make, items: int) -> None:
     with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
         for item in loader:
             head.append(fingerprint_item(item))
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(make(lanes=2).iter(state=state)) == full
+    assert head + run(make(lanes=2).iter(state=closed_state(loader))) == full
 
 
 def four_ranks_stopped(make: Make) -> tuple[list[Any], dict[str, Any]]:
@@ -103,8 +107,7 @@ def four_ranks_stopped(make: Make) -> tuple[list[Any], dict[str, Any]]:
     for rank in range(4):
         loader = iter(make(lanes=4, rank=rank, world_size=4))
         before += [next(loader) for _ in range(2)]
-        states.append(json.loads(json.dumps(loader.state_dict())))
-        loader.close()
+        states.append(closed_state(loader))
     return before, zephon.merge_states(states)
 
 

@@ -19,6 +19,7 @@ from format_kit import (
     assert_relanes,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks,
+    closed_state,
 )
 from pipeline_kit import run
 from token_files import documents, flat_with_eos, write_megatron
@@ -234,8 +235,7 @@ def test_a_state_of_three_lanes_relanes_onto_two_with_every_token_once(tmp_path)
     root = npy_dir(tmp_path)
     loader = iter(pipeline(root, lanes=3))
     before = [next(loader) for _ in range(4)]
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
+    state = closed_state(loader)
     assert_relanes(pipeline(root, lanes=2), state, before, delivered_tokens, all_tokens())
 
 
