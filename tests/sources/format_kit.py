@@ -20,7 +20,7 @@ from pipeline_kit import fingerprint_item, run
 from worker_kit import worker_processes
 
 import zephon
-from zephon.errors import CheckpointMismatchError, FetchError, RelaneWarning
+from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
 
 Make = Callable[..., zephon.Pipeline]
 Delivered = Callable[[list[Any]], Counter]
@@ -31,6 +31,15 @@ def every_sample(src: Any) -> list[Any]:
     total = src.total_chunks()
     assert total is not None
     return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
+
+
+def assert_columns_pick_and_order(source: Callable[..., Any], first: dict[str, Any]) -> None:
+    """``source(columns=list(first))`` reads ``first`` (its keys in that order) as its first
+    sample; a column no file has is a PlanError naming it."""
+    src = source(columns=list(first))
+    assert src.read(src.chunk(0).pointers[:1]) == [first]
+    with pytest.raises(PlanError, match=r"no column \['nope'\]"):
+        source(columns=["nope"]).num_samples()
 
 
 def assert_each_sample_twice(

@@ -20,6 +20,7 @@ from format_kit import (
     assert_a_changed_object_is_refused,
     assert_a_copy_reads_the_same,
     assert_a_killed_worker_resumes_exactly,
+    assert_columns_pick_and_order,
     assert_each_sample_twice,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks_and_relanes,
@@ -83,10 +84,9 @@ def test_every_sample_once_per_pass_with_the_writers_values(tmp_path, layout, sh
 
 
 def test_columns_pick_and_order_the_payload(tmp_path):
-    src = LitDataSource(write(tmp_path), columns=["text", "idx"])
-    assert src.read(src.chunk(0).pointers[:1]) == [{"text": "sample 0 é", "idx": 0}]
-    with pytest.raises(PlanError, match=r"no column \['nope'\]"):
-        LitDataSource(tmp_path, columns=["nope"]).num_samples()
+    assert_columns_pick_and_order(
+        partial(LitDataSource, write(tmp_path)), {"text": "sample 0 é", "idx": 0}
+    )
 
 
 def test_a_pickled_column_is_refused_naming_it_and_its_serializer(tmp_path):
