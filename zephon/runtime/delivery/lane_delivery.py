@@ -135,14 +135,7 @@ class LaneDelivery(LaneOutlet):
         if replay is None:
             return
         for item in self._until_cursor(replay):
-            if type(item) is Skipped:  # counted and logged before the checkpoint
-                continue
-            if type(item) is not SampleRecord:
-                book.control(item)
-            elif item.meta.is_tombstone:
-                book.tombstone(item, False)
-            else:
-                book.record(item, False)
+            if book.replayed(item):
                 book.found.clear()  # seen (and counted or raised) before the checkpoint
                 if on_record is not None:
                     on_record()
