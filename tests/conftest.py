@@ -259,6 +259,19 @@ class Bucket:
                     out.write(path.read_bytes())
         return f"s3://{self.name}/{prefix}"
 
+    def overwrite(self, key: str, data: bytes) -> None:
+        """Write ``data`` over the object ``key`` (a path inside the bucket)."""
+        with self.fs.open_output_stream(f"{self.name}/{key}") as out:
+            out.write(data)
+
+    def etag(self, key: str) -> str:
+        """The ETag of the object ``key`` now."""
+        f = self.fs.open_input_file(f"{self.name}/{key}")
+        try:
+            return f.metadata()["ETag"].decode()
+        finally:
+            f.close()
+
 
 @pytest.fixture
 def bucket(moto_endpoint, monkeypatch) -> Bucket:

@@ -130,6 +130,15 @@ class PackPairs(Operator):
         return [held] if held is not None else []
 
 
+def busy(payload: dict) -> dict:
+    """``payload`` with ``x`` added, after a deliberately slow loop (pure CPU work): the map an
+    explanation must name as the slow operator."""
+    x = 0
+    for i in range(20_000):
+        x += i
+    return {**payload, "x": x}
+
+
 def canonical(value: Any) -> Any:
     """A comparable value of a payload: numpy arrays by dtype, shape and bytes (``repr`` would
     elide the middle of long arrays)."""

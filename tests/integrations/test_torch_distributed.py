@@ -5,13 +5,10 @@ end at the same global step)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from net_kit import free_port
+from net_kit import run_ranks
 
 pytest.importorskip("torch.distributed")
 
@@ -37,19 +34,9 @@ WORKER = textwrap.dedent("""
 def test_two_torch_ranks_split_the_dataset_disjointly_and_completely(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(WORKER)
-    url = f"tcp://127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), url, str(r)], stdout=subprocess.PIPE, env=env, text=True
-        )
-        for r in range(2)
-    ]
-    results = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    done = run_ranks(script, 2, timeout=120)
+    assert [code for code, _, _ in done] == [0, 0], [err[-3000:] for _, _, err in done]
+    results = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in done]
     assert sorted((r["rank"], r["world"]) for r in results) == [(0, 2), (1, 2)]
     a, b = (set(r["seen"]) for r in results)
     assert not a & b

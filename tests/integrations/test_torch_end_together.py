@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from net_kit import free_port
+from net_kit import run_ranks
 
 pytest.importorskip("torch.distributed")
 
@@ -58,28 +57,10 @@ def make():
 
 def _run(script: Path, mode: str, timeout: float) -> list[tuple[int, str, str]] | None:
     """Each rank's exit status, output and errors; None when they did not finish in time."""
-    url = f"tcp://127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), url, str(r), mode],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        for r in range(2)
-    ]
     try:
-        done = [proc.communicate(timeout=timeout) for proc in procs]
+        return run_ranks(script, 2, mode, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, done)]
 
 
 def test_ranks_with_unequal_data_stop_at_the_same_step(tmp_path: Path) -> None:

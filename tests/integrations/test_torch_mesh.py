@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from net_kit import free_port
+from net_kit import free_port, run_ranks
 
 pytest.importorskip("torch.distributed")
 
@@ -72,23 +70,9 @@ def test_tensor_parallel_peers_share_batches_and_the_job_resumes_on_other_dp_siz
 ) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    url = f"tcp://127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), url, str(r)], stdout=subprocess.PIPE, env=env, text=True
-        )
-        for r in range(4)
-    ]
-    try:
-        outs = [proc.communicate(timeout=240)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert [proc.returncode for proc in procs] == [0] * 4
-    ranks = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    done = run_ranks(script, 4, timeout=240)
+    assert [code for code, _, _ in done] == [0] * 4, [err[-3000:] for _, _, err in done]
+    ranks = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in done]
     # mesh [[0, 1], [2, 3]]: global ranks 0 and 1 are data-parallel rank 0, 2 and 3 rank 1
     assert [r["dp"] for r in ranks] == [[0, 2], [0, 2], [1, 2], [1, 2]]
     assert ranks[0]["head"] == ranks[1]["head"] != ranks[2]["head"] == ranks[3]["head"]

@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from pipeline_kit import busy
 
 import zephon
 from zephon.cli import main
@@ -93,13 +94,6 @@ def test_stats_may_be_read_from_another_thread_while_the_loader_runs():
             reader.join()
     assert not errors
     assert total == 1200 and seen == sorted(seen) and seen[-1] <= total
-
-
-def busy(payload: dict) -> dict:
-    x = 0
-    for i in range(20_000):  # a deliberately slow map: pure CPU work
-        x += i
-    return {**payload, "x": x}
 
 
 def test_explain_names_the_slow_operator():

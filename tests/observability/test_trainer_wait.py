@@ -8,6 +8,7 @@ import urllib.request
 import weakref
 
 import pytest
+from pipeline_kit import busy
 
 import zephon
 from zephon.observability import serve_metrics
@@ -70,13 +71,6 @@ def test_on_process_lanes_the_steps_are_the_batches_handed_over():
         assert 0 < waits["recent_seconds"] == waits["seconds"] <= waits["elapsed"]
         rest = sum(1 for _ in loader)
         assert loader.stats()["trainer_wait"]["steps"] == 30 + rest == 150
-
-
-def busy(payload: dict) -> dict:
-    x = 0
-    for i in range(20_000):  # a deliberately slow map: pure CPU work
-        x += i
-    return {**payload, "x": x}
 
 
 def test_explain_says_the_loader_is_the_bottleneck_and_names_the_slow_map():

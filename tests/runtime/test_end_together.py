@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import subprocess
-import sys
 import textwrap
 from collections import Counter
 from collections.abc import Callable
@@ -17,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from net_kit import free_port
+from net_kit import run_ranks
 
 import zephon
 from zephon.ops import batch, fetch, filter_records
@@ -137,27 +135,9 @@ def test_ranks_stop_together_through_a_gloo_all_reduce(tmp_path: Path) -> None:
     pytest.importorskip("torch.distributed")
     script = tmp_path / "rank.py"
     script.write_text(GLOO_RANK)
-    url = f"tcp://127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), url, str(r)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        done = [proc.communicate(timeout=DEADLINE) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert [proc.returncode for proc in procs] == [0, 0], [err[-3000:] for _, err in done]
-    _check([json.loads(out.strip().splitlines()[-1]) for out, _ in done])
+    done = run_ranks(script, 2, timeout=DEADLINE)
+    assert [code for code, _, _ in done] == [0, 0], [err[-3000:] for _, _, err in done]
+    _check([json.loads(out.strip().splitlines()[-1]) for _, out, _ in done])
 
 
 def test_end_together_needs_a_function() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from own_thread_lanes import NAME, OwnThreadLane, open_own_thread_lanes
 from pipeline_kit import fingerprint_item, run
+from text_pipelines_kit import mixture_pipeline, text_pipeline, texts
 
 import zephon
 from zephon.errors import PlanError, RelaneWarning
@@ -21,7 +22,6 @@ from zephon.ops import (
     OperatorContext,
     OpTraits,
     batch,
-    ensure_mixture,
     fetch,
     pack_sequences,
     shuffle,
@@ -34,8 +34,7 @@ from zephon.runtime.workers.registry import (
     register_lane_kind,
     unregister_lane_kind,
 )
-from zephon.sources.memory import ListSource, RangeSource
-from zephon.sources.mixture import MixtureSource
+from zephon.sources.memory import RangeSource
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
@@ -47,27 +46,12 @@ def own_thread_kind() -> Iterator[None]:
     unregister_lane_kind(NAME)
 
 
-def _texts(dataset: int, n: int) -> ListSource:
-    items = [{"text": "ab" * (2 + (i * 7919 + dataset) % 37)} for i in range(n)]
-    return ListSource(items, dataset_id=dataset, chunk_size=16)
-
-
 def text(**kw: Any) -> zephon.Pipeline:
-    ops = [fetch(), tokenize(max_len=24, split_long_samples=True), shuffle(16, seed=3), batch(4)]
-    return zephon.Pipeline(_texts(0, 300), ops, epoch_chunks=4, **kw)
+    return text_pipeline(300, **kw)
 
 
 def mixture(**kw: Any) -> zephon.Pipeline:
-    source = MixtureSource(
-        {"a": _texts(0, 200), "b": _texts(1, 200)}, {"a": 0.5, "b": 0.5}, chunk_size=16
-    )
-    ops = [
-        fetch(),
-        tokenize(max_len=24),
-        ensure_mixture({"a": 0.5, "b": 0.5}, by="tokens", buffer_size=8),
-        batch(4),
-    ]
-    return zephon.Pipeline(source, ops, epoch_chunks=4, **kw)
+    return mixture_pipeline(200, **kw)
 
 
 def packing(**kw: Any) -> zephon.Pipeline:
@@ -78,7 +62,7 @@ def packing(**kw: Any) -> zephon.Pipeline:
         pack_sequences(64, open_bins=3),
         batch(2),
     ]
-    return zephon.Pipeline(_texts(2, 300), ops, epoch_chunks=4, **kw)
+    return zephon.Pipeline(texts(2, 300), ops, epoch_chunks=4, **kw)
 
 
 PIPELINES: dict[str, Callable[..., zephon.Pipeline]] = {

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from chat_kit import OURS, bpe
 from pipeline_kit import fingerprint_item, run
+from text_pipelines_kit import mixture_pipeline, text_pipeline
 from worker_kit import finishes_within, script_env, wait_until
 
 import zephon
@@ -35,11 +36,8 @@ from zephon.errors import (
 )
 from zephon.ops import (
     batch,
-    ensure_mixture,
     fetch,
     pack_sequences,
-    shuffle,
-    tokenize,
     tokenize_chat,
     training_collate,
 )
@@ -48,7 +46,7 @@ from zephon.runtime.workers.kinds import open_lanes
 from zephon.runtime.workers.ray_lanes import RayLane
 from zephon.runtime.workers.stopping import close_lanes
 from zephon.sources import JsonlSource, MixtureSource
-from zephon.sources.memory import ListSource, RangeSource
+from zephon.sources.memory import RangeSource
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
@@ -56,27 +54,12 @@ pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 DEADLINE = 60.0
 
 
-def _texts(dataset: int, n: int) -> ListSource:
-    items = [{"text": "ab" * (2 + (i * 7919 + dataset) % 37)} for i in range(n)]
-    return ListSource(items, dataset_id=dataset, chunk_size=16)
-
-
 def text(**kw: Any) -> zephon.Pipeline:
-    ops = [fetch(), tokenize(max_len=24, split_long_samples=True), shuffle(16, seed=3), batch(4)]
-    return zephon.Pipeline(_texts(0, 240), ops, **{"lanes": 2, "epoch_chunks": 4, **kw})
+    return text_pipeline(240, **{"lanes": 2, **kw})
 
 
 def mixture(**kw: Any) -> zephon.Pipeline:
-    source = MixtureSource(
-        {"a": _texts(0, 160), "b": _texts(1, 160)}, {"a": 0.5, "b": 0.5}, chunk_size=16
-    )
-    ops = [
-        fetch(),
-        tokenize(max_len=24),
-        ensure_mixture({"a": 0.5, "b": 0.5}, by="tokens", buffer_size=8),
-        batch(4),
-    ]
-    return zephon.Pipeline(source, ops, lanes=2, epoch_chunks=4, **kw)
+    return mixture_pipeline(160, lanes=2, **kw)
 
 
 def _chats(path: Path, n: int, seed: int) -> Path:

@@ -3,13 +3,13 @@ on the loopback S3 server."""
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 from collections import Counter
+from functools import partial
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,21 @@ import lance
 import numpy as np
 import pyarrow as pa
 import pytest
-from pipeline_kit import fingerprint_item, run
-from worker_kit import worker_processes
+from format_kit import (
+    assert_a_changed_dataset_is_refused,
+    assert_a_copy_reads_the_same,
+    assert_a_killed_worker_resumes_exactly,
+    assert_columns_pick_and_order,
+    assert_each_sample_twice,
+    assert_resumes_exactly,
+    assert_resumes_on_two_ranks_and_relanes,
+    every_sample,
+    stopped_after,
+)
+from pipeline_kit import run
 
 import zephon
-from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.errors import CheckpointMismatchError, FetchError
 from zephon.ops import batch, fetch
 from zephon.sources import LanceSource, open_source
 
@@ -48,12 +58,6 @@ def write(root: Path | str, lo: int = 0, hi: int = N, **kw: Any) -> str:
     return str(root)
 
 
-def every_sample(src: LanceSource) -> list[dict[str, Any]]:
-    total = src.total_chunks()
-    assert total is not None
-    return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
-
-
 def assert_written(got: dict[str, Any]) -> None:
     i = got["idx"]
     assert got["text"] == f"row {i} é" and got["score"] == i / 3
@@ -68,10 +72,7 @@ def assert_written(got: dict[str, Any]) -> None:
 def test_every_row_once_per_pass_with_the_writers_values(tmp_path, shuffle):
     src = LanceSource(write(tmp_path / "d.lance"), chunk_size=7, shuffle=shuffle, passes=2)
     assert len(src.files()) == 4, "the rows should span several fragments"
-    got = every_sample(src)
-    assert Counter(g["idx"] for g in got) == Counter({i: 2 for i in range(N)})
-    for g in got:
-        assert_written(g)
+    assert_each_sample_twice(src, N, itemgetter("idx"), assert_written)
 
 
 def test_deleted_rows_are_not_samples(tmp_path):
@@ -82,10 +83,8 @@ def test_deleted_rows_are_not_samples(tmp_path):
 
 
 def test_columns_pick_and_order_the_payload(tmp_path):
-    src = LanceSource(write(tmp_path / "d.lance"), columns=["text", "idx"])
-    assert src.read(src.chunk(0).pointers[:1]) == [{"text": "row 0 é", "idx": 0}]
-    with pytest.raises(PlanError, match=r"no column \['nope'\]"):
-        LanceSource(tmp_path / "d.lance", columns=["nope"]).num_samples()
+    source = partial(LanceSource, write(tmp_path / "d.lance"))
+    assert_columns_pick_and_order(source, {"text": "row 0 é", "idx": 0})
 
 
 def test_a_worker_reads_the_version_its_source_pinned(tmp_path):
@@ -134,54 +133,24 @@ def delivered(items: list[Any]) -> Counter:
 
 def test_resumes_exactly_at_any_step(tmp_path):
     root = write(tmp_path / "d.lance")
-    full = run(iter(pipeline(root, lanes=2)))
-    for step in (0, 3, 9, len(full) - 1):
-        loader = iter(pipeline(root, lanes=2))
-        head = run(loader, step) if step else []
-        state = json.loads(json.dumps(loader.state_dict()))
-        loader.close()
-        assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, root), lambda n: (0, 3, 9, n - 1))
 
 
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_a_killed_worker_resumes_exactly(tmp_path):
-    root = write(tmp_path / "d.lance")
-    full = run(iter(pipeline(root, lanes=2)))
-    loader = iter(pipeline(root, lanes=2, workers="process"))
-    head = run(loader, 4)
-    os.kill(worker_processes()[0].pid, signal.SIGKILL)
-    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
-        for item in loader:
-            head.append(fingerprint_item(item))
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+    assert_a_killed_worker_resumes_exactly(partial(pipeline, write(tmp_path / "d.lance")), 4)
 
 
 def test_a_job_of_four_ranks_resumes_on_two_and_relanes(tmp_path):
-    root = write(tmp_path / "d.lance")
-    states, before = [], []
-    for rank in range(4):
-        loader = iter(pipeline(root, lanes=4, rank=rank, world_size=4))
-        before += [next(loader) for _ in range(2)]
-        states.append(json.loads(json.dumps(loader.state_dict())))
-        loader.close()
-    job = zephon.merge_states(states)
-    after = [x for r in range(2) for x in pipeline(root, rank=r, world_size=2).iter(state=job)]
-    assert delivered(before) + delivered(after) == Counter(range(N))
-    with pytest.warns(RelaneWarning):
-        relaned = list(pipeline(root, lanes=3).iter(state=job))
-    assert delivered(before) + delivered(relaned) == Counter(range(N))
+    make = partial(pipeline, write(tmp_path / "d.lance"))
+    assert_resumes_on_two_ranks_and_relanes(make, delivered, Counter(range(N)))
 
 
 @pytest.mark.parametrize("mode", ["append", "overwrite"])
 def test_a_changed_dataset_is_refused_unless_the_version_is_pinned(tmp_path, mode):
     root = write(tmp_path / "d.lance")
     full = run(iter(pipeline(root)))
-    loader = iter(pipeline(root))
-    head = run(loader, 3)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
+    head, state = stopped_after(partial(pipeline, root), 3)
     write(root, 0, N + 1, mode=mode)
     with pytest.raises(
         CheckpointMismatchError, match=r"'dataset_version': checkpoint 1, pipeline 2"
@@ -204,13 +173,10 @@ def test_a_data_file_replaced_in_place_is_a_checkpoint_mismatch_naming_its_fragm
     def pipe() -> zephon.Pipeline:
         return zephon.Pipeline(LanceSource(tmp_path / "a.lance", chunk_size=5), [fetch()])
 
-    loader = iter(pipe())
-    next(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    target.write_bytes(source.read_bytes())
-    with pytest.raises(CheckpointMismatchError, match=r"file 'fragment-0' changed"):
-        iter(pipe().iter(state=state))
+    def replace() -> None:
+        target.write_bytes(source.read_bytes())
+
+    assert_a_changed_dataset_is_refused(pipe, replace, r"file 'fragment-0' changed")
 
 
 # --------------------------------------------------------------------------- remote
@@ -221,9 +187,7 @@ def test_a_bucket_copy_delivers_the_local_rows(tmp_path, bucket):
     uri = bucket.upload(Path(local), "lance/d.lance")
     here = LanceSource(local, chunk_size=6, shuffle=True)
     there = LanceSource(uri, chunk_size=6, shuffle=True)
-    assert there.describe() == here.describe()
-    got = every_sample(there)
-    assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
+    got = assert_a_copy_reads_the_same(here, there, "idx")
     for g in got:
         assert_written(g)
     assert type(open_source(uri)) is LanceSource
@@ -232,9 +196,4 @@ def test_a_bucket_copy_delivers_the_local_rows(tmp_path, bucket):
 def test_a_bucket_dataset_resumes_exactly(tmp_path, bucket):
     uri = write(f"s3://{bucket.name}/written.lance", storage_options={"allow_http": "true"})
     assert delivered(list(pipeline(uri))) == Counter(range(N))
-    full = run(iter(pipeline(uri, lanes=2)))
-    loader = iter(pipeline(uri, lanes=2))
-    head = run(loader, 6)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(uri, lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, uri), lambda n: (6,))

@@ -3,25 +3,34 @@ in each of its zstd layouts, locally and on the loopback S3 server."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from collections import Counter
+from functools import partial
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from format_kit import (
+    assert_a_changed_dataset_is_refused,
+    assert_a_changed_object_is_refused,
+    assert_a_copy_reads_the_same,
+    assert_a_killed_worker_resumes_exactly,
+    assert_columns_pick_and_order,
+    assert_each_sample_twice,
+    assert_resumes_exactly,
+    assert_resumes_on_two_ranks_and_relanes,
+    assert_same_values,
+    every_sample,
+)
 from litdata.streaming.writer import BinaryWriter
-from pipeline_kit import fingerprint_item, run
-from worker_kit import worker_processes
 
 import zephon
-from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.errors import FetchError, PlanError
 from zephon.ops import batch, fetch
 from zephon.sources import LitDataSource, ShardCache, open_source
 
@@ -56,21 +65,10 @@ def write(root: Path, layout: str = "raw", n: int = N, **kw: Any) -> Path:
     return root
 
 
-def every_sample(src: LitDataSource) -> list[dict[str, Any]]:
-    total = src.total_chunks()
-    assert total is not None
-    return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
-
-
 def assert_written(got: dict[str, Any]) -> None:
     want = sample(got["idx"])
     assert list(got) == list(want)
-    for key, value in want.items():
-        if isinstance(value, np.ndarray):
-            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
-            np.testing.assert_array_equal(got[key], value, err_msg=key)
-        else:
-            assert got[key] == value and type(got[key]) is type(value), key
+    assert_same_values(got, want)
 
 
 # --------------------------------------------------------------------------- coverage
@@ -82,17 +80,13 @@ def test_every_sample_once_per_pass_with_the_writers_values(tmp_path, layout, sh
     root = write(tmp_path / "ld", layout)
     src = LitDataSource(root, chunk_size=7, shuffle=shuffle, passes=2, cache_dir=tmp_path / "c")
     assert len(src.files()) > 3, "the data should span several chunks"
-    got = every_sample(src)
-    assert Counter(g["idx"] for g in got) == Counter({i: 2 for i in range(N)})
-    for g in got:
-        assert_written(g)
+    assert_each_sample_twice(src, N, itemgetter("idx"), assert_written)
 
 
 def test_columns_pick_and_order_the_payload(tmp_path):
-    src = LitDataSource(write(tmp_path), columns=["text", "idx"])
-    assert src.read(src.chunk(0).pointers[:1]) == [{"text": "sample 0 é", "idx": 0}]
-    with pytest.raises(PlanError, match=r"no column \['nope'\]"):
-        LitDataSource(tmp_path, columns=["nope"]).num_samples()
+    assert_columns_pick_and_order(
+        partial(LitDataSource, write(tmp_path)), {"text": "sample 0 é", "idx": 0}
+    )
 
 
 def test_a_pickled_column_is_refused_naming_it_and_its_serializer(tmp_path):
@@ -162,62 +156,34 @@ def delivered(items: list[Any]) -> Counter:
 @pytest.mark.parametrize("layout", ["raw", "batch"])
 def test_resumes_exactly_at_any_step(tmp_path, layout):
     root = write(tmp_path / "d", layout)
-    full = run(iter(pipeline(root, tmp_path / "c", lanes=2)))
-    for step in (0, 3, 9, len(full) - 1):
-        loader = iter(pipeline(root, tmp_path / "c", lanes=2))
-        head = run(loader, step) if step else []
-        state = json.loads(json.dumps(loader.state_dict()))
-        loader.close()
-        assert head + run(pipeline(root, tmp_path / "c", lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, root, tmp_path / "c"), lambda n: (0, 3, 9, n - 1))
 
 
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_a_killed_worker_resumes_exactly(tmp_path):
     root = write(tmp_path / "d", "batch")
-    cache = tmp_path / "c"
-    full = run(iter(pipeline(root, cache, lanes=2)))
-    loader = iter(pipeline(root, cache, lanes=2, workers="process"))
-    head = run(loader, 4)
-    os.kill(worker_processes()[0].pid, signal.SIGKILL)
-    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
-        for item in loader:
-            head.append(fingerprint_item(item))
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(root, cache, lanes=2).iter(state=state)) == full
+    assert_a_killed_worker_resumes_exactly(partial(pipeline, root, tmp_path / "c"), 4)
 
 
 def test_a_job_of_four_ranks_resumes_on_two_and_relanes(tmp_path):
-    root = write(tmp_path / "d")
-    cache = tmp_path / "c"
-    states, before = [], []
-    for rank in range(4):
-        loader = iter(pipeline(root, cache, lanes=4, rank=rank, world_size=4))
-        before += [next(loader) for _ in range(2)]
-        states.append(json.loads(json.dumps(loader.state_dict())))
-        loader.close()
-    job = zephon.merge_states(states)
-    after = [
-        x for r in range(2) for x in pipeline(root, cache, rank=r, world_size=2).iter(state=job)
-    ]
-    assert delivered(before) + delivered(after) == Counter(range(N))
-    with pytest.warns(RelaneWarning):
-        relaned = list(pipeline(root, cache, lanes=3).iter(state=job))
-    assert delivered(before) + delivered(relaned) == Counter(range(N))
+    make = partial(pipeline, write(tmp_path / "d"), tmp_path / "c")
+    assert_resumes_on_two_ranks_and_relanes(make, delivered, Counter(range(N)))
 
 
 @pytest.mark.parametrize("layout", ["raw", "batch"])
 def test_a_rewritten_chunk_is_a_checkpoint_mismatch(tmp_path, layout):
     root = write(tmp_path / "d", layout)
-    loader = iter(pipeline(root, tmp_path / "c"))
-    next(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    shutil.rmtree(root)
-    write(root, layout, n=N + 1)  # the same chunks but the last, which gains a sample
-    last = sorted(p.name for p in root.glob("chunk-*"))[-1]
-    with pytest.raises(CheckpointMismatchError, match=re.escape(last)):
-        iter(pipeline(root, tmp_path / "c").iter(state=state))
+
+    def rewrite() -> None:
+        shutil.rmtree(root)
+        write(root, layout, n=N + 1)  # the same chunks but the last, which gains a sample
+
+    make = partial(pipeline, root, tmp_path / "c")
+
+    def last() -> str:
+        return re.escape(sorted(p.name for p in root.glob("chunk-*"))[-1])
+
+    assert_a_changed_dataset_is_refused(make, rewrite, last)
 
 
 # --------------------------------------------------------------------------- remote
@@ -229,9 +195,7 @@ def test_a_bucket_copy_delivers_the_local_samples(tmp_path, bucket, layout):
     uri = bucket.upload(local, f"litdata-{layout}")
     here = LitDataSource(local, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c1")
     there = LitDataSource(uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2")
-    assert there.describe() == here.describe()
-    got = every_sample(there)
-    assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
+    got = assert_a_copy_reads_the_same(here, there, "idx")
     for g in got:
         assert_written(g)
 
@@ -242,32 +206,25 @@ def test_a_bucket_copy_read_through_a_shard_cache_delivers_the_local_samples(tmp
     here = LitDataSource(local, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c1")
     cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
     there = LitDataSource(uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2", cache=cache)
-    assert there.describe() == here.describe()
-    assert [g["idx"] for g in every_sample(there)] == [g["idx"] for g in every_sample(here)]
+    assert_a_copy_reads_the_same(here, there, "idx")
     assert there.io_counters()[there.root]["cache_misses"] == len(there.files())
 
 
 def test_a_changed_remote_block_is_refused(tmp_path, bucket):
-    local = write(tmp_path / "local")
-    uri = bucket.upload(local, "litdata-changed")
-    there = LitDataSource(uri, cache_dir=tmp_path / "c")
-    there.num_samples()
-    data = bytearray((local / "chunk-0-0.bin").read_bytes())
-    data[-3] ^= 1
-    with bucket.fs.open_output_stream(f"{bucket.name}/litdata-changed/chunk-0-0.bin") as out:
-        out.write(bytes(data))
-    with pytest.raises(FetchError, match=r"chunk-0-0\.bin.*no longer matches the digest"):
-        every_sample(there)
+    assert_a_changed_object_is_refused(
+        bucket,
+        write(tmp_path / "local"),
+        "litdata-changed",
+        "chunk-0-0.bin",
+        partial(LitDataSource, cache_dir=tmp_path / "c"),
+        flip=-3,
+        match=r"chunk-0-0\.bin.*no longer matches the digest",
+    )
 
 
 def test_a_bucket_copy_resumes_exactly(tmp_path, bucket):
     uri = bucket.upload(write(tmp_path / "local", "batch"), "litdata-resume")
-    full = run(iter(pipeline(uri, tmp_path / "c", lanes=2)))
-    loader = iter(pipeline(uri, tmp_path / "c", lanes=2))
-    head = run(loader, 6)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(uri, tmp_path / "c", lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, uri, tmp_path / "c"), lambda n: (6,))
 
 
 def test_chunks_stored_as_an_arrow_footer_are_refused(tmp_path):

@@ -3,24 +3,35 @@ zstd-compressed, locally and on the loopback S3 server."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
-import signal
 from collections import Counter
 from decimal import Decimal
+from functools import partial
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from format_kit import (
+    assert_a_changed_dataset_is_refused,
+    assert_a_changed_object_is_refused,
+    assert_a_copy_reads_the_same,
+    assert_a_file_rewritten_under_a_reader_is_refused,
+    assert_a_killed_worker_resumes_exactly,
+    assert_columns_pick_and_order,
+    assert_each_sample_twice,
+    assert_resumes_exactly,
+    assert_resumes_on_two_ranks_and_relanes,
+    assert_same_values,
+    every_sample,
+)
 from mds_kit import mds_writer
-from pipeline_kit import fingerprint_item, run
-from worker_kit import wait_until, worker_processes
+from worker_kit import wait_until
 
 import zephon
-from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.errors import FetchError, PlanError
 from zephon.ops import batch, fetch
 from zephon.sources import MDSSource, ShardCache, open_source
 
@@ -75,21 +86,10 @@ def write(root: Path, compression: str | None = None, n: int = N, **columns: str
     return root
 
 
-def every_sample(src: MDSSource) -> list[dict[str, Any]]:
-    total = src.total_chunks()
-    assert total is not None
-    return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
-
-
 def assert_written(got: dict[str, Any]) -> None:
     want = sample(got["idx"])
     assert list(got) == sorted(COLUMNS)
-    for key, value in want.items():
-        if isinstance(value, np.ndarray):
-            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
-            np.testing.assert_array_equal(got[key], value, err_msg=key)
-        else:
-            assert got[key] == value and type(got[key]) is type(value), key
+    assert_same_values(got, want)
 
 
 # --------------------------------------------------------------------------- coverage
@@ -101,17 +101,13 @@ def test_every_sample_once_per_pass_with_the_writers_values(tmp_path, compressio
     root = write(tmp_path / "mds", compression)
     src = MDSSource(root, chunk_size=7, shuffle=shuffle, passes=2, cache_dir=tmp_path / "c")
     assert len(src.files()) > 3, "the data should span several shards"
-    got = every_sample(src)
-    assert Counter(g["idx"] for g in got) == Counter({i: 2 for i in range(N)})
-    for g in got:
-        assert_written(g)
+    assert_each_sample_twice(src, N, itemgetter("idx"), assert_written)
 
 
 def test_columns_pick_and_order_the_payload(tmp_path):
-    src = MDSSource(write(tmp_path), columns=["text", "idx"])
-    assert src.read(src.chunk(0).pointers[:1]) == [{"text": "sample 0 é", "idx": 0}]
-    with pytest.raises(PlanError, match=r"no column \['nope'\]"):
-        MDSSource(tmp_path, columns=["nope"]).num_samples()
+    assert_columns_pick_and_order(
+        partial(MDSSource, write(tmp_path)), {"text": "sample 0 é", "idx": 0}
+    )
 
 
 def test_pickled_columns_need_allow_pickle(tmp_path):
@@ -153,62 +149,34 @@ def delivered(items: list[Any]) -> Counter:
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_resumes_exactly_at_any_step(tmp_path, compression):
     root = write(tmp_path / "d", compression)
-    full = run(iter(pipeline(root, tmp_path / "c", lanes=2)))
-    for step in (0, 3, 9, len(full) - 1):
-        loader = iter(pipeline(root, tmp_path / "c", lanes=2))
-        head = run(loader, step) if step else []
-        state = json.loads(json.dumps(loader.state_dict()))
-        loader.close()
-        assert head + run(pipeline(root, tmp_path / "c", lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, root, tmp_path / "c"), lambda n: (0, 3, 9, n - 1))
 
 
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_a_killed_worker_resumes_exactly(tmp_path):
     root = write(tmp_path / "d", "zstd")
-    cache = tmp_path / "c"
-    full = run(iter(pipeline(root, cache, lanes=2)))
-    loader = iter(pipeline(root, cache, lanes=2, workers="process"))
-    head = run(loader, 4)
-    os.kill(worker_processes()[0].pid, signal.SIGKILL)
-    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
-        for item in loader:
-            head.append(fingerprint_item(item))
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(root, cache, lanes=2).iter(state=state)) == full
+    assert_a_killed_worker_resumes_exactly(partial(pipeline, root, tmp_path / "c"), 4)
 
 
 def test_a_job_of_four_ranks_resumes_on_two_and_relanes(tmp_path):
-    root = write(tmp_path / "d")
-    cache = tmp_path / "c"
-    states, before = [], []
-    for rank in range(4):
-        loader = iter(pipeline(root, cache, lanes=4, rank=rank, world_size=4))
-        before += [next(loader) for _ in range(2)]
-        states.append(json.loads(json.dumps(loader.state_dict())))
-        loader.close()
-    job = zephon.merge_states(states)
-    after = [
-        x for r in range(2) for x in pipeline(root, cache, rank=r, world_size=2).iter(state=job)
-    ]
-    assert delivered(before) + delivered(after) == Counter(range(N))
-    with pytest.warns(RelaneWarning):
-        relaned = list(pipeline(root, cache, lanes=3).iter(state=job))
-    assert delivered(before) + delivered(relaned) == Counter(range(N))
+    make = partial(pipeline, write(tmp_path / "d"), tmp_path / "c")
+    assert_resumes_on_two_ranks_and_relanes(make, delivered, Counter(range(N)))
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_a_rewritten_shard_is_a_checkpoint_mismatch(tmp_path, compression):
     root = write(tmp_path / "d", compression)
-    loader = iter(pipeline(root, tmp_path / "c"))
-    next(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    shutil.rmtree(root)
-    write(root, compression, n=N + 1)  # the same shards but the last, which gains a sample
-    last = sorted(p.name for p in root.glob("shard.*"))[-1]
-    with pytest.raises(CheckpointMismatchError, match=re.escape(last)):
-        iter(pipeline(root, tmp_path / "c").iter(state=state))
+
+    def rewrite() -> None:
+        shutil.rmtree(root)
+        write(root, compression, n=N + 1)  # the same shards but the last, which gains a sample
+
+    make = partial(pipeline, root, tmp_path / "c")
+
+    def last() -> str:
+        return re.escape(sorted(p.name for p in root.glob("shard.*"))[-1])
+
+    assert_a_changed_dataset_is_refused(make, rewrite, last)
 
 
 # --------------------------------------------------------------------------- remote
@@ -220,48 +188,37 @@ def test_a_bucket_copy_delivers_the_local_samples(tmp_path, bucket, compression)
     uri = bucket.upload(local, f"mds-{compression}")
     here = MDSSource(local, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c1")
     there = MDSSource(uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2")
-    assert there.describe() == here.describe()
-    got = every_sample(there)
-    assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
+    got = assert_a_copy_reads_the_same(here, there, "idx")
     for g in got:
         assert_written(g)
 
 
 def test_a_changed_remote_block_is_refused(tmp_path, bucket):
-    local = write(tmp_path / "local")
-    uri = bucket.upload(local, "mds-changed")
-    there = MDSSource(uri, cache_dir=tmp_path / "c")
-    there.num_samples()
-    data = bytearray((local / "shard.00000.mds").read_bytes())
-    data[-3] ^= 1
-    with bucket.fs.open_output_stream(f"{bucket.name}/mds-changed/shard.00000.mds") as out:
-        out.write(bytes(data))
-    with pytest.raises(FetchError, match=r"shard\.00000\.mds.*no longer matches the digest"):
-        every_sample(there)
+    assert_a_changed_object_is_refused(
+        bucket,
+        write(tmp_path / "local"),
+        "mds-changed",
+        "shard.00000.mds",
+        partial(MDSSource, cache_dir=tmp_path / "c"),
+        flip=-3,
+        match=r"shard\.00000\.mds.*no longer matches the digest",
+    )
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_a_bucket_copy_resumes_exactly(tmp_path, bucket, compression):
     uri = bucket.upload(write(tmp_path / "local", compression), f"mds-resume-{compression}")
-    full = run(iter(pipeline(uri, tmp_path / "c", lanes=2)))
-    loader = iter(pipeline(uri, tmp_path / "c", lanes=2))
-    head = run(loader, 6)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(uri, tmp_path / "c", lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, uri, tmp_path / "c"), lambda n: (6,))
 
 
 def test_a_local_shard_rewritten_since_it_was_indexed_is_refused_on_read(tmp_path):
     root = write(tmp_path)
-    src = MDSSource(root, chunk_size=5)
-    src.read(src.chunk(0).pointers)
-    shard = root / "shard.00000.mds"
-    data = bytearray(shard.read_bytes())
-    data[-2] ^= 1
-    shard.write_bytes(bytes(data))
-    os.utime(shard, ns=(1, 1))
-    with pytest.raises(FetchError, match=r"shard\.00000\.mds.*changed since it was indexed"):
-        src.read(src.chunk(0).pointers)
+    assert_a_file_rewritten_under_a_reader_is_refused(
+        MDSSource(root, chunk_size=5),
+        root / "shard.00000.mds",
+        flip=-2,
+        match=r"shard\.00000\.mds.*changed since it was indexed",
+    )
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])

@@ -156,25 +156,12 @@ def test_the_metadata_cache_lets_a_restart_skip_the_footers(tmp_path, bucket, fa
     assert all(w is not None and w.startswith(str(tmp_path / "cache")) for w in where)
 
 
-def overwrite(bucket, key: str, data: bytes) -> None:
-    with bucket.fs.open_output_stream(f"{bucket.name}/{key}") as out:
-        out.write(data)
-
-
-def etag(bucket, key: str) -> str:
-    f = bucket.fs.open_input_file(f"{bucket.name}/{key}")
-    try:
-        return f.metadata()["ETag"].decode()
-    finally:
-        f.close()
-
-
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
 def test_an_object_overwritten_while_read_is_refused_naming_both_versions(tmp_path, bucket, kind):
     local = shards(tmp_path / "data", [40], group=5)
     uri = bucket.upload(local, "g")
     key = f"g/b/part-000.{kind}"
-    before = etag(bucket, key)
+    before = bucket.etag(key)
     make = ArrowSource if kind == "parquet" else JsonlSource
     src = make(f"{uri}/**/*.{kind}", chunk_size=5)
     assert src.read(np.array([[0, 0, 1]]))[0]["idx"] == 1
@@ -187,8 +174,8 @@ def test_an_object_overwritten_while_read_is_refused_naming_both_versions(tmp_pa
         data = buf.getvalue().to_pybytes()
     else:
         data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    overwrite(bucket, key, data)
-    after = etag(bucket, key)
+    bucket.overwrite(key, data)
+    after = bucket.etag(key)
     assert after != before
     with pytest.raises(FetchError) as info:
         src.read(np.array([[0, 0, 17]]))
@@ -211,9 +198,9 @@ def test_an_object_overwritten_after_a_checkpoint_is_refused_at_resume(tmp_path,
         overwrite_with = table.take(list(reversed(range(table.num_rows))))
         buf = pa.BufferOutputStream()
         pq.write_table(overwrite_with, buf, row_group_size=5)
-        overwrite(bucket, key, buf.getvalue().to_pybytes())
+        bucket.overwrite(key, buf.getvalue().to_pybytes())
     else:
-        overwrite(bucket, key, "".join(reversed(path.read_text().splitlines(True))).encode())
+        bucket.overwrite(key, "".join(reversed(path.read_text().splitlines(True))).encode())
     # The same cache directory: the cached digests are of the version checkpointed.
     with pytest.raises(CheckpointMismatchError, match=rf"file 'a/part-001\.{kind}' changed"):
         stream(make(where, chunk_size=5), state=state)

@@ -265,16 +265,7 @@ def rewrite_reversed(bucket, key: str, kind: str, n: int) -> None:
         data = buf.getvalue().to_pybytes()
     else:
         data = "".join(json.dumps(r) + "\n" for r in backwards).encode()
-    with bucket.fs.open_output_stream(f"{bucket.name}/{key}") as out:
-        out.write(data)
-
-
-def etag(bucket, key: str) -> str:
-    f = bucket.fs.open_input_file(f"{bucket.name}/{key}")
-    try:
-        return f.metadata()["ETag"].decode()
-    finally:
-        f.close()
+    bucket.overwrite(key, data)
 
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
@@ -290,9 +281,9 @@ def test_an_object_rewritten_after_caching_is_refused_as_without_a_cache(tmp_pat
     with pipeline.iter() as loader:
         next(loader)
         state = loader.state_dict()
-    before = etag(bucket, key)
+    before = bucket.etag(key)
     rewrite_reversed(bucket, key, kind, 40)
-    after = etag(bucket, key)
+    after = bucket.etag(key)
     # The source keeps the version it pinned, and its copy is that version's bytes.
     assert src.read(np.array([[0, 0, 17]]))[0]["idx"] == 17
     # A copy it has to fetch again is refused, naming both versions, as an uncached read is.

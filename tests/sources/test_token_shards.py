@@ -4,21 +4,28 @@ layout, numpy.save arrays and raw arrays, locally and on the loopback S3 server.
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import signal
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from pipeline_kit import fingerprint_item, run
+from format_kit import (
+    assert_a_changed_dataset_is_refused,
+    assert_a_file_rewritten_under_a_reader_is_refused,
+    assert_a_killed_worker_resumes_exactly,
+    assert_relanes,
+    assert_resumes_exactly,
+    assert_resumes_on_two_ranks,
+    closed_state,
+)
+from pipeline_kit import run
 from token_files import documents, flat_with_eos, write_megatron
-from worker_kit import worker_processes
 
 import zephon
-from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.errors import FetchError, PlanError
 from zephon.ops import batch, ensure_mixture, fetch, pack_sequences
 from zephon.sources import MixtureSource, TokenShardSource
 
@@ -161,14 +168,9 @@ def test_float_arrays_are_not_token_files(tmp_path):
 
 def test_a_shard_rewritten_since_it_was_indexed_is_refused_on_read(tmp_path):
     src = TokenShardSource(megatron_dir(tmp_path), chunk_size=10)
-    src.read(src.chunk(0).pointers)
-    bin_path = tmp_path / "s0.bin"
-    data = bytearray(bin_path.read_bytes())
-    data[0] ^= 1
-    bin_path.write_bytes(bytes(data))
-    os.utime(bin_path, ns=(1, 1))
-    with pytest.raises(FetchError, match=r"s0\.bin.*changed since it was indexed"):
-        src.read(src.chunk(0).pointers)
+    assert_a_file_rewritten_under_a_reader_is_refused(
+        src, tmp_path / "s0.bin", flip=0, match=r"s0\.bin.*changed since it was indexed"
+    )
 
 
 # --------------------------------------------------------------------------- pipelines
@@ -207,70 +209,45 @@ def test_packing_without_any_pad_id_is_a_plan_error(tmp_path):
 def test_fetch_pack_2048_batch_resumes_exactly_at_any_step(tmp_path):
     root = megatron_dir(tmp_path)
 
-    def make() -> zephon.Pipeline:
+    def make(**kw: Any) -> zephon.Pipeline:
         src = TokenShardSource(root, chunk_size=16, shuffle=True, pad_id=0)
-        return zephon.Pipeline(src, [fetch(), pack_sequences(2048), batch(1)], lanes=2)
+        return zephon.Pipeline(src, [fetch(), pack_sequences(2048), batch(1)], **kw)
 
-    full = run(iter(make()))
-    assert len(full) >= 2
-    for step in range(len(full)):
-        loader = iter(make())
-        head = run(loader, step) if step else []
-        state = json.loads(json.dumps(loader.state_dict()))
-        loader.close()
-        assert head + run(make().iter(state=state)) == full, f"step {step}"
+    def every_step(items: int) -> range:
+        assert items >= 2
+        return range(items)
+
+    assert_resumes_exactly(make, every_step)
 
 
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_a_killed_worker_resumes_exactly(tmp_path):
-    root = npy_dir(tmp_path)
-    full = run(iter(pipeline(root, lanes=2)))
-    loader = iter(pipeline(root, lanes=2, workers="process"))
-    head = run(loader, 5)
-    os.kill(worker_processes()[0].pid, signal.SIGKILL)
-    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
-        for item in loader:
-            head.append(fingerprint_item(item))
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+    assert_a_killed_worker_resumes_exactly(partial(pipeline, npy_dir(tmp_path)), 5)
 
 
 def test_a_job_of_four_ranks_resumes_on_two_with_every_token_once(tmp_path):
-    root = megatron_dir(tmp_path)
-    states, before = [], []
-    for rank in range(4):
-        loader = iter(pipeline(root, lanes=4, rank=rank, world_size=4))
-        before += [next(loader) for _ in range(2)]
-        states.append(json.loads(json.dumps(loader.state_dict())))
-        loader.close()
-    job = zephon.merge_states(states)
-    after = [x for r in range(2) for x in pipeline(root, rank=r, world_size=2).iter(state=job)]
-    assert delivered_tokens(before) + delivered_tokens(after) == all_tokens()
+    assert_resumes_on_two_ranks(
+        partial(pipeline, megatron_dir(tmp_path)), delivered_tokens, all_tokens()
+    )
 
 
 def test_a_state_of_three_lanes_relanes_onto_two_with_every_token_once(tmp_path):
     root = npy_dir(tmp_path)
     loader = iter(pipeline(root, lanes=3))
     before = [next(loader) for _ in range(4)]
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    with pytest.warns(RelaneWarning):
-        after = list(pipeline(root, lanes=2).iter(state=state))
-    assert delivered_tokens(before) + delivered_tokens(after) == all_tokens()
+    state = closed_state(loader)
+    assert_relanes(pipeline(root, lanes=2), state, before, delivered_tokens, all_tokens())
 
 
 def test_a_rewritten_shard_is_a_checkpoint_mismatch_naming_it(tmp_path):
     root = megatron_dir(tmp_path)
-    loader = iter(pipeline(root))
-    next(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    docs = documents(0, N)
-    docs[95] = docs[95] + 1
-    write_megatron(root / "s2", [[d] for d in docs[90:]])
-    with pytest.raises(CheckpointMismatchError, match=r"s2\.idx"):
-        iter(pipeline(root).iter(state=state))
+
+    def rewrite() -> None:
+        docs = documents(0, N)
+        docs[95] = docs[95] + 1
+        write_megatron(root / "s2", [[d] for d in docs[90:]])
+
+    assert_a_changed_dataset_is_refused(partial(pipeline, root), rewrite, r"s2\.idx")
 
 
 def test_a_copied_dataset_keeps_its_fingerprint(tmp_path):
@@ -323,8 +300,7 @@ def test_a_bucket_copy_delivers_the_local_documents_and_refuses_a_changed_block(
     assert [t.tolist() for t in every_document(there)] == want
     data = bytearray((local / "s0.bin").read_bytes())
     data[2] ^= 1
-    with bucket.fs.open_output_stream(f"{bucket.name}/tok/s0.bin") as out:
-        out.write(bytes(data))
+    bucket.overwrite("tok/s0.bin", bytes(data))
     with pytest.raises(FetchError, match=r"s0\.bin.*no longer matches the digest"):
         every_document(there)
 

@@ -5,25 +5,35 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
 import textwrap
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import webdataset as wds
-from pipeline_kit import fingerprint_item, run
-from worker_kit import script_env, worker_processes
+from format_kit import (
+    assert_a_changed_dataset_is_refused,
+    assert_a_changed_object_is_refused,
+    assert_a_copy_reads_the_same,
+    assert_a_file_rewritten_under_a_reader_is_refused,
+    assert_a_killed_worker_resumes_exactly,
+    assert_each_sample_twice,
+    assert_resumes_exactly,
+    assert_resumes_on_two_ranks_and_relanes,
+    every_sample,
+)
+from pipeline_kit import run
+from worker_kit import script_env
 
 import zephon
-from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.errors import FetchError, PlanError
 from zephon.ops import batch, fetch
 from zephon.sources import ShardCache, WebDatasetSource, open_source
 
@@ -88,12 +98,6 @@ def index_of(payload: dict[str, Any]) -> int:
     return int(payload["__key__"].rsplit("/", 1)[1])
 
 
-def every_sample(src: WebDatasetSource) -> list[dict[str, Any]]:
-    total = src.total_chunks()
-    assert total is not None
-    return [p for pos in range(total) for p in src.read(src.chunk(pos).pointers)]
-
-
 def assert_written(got: dict[str, Any], url: str | None = None) -> None:
     i = index_of(got)
     assert list(got)[:2] == ["__key__", "__url__"]
@@ -110,10 +114,7 @@ def test_every_sample_once_per_pass_with_the_writers_bytes(tmp_path, shuffle):
     root = write(tmp_path / "wds")
     src = WebDatasetSource(root, chunk_size=7, shuffle=shuffle, passes=2)
     assert len(src.files()) == 4 and src.num_samples() == N
-    got = every_sample(src)
-    assert Counter(index_of(g) for g in got) == Counter({i: 2 for i in range(N)})
-    for g in got:
-        assert_written(g, str(root))
+    assert_each_sample_twice(src, N, index_of, partial(assert_written, url=str(root)))
 
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
@@ -311,84 +312,53 @@ def delivered(items: list[Any]) -> Counter:
 
 def test_resumes_exactly_at_any_step(tmp_path):
     root = write(tmp_path / "d")
-    full = run(iter(pipeline(root, lanes=2)))
-    for step in (0, 3, 9, len(full) - 1):
-        loader = iter(pipeline(root, lanes=2))
-        head = run(loader, step) if step else []
-        state = json.loads(json.dumps(loader.state_dict()))
-        loader.close()
-        assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, root), lambda n: (0, 3, 9, n - 1))
 
 
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_a_killed_worker_resumes_exactly(tmp_path):
-    root = write(tmp_path / "d")
-    full = run(iter(pipeline(root, lanes=2)))
-    loader = iter(pipeline(root, lanes=2, workers="process"))
-    head = run(loader, 4)
-    os.kill(worker_processes()[0].pid, signal.SIGKILL)
-    with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):
-        for item in loader:
-            head.append(fingerprint_item(item))
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(root, lanes=2).iter(state=state)) == full
+    assert_a_killed_worker_resumes_exactly(partial(pipeline, write(tmp_path / "d")), 4)
 
 
 def test_a_job_of_four_ranks_resumes_on_two_and_relanes(tmp_path):
-    root = write(tmp_path / "d")
-    states, before = [], []
-    for rank in range(4):
-        loader = iter(pipeline(root, lanes=4, rank=rank, world_size=4))
-        before += [next(loader) for _ in range(2)]
-        states.append(json.loads(json.dumps(loader.state_dict())))
-        loader.close()
-    job = zephon.merge_states(states)
-    after = [x for r in range(2) for x in pipeline(root, rank=r, world_size=2).iter(state=job)]
-    assert delivered(before) + delivered(after) == Counter(range(N))
-    with pytest.warns(RelaneWarning):
-        relaned = list(pipeline(root, lanes=3).iter(state=job))
-    assert delivered(before) + delivered(relaned) == Counter(range(N))
+    make = partial(pipeline, write(tmp_path / "d"))
+    assert_resumes_on_two_ranks_and_relanes(make, delivered, Counter(range(N)))
 
 
 def test_a_rewritten_shard_is_refused_at_resume_naming_it(tmp_path):
     root = write(tmp_path / "d")
-    loader = iter(pipeline(root))
-    next(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    shutil.rmtree(root)
-    write(root, n=N + 1)  # the same shards but the last, which gains a sample
-    with pytest.raises(CheckpointMismatchError, match=re.escape("shard-0003.tar")):
-        iter(pipeline(root).iter(state=state))
+
+    def rewrite() -> None:
+        shutil.rmtree(root)
+        write(root, n=N + 1)  # the same shards but the last, which gains a sample
+
+    assert_a_changed_dataset_is_refused(
+        partial(pipeline, root), rewrite, re.escape("shard-0003.tar")
+    )
 
 
 def test_a_shard_rewritten_with_the_same_size_is_refused_at_resume_by_content(tmp_path):
     root = write(tmp_path / "d")
-    loader = iter(pipeline(root))
-    next(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
     shard = root / "shard-0001.tar"
-    data = bytearray(shard.read_bytes())
-    with tarfile.open(shard) as tar:
-        data[tar.getmembers()[4].offset_data] ^= 1  # one byte of one member, same size
-    shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointMismatchError, match=r"shard-0001\.tar.*content_sha256"):
-        iter(pipeline(root).iter(state=state))
+
+    def flip() -> None:
+        data = bytearray(shard.read_bytes())
+        with tarfile.open(shard) as tar:
+            data[tar.getmembers()[4].offset_data] ^= 1  # one byte of one member, same size
+        shard.write_bytes(bytes(data))
+
+    match = r"shard-0001\.tar.*content_sha256"
+    assert_a_changed_dataset_is_refused(partial(pipeline, root), flip, match)
 
 
 def test_a_local_shard_rewritten_while_read_is_refused(tmp_path):
     root = write(tmp_path)
-    src = WebDatasetSource(root, chunk_size=5)
-    src.read(src.chunk(0).pointers)
-    shard = root / "shard-0000.tar"
-    data = bytearray(shard.read_bytes())
-    data[700] ^= 1
-    shard.write_bytes(bytes(data))
-    os.utime(shard, ns=(1, 1))
-    with pytest.raises(FetchError, match=r"shard-0000\.tar.*changed since it was indexed"):
-        src.read(src.chunk(0).pointers)
+    assert_a_file_rewritten_under_a_reader_is_refused(
+        WebDatasetSource(root, chunk_size=5),
+        root / "shard-0000.tar",
+        flip=700,
+        match=r"shard-0000\.tar.*changed since it was indexed",
+    )
 
 
 # --------------------------------------------------------------------------- remote
@@ -399,9 +369,7 @@ def test_a_bucket_copy_delivers_the_local_samples(tmp_path, bucket):
     uri = bucket.upload(local, "wds")
     here = WebDatasetSource(local, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c1")
     there = WebDatasetSource(uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2")
-    assert there.describe() == here.describe()
-    got = every_sample(there)
-    assert [g["__key__"] for g in got] == [g["__key__"] for g in every_sample(here)]
+    got = assert_a_copy_reads_the_same(here, there, "__key__")
     for g in got:
         assert_written(g, uri)
 
@@ -414,34 +382,26 @@ def test_a_bucket_copy_read_through_a_shard_cache_delivers_the_local_samples(tmp
     there = WebDatasetSource(
         uri, chunk_size=6, shuffle=True, cache_dir=tmp_path / "c2", cache=cache
     )
-    assert there.describe() == here.describe()
-    got = every_sample(there)
-    assert [g["__key__"] for g in got] == [g["__key__"] for g in every_sample(here)]
+    assert_a_copy_reads_the_same(here, there, "__key__")
     counts = there.io_counters()[there.root]
     assert counts["cache_misses"] == len(there.files()) and counts["cache_hits"] > 0
 
 
 def test_a_changed_remote_block_is_refused(tmp_path, bucket):
-    local = write(tmp_path / "local")
-    uri = bucket.upload(local, "wds-changed")
-    there = WebDatasetSource(uri, cache_dir=tmp_path / "c")
-    there.num_samples()
-    data = bytearray((local / "shard-0000.tar").read_bytes())
-    data[-2000] ^= 1
-    with bucket.fs.open_output_stream(f"{bucket.name}/wds-changed/shard-0000.tar") as out:
-        out.write(bytes(data))
-    with pytest.raises(FetchError, match=r"shard-0000\.tar.*(no longer matches|changed since)"):
-        every_sample(there)
+    assert_a_changed_object_is_refused(
+        bucket,
+        write(tmp_path / "local"),
+        "wds-changed",
+        "shard-0000.tar",
+        partial(WebDatasetSource, cache_dir=tmp_path / "c"),
+        flip=-2000,
+        match=r"shard-0000\.tar.*(no longer matches|changed since)",
+    )
 
 
 def test_a_bucket_copy_resumes_exactly(tmp_path, bucket):
     uri = bucket.upload(write(tmp_path / "local"), "wds-resume")
-    full = run(iter(pipeline(uri, lanes=2)))
-    loader = iter(pipeline(uri, lanes=2))
-    head = run(loader, 6)
-    state = json.loads(json.dumps(loader.state_dict()))
-    loader.close()
-    assert head + run(pipeline(uri, lanes=2).iter(state=state)) == full
+    assert_resumes_exactly(partial(pipeline, uri), lambda n: (6,))
     assert open_source(uri).num_samples() == N
 
 
@@ -461,8 +421,6 @@ def test_an_fsspec_store_delivers_the_local_samples(tmp_path):
         memory.pipe(f"/{tmp_path.name}/{path.name}", path.read_bytes())
     there = WebDatasetSource(f"memory:///{tmp_path.name}", chunk_size=6, shuffle=True)
     here = WebDatasetSource(local, chunk_size=6, shuffle=True)
-    assert there.describe() == here.describe()
-    got = every_sample(there)
-    assert [g["__key__"] for g in got] == [g["__key__"] for g in every_sample(here)]
+    got = assert_a_copy_reads_the_same(here, there, "__key__")
     for g in got:
         assert_written(g)

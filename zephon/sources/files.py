@@ -492,31 +492,17 @@ class FileSource(IndexedSource):
         self.files()
         return self._root
 
-    def loaded_once(
-        self, layouts: list[Any], identities: list[str], i: int, load: Callable[[int], Any]
-    ) -> Any:
-        """``layouts[i]``: made by ``load(i)`` (retried when remote) the first time a read needs
-        it, under the source's lock, and refused with a ``FetchError`` when its ``identity`` is
-        no longer ``identities[i]``, the one the source was built on (after unpickling in a
-        worker, or when the file was rewritten since)."""
-        layout = layouts[i]
-        if layout is None:
-            with self._lock:
-                layout = layouts[i]
-                if layout is None:
-                    layout = self.with_retries(
-                        lambda: load(i),
-                        lambda: f"{type(self).__name__} cannot index {self.paths[i]!r}",
-                    )
-                    if layout.identity != identities[i]:
-                        raise self.fetch_error(
-                            i,
-                            "the file changed since this source read it (another content "
-                            "digest); build a new source (its fingerprint will differ from old "
-                            "checkpoints)",
-                        )
-                    layouts[i] = layout
-        return layout
+    def indexed(self, i: int, load: Callable[[int], Any]) -> Any:
+        """``load(i)``, the layout of file ``i``, retried as ``with_retries`` does; what fails
+        past the budget says this source cannot index the file."""
+        return self.with_retries(
+            lambda: load(i), lambda: f"{type(self).__name__} cannot index {self.paths[i]!r}"
+        )
+
+    def index_every_file(self, load: Callable[[int], Any]) -> list[Any]:
+        """``indexed(i, load)`` of every file, in ``paths`` order (in parallel for remote
+        data)."""
+        return self.parallel(partial(self.indexed, load=load), range(len(self.files())))
 
     def with_retries(self, fn: Callable[[], Any], what: Callable[[], str]) -> Any:
         """``fn()`` retried on transient errors when the data is remote (local errors are left to
@@ -524,6 +510,11 @@ class FileSource(IndexedSource):
         if self.is_local:
             return fn()
         return with_retries(fn, what, self.retry_policy)
+
+    def read_retried(self, i: int, fn: Callable[[], Any]) -> Any:
+        """``fn()``, a read of file ``i``, retried as ``with_retries`` does; what fails past the
+        budget says this source cannot read the file."""
+        return self.with_retries(fn, lambda: f"{type(self).__name__} cannot read {self.paths[i]!r}")
 
     def parallel(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """``[fn(x) for x in items]`` on at most ``threads`` threads for remote data (joined

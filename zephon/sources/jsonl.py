@@ -257,14 +257,7 @@ class JsonlSource(FileSource):
     def load_metadata(self) -> list[int]:
         """Load or build the line index of every file (in parallel for remote data, each
         retried on transient errors); returns the sample count of each."""
-
-        def one(i: int) -> _LineIndex:
-            index: _LineIndex = self.with_retries(
-                lambda: self._load_index(i), lambda: f"JsonlSource cannot index {self.paths[i]!r}"
-            )
-            return index
-
-        self._indexes = self.parallel(one, range(len(self.files())))
+        self._indexes = self.index_every_file(self._load_index)
         return [len(ix) for ix in self._indexes]
 
     def _open(self, i: int) -> Any:

@@ -294,7 +294,7 @@ class LanceSource(FileSource):
             except (ValueError, RuntimeError) as exc:
                 raise self.fetch_error(i, f"{type(exc).__name__}: {exc}", pointer) from exc
 
-        table = self.with_retries(take, lambda: f"LanceSource cannot read {self.paths[i]!r}")
+        table = self.read_retried(i, take)
         if table.num_rows != len(idx):
             raise self.fetch_error(
                 i, f"asked for {len(idx)} rows, Lance returned {table.num_rows}", pointer

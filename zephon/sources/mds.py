@@ -43,9 +43,10 @@ import numpy as np
 
 from zephon.errors import FetchError, PlanError
 from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
-from zephon.sources.files import DigestTable, FileOptions, FileSource, read_sidecar
+from zephon.sources.files import DigestTable, FileOptions, read_sidecar
 from zephon.sources.locations import DataFile, default_cache_dir
 from zephon.sources.mapped_files import ChangedFile, MappedFiles, map_bytes
+from zephon.sources.shard_layouts import ShardLayoutSource
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -110,7 +111,7 @@ class _Shard:
     identity: str
 
 
-class MDSSource(FileSource):
+class MDSSource(ShardLayoutSource[_Shard]):
     """A Mosaic MDS directory (``path``: the directory holding ``index.json``, or that file):
     one sample per row, its payload ``{column: value}`` for ``columns`` (all, in index order,
     when None). See the module docstring for encodings, identity and reads.
@@ -145,8 +146,6 @@ class MDSSource(FileSource):
         self.columns = None if columns is None else list(columns)
         self.allow_pickle = bool(allow_pickle)
         self._entries: list[dict[str, Any]] = []
-        self._shards: list[_Shard | None] = []
-        self._identities: list[str] = []
         self._selected: list[Column] = []
         self._all_columns: list[Column] = []
         self._wanted: frozenset[str] = frozenset()
@@ -258,16 +257,7 @@ class MDSSource(FileSource):
         for col in self._selected:
             self.check_encoding(col)
 
-        def one(i: int) -> _Shard:
-            shard: _Shard = self.with_retries(
-                lambda: self._load_shard(i),
-                lambda: f"{type(self).__name__} cannot index {self.paths[i]!r}",
-            )
-            return shard
-
-        shards = self.parallel(one, range(len(self.files())))
-        self._shards = list(shards)
-        self._identities = [s.identity for s in shards]
+        shards = self.load_shards()
         return [s.samples for s in shards]
 
     def columns_of(self, entries: list[dict[str, Any]]) -> list[Column]:
@@ -417,11 +407,6 @@ class MDSSource(FileSource):
             )
         return np.frombuffer(head, "<u4", offset=4).copy()
 
-    def _shard(self, i: int) -> _Shard:
-        # The shard's layout; after unpickling it is loaded again and must keep its identity.
-        shard: _Shard = self.loaded_once(self._shards, self._identities, i, self._load_shard)
-        return shard
-
     # --------------------------------------------------------------------- reading
     def read_file(
         self,
@@ -439,9 +424,8 @@ class MDSSource(FileSource):
             data = self._mapped(i, shard, rows[positions[0]]).data
             samples: list[Any] = [data[a:e] for a, e in zip(starts, ends, strict=True)]
         else:
-            samples = self.with_retries(
-                lambda: self._fetch(i, shard, starts, ends, rows[positions[0]]),
-                lambda: f"{type(self).__name__} cannot read {self.paths[i]!r}",
+            samples = self.read_retried(
+                i, lambda: self._fetch(i, shard, starts, ends, rows[positions[0]])
             )
         for k, (pos, sample) in enumerate(zip(positions.tolist(), samples, strict=True)):
             out[pos] = self.decode_sample(i, memoryview(sample), rows[positions[k]], int(idx[k]))
@@ -542,11 +526,6 @@ class MDSSource(FileSource):
             for k, f in enumerate(self.files())
         ]
         return out
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_shards"] = [None] * len(self._shards)
-        return state
 
 
 def _decode_value(encoding: str, data: memoryview) -> Any:

@@ -47,8 +47,9 @@ import numpy as np
 
 from zephon.errors import FetchError
 from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
-from zephon.sources.files import DigestTable, FileOptions, FileSource, PathsArg, read_sidecar
+from zephon.sources.files import DigestTable, FileOptions, PathsArg, read_sidecar
 from zephon.sources.mapped_files import ChangedFile, MappedFiles
+from zephon.sources.shard_layouts import ShardLayoutSource
 from zephon.validation import check_int
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class _Shard:
         return starts, np.minimum(self.window, self.tokens - starts)
 
 
-class TokenShardSource(FileSource):
+class TokenShardSource(ShardLayoutSource[_Shard]):
     """Pre-tokenized shards (Megatron ``.bin``/``.idx``, ``.npy``, raw arrays): one sample per
     document, its payload ``{field: int32 token ids}``. See the module docstring for the shard
     kinds, identity and reads.
@@ -164,8 +165,6 @@ class TokenShardSource(FileSource):
         # What a directory listing keeps: Megatron indexes and .npy files, or raw .bin files.
         self.SUFFIXES = (".bin",) if self.raw_dtype is not None else (".idx", ".npy")
         super().__init__(paths, **options)
-        self._shards: list[_Shard | None] = []
-        self._identities: list[str] = []
         self._maps = MappedFiles()
 
     # --------------------------------------------------------------------- facts
@@ -220,23 +219,8 @@ class TokenShardSource(FileSource):
     def load_metadata(self) -> list[int]:
         """Load or build each shard's document table and digests (in parallel for remote data,
         each retried on transient errors); the document count of each."""
-
-        def one(i: int) -> _Shard:
-            shard: _Shard = self.with_retries(
-                lambda: self._load_shard(i),
-                lambda: f"TokenShardSource cannot index {self.paths[i]!r}",
-            )
-            return shard
-
-        shards = self.parallel(one, range(len(self.files())))
-        self._shards = list(shards)
-        self._identities = [s.identity for s in shards]
+        shards = self.load_shards()
         return [s.documents for s in shards]
-
-    def _shard(self, i: int) -> _Shard:
-        # The shard's layout; after unpickling it is loaded again and must keep its identity.
-        shard: _Shard = self.loaded_once(self._shards, self._identities, i, self._load_shard)
-        return shard
 
     def _stat(self, path: str) -> tuple[int, int]:
         if self.is_local:
@@ -494,9 +478,8 @@ class TokenShardSource(FileSource):
                     for k, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True))
                 ]
         else:
-            spans = self.with_retries(
-                lambda: self._fetch_pieces(i, shard, starts, lengths, rows[positions[0]]),
-                lambda: f"TokenShardSource cannot read {self.paths[i]!r}",
+            spans = self.read_retried(
+                i, lambda: self._fetch_pieces(i, shard, starts, lengths, rows[positions[0]])
             )
             pieces = [
                 self._int32(i, piece, rows, positions[k : k + 1], local, None)
@@ -615,11 +598,3 @@ class TokenShardSource(FileSource):
             )
         ]
         return out
-
-    # --------------------------------------------------------------------- pickling
-    def __getstate__(self) -> dict[str, Any]:
-        # Without the document tables and maps: a worker loads them again from the sidecars and
-        # checks they describe the same content (``_shard``).
-        state = super().__getstate__()
-        state["_shards"] = [None] * len(self._shards)
-        return state

@@ -48,7 +48,6 @@ from zephon.sources.block_reads import ChangedBlock, read_spans, regular_table
 from zephon.sources.files import (
     DigestTable,
     FileOptions,
-    FileSource,
     PathsArg,
     content_digest,
     read_sidecar,
@@ -56,6 +55,7 @@ from zephon.sources.files import (
     text_section,
 )
 from zephon.sources.mapped_files import ChangedFile, MappedFiles, map_bytes
+from zephon.sources.shard_layouts import ShardLayoutSource
 from zephon.sources.tar_members import MemberScan, TarFormatError
 from zephon.validation import check_bool
 
@@ -119,7 +119,7 @@ class _Shard:
         return self.keys[a:b].decode("utf-8", "surrogateescape")
 
 
-class WebDatasetSource(FileSource):
+class WebDatasetSource(ShardLayoutSource[_Shard]):
     """WebDataset ``.tar`` shards (files, directories, globs, URIs): one sample per key, its
     payload ``{"__key__", "__url__", field: bytes}``. See the module docstring for how members
     become samples, the member index, reads and errors.
@@ -160,8 +160,6 @@ class WebDatasetSource(FileSource):
             )
         self.columns = None if columns is None else list(columns)
         self.decode_text = check_bool(decode_text, "decode_text", "WebDatasetSource")
-        self._shards: list[_Shard | None] = []
-        self._identities: list[str] = []
         self._maps = MappedFiles()
 
     # --------------------------------------------------------------------- the member index
@@ -181,15 +179,7 @@ class WebDatasetSource(FileSource):
     def load_metadata(self) -> list[int]:
         """Load or build each shard's member index (in parallel for remote data, each retried
         on transient errors), then check ``columns``; the sample count of each shard."""
-
-        def one(i: int) -> _Shard:
-            shard: _Shard = self.with_retries(
-                lambda: self._load_shard(i),
-                lambda: f"WebDatasetSource cannot index {self.paths[i]!r}",
-            )
-            return shard
-
-        shards = self.parallel(one, range(len(self.files())))
+        shards = self.load_shards()
         if self.columns is not None:
             found = {f for s in shards for f in s.fields}
             unknown = [c for c in self.columns if c not in found]
@@ -198,14 +188,7 @@ class WebDatasetSource(FileSource):
                     f"WebDatasetSource: no shard of {self.root!r} holds a field {unknown}; they "
                     f"hold {sorted(found)}"
                 )
-        self._shards = list(shards)
-        self._identities = [s.identity for s in shards]
         return [s.samples for s in shards]
-
-    def _shard(self, i: int) -> _Shard:
-        # The shard's index; after unpickling it is loaded again and must keep its identity.
-        shard: _Shard = self.loaded_once(self._shards, self._identities, i, self._load_shard)
-        return shard
 
     def _load_shard(self, i: int) -> _Shard:
         f = self.files()[i]
@@ -342,9 +325,8 @@ class WebDatasetSource(FileSource):
                 data[a:e].tobytes() for a, e in zip(starts.tolist(), ends.tolist(), strict=True)
             ]
         else:
-            values = self.with_retries(
-                lambda: self._fetch(i, shard, starts, ends, counts, rows[positions[0]]),
-                lambda: f"WebDatasetSource cannot read {self.paths[i]!r}",
+            values = self.read_retried(
+                i, lambda: self._fetch(i, shard, starts, ends, counts, rows[positions[0]])
             )
         url = self.paths[i]
         # Without columns, each sample's fields in member order; with them, in their order.
@@ -469,14 +451,6 @@ class WebDatasetSource(FileSource):
             for k, f in enumerate(self.files())
         ]
         return out
-
-    # --------------------------------------------------------------------- pickling
-    def __getstate__(self) -> dict[str, Any]:
-        # Without the member indexes: a worker loads them again from the sidecars and checks
-        # they describe the same content (``_shard``).
-        state = super().__getstate__()
-        state["_shards"] = [None] * len(self._shards)
-        return state
 
 
 def _sections(shard: _Shard) -> list[np.ndarray]:

@@ -94,6 +94,20 @@ class LaneBook:
         except (KeyError, ValueError, IndexError) as exc:
             raise self.invented(tomb, exc) from None
 
+    def replayed(self, item: Any) -> bool:
+        """Book ``item``, handed over before the checkpoint and swallowed now by the replay, as
+        its delivery did (a ``Skipped`` was counted then already); True when it is a record."""
+        if type(item) is Skipped:
+            return False
+        if type(item) is not SampleRecord:
+            self.control(item)
+            return False
+        if item.meta.is_tombstone:
+            self.tombstone(item, False)
+            return False
+        self.record(item, False)
+        return True
+
     def deliver(self, items: list[Any]) -> None:
         """Everything a batch hands over, in stream order: records, tombstones, control items."""
         i, n = 0, len(items)
@@ -256,14 +270,7 @@ class LaneBook:
         self.enter(run)
         reported = len(self.found)
         for item in marker.replayed:
-            if type(item) is Skipped:  # counted before the checkpoint
-                continue
-            if type(item) is not SampleRecord:
-                self.control(item)
-            elif item.meta.is_tombstone:
-                self.tombstone(item, False)
-            else:
-                self.record(item, False)
+            self.replayed(item)
         del self.found[reported:]  # seen (and counted or raised) before the checkpoint
 
     def _check_carry_size(self, carry: list[Any]) -> None:

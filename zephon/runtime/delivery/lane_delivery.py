@@ -135,14 +135,7 @@ class LaneDelivery(LaneOutlet):
         if replay is None:
             return
         for item in self._until_cursor(replay):
-            if type(item) is Skipped:  # counted and logged before the checkpoint
-                continue
-            if type(item) is not SampleRecord:
-                book.control(item)
-            elif item.meta.is_tombstone:
-                book.tombstone(item, False)
-            else:
-                book.record(item, False)
+            if book.replayed(item):
                 book.found.clear()  # seen (and counted or raised) before the checkpoint
                 if on_record is not None:
                     on_record()
@@ -305,15 +298,7 @@ class LaneDelivery(LaneOutlet):
             if plan.indexable and cursor.chunk_id == position:
                 skip = self._skip_at_source(position, cursor, expect, where, first)
             else:
-                self.replay = ReplayFilter(
-                    self.lane_id,
-                    cursor,
-                    expect,
-                    monotone=self.book.monotone,
-                    cause=self.cause,
-                    lenient=self.lenient,
-                    merges=self.merges,
-                )
+                self.replay = self._replay_to(cursor, expect)
         self.feed.start_at = {
             "runs": [run.for_runner() for run in runs],
             "layout": layout.encode(),
@@ -361,14 +346,21 @@ class LaneDelivery(LaneOutlet):
                 )
             self.book.book.last_cursor = cursor
         else:
-            self.replay = ReplayFilter(
-                self.lane_id,
-                cursor,
-                expect,
-                monotone=self.book.monotone,
-                seen=seen,
-                cause=self.cause,
-                lenient=self.lenient,
-                merges=self.merges,
-            )
+            self.replay = self._replay_to(cursor, expect, seen)
         return skip
+
+    def _replay_to(
+        self, cursor: SampleCursor, expect: tuple[int, int], seen: tuple[int, int] = (0, 0)
+    ) -> ReplayFilter:
+        # What swallows the records this lane delivered before the checkpoint, up to ``cursor``
+        # (``seen``: the count and digest of those skipped at the source already).
+        return ReplayFilter(
+            self.lane_id,
+            cursor,
+            expect,
+            monotone=self.book.monotone,
+            seen=seen,
+            cause=self.cause,
+            lenient=self.lenient,
+            merges=self.merges,
+        )
