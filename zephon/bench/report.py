@@ -749,36 +749,36 @@ def format_rows(quick: bool) -> list[Row]:
     return rows
 
 
-def seed_rows(quick: bool) -> list[Row]:
-    """``fetch -> pack_sequences(2048) -> batch(8)`` on a Megatron token shard against the seed
-    system's packing of the same documents, in its own interpreter (``zephon.bench.seed_packing``;
-    ``$ZEPHON_SEED_PYTHON``)."""
+def pypi_rows(quick: bool) -> list[Row]:
+    """``fetch -> pack_sequences(2048) -> batch(8)`` on a Megatron token shard against the PyPI
+    zephon's packing of the same documents, in its own interpreter (``zephon.bench.pypi_packing``;
+    ``$ZEPHON_PYPI_PYTHON``)."""
     import tempfile
     from pathlib import Path
 
-    from zephon.bench import formats, seed_packing
+    from zephon.bench import formats, pypi_packing
 
-    python = seed_packing.seed_python()
+    python = pypi_packing.pypi_python()
     what = "tokens/s, TokenShardSource fetch -> pack_sequences(2048) -> batch(8)"
     if python is None:
         return [
             Row(
                 what,
                 "",
-                "seed system: not measured",
+                "PyPI zephon: not measured",
                 "",
                 "",
                 None,
-                "set ZEPHON_SEED_PYTHON to the interpreter of a venv holding it",
+                "set ZEPHON_PYPI_PYTHON to the interpreter of a venv holding it",
             )
         ]
-    # Whole chunks of 1,024 documents: the seed system's pass leaves out a last partial one.
+    # Whole chunks of 1,024 documents: the PyPI zephon's pass leaves out a last partial one.
     docs = 1024 * (20 if quick else 60)
     repeats = 3
     with tempfile.TemporaryDirectory() as tmp:
         idx = formats.write_megatron(Path(tmp) / "tokens", docs)
-        ours = [seed_packing.ours_tokens_per_second(idx) for _ in range(repeats)]
-        seed = [seed_packing.seed_tokens_per_second(idx, python) for _ in range(repeats)]
+        ours = [pypi_packing.ours_tokens_per_second(idx) for _ in range(repeats)]
+        seed = [pypi_packing.pypi_tokens_per_second(idx, python) for _ in range(repeats)]
     rate = statistics.median(r[0] for r in ours)
     base = statistics.median(r[0] for r in seed)
     same = "the same tokens as ours" if seed[0][1] == ours[0][1] else "other tokens than ours"
@@ -790,7 +790,7 @@ def seed_rows(quick: bool) -> list[Row]:
             f"{rate / base:.2f}×",
             "≥ 10×",
             rate >= 10 * base,
-            "baseline: the seed system's pack_flat (best fit, 64 open bins, batch 8) over the "
+            "baseline: the PyPI zephon's pack_flat (best fit, 64 open bins, batch 8) over the "
             f"same documents held in memory, in its own process; it delivered {same}",
         )
     ]
@@ -1176,7 +1176,7 @@ SECTIONS: dict[str, Callable[..., list[Row]]] = {
     "metrics": metrics_rows,
     "object storage": storage_rows,
     "other formats": format_rows,
-    "packing against the seed system": seed_rows,
+    "packing against PyPI zephon": pypi_rows,
     "text pipeline": text_rows,
     "ray lanes": ray_rows,
     "images": image_rows,

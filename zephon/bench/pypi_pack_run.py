@@ -1,9 +1,9 @@
 # mypy: ignore-errors
 # (checked against our own package of the same name, which has none of the names it uses)
-"""Packing on the seed system (the pure-Python loader published on PyPI as ``zephon``), run as
-a script by that package's own interpreter, never imported by ours (the import names clash):
+"""Packing on the pure-Python loader published on PyPI as ``zephon``, run as a script by that
+package's own interpreter, never imported by ours (the import names clash):
 
-    SEED_PYTHON seed_pack_run.py TOKENS.idx SEQ_LEN OPEN_BINS BATCH
+    PYPI_PYTHON pypi_pack_run.py TOKENS.idx SEQ_LEN OPEN_BINS BATCH
 
 It reads the Megatron pair's documents into in-memory shards of 1,024 int32 arrays before the
 clock starts (its best case: no I/O, no conversion), then times ``pack_flat(SEQ_LEN,
