@@ -180,7 +180,9 @@ def report(path: str, out: str | None = None) -> Path:
         last = stats[-1].get("operators") or {}
         total = sum(v.get("seconds", 0.0) for v in last.values()) or 1.0
         names = list(last)
-        axes[1][1].barh(names, [last[n].get("seconds", 0.0) / total for n in names])
+        shares = [last[n].get("seconds", 0.0) / total for n in names]
+        # An operator's label can be long (a tokenizer's special ids); the bar needs its name.
+        axes[1][1].barh([n if len(n) <= 24 else n[:23] + "…" for n in names], shares)
     for ax, title, ylabel in (
         (axes[0][0], "throughput", "records/s"),
         (axes[0][1], "mixture share (dashed: target)", "share"),
