@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import io
 import math
-import re
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,12 +89,6 @@ class _PerImage(Operator):
         return rec.with_payload({**payload, self.field: value})
 
 
-def _is_uri(value: str) -> bool:
-    """Whether ``value`` names an object by URI (``s3://bucket/key``), not a local path."""
-    match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", value)
-    return match is not None and match.group(1).lower() != "file"
-
-
 class DecodeImages(_PerImage):
     """Encoded images (bytes, a Hugging Face ``Image`` dict with ``bytes``/``path``, a path, or a
     URI such as ``s3://bucket/key``) to ``uint8`` arrays of shape ``(H, W, C)`` (``(H, W)`` for
@@ -150,7 +143,7 @@ class DecodeImages(_PerImage):
         if isinstance(value, (bytes, bytearray, memoryview)):
             source: Any = io.BytesIO(value)
         elif isinstance(value, str):
-            source = io.BytesIO(self._read_uri(value)) if _is_uri(value) else value
+            source = io.BytesIO(self._read_uri(value)) if self._storage.is_uri(value) else value
         else:
             raise TypeError(f"an image is encoded bytes or a path, got {type(value).__name__}")
         with Image.open(source) as image:

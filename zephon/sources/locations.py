@@ -445,6 +445,12 @@ class UriFilesystems:
         self._s3 = _S3Settings.from_environment(timeout, attempts)
         self._made: dict[str, Any] = {}
 
+    @staticmethod
+    def is_uri(value: str) -> bool:
+        """Whether ``value`` names a remote object (``s3://bucket/key``), not a local path or a
+        ``file://`` URI."""
+        return _scheme_of(value) not in ("", "file")
+
     def resolve(self, uri: str) -> tuple[Any, str]:
         """The filesystem ``uri`` lives on and its path there."""
         scheme = _scheme_of(uri)
