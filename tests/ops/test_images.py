@@ -25,7 +25,7 @@ from zephon.ops import (
     random_resized_crop,
     resize_images,
 )
-from zephon.sources import ArrowSource
+from zephon.sources import ArrowSource, ListSource
 from zephon.testing import check_operator
 
 Image = pytest.importorskip("PIL.Image")
@@ -187,3 +187,44 @@ def test_bad_arguments_are_refused():
         random_flip(1.5)
     with pytest.raises(ValueError, match="std"):
         normalize([0.5], [0.0])
+
+
+# ------------------------------------------------------------------ images by URI
+def _by_uri_and_inline(bucket, n: int) -> tuple[list[dict], list[dict]]:
+    """The same ``n`` encoded images twice: as objects on the S3 server, by URI, and inline."""
+    inline, by_uri = [], []
+    for i in range(n):
+        data = encoded(i, FORMATS[i % 3])
+        bucket.overwrite(f"images/{i}.img", data)
+        inline.append({"image": data, "caption": f"picture {i}"})
+        by_uri.append({"image": f"s3://{bucket.name}/images/{i}.img", "caption": f"picture {i}"})
+    return by_uri, inline
+
+
+def _decoded(items: list[dict], **kw: Any) -> dict[str, bytes]:
+    ops = [fetch(), decode_images(), resize_images(24)]
+    p = zephon.Pipeline(ListSource(items, chunk_size=4), ops, **kw)
+    with p.iter() as loader:
+        return {r.payload["caption"]: r.payload["image"].tobytes() for r in loader}
+
+
+@pytest.mark.parametrize(("lanes", "workers"), [(1, "inline"), (2, "process")])
+def test_images_by_uri_decode_to_the_pixels_of_the_same_bytes_inline(bucket, lanes, workers):
+    by_uri, inline = _by_uri_and_inline(bucket, 12)
+    reference = _decoded(inline)
+    assert len(reference) == 12
+    assert _decoded(by_uri, lanes=lanes, workers=workers) == reference
+
+
+def test_a_missing_image_object_is_named_or_dropped_with_its_tombstone(bucket):
+    by_uri, _ = _by_uri_and_inline(bucket, 6)
+    missing = f"s3://{bucket.name}/images/gone.png"
+    by_uri[2]["image"] = missing
+    raising = zephon.Pipeline(ListSource(by_uri), [fetch(), decode_images()])
+    with pytest.raises(OperatorError, match=r"\(0, 0, 2\).*FetchError.*gone\.png.*does not exist"):
+        list(raising)
+    dropping = zephon.Pipeline(ListSource(by_uri), [fetch(), decode_images(on_error="drop")])
+    with dropping.iter() as loader:
+        kept = [r.payload["caption"] for r in loader]
+        assert loader.stats()["tombstones"] == 1
+    assert kept == [f"picture {i}" for i in range(6) if i != 2]

@@ -30,6 +30,7 @@ from zephon.ops import (
     batch,
     decode_images,
     fetch,
+    image_token_counter,
     pack_flat,
     pack_sequences,
     random_flip,
@@ -559,6 +560,84 @@ def test_mixtures_by_tokens_count_what_the_model_sees_image_tokens_included() ->
     assert dropped[1] < dropped[0] / 4
     for got in by_tokens.values():
         assert got["share"] == pytest.approx(0.5, abs=0.05)
+
+
+@pytest.fixture(scope="module")
+def text_and_pictures(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two Parquet components: 3,000 texts of 8-16 words, and 400 captioned documents of 1-3
+    drawn pictures each (up to 80 x 64 pixels, so far more image tokens than caption tokens),
+    with each picture's ``(height, width)`` in ``image_sizes``."""
+    rng = random.Random(11)
+    where = tmp_path_factory.mktemp("text-and-pictures")
+    texts = []
+    for _ in range(3000):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 16)))
+        texts.append({"text": text, "content": [text], "images": []})
+    docs = []
+    for i in range(400):
+        caption = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
+        pics = [
+            picture(i, k, size=(16 + (i * 13 + k * 7) % 64, 16 + (i * 5 + k * 11) % 48))
+            for k in range(1 + i % 3)
+        ]
+        docs.append(
+            {
+                "text": caption,
+                "content": [caption] + [None] * len(pics),
+                "images": [encoded(p) for p in pics],
+                "image_sizes": [list(p.shape[:2]) for p in pics],
+            }
+        )
+    for name, rows in (("text", texts), ("pics", docs)):
+        pq.write_table(pa.Table.from_pylist(rows), where / f"{name}.parquet")
+    return where
+
+
+def test_a_mixture_by_tokens_counting_image_tokens_gets_the_model_token_shares(
+    text_and_pictures: Path,
+) -> None:
+    weights = {"pics": 0.5, "text": 0.5}
+    counter = image_token_counter(
+        "image_sizes",
+        patch_size=PATCH,
+        merge=MERGE,
+        image_start_id=tid(START),
+        image_end_id=tid(END),
+    )
+
+    def shares(**by: Any) -> dict[str, float]:
+        parts = {
+            name: ArrowSource([str(text_and_pictures / f"{name}.parquet")], dataset_id=i)
+            for i, name in enumerate(sorted(weights))
+        }
+        source = zephon.sources.MixtureSource(
+            parts,
+            weights,
+            chunk_size=64,
+            by="tokens",
+            tokenizer=vision_bpe(),
+            estimate_size=4096,
+            calibration_size=4096,
+            **by,
+        )
+        ops = [
+            fetch(),
+            decode_images("images"),
+            tokenize_interleaved(vision_bpe(), eos_id=tid(EOT), **image_kw()),
+            batch(8),
+        ]
+        with zephon.Pipeline(source, ops).iter() as loader:
+            for _ in loader:
+                pass
+            comps = loader.stats()["mixture_components"]
+        assert {c["share_of"] for c in comps.values()} == {"tokens"}
+        return {name: c["share"] for name, c in comps.items()}
+
+    counted = shares(image_tokens=counter)
+    assert counted["pics"] == pytest.approx(0.5, abs=0.01)
+    assert counted["text"] == pytest.approx(0.5, abs=0.01)
+    # from its captions alone the picture component looks cheap, and takes most of the tokens
+    assert shares()["pics"] > 0.75
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from zephon.errors import PlanError
-from zephon.ops import ByteTokenizer
+from zephon.ops import ByteTokenizer, image_token_counter
 from zephon.sources import ArrowSource, ListSource, MixtureSource
 from zephon.sources.token_costs import QUANTUM, estimate_indices
 
@@ -92,6 +92,51 @@ def test_the_estimate_is_part_of_the_fingerprint() -> None:
     assert base != long_and_short(by="tokens", tokens_per_byte=0.4).describe()
     assert base != long_and_short(by="tokens", tokens_per_byte=0.5, added_tokens=0).describe()
     assert long_and_short().describe()["by"] == "samples"
+
+
+def pictures(**kw) -> MixtureSource:
+    """A text component and one whose samples each hold ``i % 3`` images of 32 x 48 pixels."""
+    docs = ListSource(
+        [{"text": "ab", "image_sizes": [[32, 48]] * (i % 3)} for i in range(300)], dataset_id=1
+    )
+    parts = {"text": texts(0, 300, 10, 5), "pics": docs}
+    return MixtureSource(parts, {"text": 0.5, "pics": 0.5}, by="tokens", tokens_per_byte=0.5, **kw)
+
+
+def test_image_tokens_add_the_mean_image_tokens_of_the_estimate_sample() -> None:
+    counter = image_token_counter(patch_size=4, merge=2, image_start_id=1, image_end_id=2)
+    mix = pictures(image_tokens=counter)
+    pics = mix.token_costs()["pics"]
+    per_image = (32 // 8) * (48 // 8) + 2  # the grid cells, and the start and end ids
+    mean = Fraction(sum(i % 3 for i in range(300)) * per_image, 300)
+    assert pics.mean_image_tokens == mean
+    assert pics.tokens_per_sample == Fraction(2, 2) + 1 + mean  # text, eos, images
+    assert mix.token_costs()["text"].mean_image_tokens == 0  # no sizes: no images
+    assert pics.describe()["mean_image_tokens"] == float(mean)
+    # by its text alone the picture component would cost 2 tokens a sample
+    assert pictures().token_costs()["pics"].tokens_per_sample == 2
+    assert mix.sample_shares()["pics"] < 0.5 < pictures().sample_shares()["pics"]
+
+
+def test_the_image_token_scheme_is_part_of_the_fingerprint() -> None:
+    a = pictures(image_tokens=image_token_counter(patch_size=4, merge=2)).describe()
+    assert a == pictures(image_tokens=image_token_counter(patch_size=4, merge=2)).describe()
+    assert a != pictures(image_tokens=image_token_counter(patch_size=4, merge=1)).describe()
+    assert a["estimate"]["image_tokens"]["describe"]["patch_size"] == 4
+    # without it, the estimate's identity is what it was before image tokens were counted
+    assert "image_tokens" not in pictures().describe()["estimate"]
+    assert "mean_image_tokens" not in pictures().describe()["token_costs"]["pics"]
+
+
+def test_image_token_mistakes_are_named() -> None:
+    with pytest.raises(ValueError, match="image_tokens only apply with by='tokens'"):
+        long_and_short(image_tokens=image_token_counter(patch_size=4))
+    with pytest.raises(TypeError, match="image_tokens must be a function of a raw record"):
+        pictures(image_tokens=3)
+    with pytest.raises(PlanError, match=r"image_tokens gave -1 for sample \d+ of component"):
+        pictures(image_tokens=lambda payload: -1)
+    with pytest.raises(PlanError, match=r"image_tokens failed on sample \d+ of component"):
+        pictures(image_tokens=lambda payload: payload["missing"])
 
 
 def test_weight_zero_components_are_not_estimated() -> None:

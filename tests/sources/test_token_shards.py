@@ -269,6 +269,12 @@ def test_a_token_mixture_uses_each_shard_sets_exact_mean_length(tmp_path):
     assert mix.token_costs()["a"].method == "exact"
 
 
+def test_a_pre_tokenized_component_refuses_an_image_token_count(tmp_path):
+    shards = TokenShardSource(megatron_dir(tmp_path / "m"), dataset_id=2)
+    with pytest.raises(ValueError, match=r"component 'b' is pre-tokenized.*image_tokens="):
+        MixtureSource({"b": shards}, {"b": 1.0}, by="tokens", image_tokens=lambda payload: 1)
+
+
 def test_ensure_mixture_counts_the_tokens_of_each_document(tmp_path):
     a = TokenShardSource(npy_dir(tmp_path / "n"), eos_id=0, dataset_id=1, chunk_size=8)
     b = TokenShardSource(megatron_dir(tmp_path / "m"), dataset_id=2, chunk_size=8)

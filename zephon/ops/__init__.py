@@ -18,13 +18,19 @@ from zephon.ops.packing import PackFlat, PackSequences, pack_flat, pack_sequence
 from zephon.ops.shuffle import Shuffle, shuffle
 from zephon.ops.tokenize import ByteTokenizer, Tokenize, tokenize
 from zephon.ops.training import TrainingCollate, training_collate
-from zephon.ops.vision import TokenizeInterleaved, tokenize_interleaved
+from zephon.ops.vision import (
+    ImageTokenCounter,
+    TokenizeInterleaved,
+    image_token_counter,
+    tokenize_interleaved,
+)
 
 __all__ = [
     "MIXTURE_DROP_TAG",
     "ByteTokenizer",
     "ChatTemplate",
     "EnsureMixture",
+    "ImageTokenCounter",
     "OpTraits",
     "Operator",
     "OperatorContext",
@@ -41,6 +47,7 @@ __all__ = [
     "ensure_mixture",
     "fetch",
     "filter_records",
+    "image_token_counter",
     "map_batch",
     "map_transform",
     "normalize",

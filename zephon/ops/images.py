@@ -1,5 +1,5 @@
-"""Images as samples: ``decode_images`` turns encoded bytes (or a path) into ``uint8`` HWC arrays,
-and the augmentations resize, crop, flip and normalize them.
+"""Images as samples: ``decode_images`` turns encoded bytes (or a path, or a URI) into ``uint8``
+HWC arrays, and the augmentations resize, crop, flip and normalize them.
 
 Every random choice is drawn from the operator's ``seed`` and the record's cursor (its chunk id,
 which counts passes, its offset and its lineage), never from a lane, a worker or a clock: a
@@ -22,8 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from zephon.errors import FetchError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import tombstones_for_record
+from zephon.sources.locations import UriFilesystems
+from zephon.sources.remote import RetryPolicy, with_retries
 from zephon.types import SampleCursor, SampleRecord
 from zephon.validation import check_int
 
@@ -87,8 +90,12 @@ class _PerImage(Operator):
 
 
 class DecodeImages(_PerImage):
-    """Encoded images (bytes, a Hugging Face ``Image`` dict with ``bytes``/``path``, or a path)
-    to ``uint8`` arrays of shape ``(H, W, C)`` (``(H, W)`` for ``mode="L"``)."""
+    """Encoded images (bytes, a Hugging Face ``Image`` dict with ``bytes``/``path``, a path, or a
+    URI such as ``s3://bucket/key``) to ``uint8`` arrays of shape ``(H, W, C)`` (``(H, W)`` for
+    ``mode="L"``). A URI is read through the storage layer the sources use, with their retries
+    and deadlines."""
+
+    retry = RetryPolicy()
 
     def __init__(
         self,
@@ -111,6 +118,7 @@ class DecodeImages(_PerImage):
         self.name = f"decode_images({field})"
         drops = on_error == "drop"
         self.traits = OpTraits(preserves_cursor_order=True, preserves_indexability=not drops)
+        self._storage = UriFilesystems(self.name)
 
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
         out: list[SampleRecord] = []
@@ -135,7 +143,7 @@ class DecodeImages(_PerImage):
         if isinstance(value, (bytes, bytearray, memoryview)):
             source: Any = io.BytesIO(value)
         elif isinstance(value, str):
-            source = value
+            source = io.BytesIO(self._read_uri(value)) if self._storage.is_uri(value) else value
         else:
             raise TypeError(f"an image is encoded bytes or a path, got {type(value).__name__}")
         with Image.open(source) as image:
@@ -148,6 +156,26 @@ class DecodeImages(_PerImage):
                 image = image.convert(self.mode)
             return np.asarray(image, dtype=np.uint8).copy()
 
+    def _read_uri(self, uri: str) -> bytes:
+        """The bytes of the object at ``uri``; a missing one is a FetchError naming it."""
+        fs, path = self._storage.resolve(uri)
+
+        def read() -> bytes:
+            with fs.open_input_stream(path) as stream:
+                return bytes(stream.read())
+
+        try:
+            return with_retries(read, lambda: f"{self.name} reading {uri!r}", self.retry)
+        except FetchError:
+            raise
+        except OSError as exc:
+            missing = isinstance(exc, FileNotFoundError) or "does not exist" in str(exc)
+            why = "does not exist" if missing else f"cannot be read ({exc})"
+            raise FetchError(
+                f"{self.name}: the image {uri!r} {why}; check the URI in field {self.field!r}, "
+                "or drop such samples with on_error='drop'"
+            ) from exc
+
 
 def decode_images(
     field: str = "image",
@@ -157,7 +185,8 @@ def decode_images(
     on_error: str = "raise",
 ) -> DecodeImages:
     """Decode the image(s) in ``payload[field]`` (JPEG, PNG, WebP, ... bytes; a Hugging Face
-    ``Image`` dict; a file path) into ``uint8`` arrays in ``mode``; an image of more than
+    ``Image`` dict; a file path; a URI: ``s3://``, ``gs://`` or any fsspec protocol, read with
+    the sources' retries) into ``uint8`` arrays in ``mode``; an image of more than
     ``max_pixels`` pixels is scaled down to fit, keeping its aspect. A corrupt image is an
     ``OperatorError`` naming the sample, or with ``on_error="drop"`` its record is dropped (with
     its tombstones)."""

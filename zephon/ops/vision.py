@@ -43,7 +43,14 @@ from zephon.ops.tokenize import (
 from zephon.types import SampleRecord
 from zephon.validation import check_int
 
-__all__ = ["IMAGE_GRID_FIELD", "IMAGE_SPANS_FIELD", "TokenizeInterleaved", "tokenize_interleaved"]
+__all__ = [
+    "IMAGE_GRID_FIELD",
+    "IMAGE_SPANS_FIELD",
+    "ImageTokenCounter",
+    "TokenizeInterleaved",
+    "image_token_counter",
+    "tokenize_interleaved",
+]
 
 #: The field of a tokenized or packed record holding its images' ``[start, end)`` token spans.
 IMAGE_SPANS_FIELD = "image_spans"
@@ -120,7 +127,10 @@ class ImageTokens:
 
     def count(self, image: Any) -> int:
         """How many image tokens ``image`` becomes."""
-        h, w = image_size(image)
+        return self.count_size(*image_size(image))
+
+    def count_size(self, h: int, w: int) -> int:
+        """How many image tokens an image of height ``h`` and width ``w`` becomes."""
         if self.image_tokens is None:
             gh, gw = self._cells(h, w)
             return gh * gw
@@ -176,6 +186,66 @@ class ImageTokens:
     def facts(self, token_field: str, image_field: str, source: str) -> dict[str, Any]:
         """The plan-time fact that tells a packer of ``token_field`` to carry the images."""
         return {"image_fields": {"field": token_field, "images": image_field, "source": source}}
+
+
+class ImageTokenCounter:
+    """See ``image_token_counter``: the image tokens of a raw record, from its images' sizes."""
+
+    def __init__(
+        self,
+        sizes_field: str,
+        patch_size: int | None,
+        merge: int,
+        image_tokens: Callable[[int, int], int] | None,
+        image_start_id: int | None,
+        image_end_id: int | None,
+    ):
+        owner = "image_token_counter"
+        self.sizes_field = sizes_field
+        # the id itself never enters a count: any valid one will do
+        self._images = ImageTokens(
+            owner, 0, patch_size, merge, image_tokens, image_start_id, image_end_id
+        )
+        self._ends = (image_start_id is not None) + (image_end_id is not None)
+
+    def __call__(self, payload: Any) -> int:
+        """The tokens of every image span of ``payload``, start and end ids included."""
+        sizes = payload.get(self.sizes_field) if isinstance(payload, Mapping) else None
+        if sizes is None:
+            return 0
+        total = 0
+        for size in sizes:
+            h, w = (int(v) for v in size)
+            total += self._images.count_size(h, w) + self._ends
+        return total
+
+    def describe(self) -> dict[str, Any]:
+        """What the pipeline fingerprint takes of it (through the mixture's estimate)."""
+        scheme = self._images.identity()
+        del scheme["image_token_id"]
+        scheme["image_tokens"] = identify(
+            scheme["image_tokens"], where="image_token_counter parameter 'image_tokens'"
+        )
+        return {"sizes_field": self.sizes_field, **scheme}
+
+
+def image_token_counter(
+    sizes_field: str = "image_sizes",
+    *,
+    patch_size: int | None = None,
+    merge: int = 1,
+    image_tokens: Callable[[int, int], int] | None = None,
+    image_start_id: int | None = None,
+    image_end_id: int | None = None,
+) -> ImageTokenCounter:
+    """A function of a raw record giving the image tokens ``tokenize_interleaved`` or
+    ``tokenize_chat`` will make of its images, for ``MixtureSource(by="tokens",
+    image_tokens=...)``: ``payload[sizes_field]`` lists each image's ``(height, width)`` as it
+    will be tokenized (after any resize or crop; absent or None for no images), and the scheme
+    arguments are the tokenizer's. Nothing is decoded."""
+    return ImageTokenCounter(
+        sizes_field, patch_size, merge, image_tokens, image_start_id, image_end_id
+    )
 
 
 def images_of(payload: Any, field: str, expected: int) -> list[Any]:

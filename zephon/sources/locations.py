@@ -49,7 +49,14 @@ from zephon.errors import FetchError
 if TYPE_CHECKING:
     pass
 
-__all__ = ["VERSION_KEYS", "DataFile", "Locations", "default_cache_dir", "parse_locations"]
+__all__ = [
+    "VERSION_KEYS",
+    "DataFile",
+    "Locations",
+    "UriFilesystems",
+    "default_cache_dir",
+    "parse_locations",
+]
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
 #: Names a directory listing or a glob never yields: hidden files, ``_SUCCESS``-style markers,
@@ -424,3 +431,38 @@ def filesystem_and_path(uri: str, filesystem: Any = None, owner: str = "") -> tu
     it keeps its client's retries (three attempts of a request), nothing retrying above it."""
     found, _, paths = _parse([uri], filesystem, owner, timeout=60.0, client_attempts=3)
     return (found.build() if isinstance(found, _S3Settings) else found), paths[0]
+
+
+class UriFilesystems:
+    """The filesystems of single objects named by URI (``s3://``, ``gs://``, any fsspec
+    protocol; a local path or ``file://`` too), one per scheme and bucket, made on first use in
+    the process that reads. ``s3://`` takes its endpoint and region from the environment of the
+    process that made this object, as a source does, so a worker process reaches the same
+    endpoint; a copy (pickled for a worker) starts without the filesystems made."""
+
+    def __init__(self, owner: str, timeout: float = 60.0, attempts: int = 3) -> None:
+        self.owner = owner
+        self._s3 = _S3Settings.from_environment(timeout, attempts)
+        self._made: dict[str, Any] = {}
+
+    @staticmethod
+    def is_uri(value: str) -> bool:
+        """Whether ``value`` names a remote object (``s3://bucket/key``), not a local path or a
+        ``file://`` URI."""
+        return _scheme_of(value) not in ("", "file")
+
+    def resolve(self, uri: str) -> tuple[Any, str]:
+        """The filesystem ``uri`` lives on and its path there."""
+        scheme = _scheme_of(uri)
+        key = f"{scheme}://{uri.split('/', 3)[2]}" if scheme else ""
+        fs = self._made.get(key)
+        if fs is None:
+            if scheme == "s3":
+                fs = self._s3.build()
+            else:
+                fs = filesystem_and_path(uri, None, self.owner)[0]
+            self._made[key] = fs
+        return filesystem_and_path(uri, fs, self.owner)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_made": {}}

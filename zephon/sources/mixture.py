@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import FetchError
+from zephon.identity import identify
 from zephon.sources.base import IndexedSource, WorkSource, check_pointers
 from zephon.sources.permutation import derive_key
 from zephon.sources.source_io import merge_counters
@@ -83,7 +84,9 @@ class MixtureSource(WorkSource):
     records, or the mean UTF-8 bytes of ``text_field`` times a tokens-per-byte ratio: pinned
     (``tokens_per_byte=``, a number or a dict per component) or calibrated by ``tokenizer`` on
     ``calibration_size`` of those records; plus ``added_tokens`` (the end-of-sequence id
-    ``tokenize`` appends). See ``zephon.sources.token_costs``.
+    ``tokenize`` appends) and, with ``image_tokens`` (a function of a raw record, such as
+    ``zephon.ops.image_token_counter``), the mean image tokens of those records. See
+    ``zephon.sources.token_costs``.
 
     ``on_exhausted`` says what happens when a component runs out: ``"stop"`` the mixture,
     ``"repeat"`` the component (until the last one runs out), or ``"redistribute"`` its weight
@@ -107,6 +110,7 @@ class MixtureSource(WorkSource):
         tokenizer: Any = None,
         text_field: str = "text",
         added_tokens: int = 1,
+        image_tokens: Callable[[Any], int] | None = None,
         estimate_size: int = 1024,
         calibration_size: int = 256,
         on_exhausted: str = "stop",
@@ -160,6 +164,16 @@ class MixtureSource(WorkSource):
                 "estimate_size": size,
                 "calibration_size": calibrate,
             }
+            if image_tokens is not None:
+                if not callable(image_tokens):
+                    raise TypeError(
+                        "MixtureSource: image_tokens must be a function of a raw record giving "
+                        f"its image tokens (e.g. image_token_counter(...)), got {image_tokens!r}"
+                    )
+                # only when given: the estimates of mixtures without images keep their identity
+                self._estimate["image_tokens"] = identify(
+                    image_tokens, where="MixtureSource parameter 'image_tokens'"
+                )
             pinned = self._check_ratios(tokens_per_byte)
             for name, src, w in zip(names, self._sources, self._weights, strict=True):
                 if w:
@@ -173,6 +187,7 @@ class MixtureSource(WorkSource):
                         estimate_size=size,
                         calibration_size=calibrate,
                         added_tokens=added,
+                        image_tokens=image_tokens,
                     )
             raw = [
                 Fraction(w) / self._costs[n].tokens_per_sample if w else Fraction(0)
@@ -183,6 +198,7 @@ class MixtureSource(WorkSource):
                 "length_column": length_column,
                 "tokens_per_byte": tokens_per_byte,
                 "tokenizer": tokenizer,
+                "image_tokens": image_tokens,
             }
             used = [k for k, v in given.items() if v is not None]
             if used:

@@ -14,6 +14,9 @@ works for every indexed source: memory, Parquet/Arrow, JSON lines, remote files)
   the sample (in permutation order, so they are a uniform sample too) with ``tokenizer``;
 - ``added_tokens`` (1 by default: the end-of-sequence id ``tokenize`` appends) is added to every
   cost;
+- with ``image_tokens`` (a function of a raw record, e.g. ``zephon.ops.image_token_counter``),
+  the mean of what it gives over the same sample is added too: the tokens a vision encoder makes
+  of a record's images, which its text bytes do not show;
 - a ``TokenShardSource`` (pre-tokenized documents, no tokenizer after it) is not estimated: its
   cost is its exact mean document length, from its index (``method="exact"``, nothing added).
 
@@ -56,7 +59,8 @@ class TokenCost:
 
     ``method`` is ``"exact"``, ``"length_column"`` or ``"tokens_per_byte"``; ``sampled`` the
     records measured; ``mean_bytes`` / ``tokens_per_byte`` / ``calibrated`` (records tokenized,
-    0 when the ratio was pinned) are set for the byte method only.
+    0 when the ratio was pinned) are set for the byte method only; ``mean_image_tokens`` when
+    the estimate counted image tokens (included in ``tokens_per_sample``).
     """
 
     method: str
@@ -65,6 +69,7 @@ class TokenCost:
     mean_bytes: Fraction | None = None
     tokens_per_byte: Fraction | None = None
     calibrated: int = 0
+    mean_image_tokens: Fraction | None = None
 
     def describe(self) -> dict[str, Any]:
         """JSON identity for the fingerprint: every quantity as a float (deterministic, since
@@ -79,6 +84,8 @@ class TokenCost:
             out["mean_bytes"] = float(self.mean_bytes)
             out["tokens_per_byte"] = float(self.tokens_per_byte)
             out["calibrated"] = self.calibrated
+        if self.mean_image_tokens is not None:
+            out["mean_image_tokens"] = float(self.mean_image_tokens)
         return out
 
 
@@ -152,26 +159,56 @@ def _file_of(src: IndexedSource, idx: int) -> str:
     return f" in file {src.paths[file_index]!r}"
 
 
-def _read_values(src: IndexedSource, name: str, indices: np.ndarray, field: str) -> list[Any]:
-    """``payload[field]`` of the records at ``indices`` (read in sorted batches), in the order of
-    ``indices``."""
+def _read_payloads(src: IndexedSource, indices: np.ndarray) -> list[tuple[int, Any]]:
+    """``(index, payload)`` of the records at ``indices`` (read in sorted batches), in the order
+    of ``indices``."""
     order = np.argsort(indices, kind="stable")
     ordered = indices[order]
-    values: list[Any] = [None] * len(indices)
+    out: list[tuple[int, Any]] = [(0, None)] * len(indices)
     for start in range(0, len(ordered), READ_BATCH):
         part = ordered[start : start + READ_BATCH]
         payloads = src.read(src.pointer_rows(part))
         for j, (idx, payload) in enumerate(zip(part.tolist(), payloads, strict=True)):
-            try:
-                value = payload[field]
-            except (KeyError, TypeError, IndexError):
-                fields = list(payload) if isinstance(payload, dict) else type(payload).__name__
-                raise ValueError(
-                    f"MixtureSource(by='tokens'): sample {idx} of component {name!r} has no "
-                    f"field {field!r} to estimate its tokens from (it has {fields})"
-                ) from None
-            values[int(order[start + j])] = value
+            out[int(order[start + j])] = (idx, payload)
+    return out
+
+
+def _read_values(src: IndexedSource, name: str, indices: np.ndarray, field: str) -> list[Any]:
+    """``payload[field]`` of the records at ``indices``, in the order of ``indices``."""
+    values = []
+    for idx, payload in _read_payloads(src, indices):
+        try:
+            values.append(payload[field])
+        except (KeyError, TypeError, IndexError):
+            fields = list(payload) if isinstance(payload, dict) else type(payload).__name__
+            raise ValueError(
+                f"MixtureSource(by='tokens'): sample {idx} of component {name!r} has no "
+                f"field {field!r} to estimate its tokens from (it has {fields})"
+            ) from None
     return values
+
+
+def _mean_image_tokens(
+    name: str, src: IndexedSource, indices: np.ndarray, image_tokens: Callable[[Any], int]
+) -> Fraction:
+    """The mean of ``image_tokens(payload)`` over the records at ``indices``; a failure or a
+    count that is not an int >= 0 is a PlanError naming the component and the sample."""
+    total = 0
+    for idx, payload in _read_payloads(src, indices):
+        try:
+            n = image_tokens(payload)
+        except Exception as exc:
+            raise PlanError(
+                f"MixtureSource(by='tokens'): image_tokens failed on sample {idx}"
+                f"{_file_of(src, idx)} of component {name!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise PlanError(
+                f"MixtureSource(by='tokens'): image_tokens gave {n!r} for sample {idx} of "
+                f"component {name!r}; it must return the sample's image tokens, an int >= 0"
+            )
+        total += int(n)
+    return Fraction(total, len(indices))
 
 
 def _byte_lengths(name: str, texts: list[Any], field: str, indices: np.ndarray) -> list[int]:
@@ -214,6 +251,7 @@ def estimate_cost(
     estimate_size: int,
     calibration_size: int,
     added_tokens: int,
+    image_tokens: Callable[[Any], int] | None = None,
 ) -> TokenCost:
     """The token cost of component ``name`` (see the module docstring for the rule). Raises
     ValueError when it cannot be estimated: an empty component, a zero cost, or neither a pinned
@@ -226,6 +264,11 @@ def estimate_cost(
         )
     indices = estimate_indices(name, n, estimate_size)
     if isinstance(src, TokenShardSource):  # pre-tokenized: every length is in its index
+        if image_tokens is not None:
+            raise ValueError(
+                f"MixtureSource(by='tokens'): component {name!r} is pre-tokenized (its exact "
+                "lengths already hold every token); image_tokens= does not apply to it"
+            )
         found = TokenCost("exact", quantize(src.exact_tokens_per_sample()), n)
     elif length_column is not None:
         lengths = _lengths(
@@ -256,6 +299,11 @@ def estimate_cost(
         cost = quantize(mean_bytes * tokens_per_byte + added_tokens)
         found = TokenCost(
             "tokens_per_byte", cost, len(sizes), mean_bytes, tokens_per_byte, calibrated
+        )
+    if image_tokens is not None:
+        mean = quantize(_mean_image_tokens(name, src, indices, image_tokens))
+        found = dataclasses.replace(
+            found, tokens_per_sample=found.tokens_per_sample + mean, mean_image_tokens=mean
         )
     if found.tokens_per_sample <= 0:
         raise ValueError(
