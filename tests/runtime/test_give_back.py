@@ -72,6 +72,48 @@ def test_give_back_returns_the_free_pages_between_live_allocations() -> None:
     assert little < 8 * 1024 and again < 8 * 1024, (little, again)
 
 
+# Each item list takes about 60 MB again and frees it, the last block kept until the next list
+# (so that free() cannot shrink the heap): after a give-back (as at a chunk's start), the first
+# list may give back what it took; the next ones take the same again and must keep it, each
+# give-back costing a page fault per page as the next list touches them again.
+USUAL = textwrap.dedent(
+    """
+    from zephon.runtime.workers.memory_release import give_back, give_back_once_grown
+
+
+    def resident_anon_kib():
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
+
+
+    survivor = []
+
+
+    def usual_list():
+        blocks = [bytearray(4000) for _ in range(15_000)]
+        survivor[:] = blocks[-1:]
+        del blocks
+
+
+    usual_list()
+    give_back()
+    for _ in range(4):
+        usual_list()
+        before = resident_anon_kib()
+        give_back_once_grown(32 << 20)
+        print(before - resident_anon_kib())
+    """
+)
+
+
+def test_what_every_item_list_takes_again_stays_with_the_worker() -> None:
+    done = subprocess.run([sys.executable, "-c", USUAL], capture_output=True, text=True, check=True)
+    first, *usual = map(int, done.stdout.split())
+    assert all(kept < 8 * 1024 for kept in usual), (first, usual)
+
+
 _pinned: list[bytearray] = []
 
 

@@ -19,6 +19,7 @@ from typing import Any
 _trim: Any = None  # glibc's malloc_trim, looked up on first use; False where there is none
 _last = float("-inf")  # when ``give_back_at_most_every`` last gave back (monotonic seconds)
 _held_after: int | None = None  # ``private_resident_bytes()`` right after the last give-back
+_held_before: int | None = None  # what ``give_back_once_grown`` found at its last call
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -65,16 +66,20 @@ def give_back() -> None:
 
 def give_back_once_grown(limit: int) -> None:
     """``give_back`` once this process holds ``limit`` bytes more than right after it last gave
-    back (or than at its first call). What an unusually large piece of work took (one huge
-    document's tokenization) goes back soon after; what the usual work takes again and again stays
-    mapped, as handing it back would cost a page fault per page each time it is touched again."""
-    global _held_after
+    back (or than at its first call), and more than at its previous call. What an unusually large
+    piece of work took (one huge document's tokenization) goes back soon after; what the usual
+    work takes again and again stays mapped, as handing it back would cost a page fault per page
+    each time it is touched again (each item list of decoded images would pay for its pixels'
+    pages twice after any give-back, at a chunk's start for one, if the measure were the level
+    right after it alone)."""
+    global _held_after, _held_before
     held = private_resident_bytes()
     if held is None:
         return
+    before, _held_before = _held_before, held
     if _held_after is None:
         _held_after = held
-    elif held - _held_after >= limit:
+    elif held - _held_after >= limit and (before is None or held - before >= limit):
         give_back()
 
 
