@@ -1,7 +1,9 @@
 """Messages between the loader and a worker process, over a pipe: a small header, then one body
 holding the pickle and its out-of-band buffers. A numpy array's data is never copied on either
 side: the worker's array goes from its own memory into the pipe (one gathered write), and the
-loader reads it from the pipe straight into the buffer its received array is made on."""
+loader reads it from the pipe straight into the buffer its received array is made on. A lane's
+large item lists leave their arrays in the worker's shared ring instead (``shared_ring``): the
+header then says where they lie, and the body is the pickle alone."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from zephon.runtime.workers.shared_ring import RingReader, RingWriter
+
 ACK = "ack"  # from the loader: it took an item list, so one more may be sent
 READY = "ready"  # from a worker: it runs (a death after this is not a failed start)
 END = "end"  # the runner is exhausted: next() raises StopIteration from now on
@@ -21,6 +25,9 @@ THREADS = "threads"  # from the loader: thread variables to set (other workers h
 WARNINGS = "warnings"  # from a worker: warnings its lanes raised, for the loader to raise again
 STORAGE = "storage"  # from a worker: its lane waits on storage (a StorageWait), or no more (None)
 HELD = "held"  # from a worker: its lane holds max_inflight_bytes ahead and waits (acks it had)
+RING = "ring"  # from a worker: its lane's shared ring (its size; the descriptor follows)
+# From the loader: an acknowledgement that also names the ring regions it released.
+RELEASED = "released"
 
 
 class LoaderGone(Exception):
@@ -37,9 +44,31 @@ def encode(kind: str, value: Any) -> tuple[tuple, list[Any]]:
 
 
 def body_size(message: tuple[tuple, list[Any]]) -> int:
-    """The bytes of an ``encode``d message's body: its pickle and out-of-band buffers."""
-    (_, size, sizes), _ = message
-    return int(size + sum(sizes))
+    """The bytes of an ``encode``d message's body: its pickle and out-of-band buffers (in the
+    pipe or in the ring)."""
+    header, _ = message
+    return int(header[1] + sum(header[2]))
+
+
+def through_ring(message: tuple[tuple, list[Any]], ring: RingWriter) -> tuple[tuple, list[Any]]:
+    """An ``encode``d message with its out-of-band buffers copied into ``ring``: the header says
+    where they lie, the body is the pickle alone. The message as it was when the ring has no free
+    region for them."""
+    (kind, size, sizes), parts = message
+    offsets = ring.place(parts[1:])
+    if offsets is None:
+        return message
+    return (kind, size, sizes, offsets), parts[:1]
+
+
+def announce_ring(conn: Connection, ring: RingWriter) -> None:
+    """Pass ``ring`` to the loader (its size, then its descriptor); ``LoaderGone`` when the other
+    end has closed the pipe."""
+    try:
+        conn.send((RING, ring.size, []))
+        ring.send_descriptor(conn)
+    except (OSError, EOFError):
+        raise LoaderGone from None
 
 
 def write(conn: Connection, message: tuple[tuple, list[Any]]) -> None:
@@ -76,17 +105,30 @@ class MessageStalled(Exception):
     """The rest of a message did not arrive before the deadline (its sender stopped mid-way)."""
 
 
-def receive(conn: Connection, patience: float | None = None) -> tuple[str, Any, int]:
+def receive(
+    conn: Connection, patience: float | None = None, ring: RingReader | None = None
+) -> tuple[str, Any, int]:
     """One message (``encode``'s header, then its body): its kind, value and body bytes. With
     ``patience``, ``MessageStalled`` when the body has not arrived that many seconds after the
-    header."""
-    kind, size, sizes = conn.recv()  # small: written to the pipe in one piece
+    header. A message whose arrays lie in the worker's ``ring`` gets them from there; a ring
+    announced (``RING``) is mapped and returned as the value."""
+    header = conn.recv()  # small: written to the pipe in one piece
+    kind, size, sizes = header[:3]
+    if kind == RING:
+        return kind, RingReader(conn, size), 0
     deadline = None if patience is None else time.monotonic() + patience
     data = bytearray(size)
-    # Each buffer its own bytearray: writable, so arrays arrive as ordinary writable numpy
-    # arrays, and holding one array holds no other.
-    buffers = [bytearray(n) for n in sizes]
-    _recv_body_into(conn, [data, *buffers], deadline)
+    buffers: list[Any]
+    if len(header) > 3:  # the arrays are in the ring, on pages both processes keep mapped
+        if ring is None:
+            raise OSError("a message in a shared ring that was never announced")
+        _recv_body_into(conn, [data], deadline)
+        buffers = ring.buffers(header[3], sizes)
+    else:
+        # Each buffer its own bytearray: writable, so arrays arrive as ordinary writable numpy
+        # arrays, and holding one array holds no other.
+        buffers = [bytearray(n) for n in sizes]
+        _recv_body_into(conn, [data, *buffers], deadline)
     return kind, pickle.loads(data, buffers=buffers), size + sum(sizes)
 
 

@@ -28,14 +28,18 @@ from zephon.runtime.workers.pipe_messages import (
     END,
     HELD,
     READY,
+    RELEASED,
     STORAGE,
     THREADS,
     WARNINGS,
     LoaderGone,
+    announce_ring,
     body_size,
     encode,
+    through_ring,
     write,
 )
+from zephon.runtime.workers.shared_ring import MIN_RING_MESSAGE, RingWriter, ring_possible
 from zephon.runtime.workers.stopping import exit_outside_operator
 from zephon.runtime.workers.worker_warnings import forward_warnings, take_warnings
 from zephon.sources.storage_waits import longest_wait
@@ -106,16 +110,36 @@ def _load_plan(plan_bytes: bytes, lane_ids: list[int]) -> Plan | PlanError:
 
 class _Outbox:
     """A lane's end of its pipe, written by the lane's thread and by its storage watch: one
-    whole message at a time."""
+    whole message at a time. It owns the lane's shared ring, made at the first item list large
+    enough to use it."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
         self._lock = threading.Lock()
+        self.ring: RingWriter | None = None
+        self._ring_possible: bool | None = None  # found out at the first large list
 
     def write(self, message: tuple[tuple, list[Any]]) -> None:
         """``wire.write`` the message; ``LoaderGone`` when the loader closed the pipe."""
         with self._lock:
             write(self.conn, message)
+
+    def carry(self, message: tuple[tuple, list[Any]]) -> tuple[tuple, list[Any]]:
+        """An item list's message, its arrays placed in the ring when they are large enough and
+        a region is free (the ring is made, and passed to the loader, on first use)."""
+        sizes = message[0][2]
+        if self.ring is None:
+            if sum(sizes) < MIN_RING_MESSAGE:
+                return message
+            if self._ring_possible is None:
+                self._ring_possible = ring_possible(self.conn)
+            if not self._ring_possible:
+                return message
+            ring = RingWriter.for_message(sizes)
+            with self._lock:
+                announce_ring(self.conn, ring)
+            self.ring = ring
+        return through_ring(message, self.ring) if self.ring.fits(sizes) else message
 
 
 def _watch_storage(outbox: _Outbox, timeout: float) -> threading.Event:
@@ -176,7 +200,7 @@ def _stream(
                 if by_bytes and credits and not told:  # the bytes, not the count, hold it
                     outbox.write(encode(HELD, acks))
                     told = True
-                if _from_loader(conn.recv()):
+                if _from_loader(conn.recv(), outbox.ring):
                     credits += 1
                     acks += 1
                     told = False  # still held after this one, the loader hears so again
@@ -185,6 +209,7 @@ def _stream(
         except (OSError, EOFError):
             raise LoaderGone from None
         _send_warnings(outbox)
+        message = outbox.carry(message)  # after the loader's releases that came meanwhile
         outbox.write(message)
         credits -= 1
         if max_bytes is not None:
@@ -195,14 +220,19 @@ def _stream(
         give_back_once_grown(GIVE_BACK_GROWTH)
 
 
-def _from_loader(message: Any) -> bool:
+def _from_loader(message: Any, ring: RingWriter | None) -> bool:
     """Act on a message from the loader: True for an acknowledgement (the loader took an item
-    list, and one more may go); thread variables to set (``ProcessGroup.lane_ended``) are set."""
+    list, and one more may go), with the ``ring`` regions it released; thread variables to set
+    (``ProcessGroup.lane_ended``) are set."""
     if message == ACK:
         return True
-    kind, environment = message
+    kind, value = message
+    if kind == RELEASED:
+        if ring is not None:
+            ring.release(value)
+        return True
     if kind == THREADS:
-        os.environ.update(environment)  # read by the tokenizer at its next encode_batch
+        os.environ.update(value)  # read by the tokenizer at its next encode_batch
     return False
 
 

@@ -28,6 +28,8 @@ from zephon.runtime.workers.pipe_messages import (
     END,
     HELD,
     READY,
+    RELEASED,
+    RING,
     STORAGE,
     WARNINGS,
     MessageStalled,
@@ -35,6 +37,7 @@ from zephon.runtime.workers.pipe_messages import (
 )
 from zephon.runtime.workers.process_group import ProcessGroup
 from zephon.runtime.workers.process_main import EXIT_MAIN_REIMPORTED, process_main
+from zephon.runtime.workers.shared_ring import RingReader
 from zephon.runtime.workers.stopping import (
     WORKER_NAME,
     WorkerLane,
@@ -268,6 +271,7 @@ class ProcessLane(WorkerLane):
         self._ended = False
         self._gone = False  # the pipe ended while receiving ahead: next() reports why
         self._finished = False  # the lane's last list (or its end) came: nothing more is made
+        self._ring: RingReader | None = None  # the worker's shared ring, once it announced one
         self._group = group
         group.add(self)
         self._watch(_ProcessWorker(proc, conn, shared))
@@ -322,7 +326,7 @@ class ProcessLane(WorkerLane):
             return
         try:
             while self._conn.poll(0):
-                kind, value, size = receive(self._conn, self.timeout)
+                kind, value, size = receive(self._conn, self.timeout, self._ring)
                 if self._arrived(kind, value):
                     self._waiting.append((kind, value, size))
         except MessageStalled:
@@ -348,12 +352,21 @@ class ProcessLane(WorkerLane):
         if kind == END:
             self._ended = True
             raise StopIteration
+        released = self._ring.take_released() if self._ring is not None else None
         try:
-            self._conn.send(ACK)
+            self._conn.send((RELEASED, released) if released else ACK)
         except OSError:
             raise self._lost() from None
         self._acks += 1
         return value
+
+    def request_stop(self) -> None:
+        """Tell the worker to stop; never blocks. What was received ahead is dropped, and with it
+        the lane's hold on the worker's shared ring (mapped until the last array made on it
+        goes)."""
+        super().request_stop()
+        self._waiting.clear()
+        self._ring = None
 
     def _next_message(self) -> tuple[str, Any, int]:
         conn = self._conn
@@ -373,7 +386,7 @@ class ProcessLane(WorkerLane):
             if conn not in ready:
                 continue
             try:
-                kind, value, size = receive(conn, self.timeout)
+                kind, value, size = receive(conn, self.timeout, self._ring)
             except MessageStalled:
                 raise self._stall() from None
             except (EOFError, OSError):
@@ -388,6 +401,9 @@ class ProcessLane(WorkerLane):
         later: its neighbours hear so."""
         if kind == READY:
             self._ready = True
+            return False
+        if kind == RING:
+            self._ring = value
             return False
         if kind == STORAGE:
             self._storage = None if value is None else (value, time.monotonic() - value.waited)

@@ -1,0 +1,146 @@
+"""Large item lists from a worker process cross in its shared ring: the loader's arrays are made
+on pages both processes keep mapped, bitwise the worker's; a region is used again once its arrays
+are gone and never while one is held; the ring leaves nothing behind (no mapping in the loader
+once its arrays are gone, no file in /dev/shm) after a close and after a worker is killed, and a
+run resumed after that continues exactly."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+
+import numpy as np
+import pytest
+from worker_kit import worker_processes
+
+import zephon
+from zephon.ops import batch, fetch, map_transform
+from zephon.sources.memory import RangeSource
+
+pytestmark = [
+    pytest.mark.usefixtures("no_leftover_workers"),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd, /proc/self/maps"),
+]
+
+SIDE = 224
+
+
+def picture(payload: dict) -> dict:
+    """A decoded-size picture that differs per record: 147 kB, 2.4 MB per list of 16."""
+    idx = payload["idx"]
+    image = np.random.default_rng(idx).integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
+    return {"idx": idx, "image": image}
+
+
+def pairs(records) -> list[tuple[int, np.ndarray]]:
+    """Keeps each record's own array (no stack), so the test sees where it was made."""
+    return [(r.payload["idx"], r.payload["image"]) for r in records]
+
+
+def pipeline(n: int, **kw) -> zephon.Pipeline:
+    return zephon.Pipeline(
+        RangeSource(n, chunk_size=16),
+        [fetch(), map_transform(picture), batch(16, collate=pairs)],
+        micro_batch=16,
+        **kw,
+    )
+
+
+def ring_mappings() -> list[tuple[int, int]]:
+    """The address ranges of the shared rings this process has mapped."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "zephon-ring" in line:
+                start, end = line.split()[0].split("-")
+                found.append((int(start, 16), int(end, 16)))
+    return found
+
+
+def in_ring(array: np.ndarray, mappings: list[tuple[int, int]]) -> bool:
+    at = array.__array_interface__["data"][0]
+    return any(start <= at < end for start, end in mappings)
+
+
+def shm_files() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def expected(idx: int) -> bytes:
+    return picture({"idx": idx})["image"].tobytes()
+
+
+def test_large_lists_cross_in_the_ring_bitwise_and_a_region_returns_once_its_arrays_go():
+    # 640 pictures on one lane: 94 MB, more than the ring holds, so the ring must be reused.
+    n = 640
+    shm_before = shm_files()
+    seen = 0
+    with pipeline(n, workers="process").iter() as loader:
+        for b in loader:
+            mappings = ring_mappings()
+            assert len(mappings) == 1
+            for idx, image in b.payload:
+                assert in_ring(image, mappings), f"record {idx} took the pipe"
+                assert image.flags.writeable and image.tobytes() == expected(idx)
+                seen += 1
+            del b, image
+    assert seen == n
+    gc.collect()
+    assert ring_mappings() == [] and shm_files() == shm_before
+
+
+def test_a_held_array_is_never_overwritten_the_lists_after_a_full_ring_take_the_pipe():
+    n = 640
+    with pipeline(n, workers="process").iter() as loader:
+        held = [pair for b in loader for pair in b.payload]
+        mappings = ring_mappings()
+        where = [in_ring(image, mappings) for _, image in held]
+    assert [idx for idx, _ in held] == list(range(n))
+    assert all(image.tobytes() == expected(idx) for idx, image in held)
+    assert where[0] and not where[-1]  # the ring, until it was full of held regions
+    assert not any(where[where.index(False) :])  # nothing released: it stays full
+    # Closed, the arrays held still read as they were; the ring goes with the last of them.
+    assert ring_mappings()
+    del held
+    gc.collect()
+    assert ring_mappings() == []
+
+
+def test_the_pixels_equal_inline_lanes_and_a_held_array_outlives_the_loader():
+    inline = [(i, img.tobytes()) for b in pipeline(160, lanes=2).iter() for i, img in b.payload]
+    loader = pipeline(160, lanes=2, workers="process").iter()
+    got = [(i, img.tobytes()) for b in loader for i, img in b.payload]
+    assert got == inline
+    loader = pipeline(160, lanes=2, workers="process").iter()
+    kept = next(loader).payload[3][1]
+    loader.close()
+    del loader
+    gc.collect()
+    assert len(ring_mappings()) == 1  # the kept array's lane's; the other lane's went
+    assert kept.tobytes() == expected(3)
+    del kept
+    gc.collect()
+    assert ring_mappings() == []
+
+
+def test_a_killed_worker_leaves_no_ring_behind_and_the_run_resumes_exactly():
+    n = 320
+    full = [(i, img.tobytes()) for b in pipeline(n, lanes=2).iter() for i, img in b.payload]
+    shm_before = shm_files()
+    loader = pipeline(n, lanes=2, workers="process").iter()
+    head = [(i, img.tobytes()) for b in (next(loader) for _ in range(5)) for i, img in b.payload]
+    assert len(ring_mappings()) == 2
+    victim = worker_processes()[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(zephon.ZephonError, match=r"killed by SIGKILL"):
+        head.extend((i, img.tobytes()) for b in loader for i, img in b.payload)
+    state = loader.state_dict()
+    loader.close()
+    del loader
+    gc.collect()
+    assert ring_mappings() == [] and shm_files() == shm_before
+    with pipeline(n, lanes=2, workers="process").iter(state=state) as resumed:
+        tail = [(i, img.tobytes()) for b in resumed for i, img in b.payload]
+    assert head + tail == full
