@@ -73,9 +73,9 @@ def test_give_back_returns_the_free_pages_between_live_allocations() -> None:
 
 
 # Each item list takes about 60 MB again and frees it, the last block kept until the next list
-# (so that free() cannot shrink the heap): after a give-back (as at a chunk's start), the first
-# list may give back what it took; the next ones take the same again and must keep it, each
-# give-back costing a page fault per page as the next list touches them again.
+# (so that free() cannot shrink the heap); each chunk starts with a give-back and a list that
+# only announces it. The first list may give back what it took; the next ones take the same again
+# and must keep it, as a give-back costs a page fault per page when the next list touches them.
 USUAL = textwrap.dedent(
     """
     from zephon.runtime.workers.memory_release import give_back, give_back_once_grown
@@ -97,9 +97,9 @@ USUAL = textwrap.dedent(
         del blocks
 
 
-    usual_list()
-    give_back()
-    for _ in range(4):
+    for _ in range(5):
+        give_back()  # a chunk's start
+        give_back_once_grown(32 << 20)  # after the list announcing it
         usual_list()
         before = resident_anon_kib()
         give_back_once_grown(32 << 20)

@@ -11,6 +11,7 @@ process once, when a head start is over.
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import time
@@ -19,7 +20,9 @@ from typing import Any
 _trim: Any = None  # glibc's malloc_trim, looked up on first use; False where there is none
 _last = float("-inf")  # when ``give_back_at_most_every`` last gave back (monotonic seconds)
 _held_after: int | None = None  # ``private_resident_bytes()`` right after the last give-back
-_held_before: int | None = None  # what ``give_back_once_grown`` found at its last call
+# What ``give_back_once_grown`` found at its last two calls: a worker calls it after each item
+# list, and a list that only announces a chunk (right after the chunk's give-back) holds little.
+_recently: collections.deque[int] = collections.deque(maxlen=2)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -66,20 +69,21 @@ def give_back() -> None:
 
 def give_back_once_grown(limit: int) -> None:
     """``give_back`` once this process holds ``limit`` bytes more than right after it last gave
-    back (or than at its first call), and more than at its previous call. What an unusually large
-    piece of work took (one huge document's tokenization) goes back soon after; what the usual
-    work takes again and again stays mapped, as handing it back would cost a page fault per page
-    each time it is touched again (each item list of decoded images would pay for its pixels'
-    pages twice after any give-back, at a chunk's start for one, if the measure were the level
-    right after it alone)."""
-    global _held_after, _held_before
+    back (or than at its first call), and more than at each of its two calls before. What an
+    unusually large piece of work took (one huge document's tokenization) goes back soon after;
+    what the usual work takes again and again stays mapped, as handing it back would cost a page
+    fault per page each time it is touched again (measured from the last give-back alone, every
+    item list of decoded images after a chunk's give-back would pay for its pixels' pages
+    twice)."""
+    global _held_after
     held = private_resident_bytes()
     if held is None:
         return
-    before, _held_before = _held_before, held
+    grown = all(held - seen >= limit for seen in _recently)
+    _recently.append(held)
     if _held_after is None:
         _held_after = held
-    elif held - _held_after >= limit and (before is None or held - before >= limit):
+    elif held - _held_after >= limit and grown:
         give_back()
 
 
