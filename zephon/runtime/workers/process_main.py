@@ -45,11 +45,14 @@ from zephon.runtime.workers.worker_warnings import forward_warnings, take_warnin
 from zephon.sources.storage_waits import longest_wait
 
 #: A worker process hands freed memory back to the OS as its lane starts a chunk, at most this
-#: often, ...
-GIVE_BACK_SECONDS = 1.0
-#: ... and after an item list once it holds this many bytes more than right after it last did:
-#: what a tokenizer took for a micro-batch of large documents (about 60 bytes per character)
-#: goes back before the next, instead of staying mapped until the next chunk starts.
+#: often: the lists after a give-back fault in again every page they take (64 decoded photos:
+#: about 60 MB, a tenth of a second of CPU), which once a second cost a worker making images a
+#: tenth of its time ...
+GIVE_BACK_SECONDS = 10.0
+#: ... and after an item list once it holds this many bytes more than right after it last did
+#: and than the lists before it: what a tokenizer took for a micro-batch of large documents
+#: (about 60 bytes per character) goes back before the next, instead of staying mapped until the
+#: next chunk starts.
 GIVE_BACK_GROWTH = 32 << 20
 # Exit status of a worker that found itself re-running the main script while starting (EX_CONFIG).
 EXIT_MAIN_REIMPORTED = 78
