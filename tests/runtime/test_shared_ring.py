@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from worker_kit import worker_processes
+from worker_kit import wait_until, worker_processes
 
 import zephon
 from zephon.ops import batch, fetch, map_transform
@@ -144,3 +144,19 @@ def test_a_killed_worker_leaves_no_ring_behind_and_the_run_resumes_exactly():
     with pipeline(n, lanes=2, workers="process").iter(state=state) as resumed:
         tail = [(i, img.tobytes()) for b in resumed for i, img in b.payload]
     assert head + tail == full
+
+
+def test_an_abandoned_loader_with_rings_stops_its_workers_without_a_gc_pass():
+    gc.collect()
+    gc.disable()
+    try:
+        loader = pipeline(320, lanes=2, workers="process").iter()
+        kept = next(loader).payload[0][1]
+        assert len(ring_mappings()) == 2
+        del loader
+        assert wait_until(lambda: not worker_processes(), 10.0)
+        assert len(ring_mappings()) == 1  # the kept array's ring, and only while it is kept
+        del kept
+        assert ring_mappings() == []
+    finally:
+        gc.enable()

@@ -56,6 +56,13 @@ def with_big_array(payload: dict) -> dict:
     return {**payload, "vec": np.full(1 << 21, payload["idx"], dtype=np.float32)}
 
 
+def with_big_bytes(payload: dict) -> dict:
+    """8 MiB per record inside the pickle (bytes are not out-of-band buffers, so they never go
+    through the worker's shared ring): one item list fills the pipe, and the worker blocks
+    sending the next."""
+    return {**payload, "blob": bytes([payload["idx"] % 256]) * (8 << 20)}
+
+
 def with_small_array(payload: dict) -> dict:
     return {**payload, "vec": np.arange(payload["idx"] % 7 + 1, dtype=np.int64)}
 
@@ -188,7 +195,7 @@ def test_an_abandoned_thread_lane_stops_its_thread_without_a_gc_pass():
 
 
 def test_an_abandoned_process_lane_stops_its_worker_without_a_gc_pass():
-    plan = plan_of(map_transform(with_big_array))
+    plan = plan_of(map_transform(with_big_bytes))
     with no_cyclic_gc():
         lanes = [started(open_lane(plan, lane)) for lane in range(2)]
         pids = [lane.pid for lane in lanes]
@@ -205,7 +212,7 @@ def test_an_abandoned_process_lane_stops_its_worker_without_a_gc_pass():
 def test_closing_four_lanes_blocked_sending_large_arrays_takes_under_0_2_s():
     plan = zephon.Pipeline(
         RangeSource(4000, chunk_size=8),
-        [fetch(), map_transform(with_big_array)],
+        [fetch(), map_transform(with_big_bytes)],
         lanes=4,
         workers="process",
     ).compile()
@@ -220,7 +227,7 @@ def test_closing_four_lanes_blocked_sending_large_arrays_takes_under_0_2_s():
 
 @pytest.mark.timing
 def test_closing_lanes_blocked_sending_one_after_the_other_is_fast_too():
-    plan = plan_of(map_transform(with_big_array))
+    plan = plan_of(map_transform(with_big_bytes))
     lanes = [started(open_lane(plan, 0)) for _ in range(3)]
     assert wait_until(functools.partial(blocked_sending, *lanes), 10.0)
     t0 = time.monotonic()
