@@ -7,13 +7,18 @@ run resumed after that continues exactly."""
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 import os
 import signal
+import subprocess
 import sys
+import textwrap
 
 import numpy as np
+import psutil
 import pytest
-from worker_kit import wait_until, worker_processes
+from worker_kit import script_env, wait_until, worker_processes
 
 import zephon
 from zephon.ops import batch, fetch, map_transform
@@ -62,6 +67,13 @@ def ring_mappings() -> list[tuple[int, int]]:
 def in_ring(array: np.ndarray, mappings: list[tuple[int, int]]) -> bool:
     at = array.__array_interface__["data"][0]
     return any(start <= at < end for start, end in mappings)
+
+
+def alive(pid: int) -> bool:
+    try:  # a zombie waiting for its reaper counts as gone
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def shm_files() -> set[str]:
@@ -152,6 +164,7 @@ def test_an_abandoned_loader_with_rings_stops_its_workers_without_a_gc_pass():
     try:
         loader = pipeline(320, lanes=2, workers="process").iter()
         kept = next(loader).payload[0][1]
+        next(loader)  # the other lane's first batch: both lanes have their ring
         assert len(ring_mappings()) == 2
         del loader
         assert wait_until(lambda: not worker_processes(), 10.0)
@@ -160,3 +173,65 @@ def test_an_abandoned_loader_with_rings_stops_its_workers_without_a_gc_pass():
         assert ring_mappings() == []
     finally:
         gc.enable()
+
+
+def digests(batches) -> list[str]:
+    """Each record as its index and the digest of its pixels."""
+    return [
+        f"{i} {hashlib.sha1(img.tobytes()).hexdigest()}" for b in batches for i, img in b.payload
+    ]
+
+
+CRASH_SCRIPT = textwrap.dedent("""
+    import json, multiprocessing, os, sys, time
+    sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
+    import zephon
+    from test_shared_ring import digests, pipeline, ring_mappings
+
+    def main():
+        out_dir = sys.argv[1]
+        loader = pipeline(640, lanes=2, workers="process").iter()
+        with open(os.path.join(out_dir, "delivered.txt"), "w") as log:
+            for step, b in enumerate(loader, 1):
+                log.write("".join(line + "\\n" for line in digests([b])))
+                if step % 3 == 0:  # the step inside the checkpoint: one atomic write
+                    log.flush()
+                    state = {{"step": step, "loader": loader.state_dict()}}
+                    zephon.save_checkpoint(os.path.join(out_dir, "ckpt.json"), state)
+                if step == 10:
+                    seen = {{"pids": [p.pid for p in multiprocessing.active_children()],
+                             "rings": len(ring_mappings())}}
+                    tmp = os.path.join(out_dir, "seen.tmp")
+                    with open(tmp, "w") as f:
+                        json.dump(seen, f)
+                    os.replace(tmp, os.path.join(out_dir, "seen.json"))
+                    time.sleep(600)  # killed here, holding a batch made on a ring
+
+    if __name__ == "__main__":  # worker processes re-import this module
+        main()
+""")
+
+
+def test_a_sigkilled_training_process_leaves_no_ring_or_worker_and_resumes_exactly(tmp_path):
+    shm_before = shm_files()
+    script = tmp_path / "train.py"
+    script.write_text(CRASH_SCRIPT.format(tests=os.path.dirname(__file__)))
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=script_env())
+    try:
+        assert wait_until(lambda: (tmp_path / "seen.json").exists() or proc.poll() is not None, 120)
+        assert proc.poll() is None, "training script died early"
+        seen = json.loads((tmp_path / "seen.json").read_text())
+        assert seen["rings"] == 2 and len(seen["pids"]) >= 2
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert wait_until(lambda: not any(alive(pid) for pid in seen["pids"]), 50.0)
+    assert shm_files() == shm_before
+
+    saved = zephon.load_checkpoint(tmp_path / "ckpt.json")
+    step, state = saved["step"], saved["loader"]
+    assert step == 9
+    logged = (tmp_path / "delivered.txt").read_text().splitlines()[: step * 16]
+    with pipeline(640, lanes=2, workers="process").iter(state=state) as resumed:
+        tail = digests(resumed)
+    assert logged + tail == digests(pipeline(640, lanes=2).iter())
