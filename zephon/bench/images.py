@@ -204,16 +204,19 @@ def _images_per_second(batches: Iterator[Any], count: Callable[[Any], int]) -> f
     return n / (time.perf_counter() - start)
 
 
-def pipeline_rate(pipeline: zephon.Pipeline) -> float:
-    """Images/s of ``pipeline`` from its first batch (worker start-up left out) to its end."""
+def pipeline_rate(pipeline: zephon.Pipeline, cpu: list[float] | None = None) -> float:
+    """Images/s of ``pipeline`` from its first batch (worker start-up left out) to its end; the
+    CPU seconds this process spent per image meanwhile are appended to ``cpu``."""
     loader = pipeline.iter()
     try:
         first = len(next(loader).payload["image"])
-        start = time.perf_counter()
+        start, spent = time.perf_counter(), time.process_time()
         n = sum(len(b.payload["image"]) for b in loader)
-        elapsed = time.perf_counter() - start
+        elapsed, spent = time.perf_counter() - start, time.process_time() - spent
     finally:
         loader.close()
+    if cpu is not None and n:
+        cpu.append(spent / n)
     return (n or first) / max(elapsed, 1e-9)
 
 
@@ -263,13 +266,18 @@ def torch_loader(path: str, *, train: bool = False, workers: int = 2) -> Any:
     )
 
 
-def torch_rate(path: str, *, train: bool = False, workers: int = 2) -> float:
-    """Images/s of ``torch_loader`` from its first batch (worker start-up left out) to its end."""
+def torch_rate(
+    path: str, *, train: bool = False, workers: int = 2, cpu: list[float] | None = None
+) -> float:
+    """Images/s of ``torch_loader`` from its first batch (worker start-up left out) to its end;
+    the CPU seconds this process spent per image meanwhile are appended to ``cpu``."""
     batches = iter(torch_loader(path, train=train, workers=workers))
     first = len(next(batches))
-    start = time.perf_counter()
+    start, spent = time.perf_counter(), time.process_time()
     n = sum(len(b) for b in batches)
-    elapsed = time.perf_counter() - start
+    elapsed, spent = time.perf_counter() - start, time.process_time() - spent
+    if cpu is not None and n:
+        cpu.append(spent / n)
     return (n or first) / elapsed
 
 
