@@ -44,6 +44,7 @@ cdef class DeliveryBook:
     cdef public SampleCursor last_cursor     # the replay cursor: last real record delivered
     cdef public offset_t epochs_done         # epoch path: epochs whose marker was processed
     cdef readonly list violations            # broken contracts, as plain tuples, in order
+    cdef readonly set partial                # epoch path: offsets with a part delivered, open
     cdef offset_t _low_chunk                 # monotone: chunk of the watermark
     cdef WindowEntry* _window
     cdef Py_ssize_t _wlen

@@ -193,6 +193,7 @@ cdef class DeliveryBook:
         self.monotone = monotone
         self.counters = counters
         self.violations = []
+        self.partial = None if monotone else set()
         self.last_cursor = None
         self.epochs_done = 0
         self._low_chunk = -1
@@ -303,6 +304,9 @@ cdef class DeliveryBook:
                     # Behind a reordering operator siblings legitimately arrive after the closing
                     # record; eviction waits for the epoch marker, so only evicted chunks matter.
                     state = OFFSET_EVICTED if table._find(c.chunk_id) == -1 else 0
+                    # A part of a sample split over several records: what a resume with changed
+                    # operators must know (which open samples were partly delivered).
+                    self.partial.add((c.chunk_id, c.chunk_offset))
                 if state == OFFSET_CLOSED or state == OFFSET_EVICTED:
                     self.violations.append(("early-close", rec, c, state))
                 if low_chunk < 0 or c.chunk_id < low_chunk or (

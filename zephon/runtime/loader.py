@@ -549,8 +549,7 @@ class Loader(LoaderStep):
         check_bool(allow_changes, "allow_changes", "Loader.load_state_dict")
         changes = check_identity(body, plan, relane=relaning, allow_changes=allow_changes)
         self.history.restore(body)
-        if changes:
-            self._take_changes(changes, body)
+        announced = self._take_changes(changes, body) if changes else None
         self.retired.restore(body["retired"])
         self._screen_retired()
         if relaning:
@@ -567,6 +566,10 @@ class Loader(LoaderStep):
             lane_states = check_lane_list(body["lane_states"], len(self.lanes))
             mine = [(f"lane_states[{i}]", s) for i, s in enumerate(lane_states)]
         checked = [lane.restore(s, w, self.layout) for lane, (w, s) in zip(self.lanes, mine)]
+        if announced is not None:
+            text = announced + self._partly_delivered()
+            log.warning(text)
+            warnings.warn(text, PipelineChangeWarning, stacklevel=3)
         delivered = sum(s["delivered"] for s in checked)
         if job:
             self.next_lane = rank_turn(checked)
@@ -580,17 +583,33 @@ class Loader(LoaderStep):
         # a job's totals belong to all its ranks: this rank counts afresh
         self.totals.restore(body, counted=not job)
 
-    def _take_changes(self, changes: list[str], body: dict[str, Any]) -> None:
-        """Resume with changed operators (``allow_changes``): say so, keep it in the history, and
-        let the lanes' replays meet the new operators' records."""
+    def _partly_delivered(self) -> str:
+        """After a resume with changed operators: what to add to its announcement about lanes
+        that replay (instead of going on by position) because samples were split over several
+        records and partly delivered."""
+        partly = {lane.lane_id: lane.partly_delivered for lane in self.lanes}
+        shown = ", ".join(f"lane {g}: {n}" for g, n in sorted(partly.items()) if n)
+        if not shown:
+            return ""
+        return (
+            f". Samples split over several records were partly delivered at the checkpoint "
+            f"({shown}): their lanes replay to the checkpoint with the new operators, which must "
+            "make records of the same samples there (the resume stops with "
+            "ReplayDivergenceError otherwise), and the rest of each such sample is taken by the "
+            "position of its parts, so where the new operators cut it at other places a few of "
+            "its tokens are delivered twice or not at all"
+        )
+
+    def _take_changes(self, changes: list[str], body: dict[str, Any]) -> str:
+        """Resume with changed operators (``allow_changes``): keep it in the history, let the
+        lanes go on by position or replay to meet the new operators' records, and return what
+        the announcement (a ``PipelineChangeWarning``) says."""
         text = (
             "resuming a checkpoint with changed operators (allow_changes=True): "
             + "; ".join(changes)
             + ". What was delivered before the checkpoint stays delivered; everything after it "
             "comes from the new operators"
         )
-        log.warning(text)
-        warnings.warn(text, PipelineChangeWarning, stacklevel=4)
         old = body["pipeline"].get("operators")
         new = self.plan.fingerprint_parts["operators"]
         self.history.add(change_event(global_step(body["lane_states"]), changes, old, new))
@@ -603,3 +622,7 @@ class Loader(LoaderStep):
             # records reach delivery in cursor order: see ``ReplayFilter``
             lane.lenient = not reordering
             lane.merges = merges
+            if reordering and self.plan.eviction_path == "epoch":
+                # what was consumed is screened out by position (``checkpoint.progress``)
+                lane.after_change = True
+        return text
