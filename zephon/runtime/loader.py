@@ -530,7 +530,9 @@ class Loader(LoaderStep):
             lane.feed.retired = union
             lane.fetch_screen = FetchScreen(sets)
 
-    def load_state_dict(self, state: dict[str, Any], *, allow_changes: bool = False) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], *, allow_changes: bool = False, retire: Any = None
+    ) -> None:
         """Continue from ``state`` (this rank's own, or a job state from ``merge_states``); only
         before the first ``next()``. Every field is checked: a damaged or edited state raises
         ``CheckpointCorruptError``, a state of another pipeline ``CheckpointMismatchError``, and
@@ -539,7 +541,10 @@ class Loader(LoaderStep):
         ``allow_changes=True`` also takes a state whose operators changed (their code or
         parameters; never the source): what was delivered stays delivered, the rest comes from
         the new operators. A ``PipelineChangeWarning`` names each changed operator and the change
-        is kept in the state's ``history``."""
+        is kept in the state's ``history``. ``retire`` takes samples out from here on, as
+        ``retire()`` right after the load does, except that lanes behind an operator that
+        reorders records continue their epoch by position (what they consumed taken out at
+        fetch), so that retired samples never reach an operator again."""
         if self._started:
             raise CheckpointError("load_state_dict must be called before the first next()")
         body = unseal(state, (STATE_FORMAT, JOB_FORMAT))
@@ -550,6 +555,8 @@ class Loader(LoaderStep):
         changes = check_identity(body, plan, relane=relaning, allow_changes=allow_changes)
         self.history.restore(body)
         announced = self._take_changes(changes, body) if changes else None
+        if retire is not None:
+            self._by_position()
         self.retired.restore(body["retired"])
         self._screen_retired()
         if relaning:
@@ -570,6 +577,8 @@ class Loader(LoaderStep):
             text = announced + self._partly_delivered()
             log.warning(text)
             warnings.warn(text, PipelineChangeWarning, stacklevel=3)
+        if retire is not None:
+            self.retire(retire)
         delivered = sum(s["delivered"] for s in checked)
         if job:
             self.next_lane = rank_turn(checked)
@@ -622,7 +631,13 @@ class Loader(LoaderStep):
             # records reach delivery in cursor order: see ``ReplayFilter``
             lane.lenient = not reordering
             lane.merges = merges
-            if reordering and self.plan.eviction_path == "epoch":
-                # what was consumed is screened out by position (``checkpoint.progress``)
-                lane.after_change = True
+        self._by_position()
         return text
+
+    def _by_position(self) -> None:
+        """Behind a reordering operator on the epoch path, lanes continue their epoch by
+        position where the state says what they consumed (``checkpoint.progress``)."""
+        reordering = not all(op.traits.preserves_cursor_order for op in self.plan.chain)
+        if reordering and self.plan.eviction_path == "epoch":
+            for lane in self.lanes:
+                lane.by_position = True

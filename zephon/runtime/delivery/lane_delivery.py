@@ -60,9 +60,9 @@ class LaneDelivery(LaneOutlet):
         self.lenient = False  # replays need not meet the delivered records (``ReplayFilter``)
         self.merges: str | None = None  # why a lenient replay refuses merged records (same)
         self.fetch_screen = FetchScreen([])  # what the lane's runner screens out at fetch
-        # A resume with changed operators behind a reordering one: its runs continue by
-        # position where they can (``checkpoint.progress.after_change``).
-        self.after_change = False
+        # A resume with changed operators or retired samples behind a reordering operator:
+        # its runs continue by position where they can (``checkpoint.progress.after_change``).
+        self.by_position = False
         self.partly_delivered = 0
 
     # ----------------------------------------------------------------------------- delivery
@@ -293,7 +293,7 @@ class LaneDelivery(LaneOutlet):
             self.ended = self.cut = True
             return checked
         runs: list[Run] = checked["runs"]
-        if self.after_change:
+        if self.by_position:
             runs = [after_change(run) for run in runs]
             self.restored_state = None  # what it says is replaced by the screens
             # runs left to their replay because a sample was partly delivered
