@@ -367,7 +367,20 @@ class GcsBucket:
         path = f"/upload/storage/v1/b/{self.name}/o?uploadType=media&name={name}"
         self._send(path, data, "application/octet-stream")
 
+    def upload(self, local: Path, prefix: str) -> str:
+        """Copy every file below ``local`` to ``gs://bucket/prefix/...``; that URI."""
+        for path in sorted(local.rglob("*")):
+            if path.is_file() and not path.name.endswith((".zsum", ".zidx")):
+                self.overwrite(f"{prefix}/{path.relative_to(local).as_posix()}", path.read_bytes())
+        return f"gs://{self.name}/{prefix}"
+
 
 @pytest.fixture
 def gcs_bucket(gcs_endpoint, monkeypatch) -> GcsBucket:
     return GcsBucket(gcs_endpoint, monkeypatch)
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request: pytest.FixtureRequest) -> Bucket | GcsBucket:
+    """A fresh bucket on a real loopback server: S3 (moto) or GCS (gcp-storage-emulator)."""
+    return request.getfixturevalue("bucket" if request.param == "s3" else "gcs_bucket")

@@ -191,12 +191,6 @@ def test_bad_arguments_are_refused():
 
 
 # ------------------------------------------------------------------ images by URI
-@pytest.fixture(params=["s3", "gs"])
-def store(request: pytest.FixtureRequest) -> Any:
-    """A fresh bucket on a real loopback server: S3 (moto) or GCS (gcp-storage-emulator)."""
-    return request.getfixturevalue("bucket" if request.param == "s3" else "gcs_bucket")
-
-
 def _by_uri_and_inline(store: Any, n: int) -> tuple[list[dict], list[dict]]:
     """The same ``n`` encoded images twice: as objects in the bucket, by URI, and inline."""
     inline, by_uri = [], []

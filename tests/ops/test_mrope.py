@@ -6,6 +6,7 @@ real pipeline of drawn images tokenized by a real BPE."""
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import numpy as np
@@ -286,3 +287,56 @@ def test_a_pipeline_of_real_images_gets_the_reference_positions() -> None:
     assert got.shape == (3, len(rows), 48)
     for r, row in enumerate(rows):
         assert got[:, r].tolist() == reference(row, 2, image)
+
+
+# ------------------------------------------------------------------- the model's own
+@functools.cache
+def qwen2_vl(merge: int) -> Any:
+    """A tiny Qwen2-VL of transformers (random weights): its ``get_rope_index`` is the scheme."""
+    import transformers
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+    config = transformers.Qwen2VLConfig(
+        text_config={
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": 256,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        },
+        vision_config={"depth": 1, "embed_dim": 16, "num_heads": 2, "spatial_merge_size": merge},
+        image_token_id=IMAGE,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        video_token_id=10,
+    )
+    return Qwen2VLModel(config)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    parts=st.lists(st.tuples(st.integers(0, 6), grids.map(lambda g: (1, g[1], g[2]))), max_size=3),
+    merge=st.integers(1, 3),
+)
+def test_one_document_gets_the_positions_of_transformers_qwen2_vl(
+    parts: list[tuple[int, tuple[int, int, int]]], merge: int
+) -> None:
+    import torch
+
+    (doc,) = documents([parts], merge, True, True)
+    (row,) = packed([doc], len(doc.payload["tokens"]))
+    assert (row.payload["segment_ids"] == 1).all()
+    ours = mrope(merge=merge)([row])["position_ids"][:, 0]
+    model = qwen2_vl(merge)
+    ids = torch.from_numpy(row.payload["tokens"].astype(np.int64))[None]
+    grid = torch.from_numpy(row.payload["image_grid_thw"].astype(np.int64)).reshape(-1, 3)
+    images = grid if len(grid) else None
+    if "mm_token_type_ids" in inspect.signature(model.get_rope_index).parameters:
+        theirs, _ = model.get_rope_index(ids, (ids == IMAGE).int(), images)
+    else:  # transformers 4 finds the images by their start token
+        theirs, _ = model.get_rope_index(ids, images)
+    assert ours.tolist() == theirs[:, 0].tolist()
