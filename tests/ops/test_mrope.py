@@ -1,7 +1,8 @@
 """M-RoPE positions (``training_collate(positions="mrope")``): packed rows of documents with images
-of random grids, cut by the real packer, against a token-by-token reference of the scheme
-Qwen2-VL's ``get_rope_index`` defines; bad grids and ids refused by name; and the positions of a
-real pipeline of drawn images tokenized by a real BPE."""
+of random grids, several to a row and cut by the real packer, against a token-by-token reference
+of the scheme Qwen2-VL's ``get_rope_index`` defines; single documents against transformers' own
+``get_rope_index``; bad grids and ids refused naming the row; and the positions of a real
+pipeline of images tokenized by a real BPE."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from chat_kit import EOT, bpe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
@@ -227,30 +229,22 @@ def test_the_default_collate_keeps_its_identity() -> None:
 
 # ------------------------------------------------------------------- a real pipeline
 @functools.cache
-def tokenizer() -> Tokenizer:
-    from tokenizers import models, pre_tokenizers, trainers
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    specials = ["<pad>", "<|end|>", "<|image|>", "<|vision_start|>", "<|vision_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(["a red square and a blue circle in the picture"] * 20, trainer)
-    return bpe
+def vision_bpe() -> Tokenizer:
+    """The chat tests' BPE with image tokens added as special tokens."""
+    tok = Tokenizer.from_str(bpe().to_str())
+    tok.add_special_tokens(["<|image|>", "<|vision_start|>", "<|vision_end|>"])
+    return tok
 
 
-def token_id(bpe: Tokenizer, name: str) -> int:
-    found = bpe.token_to_id(name)
+def token_id(tok: Tokenizer, name: str) -> int:
+    found = tok.token_to_id(name)
     assert found is not None
     return int(found)
 
 
 def test_a_pipeline_of_real_images_gets_the_reference_positions() -> None:
-    bpe = tokenizer()
-    image = token_id(bpe, "<|image|>")
+    tok = vision_bpe()
+    image = token_id(tok, "<|image|>")
     rng = np.random.default_rng(0)
     items: list[dict[str, Any]] = []
     for i in range(40):
@@ -266,13 +260,13 @@ def test_a_pipeline_of_real_images_gets_the_reference_positions() -> None:
     ops = [
         fetch(),
         tokenize_interleaved(
-            bpe,
+            tok,
             image_token_id=image,
-            image_start_id=token_id(bpe, "<|vision_start|>"),
-            image_end_id=token_id(bpe, "<|vision_end|>"),
+            image_start_id=token_id(tok, "<|vision_start|>"),
+            image_end_id=token_id(tok, "<|vision_end|>"),
             patch_size=4,
             merge=2,
-            eos_id=token_id(bpe, "<|end|>"),
+            eos_id=token_id(tok, EOT),
         ),
         pack_sequences(48, pad_id=0, extra_fields={"loss_mask": 0}, images="images"),
     ]

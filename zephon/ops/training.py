@@ -60,14 +60,13 @@ class TrainingCollate:
     With ``positions="mrope"`` (with ``merge=`` and ``image_token_id=``, as given to the
     tokenizer) ``position_ids`` are the M-RoPE positions of Qwen2-VL-style models, ``(3, B, L)``
     (temporal, height, width; ``zephon.ops.mrope``): text advances all three together, an image's
-    tokens take their place in its merged grid, and every segment starts at 0 again. The 1-D
-    positions are then ``text_position_ids`` (``(B, L)``).
+    tokens take their place in its merged grid, and every segment starts at 0 again
+    (``(3, 1, B * L)`` with ``layout="flat"``). The 1-D positions are then ``text_position_ids``.
 
     ``input_ids``, ``labels`` and ``position_ids`` are ``dtype`` (int64 or int32). With
     ``layout="flat"`` every per-token array is ``(1, B * L)`` (one long sequence, as
     variable-length attention takes it) instead of ``(B, L)``. ``rename`` maps output names to
-    the names the model takes (``{"input_ids": "tokens"}``); with ``layout="flat"`` the M-RoPE
-    positions are ``(3, 1, B * L)``.
+    the names the model takes (``{"input_ids": "tokens"}``).
     """
 
     _OUTPUTS = (
@@ -373,8 +372,7 @@ def training_collate(
     image spans are never trained on (see ``TrainingCollate``). ``positions="mrope"`` with
     ``merge=`` and ``image_token_id=`` (the tokenizer's) makes ``position_ids`` the ``(3, B, L)``
     M-RoPE positions of Qwen2-VL-style models and adds the 1-D ones as ``text_position_ids``.
-    Numpy arrays;
-    ``as_torch_dataset`` yields them as tensors."""
+    Numpy arrays; ``as_torch_dataset`` yields them as tensors."""
     return TrainingCollate(
         mask_field=mask_field,
         ignore_index=ignore_index,
