@@ -401,3 +401,19 @@ def test_partly_delivered_samples_are_the_ones_with_a_part_delivered_and_not_the
         assert book.partial is None  # the monotone path needs no such bookkeeping
     else:
         assert book.partial == expected
+
+
+def test_partly_delivered_samples_closed_since_are_forgotten_as_the_set_grows() -> None:
+    # an epoch that splits more samples than the set keeps: it holds what is open, not all
+    table = ChunkTable()
+    book = make_book(table, monotone=False)
+    n = 20_000
+    table.open_chunk(0, 0, n, 0)
+    for rec in roots(0, n):
+        book.record(SampleRecord(spawn_child(rec.meta, 0), None))
+        book.record(SampleRecord(spawn_child(rec.meta, 1, is_last_child=True), None))
+    assert book.partial is not None and len(book.partial) <= 8192
+    table.open_chunk(1, 1, 3, 0)
+    for rec in roots(1, 3):
+        book.record(SampleRecord(spawn_child(rec.meta, 0), None))
+    assert {(1, 0), (1, 1), (1, 2)} <= book.partial
