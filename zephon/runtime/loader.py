@@ -165,7 +165,7 @@ class Loader(LoaderStep):
         )
 
     # The compiled step's hooks (``LoaderStep``): called by ``next()``, not by a training loop.
-    def start_or_refuse(self) -> None:
+    def _start_or_refuse(self) -> None:
         """Before a delivery: refuse one from a failed or closed loader, start the lanes on the
         first."""
         if self._failure is not None:
@@ -195,7 +195,7 @@ class Loader(LoaderStep):
                 self._catch_up(lane)
             self._skip_steps()
         except BaseException as exc:
-            self.fail(exc)
+            self._fail(exc)
             raise
 
     def _catch_up(self, lane: LaneDelivery) -> None:
@@ -225,7 +225,7 @@ class Loader(LoaderStep):
                     break
         self.history.skip = 0
 
-    def note_inflight(self) -> None:
+    def _note_inflight(self) -> None:
         """A lane announced a chunk: keep the most chunks the lanes held at once."""
         inflight = sum(lane.book.table.n_inflight for lane in self.lanes)
         if inflight > self.totals.max_inflight:
@@ -253,7 +253,7 @@ class Loader(LoaderStep):
                     lane.replay.target,
                 )
 
-    def fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> None:
         """A delivery raised ``exc``: every later ``next()`` refuses, and the lanes stop."""
         if isinstance(exc, ContractViolation):
             self._untrusted = exc
@@ -262,9 +262,9 @@ class Loader(LoaderStep):
 
     def _stop_lanes(self) -> None:
         close_feeds([lane.feed for lane in self.lanes])
-        self.release_source()
+        self._release_source()
 
-    def release_source(self) -> None:
+    def _release_source(self) -> None:
         """The stream is over or the loader stopped: let the source and the setup go."""
         self.waits.end()  # no step comes after this one
         # This loader reads its source no more, and what the reads kept for later ones (decoded
