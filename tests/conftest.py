@@ -1,7 +1,8 @@
 """Test-suite settings: hypothesis runs derandomized so every run checks the same examples
 (``ZEPHON_HYPOTHESIS=random`` draws new ones each run instead); a private metadata cache per
 test; a real S3-compatible server (moto's server mode) on loopback, with a proxy in front of it
-that can fail requests or stall them."""
+that can fail requests or stall them; a real GCS JSON-API server (gcp-storage-emulator) on
+loopback."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import logging
 import math
 import os
 import re
+import subprocess
 import sys
 import threading
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +25,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 from net_kit import free_port
-from worker_kit import allow_ray_daemons, assert_no_leftover_workers
+from worker_kit import allow_ray_daemons, allow_server, assert_no_leftover_workers
 
 _PROFILE: dict[str, Any] = {
     "deadline": None,
@@ -33,6 +37,11 @@ settings.register_profile("derandomized", derandomize=True, **_PROFILE)
 # replays it (``@reproduce_failure``).
 settings.register_profile("random", derandomize=False, **_PROFILE)
 settings.load_profile(os.environ.get("ZEPHON_HYPOTHESIS", "derandomized"))  # unknown names raise
+
+# Google's client libraries look for credentials on the cloud's metadata server when nothing else
+# gives them: no test, nor any worker process it starts, ever asks one beyond loopback.
+os.environ["GCE_METADATA_ROOT"] = "127.0.0.1:9"
+os.environ.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
 
 
 @pytest.fixture(autouse=True)
@@ -229,6 +238,8 @@ class FailingProxy:
 class Bucket:
     """A fresh bucket on the S3 server and the environment pointing pyarrow at it."""
 
+    scheme = "s3"
+
     def __init__(self, endpoint: str, monkeypatch: pytest.MonkeyPatch):
         import pyarrow.fs as pafs
 
@@ -285,3 +296,91 @@ def failing_proxy(moto_endpoint) -> Iterator[FailingProxy]:
         yield proxy
     finally:
         proxy.stop()
+
+
+# The GCS server runs in a process of its own: pyarrow's GCS client keeps the GIL while it waits
+# for an answer, so a server thread in the test process would never give one. It stops when its
+# standard input closes, so it cannot outlive the test run.
+_GCS_SERVER = """
+import sys
+from gcp_storage_emulator.server import create_server
+
+server = create_server("127.0.0.1", int(sys.argv[1]), in_memory=True)
+server.start()
+print("ready", flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint() -> Iterator[str]:
+    """``http://127.0.0.1:PORT`` of a GCS JSON-API server (gcp-storage-emulator) started once for
+    the whole test run."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", _GCS_SERVER, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdout is not None and server.stdin is not None
+    allow_server(server.pid)
+    try:
+        if server.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the GCS emulator did not start (exit status {server.wait(60)})")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stdin.close()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        server.stdout.close()
+
+
+class GcsBucket:
+    """A fresh bucket on the GCS server and the environment pointing the storage layer at it
+    (``STORAGE_EMULATOR_HOST``); objects are written through the server's JSON API."""
+
+    scheme = "gs"
+
+    def __init__(self, endpoint: str, monkeypatch: pytest.MonkeyPatch):
+        self.endpoint = endpoint
+        self.name = f"b-{uuid.uuid4().hex[:12]}"
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+        monkeypatch.delenv("CLOUD_STORAGE_EMULATOR_ENDPOINT", raising=False)
+        body = f'{{"name": "{self.name}"}}'.encode()
+        self._send("/storage/v1/b?project=zephon-tests", body, "application/json")
+
+    def _send(self, path: str, body: bytes, content_type: str) -> None:
+        request = urllib.request.Request(
+            self.endpoint + path, data=body, method="POST", headers={"Content-Type": content_type}
+        )
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            assert answer.status == 200, answer.read()
+
+    def overwrite(self, key: str, data: bytes) -> None:
+        """Write ``data`` over the object ``key`` (a path inside the bucket)."""
+        name = urllib.parse.quote(key, safe="")
+        path = f"/upload/storage/v1/b/{self.name}/o?uploadType=media&name={name}"
+        self._send(path, data, "application/octet-stream")
+
+    def upload(self, local: Path, prefix: str) -> str:
+        """Copy every file below ``local`` to ``gs://bucket/prefix/...``; that URI."""
+        for path in sorted(local.rglob("*")):
+            if path.is_file() and not path.name.endswith((".zsum", ".zidx")):
+                self.overwrite(f"{prefix}/{path.relative_to(local).as_posix()}", path.read_bytes())
+        return f"gs://{self.name}/{prefix}"
+
+
+@pytest.fixture
+def gcs_bucket(gcs_endpoint, monkeypatch) -> GcsBucket:
+    return GcsBucket(gcs_endpoint, monkeypatch)
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request: pytest.FixtureRequest) -> Bucket | GcsBucket:
+    """A fresh bucket on a real loopback server: S3 (moto) or GCS (gcp-storage-emulator)."""
+    return request.getfixturevalue("bucket" if request.param == "s3" else "gcs_bucket")

@@ -20,3 +20,4 @@ def test_the_vision_tutorial_runs_and_its_resumed_stream_is_identical(tmp_path: 
     assert "identical stream, pixels included, after SIGKILL and resume" in done.stdout
     assert "pixel_values (" in done.stdout and "image_grid_thw (" in done.stdout
     assert "WebDataset shards: the same batches, pixels included" in done.stdout
+    assert "position_ids (3, 4, 96)" in done.stdout  # the M-RoPE section ran

@@ -19,6 +19,8 @@ _MULTIPROCESSING_SERVICES = ("multiprocessing.forkserver", "multiprocessing.reso
 # run: they and the worker processes they start are Ray's, not leaks (Ray lanes' actors are
 # checked through Ray instead).
 _ray_daemons: set[int] = set()
+# Servers started once for the whole test run in processes of their own (``gcs_endpoint``).
+_servers: set[int] = set()
 
 
 def allow_ray_daemons(pids: set[int]) -> None:
@@ -26,6 +28,12 @@ def allow_ray_daemons(pids: set[int]) -> None:
     ``worker_processes``; an empty set takes the allowance back."""
     _ray_daemons.clear()
     _ray_daemons.update(pids)
+
+
+def allow_server(pid: int) -> None:
+    """Leave this process (a server the test run keeps for its whole length) out of
+    ``worker_processes``."""
+    _servers.add(pid)
 
 
 def _ray_processes() -> set[int]:
@@ -55,7 +63,7 @@ def worker_processes() -> list[psutil.Process]:
         with contextlib.suppress(psutil.NoSuchProcess):
             if any(service in " ".join(child.cmdline()) for service in _MULTIPROCESSING_SERVICES):
                 services.add(child.pid)
-    services |= _ray_processes()
+    services |= _ray_processes() | _servers
     return [p for p in me.children(recursive=True) if p.pid not in services]
 
 

@@ -166,6 +166,11 @@ def inspect_checkpoint(path: str | os.PathLike[str], out: Any = None) -> int:
                 where_lane += (
                     f", rebuilds its operators from a snapshot at lane chunk {lane['held']['next']}"
                 )
+            if lane.get("screened") is not None:
+                where_lane += (
+                    ", takes out at fetch what it consumed of the epoch before a resume with "
+                    "changed operators"
+                )
             cursor = lane["cursor"]
             replay = (
                 f"replays {lane['count']} record(s) up to cursor {cursor}"

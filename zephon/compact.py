@@ -21,8 +21,10 @@ __all__ = [
     "MAX_EXPANSION",
     "MAX_UNPACKED",
     "MIN_UNPACKED",
+    "pack_bits",
     "pack_ints",
     "pack_json",
+    "unpack_bits",
     "unpack_ints",
     "unpack_json",
     "unpacked_limit",
@@ -40,6 +42,20 @@ def pack_ints(values: Sequence[int] | np.ndarray) -> str:
     """Non-negative ints as base64 of zlib-compressed int64."""
     raw = np.asarray(values, dtype=np.int64).tobytes()
     return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
+
+
+def pack_bits(mask: np.ndarray) -> str:
+    """A bool array as base64 of zlib-compressed bits (its length is kept elsewhere)."""
+    raw = np.packbits(np.asarray(mask, dtype=bool), bitorder="little").tobytes()
+    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
+
+
+def unpack_bits(text: Any, n: int) -> np.ndarray:
+    """The ``n`` bools ``pack_bits`` made; ValueError for anything else."""
+    raw = _inflate(text, "bits")
+    if len(raw) != (n + 7) // 8:
+        raise ValueError(f"not {n} packed bits ({len(raw)} bytes)")
+    return np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=n, bitorder="little") > 0
 
 
 def unpacked_limit(text: str) -> int:

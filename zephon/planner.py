@@ -467,8 +467,8 @@ class Pipeline:
         lanes = state.get("lanes") if isinstance(state, dict) else None
         loader = Loader(self.compile(lanes if type(lanes) is int and lanes > 0 else None))
         if state is not None:
-            loader.load_state_dict(state, allow_changes=allow_changes)
-        if retire is not None:
+            loader.load_state_dict(state, allow_changes=allow_changes, retire=retire)
+        elif retire is not None:
             loader.retire(retire)
         return loader
 

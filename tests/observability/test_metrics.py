@@ -143,6 +143,7 @@ def test_zephon_top_once_explain_and_report_run(tmp_path: Path, capsys):
                 assert main(["top", address, "--once"]) == 0
                 frame = capsys.readouterr().out
                 assert "rank 0" in frame and "lane" in frame and "tokenize" in frame
+                assert "trainer waited" in frame and "fill" in frame
                 assert main(["explain", address]) == 0
                 assert "of the operators' busy time" in capsys.readouterr().out
     assert main(["report", str(log), "-o", str(tmp_path / "report.png")]) == 0

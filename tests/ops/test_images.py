@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from pipeline_kit import assert_resumes_at, run
 
 import zephon
 from zephon.errors import OperatorError
@@ -190,14 +191,15 @@ def test_bad_arguments_are_refused():
 
 
 # ------------------------------------------------------------------ images by URI
-def _by_uri_and_inline(bucket, n: int) -> tuple[list[dict], list[dict]]:
-    """The same ``n`` encoded images twice: as objects on the S3 server, by URI, and inline."""
+def _by_uri_and_inline(store: Any, n: int) -> tuple[list[dict], list[dict]]:
+    """The same ``n`` encoded images twice: as objects in the bucket, by URI, and inline."""
     inline, by_uri = [], []
     for i in range(n):
         data = encoded(i, FORMATS[i % 3])
-        bucket.overwrite(f"images/{i}.img", data)
+        store.overwrite(f"images/{i}.img", data)
         inline.append({"image": data, "caption": f"picture {i}"})
-        by_uri.append({"image": f"s3://{bucket.name}/images/{i}.img", "caption": f"picture {i}"})
+        uri = f"{store.scheme}://{store.name}/images/{i}.img"
+        by_uri.append({"image": uri, "caption": f"picture {i}"})
     return by_uri, inline
 
 
@@ -209,16 +211,16 @@ def _decoded(items: list[dict], **kw: Any) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize(("lanes", "workers"), [(1, "inline"), (2, "process")])
-def test_images_by_uri_decode_to_the_pixels_of_the_same_bytes_inline(bucket, lanes, workers):
-    by_uri, inline = _by_uri_and_inline(bucket, 12)
+def test_images_by_uri_decode_to_the_pixels_of_the_same_bytes_inline(store, lanes, workers):
+    by_uri, inline = _by_uri_and_inline(store, 12)
     reference = _decoded(inline)
     assert len(reference) == 12
     assert _decoded(by_uri, lanes=lanes, workers=workers) == reference
 
 
-def test_a_missing_image_object_is_named_or_dropped_with_its_tombstone(bucket):
-    by_uri, _ = _by_uri_and_inline(bucket, 6)
-    missing = f"s3://{bucket.name}/images/gone.png"
+def test_a_missing_image_object_is_named_or_dropped_with_its_tombstone(store):
+    by_uri, _ = _by_uri_and_inline(store, 6)
+    missing = f"{store.scheme}://{store.name}/images/gone.png"
     by_uri[2]["image"] = missing
     raising = zephon.Pipeline(ListSource(by_uri), [fetch(), decode_images()])
     with pytest.raises(OperatorError, match=r"\(0, 0, 2\).*FetchError.*gone\.png.*does not exist"):
@@ -228,3 +230,22 @@ def test_a_missing_image_object_is_named_or_dropped_with_its_tombstone(bucket):
         kept = [r.payload["caption"] for r in loader]
         assert loader.stats()["tombstones"] == 1
     assert kept == [f"picture {i}" for i in range(6) if i != 2]
+
+
+@pytest.mark.parametrize(("lanes", "workers"), [(1, "inline"), (2, "process")])
+def test_images_by_uri_resume_exactly(store, lanes, workers):
+    by_uri, _ = _by_uri_and_inline(store, 16)
+    by_uri[5]["image"] = f"{store.scheme}://{store.name}/images/gone.png"  # dropped on every run
+    ops = [
+        fetch(),
+        decode_images(on_error="drop"),
+        random_resized_crop(16, scale=(0.5, 1.0), seed=3),
+        batch(3, collate=captions_and_images),
+    ]
+    pipeline = zephon.Pipeline(
+        ListSource(by_uri, chunk_size=4, shuffle=True, seed=2), ops, lanes=lanes, workers=workers
+    )
+    with pipeline.iter() as loader:
+        full = run(loader)
+    assert sum(len(item[2]) for item in full) == 15
+    assert_resumes_at(pipeline, [1, 3], full)

@@ -83,5 +83,7 @@ def test_checkpoint_size_does_not_grow_with_the_run():
     for i, _ in enumerate(loader):
         if i in (10, 5_000):
             sizes.append(len(json.dumps(loader.state_dict())))
-    assert sizes[1] <= sizes[0] + 64
+    # what the shuffle window holds open in the epoch is kept by position: its size moves with
+    # where the window stands (a few hundred bytes at most here), not with the run's length
+    assert sizes[1] <= sizes[0] + 512
     assert sizes[1] < 16 * 1024 * 2

@@ -20,7 +20,7 @@ from zephon._core.delivery import (
     hand_over_run,
 )
 from zephon._core.records import expand_runs, records_for_chunk
-from zephon.ops.children import tombstones_for_record
+from zephon.ops.children import spawn_child, tombstones_for_record
 from zephon.runtime.lanes.control import LANE_END, ChunkOpened, LaneEnd, RunStart
 from zephon.types import RecordRun, SampleCursor, SampleMeta, SampleRecord
 
@@ -376,3 +376,44 @@ def test_a_collate_that_raises_books_nothing_and_moves_nothing() -> None:
     assert isinstance(failed.value.__cause__, KeyError)
     assert [r.meta for r in failed.value.records] == [r.meta for r in run.records()[:2]]
     assert buf == [run] and _state(book) == _state(_book_of([5], [], True))
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(1, 3)), min_size=1, max_size=12),
+    st.booleans(),
+)
+def test_partly_delivered_samples_are_the_ones_with_a_part_delivered_and_not_the_last(
+    splits: list[tuple[int, int]], monotone: bool
+) -> None:
+    # Each (offset, parts) splits that sample into children; all but the last part of each
+    # are delivered, so a sample is partly delivered exactly when it has more than one part.
+    table = ChunkTable()
+    book = make_book(table, monotone=monotone)
+    table.open_chunk(0, 0, 6, 0)
+    parents = {r.meta.cursor.chunk_offset: r for r in roots(0, 6)}
+    expected: set[tuple[int, int]] = set()
+    for offset, parts in dict(splits).items():
+        for i in range(parts - 1):
+            book.record(SampleRecord(spawn_child(parents[offset].meta, i), None))
+        if parts > 1:
+            expected.add((0, offset))
+    if monotone:
+        assert book.partial is None  # the monotone path needs no such bookkeeping
+    else:
+        assert book.partial == expected
+
+
+def test_partly_delivered_samples_closed_since_are_forgotten_as_the_set_grows() -> None:
+    # an epoch that splits more samples than the set keeps: it holds what is open, not all
+    table = ChunkTable()
+    book = make_book(table, monotone=False)
+    n = 20_000
+    table.open_chunk(0, 0, n, 0)
+    for rec in roots(0, n):
+        book.record(SampleRecord(spawn_child(rec.meta, 0), None))
+        book.record(SampleRecord(spawn_child(rec.meta, 1, is_last_child=True), None))
+    assert book.partial is not None and len(book.partial) <= 8192
+    table.open_chunk(1, 1, 3, 0)
+    for rec in roots(1, 3):
+        book.record(SampleRecord(spawn_child(rec.meta, 0), None))
+    assert {(1, 0), (1, 1), (1, 2)} <= book.partial

@@ -114,16 +114,16 @@ def test_a_collate_that_fails_in_the_compiled_step_names_the_batch_and_books_not
 
 
 class Step(LoaderStep):
-    def start_or_refuse(self) -> None:
+    def _start_or_refuse(self) -> None:
         pass
 
-    def note_inflight(self) -> None:
+    def _note_inflight(self) -> None:
         pass
 
-    def fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> None:
         self._failure = exc
 
-    def release_source(self) -> None:
+    def _release_source(self) -> None:
         pass
 
 
@@ -150,5 +150,5 @@ def test_a_hook_the_subclass_left_out_is_refused_by_name() -> None:
     step._lock = threading.Lock()
     with pytest.raises(NotImplementedError, match=r"LaneOutlet must define next_delivery\(\)"):
         next(step)
-    with pytest.raises(NotImplementedError, match=r"LoaderStep must define fail\(\)"):
-        LoaderStep().fail(ValueError())  # type: ignore[abstract]
+    with pytest.raises(NotImplementedError, match=r"LoaderStep must define _fail\(\)"):
+        LoaderStep()._fail(ValueError())  # type: ignore[abstract]

@@ -29,6 +29,7 @@ from worker_kit import finishes_within, script_env, wait_until
 import zephon
 from zephon.errors import (
     OperatorError,
+    PipelineChangeWarning,
     PlanError,
     RelaneWarning,
     WorkerLostError,
@@ -37,11 +38,13 @@ from zephon.errors import (
 from zephon.ops import (
     batch,
     fetch,
+    filter_records,
     pack_sequences,
     tokenize_chat,
     training_collate,
 )
 from zephon.ops.basic import map_transform
+from zephon.ops.shuffle import shuffle
 from zephon.runtime.workers.kinds import open_lanes
 from zephon.runtime.workers.ray_lanes import RayLane
 from zephon.runtime.workers.stopping import close_lanes
@@ -458,3 +461,31 @@ def test_importing_zephon_never_imports_ray():
         [sys.executable, "-c", code], env=script_env(), capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def _small_or_odd(payload: dict) -> bool:
+    return payload["idx"] % 2 == 1 or payload["idx"] < 40
+
+
+def _large_or_odd(payload: dict) -> bool:
+    return payload["idx"] % 2 == 1 or payload["idx"] >= 40
+
+
+def _filtered_and_shuffled(keep: Any, **kw: Any) -> zephon.Pipeline:
+    ops = [fetch(), filter_records(keep), shuffle(7, seed=4), batch(3)]
+    return zephon.Pipeline(RangeSource(240, chunk_size=6), ops, lanes=2, epoch_chunks=4, **kw)
+
+
+def test_a_change_resumed_by_position_on_ray_lanes_is_the_inline_stream(ray_cluster):
+    # behind a shuffle, a new filter restarts each lane's epoch with what it consumed taken
+    # out at fetch: the actors do it as the lanes of the training process do
+    loader = iter(_filtered_and_shuffled(_small_or_odd))
+    run(loader, 5)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    streams = []
+    for workers in ("inline", "ray"):
+        with pytest.warns(PipelineChangeWarning):
+            changed = _filtered_and_shuffled(_large_or_odd, workers=workers)
+            streams.append(stream(changed.iter(state=state, allow_changes=True)))
+    assert streams[0] == streams[1] and streams[0]

@@ -1,4 +1,5 @@
-"""File sources over object storage: a real S3-compatible server (moto) on loopback."""
+"""File sources over object storage: a real S3-compatible server (moto) on loopback, and for the
+plain reads and resumes a real GCS one (gcp-storage-emulator) too."""
 
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ def stream(source: zephon.sources.WorkSource, state: dict | None = None, take: i
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_a_bucket_copy_delivers_exactly_the_local_stream(tmp_path, bucket, kind, shuffle):
+def test_a_bucket_copy_delivers_exactly_the_local_stream(tmp_path, store, kind, shuffle):
     local = shards(tmp_path / "data", [7, 12, 3, 9])
-    uri = bucket.upload(local, "corpus")
+    uri = store.upload(local, "corpus")
     source = ArrowSource if kind == "parquet" else JsonlSource
     suffix = "*.parquet" if kind == "parquet" else "*.jsonl"
     here = source(str(local / "**" / suffix), chunk_size=5, shuffle=shuffle, seed=3, passes=2)
@@ -69,9 +70,9 @@ def test_a_bucket_copy_delivers_exactly_the_local_stream(tmp_path, bucket, kind,
 
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
-def test_a_checkpoint_of_the_local_copy_resumes_on_the_bucket_and_back(tmp_path, bucket, kind):
+def test_a_checkpoint_of_the_local_copy_resumes_on_the_bucket_and_back(tmp_path, store, kind):
     local = shards(tmp_path / "data", [10, 6, 13])
-    uri = bucket.upload(local, "c")
+    uri = store.upload(local, "c")
     make = ArrowSource if kind == "parquet" else JsonlSource
 
     def source(where: str) -> zephon.sources.WorkSource:
@@ -84,6 +85,19 @@ def test_a_checkpoint_of_the_local_copy_resumes_on_the_bucket_and_back(tmp_path,
     head, state = stream(source(uri), take=2)
     tail, _ = stream(source(str(local)), state=state)
     assert head + tail == full
+
+
+def test_process_lanes_read_the_bucket_as_the_loader_sees_it(tmp_path, store):
+    uri = store.upload(shards(tmp_path / "data", [9, 6, 11]), "p")
+
+    def rows(**kw) -> list[int]:
+        source = ArrowSource(uri, chunk_size=4, shuffle=True, seed=2)
+        with zephon.Pipeline(source, [fetch(), batch(4)], lanes=2, **kw).iter() as loader:
+            return [int(i) for b in loader for i in b.payload["idx"]]
+
+    inline = rows()
+    assert sorted(inline) == list(range(26))
+    assert rows(workers="process") == inline
 
 
 def test_a_server_failing_the_first_requests_with_503_is_retried(tmp_path, bucket, failing_proxy):

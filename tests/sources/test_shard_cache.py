@@ -8,6 +8,7 @@ import fcntl
 import json
 import multiprocessing
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -370,3 +371,37 @@ def test_arrow_ipc_files_read_through_the_cache_as_without_it(tmp_path, bucket):
     cached = ArrowSource(f"{uri}/*.arrow", chunk_size=4, shuffle=True, cache=cache)
     assert cached.describe() == plain.describe()
     assert rows(cached) == rows(plain)
+
+
+def test_a_copy_another_process_keeps_open_is_read_past_not_waited_for(
+    tmp_path, bucket, failing_proxy
+):
+    # ``holder`` has the shard open (its lock shared), as a process does while it reads; the
+    # copy is then damaged, and another process that needs it cannot take the lock to
+    # download it again: it reads from the store this time instead of waiting for the holder.
+    uri = bucket.upload(shards(tmp_path / "data", [40], group=5), "d")
+    bucket.point_at(failing_proxy.endpoint)
+    where = f"{uri}/*.parquet"
+    holder = ArrowSource(
+        where, chunk_size=5, cache=ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    )
+    (path,) = [f.path for f in holder.files()]
+    held = holder.open_random(path)
+    held.materialize()
+    (entry,) = Path(tmp_path / "shards").glob("*.shard")
+    entry.write_bytes(entry.read_bytes()[:-1] + b"\0")  # a new mtime: no longer intact
+    other = ShardCache(tmp_path / "shards", max_bytes=1 << 30)  # as another process has it
+    got: list[list[int]] = []
+    reader = threading.Thread(
+        target=lambda: got.append(rows(ArrowSource(where, chunk_size=5, cache=other))),
+        daemon=True,
+    )
+    failing_proxy.requests.clear()
+    reader.start()
+    reader.join(timeout=60)  # a generous deadline; it used to wait for the holder for good
+    stuck = reader.is_alive()
+    held.close()
+    reader.join(timeout=60)
+    assert not stuck, "a reader waited for a lock another process keeps"
+    assert sorted(got[0]) == list(range(40))
+    assert gets(failing_proxy)  # read from the store

@@ -44,6 +44,8 @@ cdef class DeliveryBook:
     cdef public SampleCursor last_cursor     # the replay cursor: last real record delivered
     cdef public offset_t epochs_done         # epoch path: epochs whose marker was processed
     cdef readonly list violations            # broken contracts, as plain tuples, in order
+    cdef readonly set partial                # epoch path: offsets with a part delivered
+    cdef Py_ssize_t _prune_at                # ``partial`` is pruned of closed offsets past this
     cdef offset_t _low_chunk                 # monotone: chunk of the watermark
     cdef WindowEntry* _window
     cdef Py_ssize_t _wlen
@@ -52,6 +54,7 @@ cdef class DeliveryBook:
     cdef int _window_add(self, offset_t unit, offset_t count, uint64_t digest) except -1
     cdef void _window_drop_through(self, offset_t unit) noexcept
     cdef int _evict_prefix(self) except -1
+    cdef int _prune_partial(self) except -1
     cdef int _record(self, SampleRecord rec, bint count) except -1
     cdef int _record_run(self, RecordRun run, bint count) except -1
     cdef int _tombstone(self, SampleRecord tomb, bint count) except -1

@@ -17,7 +17,7 @@ from cpython.ref cimport PyObject
 from libc.stdlib cimport free, realloc
 
 from zephon._core._types cimport offset_t, uint64_t
-from zephon._core.chunk_table cimport OFFSET_CLOSED, OFFSET_EVICTED, ChunkTable
+from zephon._core.chunk_table cimport OFFSET_CLOSED, OFFSET_EVICTED, OFFSET_OPEN, ChunkTable
 from zephon._core.cursor cimport (
     SampleCursor,
     hashed_root_cursor,
@@ -172,6 +172,10 @@ cdef class DeliveryCounters:
         return 0
 
 
+# Partly delivered samples the delivery book remembers before it forgets the closed ones.
+cdef Py_ssize_t PARTIAL_PRUNE_AT = 4096
+
+
 @cython.final
 cdef class DeliveryBook:
     """The bookkeeping of one lane's delivery: its chunk table, watermark, replay window, counters.
@@ -193,6 +197,8 @@ cdef class DeliveryBook:
         self.monotone = monotone
         self.counters = counters
         self.violations = []
+        self.partial = None if monotone else set()
+        self._prune_at = PARTIAL_PRUNE_AT
         self.last_cursor = None
         self.epochs_done = 0
         self._low_chunk = -1
@@ -274,6 +280,17 @@ cdef class DeliveryBook:
             self._window_drop_through(self.table._last_evicted_id)
         return 0
 
+    cdef int _prune_partial(self) except -1:
+        # Samples split over records close with their last part: forget those closed since, so
+        # that the set holds about what is in flight, never what an epoch split (amortized: the
+        # next pruning waits until the set has doubled).
+        cdef ChunkTable table = self.table
+        self.partial = {
+            key for key in self.partial if table.c_offset_state(key[0], key[1]) == OFFSET_OPEN
+        }
+        self._prune_at = max(PARTIAL_PRUNE_AT, 2 * len(self.partial))
+        return 0
+
     # ---- records and tombstones ------------------------------------------------------------------
 
     cdef int _record(self, SampleRecord rec, bint count) except -1:
@@ -303,6 +320,11 @@ cdef class DeliveryBook:
                     # Behind a reordering operator siblings legitimately arrive after the closing
                     # record; eviction waits for the epoch marker, so only evicted chunks matter.
                     state = OFFSET_EVICTED if table._find(c.chunk_id) == -1 else 0
+                    # A part of a sample split over several records: what a resume with changed
+                    # operators must know (which open samples were partly delivered).
+                    self.partial.add((c.chunk_id, c.chunk_offset))
+                    if len(self.partial) > self._prune_at:
+                        self._prune_partial()
                 if state == OFFSET_CLOSED or state == OFFSET_EVICTED:
                     self.violations.append(("early-close", rec, c, state))
                 if low_chunk < 0 or c.chunk_id < low_chunk or (

@@ -89,37 +89,37 @@ cdef class LaneOutlet:
 cdef class LoaderStep:
     """The loader's ``__next__``: a round over its ``lanes`` (``LaneOutlet``s) from
     ``next_lane`` under ``_lock``, until one delivers. A loader that has not started, has failed
-    or was closed goes through ``start_or_refuse()`` first; a lane's contract violations go to
-    ``policy`` (a ``ViolationReport``), a chunk it announced to ``note_inflight()``, an error to
-    ``fail(exc)``, and the end of the stream to ``release_source()``: a subclass defines those.
+    or was closed goes through ``_start_or_refuse()`` first; a lane's contract violations go to
+    ``policy`` (a ``ViolationReport``), a chunk it announced to ``_note_inflight()``, an error to
+    ``_fail(exc)``, and the end of the stream to ``_release_source()``: a subclass defines those.
     ``steps`` counts the items handed over.
     """
 
     def __cinit__(self):
         self.lanes = []
 
-    def start_or_refuse(self):
+    def _start_or_refuse(self):
         """Before a step of a loader not started, failed or closed: start it, or raise."""
-        raise _undefined(self, "start_or_refuse")
+        raise _undefined(self, "_start_or_refuse")
 
-    def note_inflight(self):
+    def _note_inflight(self):
         """A lane announced a chunk: the lanes may hold more chunks than before."""
-        raise _undefined(self, "note_inflight")
+        raise _undefined(self, "_note_inflight")
 
-    def fail(self, exc):
+    def _fail(self, exc):
         """The step raised ``exc`` (raised again afterwards): the loader has failed."""
-        raise _undefined(self, "fail")
+        raise _undefined(self, "_fail")
 
-    def release_source(self):
+    def _release_source(self):
         """Every lane has ended: the loader reads its source no more."""
-        raise _undefined(self, "release_source")
+        raise _undefined(self, "_release_source")
 
     def __next__(self):
         lock = self._lock
         lock.acquire()
         try:
             if self._failure is not None or self._closed or not self._started:
-                self.start_or_refuse()
+                self._start_or_refuse()
             out = self._round()
             self.steps += 1
             return out
@@ -142,11 +142,11 @@ cdef class LoaderStep:
                     self.policy.report(book.take_violations())
                 if book.opened:  # the lanes hold more chunks only after an announcement
                     book.opened = False
-                    self.note_inflight()
+                    self._note_inflight()
                 if out is not None:
                     return out
         except BaseException as exc:
-            self.fail(exc)
+            self._fail(exc)
             raise
-        self.release_source()  # the stream is over
+        self._release_source()  # the stream is over
         raise StopIteration

@@ -74,6 +74,19 @@ def top(url: str, *, once: bool = False, interval: float = 2.0) -> None:
             pass
 
 
+def _waited(stats: dict[str, Any]) -> str:
+    """How long the training loop waited for batches: of its latest steps, and overall."""
+    waits = stats.get("trainer_wait") or {}
+    elapsed, seconds = waits.get("elapsed"), waits.get("seconds")
+    if not elapsed or seconds is None:
+        return ""
+    text = f" · trainer waited {seconds / elapsed:.0%} of {elapsed:,.0f} s"
+    steps, recent = waits.get("recent_steps"), waits.get("recent_seconds")
+    if steps and recent is not None:
+        text += f" ({recent:.2f} s over the last {steps:,.0f} steps)"
+    return text
+
+
 def _frame(url: str, ranks: dict[str, dict[str, Any]], earlier: tuple[float, dict] | None) -> Any:
     from rich.console import Group
     from rich.table import Table
@@ -85,7 +98,9 @@ def _frame(url: str, ranks: dict[str, dict[str, Any]], earlier: tuple[float, dic
         if earlier is not None and earlier[0] > 0:
             was = earlier[1].get(rank, {}).get("delivered", delivered)
             rate = f", {(delivered - was) / earlier[0]:,.0f} records/s"
-        head = Table(title=f"zephon · {url} · rank {rank}: {delivered:,.0f} records{rate}")
+        head = Table(
+            title=f"zephon · {url} · rank {rank}: {delivered:,.0f} records{rate}{_waited(stats)}"
+        )
         for col in ("lane", "delivered", "buffered", "queued", "ended"):
             head.add_column(col, justify="right")
         for lane, v in sorted((stats.get("lanes") or {}).items(), key=lambda kv: int(kv[0])):
@@ -98,7 +113,7 @@ def _frame(url: str, ranks: dict[str, dict[str, Any]], earlier: tuple[float, dic
             )
         parts.append(head)
         ops = Table(title="operators")
-        for col in ("operator", "busy s", "share", "in", "out"):
+        for col in ("operator", "busy s", "share", "in", "out", "fill"):
             ops.add_column(col, justify="right" if col != "operator" else "left")
         rows = stats.get("operators") or {}
         total = sum(v.get("seconds", 0.0) for v in rows.values()) or 1.0
@@ -110,6 +125,7 @@ def _frame(url: str, ranks: dict[str, dict[str, Any]], earlier: tuple[float, dic
                 f"{seconds / total:.0%}",
                 f"{v.get('records_in', 0):,.0f}",
                 f"{v.get('items_out', 0):,.0f}",
+                "" if v.get("fill") is None else f"{v['fill']:.1%}",  # a packer's
             )
         parts.append(ops)
         mix = stats.get("mixture_components") or {}

@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+import numpy as np
+
 from zephon.errors import CheckpointCorruptError, MixtureDropWarning
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import record_error
@@ -53,9 +55,10 @@ def _bad_carry(field: str, why: str) -> CheckpointCorruptError:
 
 class _Entry:
     """A buffered record with its measure: ``amounts`` per component, ``total``, and ``comp``
-    (its only component, or ``_MANY``). ``seq`` is its arrival number, the tie-breaker."""
+    (its only component, or ``_MANY``). ``seq`` is its arrival number, the tie-breaker; ``slot``
+    its row in ``_Spanning`` when it spans several components."""
 
-    __slots__ = ("amounts", "comp", "rec", "seq", "total")
+    __slots__ = ("amounts", "comp", "rec", "seq", "slot", "total")
 
     def __init__(self, seq: int, rec: SampleRecord, amounts: dict[Hashable, int]):
         self.seq = seq
@@ -63,6 +66,124 @@ class _Entry:
         self.amounts = amounts
         self.total = sum(amounts.values())
         self.comp: Any = next(iter(amounts)) if len(amounts) == 1 else _MANY
+        self.slot = -1
+
+
+class _Spanning:
+    """The buffered records that span several components (packed rows), in arrival order, with
+    their amounts in a matrix so that finding the best or worst of them costs a few array
+    operations rather than a Python loop over the buffer.
+
+    The array scores only narrow the choice: every record within a rounding margin of the best
+    (or worst) array score is scored again exactly as one record at a time (``EnsureMixture
+    ._score``), so the decisions are those of scoring each record in Python."""
+
+    def __init__(self, components: list[Any]):
+        self.index = {c: k for k, c in enumerate(components)}
+        self.entries: list[_Entry] = []  # arrival order
+        self.zero: list[_Entry] = []  # of them, those measuring nothing (always candidates)
+        self._amounts = np.zeros((0, len(components)))
+        self._has = np.zeros((0, len(components)), dtype=bool)  # components a record names
+        self._totals = np.ones(0)
+        self._live = np.zeros(0, dtype=bool)
+        self._slots: list[Any] = []  # the entry in each row (None: a free row)
+        self._free: list[int] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def __iter__(self) -> Any:
+        return iter(self.entries)
+
+    def append(self, entry: _Entry) -> None:
+        self.entries.append(entry)
+        if not entry.total:
+            self.zero.append(entry)
+            return
+        if not self._free:
+            self._grow()
+        slot = entry.slot = self._free.pop()
+        row, has = self._amounts[slot], self._has[slot]
+        row[:] = 0.0
+        has[:] = False
+        for comp, amount in entry.amounts.items():
+            row[self.index[comp]] = amount
+            has[self.index[comp]] = True
+        self._totals[slot] = entry.total
+        self._live[slot] = True
+        self._slots[slot] = entry
+
+    def remove(self, entry: _Entry) -> None:
+        self.entries.remove(entry)
+        if not entry.total:
+            self.zero.remove(entry)
+            return
+        self._live[entry.slot] = False
+        self._slots[entry.slot] = None
+        self._free.append(entry.slot)
+        entry.slot = -1
+
+    def clear(self) -> None:
+        for entry in list(self.entries):
+            self.remove(entry)
+
+    def _grow(self) -> None:
+        old = len(self._slots)
+        new = max(16, 2 * old)
+        self._amounts = np.vstack([self._amounts, np.zeros((new - old, len(self.index)))])
+        self._has = np.vstack([self._has, np.zeros((new - old, len(self.index)), dtype=bool)])
+        self._totals = np.concatenate([self._totals, np.ones(new - old)])
+        self._live = np.concatenate([self._live, np.zeros(new - old, dtype=bool)])
+        self._slots += [None] * (new - old)
+        self._free += range(new - 1, old - 1, -1)
+
+    def near(
+        self, deficits: dict[Any, float], highest: bool, among: np.ndarray | None = None
+    ) -> list[_Entry]:
+        """The records (of ``among``, a mask of rows) whose score may be the highest (or
+        lowest): those within a rounding margin of it, and those measuring nothing."""
+        live = self._live if among is None else among
+        if not live.any():
+            return list(self.zero)
+        d = np.array([deficits[c] for c in self.index], dtype=np.float64)
+        amounts = self._amounts
+        num = amounts[:, 0] * d[0]
+        for k in range(1, len(d)):
+            num += amounts[:, k] * d[k]
+        scores = num / self._totals
+        # A score is a weighted mean of deficits: its rounding error is far below this margin.
+        margin = 1e-9 * (float(np.abs(d).max()) + 1.0)
+        if highest:
+            scores[~live] = -np.inf
+            found = np.flatnonzero(scores >= scores.max() - margin)
+        else:
+            scores[~live] = np.inf
+            found = np.flatnonzero(scores <= scores.min() + margin)
+        slots = self._slots
+        return [slots[i] for i in found.tolist()] + self.zero
+
+    def fitting(
+        self,
+        totals: dict[Any, int],
+        grand: int,
+        limit: dict[Any, float],
+        deficits: dict[Any, float],
+    ) -> list[_Entry]:
+        """Of the records whose emission keeps each of their components' shares within
+        ``limit``, those whose score may be the highest (and those measuring nothing). The
+        shares are computed as one record at a time does (integers below 2**53 are exact as
+        floats, and the division is the same correctly rounded one)."""
+        live = self._live
+        if not live.any():
+            return list(self.zero)
+        after = grand + self._totals
+        fits = live & (after > 0)
+        shares = np.array([totals[c] for c in self.index], dtype=np.float64) + self._amounts
+        over = shares / np.where(after > 0, after, 1.0)[:, None] > np.array(
+            [limit[c] for c in self.index]
+        )
+        fits &= ~(over & self._has).any(axis=1)
+        return self.near(deficits, True, fits)
 
 
 class EnsureMixture(Operator):
@@ -138,7 +259,7 @@ class EnsureMixture(Operator):
         self._totals: dict[Any, int] = dict.fromkeys(clean, 0)
         self._grand = 0
         self._queues: dict[Any, deque[_Entry]] = {c: deque() for c in clean}
-        self._multi: list[_Entry] = []
+        self._multi = _Spanning(list(clean))
         self._count = 0
         self._seq = 0
         # What it saw and dropped per weighted component, for the warning only (never carried).
@@ -214,16 +335,16 @@ class EnsureMixture(Operator):
             return sum(a * deficits[c] for c, a in entry.amounts.items()) / entry.total
         return sum(deficits[c] for c in entry.amounts) / len(entry.amounts)
 
-    def _candidates(self) -> list[_Entry]:
-        """The head of each component's queue (the earliest of equal scores) and every record that
-        spans several components."""
+    def _candidates(self, deficits: dict[Any, float], highest: bool) -> list[_Entry]:
+        """The head of each component's queue (the earliest of equal scores) and the records
+        spanning several components whose score may be the highest (or lowest)."""
         heads = [q[0] for q in self._queues.values() if q]
-        return heads + self._multi if self._multi else heads
+        return heads + self._multi.near(deficits, highest) if self._multi else heads
 
     def _best(self, deficits: dict[Any, float]) -> tuple[_Entry, float]:
         best: _Entry | None = None
         best_score = 0.0
-        for e in self._candidates():
+        for e in self._candidates(deficits, True):
             s = self._score(e, deficits)
             if best is None or s > best_score or (s == best_score and e.seq < best.seq):
                 best, best_score = e, s
@@ -233,7 +354,7 @@ class EnsureMixture(Operator):
     def _worst(self, deficits: dict[Any, float]) -> _Entry:
         worst: _Entry | None = None
         worst_score = 0.0
-        for e in self._candidates():
+        for e in self._candidates(deficits, False):
             s = self._score(e, deficits)
             if worst is None or s < worst_score or (s == worst_score and e.seq < worst.seq):
                 worst, worst_score = e, s
@@ -392,7 +513,7 @@ class EnsureMixture(Operator):
             out.append(self._emit(best))
             self._decided += 1
         rest = sorted(
-            [e for q in self._queues.values() for e in q] + self._multi, key=lambda e: e.seq
+            [e for q in self._queues.values() for e in q] + self._multi.entries, key=lambda e: e.seq
         )
         self._decided += len(rest)
         for entry in rest:
@@ -424,7 +545,7 @@ class EnsureMixture(Operator):
             s = deficits[comp]
             if found is None or s > found_score or (s == found_score and entry.seq < found.seq):
                 found, found_score = entry, s
-        for e in self._multi:
+        for e in self._multi.fitting(totals, grand, limit, deficits):
             after = grand + e.total
             if after <= 0 or any((totals[c] + a) / after > limit[c] for c, a in e.amounts.items()):
                 continue
@@ -476,7 +597,7 @@ class EnsureMixture(Operator):
         """The buffered records in arrival order, their arrival numbers, and the running totals
         and counters (components as ``[component, value]`` pairs: JSON keeps no int keys)."""
         entries = sorted(
-            [e for queue in self._queues.values() for e in queue] + self._multi,
+            [e for queue in self._queues.values() for e in queue] + self._multi.entries,
             key=lambda e: e.seq,
         )
 
@@ -509,7 +630,7 @@ class EnsureMixture(Operator):
             return out
 
         self._queues = {c: deque() for c in self.weights}
-        self._multi = []
+        self._multi = _Spanning(list(self.weights))
         for seq, rec in zip(seqs, records):
             entry = _Entry(int(seq), rec, self._measure(rec))
             if entry.comp is _MANY:

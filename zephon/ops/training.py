@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from zephon.ops.mrope import mrope_positions
 from zephon.ops.vision import IMAGE_GRID_FIELD, IMAGE_SPANS_FIELD, image_size
 from zephon.types import SampleRecord
 from zephon.validation import check_int
@@ -19,6 +20,7 @@ from zephon.validation import check_int
 __all__ = ["TrainingCollate", "training_collate"]
 
 _ROW_FIELDS = ("tokens", "segment_ids", "positions")
+_POSITIONS = ("1d", "mrope")
 
 
 class TrainingCollate:
@@ -55,6 +57,12 @@ class TrainingCollate:
     - ``image_grid_thw``: ``(N, 3)`` int64, when the rows carry it (``patch_size`` tokenization);
     - ``image_to_row``: ``(N,)`` int64, the batch row of each image.
 
+    With ``positions="mrope"`` (with ``merge=`` and ``image_token_id=``, as given to the
+    tokenizer) ``position_ids`` are the M-RoPE positions of Qwen2-VL-style models, ``(3, B, L)``
+    (temporal, height, width; ``zephon.ops.mrope``): text advances all three together, an image's
+    tokens take their place in its merged grid, and every segment starts at 0 again
+    (``(3, 1, B * L)`` with ``layout="flat"``). The 1-D positions are then ``text_position_ids``.
+
     ``input_ids``, ``labels`` and ``position_ids`` are ``dtype`` (int64 or int32). With
     ``layout="flat"`` every per-token array is ``(1, B * L)`` (one long sequence, as
     variable-length attention takes it) instead of ``(B, L)``. ``rename`` maps output names to
@@ -73,6 +81,7 @@ class TrainingCollate:
         "image_sizes",
         "image_grid_thw",
         "image_to_row",
+        "text_position_ids",
     )
     # Options left at these values stay out of the identity, so pipelines made before they
     # existed keep their fingerprint (and their checkpoints).
@@ -84,6 +93,9 @@ class TrainingCollate:
         "layout": "rows",
         "rename": {},
         "images": None,
+        "positions": "1d",
+        "merge": None,
+        "image_token_id": None,
     }
 
     def __init__(
@@ -98,6 +110,9 @@ class TrainingCollate:
         layout: str = "rows",
         rename: Mapping[str, str] | None = None,
         images: str | None = None,
+        positions: str = "1d",
+        merge: int | None = None,
+        image_token_id: int | None = None,
     ):
         where = "training_collate"
         if images is not None and not isinstance(images, str):
@@ -115,6 +130,23 @@ class TrainingCollate:
             raise ValueError(f"{where}: train_on_eos=False needs eos_id= (the id not to train on)")
         if eos_id is not None:
             eos_id = check_int(eos_id, "eos_id", where, minimum=0, maximum=2**31 - 1)
+        if positions not in _POSITIONS:
+            raise ValueError(
+                f"{where}: positions must be one of {', '.join(map(repr, _POSITIONS))}, got "
+                f"{positions!r}"
+            )
+        if positions == "mrope":
+            if merge is None or image_token_id is None:
+                raise ValueError(
+                    f"{where}: positions='mrope' needs merge= and image_token_id=, the ones the "
+                    "tokenizer was given (an image's grid and its tokens are read with them)"
+                )
+            merge = check_int(merge, "merge", where, minimum=1)
+            image_token_id = check_int(
+                image_token_id, "image_token_id", where, minimum=0, maximum=2**31 - 1
+            )
+        elif merge is not None or image_token_id is not None:
+            raise ValueError(f"{where}: merge= and image_token_id= go with positions='mrope'")
         if dtype not in ("int64", "int32"):
             raise ValueError(f"{where}: dtype must be 'int64' or 'int32', got {dtype!r}")
         if layout not in ("rows", "flat"):
@@ -136,6 +168,9 @@ class TrainingCollate:
         self.layout = layout
         self.rename = renamed
         self.images = images
+        self.positions = positions
+        self.merge = merge
+        self.image_token_id = image_token_id
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -225,16 +260,43 @@ class TrainingCollate:
         out = {
             "input_ids": tokens.astype(dtype).reshape(shape),
             "labels": labels.reshape(shape),
-            "position_ids": positions.astype(dtype).reshape(shape),
+            "position_ids": self._position_ids(records, tokens, segments, positions, shape),
             "segment_ids": segments.astype(np.int32, copy=False).reshape(shape),
             "cu_seqlens": cu_seqlens,
             "max_seqlen": int(np.diff(cu_seqlens).max()),
             "num_valid_tokens": int(np.count_nonzero(target)),
         }
+        if self.positions == "mrope":
+            out["text_position_ids"] = positions.astype(dtype).reshape(shape)
         if self.images is not None:
             out.update(self._images(records))
         rename = self.rename
         return {rename.get(k, k): v for k, v in out.items()} if rename else out
+
+    def _position_ids(
+        self,
+        records: Sequence[SampleRecord],
+        tokens: np.ndarray,
+        segments: np.ndarray,
+        positions: np.ndarray,
+        shape: tuple[int, int],
+    ) -> np.ndarray:
+        """``position_ids``: the 1-D positions, or the M-RoPE ones (``(3, *shape)``)."""
+        dtype = np.dtype(self.dtype)
+        if self.positions == "1d":
+            return positions.astype(dtype).reshape(shape)
+        assert self.merge is not None and self.image_token_id is not None
+        mrope = mrope_positions(
+            tokens,
+            segments,
+            positions,
+            [rec.payload.get(IMAGE_SPANS_FIELD) for rec in records],
+            [rec.payload.get(IMAGE_GRID_FIELD) for rec in records],
+            [rec.meta.cursor for rec in records],
+            merge=self.merge,
+            image_token_id=self.image_token_id,
+        )
+        return mrope.astype(dtype, copy=False).reshape(3, *shape)
 
     def _images(self, records: Sequence[SampleRecord]) -> dict[str, np.ndarray]:
         """The batch's image outputs (see the class docstring)."""
@@ -295,6 +357,9 @@ def training_collate(
     layout: str = "rows",
     rename: Mapping[str, str] | None = None,
     images: str | None = None,
+    positions: str = "1d",
+    merge: int | None = None,
+    image_token_id: int | None = None,
 ) -> TrainingCollate:
     """A collate for ``batch(n, collate=training_collate())`` after a packer: per packed row
     ``input_ids``, ``labels`` (``ignore_index`` on padding, segment starts and where
@@ -304,8 +369,10 @@ def training_collate(
     ``max_seqlen`` and ``num_valid_tokens``; ``dtype``, ``layout="flat"`` (``(1, B*L)``) and
     ``rename`` shape them for the model (see ``TrainingCollate``). ``images="images"`` adds the
     rows' images: ``pixel_values``, ``image_sizes``, ``image_grid_thw`` and ``image_to_row``;
-    image spans are never trained on (see ``TrainingCollate``). Numpy arrays;
-    ``as_torch_dataset`` yields them as tensors."""
+    image spans are never trained on (see ``TrainingCollate``). ``positions="mrope"`` with
+    ``merge=`` and ``image_token_id=`` (the tokenizer's) makes ``position_ids`` the ``(3, B, L)``
+    M-RoPE positions of Qwen2-VL-style models and adds the 1-D ones as ``text_position_ids``.
+    Numpy arrays; ``as_torch_dataset`` yields them as tensors."""
     return TrainingCollate(
         mask_field=mask_field,
         ignore_index=ignore_index,
@@ -316,4 +383,7 @@ def training_collate(
         layout=layout,
         rename=rename,
         images=images,
+        positions=positions,
+        merge=merge,
+        image_token_id=image_token_id,
     )

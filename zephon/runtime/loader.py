@@ -165,7 +165,7 @@ class Loader(LoaderStep):
         )
 
     # The compiled step's hooks (``LoaderStep``): called by ``next()``, not by a training loop.
-    def start_or_refuse(self) -> None:
+    def _start_or_refuse(self) -> None:
         """Before a delivery: refuse one from a failed or closed loader, start the lanes on the
         first."""
         if self._failure is not None:
@@ -195,7 +195,7 @@ class Loader(LoaderStep):
                 self._catch_up(lane)
             self._skip_steps()
         except BaseException as exc:
-            self.fail(exc)
+            self._fail(exc)
             raise
 
     def _catch_up(self, lane: LaneDelivery) -> None:
@@ -225,7 +225,7 @@ class Loader(LoaderStep):
                     break
         self.history.skip = 0
 
-    def note_inflight(self) -> None:
+    def _note_inflight(self) -> None:
         """A lane announced a chunk: keep the most chunks the lanes held at once."""
         inflight = sum(lane.book.table.n_inflight for lane in self.lanes)
         if inflight > self.totals.max_inflight:
@@ -253,7 +253,7 @@ class Loader(LoaderStep):
                     lane.replay.target,
                 )
 
-    def fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> None:
         """A delivery raised ``exc``: every later ``next()`` refuses, and the lanes stop."""
         if isinstance(exc, ContractViolation):
             self._untrusted = exc
@@ -262,9 +262,9 @@ class Loader(LoaderStep):
 
     def _stop_lanes(self) -> None:
         close_feeds([lane.feed for lane in self.lanes])
-        self.release_source()
+        self._release_source()
 
-    def release_source(self) -> None:
+    def _release_source(self) -> None:
         """The stream is over or the loader stopped: let the source and the setup go."""
         self.waits.end()  # no step comes after this one
         # This loader reads its source no more, and what the reads kept for later ones (decoded
@@ -530,7 +530,9 @@ class Loader(LoaderStep):
             lane.feed.retired = union
             lane.fetch_screen = FetchScreen(sets)
 
-    def load_state_dict(self, state: dict[str, Any], *, allow_changes: bool = False) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], *, allow_changes: bool = False, retire: Any = None
+    ) -> None:
         """Continue from ``state`` (this rank's own, or a job state from ``merge_states``); only
         before the first ``next()``. Every field is checked: a damaged or edited state raises
         ``CheckpointCorruptError``, a state of another pipeline ``CheckpointMismatchError``, and
@@ -539,7 +541,10 @@ class Loader(LoaderStep):
         ``allow_changes=True`` also takes a state whose operators changed (their code or
         parameters; never the source): what was delivered stays delivered, the rest comes from
         the new operators. A ``PipelineChangeWarning`` names each changed operator and the change
-        is kept in the state's ``history``."""
+        is kept in the state's ``history``. ``retire`` takes samples out from here on, as
+        ``retire()`` right after the load does, except that lanes behind an operator that
+        reorders records continue their epoch by position (what they consumed taken out at
+        fetch), so that retired samples never reach an operator again."""
         if self._started:
             raise CheckpointError("load_state_dict must be called before the first next()")
         body = unseal(state, (STATE_FORMAT, JOB_FORMAT))
@@ -549,8 +554,9 @@ class Loader(LoaderStep):
         check_bool(allow_changes, "allow_changes", "Loader.load_state_dict")
         changes = check_identity(body, plan, relane=relaning, allow_changes=allow_changes)
         self.history.restore(body)
-        if changes:
-            self._take_changes(changes, body)
+        announced = self._take_changes(changes, body) if changes else None
+        if retire is not None:
+            self._by_position()
         self.retired.restore(body["retired"])
         self._screen_retired()
         if relaning:
@@ -567,6 +573,12 @@ class Loader(LoaderStep):
             lane_states = check_lane_list(body["lane_states"], len(self.lanes))
             mine = [(f"lane_states[{i}]", s) for i, s in enumerate(lane_states)]
         checked = [lane.restore(s, w, self.layout) for lane, (w, s) in zip(self.lanes, mine)]
+        if announced is not None:
+            text = announced + self._partly_delivered()
+            log.warning(text)
+            warnings.warn(text, PipelineChangeWarning, stacklevel=3)
+        if retire is not None:
+            self.retire(retire)
         delivered = sum(s["delivered"] for s in checked)
         if job:
             self.next_lane = rank_turn(checked)
@@ -580,17 +592,33 @@ class Loader(LoaderStep):
         # a job's totals belong to all its ranks: this rank counts afresh
         self.totals.restore(body, counted=not job)
 
-    def _take_changes(self, changes: list[str], body: dict[str, Any]) -> None:
-        """Resume with changed operators (``allow_changes``): say so, keep it in the history, and
-        let the lanes' replays meet the new operators' records."""
+    def _partly_delivered(self) -> str:
+        """After a resume with changed operators: what to add to its announcement about lanes
+        that replay (instead of going on by position) because samples were split over several
+        records and partly delivered."""
+        partly = {lane.lane_id: lane.partly_delivered for lane in self.lanes}
+        shown = ", ".join(f"lane {g}: {n}" for g, n in sorted(partly.items()) if n)
+        if not shown:
+            return ""
+        return (
+            f". Samples split over several records were partly delivered at the checkpoint "
+            f"({shown}): their lanes replay to the checkpoint with the new operators, which must "
+            "make records of the same samples there (the resume stops with "
+            "ReplayDivergenceError otherwise), and the rest of each such sample is taken by the "
+            "position of its parts, so where the new operators cut it at other places a few of "
+            "its tokens are delivered twice or not at all"
+        )
+
+    def _take_changes(self, changes: list[str], body: dict[str, Any]) -> str:
+        """Resume with changed operators (``allow_changes``): keep it in the history, let the
+        lanes go on by position or replay to meet the new operators' records, and return what
+        the announcement (a ``PipelineChangeWarning``) says."""
         text = (
             "resuming a checkpoint with changed operators (allow_changes=True): "
             + "; ".join(changes)
             + ". What was delivered before the checkpoint stays delivered; everything after it "
             "comes from the new operators"
         )
-        log.warning(text)
-        warnings.warn(text, PipelineChangeWarning, stacklevel=4)
         old = body["pipeline"].get("operators")
         new = self.plan.fingerprint_parts["operators"]
         self.history.add(change_event(global_step(body["lane_states"]), changes, old, new))
@@ -603,3 +631,13 @@ class Loader(LoaderStep):
             # records reach delivery in cursor order: see ``ReplayFilter``
             lane.lenient = not reordering
             lane.merges = merges
+        self._by_position()
+        return text
+
+    def _by_position(self) -> None:
+        """Behind a reordering operator on the epoch path, lanes continue their epoch by
+        position where the state says what they consumed (``checkpoint.progress``)."""
+        reordering = not all(op.traits.preserves_cursor_order for op in self.plan.chain)
+        if reordering and self.plan.eviction_path == "epoch":
+            for lane in self.lanes:
+                lane.by_position = True

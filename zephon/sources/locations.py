@@ -6,7 +6,9 @@ What a source may be given (one item, or a list of items, all on one filesystem)
 - a local path (relative or absolute) or a ``file://`` URI;
 - ``s3://bucket/key`` (pyarrow's own ``S3FileSystem``; the endpoint from ``AWS_ENDPOINT_URL_S3``
   or ``AWS_ENDPOINT_URL``, the region from ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, credentials
-  the way the AWS SDK finds them), ``gs://`` / ``gcs://`` (pyarrow's ``GcsFileSystem``);
+  the way the AWS SDK finds them), ``gs://`` / ``gcs://`` (pyarrow's ``GcsFileSystem``; a GCS
+  emulator from ``STORAGE_EMULATOR_HOST`` or ``CLOUD_STORAGE_EMULATOR_ENDPOINT``, reached without
+  credentials, as Google's client libraries do);
 - any other ``protocol://`` that fsspec knows, when fsspec is installed;
 - with ``filesystem=`` (a ``pyarrow.fs.FileSystem`` or an fsspec filesystem), paths on it, with
   or without their scheme.
@@ -263,8 +265,7 @@ def _parse(
     if scheme == "s3":
         return _S3Settings.from_environment(timeout, client_attempts), scheme, paths
     if scheme in ("gs", "gcs"):
-        limit = timedelta(seconds=timeout * client_attempts)
-        return pafs.GcsFileSystem(retry_time_limit=limit), scheme, paths
+        return _GcsSettings.from_environment(timeout * client_attempts).build(), scheme, paths
     try:
         import fsspec
     except ImportError:
@@ -332,6 +333,40 @@ class _S3Settings:
             connect_timeout=self.timeout,
             request_timeout=self.timeout,
             retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=self.attempts),
+        )
+
+
+@dataclass(frozen=True)
+class _GcsSettings:
+    """What a ``gs://`` filesystem made here is made of: a GCS emulator's address, when the
+    environment names one, and how long the client retries a request."""
+
+    emulator: str | None  # ``http://host:port``
+    retry_limit: float  # seconds
+
+    @classmethod
+    def from_environment(cls, retry_limit: float) -> _GcsSettings:
+        # Google's Python clients read STORAGE_EMULATOR_HOST, its C++ client (pyarrow's)
+        # CLOUD_STORAGE_EMULATOR_ENDPOINT; an emulator wants no credentials, and looking for
+        # them would wait on a metadata server that is not there.
+        env = os.environ
+        emulator = env.get("STORAGE_EMULATOR_HOST") or env.get("CLOUD_STORAGE_EMULATOR_ENDPOINT")
+        return cls(emulator or None, retry_limit)
+
+    def build(self) -> Any:
+        """The filesystem: the emulator without credentials, else Google Cloud Storage with the
+        credentials Google's client finds."""
+        import pyarrow.fs as pafs
+
+        limit = timedelta(seconds=self.retry_limit)
+        if self.emulator is None:
+            return pafs.GcsFileSystem(retry_time_limit=limit)
+        scheme, _, host = self.emulator.rpartition("://")
+        return pafs.GcsFileSystem(
+            anonymous=True,
+            scheme=scheme or "http",
+            endpoint_override=host.rstrip("/"),
+            retry_time_limit=limit,
         )
 
 
@@ -436,13 +471,15 @@ def filesystem_and_path(uri: str, filesystem: Any = None, owner: str = "") -> tu
 class UriFilesystems:
     """The filesystems of single objects named by URI (``s3://``, ``gs://``, any fsspec
     protocol; a local path or ``file://`` too), one per scheme and bucket, made on first use in
-    the process that reads. ``s3://`` takes its endpoint and region from the environment of the
-    process that made this object, as a source does, so a worker process reaches the same
-    endpoint; a copy (pickled for a worker) starts without the filesystems made."""
+    the process that reads. ``s3://`` takes its endpoint and region, ``gs://`` its emulator, from
+    the environment of the process that made this object, as a source does, so a worker process
+    reaches the same endpoint; a copy (pickled for a worker) starts without the filesystems
+    made."""
 
     def __init__(self, owner: str, timeout: float = 60.0, attempts: int = 3) -> None:
         self.owner = owner
         self._s3 = _S3Settings.from_environment(timeout, attempts)
+        self._gcs = _GcsSettings.from_environment(timeout * attempts)
         self._made: dict[str, Any] = {}
 
     @staticmethod
@@ -459,6 +496,8 @@ class UriFilesystems:
         if fs is None:
             if scheme == "s3":
                 fs = self._s3.build()
+            elif scheme in ("gs", "gcs"):
+                fs = self._gcs.build()
             else:
                 fs = filesystem_and_path(uri, None, self.owner)[0]
             self._made[key] = fs

@@ -32,7 +32,9 @@ the reservations would pass ``max_bytes``, the least recently used entries (the 
 the last use) are deleted, skipping every entry some reader holds open (the downloading process
 first lets go of the shards it only keeps open). A shard larger than
 ``max_bytes`` is a ``FetchError``; one that cannot get room because every other entry is in use is
-read from the store directly this time (a bypass), so the bound holds.
+read from the store directly this time (a bypass), so the bound holds. So is a shard whose copy
+must be downloaded again while another process still has the old one open (it may keep it for
+as long as it runs): after ``LOCK_WAIT`` seconds the reader bypasses instead of waiting.
 
 Read-ahead. With ``prefetch_shards=N`` a background thread (``zephon-shard-prefetch``) downloads
 at most N announced shards ahead of their reads; ``stop_prefetch`` drops what was not started and
@@ -45,8 +47,10 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -55,6 +59,8 @@ from zephon.errors import FetchError
 from zephon.validation import check_int
 
 __all__ = ["CachedShard", "ShardCache"]
+
+log = logging.getLogger("zephon")
 
 #: Bytes a download writes (and hashes) at a time.
 DOWNLOAD_PIECE = 16 << 20
@@ -76,6 +82,9 @@ class ShardCache:
     #: so a read of a shard read recently costs one ``stat`` of it. The process lets them go
     #: when it needs room; to other processes they are open (not evicted).
     KEPT_OPEN = 4
+    #: Seconds a process waits to download again a shard whose copy others have open (a
+    #: damaged or stale copy some process still reads) before it reads the store directly.
+    LOCK_WAIT = 5.0
 
     def __init__(
         self, dir: str | os.PathLike[str], *, max_bytes: int, prefetch_shards: int = 0
@@ -181,7 +190,17 @@ class ShardCache:
                         "changed on disk while this process had it open; do not write into the "
                         "cache directory"
                     )
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                if not _exclusive(fd, self.LOCK_WAIT):
+                    # Another process has the old copy open and may keep it for as long as it
+                    # runs: read from the store this time rather than wait for it.
+                    log.info(
+                        "ShardCache: %r is held open by another process in %r; read from the "
+                        "store this time",
+                        uri,
+                        self.dir,
+                    )
+                    os.close(fd)
+                    return None
                 if self._intact(key, uri, version, size) is None:
                     if not self._reserve(key, uri, version, size):
                         os.close(fd)
@@ -602,6 +621,21 @@ def _leftovers(directory: str, key: str) -> list[str]:
     with contextlib.suppress(OSError):
         return [os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(prefix)]
     return []
+
+
+def _exclusive(fd: int, wait: float) -> bool:
+    """Take ``fd``'s lock exclusively within ``wait`` seconds (False: others still hold it)."""
+    deadline = time.monotonic() + wait
+    pause = 0.005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.25)
 
 
 @contextlib.contextmanager

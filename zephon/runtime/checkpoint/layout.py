@@ -205,6 +205,11 @@ class Run:
     digest: int = 0
     #: A snapshot to continue from instead of ``start`` (``lanes.snapshots``; None: replay).
     held: dict[str, Any] | None = None
+    #: What was consumed of the epoch by position (``checkpoint.progress.EpochProgress``;
+    #: kept behind a reordering operator on the epoch path), and what is screened out at fetch
+    #: since a resume with changed operators (the same kind; None: nothing).
+    progress: Any = None
+    screened: Any = None
 
     @property
     def inherited(self) -> bool:
@@ -220,4 +225,5 @@ class Run:
             "end": self.end,
             "carry": self.carry,
             "held": self.held,
+            "screened": None if self.screened is None else self.screened.encode(),
         }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import replace
 from typing import Any
 
 from zephon.errors import CheckpointMismatchError, RelaneWarning
@@ -124,9 +125,7 @@ def relane(
                 end = min(end, geometry.total)
             ends.append(end)
             handed.append(
-                [Run(gen, g, start, end, own.carry, own.cursor, own.count, own.digest, own.held)]
-                if end > start
-                else []
+                [replace(own, gen=gen, lane=g, start=start, end=end)] if end > start else []
             )
     taken = [[run for g in range(h, len(handed), lanes) for run in handed[g]] for h in range(lanes)]
     new_layout = layout.closed(ends, lanes, [[(run.gen, run.lane) for run in t] for t in taken])
@@ -158,6 +157,8 @@ def relane(
                 "digest": f"{0:016x}",
                 "carry": None,
                 "held": None,
+                "progress": None,
+                "screened": None,
                 "run": None,
                 "pending": [],
             }

@@ -47,7 +47,10 @@ def check_saved_state(body: dict[str, Any]) -> dict[str, Any]:
     sizes += [len(ops) for w in windows if (ops := _held_ops(w)) is not None]
     window: dict[str, Any] = {
         "layout": layout,
-        "monotone": all(w.get("held") is None for w in windows),  # snapshots: the epoch path
+        # snapshots and what was consumed by position are kept on the epoch path only
+        "monotone": all(
+            w.get(key) is None for w in windows for key in ("held", "progress", "screened")
+        ),
         "per_epoch": per_epoch,
         "n_ops": sizes[0] if sizes else 0,  # the operators' count, as the first list says
         "holdings": True,

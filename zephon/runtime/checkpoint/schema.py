@@ -28,6 +28,7 @@ from zephon.runtime.checkpoint.held_check import (
     check_open_offsets,
 )
 from zephon.runtime.checkpoint.layout import LaneGeometry, Layout, Leftover, Run, lane_total
+from zephon.runtime.checkpoint.progress import EpochProgress
 from zephon.types import SampleCursor
 
 STATE_FORMAT = "zephon-loader-state"  # one rank's state
@@ -74,7 +75,11 @@ JOB_KEYS = frozenset(JOB_FIELDS) - NEWER_JOB_KEYS
 
 MAX_INT = (1 << 62) - 1  # larger numbers in a state are damage, not positions
 # A replay window, and the run it belongs to (``pending`` lists runs of these fields).
-RUN_KEYS = frozenset({"run", "start", "cursor", "count", "digest", "carry", "held"})
+RUN_KEYS = frozenset(
+    {"run", "start", "cursor", "count", "digest", "carry", "held", "progress", "screened"}
+)
+# Written since runs say what they consumed by position; a window without them says nothing.
+NEWER_RUN_KEYS = frozenset({"progress", "screened"})
 LANE_KEYS = RUN_KEYS | {"lane", "finished", "delivered", "pending"}
 COUNTERS = ("delivered", "tombstones", "evicted", "violations", "max_inflight", "replayed")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
@@ -109,7 +114,31 @@ def upgrade(body: dict[str, Any]) -> dict[str, Any]:
         }
     if body["version"] == 3:
         body = {**body, "version": STATE_VERSION, "history": [], "skip": 0, "retired": None}
+    lanes = body.get("lane_states")
+    if isinstance(lanes, list):
+        body = {**body, "lane_states": [_with_progress(lane) for lane in lanes]}
     return body
+
+
+def _with_progress(lane: Any) -> Any:
+    """A lane state written before runs said what they consumed by position, as one that
+    says nothing of it (a state that has the fields is left as it is)."""
+    if not isinstance(lane, dict) or "progress" in lane or "screened" in lane:
+        return lane
+    pending = lane.get("pending")
+    return {
+        **lane,
+        "progress": None,
+        "screened": None,
+        "pending": [
+            {**run, "progress": None, "screened": None}
+            if isinstance(run, dict) and not NEWER_RUN_KEYS & set(run)
+            else run
+            for run in pending
+        ]
+        if isinstance(pending, list)
+        else pending,
+    }
 
 
 def check_version(state: dict[str, Any], formats: tuple[str, ...]) -> None:
@@ -175,6 +204,8 @@ def encode_run(run: Run) -> dict[str, Any]:
         "digest": f"{run.digest:016x}",
         "carry": run.carry,
         "held": run.held,
+        "progress": None if run.progress is None else run.progress.encode(),
+        "screened": None if run.screened is None else run.screened.encode(),
     }
 
 
@@ -313,6 +344,22 @@ def check_held(
     return nxt
 
 
+def check_progress(
+    value: dict[str, Any], where: str, start: int, *, monotone: bool, per_epoch: int, **_: Any
+) -> tuple[EpochProgress | None, EpochProgress | None]:
+    """A window's ``progress`` and ``screened`` (``checkpoint.progress``), checked: only on
+    the epoch path, each null or within the window's epoch."""
+    out: list[EpochProgress | None] = []
+    for key in ("progress", "screened"):
+        part = value[key]
+        if part is not None and monotone:
+            raise corrupt(f"{where}.{key}", "must be null on the monotone path")
+        out.append(
+            None if part is None else EpochProgress.decode(part, f"{where}.{key}", start, per_epoch)
+        )
+    return out[0], out[1]
+
+
 def check_run(value: dict[str, Any], where: str, layout: Layout, **window: Any) -> Run:
     """An inherited run (``run`` = ``[generation, lane, end]`` of an earlier generation, and its
     window) with every field checked."""
@@ -336,7 +383,20 @@ def check_run(value: dict[str, Any], where: str, layout: Layout, **window: Any) 
     )
     if start >= end:
         raise corrupt(f"{where}.start", f"must be below the run's end {end}, got {start}")
-    return Run(gen, lane, start, end, value["carry"], cursor, count, digest, value["held"])
+    progress, screened = check_progress(value, where, start, **window)
+    return Run(
+        gen,
+        lane,
+        start,
+        end,
+        value["carry"],
+        cursor,
+        count,
+        digest,
+        value["held"],
+        progress,
+        screened,
+    )
 
 
 def check_lane_state(
@@ -409,7 +469,22 @@ def check_lane_state(
         if finished and (cursor is not None or not at_end):
             raise corrupt(f"{where}.finished", "is true for a lane that has chunks left")
         carry, held = value["carry"], value["held"]
-        runs.append(Run(layout.current, lane_id, start, None, carry, cursor, count, digest, held))
+        progress, screened = check_progress(value, where, start, **window)
+        runs.append(
+            Run(
+                layout.current,
+                lane_id,
+                start,
+                None,
+                carry,
+                cursor,
+                count,
+                digest,
+                held,
+                progress,
+                screened,
+            )
+        )
     return {**value, "runs": runs}
 
 

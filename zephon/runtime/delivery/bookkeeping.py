@@ -23,6 +23,7 @@ from zephon.compact import pack_ints, unpack_ints
 from zephon.errors import CarryStateWarning, ContractViolation
 from zephon.plan import Plan
 from zephon.runtime.checkpoint.layout import Layout, Run
+from zephon.runtime.checkpoint.progress import EpochProgress
 from zephon.runtime.delivery.contracts import Violation
 from zephon.runtime.delivery.skips import SkipLog
 from zephon.runtime.lanes.control import (
@@ -79,6 +80,13 @@ class LaneBook:
         self.opened = False  # a chunk was announced since the loader last looked
         self.carry_warn_bytes = plan.carry_warn_bytes
         self.carry_warned = False
+        # Behind a reordering operator on the epoch path a checkpoint says what was consumed
+        # by position (``checkpoint.progress``), and the run may screen what was consumed
+        # before a resume with changed operators, until its epoch marker.
+        self.keeps_progress = not self.monotone and not all(
+            op.traits.preserves_cursor_order for op in plan.chain
+        )
+        self.screened: EpochProgress | None = None
 
     # ----------------------------------------------------------------------------- per record
     def record(self, rec: SampleRecord, delivered: bool = True) -> None:
@@ -198,6 +206,9 @@ class LaneBook:
         self.book.last_cursor = None
         self.held = None
         self._open_at_held = None
+        self.screened = None
+        if self.book.partial is not None:
+            self.book.partial.clear()
 
     def _holdings(self, marker: Holdings) -> None:
         """A snapshot: what is open in the epoch's chunks now is exactly what the operators hold
@@ -229,6 +240,10 @@ class LaneBook:
         self.restart_at(run.start, run.carry)
         self.held = run.held
         self._open_at_held = None
+        self.screened = run.screened
+        if run.progress is not None and self.book.partial is not None:
+            # parts delivered before a snapshot are not replayed: the checkpoint said which
+            self.book.partial.update(run.progress.partly_delivered)
         if run.held is None:
             return
         geometry = self.layout.geometry(run.gen, run.lane)
@@ -341,6 +356,17 @@ class LaneBook:
         if self.monotone:
             return self.table.first_local_index if self.table.n_inflight else self.next_local
         return self.book.epochs_done * self.per_epoch
+
+    def progress(self) -> EpochProgress | None:
+        """What was consumed of the retained epoch by position, where a checkpoint keeps it."""
+        if not self.keeps_progress:
+            return None
+        chunk_ids, offsets = self.table.epoch_open_offsets(self.book.epochs_done)
+        partial = self.book.partial or set()
+        start = self.retained_start()  # past the lane's last chunk after its last, partial epoch
+        return EpochProgress.of_open(
+            start, max(start, self.next_local), chunk_ids, offsets, partial
+        )
 
     def window(self) -> tuple[SampleCursor | None, int, int]:
         """``(replay cursor, count, digest)`` of the retained window; no cursor when its chunk was

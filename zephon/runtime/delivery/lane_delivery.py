@@ -23,6 +23,7 @@ from zephon.ops.children import tombstones_for_record
 from zephon.plan import Plan
 from zephon.runtime.checkpoint.carry_check import check_carries
 from zephon.runtime.checkpoint.layout import Layout, Run
+from zephon.runtime.checkpoint.progress import EpochProgress, after_change
 from zephon.runtime.checkpoint.retired import FetchScreen
 from zephon.runtime.checkpoint.schema import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.delivery.batcher import LEAVE_TO_CALLER, FinalBatcher
@@ -59,6 +60,10 @@ class LaneDelivery(LaneOutlet):
         self.lenient = False  # replays need not meet the delivered records (``ReplayFilter``)
         self.merges: str | None = None  # why a lenient replay refuses merged records (same)
         self.fetch_screen = FetchScreen([])  # what the lane's runner screens out at fetch
+        # A resume with changed operators or retired samples behind a reordering operator:
+        # its runs continue by position where they can (``checkpoint.progress.after_change``).
+        self.by_position = False
+        self.partly_delivered = 0
 
     # ----------------------------------------------------------------------------- delivery
     def next_delivery(self) -> SampleRecord | SampleBatch | None:
@@ -256,6 +261,8 @@ class LaneDelivery(LaneOutlet):
             "digest": f"{digest:016x}",
             "carry": book.carry,
             "held": book.held_state(),
+            "progress": _encoded(book.progress()),
+            "screened": _encoded(book.screened),
             "run": [run.gen, run.lane, run.end] if run.inherited else None,
             "pending": [encode_run(r) for r in book.runs[book.run_index + 1 :] if r.inherited],
         }
@@ -286,6 +293,11 @@ class LaneDelivery(LaneOutlet):
             self.ended = self.cut = True
             return checked
         runs: list[Run] = checked["runs"]
+        if self.by_position:
+            runs = [after_change(run) for run in runs]
+            self.restored_state = None  # what it says is replaced by the screens
+            # runs left to their replay because a sample was partly delivered
+            self.partly_delivered = sum(len(r.progress.partial) for r in runs if r.progress)
         first = runs[0]
         self.book.runs = runs
         self.book.layout = layout
@@ -364,3 +376,7 @@ class LaneDelivery(LaneOutlet):
             lenient=self.lenient,
             merges=self.merges,
         )
+
+
+def _encoded(progress: EpochProgress | None) -> dict[str, Any] | None:
+    return None if progress is None else progress.encode()

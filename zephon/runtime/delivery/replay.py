@@ -33,8 +33,10 @@ def changed_records(changes: list[str], reordering: list[str]) -> str:
     )
     return (
         f"The changed operators make other records of what was in flight at the checkpoint "
-        f"than the old ones did ({which}): {why}. Resume with the checkpoint's operators until "
-        "every lane has passed its next epoch marker (a state taken there has nothing in "
+        f"than the old ones did ({which}): {why} (the lane could not continue by position: "
+        "a sample was partly delivered at the checkpoint, split over several records, or the "
+        "checkpoint was written by an older Zephon). Resume with the checkpoint's operators "
+        "until every lane has passed its next epoch marker (a state taken there has nothing in "
         "flight) and change them at that checkpoint"
     )
 

@@ -96,3 +96,21 @@ def tombstoned(items: list[Any], ids: RetiredIds) -> list[Any]:
         else:
             out.append(item)
     return out
+
+
+def screened_out(items: list[Any], closed: np.ndarray, first: int) -> list[Any]:
+    """Fetched ``items`` of one chunk (its offsets from ``first``) with the record at each
+    offset ``closed`` says was consumed before a resume with changed operators replaced by
+    ``Retired``: booked as delivered before, it never reaches an operator
+    (``checkpoint.progress``)."""
+    out: list[Any] = []
+    for item in expand_runs(items):
+        if (
+            type(item) is SampleRecord
+            and not item.meta.is_tombstone
+            and closed[item.meta.cursor.chunk_offset - first]
+        ):
+            out.append(Retired(item))
+        else:
+            out.append(item)
+    return out

@@ -24,6 +24,7 @@ from zephon.ops.base import Operator, record_error
 from zephon.ops.children import tombstone_meta, tombstones_for_record
 from zephon.plan import Plan
 from zephon.runtime.checkpoint.layout import Layout
+from zephon.runtime.checkpoint.progress import EpochProgress
 from zephon.runtime.checkpoint.retired import FetchScreen, Retirement
 from zephon.runtime.lanes.control import (
     ChunkOpened,
@@ -35,7 +36,7 @@ from zephon.runtime.lanes.control import (
     Skipped,
 )
 from zephon.runtime.lanes.operator_setup import OperatorSetup
-from zephon.runtime.lanes.retire_screen import tombstoned
+from zephon.runtime.lanes.retire_screen import screened_out, tombstoned
 from zephon.runtime.lanes.snapshots import rebuild, snapshot_of
 from zephon.types import ContributorRef, SampleCursor, SampleRecord
 
@@ -233,6 +234,9 @@ class LaneRunner:
         per_epoch = plan.epoch_chunks
         mb = plan.micro_batch
         held = run.get("held")
+        consumed = run.get("screened")
+        if consumed is not None:  # consumed before a resume with changed operators
+            consumed = EpochProgress.decode(consumed, "screened", run["start"], per_epoch)
         k = start = run["start"] if held is None else held["next"]
         epoch = k // per_epoch
         self._start_epoch(epoch)
@@ -271,6 +275,10 @@ class LaneRunner:
                     end = min(end, (begin // piece + 1) * piece)
                     first_reads -= end - begin
                 fetched = self._fetch(position, chunk.pointers[begin:end], begin)
+                if consumed is not None:
+                    closed = consumed.closed(k, position, begin, end)
+                    if closed is not None:
+                        fetched = screened_out(fetched, closed, begin)
                 if self.screen is not None:
                     retired = self.screen.ids_for(run["gen"], run["lane"], k)
                     if retired is not None:
