@@ -126,7 +126,10 @@ class RingReader:
 
     def __init__(self, conn: Connection, size: int):
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            (fd,) = recvfds(sock, 1)
+            try:
+                (fd,) = recvfds(sock, 1)
+            except RuntimeError as exc:  # the worker stopped between the announcement and it
+                raise OSError(f"the worker's shared ring did not arrive ({exc})") from exc
         try:
             self._map = mmap.mmap(fd, size)
         finally:
