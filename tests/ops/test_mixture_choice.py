@@ -4,48 +4,35 @@ each record one at a time, which the reference below does."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zephon.ops.mixture import EnsureMixture, _Entry
+from zephon.ops.mixture import EnsureMixture, _Entry, _Spanning
 from zephon.types import SampleCursor, SampleMeta, SampleRecord
 
 COMPONENTS = ["a", "b", "c"]
 
 
+class EveryRecord(_Spanning):
+    """Every buffered record that spans several components is a candidate: the operator then
+    scores each one alone, as the reference for the arrays' narrowing."""
+
+    def near(self, deficits: Any, highest: bool, among: Any = None) -> list[_Entry]:
+        return list(self.entries)
+
+    def fitting(self, totals: Any, grand: int, limit: Any, deficits: Any) -> list[_Entry]:
+        return list(self.entries)
+
+
 class OneAtATime(EnsureMixture):
-    """The reference: every buffered record scored in Python, in a loop."""
+    """The reference: every buffered record scored in Python, one at a time."""
 
-    def _candidates(self, deficits: dict[Any, float], highest: bool) -> list[_Entry]:
-        return [q[0] for q in self._queues.values() if q] + list(self._multi)
-
-    def _fitting(self, deficits: dict[Any, float], limit: dict[Any, float]) -> _Entry | None:
-        totals, grand = self._totals, self._grand
-        found: _Entry | None = None
-        found_score = 0.0
-        for comp, queue in self._queues.items():
-            if not queue:
-                continue
-            cap = limit[comp]
-            room = math.inf if cap >= 1 else (cap * grand - totals[comp]) / (1 - cap)
-            entry = next((e for e in queue if e.total <= room and grand + e.total > 0), None)
-            if entry is None:
-                continue
-            s = deficits[comp]
-            if found is None or s > found_score or (s == found_score and entry.seq < found.seq):
-                found, found_score = entry, s
-        for e in self._multi:
-            after = grand + e.total
-            if after <= 0 or any((totals[c] + a) / after > limit[c] for c, a in e.amounts.items()):
-                continue
-            s = self._score(e, deficits)
-            if found is None or s > found_score or (s == found_score and e.seq < found.seq):
-                found, found_score = e, s
-        return found
+    def __init__(self, weights: dict[str, int], **kw: Any):
+        super().__init__(weights, **kw)
+        self._multi = EveryRecord(list(self.weights))
 
 
 amounts = st.dictionaries(st.sampled_from(COMPONENTS), st.integers(0, 6), min_size=1, max_size=3)
@@ -114,8 +101,6 @@ def test_the_spanning_records_found_are_every_best_one_and_fit(
     total_list: list[int],
     limit_list: list[float],
 ) -> None:
-    from zephon.ops.mixture import _Spanning
-
     spanning = _Spanning(COMPONENTS)
     kept: list[_Entry] = []
     for seq, (tokens, drop_one) in enumerate(ops):

@@ -83,7 +83,11 @@ def _suffix_b(payload: dict) -> dict:
     return {**payload, "text": payload["text"] + "b"}
 
 
-def packed(fn: Callable[[dict], dict] = _suffix_a, **kw: Any) -> zephon.Pipeline:
+def packed(
+    fn: Callable[[dict], dict] = _suffix_a,
+    docs: Callable[[int], list[dict[str, Any]]] = _docs,
+    **kw: Any,
+) -> zephon.Pipeline:
     ops = [
         fetch(),
         map_transform(fn),
@@ -92,7 +96,7 @@ def packed(fn: Callable[[dict], dict] = _suffix_a, **kw: Any) -> zephon.Pipeline
         pack_sequences(32, open_bins=3, pad_id=0),
         batch(2),
     ]
-    return zephon.Pipeline(ListSource(_docs(160), chunk_size=5), ops, epoch_chunks=2, **kw)
+    return zephon.Pipeline(ListSource(docs(160), chunk_size=5), ops, epoch_chunks=2, **kw)
 
 
 def head(pipeline: zephon.Pipeline, steps: int) -> tuple[list[Any], dict]:
@@ -329,28 +333,14 @@ def _short_docs(n: int) -> list[dict[str, Any]]:
     return [{"doc": i, "text": f"{i}:" + "xy" * (1 + (i * 7) % 5)} for i in range(n)]
 
 
-def _packed_short(fn: Callable[[dict], dict], **kw: Any) -> zephon.Pipeline:
-    ops = [
-        fetch(),
-        map_transform(fn),
-        tokenize(_encode, append_eos=False),
-        shuffle(5, seed=2),
-        pack_sequences(32, open_bins=3, pad_id=0),
-        batch(2),
-    ]
-    return zephon.Pipeline(
-        ListSource(_short_docs(160), chunk_size=5), ops, **{"lanes": 2, "epoch_chunks": 3, **kw}
-    )
-
-
 @pytest.mark.parametrize("steps", [1, 4, 11])
 @pytest.mark.parametrize("lanes", [2, 3])
 def test_a_packer_behind_a_shuffle_takes_rows_of_other_lengths_by_position(
     steps: int, lanes: int
 ) -> None:
     # documents never split (each fits a row): every one goes whole, before or after
-    before, state = head(_packed_short(_suffix_a), steps)
-    after = resumed(_packed_short(_suffix_bb, lanes=lanes), state)
+    before, state = head(packed(_suffix_a, _short_docs, lanes=2), steps)
+    after = resumed(packed(_suffix_bb, _short_docs, lanes=lanes), state)
     old, new = _per_document(before), _per_document(after)
     assert not set(old) & set(new)
     assert set(old) | set(new) == set(range(160))
