@@ -1,0 +1,110 @@
+"""The first operator's call on a lane's next read, made on a thread while the current read goes
+through the operators after it.
+
+A native tokenizer encodes outside the GIL: while it works, the lane's thread can read the next
+read, pack and deliver the one before, instead of leaving the tokenizer idle while it does. Only
+for an operator that says so (``Operator.releases_gil``), keeps no state and gets whole reads:
+its output cannot depend on when it is called. What the lane yields is the same, item for item:
+a result is used only when the runner reaches its read with exactly the records it was made
+from, every count and check is made then, and a call that failed is made again in the lane's
+thread (once the thread is idle), which meets the error and reports it as it would have.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from time import perf_counter
+from typing import Any
+
+from zephon._core.records import expand_runs, next_control
+from zephon.ops.base import Operator
+
+#: Where a read is: the local chunk, its first offset and its end.
+Where = tuple[int, int, int]
+
+
+def _timed(op: Operator, records: list) -> tuple[list, float]:
+    began = perf_counter()
+    out = op.process_many(records)
+    return out, perf_counter() - began
+
+
+class NextRead:
+    """The reads a lane made ahead (at most the one being processed and the next), in order,
+    each with the first operator's call on its records, queued on one thread of its own
+    (``zephon-ahead-<operator>``): a read's call starts as soon as the one before it ends."""
+
+    def __init__(self, op_name: str) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"zephon-ahead-{op_name}")
+        # Per read ahead: where, what was read (or the error reading raised), its records and
+        # the call on them (None when the read holds more than records).
+        self._queue: deque[tuple[Where, Any, list | None, Future | None]] = deque()
+        self._current: tuple[list, Future] | None = None  # the taken read's call
+
+    def start(self, where: Where, fetched: Any, op: Operator) -> None:
+        """``fetched`` (the items read at ``where``, or the error the read raised) comes next;
+        ``op`` is called on its records, after the calls queued before, when they are records
+        only (a read with tombstones or control items is left to the lane)."""
+        if isinstance(fetched, BaseException):
+            self._queue.append((where, fetched, None, None))
+            return
+        records = expand_runs(fetched)  # the same record objects the lane pushes
+        call = None
+        if records and next_control(records, 0) == len(records):
+            call = self._pool.submit(_timed, op, records)
+        self._queue.append((where, records, records if call else None, call))
+
+    def take(self, where: Where) -> Any:
+        """What was read at ``where`` (raising the error it raised); None when no read ahead is
+        that one (every read ahead is dropped then)."""
+        self._current = None
+        if not self._queue or self._queue[0][0] != where:
+            self.drop()
+            return None
+        _, fetched, records, call = self._queue.popleft()
+        if isinstance(fetched, BaseException):
+            self.drop()
+            raise fetched
+        if call is not None:
+            assert records is not None
+            self._current = (records, call)
+        return fetched
+
+    def working(self) -> bool:
+        """Whether the read last taken has its call made ahead (the lane then makes none
+        itself, and may queue the next read's)."""
+        return self._current is not None
+
+    def result_for(self, records: list) -> tuple[list, float] | None:
+        """The first operator's output for ``records`` and the seconds it took, when the read
+        last taken had its call made on exactly these records and it succeeded; else None, once
+        no call runs any more, for the lane to make it itself."""
+        current, self._current = self._current, None
+        if current is None:
+            return None
+        made_from, call = current
+        try:
+            out = call.result()
+        except BaseException:  # made again by the lane, which reports it
+            out = None
+        if out is None or made_from is not records:
+            self._idle()
+            return None
+        return out
+
+    def _idle(self) -> None:
+        """Wait until no call runs (their results stay queued)."""
+        wait([call for _, _, _, call in self._queue if call is not None])
+
+    def drop(self) -> None:
+        """Forget every read ahead, once its call has ended."""
+        self._idle()
+        self._queue.clear()
+        self._current = None
+
+    def close(self) -> None:
+        """End the thread (after the call running on it)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._queue.clear()
+        self._current = None
