@@ -287,7 +287,7 @@ class LaneRunner:
                 # behind this one's), or after this one's when the lane makes it itself.
                 now = (k, end, chunk, first_reads)
                 queued = next_read is not None and next_read.working()
-                if queued:
+                if next_read is not None and queued:
                     next_chunk = self._start_next(next_read, shape, now)
                 records = self._push(0, fetched, split_at)
                 if next_read is not None and not queued:
