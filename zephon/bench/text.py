@@ -261,6 +261,7 @@ def _child(config: dict[str, Any]) -> None:
         result.update(
             seconds=end - start,
             first_batch=first,
+            after_first=end - start - (first or 0.0),
             steady_seconds=end - (steady_from or start),
             pss=peak,
             pss_loader=peak_loader,
@@ -468,18 +469,27 @@ def median_runs(repeats: int, **kwargs: Any) -> dict[str, Any]:
     return _medians([measure_in_fresh_process(**kwargs) for _ in range(repeats)])
 
 
+#: The times of a run (``_child``) that ``alternating_runs`` compares round by round.
+TIMES = ("seconds", "first_batch", "after_first", "steady_seconds")
+
+
 def alternating_runs(
     repeats: int, first: dict[str, Any], second: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any], float]:
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
     """``repeats`` rounds of two configurations in turns (fresh processes, ``first`` then
     ``second``), so that both see the machine as it was that round: the medians of each
-    (``median_runs``) and the median of the rounds' ``first["seconds"] / second["seconds"]``."""
+    (``median_runs``) and, per time of ``TIMES``, the median of the rounds' ``first[time] /
+    second[time]`` (above 1 where ``second`` took less)."""
     pairs = [
         (measure_in_fresh_process(**first), measure_in_fresh_process(**second))
         for _ in range(repeats)
     ]
-    ratio = statistics.median(a["seconds"] / b["seconds"] for a, b in pairs)
-    return _medians([a for a, _ in pairs]), _medians([b for _, b in pairs]), ratio
+    ratios = {
+        time: statistics.median(a[time] / b[time] for a, b in pairs)
+        for time in TIMES
+        if time in pairs[0][0]
+    }
+    return _medians([a for a, _ in pairs]), _medians([b for _, b in pairs]), ratios
 
 
 def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
