@@ -41,6 +41,7 @@ __all__ = [
     "alternating_runs",
     "bare_limit",
     "corpus",
+    "end_to_end",
     "file_payloads",
     "fill_versus_grain",
     "load_tokenizer",
@@ -163,6 +164,22 @@ def bare_limit(data: str, tokenizer: Any) -> int:
             encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
             n += sum(len(e.ids) + 1 for e in encode(texts))  # + the eos
     return n
+
+
+def end_to_end(data: str, tokenizer: str, rounds: int) -> dict[str, Any]:
+    """The pipeline on one inline lane against ``bare_limit``, ``rounds`` rounds in turns in this
+    process (both on one tokenizer, loaded from ``tokenizer``, and so on one thread pool): each
+    round's tokens/s of both (``rounds``: bare, ours), their medians and the ratio of those."""
+    tok = load_tokenizer(tokenizer)
+    pairs = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        n_tokens = bare_limit(data, tok)
+        bare = n_tokens / (time.perf_counter() - start)
+        run = run_pipeline(text_pipeline(data, tok))
+        pairs.append((bare, run["tokens"] / run["seconds"]))
+    bare, ours = (statistics.median(side) for side in zip(*pairs))
+    return {"bare": bare, "ours": ours, "ratio": ours / bare, "rounds": pairs}
 
 
 def run_pipeline(pipeline: zephon.Pipeline, *, state: Any = None) -> dict[str, float]:
