@@ -98,6 +98,8 @@ def test_a_loader_closed_early_leaves_no_thread_behind(parquet: Path, bpe: Token
     next(loader)
     next(loader)
     assert ahead_threads() != []  # the tokenizer runs ahead of the lane
+    # As the lane's own thread: a call that never returns does not keep the process alive.
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("zephon-ahead"))
     loader.close()
     assert ahead_threads() == []
 

@@ -12,8 +12,10 @@ thread (once the thread is idle), which meets the error and reports it as it wou
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
+from queue import SimpleQueue
 from time import perf_counter
 from typing import Any
 
@@ -36,7 +38,12 @@ class NextRead:
     (``zephon-ahead-<operator>``): a read's call starts as soon as the one before it ends."""
 
     def __init__(self, op_name: str) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"zephon-ahead-{op_name}")
+        # A daemon thread, as the lane's own: a call that never returns does not keep the
+        # process from exiting (a thread lane that timed out leaves both behind).
+        self._calls: SimpleQueue[tuple[Future, Operator, list] | None] = SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"zephon-ahead-{op_name}", daemon=True
+        )
         # Per read ahead: where, what was read (or the error reading raised), its records and
         # the call on them (None when the read holds more than records).
         self._queue: deque[tuple[Where, Any, list | None, Future | None]] = deque()
@@ -50,9 +57,12 @@ class NextRead:
             self._queue.append((where, fetched, None, None))
             return
         records = expand_runs(fetched)  # the same record objects the lane pushes
-        call = None
+        call: Future | None = None
         if records and next_control(records, 0) == len(records):
-            call = self._pool.submit(_timed, op, records)
+            call = Future()
+            if not self._thread.is_alive():
+                self._thread.start()
+            self._calls.put((call, op, records))
         self._queue.append((where, records, records if call else None, call))
 
     def take(self, where: Where) -> Any:
@@ -104,7 +114,21 @@ class NextRead:
         self._current = None
 
     def close(self) -> None:
-        """End the thread (after the call running on it)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """End the thread (after the call running on it; those queued behind it are not made)."""
+        for _, _, _, call in self._queue:
+            if call is not None:
+                call.cancel()
+        if self._thread.is_alive():
+            self._calls.put(None)
+            self._thread.join()
         self._queue.clear()
         self._current = None
+
+    def _serve(self) -> None:
+        while (job := self._calls.get()) is not None:
+            call, op, records = job
+            if call.set_running_or_notify_cancel():
+                try:
+                    call.set_result(_timed(op, records))
+                except BaseException as exc:  # the lane makes the call again and reports it
+                    call.set_exception(exc)
