@@ -212,3 +212,44 @@ def test_a_read_that_fails_ahead_fails_where_the_lane_reaches_it(tmp_path: Path)
     skipping = {"on_error": {"fetch": "skip"}}
     assert run(True, **skipping) == run(False, **skipping)
     assert run(True, **skipping)[1] == ""
+
+
+class Meeting(Marked):
+    """``Marked``, whose first two calls on a thread ahead each wait for the other to begin."""
+
+    name = "meeting"
+
+    def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        if threading.current_thread().name.startswith("zephon-ahead"):
+            with MEETING["lock"]:
+                MEETING["calls"] += 1
+                first_two = MEETING["calls"] <= 2
+            if first_two:
+                MEETING["barrier"].wait()  # raises BrokenBarrierError if the other never comes
+        return super().process_many(records)
+
+
+MEETING: dict[str, Any] = {}
+
+
+def test_the_next_reads_call_runs_beside_the_current_one(parquet: Path) -> None:
+    MEETING.update(lock=threading.Lock(), calls=0, barrier=threading.Barrier(2, timeout=30))
+    assert len(rows_of(marked_pipeline(parquet, Meeting()))) > 10
+    assert MEETING["calls"] > 2
+    assert not MEETING["barrier"].broken  # (a call that failed ahead is made again, alone)
+
+
+def test_with_tokenizer_threads_off_the_calls_come_one_at_a_time(
+    parquet: Path, bpe: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # as in a worker sized to one CPU
+    loader = text_pipeline(parquet, bpe).iter()
+    next(loader)
+    next(loader)
+    assert len(ahead_threads()) == 1
+    loader.close()
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    with text_pipeline(parquet, bpe).iter() as loader:
+        next(loader)
+        next(loader)
+        assert len(ahead_threads()) == 2

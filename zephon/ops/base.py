@@ -116,9 +116,10 @@ class Operator:
     def releases_gil(self) -> bool:
         """Whether ``process_many`` spends most of its time outside the GIL (a native
         tokenizer's batch encoder). The lane runner then makes its call on a lane's next read
-        on a thread while the current read goes through the operators after it, when it is the
-        first operator after ``fetch``, keeps no state and gets whole reads. Its ``counters()``
-        may then count a read early. False by default."""
+        on a thread, beside the call on the current read and while that read goes through the
+        operators after it, when it is the first operator after ``fetch``, keeps no state and
+        gets whole reads: ``process_many`` must then be safe to run on two threads at once,
+        and ``counters()`` may count a read early. False by default."""
         return False
 
     def setup(self, ctx: OperatorContext) -> None:

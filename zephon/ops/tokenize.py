@@ -430,7 +430,8 @@ class Tokenize(Operator):
 
     def releases_gil(self) -> bool:
         """True for a Hugging Face tokenizer's batch encoder, which encodes in Rust without the
-        GIL: the lane runner encodes the next read meanwhile."""
+        GIL (and may be called from two threads at once): the lane runner encodes the next read
+        beside the current one."""
         return self._mode in ("encode_batch_fast", "encode_batch") and _is_hf_tokenizer(
             self.tokenizer
         )
