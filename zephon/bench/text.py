@@ -41,6 +41,7 @@ __all__ = [
     "alternating_runs",
     "bare_limit",
     "corpus",
+    "end_to_end",
     "file_payloads",
     "fill_versus_grain",
     "load_tokenizer",
@@ -165,6 +166,22 @@ def bare_limit(data: str, tokenizer: Any) -> int:
     return n
 
 
+def end_to_end(data: str, tokenizer: str, rounds: int) -> dict[str, Any]:
+    """The pipeline on one inline lane against ``bare_limit``, ``rounds`` rounds in turns in this
+    process (both on one tokenizer, loaded from ``tokenizer``, and so on one thread pool): each
+    round's tokens/s of both (``rounds``: bare, ours), their medians and the ratio of those."""
+    tok = load_tokenizer(tokenizer)
+    pairs = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        n_tokens = bare_limit(data, tok)
+        bare = n_tokens / (time.perf_counter() - start)
+        run = run_pipeline(text_pipeline(data, tok))
+        pairs.append((bare, run["tokens"] / run["seconds"]))
+    bare, ours = (statistics.median(side) for side in zip(*pairs))
+    return {"bare": bare, "ours": ours, "ratio": ours / bare, "rounds": pairs}
+
+
 def run_pipeline(pipeline: zephon.Pipeline, *, state: Any = None) -> dict[str, float]:
     """Deliver everything: seconds to the first batch and in all, batches, tokens and fill."""
     start = time.perf_counter()
@@ -261,6 +278,7 @@ def _child(config: dict[str, Any]) -> None:
         result.update(
             seconds=end - start,
             first_batch=first,
+            after_first=end - start - (first or 0.0),
             steady_seconds=end - (steady_from or start),
             pss=peak,
             pss_loader=peak_loader,
@@ -468,18 +486,27 @@ def median_runs(repeats: int, **kwargs: Any) -> dict[str, Any]:
     return _medians([measure_in_fresh_process(**kwargs) for _ in range(repeats)])
 
 
+#: The times of a run (``_child``) that ``alternating_runs`` compares round by round.
+TIMES = ("seconds", "first_batch", "after_first", "steady_seconds")
+
+
 def alternating_runs(
     repeats: int, first: dict[str, Any], second: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any], float]:
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
     """``repeats`` rounds of two configurations in turns (fresh processes, ``first`` then
     ``second``), so that both see the machine as it was that round: the medians of each
-    (``median_runs``) and the median of the rounds' ``first["seconds"] / second["seconds"]``."""
+    (``median_runs``) and, per time of ``TIMES``, the median of the rounds' ``first[time] /
+    second[time]`` (above 1 where ``second`` took less)."""
     pairs = [
         (measure_in_fresh_process(**first), measure_in_fresh_process(**second))
         for _ in range(repeats)
     ]
-    ratio = statistics.median(a["seconds"] / b["seconds"] for a, b in pairs)
-    return _medians([a for a, _ in pairs]), _medians([b for _, b in pairs]), ratio
+    ratios = {
+        time: statistics.median(a[time] / b[time] for a, b in pairs)
+        for time in TIMES
+        if time in pairs[0][0]
+    }
+    return _medians([a for a, _ in pairs]), _medians([b for _, b in pairs]), ratios
 
 
 def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -113,6 +113,15 @@ class Operator:
         """Emit whatever the operator still holds; called at every epoch marker and lane end."""
         return []
 
+    def releases_gil(self) -> bool:
+        """Whether ``process_many`` spends most of its time outside the GIL (a native
+        tokenizer's batch encoder). The lane runner then makes its call on a lane's next read
+        on a thread, beside the call on the current read and while that read goes through the
+        operators after it, when it is the first operator after ``fetch``, keeps no state and
+        gets whole reads: ``process_many`` must then be safe to run on two threads at once,
+        and ``counters()`` may count a read early. False by default."""
+        return False
+
     def setup(self, ctx: OperatorContext) -> None:
         """Load what the operator needs and should not carry in the plan (a model, an index):
         called once per worker, in the worker, before its lanes start, on a copy of the

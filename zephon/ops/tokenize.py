@@ -428,6 +428,14 @@ class Tokenize(Operator):
             setattr(new, name, copy.deepcopy(value, memo))
         return new
 
+    def releases_gil(self) -> bool:
+        """True for a Hugging Face tokenizer's batch encoder, which encodes in Rust without the
+        GIL (and may be called from two threads at once): the lane runner encodes the next read
+        beside the current one."""
+        return self._mode in ("encode_batch_fast", "encode_batch") and _is_hf_tokenizer(
+            self.tokenizer
+        )
+
     def _ends_with_eos(self, eos: int) -> bool:
         """Whether the tokenizer itself ends every encoding with ``eos`` (probed on the empty
         text; only tokenizers that add special tokens themselves are asked)."""

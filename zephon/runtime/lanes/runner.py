@@ -36,6 +36,7 @@ from zephon.runtime.lanes.control import (
     Skipped,
 )
 from zephon.runtime.lanes.operator_setup import OperatorSetup
+from zephon.runtime.lanes.overlap import NextRead
 from zephon.runtime.lanes.retire_screen import screened_out, tombstoned
 from zephon.runtime.lanes.snapshots import rebuild, snapshot_of
 from zephon.types import ContributorRef, SampleCursor, SampleRecord
@@ -114,7 +115,8 @@ class LaneRunner:
     the lane runs its own chunks from local chunk ``start_local`` with ``carry``. ``layout`` is the
     job's lane history (``Layout.encode()``); ``skip_offset`` starts the first chunk at that offset
     (source-level skip on restore of an indexable plan); ``retired`` the samples screened out
-    at fetch (``runtime.retire``).
+    at fetch (``runtime.retire``). ``overlap=False`` makes the first operator's calls in the lane's
+    thread even when it could run ahead (``overlap.NextRead``): for a read that stops early.
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class LaneRunner:
         op_stats: list[list[Any]] | None = None,
         setup: OperatorSetup | Callable[[], OperatorSetup | None] | None = None,
         retired: list[Retirement] | None = None,
+        overlap: bool = True,
     ):
         self.plan = plan
         self.screen = FetchScreen(retired) if retired else None
@@ -149,6 +152,7 @@ class LaneRunner:
         self.ops: list[Operator] = []
         self.labels = operator_labels(plan.chain)
         self.skip_offset = skip_offset
+        self._consumed: EpochProgress | None = None  # what the run takes out at fetch
         self.epoch_path = plan.eviction_path == "epoch"
         self._pools = [
             ThreadPoolExecutor(op.traits.workers, thread_name_prefix=f"zephon-{op.name}")
@@ -162,6 +166,9 @@ class LaneRunner:
         self._by_payload = [
             op.maps_payloads and pool is None for op, pool in zip(plan.chain, self._pools)
         ]
+        # The first operator's call on the next read, made ahead on a thread (``NextRead``).
+        self._overlap = overlap
+        self._next_read: NextRead | None = None
         # Per operator: whether a record it fails on is skipped (``Pipeline(on_error=...)``).
         self._skips = plan.skip_errors or (False,) * len(plan.chain)
         # Per operator: records in, records out, seconds inside process_many/flush.
@@ -234,9 +241,12 @@ class LaneRunner:
         per_epoch = plan.epoch_chunks
         mb = plan.micro_batch
         held = run.get("held")
-        consumed = run.get("screened")
-        if consumed is not None:  # consumed before a resume with changed operators
-            consumed = EpochProgress.decode(consumed, "screened", run["start"], per_epoch)
+        screened = run.get("screened")
+        self._consumed = (  # what ``_read`` takes out
+            None
+            if screened is None
+            else EpochProgress.decode(screened, "screened", run["start"], per_epoch)
+        )
         k = start = run["start"] if held is None else held["next"]
         epoch = k // per_epoch
         self._start_epoch(epoch)
@@ -250,9 +260,13 @@ class LaneRunner:
         resumed_at = 0 if held is None else held["offset"]  # inside chunk k: already announced
         ahead = source.read_ahead_chunks()
         first_reads = mb if piece < mb else 0  # records still read a piece at a time
+        next_read = self._next_read_for(split_at)
+        shape = (run, geometry, stop, mb, piece)  # what places this run's reads
+        next_chunk: Any = None  # the chunk the read ahead is in, when it is the next one
         while stop is None or k < stop:
             position = geometry.position(k)
-            chunk = source.chunk(position)
+            chunk = next_chunk if next_chunk is not None else source.chunk(position)
+            next_chunk = None
             if ahead:  # the source may fetch the data of the lane's next chunks meanwhile
                 last = k + 1 + ahead if stop is None else min(stop, k + 1 + ahead)
                 source.upcoming([geometry.position(j) for j in range(k + 1, last)])
@@ -274,16 +288,18 @@ class LaneRunner:
                 if first_reads > 0:
                     end = min(end, (begin // piece + 1) * piece)
                     first_reads -= end - begin
-                fetched = self._fetch(position, chunk.pointers[begin:end], begin)
-                if consumed is not None:
-                    closed = consumed.closed(k, position, begin, end)
-                    if closed is not None:
-                        fetched = screened_out(fetched, closed, begin)
-                if self.screen is not None:
-                    retired = self.screen.ids_for(run["gen"], run["lane"], k)
-                    if retired is not None:
-                        fetched = tombstoned(fetched, retired)
+                fetched = next_read.take((k, begin, end)) if next_read is not None else None
+                if fetched is None:
+                    fetched = self._read(run, k, position, chunk.pointers[begin:end], begin)
+                # The next read: while the first operator works on this one (its call queued
+                # behind this one's), or after this one's when the lane makes it itself.
+                now = (k, end, chunk, first_reads)
+                queued = next_read is not None and next_read.working()
+                if next_read is not None and queued:
+                    next_chunk = self._start_next(next_read, shape, now)
                 records = self._push(0, fetched, split_at)
+                if next_read is not None and not queued:
+                    next_chunk = self._start_next(next_read, shape, now)
                 if piece < mb:  # cut into pieces by cursor below
                     records = expand_runs(records)
                 # One item list per read, pieces and snapshots in order: a process lane's
@@ -324,6 +340,64 @@ class LaneRunner:
             out = self._flush_all()
             if out:
                 yield out
+
+    def _next_read_for(self, split_at: int) -> NextRead | None:
+        """The lane's ``NextRead`` when its first operator may run ahead: it releases the GIL
+        (``Operator.releases_gil``), keeps no state, gets whole reads (it comes before
+        ``split_at``, where the pieces start) as lists of records, and has no pool of its own."""
+        if not self._overlap or split_at < 1 or self._pools[0] is not None or self._by_payload[0]:
+            return None
+        op = self.ops[0]
+        if op.traits.stateful or not op.releases_gil():
+            return None
+        if self._next_read is None:
+            self._next_read = NextRead(self.labels[0])
+        self._next_read.drop()  # nothing of an earlier run
+        return self._next_read
+
+    def _start_next(self, next_read: NextRead, shape: tuple, now: tuple) -> Any:
+        """Read what follows ``now`` (a local chunk, where its read ended, the chunk, and the
+        records still read a piece at a time) as the loop will, and start the first operator on
+        it (``next_read``); not past the run's end (``shape``: the run, its geometry and end,
+        the micro-batch and piece) nor into another epoch, whose operators start it first. The
+        next chunk, when the read is in it (for the loop to take instead of making it again),
+        else None."""
+        run, geometry, stop, mb, piece = shape
+        k, begin, chunk, first_reads = now
+        found = chunk
+        if begin == len(chunk):
+            k, begin = k + 1, 0
+            if (stop is not None and k >= stop) or (
+                self.epoch_path and k % self.plan.epoch_chunks == 0
+            ):
+                return None
+            found = self.plan.source.chunk(geometry.position(k))
+        end = min(len(found), (begin // mb + 1) * mb)
+        if first_reads > 0:  # the first reads still come a piece at a time
+            end = min(end, (begin // piece + 1) * piece)
+        if end > begin:
+            fetched: Any
+            try:
+                fetched = self._read(run, k, found.position, found.pointers[begin:end], begin)
+            except Exception as exc:  # raised when the loop reaches this read
+                fetched = exc
+            next_read.start((k, begin, end), fetched, self.ops[0])
+        return found if found is not chunk else None
+
+    def _read(self, run: dict[str, Any], k: int, position: int, pointers: Any, begin: int) -> list:
+        """The items read from ``pointers`` (from offset ``begin`` of local chunk ``k``, at
+        ``position``), the samples retired there as tombstones."""
+        fetched = self._fetch(position, pointers, begin)
+        consumed = self._consumed
+        if consumed is not None:  # consumed before a resume with changed operators
+            closed = consumed.closed(k, position, begin, begin + len(pointers))
+            if closed is not None:
+                fetched = screened_out(fetched, closed, begin)
+        if self.screen is not None:
+            retired = self.screen.ids_for(run["gen"], run["lane"], k)
+            if retired is not None:
+                fetched = tombstoned(fetched, retired)
+        return fetched
 
     def _source_io(self) -> tuple[int, dict[str, dict[str, int]]] | None:
         """What this process's copy of the source read so far, and which process it is (the
@@ -417,8 +491,14 @@ class LaneRunner:
         """Operator ``j`` over a list of real records, or over a run (``maps_payloads``)."""
         op = self.ops[j]
         began = perf_counter()
+        made = None
+        if j == 0 and self._next_read is not None and type(records) is list:
+            made = self._next_read.result_for(records)
         try:
-            if isinstance(records, RecordRun):
+            if made is not None:  # made ahead, on exactly these records
+                out, seconds = made
+                began -= seconds
+            elif isinstance(records, RecordRun):
                 out = op.map_payloads(records)
             elif self._pools[j] is not None and len(records) > 1:
                 out = self._pooled(j, records)
@@ -511,10 +591,12 @@ class LaneRunner:
         return [rec for out in pool.map(self.ops[j].process_many, parts) for rec in out]
 
     def close(self) -> None:
-        """Shut down the operator thread pools."""
+        """Shut down the operator thread pools and the thread of the read ahead."""
         for pool in self._pools:
             if pool is not None:
                 pool.shutdown(wait=True)
+        if self._next_read is not None:
+            self._next_read.close()
 
     def _audit(self, j: int, received: list[SampleRecord], emitted: list) -> list:
         # A correct operator never emits more closing contributors than it received; one that does

@@ -54,7 +54,7 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
     start that continues after them; None when no list did within ``MAX_LISTS``, or the lane
     failed other than reading its data (a ``FetchError`` is raised)."""
     need = plan.batcher.batch_size if plan.batcher is not None else 1
-    runner = LaneRunner(plan, lane_id, **start)
+    runner = LaneRunner(plan, lane_id, **start, overlap=False)  # it stops early
     stream = runner.run()
     items: list = []
     kept: list = []
