@@ -214,7 +214,7 @@ class TextPipeline:
         start = time.perf_counter()
         n = tb.bare_limit(data, tok)
         limit = n / (time.perf_counter() - start)
-        run = tb.run_pipeline(tb.text_pipeline(data, tok))
+        run = tb.run_pipeline(tb.text_pipeline(data, tok, micro_batch=tb.ROW_GROUP))
         common = {"data": data, "tokenizer": tok_path, "threads": False}
         one = tb.measure_in_fresh_process(lanes=1, workers="inline", **common)
         two = tb.measure_in_fresh_process(lanes=2, workers="process", **common)
