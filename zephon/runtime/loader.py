@@ -577,8 +577,6 @@ class Loader(LoaderStep):
             text = announced + self._partly_delivered()
             log.warning(text)
             warnings.warn(text, PipelineChangeWarning, stacklevel=3)
-        if retire is not None:
-            self.retire(retire)
         delivered = sum(s["delivered"] for s in checked)
         if job:
             self.next_lane = rank_turn(checked)
@@ -591,6 +589,8 @@ class Loader(LoaderStep):
             self.served_offset = rank_served(body) - delivered
         # a job's totals belong to all its ranks: this rank counts afresh
         self.totals.restore(body, counted=not job)
+        if retire is not None:
+            self.retire(retire)
 
     def _partly_delivered(self) -> str:
         """After a resume with changed operators: what to add to its announcement about lanes

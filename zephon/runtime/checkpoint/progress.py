@@ -6,7 +6,7 @@ a replay cursor, and the count and digest of the records up to it. Changed opera
 another stream, and behind a reordering operator (a shuffle buffer, a best-fit packer, a
 mixture evener) the delivered records cannot be found in it by their position. So on that path
 a checkpoint also keeps ``progress``: the lane-local chunks of the epoch it had opened, the
-offsets of them still open (not delivered or dropped), and how many of those open samples had a
+offsets of them still open (not delivered or dropped), and which of those open samples had a
 part delivered already (a sample split over several records).
 
 A resume with changed operators turns that into a screen (``screened``): the run restarts at
