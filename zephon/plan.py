@@ -90,6 +90,15 @@ class Plan:
         per_rank = self.lanes // self.world_size
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
+    @property
+    def reorders_epochs(self) -> bool:
+        """On the epoch path behind an operator that reorders records: where a checkpoint
+        keeps what each lane consumed of its epoch by position, and a resume with changed
+        operators or retired samples continues the epoch by position."""
+        return self.eviction_path == "epoch" and not all(
+            op.traits.preserves_cursor_order for op in self.chain
+        )
+
     def describe(self) -> str:
         """A readable summary: operators, traits, workers, eviction path and why."""
         lines = [

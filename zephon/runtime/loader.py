@@ -637,7 +637,6 @@ class Loader(LoaderStep):
     def _by_position(self) -> None:
         """Behind a reordering operator on the epoch path, lanes continue their epoch by
         position where the state says what they consumed (``checkpoint.progress``)."""
-        reordering = not all(op.traits.preserves_cursor_order for op in self.plan.chain)
-        if reordering and self.plan.eviction_path == "epoch":
+        if self.plan.reorders_epochs:
             for lane in self.lanes:
                 lane.by_position = True

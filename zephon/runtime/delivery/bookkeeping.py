@@ -83,9 +83,7 @@ class LaneBook:
         # Behind a reordering operator on the epoch path a checkpoint says what was consumed
         # by position (``checkpoint.progress``), and the run may screen what was consumed
         # before a resume with changed operators, until its epoch marker.
-        self.keeps_progress = not self.monotone and not all(
-            op.traits.preserves_cursor_order for op in plan.chain
-        )
+        self.keeps_progress = plan.reorders_epochs
         self.screened: EpochProgress | None = None
 
     # ----------------------------------------------------------------------------- per record
