@@ -192,12 +192,19 @@ cdef class DeliveryBook:
         self._wlen = 0
         self._wcap = 0
 
-    def __init__(self, ChunkTable table not None, bint monotone, DeliveryCounters counters not None):
+    def __init__(
+        self,
+        ChunkTable table not None,
+        bint monotone,
+        DeliveryCounters counters not None,
+        bint track_partial=True,
+    ):
         self.table = table
         self.monotone = monotone
         self.counters = counters
         self.violations = []
-        self.partial = None if monotone else set()
+        # Only a lane whose checkpoints keep what it consumed by position asks for these.
+        self.partial = set() if track_partial and not monotone else None
         self._prune_at = PARTIAL_PRUNE_AT
         self.last_cursor = None
         self.epochs_done = 0
@@ -322,9 +329,10 @@ cdef class DeliveryBook:
                     state = OFFSET_EVICTED if table._find(c.chunk_id) == -1 else 0
                     # A part of a sample split over several records: what a resume with changed
                     # operators must know (which open samples were partly delivered).
-                    self.partial.add((c.chunk_id, c.chunk_offset))
-                    if len(self.partial) > self._prune_at:
-                        self._prune_partial()
+                    if self.partial is not None:
+                        self.partial.add((c.chunk_id, c.chunk_offset))
+                        if len(self.partial) > self._prune_at:
+                            self._prune_partial()
                 if state == OFFSET_CLOSED or state == OFFSET_EVICTED:
                     self.violations.append(("early-close", rec, c, state))
                 if low_chunk < 0 or c.chunk_id < low_chunk or (

@@ -124,8 +124,12 @@ class _Spanning:
         entry.slot = -1
 
     def clear(self) -> None:
-        for entry in list(self.entries):
-            self.remove(entry)
+        for entry in self.entries:
+            entry.slot = -1
+        self.entries, self.zero = [], []
+        self._live[:] = False
+        self._slots = [None] * len(self._slots)
+        self._free = list(range(len(self._slots) - 1, -1, -1))
 
     def _grow(self) -> None:
         old = len(self._slots)

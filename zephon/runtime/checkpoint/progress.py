@@ -57,14 +57,19 @@ class EpochProgress:
         and the samples of which a part was delivered (those still open are kept)."""
         pos = np.asarray(positions, dtype=np.int64)
         off = np.asarray(offsets, dtype=np.int64)
-        still = sorted(set(zip(pos.tolist(), off.tolist())) & partial) if partial else []
-        parts = np.array(still, dtype=np.int64).reshape(-1, 2)
         ids = np.unique(pos)
         lengths = np.array([int(off[pos == p].max()) + 1 for p in ids.tolist()], dtype=np.int64)
         bits = np.zeros(int(lengths.sum()), dtype=bool)
         begins = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         if len(pos):
             bits[begins[np.searchsorted(ids, pos)] + off] = True
+        row = {p: (int(b), int(n)) for p, b, n in zip(ids.tolist(), begins, lengths)}
+        still = sorted(
+            (p, o)
+            for p, o in partial
+            if p in row and o < row[p][1] and bits[row[p][0] + o]  # still open
+        )
+        parts = np.array(still, dtype=np.int64).reshape(-1, 2)
         return cls(start, nxt, np.stack([ids, lengths], axis=1).reshape(-1, 2), bits, parts)
 
     def encode(self) -> dict[str, Any]:

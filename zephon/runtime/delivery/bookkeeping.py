@@ -59,7 +59,8 @@ class LaneBook:
         self.labels = operator_labels(plan.chain)
         self.counters = counters
         self.table = ChunkTable()
-        self.book = DeliveryBook(self.table, self.monotone, counters)
+        self.keeps_progress = plan.reorders_epochs  # see ``progress``
+        self.book = DeliveryBook(self.table, self.monotone, counters, self.keeps_progress)
         self.found = self.book.violations  # broken contracts, in order, until ``take_violations``
         # What the lane runs, in order (more than its own chunks after a re-laning), and which of
         # them the bookkeeping is in: every run is booked in a chunk table of its own.
@@ -80,10 +81,8 @@ class LaneBook:
         self.opened = False  # a chunk was announced since the loader last looked
         self.carry_warn_bytes = plan.carry_warn_bytes
         self.carry_warned = False
-        # Behind a reordering operator on the epoch path a checkpoint says what was consumed
-        # by position (``checkpoint.progress``), and the run may screen what was consumed
-        # before a resume with changed operators, until its epoch marker.
-        self.keeps_progress = plan.reorders_epochs
+        # The run may screen what was consumed before a resume with changed operators, until
+        # its epoch marker (``checkpoint.progress``).
         self.screened: EpochProgress | None = None
 
     # ----------------------------------------------------------------------------- per record
@@ -276,7 +275,7 @@ class LaneBook:
         run = self.runs[marker.index]
         found = self.found
         self.table = ChunkTable()
-        self.book = DeliveryBook(self.table, self.monotone, self.counters)
+        self.book = DeliveryBook(self.table, self.monotone, self.counters, self.keeps_progress)
         self.found = self.book.violations
         self.found.extend(found)
         self.run_index = marker.index
