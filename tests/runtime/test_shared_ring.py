@@ -120,6 +120,46 @@ def test_a_held_array_is_never_overwritten_the_lists_after_a_full_ring_take_the_
     assert ring_mappings() == []
 
 
+def stacked(n: int, **kw) -> zephon.Pipeline:
+    """As ``pipeline``, batched by the default collate (the pictures stacked)."""
+    return zephon.Pipeline(
+        RangeSource(n, chunk_size=16),
+        [fetch(), map_transform(picture), batch(16)],
+        micro_batch=16,
+        **kw,
+    )
+
+
+def test_a_batch_of_a_lists_arrays_is_one_view_of_the_ring_and_its_region_returns_with_it():
+    # 640 pictures, more than the ring holds: every batch is a view (no copy), so the ring is
+    # reused only as batches go.
+    n = 640
+    seen = 0
+    with stacked(n, workers="process").iter() as loader:
+        for b in loader:
+            images, idx = b.payload["image"], b.payload["idx"].tolist()
+            assert in_ring(images, ring_mappings()), f"batch from {idx[0]} was copied"
+            assert not images.flags.owndata and images.flags.writeable
+            assert images.tobytes() == b"".join(map(expected, idx))
+            seen += len(idx)
+            del b, images
+    assert seen == n
+
+
+def test_held_batches_keep_their_pixels_while_later_lists_take_the_pipe():
+    n = 640
+    with stacked(n, workers="process").iter() as loader:
+        held = [b.payload for b in loader]
+        mappings = ring_mappings()
+    assert [i for p in held for i in p["idx"].tolist()] == list(range(n))
+    assert all(p["image"].tobytes() == b"".join(map(expected, p["idx"].tolist())) for p in held)
+    where = [in_ring(p["image"], mappings) for p in held]
+    assert where[0] and not where[-1]  # the ring, until held batches filled it
+    del held
+    gc.collect()
+    assert ring_mappings() == []
+
+
 def test_the_pixels_equal_inline_lanes_and_a_held_array_outlives_the_loader():
     inline = [(i, img.tobytes()) for b in pipeline(160, lanes=2).iter() for i, img in b.payload]
     loader = pipeline(160, lanes=2, workers="process").iter()

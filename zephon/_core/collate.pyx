@@ -5,8 +5,10 @@ dicts with ``str`` keys, columns of Python ints, floats, bools, same-shape array
 that stays a list) without building a key tuple, a type set and an iterator per batch. A case it
 does not cover (a dict subclass, non-``str`` keys that are not the same objects, numpy scalars)
 is handed back to the Python rule, so the result is always the rule's. One case is not a copy:
-rows a packer handed over one after another come out as a view of the memory they sit in
-(``zephon._core.packfill.RowArena``), equal to the rule's stack of them.
+arrays that lie back to back in memory nothing writes to again, rows a packer handed over one
+after another (``zephon._core.packfill.RowArena``) or the arrays a process lane's worker sent
+through its shared ring (``zephon._core.shared_pages.SharedPages``), come out as a view of that
+memory, equal to the rule's stack of them.
 """
 
 from cpython.long cimport PyLong_AsLongLong
@@ -16,6 +18,7 @@ from libc.string cimport memcpy
 
 from zephon._core.packfill cimport RowArena
 from zephon._core.records cimport RecordRun
+from zephon._core.shared_pages cimport SharedPages
 
 import numpy as np
 
@@ -86,6 +89,15 @@ cdef object _bool_column(list values, Py_ssize_t n):
     return arr
 
 
+cdef bint _plain_copy(object dtype):
+    """Whether ``dtype`` is a builtin one in all but identity (arrays that came through pickle
+    carry such copies): native, no fields, no metadata."""
+    if dtype.metadata is not None:
+        return False
+    canonical = np.dtype(dtype.str)
+    return canonical.isbuiltin == 1 and canonical == dtype
+
+
 cdef object _stack(list values, Py_ssize_t n, cnp.ndarray first):
     """``np.stack(values)`` for ``n`` arrays of ``first``'s shape and dtype, by one allocation and
     a byte copy per row, when that is numpy's result: every row an exact, C-contiguous ndarray of
@@ -93,9 +105,9 @@ cdef object _stack(list values, Py_ssize_t n, cnp.ndarray first):
     and structured types, keeps subclasses, counts object references and chooses the layout of
     rows in other orders."""
     dtype = (<object>first).dtype
-    if dtype.isbuiltin != 1 or dtype.hasobject:
+    if dtype.hasobject or (dtype.isbuiltin != 1 and not _plain_copy(dtype)):
         return None
-    rows = _arena_rows(values, n, first)
+    rows = _adjacent_rows(values, n, first)
     if rows is not None:
         return rows
     out = np.empty((n,) + (<object>first).shape, dtype)
@@ -109,13 +121,27 @@ cdef object _stack(list values, Py_ssize_t n, cnp.ndarray first):
     return out
 
 
-cdef object _arena_rows(list values, Py_ssize_t n, cnp.ndarray first):
-    """``values`` as one view, when they are whole rows a packer handed over one after another:
-    1-D, C-contiguous and writeable views of one ``RowArena`` (which nothing writes to once a row
-    is handed over), each starting where the one before ends. None otherwise. The view equals
-    ``np.stack(values)`` and, like it, shares memory with none of the other batches."""
+cdef bint _written_once(PyObject* base):
+    """Whether arrays based on ``base`` sit in memory nothing writes to while they live: a
+    packer's ``RowArena`` (rows it handed over), or an array on ``SharedPages`` (a region of a
+    process lane's ring, which its worker writes again only once every array on it is gone)."""
+    if type_of(base) == <PyTypeObject*>RowArena:
+        return True
+    return (
+        type_of(base) == <PyTypeObject*>_ndarray
+        and cnp.PyArray_BASE(<cnp.ndarray>base) != NULL
+        and type_of(cnp.PyArray_BASE(<cnp.ndarray>base)) == <PyTypeObject*>SharedPages
+    )
+
+
+cdef object _adjacent_rows(list values, Py_ssize_t n, cnp.ndarray first):
+    """``values`` as one view, when they lie back to back in memory written once
+    (``_written_once``): C-contiguous and writeable views of one base, each starting where the
+    one before ends. None otherwise. The view equals ``np.stack(values)`` and, like it, shares
+    memory with none of the other batches; it holds the base as the rows did."""
     cdef PyObject* base = cnp.PyArray_BASE(first)
-    if base == NULL or type_of(base) != <PyTypeObject*>RowArena or cnp.PyArray_NDIM(first) != 1:
+    cdef int ndim = cnp.PyArray_NDIM(first)
+    if base == NULL or ndim + 1 > cnp.NPY_MAXDIMS or not _written_once(base):
         return None
     cdef char* start = <char*>cnp.PyArray_DATA(first)
     cdef Py_ssize_t row = cnp.PyArray_NBYTES(first), i
@@ -129,12 +155,13 @@ cdef object _arena_rows(list values, Py_ssize_t n, cnp.ndarray first):
             or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>v)
         ):
             return None
-    cdef cnp.npy_intp dims[2]
+    cdef cnp.npy_intp dims[cnp.NPY_MAXDIMS]
     dims[0] = n
-    dims[1] = cnp.PyArray_DIM(first, 0)
+    for i in range(ndim):
+        dims[i + 1] = cnp.PyArray_DIM(first, i)
     out = cnp.PyArray_New(
-        _ndarray, 2, dims, cnp.PyArray_TYPE(first), NULL, start, cnp.PyArray_ITEMSIZE(first),
-        cnp.NPY_ARRAY_CARRAY, None
+        _ndarray, ndim + 1, dims, cnp.PyArray_TYPE(first), NULL, start,
+        cnp.PyArray_ITEMSIZE(first), cnp.NPY_ARRAY_CARRAY, None
     )
     cnp.set_array_base(out, <object>base)
     return out

@@ -4,7 +4,9 @@ The worker copies a list's out-of-band buffers (numpy data) into the ring and se
 they lie over the pipe; the loader makes the arrays it gets on the same pages, which it mapped
 once. A region is used again once every array made on it is gone: the loader notes it as the
 last one is collected and tells the worker beside its next acknowledgement. The pages stay
-mapped, and warm, in both processes, so a list costs the worker one copy and the loader none.
+mapped, and warm, in both processes, so a list costs the worker one copy and the loader none:
+arrays of a list that a batch stacks are, there, one view of the region (the default collate
+knows its pages), not a copy.
 
 The ring is an anonymous memory file (``memfd``): it has no name to leave behind, and its memory
 goes back to the OS once both processes have unmapped it, however either of them ended. Where
@@ -24,6 +26,8 @@ from multiprocessing.reduction import recvfds, sendfds
 from typing import Any
 
 import numpy as np
+
+from zephon._core.shared_pages import shared_region
 
 #: The ring's least size. Untouched pages cost nothing; the pages used stay with the ring.
 RING_BYTES = 64 << 20
@@ -140,7 +144,7 @@ class RingReader:
         """The buffers of a list the worker placed at ``offsets``: views of one region, which
         stays taken while any array made on them lives."""
         start = offsets[0]
-        region = np.frombuffer(self._map, np.uint8, offsets[-1] + sizes[-1] - start, start)
+        region = shared_region(self._map, start, offsets[-1] + sizes[-1] - start)
         weakref.finalize(region, self._released.append, start).atexit = False
         return [region[at - start : at - start + n] for at, n in zip(offsets, sizes)]
 
