@@ -340,6 +340,47 @@ def test_the_patches_are_the_same_on_process_lanes_and_after_a_resume(documents:
         assert np.array_equal(a, b)
 
 
+def test_a_qwen2_vl_model_takes_the_batch_as_it_is(documents: Path) -> None:
+    import torch
+    import transformers
+
+    image = token_id("<|image|>")
+    config = transformers.Qwen2VLConfig(
+        text_config={
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": 512,
+            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        },
+        vision_config={
+            "depth": 1,
+            "embed_dim": 16,
+            "num_heads": 2,
+            "hidden_size": 16,
+            "patch_size": 4,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=image,
+        vision_start_token_id=token_id("<|vision_start|>"),
+        vision_end_token_id=token_id("<|vision_end|>"),
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    collate = patches(
+        patch_size=4, merge=2, positions="mrope", image_token_id=image, shift_labels=False
+    )
+    with pipeline(documents, collate).iter() as loader:
+        got = next(loader).payload
+    keys = ("input_ids", "labels", "pixel_values", "image_grid_thw", "position_ids")
+    inputs = {key: torch.from_numpy(got[key]) for key in keys}
+    with torch.no_grad():  # the tower's features must fill the image tokens one for one
+        assert torch.isfinite(model(**inputs).loss)
+
+
 # ------------------------------------------------------------------------------- refusals
 def test_an_image_whose_size_is_not_its_grid_s_is_refused_naming_it_never_resized() -> None:
     tok = vision_bpe()
