@@ -66,9 +66,10 @@ class WorkerLostError(ZephonError):
 
 
 class PatchLayoutError(ZephonError, ValueError):
-    """An image cannot be cut into the patches its tokens stand for (``training_collate(
-    pixel_layout="patches")``): its size is not its patch grid's, or the grid not the tokenizer's.
-    The message names the record, the image and what to change; nothing is resized silently."""
+    """An image cannot be cut into the patches its tokens stand for
+    (``pixel_layout="patches"`` of ``training_collate``): its size is not its patch grid's, or the
+    grid not the tokenizer's. The message names the record, the image and what to change; nothing
+    is resized silently."""
 
 
 class OperatorError(ZephonError):

@@ -25,6 +25,7 @@ import zephon
 from zephon.errors import PatchLayoutError, ZephonError
 from zephon.identity import identify
 from zephon.ops import (
+    TrainingCollate,
     batch,
     decode_images,
     fetch,
@@ -496,6 +497,10 @@ def test_the_default_layout_keeps_the_identity_and_the_patches_one_is_named() ->
     again = pickle.loads(pickle.dumps(collate))
     assert (again.pixel_layout, again.patch_size, again.temporal_patch_size) == ("patches", 14, 2)
     assert "pixel_layout='patches', patch_size=14" in repr(collate)
+    # a collate pickled before the option existed comes back with the images' own layout
+    old = TrainingCollate.__new__(TrainingCollate)
+    old.__setstate__({"mask_field": "loss_mask", "ignore_index": -100, "images": "images"})
+    assert (old.pixel_layout, old.patch_size, old.temporal_patch_size) == ("images", None, 2)
     # one merge for both: the M-RoPE positions and the patches read the same tokenizer
     both = patches(patch_size=14, merge=2, positions="mrope", image_token_id=7)
     assert both.merge == 2

@@ -21,21 +21,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from zephon.errors import PatchLayoutError
+from zephon.ops.vision import channels_first, image_size
 
 __all__ = ["image_patches"]
 
 #: The channels of an empty batch's ``(0, C*T*p*p)`` patches: the RGB of the vision towers.
 EMPTY_CHANNELS = 3
-
-
-def channels_first(image: np.ndarray) -> np.ndarray:
-    """A ``(C, H, W)`` view of a decoded image: ``normalize``'s float CHW as it is, a ``uint8``
-    HWC (or ``(H, W)``) one transposed; read as ``zephon.ops.vision.image_size`` reads sizes."""
-    if image.ndim == 2:
-        return image[None]
-    if image.dtype.kind == "f":
-        return image
-    return image.transpose(2, 0, 1)
 
 
 def image_patches(
@@ -60,6 +51,8 @@ def image_patches(
         )
     if not len(images):
         return np.empty((0, EMPTY_CHANNELS * frames * p * p), dtype=np.float32)
+    for image in images:
+        image_size(image)  # a decoded image, or a TypeError saying what it is
     planes = [channels_first(image) for image in images]
     channels, dtype = planes[0].shape[0], planes[0].dtype
     for i, (plane, (t, gh, gw)) in enumerate(zip(planes, grids.tolist(), strict=True)):

@@ -359,29 +359,18 @@ class TrainingCollate:
             if grid is not None:
                 has_grid = True
                 grids.append(np.asarray(grid, dtype=np.int64).reshape(-1, 3))
-            if self.pixel_layout == "patches" and len(held) != (0 if grid is None else len(grid)):
+            if self.pixel_layout == "patches" and len(held) != (
+                0 if grid is None else len(grids[-1])
+            ):
                 raise PatchLayoutError(
                     f"training_collate: record {rec.meta.cursor!r} holds {len(held)} images in "
-                    f"{self.images!r} and {0 if grid is None else len(grid)} patch grids "
+                    f"{self.images!r} and {0 if grid is None else len(grids[-1])} patch grids "
                     f"({IMAGE_GRID_FIELD}): pixel_layout='patches' cuts each image by its grid "
                     "(tokenize with patch_size=)"
                 )
-        shapes = {image.shape for image in images}
         if self.pixel_layout == "patches":
-            assert self.patch_size is not None and self.merge is not None
-            pixels = image_patches(
-                images,
-                np.concatenate(grids) if grids else np.empty((0, 3), np.int64),
-                patch_size=self.patch_size,
-                merge=self.merge,
-                temporal_patch_size=self.temporal_patch_size,
-                name=lambda i: (
-                    f"training_collate: image {i - rows.index(rows[i])} in {self.images!r} of "
-                    f"record {records[rows[i]].meta.cursor!r} (batch row {rows[i]}, image {i} of "
-                    "the batch)"
-                ),
-            )
-        elif len(shapes) == 1:
+            pixels = self._patches(records, images, grids, rows)
+        elif len({image.shape for image in images}) == 1:
             pixels = np.stack(images)
         elif images:
             pixels = np.concatenate([image.reshape(-1) for image in images])
@@ -397,6 +386,32 @@ class TrainingCollate:
         if has_grid:
             out["image_grid_thw"] = np.concatenate(grids) if grids else np.empty((0, 3), np.int64)
         return out
+
+    def _patches(
+        self,
+        records: Sequence[SampleRecord],
+        images: list[np.ndarray],
+        grids: list[np.ndarray],
+        rows: list[int],
+    ) -> np.ndarray:
+        """``pixel_values`` with ``pixel_layout="patches"``: ``images`` (of batch rows ``rows``)
+        cut by their ``grids``, an image that does not fit named by its record and place."""
+        assert self.patch_size is not None and self.merge is not None
+
+        def name(i: int) -> str:
+            return (
+                f"training_collate: image {i - rows.index(rows[i])} in {self.images!r} of record "
+                f"{records[rows[i]].meta.cursor!r} (batch row {rows[i]}, image {i} of the batch)"
+            )
+
+        return image_patches(
+            images,
+            np.concatenate(grids) if grids else np.empty((0, 3), np.int64),
+            patch_size=self.patch_size,
+            merge=self.merge,
+            temporal_patch_size=self.temporal_patch_size,
+            name=name,
+        )
 
     def __repr__(self) -> str:
         options = "".join(
