@@ -16,10 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from chat_kit import EOT, bpe
+from chat_kit import EOT, vision_bpe
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
 
 import zephon
 from zephon.errors import PatchLayoutError, ZephonError
@@ -232,14 +231,6 @@ def test_patches_equal_a_patch_by_patch_reference(
 
 
 # ------------------------------------------------------------------------------- a pipeline
-@functools.cache
-def vision_bpe() -> Tokenizer:
-    """The chat tests' BPE with image tokens added as special tokens."""
-    tok = Tokenizer.from_str(bpe().to_str())
-    tok.add_special_tokens(["<|image|>", "<|vision_start|>", "<|vision_end|>"])
-    return tok
-
-
 def token_id(name: str) -> int:
     found = vision_bpe().token_to_id(name)
     assert found is not None

@@ -59,9 +59,9 @@ IMAGE_GRID_FIELD = "image_grid_thw"
 
 
 def channels_first(image: np.ndarray) -> np.ndarray:
-    """A ``(C, H, W)`` view of a decoded image: a float ``(C, H, W)`` array as ``normalize``
-    makes it as it is, a ``uint8`` ``(H, W, C)`` / ``(H, W)`` one as ``decode_images`` makes it
-    transposed."""
+    """A ``(C, H, W)`` view of a decoded image: float images are ``(C, H, W)`` already (as
+    ``normalize`` makes them), ``uint8`` ``(H, W, C)`` / ``(H, W)`` ones (as ``decode_images``
+    makes them) are transposed."""
     if image.ndim == 2:
         return image[None]
     return image if image.dtype.kind == "f" else image.transpose(2, 0, 1)
