@@ -307,8 +307,9 @@ def test_a_pipeline_s_image_tokens_are_the_patches_merged(documents: Path) -> No
             assert (got["input_ids"][r] == image).sum() * 2 * 2 == windows[of_row].sum()
         # the same pixels as the images the plain collate hands over, cut into patches
         pixels = images["pixel_values"]
-        pictures = list(pixels) if pixels.ndim == 4 else None
-        if pictures is None:  # of different sizes: flattened one after the other
+        if pixels.ndim == 4:  # of one size: stacked
+            pictures = list(pixels)
+        else:  # of different sizes: flattened one after the other
             pictures, at = [], 0
             for h, w in images["image_sizes"].tolist():
                 pictures.append(pixels[at : at + 3 * h * w].reshape(3, h, w))
