@@ -56,6 +56,14 @@ def bpe() -> Tokenizer:
 
 
 @functools.cache
+def vision_bpe() -> Tokenizer:
+    """``bpe()`` with the image tokens of vision-language models added as special tokens."""
+    tok = Tokenizer.from_str(bpe().to_str())
+    tok.add_special_tokens(["<|image|>", "<|vision_start|>", "<|vision_end|>"])
+    return tok
+
+
+@functools.cache
 def fast_tokenizer() -> Any:
     """A transformers fast tokenizer around ``bpe()`` with ``JINJA`` as its chat template."""
     from transformers import PreTrainedTokenizerFast

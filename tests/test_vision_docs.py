@@ -4,6 +4,7 @@ must equal the uninterrupted one."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,4 @@ def test_the_vision_tutorial_runs_and_its_resumed_stream_is_identical(tmp_path: 
     assert "pixel_values (" in done.stdout and "image_grid_thw (" in done.stdout
     assert "WebDataset shards: the same batches, pixels included" in done.stdout
     assert "position_ids (3, 4, 96)" in done.stdout  # the M-RoPE section ran
+    assert re.search(r"patches \(\d+, 294\) float32", done.stdout)  # and the patches one

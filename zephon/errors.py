@@ -65,6 +65,13 @@ class WorkerLostError(ZephonError):
     lane and where it ran. The lane cannot go on; resume from the last checkpoint."""
 
 
+class PatchLayoutError(ZephonError, ValueError):
+    """An image cannot be cut into the patches its tokens stand for
+    (``pixel_layout="patches"`` of ``training_collate``): its size is not its patch grid's, or the
+    grid not the tokenizer's. The message names the record, the image and what to change; nothing
+    is resized silently."""
+
+
 class OperatorError(ZephonError):
     """An exception raised inside an operator, naming the operator, the cursor and the sample id."""
 

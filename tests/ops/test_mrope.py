@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from chat_kit import EOT, bpe
+from chat_kit import EOT, vision_bpe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
@@ -228,14 +228,6 @@ def test_the_default_collate_keeps_its_identity() -> None:
 
 
 # ------------------------------------------------------------------- a real pipeline
-@functools.cache
-def vision_bpe() -> Tokenizer:
-    """The chat tests' BPE with image tokens added as special tokens."""
-    tok = Tokenizer.from_str(bpe().to_str())
-    tok.add_special_tokens(["<|image|>", "<|vision_start|>", "<|vision_end|>"])
-    return tok
-
-
 def token_id(tok: Tokenizer, name: str) -> int:
     found = tok.token_to_id(name)
     assert found is not None

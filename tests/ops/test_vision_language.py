@@ -18,11 +18,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from chat_kit import BOS, EOT, HEADERS, OURS, bpe, chat_records, fast_tokenizer
+from chat_kit import BOS, EOT, HEADERS, OURS, chat_records, fast_tokenizer, vision_bpe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pipeline_kit import assert_resumes_at, run
-from tokenizers import Tokenizer
 
 import zephon
 from zephon.errors import OperatorError, PlanError, RelaneWarning
@@ -49,14 +48,6 @@ pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 IMAGE, START, END = "<|image|>", "<|vision_start|>", "<|vision_end|>"
 PATCH, MERGE = 4, 2
-
-
-@functools.cache
-def vision_bpe() -> Tokenizer:
-    """The chat tests' BPE with the image tokens added as special tokens."""
-    tok = Tokenizer.from_str(bpe().to_str())
-    tok.add_special_tokens([IMAGE, START, END])
-    return tok
 
 
 def tid(token: str) -> int:

@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from zephon.errors import PatchLayoutError
 from zephon.ops.mrope import mrope_positions
+from zephon.ops.patches import image_patches
 from zephon.ops.vision import IMAGE_GRID_FIELD, IMAGE_SPANS_FIELD, image_size
 from zephon.types import SampleRecord
 from zephon.validation import check_int
@@ -21,6 +23,7 @@ __all__ = ["TrainingCollate", "training_collate"]
 
 _ROW_FIELDS = ("tokens", "segment_ids", "positions")
 _POSITIONS = ("1d", "mrope")
+_PIXEL_LAYOUTS = ("images", "patches")
 
 
 class TrainingCollate:
@@ -52,7 +55,12 @@ class TrainingCollate:
     - ``pixel_values``: the images stacked (``(N, *shape)``) when they all have one shape, else
       every image's pixels flattened in C order and concatenated (1-D; image ``i`` is the next
       ``prod(shape)`` values, its shape from ``image_sizes`` and the channels); a batch without
-      images gets an empty 1-D float32 array;
+      images gets an empty 1-D float32 array. With ``pixel_layout="patches"`` (and
+      ``patch_size=``, ``merge=``, as given to the tokenizer) they are instead the flattened
+      patches a Qwen2-VL-style vision tower takes, ``(sum(gh*gw), C*T*p*p)`` in its image
+      processor's layout (``T = temporal_patch_size``; ``zephon.ops.patches``): each image must
+      then be exactly its grid's ``gh*p x gw*p`` pixels (``PatchLayoutError`` otherwise), and a
+      batch without images gets ``(0, 3*T*p*p)`` float32;
     - ``image_sizes``: ``(N, 2)`` int64 ``(height, width)``;
     - ``image_grid_thw``: ``(N, 3)`` int64, when the rows carry it (``patch_size`` tokenization);
     - ``image_to_row``: ``(N,)`` int64, the batch row of each image.
@@ -96,6 +104,9 @@ class TrainingCollate:
         "positions": "1d",
         "merge": None,
         "image_token_id": None,
+        "pixel_layout": "images",
+        "patch_size": None,
+        "temporal_patch_size": 2,
     }
 
     def __init__(
@@ -113,6 +124,9 @@ class TrainingCollate:
         positions: str = "1d",
         merge: int | None = None,
         image_token_id: int | None = None,
+        pixel_layout: str = "images",
+        patch_size: int | None = None,
+        temporal_patch_size: int = 2,
     ):
         where = "training_collate"
         if images is not None and not isinstance(images, str):
@@ -145,8 +159,32 @@ class TrainingCollate:
             image_token_id = check_int(
                 image_token_id, "image_token_id", where, minimum=0, maximum=2**31 - 1
             )
-        elif merge is not None or image_token_id is not None:
-            raise ValueError(f"{where}: merge= and image_token_id= go with positions='mrope'")
+        elif image_token_id is not None or (merge is not None and pixel_layout != "patches"):
+            raise ValueError(
+                f"{where}: merge= and image_token_id= go with positions='mrope' (merge= also with "
+                "pixel_layout='patches')"
+            )
+        if pixel_layout not in _PIXEL_LAYOUTS:
+            raise ValueError(
+                f"{where}: pixel_layout must be one of {', '.join(map(repr, _PIXEL_LAYOUTS))}, "
+                f"got {pixel_layout!r}"
+            )
+        if pixel_layout == "patches":
+            if images is None or patch_size is None or merge is None:
+                raise ValueError(
+                    f"{where}: pixel_layout='patches' needs images= and the patch_size= and merge= "
+                    "the tokenizer was given (each image is cut into the patches its tokens stand "
+                    "for)"
+                )
+            patch_size = check_int(patch_size, "patch_size", where, minimum=1)
+            merge = check_int(merge, "merge", where, minimum=1)
+            temporal_patch_size = check_int(
+                temporal_patch_size, "temporal_patch_size", where, minimum=1
+            )
+        elif patch_size is not None or temporal_patch_size != 2:
+            raise ValueError(
+                f"{where}: patch_size= and temporal_patch_size= go with pixel_layout='patches'"
+            )
         if dtype not in ("int64", "int32"):
             raise ValueError(f"{where}: dtype must be 'int64' or 'int32', got {dtype!r}")
         if layout not in ("rows", "flat"):
@@ -171,6 +209,9 @@ class TrainingCollate:
         self.positions = positions
         self.merge = merge
         self.image_token_id = image_token_id
+        self.pixel_layout = pixel_layout
+        self.patch_size = patch_size
+        self.temporal_patch_size = temporal_patch_size
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -303,7 +344,7 @@ class TrainingCollate:
         images: list[np.ndarray] = []
         rows: list[int] = []
         grids: list[np.ndarray] = []
-        has_grid = False
+        has_grid = self.pixel_layout == "patches"
         for r, rec in enumerate(records):
             payload = rec.payload
             if not isinstance(payload, dict) or self.images not in payload:
@@ -318,8 +359,18 @@ class TrainingCollate:
             if grid is not None:
                 has_grid = True
                 grids.append(np.asarray(grid, dtype=np.int64).reshape(-1, 3))
-        shapes = {image.shape for image in images}
-        if len(shapes) == 1:
+            if self.pixel_layout == "patches" and len(held) != (
+                0 if grid is None else len(grids[-1])
+            ):
+                raise PatchLayoutError(
+                    f"training_collate: record {rec.meta.cursor!r} holds {len(held)} images in "
+                    f"{self.images!r} and {0 if grid is None else len(grids[-1])} patch grids "
+                    f"({IMAGE_GRID_FIELD}): pixel_layout='patches' cuts each image by its grid "
+                    "(tokenize with patch_size=)"
+                )
+        if self.pixel_layout == "patches":
+            pixels = self._patches(records, images, grids, rows)
+        elif len({image.shape for image in images}) == 1:
             pixels = np.stack(images)
         elif images:
             pixels = np.concatenate([image.reshape(-1) for image in images])
@@ -335,6 +386,32 @@ class TrainingCollate:
         if has_grid:
             out["image_grid_thw"] = np.concatenate(grids) if grids else np.empty((0, 3), np.int64)
         return out
+
+    def _patches(
+        self,
+        records: Sequence[SampleRecord],
+        images: list[np.ndarray],
+        grids: list[np.ndarray],
+        rows: list[int],
+    ) -> np.ndarray:
+        """``pixel_values`` with ``pixel_layout="patches"``: ``images`` (of batch rows ``rows``)
+        cut by their ``grids``, an image that does not fit named by its record and place."""
+        assert self.patch_size is not None and self.merge is not None
+
+        def name(i: int) -> str:
+            return (
+                f"training_collate: image {i - rows.index(rows[i])} in {self.images!r} of record "
+                f"{records[rows[i]].meta.cursor!r} (batch row {rows[i]}, image {i} of the batch)"
+            )
+
+        return image_patches(
+            images,
+            np.concatenate(grids) if grids else np.empty((0, 3), np.int64),
+            patch_size=self.patch_size,
+            merge=self.merge,
+            temporal_patch_size=self.temporal_patch_size,
+            name=name,
+        )
 
     def __repr__(self) -> str:
         options = "".join(
@@ -360,6 +437,9 @@ def training_collate(
     positions: str = "1d",
     merge: int | None = None,
     image_token_id: int | None = None,
+    pixel_layout: str = "images",
+    patch_size: int | None = None,
+    temporal_patch_size: int = 2,
 ) -> TrainingCollate:
     """A collate for ``batch(n, collate=training_collate())`` after a packer: per packed row
     ``input_ids``, ``labels`` (``ignore_index`` on padding, segment starts and where
@@ -372,7 +452,10 @@ def training_collate(
     image spans are never trained on (see ``TrainingCollate``). ``positions="mrope"`` with
     ``merge=`` and ``image_token_id=`` (the tokenizer's) makes ``position_ids`` the ``(3, B, L)``
     M-RoPE positions of Qwen2-VL-style models and adds the 1-D ones as ``text_position_ids``.
-    Numpy arrays; ``as_torch_dataset`` yields them as tensors."""
+    ``pixel_layout="patches"`` with ``patch_size=`` and ``merge=`` (the tokenizer's) gives
+    ``pixel_values`` as such a model's vision tower takes them: flattened patches in its image
+    processor's layout, the frame repeated ``temporal_patch_size`` times (see
+    ``zephon.ops.patches``). Numpy arrays; ``as_torch_dataset`` yields them as tensors."""
     return TrainingCollate(
         mask_field=mask_field,
         ignore_index=ignore_index,
@@ -386,4 +469,7 @@ def training_collate(
         positions=positions,
         merge=merge,
         image_token_id=image_token_id,
+        pixel_layout=pixel_layout,
+        patch_size=patch_size,
+        temporal_patch_size=temporal_patch_size,
     )

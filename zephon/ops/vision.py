@@ -58,17 +58,24 @@ IMAGE_SPANS_FIELD = "image_spans"
 IMAGE_GRID_FIELD = "image_grid_thw"
 
 
+def channels_first(image: np.ndarray) -> np.ndarray:
+    """A ``(C, H, W)`` view of a decoded image: float images are ``(C, H, W)`` already (as
+    ``normalize`` makes them), ``uint8`` ``(H, W, C)`` / ``(H, W)`` ones (as ``decode_images``
+    makes them) are transposed."""
+    if image.ndim == 2:
+        return image[None]
+    return image if image.dtype.kind == "f" else image.transpose(2, 0, 1)
+
+
 def image_size(image: Any) -> tuple[int, int]:
-    """``(height, width)`` of a decoded image: a ``uint8`` ``(H, W)`` / ``(H, W, C)`` array as
-    ``decode_images`` makes it, or a float ``(C, H, W)`` array as ``normalize`` makes it."""
+    """``(height, width)`` of a decoded image (see ``channels_first``)."""
     if not isinstance(image, np.ndarray) or image.ndim not in (2, 3):
         raise TypeError(
             f"an image must be a decoded array (decode_images first), got "
             f"{type(image).__name__} {getattr(image, 'shape', '')}"
         )
-    if image.ndim == 3 and image.dtype.kind == "f":
-        return int(image.shape[1]), int(image.shape[2])
-    return int(image.shape[0]), int(image.shape[1])
+    _, height, width = channels_first(image).shape
+    return int(height), int(width)
 
 
 def _token_id(value: Any, name: str, owner: str) -> int:
