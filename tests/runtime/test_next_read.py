@@ -253,3 +253,20 @@ def test_with_tokenizer_threads_off_the_calls_come_one_at_a_time(
         next(loader)
         next(loader)
         assert len(ahead_threads()) == 2
+
+
+def test_a_tokenizer_given_more_threads_midway_gets_a_second_call_ahead(
+    parquet: Path, bpe: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As in a worker whose pool is widened once the other workers have finished
+    # (``ProcessGroup.lane_ended``): from then on, calls overlap again; the stream stays the same.
+    alone = rows_of(text_pipeline(parquet, OneByOne(bpe)))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    with text_pipeline(parquet, bpe).iter() as loader:
+        got = [next(loader).payload["tokens"].tolist() for _ in range(2)]
+        assert len(ahead_threads()) == 1
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+        got += [next(loader).payload["tokens"].tolist() for _ in range(6)]
+        assert len(ahead_threads()) == 2
+        got += [b.payload["tokens"].tolist() for b in loader]
+    assert got == alone and ahead_threads() == []

@@ -56,17 +56,14 @@ def _timed(op: Operator, records: list) -> tuple[list, float]:
 class NextRead:
     """The reads a lane made ahead (at most the one being processed and the next), in order,
     each with the first operator's call on its records, made on threads of their own
-    (``zephon-ahead-<operator>``, ``calls_at_once()`` of them): the next read's call runs beside
-    the current one's."""
+    (``zephon-ahead-<operator>``, ``calls_at_once()`` of them, one more once a worker's tokenizer
+    is given more threads as other workers finish): the next read's call runs beside the current
+    one's."""
 
     def __init__(self, op_name: str) -> None:
-        # A daemon thread, as the lane's own: a call that never returns does not keep the
-        # process from exiting (a thread lane that timed out leaves both behind).
         self._calls: SimpleQueue[tuple[Future, Operator, list] | None] = SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._serve, name=f"zephon-ahead-{op_name}", daemon=True)
-            for _ in range(calls_at_once())
-        ]
+        self._name = f"zephon-ahead-{op_name}"
+        self._threads = [self._thread() for _ in range(calls_at_once())]
         # Per read ahead: where, what was read (or the error reading raised), its records and
         # the call on them (None when the read holds more than records).
         self._queue: deque[tuple[Where, Any, list | None, Future | None]] = deque()
@@ -86,6 +83,9 @@ class NextRead:
             if not self._threads[0].is_alive():
                 for thread in self._threads:
                     thread.start()
+            elif len(self._threads) < calls_at_once():  # the worker's pool was widened
+                self._threads.append(self._thread())
+                self._threads[-1].start()
             self._calls.put((call, op, records))
         self._queue.append((where, records, records if call else None, call))
 
@@ -149,6 +149,11 @@ class NextRead:
             thread.join()
         self._queue.clear()
         self._current = None
+
+    def _thread(self) -> threading.Thread:
+        # A daemon thread, as the lane's own: a call that never returns does not keep the
+        # process from exiting (a thread lane that timed out leaves both behind).
+        return threading.Thread(target=self._serve, name=self._name, daemon=True)
 
     def _serve(self) -> None:
         while (job := self._calls.get()) is not None:
