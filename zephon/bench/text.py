@@ -179,7 +179,9 @@ def end_to_end(data: str, tokenizer: str, rounds: int) -> dict[str, Any]:
     process (both on one tokenizer, loaded from ``tokenizer``, and so on one thread pool): each
     round's tokens/s of the bare loop, of the pipeline with the bare loop's call size
     (``micro_batch=ROW_GROUP``: the tokenizer gets as many texts a call) and with the default
-    ``micro_batch`` (``rounds``: bare, ours, default), their medians and the ratios of those."""
+    ``micro_batch`` (``rounds``: bare, ours, default), their medians, and the median of each
+    round's ratio to that round's bare loop (paired: the machine's speed drifts between rounds
+    more than the gap between the two)."""
     tok = load_tokenizer(tokenizer)
     runs = []
     for _ in range(rounds):
@@ -198,9 +200,9 @@ def end_to_end(data: str, tokenizer: str, rounds: int) -> dict[str, Any]:
     return {
         "bare": bare,
         "ours": ours,
-        "ratio": ours / bare,
+        "ratio": statistics.median(o / b for b, o, _ in runs),
         "default": default,
-        "default_ratio": default / bare,
+        "default_ratio": statistics.median(d / b for b, _, d in runs),
         "rounds": runs,
     }
 
