@@ -186,3 +186,37 @@ def token_id(special: str) -> int:
     found = bpe().token_to_id(special)
     assert found is not None, special
     return found
+
+
+def tiny_qwen2_vl_config(
+    *,
+    vocab_size: int,
+    image: int,
+    start: int,
+    end: int,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    **extra: Any,
+) -> Any:
+    """A transformers ``Qwen2VLConfig`` of one small layer (random weights when built), with
+    the image, vision start and end token ids given; ``text`` and ``vision`` add to its text and
+    vision configs, ``extra`` to the config itself."""
+    import transformers
+
+    return transformers.Qwen2VLConfig(
+        text_config={
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": vocab_size,
+            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+            **(text or {}),
+        },
+        vision_config={"depth": 1, "embed_dim": 16, "num_heads": 2, **(vision or {})},
+        image_token_id=image,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        **extra,
+    )

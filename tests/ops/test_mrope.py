@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from chat_kit import EOT, vision_bpe
+from chat_kit import EOT, tiny_qwen2_vl_config, vision_bpe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
@@ -279,25 +279,15 @@ def test_a_pipeline_of_real_images_gets_the_reference_positions() -> None:
 @functools.cache
 def qwen2_vl(merge: int) -> Any:
     """A tiny Qwen2-VL of transformers (random weights): its ``get_rope_index`` is the scheme."""
-    import transformers
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
-    config = transformers.Qwen2VLConfig(
-        text_config={
-            "hidden_size": 16,
-            "intermediate_size": 16,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "vocab_size": 256,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
-        },
-        vision_config={"depth": 1, "embed_dim": 16, "num_heads": 2, "spatial_merge_size": merge},
-        image_token_id=IMAGE,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
+    config = tiny_qwen2_vl_config(
+        vocab_size=256,
+        image=IMAGE,
+        start=START,
+        end=END,
+        text={"bos_token_id": 1, "eos_token_id": 2},
+        vision={"spatial_merge_size": merge},
         video_token_id=10,
     )
     return Qwen2VLModel(config)

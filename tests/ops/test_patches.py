@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from chat_kit import EOT, vision_bpe
+from chat_kit import EOT, tiny_qwen2_vl_config, vision_bpe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -338,28 +338,17 @@ def test_a_qwen2_vl_model_takes_the_batch_as_it_is(documents: Path) -> None:
     import transformers
 
     image = token_id("<|image|>")
-    config = transformers.Qwen2VLConfig(
-        text_config={
-            "hidden_size": 16,
-            "intermediate_size": 16,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "vocab_size": 512,
-            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
-        },
-        vision_config={
-            "depth": 1,
-            "embed_dim": 16,
-            "num_heads": 2,
+    config = tiny_qwen2_vl_config(
+        vocab_size=512,
+        image=image,
+        start=token_id("<|vision_start|>"),
+        end=token_id("<|vision_end|>"),
+        vision={
             "hidden_size": 16,
             "patch_size": 4,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
         },
-        image_token_id=image,
-        vision_start_token_id=token_id("<|vision_start|>"),
-        vision_end_token_id=token_id("<|vision_end|>"),
     )
     torch.manual_seed(0)
     model = transformers.Qwen2VLForConditionalGeneration(config).eval()
