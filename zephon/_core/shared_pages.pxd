@@ -5,4 +5,3 @@ cdef class SharedPages:
     cdef Py_buffer _buffer         # the mapping's buffer, held while the pages are
     cdef bint _held                # whether _buffer was taken (and so is released)
     cdef char* data                # the first byte of the pages
-    cdef Py_ssize_t size

@@ -30,7 +30,6 @@ cdef class SharedPages:
                 f"pages {start}..{start + size} lie outside a mapping of {self._buffer.len} bytes"
             )
         self.data = <char*>self._buffer.buf + start
-        self.size = size
 
     def __dealloc__(self):
         if self._held:

@@ -1137,8 +1137,9 @@ def image_rows(quick: bool) -> list[Row]:
         )
     pb.lane_throughput(256, 1)  # start the fork server before anything is timed
     cpu: dict[str, list[float]] = {"process": [], "torch": []}
+    lane_rounds = 3 if quick else 9  # the torch ratio sits near 1: more rounds
     m = ib.alternating(
-        3 if quick else 9,  # the torch ratio sits near 1: more rounds
+        lane_rounds,
         inline=lambda: ib.pipeline_rate(ib.image_pipeline(path)),
         process=lambda: ib.pipeline_rate(
             ib.image_pipeline(path, lanes=2, workers="process"), cpu["process"]
@@ -1156,7 +1157,7 @@ def image_rows(quick: bool) -> list[Row]:
             # Judged only where the machine's own two processes reach 1.8× one.
             m["process/inline"] >= 1.6 if ceiling >= 1.8 else None,
             f"the machine's two-process ceiling now: {ceiling:.2f}× (judged only from 1.8×: "
-            f"two free cores); medians of {len(cpu['torch'])} interleaved rounds",
+            f"two free cores); medians of {lane_rounds} interleaved rounds",
         )
     )
     versus_torch = m["process/torch"]
@@ -1169,7 +1170,7 @@ def image_rows(quick: bool) -> list[Row]:
             "≥ 1×",
             versus_torch >= 1.0,
             "torch: a map-style Dataset over the same Parquet column, batch_size=64, default "
-            f"collate; both from their first batch on; the median of {len(cpu['torch'])} "
+            f"collate; both from their first batch on; the median of {lane_rounds} "
             "interleaved rounds' ratios",
         )
     )
