@@ -1,6 +1,7 @@
 """``RecordRun`` (zephon/_core/records.pyx): a run of root records kept as columns must be, record
 for record, what building each record with the public constructors gives; and so must everything
-made from it (splits, new payloads, pickles, batches)."""
+made from it (splits, new payloads, pickles, batches). A run with token counts (a pre-tokenized
+source's, ``counted_run``) is its records each given ``counted_meta``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from hypothesis import strategies as st
 from zephon._core.records import (
     JoinedRuns,
     count_closing,
+    counted_meta,
+    counted_run,
     expand_runs,
     make_batch,
     map_run,
@@ -24,20 +27,25 @@ from zephon.types import RecordRun, SampleCursor, SampleMeta, SampleRecord
 
 
 def reference(
-    chunk_id: int, pointers: Any, payloads: list, lane: int, comps: list | None, first: int
+    chunk_id: int,
+    pointers: Any,
+    payloads: list,
+    lane: int,
+    comps: list | None,
+    first: int,
+    tokens: list[int] | None = None,
 ) -> list[tuple[SampleMeta, Any]]:
-    """Each record's meta and payload, built field by field (no components: the dataset id)."""
-    return [
-        (
-            SampleMeta(
-                SampleCursor(chunk_id, first + i, (int(row[0]), int(row[1]), int(row[2])), ()),
-                lane_id=lane,
-                component=int(row[0]) if comps is None else comps[i],
-            ),
-            payloads[i],
+    """Each record's meta and payload, built field by field (no components: the dataset id;
+    with ``tokens``, each record one sample of its component that many tokens long)."""
+    out = []
+    for i, row in enumerate(pointers):
+        meta = SampleMeta(
+            SampleCursor(chunk_id, first + i, (int(row[0]), int(row[1]), int(row[2])), ()),
+            lane_id=lane,
+            component=int(row[0]) if comps is None else comps[i],
         )
-        for i, row in enumerate(pointers)
-    ]
+        out.append((meta if tokens is None else counted_meta(meta, tokens[i]), payloads[i]))
+    return out
 
 
 def seen(records: Sequence[SampleRecord]) -> list[tuple[SampleMeta, Any]]:
@@ -56,8 +64,9 @@ def runs(draw: st.DrawFn, min_size: int = 1) -> tuple[RecordRun, list[tuple[Samp
     )
     payloads = [{"i": i} for i in range(n)]
     comps = draw(st.none() | st.lists(st.sampled_from([None, "web", 3]), min_size=n, max_size=n))
-    run = RecordRun(chunk_id, pointers, payloads, lane, comps, first)
-    return run, reference(chunk_id, pointers, payloads, lane, comps, first)
+    tokens = draw(st.none() | st.lists(st.integers(0, 2**40), min_size=n, max_size=n))
+    run = RecordRun(chunk_id, pointers, payloads, lane, comps, first, tokens)
+    return run, reference(chunk_id, pointers, payloads, lane, comps, first, tokens)
 
 
 @given(runs())
@@ -98,6 +107,46 @@ def test_a_run_survives_pickle_and_with_payloads_keeps_its_records(drawn: Any) -
     new = run.with_payloads([{"n": i} for i in range(len(run))])
     assert [r.meta for r in new] == [m for m, _ in expected]
     assert [r.payload for r in new] == [{"n": i} for i in range(len(run))]
+    if len(run) > 1:  # a part's new payloads keep the part's own counts
+        tail = run.split(1)[1].with_payloads([{"n": i} for i in range(len(run) - 1)])
+        assert [r.meta for r in tail] == [m for m, _ in expected[1:]]
+
+
+@given(runs(), st.data())
+def test_a_counted_run_is_its_records_each_given_counted_meta(
+    drawn: Any, data: st.DataObject
+) -> None:
+    run, _ = drawn
+    lengths = data.draw(st.lists(st.integers(0, 9), min_size=len(run), max_size=len(run)))
+    plain = run.with_payloads([{"tokens": [7] * k} for k in lengths])
+    plain = RecordRun(  # the same run without counts, as fetch reads it
+        plain.chunk_id,
+        plain.pointers,
+        plain.payloads,
+        plain.lane_id,
+        # Components left out where they are the dataset ids, as a single source's are.
+        None if run.components == [int(p[0]) for p in run.pointers] else plain.components,
+        plain.first_offset,
+    )
+    for part in [plain] if len(plain) == 1 else [plain, plain.split(1)[1]]:
+        counted = counted_run(part, "tokens")
+        expected = [counted_meta(r.meta, len(r.payload["tokens"])) for r in part]
+        counts = counted.token_counts
+        assert counts is not None and counts.tolist() == [len(p["tokens"]) for p in part.payloads]
+        assert [r.meta for r in counted] == expected
+        assert [r.payload for r in counted] == part.payloads
+        assert [r.meta for r in pickle.loads(pickle.dumps(counted))] == expected
+    assert run.token_counts is None or len(run.token_counts) == len(run)
+
+
+def test_a_run_refuses_token_counts_that_do_not_fit_it() -> None:
+    rows = np.zeros((2, 3), dtype=np.int64)
+    with pytest.raises(ValueError, match="2 records but token_counts of shape"):
+        RecordRun(0, rows, [None, None], 0, None, 0, [1, 2, 3])
+    with pytest.raises(ValueError, match="token_counts must be >= 0"):
+        RecordRun(0, rows, [None, None], 0, None, 0, [1, -1])
+    with pytest.raises(KeyError):
+        counted_run(RecordRun(0, rows, [{"a": 1}, {"a": 2}], 0, None), "tokens")
 
 
 def test_a_run_split_out_of_range_or_given_the_wrong_payloads_says_so() -> None:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zephon._core.records import counted_meta
-from zephon._core.tokens import UNDECIDED, int32_ids, tokenized_records
+from zephon._core.tokens import UNDECIDED, document_views, int32_ids, tokenized_records
 from zephon.types import ContributorRef, SampleCursor, SampleMeta, SampleRecord
 
 ID_LIMIT = 2**31
@@ -265,3 +265,77 @@ def test_anything_but_records_is_refused():
 def test_the_counted_meta_is_the_one_the_constructor_builds(component, n):
     meta = a_record(1, component, {}, frozenset({"t"})).meta
     assert counted_meta(meta, n) == counted_reference(meta, n)
+
+
+# --- document_views: a block of neighbouring documents cut into one payload per document -------
+
+
+@st.composite
+def cuts(draw: st.DrawFn) -> tuple[np.ndarray, list[int], list[int], list[int], int]:
+    """A block, spans inside it (any order, overlapping or not), where each goes in a list."""
+    dtype = draw(st.sampled_from([np.int32, np.int64, np.uint16]))
+    block = np.arange(draw(st.integers(0, 40)), dtype=dtype)
+    n = draw(st.integers(0, 8))
+    starts = draw(st.lists(st.integers(0, len(block)), min_size=n, max_size=n))
+    lengths = [draw(st.integers(0, len(block) - s)) for s in starts]
+    slots = n + draw(st.integers(0, 3))
+    positions = draw(st.permutations(range(slots)))[:n]
+    return block, positions, starts, lengths, slots
+
+
+@given(cuts(), st.booleans())
+def test_each_document_is_the_views_slice_of_the_block(drawn: Any, read_only: bool) -> None:
+    block, positions, starts, lengths, slots = drawn
+    block.flags.writeable = not read_only
+    out: list[Any] = [None] * slots
+    i64 = np.int64
+    document_views(out, np.array(positions, i64), block, np.array(starts, i64),
+                   np.array(lengths, i64), "tokens")  # fmt: skip
+    expected: list[Any] = [None] * slots
+    for p, s, n in zip(positions, starts, lengths, strict=True):
+        expected[p] = {"tokens": block[s : s + n]}
+    for got, want in zip(out, expected, strict=True):
+        if want is None:
+            assert got is None
+            continue
+        assert list(got) == ["tokens"]
+        view = got["tokens"]
+        assert view.dtype == block.dtype and view.tolist() == want["tokens"].tolist()
+        assert view.base is block and view.flags.writeable == (not read_only)
+        if view.size:
+            assert np.shares_memory(view, block)
+
+
+def test_the_views_keep_the_block_alive() -> None:
+    out: list[Any] = [None] * 2
+    block = np.arange(6, dtype=np.int32)
+    document_views(out, np.array([1, 0]), block, np.array([0, 2]), np.array([2, 4]), "t")
+    del block
+    np.ones(1 << 16, dtype=np.int32)  # what would reuse freed memory
+    assert out[0]["t"].tolist() == [2, 3, 4, 5] and out[1]["t"].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("positions", "starts", "lengths", "error"),
+    [
+        ([0], [4], [3], "document 0 spans 4..7 outside a block of 6"),
+        ([0], [-1], [1], "outside a block of 6"),
+        ([0], [0], [-1], "outside a block of 6"),
+        ([2], [0], [1], "position 2 outside a list of 2"),
+        ([0, 1], [0], [1, 1], "2 positions, 1 starts and 2 lengths"),
+    ],
+)
+def test_a_span_or_position_out_of_range_places_nothing(positions, starts, lengths, error):
+    out: list[Any] = [None, None]
+    block = np.arange(6, dtype=np.int32)
+    with pytest.raises(ValueError, match=error):
+        document_views(out, np.array(positions), block, np.array(starts), np.array(lengths), "t")
+    assert out == [None, None]
+
+
+@pytest.mark.parametrize(
+    "block", [np.zeros((2, 3), np.int32), np.arange(8, dtype=np.int32)[::2], np.zeros(3, ">i4")]
+)
+def test_only_a_flat_contiguous_native_block_is_cut(block: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="1-D C-contiguous array of a native dtype"):
+        document_views([None], np.array([0]), block, np.array([0]), np.array([1]), "t")

@@ -238,13 +238,19 @@ def _state(book: DeliveryBook) -> tuple:
         book.counters.delivered,
         book.counters.evicted,
         book.counters.mix_samples,
+        book.counters.mix_tokens,
         [(v[0], v[1].meta, v[2], v[3]) if v[0] == "early-close" else v for v in book.violations],
     )
 
 
-@given(deliveries(), st.booleans(), st.sampled_from(["named", "dataset ids", "one dataset"]))
+@given(
+    deliveries(),
+    st.booleans(),
+    st.sampled_from(["named", "dataset ids", "one dataset"]),
+    st.booleans(),
+)
 def test_a_run_is_booked_as_its_records_one_by_one(
-    drawn: Any, monotone: bool, components: str
+    drawn: Any, monotone: bool, components: str, counted: bool
 ) -> None:
     sizes, spans, closed = drawn
     items = []
@@ -254,7 +260,8 @@ def test_a_run_is_booked_as_its_records_one_by_one(
         pointers = np.array([[d, chunk_id, o] for d, o in zip(ids, offsets)], dtype=np.int64)
         comps = ["web" if o % 3 else "books" for o in offsets] if components == "named" else None
         payloads = [{"i": o} for o in offsets]
-        items.append(RecordRun(chunk_id, pointers, payloads, 0, comps, first))
+        tokens = [o * 7 % 5 for o in offsets] if counted else None  # a pre-tokenized source's
+        items.append(RecordRun(chunk_id, pointers, payloads, 0, comps, first, tokens))
     by_run, by_record = _book_of(sizes, closed, monotone), _book_of(sizes, closed, monotone)
     assert by_run.deliver(items) == len(items)
     records = expand_runs(items)

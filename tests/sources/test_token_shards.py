@@ -291,6 +291,32 @@ def test_ensure_mixture_counts_the_tokens_of_each_document(tmp_path):
     assert stats["mixture_components"]["a"]["share_of"] == "tokens"
 
 
+@pytest.mark.parametrize("workers", ["inline", "process"])
+def test_delivered_documents_count_as_one_sample_of_their_tokens_each(tmp_path, workers):
+    # fetch -> batch hands runs of documents over without making a record per document: the
+    # counts the loader keeps, and each record the training loop asks for, are still exact.
+    a = TokenShardSource(npy_dir(tmp_path / "n"), eos_id=0, dataset_id=1, chunk_size=5)
+    b = TokenShardSource(megatron_dir(tmp_path / "m"), dataset_id=2, chunk_size=7)
+    mix = MixtureSource({"a": a, "b": b}, {"a": 0.5, "b": 0.5}, chunk_size=6)
+    lanes = 2 if workers == "process" else 1
+    loader = zephon.Pipeline(mix, [fetch(), batch(4)], lanes=lanes, workers=workers).iter()
+    with loader:
+        items = list(loader)
+        stats = loader.stats()
+    samples: Counter = Counter()
+    tokens: Counter = Counter()
+    for item in items:
+        for rec in item:
+            n = rec.payload["tokens"].size
+            assert rec.meta.component_sample_counts == {rec.meta.component: 1}
+            assert rec.meta.component_token_counts == {rec.meta.component: n}
+            samples[rec.meta.component] += 1
+            tokens[rec.meta.component] += n
+    assert sum(samples.values()) == 2 * N
+    assert stats["mixture_samples"] == dict(samples)
+    assert stats["mixture_tokens"] == dict(tokens)
+
+
 # --------------------------------------------------------------------------- remote
 
 

@@ -32,6 +32,7 @@ cdef class DeliveryCounters:
     cdef int _count_component(self, object comp) except -1
     cdef int count_plain(self, list components, Py_ssize_t start, Py_ssize_t stop) except -1
     cdef int count_dataset_ids(self, const offset_t* rows, Py_ssize_t n) except -1
+    cdef int count_run_tokens(self, RecordRun run) except -1
     cpdef count_tombstone(self, SampleMeta meta)
     cdef int _count_heritage(self, object tag, str kind, object counts) except -1
 

@@ -150,6 +150,35 @@ cdef class DeliveryCounters:
         self._run_n += n - start
         return 0
 
+    cdef int count_run_tokens(self, RecordRun run) except -1:
+        """``mix_tokens`` of a counted run's records (``RecordRun.token_counts``), added once
+        per stretch of one component: the totals ``count_delivered`` gives record by record."""
+        cdef Py_ssize_t i, n = run.n
+        cdef const offset_t* t = run._t + run._lo
+        cdef const offset_t* p = run._p
+        cdef list comps = run._components
+        cdef offset_t total = 0, current
+        if n == 0:
+            return 0
+        if comps is None:  # each record's component is its dataset id
+            current = p[0]
+            for i in range(n):
+                if p[3 * i] != current:
+                    _add_count(self.mix_tokens, current, total)
+                    current, total = p[3 * i], 0
+                total += t[i]
+            _add_count(self.mix_tokens, current, total)
+            return 0
+        comp = comps[run._lo]
+        for i in range(n):
+            c = comps[run._lo + i]
+            if c is not comp and c != comp:
+                _add_count(self.mix_tokens, comp, total)
+                comp, total = c, 0
+            total += t[i]
+        _add_count(self.mix_tokens, comp, total)
+        return 0
+
     cpdef count_tombstone(self, SampleMeta meta):
         """A tombstone was delivered; its counted tags are counted per tag. A counted tombstone
         that carries mixture heritage (what the record it stands for held) also adds it up per
@@ -389,6 +418,8 @@ cdef class DeliveryBook:
             self.counters.count_dataset_ids(p, n)
         elif count:
             self.counters.count_plain(run._components, run._lo, run._lo + n)
+        if count and run._t != NULL:
+            self.counters.count_run_tokens(run)
         if n == 1:
             self.last_cursor = hashed_root_cursor(cid, off, p, h)
             return 0

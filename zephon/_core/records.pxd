@@ -40,8 +40,12 @@ cdef class RecordRun:
     cdef Py_ssize_t _lo
     cdef object _pointers            # (rows, 3) int64, C-contiguous, kept alive for _p
     cdef const offset_t* _p          # the pointer row of the run's first record
+    cdef object _tokens              # None, or int64 token counts indexed as _payloads: each
+                                     # record then is one sample of its component, that long
+    cdef const offset_t* _t          # _tokens' data (NULL without), indexed as _payloads
 
     cdef SampleRecord record_at(self, Py_ssize_t i)
+    cdef void _set_tokens(self, object counts)
     cdef RecordRun _part(self, Py_ssize_t lo, Py_ssize_t hi)
 
 

@@ -369,11 +369,13 @@ cdef class RecordRun:
     something asks for records (``records()``, indexing, iterating), so operators that only map
     payloads (``Operator.maps_payloads``), batching and delivery bookkeeping go through a run
     without making a record, a meta or a cursor per sample.
+    With ``token_counts`` (``counted_run``), record ``i`` is one sample of its component,
+    ``token_counts[i]`` tokens long: its meta carries the counts ``counted_meta`` gives.
     It is a read-only ``Sequence`` of ``SampleRecord``; ``split`` shares its columns.
     """
 
     def __init__(self, chunk_id, pointers, list payloads not None, lane_id, list components,
-                 first_offset=0):
+                 first_offset=0, token_counts=None):
         rows = pointers
         if not (type(rows) is _ndarray and cnp.PyArray_TYPE(<cnp.ndarray>rows) == cnp.NPY_INT64
                 and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>rows)):  # a chunk's rows already are
@@ -402,16 +404,30 @@ cdef class RecordRun:
         self._lo = 0
         self._pointers = rows
         self._p = p if n else NULL
+        if token_counts is not None:
+            token_counts = np.array(token_counts, dtype=np.int64)
+            if token_counts.shape != (n,):
+                raise ValueError(f"{n} records but token_counts of shape {token_counts.shape}")
+            if n and token_counts.min() < 0:
+                raise ValueError("token_counts must be >= 0")
+        self._set_tokens(token_counts)
+
+    cdef void _set_tokens(self, object counts):
+        # ``counts``: None, or a C-contiguous int64 array indexed as ``_payloads``.
+        self._tokens = counts
+        self._t = NULL if counts is None else <const offset_t*>cnp.PyArray_DATA(
+            <cnp.ndarray>counts)
 
     cdef SampleRecord record_at(self, Py_ssize_t i):
         cdef const offset_t* p = self._p + 3 * i
-        return make_record(
-            make_meta(
-                make_cursor(self.chunk_id, self.first_offset + i, p[0], p[1], p[2]),
-                self.lane_id, p[0] if self._components is None else self._components[self._lo + i],
-            ),
-            self._payloads[self._lo + i],
+        cdef SampleMeta m = make_meta(
+            make_cursor(self.chunk_id, self.first_offset + i, p[0], p[1], p[2]),
+            self.lane_id, p[0] if self._components is None else self._components[self._lo + i],
         )
+        if self._tokens is not None:  # as counted_meta
+            m.component_sample_counts = {m.component: 1}
+            m.component_token_counts = {m.component: self._t[self._lo + i]}
+        return make_record(m, self._payloads[self._lo + i])
 
     cdef RecordRun _part(self, Py_ssize_t lo, Py_ssize_t hi):
         # Records lo..hi-1 of this run, sharing its columns.
@@ -425,6 +441,8 @@ cdef class RecordRun:
         part._lo = self._lo + lo
         part._pointers = self._pointers
         part._p = self._p + 3 * lo
+        part._tokens = self._tokens
+        part._t = self._t
         return part
 
     @property
@@ -455,6 +473,8 @@ cdef class RecordRun:
         out._payloads = payloads
         out._components = self.components if self._lo and self._components is not None \
             else self._components
+        if self._lo and self._tokens is not None:
+            out._set_tokens(self.token_counts.copy())
         out._lo = 0
         return out
 
@@ -464,6 +484,14 @@ cdef class RecordRun:
         if k <= 0 or k >= self.n:
             raise ValueError(f"a run of {self.n} records splits at 1..{self.n - 1}, not at {k}")
         return self._part(0, k), self._part(k, self.n)
+
+    @property
+    def token_counts(self):
+        """Each record's length in tokens (int64), for a run whose records are each one
+        sample of their component that many tokens long (``counted_run``); else None."""
+        if self._tokens is None:
+            return None
+        return self._tokens[self._lo : self._lo + self.n]
 
     @property
     def pointers(self):
@@ -493,7 +521,7 @@ cdef class RecordRun:
     def __reduce__(self):
         comps = None if self._components is None else self.components
         return (RecordRun, (self.chunk_id, self.pointers, self.payloads, self.lane_id, comps,
-                            self.first_offset))
+                            self.first_offset, self.token_counts))
 
     def __repr__(self):
         return (f"RecordRun(chunk {self.chunk_id}, offsets {self.first_offset}.."
@@ -571,25 +599,22 @@ cdef class JoinedRuns:
 _abc.Sequence.register(JoinedRuns)
 
 
-def counted_records(RecordRun run not None, str field):
-    """The run's records, each counted as one sample of its component with as many tokens as
-    ``len(payload[field])`` (``counted_meta``): what ``fetch`` hands on for a pre-tokenized
-    source, made without a meta per record in between."""
+def counted_run(RecordRun run not None, str field):
+    """``run`` with each record counted as one sample of its component, as many tokens long as
+    ``len(payload[field])`` is now (``counted_meta``): what ``fetch`` hands on for a
+    pre-tokenized source. The counts are a column of the run; no record is made for them."""
     cdef Py_ssize_t i, n = run.n
-    cdef list out = [None] * n
-    cdef const offset_t* p
-    cdef SampleMeta m
+    counts = np.empty(n, dtype=np.int64)
+    cdef offset_t* t = <offset_t*>cnp.PyArray_DATA(<cnp.ndarray>counts)
+    cdef list payloads = run._payloads
     for i in range(n):
-        p = run._p + 3 * i
-        payload = run._payloads[run._lo + i]
-        component = p[0] if run._components is None else run._components[run._lo + i]
-        m = make_meta(
-            make_cursor(run.chunk_id, run.first_offset + i, p[0], p[1], p[2]),
-            run.lane_id, component,
-        )
-        m.component_sample_counts = {component: 1}
-        m.component_token_counts = {component: len(payload[field])}
-        out[i] = make_record(m, payload)
+        t[i] = len(payloads[run._lo + i][field])
+    cdef RecordRun out = run._part(0, n)
+    if run._lo:
+        out._payloads = run.payloads
+        out._components = None if run._components is None else run.components
+        out._lo = 0
+    out._set_tokens(counts)
     return out
 
 

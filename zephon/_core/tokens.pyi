@@ -12,3 +12,11 @@ def int32_ids(ids: list[int], eos: int | None, limit: int | None) -> np.ndarray 
 def tokenized_records(
     records: list[SampleRecord], encoded: list[Any], field: str, eos: int | None, limit: int | None
 ) -> list[SampleRecord]: ...
+def document_views(
+    out: list[Any],
+    positions: np.ndarray,
+    block: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    field: str,
+) -> None: ...

@@ -3,7 +3,8 @@
 A Hugging Face ``Encoding`` hands its ids over as a list of Python ints. Converting that list
 once, straight into the output (the end-of-sequence id included, cut to a limit), with the range
 check done on the same pass, is what ``tokenize`` does per document; ``tokenized_records`` does
-it for a whole tokenizer call, with the records that carry the arrays.
+it for a whole tokenizer call, with the records that carry the arrays. ``document_views`` cuts one
+array of neighbouring documents into a payload per document, as a token file's reader does.
 """
 
 from cpython.dict cimport PyDict_Copy
@@ -166,3 +167,38 @@ def tokenized_records(list records, list encoded, str field, object eos, object 
         payload[field] = tokens
         out.append(make_record(counted_meta(rec.meta, len(tokens)), payload))
     return out
+
+
+def document_views(list out, positions, cnp.ndarray block not None, starts, lengths, str field):
+    """``out[positions[k]] = {field: block[starts[k] : starts[k] + lengths[k]]}`` for every
+    ``k``: each document a view of ``block`` (1-D, C-contiguous), made without a Python slice.
+    ``positions``, ``starts`` and ``lengths`` are int64 arrays of one length; a span outside
+    ``block`` or a position outside ``out`` is a ``ValueError`` and nothing is placed."""
+    if block.ndim != 1 or not cnp.PyArray_IS_C_CONTIGUOUS(block) or not block.dtype.isnative:
+        raise ValueError("block must be a 1-D C-contiguous array of a native dtype")
+    cdef const long long[::1] pos = np.ascontiguousarray(positions, dtype=np.int64)
+    cdef const long long[::1] at = np.ascontiguousarray(starts, dtype=np.int64)
+    cdef const long long[::1] size = np.ascontiguousarray(lengths, dtype=np.int64)
+    cdef Py_ssize_t k, n = pos.shape[0], total = block.shape[0], slots = len(out)
+    if at.shape[0] != n or size.shape[0] != n:
+        raise ValueError(f"{n} positions, {at.shape[0]} starts and {size.shape[0]} lengths")
+    for k in range(n):
+        if at[k] < 0 or size[k] < 0 or at[k] + size[k] > total:
+            raise ValueError(
+                f"document {k} spans {at[k]}..{at[k] + size[k]} outside a block of {total}"
+            )
+        if not 0 <= pos[k] < slots:
+            raise ValueError(f"position {pos[k]} outside a list of {slots}")
+    cdef int typenum = cnp.PyArray_TYPE(block)
+    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(block)
+    cdef char* data = <char*>cnp.PyArray_DATA(block)
+    cdef bint writeable = cnp.PyArray_ISWRITEABLE(block)
+    cdef cnp.npy_intp dims
+    cdef cnp.ndarray view
+    for k in range(n):
+        dims = size[k]
+        view = cnp.PyArray_SimpleNewFromData(1, &dims, typenum, data + at[k] * itemsize)
+        if not writeable:
+            cnp.PyArray_CLEARFLAGS(view, cnp.NPY_ARRAY_WRITEABLE)
+        cnp.set_array_base(view, block)  # the view keeps the block alive
+        out[pos[k]] = {field: view}

@@ -4,7 +4,7 @@ reads with the format's own reader.
 
 - token shards: a Megatron ``.bin``/``.idx`` pair (written with numpy in the documented layout);
   the baseline slices a numpy memmap of the ``.bin`` at the index's pointers and converts each
-  document to int32, in batches of the same size;
+  document to int32, in batches of the same size, each dropped when the next starts;
 - MDS: shards written by Mosaic's ``MDSWriter``; the baseline is Mosaic's own ``MDSReader``
   (``get_item`` of every sample, shard by shard), loaded without the ``streaming`` package's
   ``__init__`` (it imports torchvision). Without streaming-community installed the baseline is
@@ -122,12 +122,11 @@ def token_shard_rates(idx: Path) -> tuple[float, float]:
     pointers = np.frombuffer(raw, "<i8", count=docs, offset=34 + 4 * docs) // 2
     began = time.perf_counter()
     tokens = np.memmap(idx.with_suffix(".bin"), dtype=np.uint16, mode="r").view(np.ndarray)
-    batches = []
+    # Each batch is dropped when the next starts, as a training loop drops what it trained on.
     current: list[np.ndarray] = []
     for start, length in zip(pointers.tolist(), lengths.tolist(), strict=True):
         current.append(tokens[start : start + length].astype(np.int32))
         if len(current) == BATCH:
-            batches.append(current)
             current = []
     baseline = docs / (time.perf_counter() - began)
     assert n == docs

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.records import RecordRun, counted_records, map_payloads, map_run
+from zephon._core.records import RecordRun, counted_run, map_payloads, map_run
 from zephon.errors import FetchError, OperatorError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import tombstones_for_record
@@ -51,12 +51,10 @@ class Fetch(Operator):
         # field for its component.
         self._token_field = None if self.reader else getattr(source, "token_field", None)
 
-    def fetch(
-        self, chunk_id: int, pointers: np.ndarray, first_offset: int
-    ) -> RecordRun | list[SampleRecord]:
-        """Records for rows ``first_offset ..`` of chunk ``chunk_id``, as one run; as records
-        carrying their component token counts when the source is pre-tokenized (its
-        ``token_field``)."""
+    def fetch(self, chunk_id: int, pointers: np.ndarray, first_offset: int) -> RecordRun:
+        """Records for rows ``first_offset ..`` of chunk ``chunk_id``, as one run; when the
+        source is pre-tokenized (its ``token_field``), each counted as one sample of its
+        component with as many tokens as that field holds."""
         read = self.reader or self._source.read
         try:
             payloads = read(pointers)
@@ -82,8 +80,7 @@ class Fetch(Operator):
         if field is None:
             return run
         # As tokenize does: the record is one sample of its component, this many tokens long.
-        records: list[SampleRecord] = counted_records(run, field)
-        return records
+        return counted_run(run, field)
 
     def _read_again(
         self, read: Callable[[np.ndarray], list], pointers: np.ndarray, failed: OSError

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from zephon._core.tokens import document_views
 from zephon.errors import FetchError
 from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
 from zephon.sources.files import DigestTable, FileOptions, PathsArg, read_sidecar
@@ -467,16 +468,15 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
             fits = shard.dtype.itemsize < 4 or shard.dtype.newbyteorder("=") == np.int32
             if hi - lo == total or (fits and hi - lo <= 2 * total + 4096):
                 # Neighbouring documents (an unshuffled read): one conversion for all, each
-                # payload a slice of that copy. Ids that may not fit int32 are checked over
+                # payload a view of that copy. Ids that may not fit int32 are checked over
                 # the documents asked for only, so then without gaps.
                 block = self._int32(i, tokens[lo:hi], rows, positions, local, starts - lo)
-                rel = (starts - lo).tolist()
-                pieces = [block[s : s + n] for s, n in zip(rel, lengths.tolist(), strict=True)]
-            else:
-                pieces = [
-                    self._int32(i, tokens[s : s + n], rows, positions[k : k + 1], local, None)
-                    for k, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True))
-                ]
+                document_views(out, positions, block, starts - lo, lengths, self.field)
+                return
+            pieces = [
+                self._int32(i, tokens[s : s + n], rows, positions[k : k + 1], local, None)
+                for k, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True))
+            ]
         else:
             spans = self.read_retried(
                 i, lambda: self._fetch_pieces(i, shard, starts, lengths, rows[positions[0]])
