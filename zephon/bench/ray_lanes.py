@@ -71,7 +71,9 @@ def per_record(workers: str, n: int, repeats: int) -> float:
 def text_runs(data: str, tokenizer: str, repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The text pipeline on 2 process lanes and on 2 Ray lanes, ``repeats`` rounds in turns, each
     run in a fresh process (``text.alternating_runs``): the medians of each."""
-    common = {"data": data, "tokenizer": tokenizer, "threads": False, "lanes": 2}
+    # No memory sampled: it costs the loader's process a read per worker process, and Ray's
+    # workers are not its children.
+    common = {"data": data, "tokenizer": tokenizer, "threads": False, "lanes": 2, "memory": False}
     process, on_ray, _ = tb.alternating_runs(
         repeats, {"workers": "process", **common}, {"workers": "ray", **common}
     )

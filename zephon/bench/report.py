@@ -853,7 +853,9 @@ def text_rows(quick: bool) -> list[Row]:
     ceiling = pb.process_ceiling(2048 if quick else 4096)
     lane_rounds = 1 if quick else 5  # rows judged on a ratio near 1: more rounds
     for threads in (False, True):
-        common = {"data": data, "tokenizer": tok_path, "threads": threads}
+        # Memory is reported from the runs without tokenizer threads only, and only they sample
+        # it: it costs the loader's process CPU that the lanes' times would carry.
+        common = {"data": data, "tokenizer": tok_path, "threads": threads, "memory": not threads}
         one, two, ratios = tb.alternating_runs(
             lane_rounds,
             {"lanes": 1, "workers": "inline", **common},

@@ -265,7 +265,8 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _child(config: dict[str, Any]) -> None:
-    """In a fresh interpreter: run one configuration, print seconds, first batch and memory."""
+    """In a fresh interpreter: run one configuration, print seconds, first batch and (with
+    ``config["memory"]``) memory."""
     data, tok = config["data"], config["tokenizer"]
     pipeline = text_pipeline(
         data, load_tokenizer(tok), lanes=config["lanes"], workers=config["workers"]
@@ -284,7 +285,9 @@ def _child(config: dict[str, Any]) -> None:
             if total > peak:
                 peak, peak_loader = total, loader
 
-        before = _pss_bytes(os.getpid())  # the modules, the tokenizer: nothing read yet
+        memory = config.get("memory", True)
+        # The modules, the tokenizer: nothing read yet.
+        before = _pss_bytes(os.getpid()) if memory else 0
         start = time.perf_counter()
         loader = pipeline.iter()
         first = None
@@ -297,7 +300,9 @@ def _child(config: dict[str, Any]) -> None:
                 count += 1
                 if count == STEADY_FROM:
                     steady_from = time.perf_counter()
-                if count % 64 == 1:
+                # Reading every process's PSS takes the loader tens of milliseconds with
+                # workers: only in runs whose memory is reported.
+                if memory and count % 64 == 1:
                     sample()
         end = time.perf_counter()
         result.update(
@@ -466,12 +471,13 @@ def measure_in_fresh_process(
     threads: bool,
     restore_steps: list[int] | None = None,
     grain_workers: int | None = None,
+    memory: bool = True,
 ) -> dict[str, Any]:
     """One configuration in a fresh interpreter (so each starts its own fork server and nothing
     of an earlier run is in its memory). ``threads=False`` sets ``TOKENIZERS_PARALLELISM=false``
     for the whole run; ``True`` leaves the tokenizer's thread pool to zephon's sizing. With
     ``restore_steps``, restore times instead (``_restores``); with ``grain_workers`` as well,
-    Grain's (``_grain_child``)."""
+    Grain's (``_grain_child``). ``memory=False`` leaves memory unsampled (``pss`` 0)."""
     # The directory holding this copy of zephon: the child imports the same one.
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = {
@@ -480,6 +486,7 @@ def measure_in_fresh_process(
         "lanes": lanes,
         "workers": grain_workers if grain_workers is not None else workers,
         "restore_steps": restore_steps or [],
+        "memory": memory,
     }
     entry = "_grain_child" if grain_workers is not None else "_child"
     code = (
