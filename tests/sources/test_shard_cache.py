@@ -408,6 +408,11 @@ def test_a_copy_another_process_keeps_open_is_read_past_not_waited_for(
     assert gets(failing_proxy)  # read from the store
 
 
+needs_proc = pytest.mark.skipif(
+    not os.path.exists("/proc/self/maps"), reason="reads /proc/self/fd and /proc/self/maps"
+)
+
+
 def _held_in(directory: str) -> tuple[list[str], list[str]]:
     """The file descriptors and the memory maps this process has open on files in
     ``directory`` (lock files included)."""
@@ -446,6 +451,7 @@ def test_a_cached_shard_reads_as_the_file_and_refuses_reads_once_closed(tmp_path
         unread.read_at(4, 0)
 
 
+@needs_proc
 def test_a_pass_through_the_cache_leaves_no_descriptor_or_map_behind(tmp_path, bucket):
     uri = bucket.upload(shards(tmp_path / "data", [10] * 8), "f")
     cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
@@ -462,6 +468,7 @@ def test_a_pass_through_the_cache_leaves_no_descriptor_or_map_behind(tmp_path, b
         assert _held_in(cache.dir) == ([], [])
 
 
+@needs_proc
 def test_an_entry_replaced_on_disk_while_kept_open_is_not_served(tmp_path, bucket, failing_proxy):
     # The copy is swapped for another file (a new inode) of the same size and mtime while
     # this process keeps the entry open between reads: the next read must notice the swap
