@@ -4,6 +4,7 @@ loopback, with the counting proxy in front of it, and real worker processes."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import multiprocessing
@@ -405,3 +406,96 @@ def test_a_copy_another_process_keeps_open_is_read_past_not_waited_for(
     assert not stuck, "a reader waited for a lock another process keeps"
     assert sorted(got[0]) == list(range(40))
     assert gets(failing_proxy)  # read from the store
+
+
+needs_proc = pytest.mark.skipif(
+    not os.path.exists("/proc/self/maps"), reason="reads /proc/self/fd and /proc/self/maps"
+)
+
+
+def _held_in(directory: str) -> tuple[list[str], list[str]]:
+    """The file descriptors and the memory maps this process has open on files in
+    ``directory`` (lock files included)."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(directory + os.sep):
+                fds.append(target)
+    with open("/proc/self/maps") as fh:
+        maps = [line.split()[-1] for line in fh if f" {directory}{os.sep}" in line]
+    return fds, maps
+
+
+def test_a_cached_shard_reads_as_the_file_and_refuses_reads_once_closed(tmp_path, bucket):
+    local = shards(tmp_path / "data", [20])
+    uri = bucket.upload(local, "r")
+    data = (local / "part-000.parquet").read_bytes()
+    source = ArrowSource(
+        f"{uri}/*.parquet", cache=ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    )
+    (path,) = [f.path for f in source.files()]
+    with source.open_random(path) as shard:
+        assert shard.hit is None  # nothing opened before the first read
+        assert shard.seek(4) == 4 and shard.tell() == 4
+        assert shard.read(6) == data[4:10] and shard.tell() == 10
+        assert shard.read_buffer(5).to_pybytes() == data[10:15]
+        assert shard.read_at(8, len(data) - 8) == data[-8:] and shard.tell() == 15
+        assert shard.hit is False  # this first open downloaded it
+    for call in (lambda: shard.read(1), lambda: shard.read_at(1, 0), lambda: shard.seek(0)):
+        with pytest.raises(ValueError):
+            call()
+    unread = source.open_random(path)
+    unread.close()
+    with pytest.raises(ValueError, match=r"closed cached shard .*part-000\.parquet"):
+        unread.read_at(4, 0)
+
+
+@needs_proc
+def test_a_pass_through_the_cache_leaves_no_descriptor_or_map_behind(tmp_path, bucket):
+    uri = bucket.upload(shards(tmp_path / "data", [10] * 8), "f")
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    source = ArrowSource(f"{uri}/*.parquet", chunk_size=5, cache=cache)
+    for _ in range(2):  # a cold pass (downloads), then a warm one (hits)
+        assert sorted(rows(source)) == list(range(80))
+        fds, maps = _held_in(cache.dir)
+        # What remains open is what the cache keeps between reads, one lock and one map each.
+        kept = [p for p in fds if p.endswith(".lock")]
+        assert len(kept) <= ShardCache.KEPT_OPEN
+        assert len(maps) == len(kept) and sorted(set(maps)) == sorted(maps)
+        assert all(p.endswith(".shard") for p in maps)
+        source.drop_read_caches()
+        assert _held_in(cache.dir) == ([], [])
+
+
+@needs_proc
+def test_an_entry_replaced_on_disk_while_kept_open_is_not_served(tmp_path, bucket, failing_proxy):
+    # The copy is swapped for another file (a new inode) of the same size and mtime while
+    # this process keeps the entry open between reads: the next read must notice the swap
+    # (the file is no longer the one mapped and checked) and fetch the shard again.
+    local = shards(tmp_path / "data", [40], group=5)
+    uri = bucket.upload(local, "x")
+    bucket.point_at(failing_proxy.endpoint)
+    where = f"{uri}/*.parquet"
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+
+    def read_all() -> list[int]:
+        source = ArrowSource(where, chunk_size=5, cache=cache)
+        return sorted(int(p["idx"]) for p in source.read(source.pointer_rows(np.arange(40))))
+
+    assert read_all() == list(range(40))
+    entry = _only_entry(cache)
+    assert _held_in(cache.dir)[1] == [str(entry)]  # kept open (mapped) between reads
+    st = entry.stat()
+    swapped = entry.with_name("swapped")
+    data = bytearray(entry.read_bytes())
+    data[100:110] = b"\0" * 10
+    swapped.write_bytes(bytes(data))
+    os.utime(swapped, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(swapped, entry)
+    failing_proxy.requests.clear()
+    assert read_all() == list(range(40))
+    assert len(gets(failing_proxy)) == 1  # fetched again, once
+    assert entry.read_bytes() == (local / "part-000.parquet").read_bytes()
+    cache.let_go()
+    assert _held_in(cache.dir) == ([], [])

@@ -179,9 +179,9 @@ class ShardCache:
             fetched = False
             for _ in range(8):  # another process may evict between our downgrade and check
                 fcntl.flock(fd, fcntl.LOCK_SH)
-                mapped = self._intact(key, uri, version, size)
-                if mapped is not None:
-                    return self._opened(key, fd, mapped), not fetched
+                found = self._intact(key, uri, version, size)
+                if found is not None:
+                    return self._opened(key, fd, *found), not fetched
                 with self._lock:
                     busy = key in self._live
                 if busy:  # our own shared lock would block the exclusive one forever
@@ -201,7 +201,10 @@ class ShardCache:
                     )
                     os.close(fd)
                     return None
-                if self._intact(key, uri, version, size) is None:
+                found = self._intact(key, uri, version, size)
+                if found is not None:
+                    found[0].close()  # intact after all (another process fetched it)
+                else:
                     if not self._reserve(key, uri, version, size):
                         os.close(fd)
                         return None
@@ -216,9 +219,9 @@ class ShardCache:
             os.close(fd)
             raise
 
-    def _opened(self, key: str, fd: int, mapped: Any) -> _Entry:
+    def _opened(self, key: str, fd: int, mapped: Any, seen: tuple[int, int, int]) -> _Entry:
         # A newly opened entry, used by its caller and kept open for the next reads.
-        entry = _Entry(key, self.shard_path(key), fd, mapped)
+        entry = _Entry(key, self.shard_path(key), fd, mapped, seen)
         with self._lock:
             old = self._live.get(key)
             self._live[key] = entry
@@ -262,43 +265,44 @@ class ShardCache:
             self._unkeep(entry)
 
     def _intact(self, key: str, uri: str, version: str, size: int) -> Any:
-        """A memory map of entry ``key`` when its record and file are what was asked for and
-        written (the whole file hashed on its first open in this process); else None."""
+        """``(map, identity)`` of entry ``key`` when its record and file are what was asked for
+        and written (the whole file hashed on its first open in this process), the identity
+        (inode, mtime, size) being the mapped file's own; else None."""
         import pyarrow as pa
 
-        path = self.shard_path(key)
         try:
-            st = os.stat(path)
+            mapped = pa.memory_map(self.shard_path(key), "r")
         except OSError:
             return None
-        seen = (key, st.st_ino, st.st_mtime_ns, st.st_size)
-        with self._lock:
-            record = self._records.get(seen)  # a record is written with its shard file only
-        if record is None:
-            record = _read_json(self._record_path(key))
-            wanted = {"state": "done", "uri": uri, "version": version, "size": size}
-            if record is None or any(record.get(k) != v for k, v in wanted.items()):
-                return None
-            if (st.st_size, st.st_mtime_ns, st.st_ino) != (size, record["mtime_ns"], record["ino"]):
-                return None
-            with self._lock:
-                self._records[seen] = record
         try:
-            mapped = pa.memory_map(path, "r")
-        except OSError:
-            return None
-        with self._lock:
-            verified = seen in self._verified
-        if not verified:
-            if _sha256_of(mapped) != record["sha256"]:
-                mapped.close()
-                return None
+            st = os.fstat(mapped.fileno())  # the file mapped, whatever the path names since
+            seen = (key, st.st_ino, st.st_mtime_ns, st.st_size)
             with self._lock:
-                self._verified.add(seen)
-        mapped.seek(0)
+                record = self._records.get(seen)  # a record is written with its shard file only
+                verified = seen in self._verified
+            if record is None:
+                record = _read_json(self._record_path(key))
+                wanted = {"state": "done", "uri": uri, "version": version, "size": size}
+                if record is None or any(record.get(k) != v for k, v in wanted.items()):
+                    mapped.close()
+                    return None
+                if seen[1:] != (record["ino"], record["mtime_ns"], size):
+                    mapped.close()
+                    return None
+                with self._lock:
+                    self._records[seen] = record
+            if not verified:
+                if _sha256_of(mapped) != record["sha256"]:
+                    mapped.close()
+                    return None
+                with self._lock:
+                    self._verified.add(seen)
+        except BaseException:
+            mapped.close()
+            raise
         with contextlib.suppress(OSError):
             os.utime(self._record_path(key))  # its last use, for eviction
-        return mapped
+        return mapped, seen[1:]
 
     # --------------------------------------------------------------------- downloading
     def _download(self, key: str, uri: str, version: str, size: int, download: Download) -> None:
@@ -522,6 +526,27 @@ class CachedShard:
             self._opened(self)
         return self._file
 
+    # The calls every read makes, straight to the copy (``__getattr__`` serves the rest).
+    def read_at(self, nbytes: int, offset: int) -> Any:
+        """``nbytes`` bytes at ``offset``, as the copy's ``read_at`` gives them."""
+        return (self._file or self.materialize()).read_at(nbytes, offset)
+
+    def read(self, nbytes: int | None = None) -> Any:
+        """Up to ``nbytes`` bytes (all that is left when None) from the position."""
+        return (self._file or self.materialize()).read(nbytes)
+
+    def read_buffer(self, nbytes: int | None = None) -> Any:
+        """Up to ``nbytes`` bytes from the position, as a buffer (no copy from the cache)."""
+        return (self._file or self.materialize()).read_buffer(nbytes)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """Move the position, as the copy's ``seek`` does."""
+        return int((self._file or self.materialize()).seek(offset, whence))
+
+    def tell(self) -> int:
+        """The position."""
+        return int((self._file or self.materialize()).tell())
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
@@ -562,15 +587,16 @@ class _Entry:
     """A cache entry this process has open: its lock file held shared (``fd``), its memory map
     and the whole of it as a buffer, and the file's identity when it was checked."""
 
-    def __init__(self, key: str, path: str, fd: int, mapped: Any) -> None:
+    def __init__(
+        self, key: str, path: str, fd: int, mapped: Any, seen: tuple[int, int, int]
+    ) -> None:
         self.key = key
         self.path = path
         self.fd = fd
         self.mapped = mapped
         mapped.seek(0)
-        self.data = mapped.read_buffer(mapped.size())  # the map itself, no copy
-        st = os.fstat(mapped.fileno())
-        self.seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        self.data = mapped.read_buffer(seen[2])  # the map itself, no copy
+        self.seen = seen
         self.users = 1
         self.kept = True
 
