@@ -424,7 +424,7 @@ cdef class RecordRun:
             make_cursor(self.chunk_id, self.first_offset + i, p[0], p[1], p[2]),
             self.lane_id, p[0] if self._components is None else self._components[self._lo + i],
         )
-        if self._tokens is not None:  # as counted_meta
+        if self._t != NULL:  # as counted_meta
             m.component_sample_counts = {m.component: 1}
             m.component_token_counts = {m.component: self._t[self._lo + i]}
         return make_record(m, self._payloads[self._lo + i])
@@ -609,11 +609,7 @@ def counted_run(RecordRun run not None, str field):
     cdef list payloads = run._payloads
     for i in range(n):
         t[i] = len(payloads[run._lo + i][field])
-    cdef RecordRun out = run._part(0, n)
-    if run._lo:
-        out._payloads = run.payloads
-        out._components = None if run._components is None else run.components
-        out._lo = 0
+    cdef RecordRun out = run.with_payloads(run.payloads)  # its own columns, from index 0
     out._set_tokens(counts)
     return out
 
