@@ -18,14 +18,19 @@ from worker_kit import script_env
 
 KIT = textwrap.dedent("""
     import os
+    import time
     import numpy as np
     import zephon
     from zephon.ops import batch, fetch, map_transform, pack_sequences
     from zephon.sources.memory import RangeSource
 
+    PACE = float(os.environ.get("HEAD_START_PACE", "0"))  # seconds a sample takes
+
     def tokens(payload):
         with open(os.environ["HEAD_START_LOG"], "a") as log:  # which process read this sample
             log.write(f"{os.getpid()} {payload['idx']}\\n")
+        if PACE:
+            time.sleep(PACE)
         idx = payload["idx"]
         return {"tokens": np.arange(idx, idx + 1 + idx * 7919 % 97, dtype=np.int32)}
 
@@ -100,15 +105,23 @@ SCRIPT = textwrap.dedent("""
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 
-def run_script(tmp_path, mode: str) -> tuple[list[str], set[int], int, dict]:
+#: Seconds each sample takes in the runs with workers: the loader reads on until the workers can
+#: start, and at this pace they still find most samples unread.
+PACE = "0.0015"
+
+
+def run_script(tmp_path, mode: str, pace: str = PACE) -> tuple[list[str], set[int], int, dict]:
     """The items a fresh interpreter delivers in ``mode``, the pids that read samples, its pid
     and its loader's operator counts."""
-    reads, items, me, counts = run_logged(tmp_path, mode)
+    reads, items, me, counts = run_logged(tmp_path, mode, pace)
     return items, {pid for pid, _ in reads}, me, counts
 
 
-def run_logged(tmp_path, mode: str) -> tuple[list[tuple[int, int]], list[str], int, dict]:
-    """``run_script``, with every read of a sample as (pid, idx), in the order they happened."""
+def run_logged(
+    tmp_path, mode: str, pace: str = PACE
+) -> tuple[list[tuple[int, int]], list[str], int, dict]:
+    """``run_script``, with every read of a sample as (pid, idx), in the order they happened
+    (each sample taking ``pace`` seconds, except inline)."""
     (tmp_path / "head_kit.py").write_text(KIT)
     # In "slow" mode the fork server takes seconds to start, as one importing torch might: every
     # process on the path imports sitecustomize at its start, and this one sleeps in the server.
@@ -120,6 +133,7 @@ def run_logged(tmp_path, mode: str) -> tuple[list[tuple[int, int]], list[str], i
     tests = os.path.dirname(os.path.dirname(__file__))
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), tests, env["PYTHONPATH"]])
     env["HEAD_START_LOG"] = str(log)
+    env["HEAD_START_PACE"] = "0" if mode == "inline" else pace
     out = tmp_path / f"{mode}.json"
     subprocess.run(
         [sys.executable, str(tmp_path / "train.py"), mode, str(out)], env=env, check=True,
@@ -187,8 +201,19 @@ def test_the_first_batch_does_not_wait_for_the_fork_server(tmp_path):
     assert me in readers and len(readers - {me}) == 2
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="no fork server")
+def test_the_loader_reads_on_until_the_workers_can_start(tmp_path):
+    full, _, _, _ = run_script(tmp_path, "inline")
+    # The fork server takes 3 s to start, and the lanes take the loader less: it reads them to
+    # their ends itself, each sample once, and no worker runs them.
+    reads, items, me, _ = run_logged(tmp_path, "slow", pace="0")
+    assert items == full
+    assert len(reads) == len({idx for _, idx in reads}) == 4000, "no sample was read twice"
+    assert {pid for pid, _ in reads} == {me}
+
+
 ARROW_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, sys, time
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -205,6 +230,7 @@ ARROW_SCRIPT = textwrap.dedent("""
             return super().open_file(path)
 
     def tokens(row):
+        time.sleep(0.001)  # the workers start before the loader could read every lane itself
         idx = row["idx"]
         return {"tokens": np.arange(idx, idx + 1 + idx % 37, dtype=np.int32)}
 

@@ -315,7 +315,9 @@ def test_the_loader_reads_the_first_lane_while_the_actors_start(ray_cluster, tmp
 
 
 def test_close_and_garbage_collection_leave_no_actor_of_ours_alive(ray_cluster):
-    loader = iter(text(workers="ray"))
+    # With a timeout the actors read from the start (without, the training process may read
+    # these few samples itself before any actor could).
+    loader = iter(text(workers="ray", timeout=DEADLINE))
     next(loader)
     ids = [lane.actor_id for lane in lanes_of(loader)]
     assert set(ids) <= set(our_actors())
@@ -324,7 +326,7 @@ def test_close_and_garbage_collection_leave_no_actor_of_ours_alive(ray_cluster):
     with pytest.raises(ZephonError, match="closed"):
         next(loader)
 
-    loader = iter(text(workers="ray"))
+    loader = iter(text(workers="ray", timeout=DEADLINE))
     next(loader)
     ids = [lane.actor_id for lane in lanes_of(loader)]
     del loader
@@ -386,7 +388,8 @@ CRASH_SCRIPT = textwrap.dedent("""
 
     out_dir = sys.argv[1]
     ray.init(address={address!r}, log_to_driver=False)
-    loader = iter(text(workers="ray"))
+    # A timeout has the actors read from the start: they are busy when the process is killed.
+    loader = iter(text(workers="ray", timeout=60.0))
     with open(os.path.join(out_dir, "delivered.txt"), "w") as log:
         for step, item in enumerate(loader, 1):
             log.write(repr(fingerprint_item(item)) + "\\n")

@@ -40,6 +40,7 @@ class LaneFeed(FeedBuffer):
         self.start_at: dict[str, Any] = {}
         self.runner: Lane | None = None  # the running lane, of the plan's kind
         self.starting: WorkerStarts | None = None  # set while its worker starts on a thread
+        self.read_ahead_lists = 0  # reads ahead made here (``read_ahead``)
         self.closed = False
         self.retired: RetiredIds | None = None  # samples taken out of the run (``retire=``)
         self.waits: TrainerWait | None = None  # the loader's, which times every refill
@@ -69,7 +70,8 @@ class LaneFeed(FeedBuffer):
             waits.book(perf_counter() - began)
 
     def _refill(self) -> None:
-        if self.starting is not None and self.starting.claim(self) and self.read_ahead():
+        starting = self.starting
+        if starting is not None and self._reads_on() and starting.claim(self) and self.read_ahead():
             return
         self.start()
         assert self.runner is not None
@@ -81,20 +83,30 @@ class LaneFeed(FeedBuffer):
         if self.retired is not None:
             self.buf = screen(self.retired, self.buf)
 
+    def _reads_on(self) -> bool:
+        """Whether the loader may read the lane ahead from ``start_at``: a first read, or one
+        that goes on in the run the last read ended in, its last (a read that meets the next
+        run's start is left to the worker, and what it read would be read there again)."""
+        return not self.read_ahead_lists or len(self.start_at.get("runs") or ()) <= 1
+
     def read_ahead(self) -> bool:
-        """Read the lane's first lists in this process (its worker, not yet started, continues
-        after them); False when nothing was read."""
+        """Read the lane's next lists in this process (its worker, not yet started, continues
+        after them, unless they reached the lane's end); False when nothing was read."""
+        whole = False
         try:
             read = first_reads.read_ahead(self.plan, self.lane_id, self.start_at)
             if read is not None:
-                (self.buf, self.start_at), self.pos = read, 0
+                (self.buf, after), self.pos = read, 0
+                whole = after is None
+                self.start_at = {} if after is None else after
+                self.read_ahead_lists += 1
                 if self.retired is not None:
                     self.buf = screen(self.retired, self.buf)
         except ZephonError as exc:  # its data could not be read (first_reads.read_ahead)
             raise exc.add_context(lane=self.lane_id) from exc.__cause__
         finally:
             assert self.starting is not None
-            self.starting.read_over(self)
+            self.starting.read_over(self, whole=whole)
         return read is not None
 
     def next_item(self) -> Any:
@@ -162,10 +174,13 @@ class WorkerStarts:
         self.error: BaseException | None = None
         self._reads_kept: WorkSource | None = plan.source  # until the first wait() drops them
         self._cancelled = False
-        self._lock = threading.Lock()
-        # Per lane: None once the thread starts its worker as it is; an event, set when the
-        # read is over, while the loader reads it ahead.
-        self._owners: dict[int, threading.Event | None] = {}
+        self._lock = threading.Condition()
+        # Per lane the loader has read ahead: True while it reads, False between its reads;
+        # gone once the thread starts the lane's worker (``_taken``).
+        self._reading: dict[int, bool] = {}
+        self._taken: set[int] = set()
+        self._whole: set[int] = set()  # lanes the loader read to their end: no worker runs them
+        self._lanes = len(feeds)
         for feed in feeds:
             feed.starting = self
         self._thread = threading.Thread(
@@ -180,34 +195,59 @@ class WorkerStarts:
         self._thread.start()
 
     def claim(self, feed: LaneFeed) -> bool:
-        """Whether the loader may read ``feed`` ahead: its worker is not being started yet."""
+        """Whether the loader may read ``feed`` ahead (again): its worker is not being started
+        yet. Until the workers can start, the loader reads on from where its last read of the
+        lane ended, instead of waiting for them."""
         with self._lock:
-            if self._cancelled or feed.lane_id in self._owners:
+            if self._cancelled or feed.lane_id in self._taken:
                 return False
-            self._owners[feed.lane_id] = threading.Event()
+            self._reading[feed.lane_id] = True
             return True
 
-    def read_over(self, feed: LaneFeed) -> None:
-        """The loader's read of ``feed`` is over: its worker may start."""
-        read = self._owners[feed.lane_id]
-        assert read is not None
-        read.set()
+    def read_over(self, feed: LaneFeed, *, whole: bool = False) -> None:
+        """The loader's read of ``feed`` is over: its worker may start, from where it ended;
+        none starts when the read reached the lane's end (``whole``)."""
+        with self._lock:
+            self._reading[feed.lane_id] = False
+            if whole:
+                self._taken.add(feed.lane_id)
+                self._whole.add(feed.lane_id)
+            self._lock.notify_all()
+            read_all = len(self._whole) == self._lanes
+        if read_all:  # no worker will run: nor will this process read again
+            self._drop_reads()
+
+    def read_whole(self, feed: LaneFeed) -> bool:
+        """Whether the loader read ``feed`` to its end, so that no worker runs it."""
+        with self._lock:
+            return feed.lane_id in self._whole
+
+    def _take(self, feeds: list[LaneFeed]) -> list[LaneFeed] | None:
+        """The lanes of ``feeds`` the loader is not reading now, taken for their workers to
+        start (the loader reads them no more); waits while it reads every one of them. None
+        once the starts are cancelled."""
+        with self._lock:
+            while not self._cancelled:
+                free = [feed for feed in feeds if not self._reading.get(feed.lane_id, False)]
+                if free:
+                    self._taken.update(feed.lane_id for feed in free)
+                    return free
+                self._lock.wait()
+            return None
 
     def _run(self, plan: Plan, kind: LaneKind, feeds: list[LaneFeed], shared: Any) -> None:
         try:
             if kind.warm_up is not None:
                 kind.warm_up(shared)
-            with self._lock:  # the lanes nobody reads ahead are started first, as they are
-                unclaimed = [feed for feed in feeds if feed.lane_id not in self._owners]
-                self._owners.update((feed.lane_id, None) for feed in unclaimed)
-            if unclaimed and not self._cancelled:
-                _open_runners(plan, unclaimed, shared)
-            for feed in feeds:
-                read = self._owners[feed.lane_id]
-                if read is not None:
-                    read.wait()
-                    if not self._cancelled:
-                        _open_runners(plan, [feed], shared)
+            waiting = list(feeds)
+            while waiting:
+                free = self._take(waiting)
+                if free is None:
+                    return
+                runs = [feed for feed in free if feed.lane_id not in self._whole]
+                if runs:
+                    _open_runners(plan, runs, shared)
+                waiting = [feed for feed in waiting if feed not in free]
         except BaseException as exc:  # raised by the feeds' start()
             self.error = exc
 
@@ -217,12 +257,15 @@ class WorkerStarts:
         self._joined()
         if self.error is not None:
             raise self.error
+        self._drop_reads()
+
+    def _drop_reads(self) -> None:
+        """Every lane is its worker's now, or was read here to its end, and this process reads
+        no more: its source forgets what the reads kept (decoded row groups, bytes fetched
+        ahead), and the memory goes back here, in the thread that read (Arrow's mimalloc pool
+        returns only the calling thread's free pages)."""
         if self._reads_kept is not None:
             source, self._reads_kept = self._reads_kept, None
-            # Every lane is its worker's now and this process reads no more: its source forgets
-            # what the reads kept (decoded row groups, bytes fetched ahead), and the memory goes
-            # back here, in the thread that read (Arrow's mimalloc pool returns only the calling
-            # thread's free pages).
             source.drop_read_caches()
             give_back()
 
@@ -231,9 +274,7 @@ class WorkerStarts:
         worker it started is on its feed to be stopped."""
         with self._lock:
             self._cancelled = True
-            for read in self._owners.values():
-                if read is not None:
-                    read.set()
+            self._lock.notify_all()
         self._joined()
 
     def _joined(self) -> None:
@@ -245,8 +286,10 @@ def close_feeds(feeds: list[LaneFeed]) -> None:
     """Stop the runners of many lanes at once, under one deadline (``stopping.close_lanes``)."""
     runners = []
     for feed in feeds:
-        if feed.starting is not None:  # what a start under way opened is stopped here too
-            feed.starting.cancel()
+        starting = feed.starting
+        if starting is not None:  # what a start under way opened is stopped here too
+            if not starting.read_whole(feed):  # else the other lanes' workers start on
+                starting.cancel()
             feed.starting = None
         if feed.runner is not None:
             runners.append(feed.runner)

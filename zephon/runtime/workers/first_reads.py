@@ -48,11 +48,12 @@ def applies(plan: Plan, n_lanes: int) -> bool:
 MAX_LISTS = 16
 
 
-def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, dict] | None:
+def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, dict | None] | None:
     """Read lane ``lane_id`` from ``start`` (a runner start) until an item list ends with a
-    snapshot and a first batch's worth of records came before it: the items read, and the runner
-    start that continues after them; None when no list did within ``MAX_LISTS``, or the lane
-    failed other than reading its data (a ``FetchError`` is raised)."""
+    snapshot and a first batch's worth of records came before it, or the lane ends: the items
+    read, and the runner start that continues after them (None after the lane's end); None when
+    no list did within ``MAX_LISTS``, a run's start came first, or the lane failed other than
+    reading its data (a ``FetchError`` is raised)."""
     need = plan.batcher.batch_size if plan.batcher is not None else 1
     runner = LaneRunner(plan, lane_id, **start, overlap=False)  # it stops early
     stream = runner.run()
@@ -62,9 +63,11 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
     try:
         for _ in range(MAX_LISTS):
             got = next(stream)
-            if any(type(item) is RunStart or type(item) is LaneEnd for item in got):
-                return None  # a run's end, or the lane's, comes first: leave it to the worker
+            if any(type(item) is RunStart for item in got):
+                return None  # the next run comes first: leave it to the worker
             items += got
+            if got and type(got[-1]) is LaneEnd:  # the whole lane was read here
+                return items, None
             ready += sum(
                 len(item)
                 if type(item) is RecordRun
