@@ -4,7 +4,9 @@ command-line views of a running job, all against a real run (process lanes)."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -202,6 +204,20 @@ def test_the_endpoint_serves_metrics_only_and_its_thread_ends_at_close():
         assert not any(t.name == "zephon-metrics" for t in threading.enumerate())
         with pytest.raises(urllib.error.URLError):
             urllib.request.urlopen(server.url, timeout=30)
+
+
+def test_a_client_that_sends_nothing_holds_the_endpoint_only_until_its_deadline(monkeypatch):
+    from zephon.observability import server as metrics_server
+
+    monkeypatch.setattr(metrics_server, "_CLIENT_DEADLINE", 0.5)
+    with pipeline().iter() as loader, serve_metrics(loader) as server:
+        stalled = socket.create_connection((server.addr, server.port))  # and never asks
+        began = time.monotonic()
+        with urllib.request.urlopen(server.url, timeout=30) as reply:
+            assert reply.status == 200 and b"zephon_" in reply.read()
+        assert 0.4 < time.monotonic() - began < 10, "served once the stalled client's time was up"
+        stalled.close()
+    assert not any(t.name == "zephon-metrics" for t in threading.enumerate())
 
 
 def test_the_docs_list_every_metric_family():

@@ -1,11 +1,13 @@
 """A loader's metrics in the Prometheus text format, served on a port of its own.
 
 The server shares the interpreter with the training loop, so what it costs is the time it holds
-the GIL, and every time it takes the GIL back from the training loop's thread. It is built to do
-both as rarely as possible: its thread sleeps in ``select`` until a scrape (or ``close()``)
-arrives, and a scrape is one read of the request, one ``stats()`` and one write of the whole
-reply, rendered straight from ``metric_families`` without the per-sample objects of a client
-library.
+the GIL, and every time it takes the GIL back from the training loop's thread (each system call
+gives it up, and getting it back from a busy thread takes a forced switch). It is built to do both
+as rarely as possible: its thread sleeps in ``accept`` until a scrape (or ``close()``) arrives,
+and a scrape is one read of the request, one ``stats()``, one write of the whole reply, rendered
+straight from ``metric_families`` without the per-sample objects of a client library, and the
+close. A client's deadline is the kernel's (``SO_RCVTIMEO``, ``SO_SNDTIMEO``), not Python's,
+which would wait in ``poll`` before every read and write: one more switch each.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import selectors
 import socket
+import struct
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -50,6 +52,12 @@ def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+def _kernel_timeout(seconds: float) -> bytes:
+    """``seconds`` as the ``struct timeval`` that ``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` take."""
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
 def _number(value: float) -> str:
     if value in (math.inf, -math.inf):
         return "+Inf" if value > 0 else "-Inf"
@@ -63,8 +71,6 @@ class MetricsServer:
     def __init__(self, source: Any, *, port: int = 0, addr: str = "127.0.0.1"):
         self.source = stats_source(source)
         self._listener = socket.create_server((addr, port))
-        self._listener.setblocking(False)
-        self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the thread with it
         self.addr = addr
         self.port = int(self._listener.getsockname()[1])
         self._closed = False
@@ -77,23 +83,25 @@ class MetricsServer:
         return f"http://{self.addr}:{self.port}/metrics"
 
     def _serve(self) -> None:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._listener, selectors.EVENT_READ)
-            selector.register(self._wake_r, selectors.EVENT_READ)
-            while True:
-                ready = {key.fileobj for key, _ in selector.select()}
-                if self._wake_r in ready:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._closed:
                     return
-                try:
-                    conn, _ = self._listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                # OSError: the client went away; its scrape is lost, not the server
-                with conn, contextlib.suppress(OSError):
-                    self._answer(conn)
+                continue
+            if self._closed:  # close() connected to wake us
+                conn.close()
+                return
+            # OSError: the client went away or missed its deadline; its scrape is lost, not
+            # the server
+            with conn, contextlib.suppress(OSError):
+                self._answer(conn)
 
     def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(_CLIENT_DEADLINE)
+        deadline = _kernel_timeout(_CLIENT_DEADLINE)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, deadline)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, deadline)
         request = b""
         while b"\r\n\r\n" not in request and len(request) < _MAX_REQUEST:
             part = conn.recv(4096)
@@ -121,10 +129,11 @@ class MetricsServer:
         if self._closed:
             return
         self._closed = True
-        self._wake_w.send(b"x")
+        # The thread waits in accept(): a connection of our own wakes it.
+        with contextlib.suppress(OSError), socket.create_connection((self.addr, self.port)):
+            pass
         self._thread.join()
-        for sock in (self._listener, self._wake_r, self._wake_w):
-            sock.close()
+        self._listener.close()
 
     def __enter__(self) -> MetricsServer:
         return self
