@@ -17,6 +17,7 @@ import functools
 import math
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -52,10 +53,17 @@ def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
-def _kernel_timeout(seconds: float) -> bytes:
-    """``seconds`` as the ``struct timeval`` that ``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` take."""
+def _set_deadline(conn: socket.socket, seconds: float) -> None:
+    """Make every read and write on ``conn`` fail after ``seconds``: the kernel's deadline, a
+    ``struct timeval`` in ``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` (Windows takes milliseconds there:
+    Python's own timeout instead)."""
+    if sys.platform == "win32":
+        conn.settimeout(seconds)
+        return
     whole = int(seconds)
-    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def _number(value: float) -> str:
@@ -86,10 +94,12 @@ class MetricsServer:
         while True:
             try:
                 conn, _ = self._listener.accept()
+            except (InterruptedError, ConnectionAbortedError):  # a client gave up meanwhile
+                continue
             except OSError:
                 if self._closed:
                     return
-                continue
+                raise
             if self._closed:  # close() connected to wake us
                 conn.close()
                 return
@@ -99,9 +109,7 @@ class MetricsServer:
                 self._answer(conn)
 
     def _answer(self, conn: socket.socket) -> None:
-        deadline = _kernel_timeout(_CLIENT_DEADLINE)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, deadline)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, deadline)
+        _set_deadline(conn, _CLIENT_DEADLINE)
         request = b""
         while b"\r\n\r\n" not in request and len(request) < _MAX_REQUEST:
             part = conn.recv(4096)
@@ -129,9 +137,13 @@ class MetricsServer:
         if self._closed:
             return
         self._closed = True
-        # The thread waits in accept(): a connection of our own wakes it.
-        with contextlib.suppress(OSError), socket.create_connection((self.addr, self.port)):
-            pass
+        # The thread waits in accept(): a connection of our own wakes it (failing that, on
+        # Linux, shutting the listener down does).
+        try:
+            socket.create_connection((self.addr, self.port), timeout=_CLIENT_DEADLINE).close()
+        except OSError:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
         self._thread.join()
         self._listener.close()
 
