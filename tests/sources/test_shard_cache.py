@@ -215,17 +215,21 @@ def test_a_shard_larger_than_the_cache_is_a_fetch_error_naming_both(tmp_path, bu
         source.num_samples()
 
 
+def _cached_behind(tmp_path, bucket, proxy, name: str) -> tuple[str, ShardCache]:
+    """One shard of 40 rows written under ``tmp_path / "data"`` and uploaded as ``name``, the
+    store reached through ``proxy``: the shards' glob and an empty cache."""
+    uri = bucket.upload(shards(tmp_path / "data", [40], group=5), name)
+    bucket.point_at(proxy.endpoint)
+    return f"{uri}/*.parquet", ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+
+
 def _only_entry(cache: ShardCache) -> Path:
     (entry,) = Path(cache.dir).glob("*.shard")
     return entry
 
 
 def test_a_damaged_cache_file_is_fetched_again_never_served(tmp_path, bucket, failing_proxy):
-    local = shards(tmp_path / "data", [40], group=5)
-    uri = bucket.upload(local, "d")
-    bucket.point_at(failing_proxy.endpoint)
-    where = f"{uri}/*.parquet"
-    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    where, cache = _cached_behind(tmp_path, bucket, failing_proxy, "d")
     assert sorted(rows(ArrowSource(where, chunk_size=5, cache=cache))) == list(range(40))
     entry = _only_entry(cache)
     data = bytearray(entry.read_bytes())
@@ -473,11 +477,7 @@ def test_an_entry_replaced_on_disk_while_kept_open_is_not_served(tmp_path, bucke
     # The copy is swapped for another file (a new inode) of the same size and mtime while
     # this process keeps the entry open between reads: the next read must notice the swap
     # (the file is no longer the one mapped and checked) and fetch the shard again.
-    local = shards(tmp_path / "data", [40], group=5)
-    uri = bucket.upload(local, "x")
-    bucket.point_at(failing_proxy.endpoint)
-    where = f"{uri}/*.parquet"
-    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    where, cache = _cached_behind(tmp_path, bucket, failing_proxy, "x")
 
     def read_all() -> list[int]:
         source = ArrowSource(where, chunk_size=5, cache=cache)
@@ -496,6 +496,6 @@ def test_an_entry_replaced_on_disk_while_kept_open_is_not_served(tmp_path, bucke
     failing_proxy.requests.clear()
     assert read_all() == list(range(40))
     assert len(gets(failing_proxy)) == 1  # fetched again, once
-    assert entry.read_bytes() == (local / "part-000.parquet").read_bytes()
+    assert entry.read_bytes() == (tmp_path / "data" / "part-000.parquet").read_bytes()
     cache.let_go()
     assert _held_in(cache.dir) == ([], [])
