@@ -101,7 +101,9 @@ def assert_a_killed_worker_resumes_exactly(make: Make, items: int) -> None:
     """A process lane SIGKILLed after ``items`` items fails the loader naming the signal; its
     last state resumes (in threads) to the uninterrupted stream."""
     full = run(iter(make(lanes=2)))
-    loader = iter(make(lanes=2, workers="process"))
+    # With a timeout the workers read from the start: on a fork server's first start the loader
+    # may otherwise still be reading these few samples itself, with no worker to kill.
+    loader = iter(make(lanes=2, workers="process", timeout=60.0))
     head = run(loader, items)
     os.kill(worker_processes()[0].pid, signal.SIGKILL)
     with pytest.raises(zephon.ZephonError, match="killed by SIGKILL"):

@@ -242,6 +242,13 @@ cdef SampleMeta make_meta(SampleCursor cursor, offset_t lane_id, object componen
     return m
 
 
+cdef inline SampleMeta _one_sample(SampleMeta m, object n_tokens):
+    # ``m`` counted as one sample of its component, ``n_tokens`` tokens long.
+    m.component_sample_counts = {m.component: 1}
+    m.component_token_counts = {m.component: n_tokens}
+    return m
+
+
 cpdef SampleMeta counted_meta(SampleMeta meta, object n_tokens):
     """``meta`` for a record that is one sample of its component, ``n_tokens`` tokens long: the
     mixture heritage a tokenizer gives each document it encodes (the rest of ``meta`` kept)."""
@@ -252,9 +259,7 @@ cpdef SampleMeta counted_meta(SampleMeta meta, object n_tokens):
     m.tags = meta.tags
     m.is_tombstone = False
     m.component = meta.component
-    m.component_sample_counts = {meta.component: 1}
-    m.component_token_counts = {meta.component: n_tokens}
-    return m
+    return _one_sample(m, n_tokens)
 
 
 cdef SampleRecord make_record(SampleMeta meta, object payload):
@@ -424,9 +429,8 @@ cdef class RecordRun:
             make_cursor(self.chunk_id, self.first_offset + i, p[0], p[1], p[2]),
             self.lane_id, p[0] if self._components is None else self._components[self._lo + i],
         )
-        if self._t != NULL:  # as counted_meta
-            m.component_sample_counts = {m.component: 1}
-            m.component_token_counts = {m.component: self._t[self._lo + i]}
+        if self._t != NULL:  # a counted run: its meta as counted_meta gives it
+            _one_sample(m, self._t[self._lo + i])
         return make_record(m, self._payloads[self._lo + i])
 
     cdef RecordRun _part(self, Py_ssize_t lo, Py_ssize_t hi):
