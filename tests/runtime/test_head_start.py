@@ -47,7 +47,7 @@ KIT = textwrap.dedent("""
 """)
 
 SCRIPT = textwrap.dedent("""
-    import json, os, sys
+    import json, os, sys, threading
     import zephon
     from head_kit import pipeline
     from pipeline_kit import fingerprint_item
@@ -93,6 +93,8 @@ SCRIPT = textwrap.dedent("""
                     "counts": counts,
                     "first": workers_at_first,
                     "lanes_before_workers": sorted(lanes_before_workers),
+                    # zephon's threads still running once the loader is closed
+                    "threads": [t.name for t in threading.enumerate() if "zephon" in t.name],
                 },
                 f,
             )
@@ -210,6 +212,8 @@ def test_the_loader_reads_on_until_the_workers_can_start(tmp_path):
     assert items == full
     assert len(reads) == len({idx for _, idx in reads}) == 4000, "no sample was read twice"
     assert {pid for pid, _ in reads} == {me}
+    got = json.loads((tmp_path / "slow.json").read_text())
+    assert got["threads"] == [], "closing the loader ended the thread that starts the workers"
 
 
 ARROW_SCRIPT = textwrap.dedent("""

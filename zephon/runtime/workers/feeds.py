@@ -213,14 +213,18 @@ class WorkerStarts:
                 self._taken.add(feed.lane_id)
                 self._whole.add(feed.lane_id)
             self._lock.notify_all()
-            read_all = len(self._whole) == self._lanes
-        if read_all:  # no worker will run: nor will this process read again
+        if self.all_read_whole():  # no worker will run: nor will this process read again
             self._drop_reads()
 
     def read_whole(self, feed: LaneFeed) -> bool:
         """Whether the loader read ``feed`` to its end, so that no worker runs it."""
         with self._lock:
             return feed.lane_id in self._whole
+
+    def all_read_whole(self) -> bool:
+        """Whether the loader read every lane to its end: no worker is left to start."""
+        with self._lock:
+            return len(self._whole) == self._lanes
 
     def _take(self, feeds: list[LaneFeed]) -> list[LaneFeed] | None:
         """The lanes of ``feeds`` the loader is not reading now, taken for their workers to
@@ -288,7 +292,9 @@ def close_feeds(feeds: list[LaneFeed]) -> None:
     for feed in feeds:
         starting = feed.starting
         if starting is not None:  # what a start under way opened is stopped here too
-            if not starting.read_whole(feed):  # else the other lanes' workers start on
+            # A lane the loader read to its end leaves the other lanes' workers starting; once
+            # every lane was, the thread is stopped and waited for like any other start.
+            if not starting.read_whole(feed) or starting.all_read_whole():
                 starting.cancel()
             feed.starting = None
         if feed.runner is not None:
