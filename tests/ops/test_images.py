@@ -21,11 +21,13 @@ from zephon.ops import (
     center_crop,
     decode_images,
     fetch,
+    map_transform,
     normalize,
     random_flip,
     random_resized_crop,
     resize_images,
 )
+from zephon.ops.images import ImageTransform
 from zephon.sources import ArrowSource, ListSource
 from zephon.testing import check_operator
 
@@ -173,6 +175,145 @@ def test_a_list_of_images_gets_one_draw_per_image():
     (out,) = flip.process_many([rec])
     assert len(out.payload["image"]) == 4
     check_operator(random_flip(seed=2), [rec])
+
+
+# ------------------------------------------------------------------ augmenting as each is decoded
+def _unchanged(payload: dict) -> dict:
+    return payload
+
+
+def _pixels(source: Any, between: list, chain: list, **kw) -> tuple[list[Any], Any]:
+    """The images a pipeline decoding ``source``'s images delivers, ``between`` right after
+    ``decode_images`` and ``chain`` after them; and the ``decode_images`` operator."""
+    decode = decode_images(**kw)
+    p = zephon.Pipeline(source, [fetch(), decode, *between, *chain])
+    with p.iter() as loader:
+        return [r.payload["image"] for r in loader], decode
+
+
+def _equal(a: list[Any], b: list[Any]) -> bool:
+    def flat(v: Any) -> list[Any]:
+        return [x for item in v for x in flat(item)] if isinstance(v, list) else [v]
+
+    left, right = flat(a), flat(b)
+    return len(left) == len(right) and all(
+        x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
+        for x, y in zip(left, right)
+    )
+
+
+CHAINS = {
+    "resize, center crop": lambda: [resize_images(48, max_size=80), center_crop(24)],
+    "same size": lambda: [resize_images(max_size=10_000)],  # every image keeps its size
+    "crop, flip, normalize": lambda: [
+        random_resized_crop(32, scale=(0.3, 1.0), seed=7),
+        random_flip(seed=7),
+        normalize([0.5, 0.4, 0.3], [0.2, 0.2, 0.2]),
+    ],
+    "flip first": lambda: [random_flip(p=0.5, seed=3), resize_images(20)],
+}
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "RGBA"])
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_augmentations_applied_as_each_image_is_decoded_give_the_same_pixels(images, mode, chain):
+    make = CHAINS[chain]
+    if mode != "RGB" and chain == "crop, flip, normalize":  # three channels' mean and std
+        make = lambda: CHAINS[chain]()[:2]  # noqa: E731
+    source = lambda: ArrowSource([str(images)], chunk_size=16)  # noqa: E731
+    kw = {"mode": mode, "max_pixels": 2_000 if mode == "L" else None}
+    augmented, decode = _pixels(source(), [], make(), **kw)
+    assert [type(t) for t in decode._then] == [type(t) for t in make()]
+    # An operator in between takes the decoded images as arrays: each augmentation runs alone.
+    alone, decode = _pixels(source(), [map_transform(_unchanged)], make(), **kw)
+    assert decode._then == []
+    assert len(augmented) == 120 and _equal(augmented, alone)
+
+
+def test_lists_of_images_and_images_by_path_are_augmented_as_decoded(tmp_path: Path):
+    rows = []
+    for i in range(12):
+        paths = []
+        for k, fmt in enumerate(FORMATS[: 1 + i % 3]):
+            path = tmp_path / f"{i}-{k}.{fmt.lower()}"
+            drawn(i + k).save(path, format=fmt)
+            paths.append(str(path))
+        rows.append({"image": paths if i % 2 else paths[0]})
+    chain = lambda: [random_resized_crop(16, seed=1), random_flip(seed=2)]  # noqa: E731
+    augmented, decode = _pixels(ListSource(rows), [], chain())
+    assert len(decode._then) == 2
+    alone, _ = _pixels(ListSource(rows), [map_transform(_unchanged)], chain())
+    assert _equal(augmented, alone)
+
+
+class _Stamped(ImageTransform):
+    """An augmentation of one's own: only ``transform``; it fails on images 30 pixels high."""
+
+    kind = "stamped"
+
+    def __init__(self, field: str = "image"):
+        self._named(field)
+
+    def transform(self, image: np.ndarray, rng: Any) -> np.ndarray:
+        if image.shape[0] == 30:
+            raise ValueError("30 pixels high")
+        return image[:, :10].copy()
+
+
+class _OwnBatches(_Stamped):
+    """One that handles its micro-batches itself: decode_images leaves it to run alone."""
+
+    def process_many(self, records: list) -> list:
+        return super().process_many(records)
+
+
+def test_which_operators_join_the_decoding():
+    decode, resize, other_field = decode_images(), resize_images(20), resize_images(20, field="x")
+    crop, own, stamped = center_crop(8), _OwnBatches(), _Stamped()
+
+    def plan(*ops: Any) -> list:
+        zephon.Pipeline(ListSource([{"image": b""}]), [fetch(), *ops]).compile()
+        return list(decode._then)
+
+    assert plan(decode, resize, crop, stamped) == [resize, crop, stamped]
+    assert plan(decode, other_field, resize) == []  # another field comes between
+    assert plan(decode, own, resize) == []  # its own process_many: it runs alone
+    assert plan(decode, resize, own, crop) == [resize]
+    # Planned again without decode_images before them, they run on their own again.
+    zephon.Pipeline(ListSource([{"image": b""}]), [fetch(), resize, crop]).compile()
+    assert resize._applied_by is None and crop._applied_by is None
+    # Not across operators that skip failing records differently.
+    zephon.Pipeline(
+        ListSource([{"image": b""}]), [fetch(), decode, resize], on_error={resize.name: "skip"}
+    ).compile()
+    assert decode._then == [] and resize._applied_by is None
+
+
+def test_an_augmentation_failing_inside_decoding_is_named_and_never_dropped(images):
+    for on_error in ("raise", "drop"):
+        p = zephon.Pipeline(
+            ArrowSource([str(images)], chunk_size=16),
+            [fetch(), decode_images(on_error=on_error), resize_images(max_size=999), _Stamped()],
+        )  # images 0, 40 and 80 are 30 pixels high
+        with pytest.raises(OperatorError, match=r"'stamped\(image\)'.*30 pixels high") as info:
+            list(p)
+        assert info.value.operator == "stamped(image)"
+
+
+def test_skipping_an_augmentation_inside_decoding_skips_the_same_samples(images):
+    def kept(between: list) -> tuple[list[bytes], int]:
+        p = zephon.Pipeline(
+            ArrowSource([str(images)], chunk_size=16),
+            [fetch(), decode_images(), *between, _Stamped()],
+            on_error="skip",
+        )
+        with p.iter() as loader:
+            out = [r.payload["image"].tobytes() for r in loader]
+            return out, loader.stats()["skipped"]
+
+    joined, skipped = kept([])
+    alone, skipped_alone = kept([map_transform(_unchanged)])
+    assert joined == alone and skipped == skipped_alone > 0
 
 
 def test_bad_arguments_are_refused():

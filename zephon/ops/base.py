@@ -201,6 +201,12 @@ class Operator:
         """Called at plan time with the facts the operators before this one provide; raise
         ``PlanError`` when one this operator needs is missing."""
 
+    def use_previous_operator(self, before: Operator | None) -> None:
+        """Called at plan time, in the chain's order, with the operator whose records this one
+        takes (None for the first, and when the two skip failing records differently): an
+        operator may join that one, to be applied by it record by record (``decode_images``
+        applies the augmentations right after it to each image it decodes)."""
+
     def target_mixture(self) -> tuple[str, dict[Any, float]] | None:
         """``(by, shares)`` when the operator steers the stream's mixture towards target shares
         per component (``by`` is ``"tokens"`` or ``"samples"``), else None; ``Loader.stats()``

@@ -7,6 +7,11 @@ sample gets the same pixels on any lane count, worker kind and world size, after
 after a re-lane. A field holds one image or a list of images (an interleaved document); each
 image of a list gets its own draw.
 
+The augmentations right after ``decode_images`` on its field run inside it, one image at a time
+(``DecodeImages.use_previous_operator``): a decoded photo goes to the first of them as Pillow
+made it, with no array of it in between, and is freed before the next image is decoded, instead
+of a micro-batch of full-size decodes being held between two operators. The pixels are the same.
+
 Pillow does the decoding and resampling (``pip install "zephon-loader[images]"``); it is imported
 when the first image is decoded, never by ``import zephon``.
 """
@@ -23,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from zephon._core.pixels import rgb_of_rgbx
-from zephon.errors import FetchError
+from zephon.errors import FetchError, OperatorError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import tombstones_for_record
 from zephon.sources.locations import UriFilesystems
@@ -94,6 +99,9 @@ class _PerImage(Operator):
 
     traits = OpTraits(preserves_cursor_order=True, preserves_indexability=True)
     field: str
+    #: Set at plan time: the ``decode_images`` that applies this operator to each image it
+    #: decodes (``use_previous_operator``), None when the operator runs on its own.
+    _applied_by: DecodeImages | None = None
 
     def _each(self, value: Any, fn: Callable[[Any, int], Any]) -> Any:
         if isinstance(value, list):
@@ -140,6 +148,12 @@ class DecodeImages(_PerImage):
         drops = on_error == "drop"
         self.traits = OpTraits(preserves_cursor_order=True, preserves_indexability=not drops)
         self._storage = UriFilesystems(self.name)
+        # Set at plan time: the augmentations right after this operator on its field, which it
+        # applies to each image it decodes (``ImageTransform.use_previous_operator``).
+        self._then: list[ImageTransform] = []
+
+    def use_previous_operator(self, before: Operator | None) -> None:
+        self._then = []  # the augmentations after it join again (their own calls come next)
 
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
         out: list[SampleRecord] = []
@@ -148,7 +162,9 @@ class DecodeImages(_PerImage):
                 value = rec.payload[self.field] if isinstance(rec.payload, dict) else None
                 if value is None:
                     raise KeyError(f"the payload has no field {self.field!r}")
-                decoded = self._each(value, lambda image, _: self._decode(image))
+                decoded = self._each(value, functools.partial(self._decode, rec))
+            except _AugmentationFailed as failed:  # not this operator's: never dropped here
+                raise failed.error from failed.__cause__
             except Exception as exc:
                 if self.on_error == "drop":
                     out.extend(tombstones_for_record(rec))
@@ -157,7 +173,7 @@ class DecodeImages(_PerImage):
             out.append(self._with(rec, decoded))
         return out
 
-    def _decode(self, value: Any) -> np.ndarray:
+    def _decode(self, rec: SampleRecord, value: Any, i: int) -> Any:
         Image = _pil()
         if isinstance(value, dict):  # a Hugging Face Image feature
             value = value.get("bytes") or value.get("path")
@@ -177,7 +193,25 @@ class DecodeImages(_PerImage):
                 image = image.convert(self.mode)
             else:  # already in the mode: converting would only copy it
                 image.load()
-            return pixels_of(image)
+            if not self._then:
+                return pixels_of(image)
+            return self._augmented(image, rec, i)
+
+    def _augmented(self, image: Any, rec: SampleRecord, i: int) -> Any:
+        """The decoded Pillow ``image`` (the ``i``-th of ``rec``'s field) through the
+        augmentations this operator applies: the first takes it as it is where it can
+        (``ImageTransform.takes_pillow``), the others what the one before made. A failure is
+        that augmentation's, named as it would name it."""
+        first = self._then[0]
+        value = image if first.takes_pillow else pixels_of(image)
+        for transform in self._then:
+            try:
+                value = transform.apply_to(rec, value, i)
+            except Exception as exc:
+                error = record_error(transform, rec, exc)
+                error.add_context(operator=transform.name)  # kept as the error leaves the lane
+                raise _AugmentationFailed(error) from exc
+        return value
 
     def _read_uri(self, uri: str) -> bytes:
         """The bytes of the object at ``uri``; a missing one is a FetchError naming it."""
@@ -216,13 +250,29 @@ def decode_images(
     return DecodeImages(field, mode=mode, max_pixels=max_pixels, on_error=on_error)
 
 
+class _AugmentationFailed(Exception):
+    """An augmentation applied inside ``decode_images`` failed: its ``OperatorError``, which
+    ``decode_images`` raises as it is (``on_error="drop"`` drops undecodable images only)."""
+
+    def __init__(self, error: OperatorError):
+        super().__init__(str(error))
+        self.error = error
+
+
 class ImageTransform(_PerImage):
     """A deterministic function of each decoded image (``transform``), which for a random
     transform (``seed`` given) also gets a generator drawn from the seed, the record's cursor
-    and the image's place in its list. Subclasses are the augmentations below."""
+    and the image's place in its list. Subclasses are the augmentations below.
+
+    Right after ``decode_images`` on the same field (or after another augmentation that is), it
+    runs inside ``decode_images``, one image at a time, and passes records on untouched itself
+    (so its time counts there): unless its class defines ``process_many`` of its own."""
 
     seed: int | None = None
     kind = "image_transform"
+    #: Whether ``transform`` also takes a Pillow image, which ``decode_images`` then hands it
+    #: as decoded, without making an array of it first.
+    takes_pillow = False
 
     def _named(self, field: str, seed: int | None = None) -> None:
         self.field = field
@@ -233,21 +283,40 @@ class ImageTransform(_PerImage):
         """The transformed image (abstract: each augmentation defines it)."""
         raise NotImplementedError(f"{type(self).__name__} must implement transform (abstract)")
 
+    def use_previous_operator(self, before: Operator | None) -> None:
+        """Join the augmentations ``decode_images`` applies when ``before`` is that operator, or
+        one of them, on this field; else run on its own."""
+        head = None
+        if isinstance(before, DecodeImages):
+            head = before
+        elif isinstance(before, ImageTransform):
+            head = before._applied_by
+        own = type(self).process_many is not ImageTransform.process_many
+        if head is None or own or head.field != self.field:
+            self._applied_by = None
+            return
+        self._applied_by = head
+        head._then.append(self)
+
     def process_many(self, records: list[SampleRecord]) -> list[SampleRecord]:
+        if self._applied_by is not None:  # done as each image was decoded
+            return records
         out = []
         for rec in records:
             value = rec.payload.get(self.field) if isinstance(rec.payload, dict) else None
             try:
                 if value is None:
                     raise KeyError(f"the payload has no field {self.field!r}")
-                result = self._each(value, functools.partial(self._apply, rec))
+                result = self._each(value, functools.partial(self.apply_to, rec))
             except Exception as exc:
                 raise record_error(self, rec, exc) from exc
             out.append(self._with(rec, result))
         return out
 
-    def _apply(self, rec: SampleRecord, image: Any, i: int) -> np.ndarray:
-        if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim not in (2, 3):
+    def apply_to(self, rec: SampleRecord, image: Any, i: int) -> np.ndarray:
+        """``transform`` of the ``i``-th image of ``rec``'s field, with that image's generator."""
+        array = isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim in (2, 3)
+        if not (array or (self.takes_pillow and _is_pillow(image))):
             raise TypeError(
                 f"{self.name} takes decoded uint8 HWC images (decode_images first), got "
                 f"{type(image).__name__} {getattr(image, 'dtype', '')}"
@@ -263,12 +332,24 @@ def _resample(name: str) -> Any:
     return getattr(_pil().Resampling, name.upper())
 
 
-def _resized(image: np.ndarray, size: tuple[int, int], resample: str) -> np.ndarray:
-    """``image`` resized to ``(height, width)``."""
-    if image.shape[:2] == size:
-        return image
-    out = _pil().fromarray(image).resize((size[1], size[0]), _resample(resample))
-    return pixels_of(out)
+def _is_pillow(image: Any) -> bool:
+    return type(image).__module__.startswith("PIL.") and isinstance(image, _pil().Image)
+
+
+def _height_width(image: Any) -> tuple[int, int]:
+    """An array's or a Pillow image's ``(height, width)``."""
+    if isinstance(image, np.ndarray):
+        return image.shape[0], image.shape[1]
+    return image.height, image.width
+
+
+def _resized(image: Any, size: tuple[int, int], resample: str) -> np.ndarray:
+    """``image`` (an array, or a Pillow image) resized to ``(height, width)``, as an array."""
+    pillow = not isinstance(image, np.ndarray)
+    if _height_width(image) == size:
+        return pixels_of(image) if pillow else image
+    original = image if pillow else _pil().fromarray(image)
+    return pixels_of(original.resize((size[1], size[0]), _resample(resample)))
 
 
 def _size(size: int | Sequence[int], owner: str) -> tuple[int, int]:
@@ -293,6 +374,7 @@ class ResizeImages(ImageTransform):
     """See ``resize_images``."""
 
     kind = "resize_images"
+    takes_pillow = True
 
     def __init__(self, shortest_edge: int | None, max_size: int | None, field: str, resample: str):
         if shortest_edge is None and max_size is None:
@@ -309,8 +391,8 @@ class ResizeImages(ImageTransform):
         self.resample = resample
         self._named(field)
 
-    def transform(self, image: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
-        h, w = image.shape[:2]
+    def transform(self, image: Any, rng: np.random.Generator | None) -> np.ndarray:
+        h, w = _height_width(image)
         scale = 1.0 if self.shortest_edge is None else self.shortest_edge / min(h, w)
         if self.max_size is not None and max(h, w) * scale > self.max_size:
             scale = self.max_size / max(h, w)
@@ -355,6 +437,7 @@ class RandomResizedCrop(ImageTransform):
     """See ``random_resized_crop``."""
 
     kind = "random_resized_crop"
+    takes_pillow = True
 
     def __init__(
         self,
@@ -376,9 +459,9 @@ class RandomResizedCrop(ImageTransform):
         self.resample = resample
         self._named(field, seed)
 
-    def transform(self, image: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+    def transform(self, image: Any, rng: np.random.Generator | None) -> np.ndarray:
         assert rng is not None
-        h, w = image.shape[:2]
+        h, w = _height_width(image)
         (lo, hi), (r_lo, r_hi) = self.scale, self.ratio
         for _ in range(10):
             target = h * w * rng.uniform(lo, hi)
@@ -392,7 +475,11 @@ class RandomResizedCrop(ImageTransform):
             aspect = min(max(w / h, r_lo), r_hi)
             cw, ch = min(w, round(h * aspect)), min(h, round(w / aspect))
             top, left = (h - ch) // 2, (w - cw) // 2
-        return _resized(image[top : top + ch, left : left + cw], self.size, self.resample)
+        if isinstance(image, np.ndarray):
+            window = image[top : top + ch, left : left + cw]
+        else:  # the same pixels, copied out by Pillow
+            window = image.crop((left, top, left + cw, top + ch))
+        return _resized(window, self.size, self.resample)
 
 
 def random_resized_crop(
