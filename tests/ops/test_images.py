@@ -267,6 +267,27 @@ class _OwnBatches(_Stamped):
         return super().process_many(records)
 
 
+class _LaneStamp(ImageTransform):
+    """An augmentation that writes the lane that started it (``start_epoch``) into the pixels."""
+
+    kind = "lane_stamp"
+
+    def __init__(self, field: str = "image"):
+        self._named(field)
+
+    def transform(self, image: np.ndarray, rng: Any) -> np.ndarray:
+        return np.full((1, 1), 100 + self.lane_id, np.uint8)
+
+
+@pytest.mark.parametrize("workers", ["inline", "thread", "process"])
+def test_an_augmentation_applied_inside_decoding_is_the_one_its_lane_started(workers):
+    rows = [{"image": encoded(i, "PNG")} for i in range(8)]
+    ops = [fetch(), decode_images(), _LaneStamp()]
+    p = zephon.Pipeline(ListSource(rows, chunk_size=2), ops, lanes=2, workers=workers)
+    stamps = {int(r.payload["image"][0, 0]) for r in p}
+    assert stamps == {100, 101}
+
+
 def test_which_operators_join_the_decoding():
     decode, resize, other_field = decode_images(), resize_images(20), resize_images(20, field="x")
     crop, own, stamped = center_crop(8), _OwnBatches(), _Stamped()
