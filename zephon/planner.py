@@ -110,16 +110,6 @@ class _Sizes(NamedTuple):
     max_inflight_bytes: int | None
 
 
-def _introduce_neighbours(chain: Sequence[Operator], skips: Sequence[bool]) -> None:
-    """Tell each operator of the chain which one it takes its records from
-    (``use_previous_operator``), in order; not across two operators that skip failing records
-    differently, since one that joins the other fails where that one does."""
-    before: Operator | None = None
-    for op, skip, skip_before in zip(chain, skips, (None, *skips)):
-        op.use_previous_operator(before if skip == skip_before else None)
-        before = op
-
-
 def _split_chain(ops: list[Operator]) -> tuple[Any, tuple[Operator, ...], Any]:
     """``(fetch, chain, batcher)``: the first operator, the ones that run inside the lanes, and
     the grouper that ends the pipeline (None without one)."""
@@ -258,7 +248,6 @@ class Pipeline:
         fetch_op, chain, batcher = _split_chain(ops)
         path, why = _eviction_path(chain)
         skip_fetch, skip_chain = skip_policy(self.on_error, self.max_skipped, fetch_op, chain)
-        _introduce_neighbours(chain, skip_chain)
         skipping = skip_fetch or any(skip_chain)
         indexable = _indexable(path, chain, skipping)
         uneven_end = self._uneven_end(chain, indexable, sizes.world_size, skipping)

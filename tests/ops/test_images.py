@@ -5,6 +5,7 @@ the sample's cursor, whatever the lanes, workers or resumes."""
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from zephon.ops import (
     random_resized_crop,
     resize_images,
 )
+from zephon.ops.base import introduce_neighbours
 from zephon.ops.images import ImageTransform
 from zephon.sources import ArrowSource, ListSource
 from zephon.testing import check_operator
@@ -182,13 +184,12 @@ def _unchanged(payload: dict) -> dict:
     return payload
 
 
-def _pixels(source: Any, between: list, chain: list, **kw) -> tuple[list[Any], Any]:
+def _pixels(source: Any, between: list, chain: list, **kw) -> list[Any]:
     """The images a pipeline decoding ``source``'s images delivers, ``between`` right after
-    ``decode_images`` and ``chain`` after them; and the ``decode_images`` operator."""
-    decode = decode_images(**kw)
-    p = zephon.Pipeline(source, [fetch(), decode, *between, *chain])
+    ``decode_images`` and ``chain`` after them."""
+    p = zephon.Pipeline(source, [fetch(), decode_images(**kw), *between, *chain])
     with p.iter() as loader:
-        return [r.payload["image"] for r in loader], decode
+        return [r.payload["image"] for r in loader]
 
 
 def _equal(a: list[Any], b: list[Any]) -> bool:
@@ -202,7 +203,7 @@ def _equal(a: list[Any], b: list[Any]) -> bool:
     )
 
 
-CHAINS = {
+CHAINS: dict[str, Callable[[], list[Any]]] = {
     "resize, center crop": lambda: [resize_images(48, max_size=80), center_crop(24)],
     "same size": lambda: [resize_images(max_size=10_000)],  # every image keeps its size
     "crop, flip, normalize": lambda: [
@@ -217,16 +218,18 @@ CHAINS = {
 @pytest.mark.parametrize("mode", ["RGB", "L", "RGBA"])
 @pytest.mark.parametrize("chain", sorted(CHAINS))
 def test_augmentations_applied_as_each_image_is_decoded_give_the_same_pixels(images, mode, chain):
-    make = CHAINS[chain]
-    if mode != "RGB" and chain == "crop, flip, normalize":  # three channels' mean and std
-        make = lambda: CHAINS[chain]()[:2]  # noqa: E731
-    source = lambda: ArrowSource([str(images)], chunk_size=16)  # noqa: E731
-    kw = {"mode": mode, "max_pixels": 2_000 if mode == "L" else None}
-    augmented, decode = _pixels(source(), [], make(), **kw)
-    assert [type(t) for t in decode._then] == [type(t) for t in make()]
+    def make() -> list[Any]:
+        ops = CHAINS[chain]()
+        # normalize's mean and std are for three channels
+        return ops if mode == "RGB" else [op for op in ops if op.kind != "normalize"]
+
+    def source() -> ArrowSource:
+        return ArrowSource([str(images)], chunk_size=16)
+
+    kw: dict[str, Any] = {"mode": mode, "max_pixels": 2_000 if mode == "L" else None}
+    augmented = _pixels(source(), [], make(), **kw)
     # An operator in between takes the decoded images as arrays: each augmentation runs alone.
-    alone, decode = _pixels(source(), [map_transform(_unchanged)], make(), **kw)
-    assert decode._then == []
+    alone = _pixels(source(), [map_transform(_unchanged)], make(), **kw)
     assert len(augmented) == 120 and _equal(augmented, alone)
 
 
@@ -240,9 +243,8 @@ def test_lists_of_images_and_images_by_path_are_augmented_as_decoded(tmp_path: P
             paths.append(str(path))
         rows.append({"image": paths if i % 2 else paths[0]})
     chain = lambda: [random_resized_crop(16, seed=1), random_flip(seed=2)]  # noqa: E731
-    augmented, decode = _pixels(ListSource(rows), [], chain())
-    assert len(decode._then) == 2
-    alone, _ = _pixels(ListSource(rows), [map_transform(_unchanged)], chain())
+    augmented = _pixels(ListSource(rows), [], chain())
+    alone = _pixels(ListSource(rows), [map_transform(_unchanged)], chain())
     assert _equal(augmented, alone)
 
 
@@ -279,6 +281,31 @@ class _LaneStamp(ImageTransform):
         return np.full((1, 1), 100 + self.lane_id, np.uint8)
 
 
+class _PillowSeen(ImageTransform):
+    """An augmentation that takes Pillow images too, and says which it got: 1 for Pillow's."""
+
+    kind = "pillow_seen"
+    takes_pillow = True
+
+    def __init__(self, field: str = "image"):
+        self._named(field)
+
+    def transform(self, image: Any, rng: Any) -> np.ndarray:
+        return np.full((1, 1), not isinstance(image, np.ndarray), np.uint8)
+
+
+@pytest.mark.parametrize("workers", ["inline", "thread", "process"])
+def test_the_augmentation_right_after_decoding_gets_pillows_image(workers):
+    def seen(between: list) -> set[int]:
+        ops = [fetch(), decode_images(), *between, _PillowSeen()]
+        p = zephon.Pipeline(ListSource(rows, chunk_size=2), ops, lanes=2, workers=workers)
+        return {int(r.payload["image"][0, 0]) for r in p}
+
+    rows = [{"image": encoded(i, "PNG")} for i in range(8)]
+    assert seen([]) == {1}
+    assert seen([map_transform(_unchanged)]) == {0}
+
+
 @pytest.mark.parametrize("workers", ["inline", "thread", "process"])
 def test_an_augmentation_applied_inside_decoding_is_the_one_its_lane_started(workers):
     rows = [{"image": encoded(i, "PNG")} for i in range(8)]
@@ -292,22 +319,28 @@ def test_which_operators_join_the_decoding():
     decode, resize, other_field = decode_images(), resize_images(20), resize_images(20, field="x")
     crop, own, stamped = center_crop(8), _OwnBatches(), _Stamped()
 
-    def plan(*ops: Any) -> list:
-        zephon.Pipeline(ListSource([{"image": b""}]), [fetch(), *ops]).compile()
+    def joined(*chain: Any, skips: tuple[bool, ...] | None = None) -> list:
+        introduce_neighbours(chain, skips or (False,) * len(chain))
         return list(decode._then)
 
-    assert plan(decode, resize, crop, stamped) == [resize, crop, stamped]
-    assert plan(decode, other_field, resize) == []  # another field comes between
-    assert plan(decode, own, resize) == []  # its own process_many: it runs alone
-    assert plan(decode, resize, own, crop) == [resize]
-    # Planned again without decode_images before them, they run on their own again.
-    zephon.Pipeline(ListSource([{"image": b""}]), [fetch(), resize, crop]).compile()
-    assert resize._applied_by is None and crop._applied_by is None
+    assert joined(decode, resize, crop, stamped) == [resize, crop, stamped]
+    assert joined(decode, other_field, resize) == []  # another field comes between
+    assert joined(decode, own, resize) == []  # its own process_many: it runs alone
+    assert joined(decode, resize, own, crop) == [resize]
     # Not across operators that skip failing records differently.
-    zephon.Pipeline(
-        ListSource([{"image": b""}]), [fetch(), decode, resize], on_error={resize.name: "skip"}
-    ).compile()
+    assert joined(decode, resize, crop, skips=(False, True, True)) == []
+    assert resize._applied_by is None and crop._applied_by is None
+
+
+def test_the_pipelines_own_operators_are_left_as_they_were(images):
+    decode, resize = decode_images(), resize_images(20)
+    p = zephon.Pipeline(ArrowSource([str(images)], chunk_size=16), [fetch(), decode, resize])
+    assert all(r.payload["image"].shape[0] == 20 or r.payload["image"].shape[1] == 20 for r in p)
+    # Only each lane's copies were joined: these run on their own as before.
     assert decode._then == [] and resize._applied_by is None
+    rec = next(iter(zephon.Pipeline(ArrowSource([str(images)]), [fetch(), decode_images()])))
+    (out,) = resize.process_many([rec])
+    assert min(out.payload["image"].shape[:2]) == 20
 
 
 def test_an_augmentation_failing_inside_decoding_is_named_and_never_dropped(images):

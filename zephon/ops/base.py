@@ -202,10 +202,11 @@ class Operator:
         ``PlanError`` when one this operator needs is missing."""
 
     def use_previous_operator(self, before: Operator | None) -> None:
-        """Called at plan time, in the chain's order, with the operator whose records this one
-        takes (None for the first, and when the two skip failing records differently): an
-        operator may join that one, to be applied by it record by record (``decode_images``
-        applies the augmentations right after it to each image it decodes)."""
+        """Called on a lane's own copies of the chain as it starts a run, in the chain's order
+        (``introduce_neighbours``), with the operator whose records this one takes (None for the
+        first, and when the two skip failing records differently): an operator may join that
+        one, to be applied by it record by record (``decode_images`` applies the augmentations
+        right after it to each image it decodes). The pipeline's own operators are never told."""
 
     def target_mixture(self) -> tuple[str, dict[Any, float]] | None:
         """``(by, shares)`` when the operator steers the stream's mixture towards target shares
@@ -237,6 +238,16 @@ def describe_value(value: Any) -> Any:
     """The JSON-able, process-independent identity of a parameter value: ``identify`` from
     ``zephon.identity`` (kept here for operator authors who describe extra parameters)."""
     return identify(value)
+
+
+def introduce_neighbours(chain: Sequence[Operator], skips: Sequence[bool]) -> None:
+    """Tell each operator of ``chain`` (a lane's copies) which one it takes its records from
+    (``Operator.use_previous_operator``), in order; not across two operators that skip failing
+    records differently (``skips``), since one that joins the other fails where that one does."""
+    before: Operator | None = None
+    for op, skip, skip_before in zip(chain, skips, (None, *skips)):
+        op.use_previous_operator(before if skip == skip_before else None)
+        before = op
 
 
 def record_error(op: Operator, record: SampleRecord, exc: BaseException) -> OperatorError:

@@ -99,8 +99,8 @@ class _PerImage(Operator):
 
     traits = OpTraits(preserves_cursor_order=True, preserves_indexability=True)
     field: str
-    #: Set at plan time: the ``decode_images`` that applies this operator to each image it
-    #: decodes (``use_previous_operator``), None when the operator runs on its own.
+    #: Set on a lane's copy as its run starts: the ``decode_images`` that applies this operator
+    #: to each image it decodes (``use_previous_operator``), None when it runs on its own.
     _applied_by: DecodeImages | None = None
 
     def _each(self, value: Any, fn: Callable[[Any, int], Any]) -> Any:
@@ -148,8 +148,9 @@ class DecodeImages(_PerImage):
         drops = on_error == "drop"
         self.traits = OpTraits(preserves_cursor_order=True, preserves_indexability=not drops)
         self._storage = UriFilesystems(self.name)
-        # Set at plan time: the augmentations right after this operator on its field, which it
-        # applies to each image it decodes (``ImageTransform.use_previous_operator``).
+        # Set on a lane's copy as its run starts: the augmentations right after this operator on
+        # its field, which it applies to each image it decodes (``ImageTransform``'s
+        # ``use_previous_operator``).
         self._then: list[ImageTransform] = []
 
     def use_previous_operator(self, before: Operator | None) -> None:

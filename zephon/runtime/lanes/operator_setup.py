@@ -15,7 +15,6 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 from zephon.errors import OperatorError
@@ -29,7 +28,7 @@ class OperatorSetup:
     """The set-up copies of one plan's chain in one worker, and how lanes copy them."""
 
     def __init__(self, plan: Plan, ctx: OperatorContext):
-        self._ops = chain_copy(plan.chain)
+        self._ops = [copy.deepcopy(op) for op in plan.chain]
         self._shared: dict[int, Any] = {}  # id -> object: what setup set, shared by copies
         done: list[Operator] = []
         self._finalizer = weakref.finalize(self, _tear_down, done)
@@ -51,9 +50,9 @@ class OperatorSetup:
                 if before.get(name, _MISSING) is not value:
                     self._shared[id(value)] = value
 
-    def fresh_chain(self) -> list[Operator]:
-        """Copies of the chain's operators as set up, for a lane's new run (``chain_copy``)."""
-        return chain_copy(self._ops, self._shared)
+    def fresh(self, index: int) -> Operator:
+        """A copy of chain operator ``index`` as set up, for a lane's new run."""
+        return self.copy(self._ops[index])
 
     def copy(self, op: Operator) -> Operator:
         """A deep copy of ``op`` sharing what setup set (the memo maps each to itself)."""
@@ -65,14 +64,6 @@ class OperatorSetup:
 
 
 _MISSING = object()
-
-
-def chain_copy(chain: Sequence[Operator], shared: dict[int, Any] | None = None) -> list[Operator]:
-    """Deep copies of a chain's operators, made together: an operator that holds another of the
-    chain (one applying the next itself, ``Operator.use_previous_operator``) holds that one's
-    copy, which the lane starts and runs. What ``shared`` maps (``id`` -> object) is kept as is."""
-    memo = dict(shared or {})
-    return [copy.deepcopy(op, memo) for op in chain]
 
 
 def _tear_down(done: list[Operator]) -> None:

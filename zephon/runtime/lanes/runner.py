@@ -20,7 +20,7 @@ from typing import Any
 
 from zephon._core.records import RecordRun, count_closing, expand_runs, next_control
 from zephon.errors import FetchError, OperatorError, ZephonError
-from zephon.ops.base import Operator, record_error
+from zephon.ops.base import Operator, introduce_neighbours, record_error
 from zephon.ops.children import tombstone_meta, tombstones_for_record
 from zephon.plan import Plan
 from zephon.runtime.checkpoint.layout import Layout
@@ -35,7 +35,7 @@ from zephon.runtime.lanes.control import (
     RunStart,
     Skipped,
 )
-from zephon.runtime.lanes.operator_setup import OperatorSetup, chain_copy
+from zephon.runtime.lanes.operator_setup import OperatorSetup
 from zephon.runtime.lanes.overlap import NextRead
 from zephon.runtime.lanes.retire_screen import screened_out, tombstoned
 from zephon.runtime.lanes.snapshots import rebuild, snapshot_of
@@ -189,10 +189,10 @@ class LaneRunner:
             for stats, base, now in zip(self.op_stats, self.op_counts, counts)
         ]
 
-    def _fresh_chain(self) -> list[Operator]:
-        """New copies of the chain's operators for a run: of the set-up ones when the worker set
+    def _fresh(self, j: int, op: Operator) -> Operator:
+        """A new copy of chain operator ``j`` for a run: of the set-up one when the worker set
         the chain up (sharing what setup loaded), else of the plan's."""
-        return self.setup.fresh_chain() if self.setup is not None else chain_copy(self.plan.chain)
+        return self.setup.fresh(j) if self.setup is not None else copy.deepcopy(op)
 
     def _copy(self, op: Operator) -> Operator:
         """A copy of a running operator, to re-run one record on it."""
@@ -227,7 +227,8 @@ class LaneRunner:
         geometry = self.layout.geometry(run["gen"], run["lane"])
         self.seed_lane = self.layout.seed_lane(run["gen"], run["lane"])
         self.op_counts = [row[3] for row in self.stats_now()]  # before the copies go
-        self.ops = self._fresh_chain()
+        self.ops = [self._fresh(j, op) for j, op in enumerate(plan.chain)]
+        introduce_neighbours(self.ops, self._skips)
         retired = self.screen.every() if self.screen is not None else None
         if retired is not None:  # rows in flight at a retirement keep their other samples
             for op in self.ops:
