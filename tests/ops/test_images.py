@@ -134,19 +134,25 @@ def test_random_draws_differ_across_samples_and_seeds(images):
     assert sum(a[k] != b[k] for k in a) > 100  # another seed, other crops
 
 
-def test_a_corrupt_image_is_named_or_dropped_with_its_tombstone(tmp_path: Path):
+@pytest.mark.parametrize("augmented", [False, True])
+def test_a_corrupt_image_is_named_or_dropped_with_its_tombstone(tmp_path: Path, augmented):
     good = [encoded(i, "PNG") for i in range(10)]
     good[4] = b"\x89PNG this is not an image"
     path = tmp_path / "some-bad.parquet"
     pq.write_table(pa.table({"image": good, "caption": [str(i) for i in range(10)]}), path)
-    raising = zephon.Pipeline(ArrowSource([str(path)]), [fetch(), decode_images()])
+    # With augmentations after it, decode_images applies them inside: it still names and drops.
+    after = [resize_images(16), random_flip(seed=1)] if augmented else []
+    raising = zephon.Pipeline(ArrowSource([str(path)]), [fetch(), decode_images(), *after])
     with pytest.raises(OperatorError, match=r"decode_images\(image\).*\(0, 0, 4\)"):
         list(raising)
-    dropping = zephon.Pipeline(ArrowSource([str(path)]), [fetch(), decode_images(on_error="drop")])
+    dropping = zephon.Pipeline(
+        ArrowSource([str(path)]), [fetch(), decode_images(on_error="drop"), *after]
+    )
     with dropping.iter() as loader:
-        kept = [r.payload["caption"] for r in loader]
+        kept = [(r.payload["caption"], r.payload["image"].shape) for r in loader]
         assert loader.stats()["tombstones"] == 1
-    assert kept == [str(i) for i in range(10) if i != 4]
+    assert [caption for caption, _ in kept] == [str(i) for i in range(10) if i != 4]
+    assert not augmented or all(min(shape[:2]) == 16 for _, shape in kept)
 
 
 def test_max_pixels_scales_large_images_down(images):

@@ -8,7 +8,7 @@ after a re-lane. A field holds one image or a list of images (an interleaved doc
 image of a list gets its own draw.
 
 The augmentations right after ``decode_images`` on its field run inside it, one image at a time
-(``DecodeImages.use_previous_operator``): a decoded photo goes to the first of them as Pillow
+(``ImageTransform.use_previous_operator``): a decoded photo goes to the first of them as Pillow
 made it, with no array of it in between, and is freed before the next image is decoded, instead
 of a micro-batch of full-size decodes being held between two operators. The pixels are the same.
 
