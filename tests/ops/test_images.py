@@ -254,13 +254,17 @@ def test_lists_of_images_and_images_by_path_are_augmented_as_decoded(tmp_path: P
     assert _equal(augmented, alone)
 
 
-class _Stamped(ImageTransform):
-    """An augmentation of one's own: only ``transform``; it fails on images 30 pixels high."""
-
-    kind = "stamped"
+class _OwnAugmentation(ImageTransform):
+    """An augmentation of one's own: a subclass naming its field, with ``transform`` only."""
 
     def __init__(self, field: str = "image"):
         self._named(field)
+
+
+class _Stamped(_OwnAugmentation):
+    """Fails on images 30 pixels high; keeps the first 10 columns of any other."""
+
+    kind = "stamped"
 
     def transform(self, image: np.ndarray, rng: Any) -> np.ndarray:
         if image.shape[0] == 30:
@@ -275,26 +279,20 @@ class _OwnBatches(_Stamped):
         return super().process_many(records)
 
 
-class _LaneStamp(ImageTransform):
-    """An augmentation that writes the lane that started it (``start_epoch``) into the pixels."""
+class _LaneStamp(_OwnAugmentation):
+    """Writes the lane that started it (``start_epoch``) into the pixels."""
 
     kind = "lane_stamp"
-
-    def __init__(self, field: str = "image"):
-        self._named(field)
 
     def transform(self, image: np.ndarray, rng: Any) -> np.ndarray:
         return np.full((1, 1), 100 + self.lane_id, np.uint8)
 
 
-class _PillowSeen(ImageTransform):
-    """An augmentation that takes Pillow images too, and says which it got: 1 for Pillow's."""
+class _PillowSeen(_OwnAugmentation):
+    """Takes Pillow images too, and says which it got: 1 for Pillow's."""
 
     kind = "pillow_seen"
     takes_pillow = True
-
-    def __init__(self, field: str = "image"):
-        self._named(field)
 
     def transform(self, image: Any, rng: Any) -> np.ndarray:
         return np.full((1, 1), not isinstance(image, np.ndarray), np.uint8)
