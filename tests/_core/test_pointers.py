@@ -1,4 +1,4 @@
-"""The compiled pointer-row check against the rule written out in Python."""
+"""The compiled pointer rows, made and checked, against the rules written out in Python."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from zephon._core.pointers import first_foreign_row, own_sample_indices
+from zephon._core.pointers import first_foreign_row, index_range, index_rows, own_sample_indices
 
 
 def reference(rows: np.ndarray, dataset_id: int, num_samples: int) -> int:
@@ -75,3 +75,48 @@ def test_own_sample_indices_refuse_anything_but_int64_rows_of_three():
     ):
         with pytest.raises(ValueError, match="int64 array of shape"):
             own_sample_indices(bad, 0, 5)
+
+
+big = st.sampled_from([-(2**62), 2**62])
+
+
+@given(st.integers(-50, 50) | big, st.integers(0, 300))
+def test_an_index_range_is_numpys_arange(start, length):
+    got = index_range(start, start + length)
+    want = np.arange(start, start + length, dtype=np.int64)
+    assert got.dtype == np.int64 and got.flags.writeable and np.array_equal(got, want)
+
+
+def test_an_index_range_that_ends_before_it_starts_is_refused():
+    assert index_range(7, 7).shape == (0,)
+    with pytest.raises(ValueError, match="start <= stop"):
+        index_range(8, 7)
+    with pytest.raises(OverflowError):
+        index_range(0, 2**63)
+
+
+def reference_rows(dataset_id: int, indices: np.ndarray) -> np.ndarray:
+    """One row ``(dataset_id, 0, idx)`` per index, in order."""
+    return np.array([[dataset_id, 0, idx] for idx in indices.tolist()], dtype=np.int64).reshape(
+        -1, 3
+    )
+
+
+@given(
+    st.integers(-3, 3) | big,
+    hnp.arrays(np.int64, st.integers(0, 60), elements=values),
+    st.booleans(),
+)
+def test_index_rows_are_one_row_per_index(dataset_id, indices, strided):
+    indices = indices[::2] if strided else indices
+    got = index_rows(dataset_id, indices)
+    assert got.dtype == np.int64 and got.shape == (len(indices), 3)
+    assert np.array_equal(got, reference_rows(dataset_id, indices))
+    assert got.flags.c_contiguous and got.flags.writeable
+
+
+def test_index_rows_refuse_anything_but_one_dimension_of_int64():
+    bad: Any
+    for bad in (np.zeros(3, dtype=np.int32), np.zeros((2, 3), dtype=np.int64), [0, 1]):
+        with pytest.raises((ValueError, TypeError)):
+            index_rows(0, bad)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.pointers import first_foreign_row, own_sample_indices
+from zephon._core.pointers import first_foreign_row, index_range, index_rows, own_sample_indices
 from zephon.errors import FetchError
 from zephon.sources.permutation import derive_key, permute
 from zephon.types import WorkChunk
@@ -224,7 +224,7 @@ class IndexedSource(WorkSource):
             raise IndexError(f"{self!r}: pass {q} does not exist (passes={self.passes})")
         if not 0 <= start <= stop <= n:
             raise IndexError(f"{self!r}: sample range [{start}, {stop}) is outside [0, {n})")
-        positions = np.arange(start, stop, dtype=np.int64)
+        positions = index_range(start, stop)  # holding the GIL (``zephon._core.pointers``)
         if not self.shuffle:
             return positions
         return permute(positions, n, derive_key(self.seed, q, "samples"))
@@ -232,11 +232,7 @@ class IndexedSource(WorkSource):
     def pointer_rows(self, sample_indices: np.ndarray) -> np.ndarray:
         """Pointer rows (int64 ``(n, 3)``) of the given sample indices: ``(dataset_id, 0, idx)``
         unless the source has shards."""
-        idx = np.asarray(sample_indices, dtype=np.int64).ravel()
-        rows = np.zeros((idx.size, 3), dtype=np.int64)
-        rows[:, 0] = self.dataset_id
-        rows[:, 2] = idx
-        return rows
+        return index_rows(self.dataset_id, np.asarray(sample_indices, dtype=np.int64).ravel())
 
     def _sample_indices(self, pointers: np.ndarray) -> np.ndarray:
         # The sample_idx column of rows this source produced; anything else is a FetchError.
