@@ -99,9 +99,6 @@ class _PerImage(Operator):
 
     traits = OpTraits(preserves_cursor_order=True, preserves_indexability=True)
     field: str
-    #: Set on a lane's copy as its run starts: the ``decode_images`` that applies this operator
-    #: to each image it decodes (``use_previous_operator``), None when it runs on its own.
-    _applied_by: DecodeImages | None = None
 
     def _each(self, value: Any, fn: Callable[[Any, int], Any]) -> Any:
         if isinstance(value, list):
@@ -271,6 +268,9 @@ class ImageTransform(_PerImage):
 
     seed: int | None = None
     kind = "image_transform"
+    #: Set on a lane's copy as its run starts: the ``decode_images`` that applies this operator
+    #: to each image it decodes (``use_previous_operator``), None when it runs on its own.
+    _applied_by: DecodeImages | None = None
     #: Whether ``transform`` also takes a Pillow image, which ``decode_images`` then hands it
     #: as decoded, without making an array of it first.
     takes_pillow = False

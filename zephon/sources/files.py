@@ -51,6 +51,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
+from zephon._core.pointers import index_rows
 from zephon.errors import FetchError
 from zephon.sources.base import IndexedSource, check_int, check_pointers
 from zephon.sources.locations import DataFile, default_cache_dir, parse_locations
@@ -591,10 +592,8 @@ class FileSource(IndexedSource):
     def pointer_rows(self, sample_indices: np.ndarray) -> np.ndarray:
         """Pointer rows ``(dataset_id, file_index, global_sample_idx)`` of global sample indices."""
         idx = np.asarray(sample_indices, dtype=np.int64).ravel()
-        rows = np.empty((idx.size, 3), dtype=np.int64)
-        rows[:, 0] = self.dataset_id
+        rows = index_rows(self.dataset_id, idx)
         rows[:, 1] = np.searchsorted(self.file_ends(), idx, side="right")
-        rows[:, 2] = idx
         return rows
 
     def read(self, pointers: np.ndarray) -> list[Any]:
