@@ -24,3 +24,25 @@ def test_every_side_delivers_the_same_batches_of_the_same_records():
 def test_run_side_names_a_side_it_does_not_know():
     with pytest.raises(KeyError):
         pb.run_side("no such side", 10)
+
+
+def test_the_map_pipeline_against_the_pypi_zephon_counts_every_record_of_ours():
+    from zephon.bench import pypi_pipeline
+
+    rate, delivered = pypi_pipeline.ours_records_per_second(1000)
+    assert delivered == 1000 and rate > 0
+
+
+def test_the_pypi_zephon_runs_only_the_runners_its_rows_name():
+    from zephon.bench import pypi_pipeline
+
+    with pytest.raises(ValueError, match="runner must be one of"):
+        pypi_pipeline.pypi_records_per_second(1024, "python", "threads")
+
+
+def test_without_the_pypi_interpreter_its_rows_say_they_were_not_measured(monkeypatch):
+    from zephon.bench import report
+
+    monkeypatch.delenv("ZEPHON_PYPI_PYTHON", raising=False)
+    (row,) = report.pypi_rows(quick=True)
+    assert row.passed is None and "not measured" in row.baseline

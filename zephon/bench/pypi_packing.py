@@ -4,26 +4,23 @@ and the PyPI zephon's ``pack_flat`` (best fit, 64 open bins, the same batch) ove
 documents, run by that package's own interpreter in a separate process (``pypi_pack_run.py``;
 its import name is ours too, so it cannot share our process or our virtual environment).
 
-``ZEPHON_PYPI_PYTHON`` names that interpreter (e.g. a venv made with ``python3 -m venv
-pypi-venv && pypi-venv/bin/pip install zephon numpy``); without it the row is not measured.
-Both sides count the tokens they deliver (padding not counted) per second.
+``ZEPHON_PYPI_PYTHON`` names that interpreter (``zephon.bench.pypi``); without it the row is
+not measured. Both sides count the tokens they deliver (padding not counted) per second.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 
 import zephon
+from zephon.bench.pypi import run_script
 from zephon.ops import batch, fetch, pack_sequences
 from zephon.sources import TokenShardSource
 
-__all__ = ["SEQ_LEN", "ours_tokens_per_second", "pypi_python", "pypi_tokens_per_second"]
+__all__ = ["SEQ_LEN", "ours_tokens_per_second", "pypi_tokens_per_second"]
 
 SEQ_LEN = 2048
 OPEN_BINS = 64
@@ -46,24 +43,9 @@ def ours_tokens_per_second(idx: Path) -> tuple[float, int]:
     return delivered / (time.perf_counter() - began), delivered
 
 
-def pypi_python() -> str | None:
-    """The PyPI zephon's interpreter (``$ZEPHON_PYPI_PYTHON``), or None."""
-    return os.environ.get("ZEPHON_PYPI_PYTHON") or None
-
-
 def pypi_tokens_per_second(idx: Path, python: str) -> tuple[float, int]:
     """``(tokens/s, tokens)`` delivered by the PyPI zephon's packing of the same documents,
     measured by ``python`` running ``pypi_pack_run.py``."""
-    script = Path(__file__).with_name("pypi_pack_run.py")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
-        [python, str(script), str(idx), str(SEQ_LEN), str(OPEN_BINS), str(BATCH)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=idx.parent,
-        timeout=600,
-        check=True,
-    )
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    args = [str(idx), str(SEQ_LEN), str(OPEN_BINS), str(BATCH)]
+    out = run_script("pypi_pack_run.py", args, python, cwd=idx.parent)
     return out["tokens"] / out["seconds"], int(out["tokens"])
