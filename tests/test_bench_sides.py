@@ -46,3 +46,24 @@ def test_without_the_pypi_interpreter_its_rows_say_they_were_not_measured(monkey
     monkeypatch.delenv("ZEPHON_PYPI_PYTHON", raising=False)
     (row,) = report.pypi_rows(quick=True)
     assert row.passed is None and "not measured" in row.baseline
+
+
+def test_the_text_pipeline_against_the_pypi_zephon_delivers_every_token_of_ours():
+    from zephon.bench import pypi_text
+    from zephon.ops import ByteTokenizer
+
+    texts = [f"document {i} " * (1 + i % 700) for i in range(2 * pypi_text.CHUNK)]
+    rate, delivered = pypi_text.ours_tokens_per_second(texts, ByteTokenizer())
+    # Every byte and one end-of-sequence id per document; some are longer than a row of 2048.
+    assert delivered == sum(len(t.encode()) + 1 for t in texts) and rate > 0
+
+
+def test_the_pypi_zephon_gets_whole_chunks_of_the_corpus(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from zephon.bench import pypi_text
+
+    texts = [f"text {i}" for i in range(2500)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "corpus.parquet")
+    assert pypi_text.whole_chunks(str(tmp_path / "corpus.parquet")) == texts[:2048]

@@ -1,9 +1,10 @@
 """Running a benchmark script under the pure-Python loader published on PyPI as ``zephon``.
 
-That package shares our import name, so it lives in a virtual environment of its own (e.g.
-``python3 -m venv pypi-venv && pypi-venv/bin/pip install zephon numpy``) whose interpreter
-``ZEPHON_PYPI_PYTHON`` names; its scripts (``pypi_*_run.py`` beside this module) run there, in a
-separate process, and print one JSON line of results.
+That package shares our import name, so it lives in a virtual environment of its own, e.g.
+``python3 -m venv pypi-venv && pypi-venv/bin/pip install zephon numpy tokenizers transformers``
+(the text pipeline's row needs the last two), whose interpreter ``ZEPHON_PYPI_PYTHON`` names.
+Its scripts (``pypi_*_run.py`` beside this module) run there, in a separate process, and print
+one JSON line of results.
 """
 
 from __future__ import annotations

@@ -758,8 +758,9 @@ def pypi_rows(quick: bool) -> list[Row]:
     """Against the pure-Python zephon on PyPI, each side in its own interpreter
     (``$ZEPHON_PYPI_PYTHON``, ``zephon.bench.pypi``): ``fetch -> pack_sequences(2048) -> batch(8)``
     on a Megatron token shard against its packing of the same documents
-    (``zephon.bench.pypi_packing``), and the map pipeline against its map and batch, inline and
-    with the runner it picks itself (``zephon.bench.pypi_pipeline``)."""
+    (``zephon.bench.pypi_packing``), the map pipeline against its map and batch, inline and
+    with the runner it picks itself (``zephon.bench.pypi_pipeline``), and the text pipeline
+    against its tokenize, pack and batch (``zephon.bench.pypi_text``)."""
     from zephon.bench.pypi import pypi_python
 
     python = pypi_python()
@@ -775,7 +776,11 @@ def pypi_rows(quick: bool) -> list[Row]:
                 "set ZEPHON_PYPI_PYTHON to the interpreter of a venv holding it",
             )
         ]
-    return [_pypi_packing_row(python, quick), *_pypi_map_rows(python, quick)]
+    return [
+        _pypi_packing_row(python, quick),
+        *_pypi_map_rows(python, quick),
+        _pypi_text_row(python, quick),
+    ]
 
 
 def _pypi_packing_row(python: str, quick: bool) -> Row:
@@ -835,6 +840,48 @@ def _pypi_map_rows(python: str, quick: bool) -> list[Row]:
             )
         )
     return rows
+
+
+def _pypi_text_row(python: str, quick: bool) -> Row:
+    import subprocess
+
+    from zephon.bench import pypi_text
+    from zephon.bench import text as tb
+
+    megabytes = 8.0 if quick else 32.0
+    data, tok_path = tb.corpus(megabytes)
+    tok = tb.load_tokenizer(tok_path)
+    texts = pypi_text.whole_chunks(data)
+    what = (
+        f"tokens/s, text pipeline tokenize → pack(2048) → batch(8), {len(texts):,} documents "
+        f"({megabytes:g} MB), vs the PyPI zephon"
+    )
+    repeats = 3
+    try:
+        seed = [
+            pypi_text.pypi_tokens_per_second(
+                texts, tok_path, tok.token_to_id("<|endoftext|>"), python
+            )
+            for _ in range(repeats)
+        ]
+    except subprocess.CalledProcessError as exc:  # its environment lacks tokenizers/transformers
+        why = (exc.stderr or "").strip().splitlines()[-1:] or [f"exit {exc.returncode}"]
+        return Row(what, "", "PyPI zephon: not measured", "", "", None, why[0])
+    ours = [pypi_text.ours_tokens_per_second(texts, tok) for _ in range(repeats)]
+    rate = statistics.median(r[0] for r in ours)
+    base = statistics.median(r[0] for r in seed)
+    same = "the same tokens as ours" if seed[0][1] == ours[0][1] else "other tokens than ours"
+    return Row(
+        what,
+        _si(rate, "tok/s"),
+        _si(base, "tok/s"),
+        f"{rate / base:.2f}×",
+        "",
+        None,
+        "both over the same documents held in memory, one tokenizer (8k BPE); baseline: the "
+        "PyPI zephon's tokenize → pack_flat(2048, best_fit_wrap) → batch(8) in its own "
+        f"process, with its default runner; it delivered {same}",
+    )
 
 
 # ------------------------------------------------------------------------------ text pipeline
