@@ -767,7 +767,7 @@ def pypi_rows(quick: bool) -> list[Row]:
     if python is None:
         return [
             Row(
-                "against the PyPI zephon (packing, map pipeline)",
+                "against the PyPI zephon (packing, the map and the text pipelines)",
                 "",
                 "PyPI zephon: not measured",
                 "",
