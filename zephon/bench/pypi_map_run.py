@@ -14,11 +14,10 @@ of ``zephon.bench.pipeline``.
 
 import json
 import sys
-import time
+
+from pypi_common import one_pass_source, timed_pass
 
 from zephon import Pipeline
-from zephon.io import Dataset, InMemoryShard
-from zephon.work import MixtureSpec, StaticMixtureWorkSource
 
 
 def square(payload):
@@ -28,22 +27,12 @@ def square(payload):
 
 def main(records: int, batch: int, runner: str) -> None:
     rows = [{"idx": i} for i in range(records)]
-    shards = {k: InMemoryShard(rows[a : a + 1024]) for k, a in enumerate(range(0, records, 1024))}
-    source = StaticMixtureWorkSource(
-        datasets=[Dataset.from_dict("range", shards)],
-        mixture=MixtureSpec({"range": 1.0}),
-        chunk_size=1024,
-        shuffle_shards=False,
-        stop_after_passes=1,
+    pipeline = (
+        Pipeline(one_pass_source("range", rows)).map_transform(square).batch(batch, drop_last=False)
     )
-    pipeline = Pipeline(source).map_transform(square).batch(batch, drop_last=False)
     if runner != "default":
         pipeline = pipeline.options(runner=runner)
-    delivered = 0
-    began = time.perf_counter()
-    for item in pipeline:
-        delivered += len(item.records)
-    seconds = time.perf_counter() - began
+    delivered, seconds = timed_pass(pipeline, lambda item: len(item.records))
     print(json.dumps({"records": delivered, "seconds": seconds}))
 
 

@@ -14,13 +14,11 @@ line: tokens delivered (padding not counted), documents in and seconds.
 import json
 import struct
 import sys
-import time
 
 import numpy as np
+from pypi_common import one_pass_source, packed_tokens, timed_pass
 
 from zephon import Pipeline
-from zephon.io import Dataset, InMemoryShard
-from zephon.work import MixtureSpec, StaticMixtureWorkSource
 
 
 def main(idx: str, seq_len: int, open_bins: int, batch: int) -> None:
@@ -34,26 +32,12 @@ def main(idx: str, seq_len: int, open_bins: int, batch: int) -> None:
         {"tokens": np.asarray(tokens[p : p + n], dtype=np.int32)}
         for p, n in zip(pointers.tolist(), lengths.tolist())
     ]
-    shards = {k: InMemoryShard(rows[a : a + 1024]) for k, a in enumerate(range(0, docs, 1024))}
-    source = StaticMixtureWorkSource(
-        datasets=[Dataset.from_dict("tokens", shards)],
-        mixture=MixtureSpec({"tokens": 1.0}),
-        chunk_size=1024,
-        shuffle_shards=False,
-        stop_after_passes=1,
-    )
     pipeline = (
-        Pipeline(source)
+        Pipeline(one_pass_source("tokens", rows))
         .pack_flat(seq_len, num_bins=open_bins, algorithm="best_fit", pad_token_id=0)
         .batch(batch, drop_last=False)
     )
-    delivered = 0
-    began = time.perf_counter()
-    for item in pipeline:
-        for record in item.records:
-            padding = record.meta.tags["_packing_metadata"]["padding_length"]
-            delivered += len(record.payload["tokens"]) - padding
-    seconds = time.perf_counter() - began
+    delivered, seconds = timed_pass(pipeline, packed_tokens("tokens"))
     print(json.dumps({"tokens": delivered, "documents": int(docs), "seconds": seconds}))
 
 

@@ -16,31 +16,20 @@ prints one JSON line: tokens delivered (padding not counted), documents in and s
 
 import json
 import sys
-import time
 
+from pypi_common import one_pass_source, packed_tokens, timed_pass
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from zephon import Pipeline
-from zephon.io import Dataset, InMemoryShard
-from zephon.work import MixtureSpec, StaticMixtureWorkSource
 
 
 def main(texts: str, tokenizer: str, seq_len: int, batch: int, eos: int) -> None:
     with open(texts, encoding="utf-8") as fh:
         docs = json.load(fh)
     rows = [{"text": text} for text in docs]
-    n = len(rows)
-    shards = {k: InMemoryShard(rows[a : a + 1024]) for k, a in enumerate(range(0, n, 1024))}
-    source = StaticMixtureWorkSource(
-        datasets=[Dataset.from_dict("text", shards)],
-        mixture=MixtureSpec({"text": 1.0}),
-        chunk_size=1024,
-        shuffle_shards=False,
-        stop_after_passes=1,
-    )
     pipeline = (
-        Pipeline(source)
+        Pipeline(one_pass_source("text", rows))
         .tokenize(
             PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(tokenizer)),
             field="text",
@@ -51,14 +40,8 @@ def main(texts: str, tokenizer: str, seq_len: int, batch: int, eos: int) -> None
         .pack_flat(seq_len, algorithm="best_fit_wrap", pad_token_id=0)
         .batch(batch, drop_last=False)
     )
-    delivered = 0
-    began = time.perf_counter()
-    for item in pipeline:
-        for record in item.records:
-            padding = record.meta.tags["_packing_metadata"]["padding_length"]
-            delivered += len(record.payload["input_ids"]) - padding
-    seconds = time.perf_counter() - began
-    print(json.dumps({"tokens": delivered, "documents": n, "seconds": seconds}))
+    delivered, seconds = timed_pass(pipeline, packed_tokens("input_ids"))
+    print(json.dumps({"tokens": delivered, "documents": len(rows), "seconds": seconds}))
 
 
 if __name__ == "__main__":
