@@ -52,7 +52,7 @@ def test_the_text_pipeline_against_the_pypi_zephon_delivers_every_token_of_ours(
     from zephon.bench import pypi_text
     from zephon.ops import ByteTokenizer
 
-    texts = [f"document {i} " * (1 + i % 700) for i in range(2 * pypi_text.CHUNK)]
+    texts = [f"document {i} " * (1 + i % 700) for i in range(2048)]
     rate, delivered = pypi_text.ours_tokens_per_second(texts, ByteTokenizer())
     # Every byte and one end-of-sequence id per document; some are longer than a row of 2048.
     assert delivered == sum(len(t.encode()) + 1 for t in texts) and rate > 0
@@ -66,4 +66,4 @@ def test_the_pypi_zephon_gets_whole_chunks_of_the_corpus(tmp_path):
 
     texts = [f"text {i}" for i in range(2500)]
     pq.write_table(pa.table({"text": texts}), tmp_path / "corpus.parquet")
-    assert pypi_text.whole_chunks(str(tmp_path / "corpus.parquet")) == texts[:2048]
+    assert pypi_text.corpus_documents(str(tmp_path / "corpus.parquet")) == texts[:2048]

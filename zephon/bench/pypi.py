@@ -15,12 +15,21 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["pypi_python", "run_script"]
+__all__ = ["CHUNK", "pypi_python", "run_script", "whole_chunks"]
+
+#: Records a PyPI zephon pass reads per chunk (its scripts' in-memory shards, ``pypi_common.py``);
+#: it leaves out a last partial chunk, so each side is given whole chunks.
+CHUNK = 1024
 
 
 def pypi_python() -> str | None:
     """The PyPI zephon's interpreter (``$ZEPHON_PYPI_PYTHON``), or None."""
     return os.environ.get("ZEPHON_PYPI_PYTHON") or None
+
+
+def whole_chunks(n: int) -> int:
+    """The largest multiple of ``CHUNK`` not above ``n``: what a PyPI zephon pass reads whole."""
+    return n - n % CHUNK
 
 
 def run_script(

@@ -18,21 +18,20 @@ from typing import Any
 
 import zephon
 from zephon.bench import text as tb
-from zephon.bench.pypi import run_script
+from zephon.bench.pypi import CHUNK, run_script, whole_chunks
 from zephon.ops import batch, fetch, pack_sequences, tokenize
 from zephon.sources.memory import ListSource
 
-__all__ = ["CHUNK", "ours_tokens_per_second", "pypi_tokens_per_second", "whole_chunks"]
-
-CHUNK = 1024
+__all__ = ["corpus_documents", "ours_tokens_per_second", "pypi_tokens_per_second"]
 
 
-def whole_chunks(data: str) -> list[str]:
-    """The documents of the Parquet corpus ``data``, as many as fill whole chunks of ``CHUNK``."""
+def corpus_documents(data: str) -> list[str]:
+    """The documents of the Parquet corpus ``data``, as many as fill whole chunks
+    (``zephon.bench.pypi.whole_chunks``)."""
     import pyarrow.parquet as pq
 
     texts = pq.read_table(data, columns=["text"]).column(0).to_pylist()
-    return texts[: len(texts) - len(texts) % CHUNK]
+    return texts[: whole_chunks(len(texts))]
 
 
 def ours_tokens_per_second(texts: list[str], tokenizer: Any) -> tuple[float, int]:

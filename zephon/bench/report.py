@@ -783,22 +783,31 @@ def pypi_rows(quick: bool) -> list[Row]:
     ]
 
 
+def _against_pypi(
+    ours: list[tuple[float, int]], seed: list[tuple[float, int]], unit: str
+) -> tuple[float, float, str]:
+    """The median rates of runs ``(rate, count)`` of ours and of the PyPI zephon, and what its
+    first run delivered beside ours' (``as many <unit> as ours``, or a different count)."""
+    rate = statistics.median(r[0] for r in ours)
+    base = statistics.median(r[0] for r in seed)
+    same = seed[0][1] == ours[0][1]
+    return rate, base, f"as many {unit} as ours" if same else f"a different number of {unit}"
+
+
 def _pypi_packing_row(python: str, quick: bool) -> Row:
     import tempfile
     from pathlib import Path
 
     from zephon.bench import formats, pypi_packing
+    from zephon.bench.pypi import whole_chunks
 
-    # Whole chunks of 1,024 documents: the PyPI zephon's pass leaves out a last partial one.
-    docs = 1024 * (20 if quick else 60)
+    docs = whole_chunks(20_480 if quick else 61_440)
     repeats = 3
     with tempfile.TemporaryDirectory() as tmp:
         idx = formats.write_megatron(Path(tmp) / "tokens", docs)
         ours = [pypi_packing.ours_tokens_per_second(idx) for _ in range(repeats)]
         seed = [pypi_packing.pypi_tokens_per_second(idx, python) for _ in range(repeats)]
-    rate = statistics.median(r[0] for r in ours)
-    base = statistics.median(r[0] for r in seed)
-    same = "the same tokens as ours" if seed[0][1] == ours[0][1] else "other tokens than ours"
+    rate, base, delivered = _against_pypi(ours, seed, "tokens")
     return Row(
         f"tokens/s, TokenShardSource fetch -> pack_sequences(2048) -> batch(8), {docs:,} "
         "Megatron docs",
@@ -808,23 +817,21 @@ def _pypi_packing_row(python: str, quick: bool) -> Row:
         "≥ 10×",
         rate >= 10 * base,
         "baseline: the PyPI zephon's pack_flat (best fit, 64 open bins, batch 8) over the "
-        f"same documents held in memory, in its own process; it delivered {same}",
+        f"same documents held in memory, in its own process; it delivered {delivered}",
     )
 
 
 def _pypi_map_rows(python: str, quick: bool) -> list[Row]:
     from zephon.bench import pypi_pipeline
+    from zephon.bench.pypi import whole_chunks
 
-    # Whole chunks of 1,024 records: the PyPI zephon's pass leaves out a last partial one.
-    n = 1024 * (50 if quick else 200)
+    n = whole_chunks(51_200 if quick else 204_800)
     repeats = 3
     ours = [pypi_pipeline.ours_records_per_second(n) for _ in range(repeats)]
-    rate = statistics.median(r[0] for r in ours)
     rows = []
     for runner in pypi_pipeline.RUNNERS:
         seed = [pypi_pipeline.pypi_records_per_second(n, python, runner) for _ in range(repeats)]
-        base = statistics.median(r[0] for r in seed)
-        same = "as many records as ours" if seed[0][1] == ours[0][1] else "other records"
+        rate, base, delivered = _against_pypi(ours, seed, "records")
         rows.append(
             Row(
                 f"records/s, fetch→map→batch(32), {n:,} records, vs the PyPI zephon ({runner} "
@@ -835,7 +842,8 @@ def _pypi_map_rows(python: str, quick: bool) -> list[Row]:
                 "≥ 10×",
                 rate >= 10 * base,
                 "baseline: the PyPI zephon's map_transform(square) -> batch(32) over the same "
-                f"payloads held in memory, in its own process; it delivered {same}; ours also "
+                f"payloads held in memory, in its own process; it delivered {delivered}; ours "
+                "also "
                 "collates each batch",
             )
         )
@@ -851,7 +859,7 @@ def _pypi_text_row(python: str, quick: bool) -> Row:
     megabytes = 8.0 if quick else 32.0
     data, tok_path = tb.corpus(megabytes)
     tok = tb.load_tokenizer(tok_path)
-    texts = pypi_text.whole_chunks(data)
+    texts = pypi_text.corpus_documents(data)
     what = (
         f"tokens/s, text pipeline tokenize → pack(2048) → batch(8), {len(texts):,} documents "
         f"({megabytes:g} MB), vs the PyPI zephon"
@@ -868,9 +876,7 @@ def _pypi_text_row(python: str, quick: bool) -> Row:
         why = (exc.stderr or "").strip().splitlines()[-1:] or [f"exit {exc.returncode}"]
         return Row(what, "", "PyPI zephon: not measured", "", "", None, why[0])
     ours = [pypi_text.ours_tokens_per_second(texts, tok) for _ in range(repeats)]
-    rate = statistics.median(r[0] for r in ours)
-    base = statistics.median(r[0] for r in seed)
-    same = "the same tokens as ours" if seed[0][1] == ours[0][1] else "other tokens than ours"
+    rate, base, delivered = _against_pypi(ours, seed, "tokens")
     return Row(
         what,
         _si(rate, "tok/s"),
@@ -880,7 +886,7 @@ def _pypi_text_row(python: str, quick: bool) -> Row:
         None,
         "both over the same documents held in memory, one tokenizer (8k BPE); baseline: the "
         "PyPI zephon's tokenize → pack_flat(2048, best_fit_wrap) → batch(8) in its own "
-        f"process, with its default runner; it delivered {same}",
+        f"process, with its default runner; it delivered {delivered}",
     )
 
 
