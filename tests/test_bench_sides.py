@@ -67,3 +67,33 @@ def test_the_pypi_zephon_gets_whole_chunks_of_the_corpus(tmp_path):
     texts = [f"text {i}" for i in range(2500)]
     pq.write_table(pa.table({"text": texts}), tmp_path / "corpus.parquet")
     assert pypi_text.corpus_documents(str(tmp_path / "corpus.parquet")) == texts[:2048]
+
+
+def test_grains_text_maps_cut_every_document_into_rows_in_order():
+    import numpy as np
+
+    from zephon.bench import text as tb
+
+    docs = [np.arange(n, dtype=np.int32) for n in (1, tb.SEQ_LEN, tb.SEQ_LEN + 1, 5000)]
+    rows = [r["tokens"] for r in tb._GrainSplitMany().flat_map(docs)]
+    assert [len(r) for r in rows] == [1, 2048, 2048, 1, 2048, 2048, 904]
+    assert np.array_equal(np.concatenate(rows), np.concatenate(docs))
+
+
+def test_grains_text_maps_tokenize_as_many_tokens_as_the_pipeline_delivers(tmp_path, monkeypatch):
+    from zephon.bench import text as tb
+
+    monkeypatch.setenv("ZEPHON_BENCH_CACHE", str(tmp_path))
+    data, tok_path = tb.corpus(0.25)
+    rows = tb._ParquetRows(data)
+    encode = tb._GrainEncodeMany(tok_path)
+    pieces = [
+        piece["tokens"]
+        for start in range(0, len(rows), tb.ROW_GROUP)
+        for piece in tb._GrainSplitMany().flat_map(
+            encode([rows[i] for i in range(start, min(start + tb.ROW_GROUP, len(rows)))])
+        )
+    ]
+    ours = tb.run_pipeline(tb.text_pipeline(data, tb.load_tokenizer(tok_path)))
+    assert all(0 < len(p) <= tb.SEQ_LEN for p in pieces)
+    assert sum(len(p) for p in pieces) == ours["tokens"] > 0

@@ -929,6 +929,7 @@ def text_rows(quick: bool) -> list[Row]:
             "median speeds, and the median of each round's ratio",
         )
     ]
+    rows.append(_text_grain_row(tb, data, tok_path, 1 if quick else 3))
     payloads = tb.token_payloads(data, tok)
     lengths = [len(p["tokens"]) for p in payloads]
     pieces = tb.fill_versus_grain(payloads)
@@ -956,6 +957,31 @@ def text_rows(quick: bool) -> list[Row]:
     n_batches = max(1, int(len(lengths) * statistics.mean(lengths) / tb.SEQ_LEN / 8))
     rows += _text_restore_rows(tb, data, tok_path, n_batches, repeats)
     return rows
+
+
+def _text_grain_row(tb: Any, data: str, tok_path: str, rounds: int) -> Row:
+    """The text pipeline against Grain on the same work (``tb.versus_grain``): no target."""
+    what = "text e2e vs Grain: the same reads, tokenizer calls and packing, inline"
+    g = tb.versus_grain(data, tok_path, rounds)
+    if g is None:
+        return Row(what, "", "grain missing", "", "", None)
+    counts = g["tokens"]
+    if len(set(counts.values())) != 1:
+        raise AssertionError(f"the text pipelines packed different token counts: {counts}")
+    return Row(
+        what,
+        _si(g["ours"], "tok/s"),
+        _si(g["grain"], "tok/s"),
+        f"{g['ratio']:.2f}× Grain",
+        "",
+        None,
+        f"Grain: rows batched by {tb.ROW_GROUP}, one encode_batch_fast call a batch, cut to "
+        f"rows of {tb.SEQ_LEN}, BestFitPackIterDataset (64 bins), batch({tb.BATCH}), no read "
+        f"threads; Grain tokenizing one document at a time (its map per element): "
+        f"{_si(g['per_document'], 'tok/s')}, ours {g['per_document_ratio']:.2f}× that; "
+        f"{len(counts)} pipelines, {next(iter(counts.values())):,} tokens each; the median of "
+        f"{rounds} rounds' ratios, in turns",
+    )
 
 
 def _text_lanes_row(

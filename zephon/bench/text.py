@@ -5,7 +5,9 @@ against baselines run in the same process.
   lines into pieces of at least ``PIECE_CHARS`` characters, written to Parquet (row groups of
   1,024) under a cache directory, with an 8k byte-level BPE trained on it by HF ``tokenizers``;
 - end to end: the pipeline's tokens/s against the bare limit, ``pyarrow`` reading the same row
-  groups and ``Tokenizer.encode_batch`` on each (no records, no packing);
+  groups and ``Tokenizer.encode_batch`` on each (no records, no packing), and against Grain
+  doing the same work (``grain_text_pipeline``: the same reads, tokenizer calls and packing
+  budget);
 - fill at 2048: ``pack_sequences(2048)`` on the corpus' token counts, as packed rows deliver;
   and on a second corpus of the same files left whole, one document per file
   (``file_payloads``), where almost half the documents are longer than a row;
@@ -44,12 +46,15 @@ __all__ = [
     "end_to_end",
     "file_payloads",
     "fill_versus_grain",
+    "grain_text_pipeline",
+    "grain_tokens",
     "load_tokenizer",
     "measure_in_fresh_process",
     "median_runs",
     "run_pipeline",
     "text_pipeline",
     "token_payloads",
+    "versus_grain",
 ]
 
 SEQ_LEN = 2048
@@ -462,6 +467,96 @@ class _GrainSplit:
         return [{"tokens": tokens[i : i + SEQ_LEN]} for i in range(0, len(tokens), SEQ_LEN)]
 
 
+class _GrainEncodeMany:
+    """Grain's map on a batch of rows: each document's ids and the eos as ``int32``, from one
+    batch call (``_token_arrays``; the tokenizer loaded once, where it maps)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._tok: Any = None
+
+    def __call__(self, rows: list[dict[str, str]]) -> list[Any]:
+        if self._tok is None:
+            self._tok = load_tokenizer(self.path)
+        return _token_arrays(self._tok, [row["text"] for row in rows])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "_tok": None}
+
+
+class _GrainSplitMany:
+    """``_GrainSplit`` for a batch of documents: every document's rows, in order."""
+
+    max_fan_out = 1 << 20
+
+    def flat_map(self, documents: list[Any]) -> list[dict[str, Any]]:
+        return [
+            {"tokens": tokens[i : i + SEQ_LEN]}
+            for tokens in documents
+            for i in range(0, len(tokens), SEQ_LEN)
+        ]
+
+
+def grain_text_pipeline(data: str, tokenizer: str, *, batched: bool = True) -> Any:
+    """Grain on the end-to-end work, in this process (no read threads: with them its packed
+    stream changes from run to run): the corpus' rows, tokenized a row group at a time
+    (``batch(ROW_GROUP)`` then one ``encode_batch_fast`` call, as the bare limit calls it) or
+    one document at a time (``batched=False``), cut into rows of at most ``SEQ_LEN``,
+    ``BestFitPackIterDataset`` (64 bins of ``SEQ_LEN``), ``batch(BATCH)``."""
+    import grain
+    from grain.experimental import BestFitPackIterDataset, FlatMapIterDataset
+
+    options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    rows = grain.MapDataset.source(_ParquetRows(data))
+    if batched:
+        ds = rows.batch(ROW_GROUP, batch_fn=list).map(_GrainEncodeMany(tokenizer))
+        docs = FlatMapIterDataset(ds.to_iter_dataset(options), _GrainSplitMany())
+    else:
+        ds = rows.to_iter_dataset(options).map(_GrainTokenize(tokenizer))
+        docs = FlatMapIterDataset(ds, _GrainSplit())
+    return BestFitPackIterDataset(
+        docs, length_struct={"tokens": SEQ_LEN}, num_packing_bins=64, shuffle_bins=False
+    ).batch(BATCH)
+
+
+def grain_tokens(dataset: Any) -> dict[str, float]:
+    """Every batch of a Grain text pipeline: the seconds and the real tokens it packed."""
+    start = time.perf_counter()
+    tokens = sum(int((b["tokens_segment_ids"] > 0).sum()) for b in dataset)
+    return {"seconds": time.perf_counter() - start, "tokens": tokens}
+
+
+def versus_grain(data: str, tokenizer: str, rounds: int) -> dict[str, Any] | None:
+    """The pipeline on one inline lane (``micro_batch=ROW_GROUP``) against
+    ``grain_text_pipeline`` (row groups batched, and one document at a time), ``rounds`` rounds
+    in turns in this process: each side's median tokens/s, the median of each round's ratio,
+    and each side's token count (they must be equal); None without grain."""
+    try:
+        import grain  # noqa: F401
+    except ImportError:
+        return None
+    tok = load_tokenizer(tokenizer)
+    rates: dict[str, list[float]] = {"ours": [], "grain": [], "per_document": []}
+    counts: dict[str, int] = {}
+    for _ in range(rounds):
+        runs = {
+            "ours": run_pipeline(text_pipeline(data, tok, micro_batch=ROW_GROUP)),
+            "grain": grain_tokens(grain_text_pipeline(data, tokenizer)),
+            "per_document": grain_tokens(grain_text_pipeline(data, tokenizer, batched=False)),
+        }
+        for side, run in runs.items():
+            rates[side].append(run["tokens"] / run["seconds"])
+            counts[side] = int(run["tokens"])
+    return {
+        **{side: statistics.median(r) for side, r in rates.items()},
+        "ratio": statistics.median(o / g for o, g in zip(rates["ours"], rates["grain"])),
+        "per_document_ratio": statistics.median(
+            o / g for o, g in zip(rates["ours"], rates["per_document"])
+        ),
+        "tokens": counts,
+    }
+
+
 def measure_in_fresh_process(
     data: str,
     tokenizer: str,
@@ -551,11 +646,13 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _token_arrays(tokenizer: Any, texts: list[str]) -> list[Any]:
-    """``texts`` encoded by ``tokenizer``, each an int32 array of its ids with the eos appended."""
+    """``texts`` encoded by ``tokenizer`` in one batch call (``encode_batch_fast`` where it has
+    it: the same ids), each an int32 array of its ids with the eos appended."""
     import numpy as np
 
     eos = tokenizer.token_to_id("<|endoftext|>")
-    return [np.array([*e.ids, eos], dtype=np.int32) for e in tokenizer.encode_batch(texts)]
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    return [np.array([*e.ids, eos], dtype=np.int32) for e in encode(texts)]
 
 
 def token_payloads(data: str, tokenizer: Any) -> list[dict[str, Any]]:
