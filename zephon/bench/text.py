@@ -498,8 +498,8 @@ class _GrainSplitMany:
 
 
 def grain_text_pipeline(data: str, tokenizer: str, *, batched: bool = True) -> Any:
-    """Grain on the end-to-end work, in this process (no read threads: with them its packed
-    stream changes from run to run): the corpus' rows, tokenized a row group at a time
+    """Grain on the end-to-end work, in this process and its thread (``_ParquetRows`` keeps one
+    row group for the thread that reads it): the corpus' rows, tokenized a row group at a time
     (``batch(ROW_GROUP)`` then one ``encode_batch_fast`` call, as the bare limit calls it) or
     one document at a time (``batched=False``), cut into rows of at most ``SEQ_LEN``,
     ``BestFitPackIterDataset`` (64 bins of ``SEQ_LEN``), ``batch(BATCH)``."""
