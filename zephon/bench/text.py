@@ -456,15 +456,19 @@ class _GrainTokenize:
         return {"path": self.path, "_tok": None}
 
 
+def _cut_to_rows(tokens: Any) -> list[dict[str, Any]]:
+    """A document's tokens cut into rows of at most ``SEQ_LEN`` (Grain's packers refuse longer
+    ones), as ``pack_sequences`` cuts it."""
+    return [{"tokens": tokens[i : i + SEQ_LEN]} for i in range(0, len(tokens), SEQ_LEN)]
+
+
 class _GrainSplit:
-    """Grain's flat map cutting a document into rows of at most ``SEQ_LEN`` tokens (its packer
-    refuses longer ones), as ``pack_sequences`` does."""
+    """Grain's flat map cutting a document into rows (``_cut_to_rows``)."""
 
     max_fan_out = 4096
 
     def flat_map(self, element: dict[str, Any]) -> list[dict[str, Any]]:
-        tokens = element["tokens"]
-        return [{"tokens": tokens[i : i + SEQ_LEN]} for i in range(0, len(tokens), SEQ_LEN)]
+        return _cut_to_rows(element["tokens"])
 
 
 class _GrainEncodeMany:
@@ -490,11 +494,7 @@ class _GrainSplitMany:
     max_fan_out = 1 << 20
 
     def flat_map(self, documents: list[Any]) -> list[dict[str, Any]]:
-        return [
-            {"tokens": tokens[i : i + SEQ_LEN]}
-            for tokens in documents
-            for i in range(0, len(tokens), SEQ_LEN)
-        ]
+        return [row for tokens in documents for row in _cut_to_rows(tokens)]
 
 
 def grain_text_pipeline(data: str, tokenizer: str, *, batched: bool = True) -> Any:
@@ -700,11 +700,7 @@ def fill_versus_grain(payloads: list[dict[str, Any]]) -> dict[str, Any]:
     lengths = [len(p["tokens"]) for p in payloads]
     # Grain refuses documents longer than a row: it gets them cut into rows first, which is
     # what pack_sequences does with them (full rows of their own, then the rest).
-    pieces = [
-        {"tokens": p["tokens"][i : i + SEQ_LEN]}
-        for p in payloads
-        for i in range(0, len(p["tokens"]), SEQ_LEN)
-    ]
+    pieces = [row for p in payloads for row in _cut_to_rows(p["tokens"])]
     piece_lengths = [len(p["tokens"]) for p in pieces]
     runs: dict[str, list[Any]] = {"grain": [], "whole": [], "cut": []}
     for _ in range(3):  # alternating rounds: one run of each is easily disturbed
