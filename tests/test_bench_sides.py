@@ -97,3 +97,13 @@ def test_grains_text_maps_tokenize_as_many_tokens_as_the_pipeline_delivers(tmp_p
     ours = tb.run_pipeline(tb.text_pipeline(data, tb.load_tokenizer(tok_path)))
     assert all(0 < len(p) <= tb.SEQ_LEN for p in pieces)
     assert sum(len(p) for p in pieces) == ours["tokens"] > 0
+
+
+def test_two_lanes_are_judged_only_where_the_machine_has_two_free_cores():
+    from zephon.bench import report
+
+    assert report._two_core_verdict(1.7, ceiling=1.95) is True
+    assert report._two_core_verdict(1.5, ceiling=1.95) is False
+    # The machine's own two processes reached 1.46x one: its second core was busy.
+    assert report._two_core_verdict(1.49, ceiling=1.46) is None
+    assert report._two_core_verdict(1.7, ceiling=1.46) is None
