@@ -530,7 +530,7 @@ def versus_grain(data: str, tokenizer: str, rounds: int) -> dict[str, Any] | Non
     """The pipeline on one inline lane (``micro_batch=ROW_GROUP``) against
     ``grain_text_pipeline`` (row groups batched, and one document at a time), ``rounds`` rounds
     in turns in this process: each side's median tokens/s, the median of each round's ratio,
-    and each side's token count (they must be equal); None without grain."""
+    and each side's token count (``tokens``); None without grain."""
     try:
         import grain  # noqa: F401
     except ImportError:
