@@ -499,3 +499,96 @@ def test_an_entry_replaced_on_disk_while_kept_open_is_not_served(tmp_path, bucke
     assert entry.read_bytes() == (tmp_path / "data" / "part-000.parquet").read_bytes()
     cache.let_go()
     assert _held_in(cache.dir) == ([], [])
+
+
+# ------------------------------------------------------------------- space, without a store
+
+PIECE = bytes(range(256)) * 16  # every shard of these tests: 4 KiB
+
+
+def _put(cache: ShardCache, k: int, download=None) -> bool:
+    """Shard ``k`` opened through ``cache`` (downloaded when missing, from ``PIECE``): its hit."""
+
+    def whole(write) -> int:
+        write(PIECE)
+        return len(PIECE)
+
+    shard = cache.open(f"s3://b/part-{k}", "v1", len(PIECE), download or whole, lambda: None)
+    with shard:
+        assert shard.read_at(len(PIECE), 0) == PIECE
+        return bool(shard.hit)
+
+
+def _ledger(cache: ShardCache) -> bytes:
+    return (Path(cache.dir) / "locks" / "space.lock").read_bytes()
+
+
+def test_downloads_read_no_other_record_until_the_cache_is_full(tmp_path, monkeypatch):
+    # Every download used to read every record in the directory to total the space: filling a
+    # cache of N shards read N^2 / 2 records. The ledger leaves that to the downloads that may
+    # have to evict, and an eviction leaves room for the next few.
+    cache = ShardCache(tmp_path, max_bytes=20 * len(PIECE))
+    scans: list[int] = []
+    real = ShardCache._entries
+
+    def counted(self):
+        scans.append(1)
+        return real(self)
+
+    monkeypatch.setattr(ShardCache, "_entries", counted)
+    for k in range(20):
+        assert _put(cache, k) is False
+    assert len(scans) == 1  # the first download, before there was a ledger
+    for k in range(20, 50):
+        assert _put(cache, k) is False
+        held = len(scans)
+        assert cache.cached_bytes() <= cache.max_bytes
+        del scans[held:]  # the check's own scan
+    # Full from the 21st on: an eviction brings it down to 90 %, room for two more downloads.
+    assert len(scans) <= 1 + 30 // 3 + 1
+    assert _ledger(cache) == b"%d\n" % cache.cached_bytes()
+    assert _put(cache, 49) is True and _put(cache, 0) is False  # the oldest went first
+
+
+def test_a_ledger_left_high_or_lost_keeps_the_bound(tmp_path):
+    cache = ShardCache(tmp_path, max_bytes=10 * len(PIECE))
+    for k in range(8):
+        _put(cache, k)
+    # Entries deleted by hand: the ledger still counts them, until a download must evict.
+    for entry in sorted(Path(tmp_path).glob("*.shard"))[:4]:
+        entry.unlink()
+        entry.with_suffix(".json").unlink()
+    assert cache.cached_bytes() == 4 * len(PIECE)
+    for k in range(8, 12):
+        _put(cache, k)
+        assert cache.cached_bytes() <= cache.max_bytes
+    assert cache.cached_bytes() == 8 * len(PIECE)  # the space they left is used again
+    assert _ledger(cache) == b"%d\n" % (8 * len(PIECE))
+    # A ledger cut short (a write its process did not finish): the next download counts every
+    # entry again.
+    (Path(tmp_path) / "locks" / "space.lock").write_bytes(b"12")
+    for k in range(12, 16):
+        _put(cache, k)
+        assert cache.cached_bytes() <= cache.max_bytes
+    assert _ledger(cache) == b"%d\n" % cache.cached_bytes()
+
+
+def _die_halfway(directory: str) -> None:
+    def half(write) -> int:
+        write(PIECE[: len(PIECE) // 2])
+        os._exit(3)  # killed mid-download: its lock goes with it, its bytes stay
+
+    _put(ShardCache(directory, max_bytes=1 << 20), 7, half)
+
+
+def test_a_download_killed_halfway_is_replaced_by_the_next_one(tmp_path):
+    child = multiprocessing.get_context("fork").Process(target=_die_halfway, args=(str(tmp_path),))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 3
+    assert len(list(Path(tmp_path).glob(".*.tmp"))) == 1
+    assert not list(Path(tmp_path).glob("*.shard"))
+    cache = ShardCache(tmp_path, max_bytes=1 << 20)
+    assert _put(cache, 7) is False and _put(cache, 7) is True
+    assert not list(Path(tmp_path).glob(".*.tmp"))
+    assert cache.cached_bytes() == len(PIECE)

@@ -641,6 +641,13 @@ def storage_rows(quick: bool) -> list[Row]:
         remote = storage.tokens_per_second(uri, cache)
         disk = storage.tokens_per_second(local, cache)
         hits, on_disk, ratio = storage.cache_hit_rates(uri, local, cache, 5 if quick else 9)
+    fills = 1000 if quick else 4000
+    filling = storage.download_costs(fills)
+    small, large = fills // 16, fills // 4
+    evicting = (
+        storage.download_costs(fills, bound=small)[1],
+        storage.download_costs(fills, bound=large)[1],
+    )
     return [
         Row(
             f"start-up, {shards:,} shards on local S3: metadata cache vs none",
@@ -668,6 +675,26 @@ def storage_rows(quick: bool) -> list[Row]:
             ratio <= 1.1,
             "a warm ShardCache: no request per read, each shard memory-mapped from the cache; "
             "the ratio is the median over runs taken in pairs",
+        ),
+        Row(
+            f"shard cache, ms per download: the last {fills // 4:,} of {fills:,} vs the first",
+            f"{filling[1]:.2f} ms",
+            f"{filling[0]:.2f} ms",
+            f"{filling[1] / filling[0]:.2f}×",
+            "≤ 1.5×",
+            filling[1] / filling[0] <= 1.5,
+            "32 KiB shards from memory (the cache's own files and records): a download must not "
+            "cost more as the shards cached grow",
+        ),
+        Row(
+            f"shard cache, ms per download once full: {large:,} shards vs {small:,}",
+            f"{evicting[1]:.2f} ms",
+            f"{evicting[0]:.2f} ms",
+            f"{evicting[1] / evicting[0]:.2f}×",
+            "≤ 1.5×",
+            evicting[1] / evicting[0] <= 1.5,
+            f"the last {fills // 4:,} of {fills:,} downloads, each evicting: finding what to "
+            "evict must not cost more in a larger cache",
         ),
     ]
 

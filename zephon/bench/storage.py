@@ -6,7 +6,11 @@ S3-compatible server (moto's server mode, a test dependency) against the same fi
   cache a first run left (one HEAD per shard for its version);
 - throughput: tokens/s of ``fetch -> batch`` over the shards from the server and from disk;
 - shard cache: tokens/s of the same read served from a warm ``ShardCache`` (every shard a hit:
-  one HEAD for its version, its bytes from the cache's memory map) against the files on disk.
+  its version pinned when the source read its metadata, its bytes from the cache's memory map)
+  against the files on disk;
+- downloads into a shard cache: milliseconds a download into a ``ShardCache`` takes over the
+  last quarter of many against the first quarter (no store: the cache's own files and records),
+  into an unbounded cache and into one that must evict.
 
 Functions only; ``zephon bench`` (``report.py``) and the asv suite call them.
 """
@@ -28,7 +32,13 @@ import zephon
 from zephon.ops import batch, fetch
 from zephon.sources import ArrowSource, ShardCache
 
-__all__ = ["cache_hit_rates", "s3_dataset", "startup_seconds", "tokens_per_second"]
+__all__ = [
+    "cache_hit_rates",
+    "download_costs",
+    "s3_dataset",
+    "startup_seconds",
+    "tokens_per_second",
+]
 
 TOKENS_PER_ROW = 128
 
@@ -125,3 +135,28 @@ def cache_hit_rates(
             disk.append(tokens_per_second(local, cache_dir))
     ratios = [d / c for c, d in zip(cached, disk, strict=True)]
     return float(np.median(cached)), float(np.median(disk)), float(np.median(ratios))
+
+
+def download_costs(shards: int, bound: int | None = None) -> tuple[float, float]:
+    """``(first, last)``: milliseconds per download over the first and the last quarter of
+    ``shards`` downloads of distinct 32 KiB shards (bytes in memory: the cache's own cost, its
+    files and records) into an empty ``ShardCache``, one that holds at most ``bound`` of them
+    when given (so that the last quarter evicts)."""
+    data = np.random.default_rng(0).bytes(32 << 10)
+
+    def download(write: Any) -> int:
+        write(data)
+        return len(data)
+
+    quarter = max(1, shards // 4)
+    stamps = []
+    with tempfile.TemporaryDirectory() as where:
+        cache = ShardCache(where, max_bytes=len(data) * (bound or shards))
+        for k in range(shards):
+            if k % quarter == 0:
+                stamps.append(time.perf_counter())
+            shard = cache.open(f"s3://bench/fill/{k}", "v1", len(data), download, lambda: None)
+            with shard:
+                shard.materialize()
+        stamps.append(time.perf_counter())
+    return (stamps[1] - stamps[0]) / quarter * 1e3, (stamps[-1] - stamps[-2]) / quarter * 1e3

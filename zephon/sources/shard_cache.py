@@ -16,7 +16,7 @@ shared while the entry is open; a download holds it exclusively, so a second rea
 shard (another thread, another process) waits for that download instead of making its own. The
 bytes go to a temporary name first and are renamed into place, so no reader ever sees a partial
 shard. A process that dies while downloading leaves its lock released by the kernel and its
-temporary file to be swept by the next download of the key.
+temporary file to be replaced by the next download of the key.
 
 Checks. Every open compares the record with the version, size and URI the source asked for, and
 the shard file's size, mtime and inode with the ones recorded when it was written: any difference
@@ -27,14 +27,19 @@ it reads against the content digests it pinned, as for uncached data. A process 
 ``KEPT_OPEN`` shards open between reads (locked shared, mapped): opening one again costs a
 ``stat`` of its file.
 
-Eviction. Downloads reserve their size first (under ``locks/space.lock``); when the entries and
-the reservations would pass ``max_bytes``, the least recently used entries (the record's mtime is
-the last use) are deleted, skipping every entry some reader holds open (the downloading process
-first lets go of the shards it only keeps open). A shard larger than
-``max_bytes`` is a ``FetchError``; one that cannot get room because every other entry is in use is
-read from the store directly this time (a bypass), so the bound holds. So is a shard whose copy
-must be downloaded again while another process still has the old one open (it may keep it for
-as long as it runs): after ``LOCK_WAIT`` seconds the reader bypasses instead of waiting.
+Eviction. Downloads reserve their size first (under ``locks/space.lock``); when the entries and the
+reservations would pass ``max_bytes``, the least recently used entries (the record's mtime is the
+last use) are deleted, skipping every entry some reader holds open (the downloading process first
+lets go of the shards it only keeps open), until they fit in ``EVICT_TO`` of ``max_bytes``: the
+room left over spares the next downloads an eviction each. A ledger (the text of
+``locks/space.lock``, written under its lock) keeps the bytes the entries and reservations hold, or
+more (a failed download or a file deleted by hand leaves it high), so a download reads no other
+entry's record until the ledger says the cache is full; then every record is read, and the ledger
+set exact. A shard larger than ``max_bytes`` is a ``FetchError``; one that cannot get room because
+every other entry is in use is read from the store directly this time (a bypass), so the bound
+holds. So is a shard whose copy must be downloaded again while another process still has the old
+one open (it may keep it for as long as it runs): after ``LOCK_WAIT`` seconds the reader bypasses
+instead of waiting.
 
 Read-ahead. With ``prefetch_shards=N`` a background thread (``zephon-shard-prefetch``) downloads
 at most N announced shards ahead of their reads; ``stop_prefetch`` drops what was not started and
@@ -49,6 +54,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -85,6 +91,8 @@ class ShardCache:
     #: Seconds a process waits to download again a shard whose copy others have open (a
     #: damaged or stale copy some process still reads) before it reads the store directly.
     LOCK_WAIT = 5.0
+    #: The share of ``max_bytes`` an eviction brings the entries down to (with the new one).
+    EVICT_TO = 0.9
 
     def __init__(
         self, dir: str | os.PathLike[str], *, max_bytes: int, prefetch_shards: int = 0
@@ -124,6 +132,9 @@ class ShardCache:
 
     def _record_path(self, key: str) -> str:
         return os.path.join(self.dir, key + ".json")
+
+    def _partial_path(self, key: str) -> str:
+        return os.path.join(self.dir, f".{key}.tmp")
 
     def _lock_path(self, key: str) -> str:
         return os.path.join(self.dir, "locks", key + ".lock")
@@ -306,12 +317,10 @@ class ShardCache:
 
     # --------------------------------------------------------------------- downloading
     def _download(self, key: str, uri: str, version: str, size: int, download: Download) -> None:
-        # Under the entry's exclusive lock, with its size reserved: to a temporary name, then
-        # renamed into place and recorded.
-        for stale in _leftovers(self.dir, key):
-            with contextlib.suppress(OSError):
-                os.unlink(stale)
-        tmp = os.path.join(self.dir, f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        # Under the entry's exclusive lock, with its size reserved: to the key's temporary name
+        # (only that lock's holder writes it; a dead downloader's bytes there are replaced),
+        # then renamed into place and recorded.
+        tmp = self._partial_path(key)
         h = hashlib.sha256()
         try:
             with open(tmp, "wb") as out:
@@ -347,31 +356,51 @@ class ShardCache:
         with self._lock:
             self._verified.add((key, st.st_ino, st.st_mtime_ns, st.st_size))
 
-    def _drop(self, key: str) -> None:
+    def _drop(self, key: str) -> int:
+        """Delete entry ``key`` (its bytes and its record); the size its record gave, 0 when
+        there was none."""
+        record = _read_json(self._record_path(key))
         for path in (self.shard_path(key), self._record_path(key)):
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        return 0 if record is None else int(record["size"])
 
     # --------------------------------------------------------------------- space
     def _reserve(self, key: str, uri: str, version: str, size: int) -> bool:
         """Room for ``size`` bytes of entry ``key`` (held exclusively), least recently used
         entries nobody holds open deleted first; False when they cannot make it."""
-        with _flocked(os.path.join(self.dir, "locks", "space.lock")):
-            self._drop(key)  # a stale or damaged copy of this entry goes first
-            entries = sorted(self._entries(), key=lambda e: e[1])
-            total = sum(e[2] for e in entries)
+        with _flocked(os.path.join(self.dir, "locks", "space.lock")) as ledger:
+            dropped = self._drop(key)  # a stale or damaged copy of this entry goes first
+            known = _read_ledger(ledger)
+            total = None if known is None else max(0, known - dropped)
+            if total is None or total + size > self.max_bytes:
+                total = self._make_room(key, size)
             if total + size > self.max_bytes:
-                self.let_go()  # what this process keeps open but does not read may go
-            for other, _, other_size in entries:
-                if total + size <= self.max_bytes:
-                    break
-                if other != key and self._evict(other):
-                    total -= other_size
-            if total + size > self.max_bytes:
+                _write_ledger(ledger, total)
                 return False
+            # The ledger first: a process dying between the two writes leaves it high, not low.
+            _write_ledger(ledger, total + size)
             reservation = {"state": "downloading", "uri": uri, "version": version, "size": size}
             _write_json(self._record_path(key), reservation)
             return True
+
+    def _make_room(self, key: str, size: int) -> int:
+        """Under the space lock, with entry ``key`` dropped: the bytes every entry and
+        reservation holds, once least recently used entries nobody holds open are deleted for
+        ``size`` more bytes (down to ``EVICT_TO`` of ``max_bytes`` when there is anything to
+        delete), as far as they can be."""
+        entries = sorted(self._entries(), key=lambda e: e[1])
+        total = sum(e[2] for e in entries)
+        if total + size <= self.max_bytes:
+            return total
+        self.let_go()  # what this process keeps open but does not read may go
+        goal = min(self.max_bytes, int(self.max_bytes * self.EVICT_TO))
+        for other, _, other_size in entries:
+            if total + size <= goal:
+                break
+            if other != key and self._evict(other):
+                total -= other_size
+        return total
 
     def _entries(self) -> Iterator[tuple[str, int, int]]:
         """``(key, last use, size)`` of every entry and reservation."""
@@ -399,9 +428,8 @@ class ShardCache:
             return False
         try:
             self._drop(key)
-            for stale in _leftovers(self.dir, key):
-                with contextlib.suppress(OSError):
-                    os.unlink(stale)
+            with contextlib.suppress(OSError):
+                os.unlink(self._partial_path(key))  # a dead download's bytes
         finally:
             os.close(fd)
         return True
@@ -641,14 +669,6 @@ def _write_json(path: str, value: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _leftovers(directory: str, key: str) -> list[str]:
-    """Temporary files of downloads of ``key`` that never finished (their process died)."""
-    prefix = f".{key}."
-    with contextlib.suppress(OSError):
-        return [os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(prefix)]
-    return []
-
-
 def _exclusive(fd: int, wait: float) -> bool:
     """Take ``fd``'s lock exclusively within ``wait`` seconds (False: others still hold it)."""
     deadline = time.monotonic() + wait
@@ -665,10 +685,22 @@ def _exclusive(fd: int, wait: float) -> bool:
 
 
 @contextlib.contextmanager
-def _flocked(path: str) -> Iterator[None]:
+def _flocked(path: str) -> Iterator[int]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield fd
     finally:
         os.close(fd)
+
+
+def _read_ledger(fd: int) -> int | None:
+    """The byte count the space lock file ``fd`` holds; None when it holds none (a new cache, or
+    a write cut short)."""
+    text = os.pread(fd, 32, 0)
+    return int(text) if re.fullmatch(rb"[0-9]{1,20}\n", text) else None
+
+
+def _write_ledger(fd: int, total: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, b"%d\n" % total, 0)
