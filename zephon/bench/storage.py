@@ -149,14 +149,18 @@ def download_costs(shards: int, bound: int | None = None) -> tuple[float, float]
         return len(data)
 
     quarter = max(1, shards // 4)
-    stamps = []
     with tempfile.TemporaryDirectory() as where:
         cache = ShardCache(where, max_bytes=len(data) * (bound or shards))
-        for k in range(shards):
-            if k % quarter == 0:
-                stamps.append(time.perf_counter())
-            shard = cache.open(f"s3://bench/fill/{k}", "v1", len(data), download, lambda: None)
-            with shard:
-                shard.materialize()
-        stamps.append(time.perf_counter())
-    return (stamps[1] - stamps[0]) / quarter * 1e3, (stamps[-1] - stamps[-2]) / quarter * 1e3
+
+        def per_download(keys: range) -> float:
+            began = time.perf_counter()
+            for k in keys:
+                with cache.open(
+                    f"s3://bench/fill/{k}", "v1", len(data), download, lambda: None
+                ) as f:
+                    f.materialize()
+            return (time.perf_counter() - began) / max(1, len(keys)) * 1e3
+
+        first = per_download(range(quarter))
+        per_download(range(quarter, shards - quarter))
+        return first, per_download(range(max(quarter, shards - quarter), shards))
