@@ -435,25 +435,33 @@ class _ParquetRows:
         return {"path": self.path, "rows": self.rows, "_group": (-1, [])}
 
 
-class _GrainTokenize:
-    """Grain's map: a document's ids and the eos as ``int32`` (the tokenizer loaded in the
-    process that maps, once)."""
+class _TokenizerAt:
+    """A Grain map's tokenizer, by its path: loaded once, in the process that maps, and never
+    pickled with the map."""
 
     def __init__(self, path: str):
         self.path = path
         self._tok: Any = None
 
+    def tokenizer(self) -> Any:
+        if self._tok is None:
+            self._tok = load_tokenizer(self.path)
+        return self._tok
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "_tok": None}
+
+
+class _GrainTokenize(_TokenizerAt):
+    """Grain's map: a document's ids and the eos as ``int32``."""
+
     def __call__(self, row: dict[str, str]) -> dict[str, Any]:
         import numpy as np
 
         if self._tok is None:
-            self._tok = load_tokenizer(self.path)
-            self._eos = self._tok.token_to_id("<|endoftext|>")
+            self._eos = self.tokenizer().token_to_id("<|endoftext|>")
         ids = self._tok.encode(row["text"]).ids
         return {"tokens": np.array([*ids, self._eos], dtype=np.int32)}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_tok": None}
 
 
 def _cut_to_rows(tokens: Any) -> list[dict[str, Any]]:
@@ -471,21 +479,12 @@ class _GrainSplit:
         return _cut_to_rows(element["tokens"])
 
 
-class _GrainEncodeMany:
+class _GrainEncodeMany(_TokenizerAt):
     """Grain's map on a batch of rows: each document's ids and the eos as ``int32``, from one
-    batch call (``_token_arrays``; the tokenizer loaded once, where it maps)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._tok: Any = None
+    batch call (``_token_arrays``)."""
 
     def __call__(self, rows: list[dict[str, str]]) -> list[Any]:
-        if self._tok is None:
-            self._tok = load_tokenizer(self.path)
-        return _token_arrays(self._tok, [row["text"] for row in rows])
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_tok": None}
+        return _token_arrays(self.tokenizer(), [row["text"] for row in rows])
 
 
 class _GrainSplitMany:

@@ -54,7 +54,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -698,7 +697,7 @@ def _read_ledger(fd: int) -> int | None:
     """The byte count the space lock file ``fd`` holds; None when it holds none (a new cache, or
     a write cut short)."""
     text = os.pread(fd, 32, 0)
-    return int(text) if re.fullmatch(rb"[0-9]{1,20}\n", text) else None
+    return int(text) if text.endswith(b"\n") and text[:-1].isdigit() else None
 
 
 def _write_ledger(fd: int, total: int) -> None:
