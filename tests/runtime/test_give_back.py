@@ -147,3 +147,36 @@ def test_a_worker_gives_back_what_one_list_took_before_it_makes_the_next() -> No
     (pid, bloated), (same_pid, next_list) = seen[40], seen[44]
     assert pid == same_pid != os.getpid()  # both in the worker, one item list apart
     assert bloated - next_list > 40 * 2**20, (bloated, next_list)
+
+
+def test_lanes_on_threads_of_one_worker_check_their_growth_at_once() -> None:
+    # A worker process runs several lanes on threads of its own, and each checks its growth
+    # after every item list it sends: the record of the last checks is the process's, shared.
+    # It used to be read while another lane's thread added to it ("deque mutated during
+    # iteration", a worker's error ending the loader's run).
+    import threading
+
+    from zephon.runtime.workers.memory_release import give_back_once_grown
+
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def checks() -> None:
+        start.wait()
+        try:
+            for _ in range(20_000):
+                give_back_once_grown(1 << 40)  # never reached: only the check runs
+        except BaseException as exc:
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=checks) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -23,6 +24,8 @@ _held_after: int | None = None  # ``private_resident_bytes()`` right after the l
 # What ``give_back_once_grown`` found at its last two calls: a worker calls it after each item
 # list, and a list that only announces a chunk (right after the chunk's give-back) holds little.
 _recently: collections.deque[int] = collections.deque(maxlen=2)
+# Several lanes of a worker process check their growth on threads of their own: one at a time.
+_checking = threading.Lock()
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -79,12 +82,13 @@ def give_back_once_grown(limit: int) -> None:
     held = private_resident_bytes()
     if held is None:
         return
-    grown = all(held - seen >= limit for seen in _recently)
-    _recently.append(held)
-    if _held_after is None:
-        _held_after = held
-    elif held - _held_after >= limit and grown:
-        give_back()
+    with _checking:
+        grown = all(held - seen >= limit for seen in _recently)
+        _recently.append(held)
+        if _held_after is None:
+            _held_after = held
+        elif held - _held_after >= limit and grown:
+            give_back()
 
 
 def give_back_at_most_every(seconds: float) -> None:
