@@ -519,6 +519,10 @@ def _put(cache: ShardCache, k: int, download=None) -> bool:
         return bool(shard.hit)
 
 
+def _never(write) -> int:
+    raise AssertionError("downloaded a shard the cache holds")
+
+
 def _ledger(cache: ShardCache) -> bytes:
     return (Path(cache.dir) / "locks" / "space.lock").read_bytes()
 
@@ -590,3 +594,28 @@ def test_a_download_killed_halfway_is_replaced_by_the_next_one(tmp_path):
     assert _put(cache, 7) is False and _put(cache, 7) is True
     assert not list(Path(tmp_path).glob(".*.tmp"))
     assert cache.cached_bytes() == len(PIECE)
+
+
+@needs_proc
+def test_a_buffer_read_from_a_shard_outlives_its_close_and_eviction(tmp_path):
+    # read_buffer hands out the cache's own map, no copy: closing the shard, letting it go and
+    # evicting it must neither free those bytes under the buffer nor keep the map past it.
+    cache = ShardCache(tmp_path / "shards", max_bytes=len(PIECE))
+    assert _put(cache, 0) is False
+    with cache.open("s3://b/part-0", "v1", len(PIECE), _never, lambda: None) as s:
+        kept = s.read_buffer(100)
+        assert s.hit is True
+    cache.let_go()
+    assert _put(cache, 1) is False  # room for part-1 only: part-0 is evicted
+    assert not Path(cache.shard_path(ShardCache.key("s3://b/part-0", "v1", len(PIECE)))).exists()
+    assert kept.to_pybytes() == PIECE[:100]
+    del kept, s
+    cache.let_go()
+    assert _held_in(cache.dir) == ([], [])
+
+
+def test_an_empty_object_is_cached_and_read_as_empty(tmp_path):
+    cache = ShardCache(tmp_path / "shards", max_bytes=1 << 20)
+    for hit in (False, True):
+        with cache.open("s3://b/empty", "v1", 0, lambda write: 0, lambda: None) as shard:
+            assert shard.read() == b"" and shard.hit is hit

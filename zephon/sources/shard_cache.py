@@ -53,6 +53,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import threading
 import time
@@ -125,18 +126,19 @@ class ShardCache:
         text = f"zephon shard 1\0{uri}\0{version}\0{size}"
         return hashlib.sha256(text.encode()).hexdigest()[:40]
 
+    # Joined by hand: a read of a cached shard builds three of these.
     def shard_path(self, key: str) -> str:
         """Where the bytes of entry ``key`` are kept."""
-        return os.path.join(self.dir, key + ".shard")
+        return f"{self.dir}/{key}.shard"
 
     def _record_path(self, key: str) -> str:
-        return os.path.join(self.dir, key + ".json")
+        return f"{self.dir}/{key}.json"
 
     def _partial_path(self, key: str) -> str:
-        return os.path.join(self.dir, f".{key}.tmp")
+        return f"{self.dir}/.{key}.tmp"
 
     def _lock_path(self, key: str) -> str:
-        return os.path.join(self.dir, "locks", key + ".lock")
+        return f"{self.dir}/locks/{key}.lock"
 
     # --------------------------------------------------------------------- opening
     def open(
@@ -212,9 +214,7 @@ class ShardCache:
                     os.close(fd)
                     return None
                 found = self._intact(key, uri, version, size)
-                if found is not None:
-                    found[0].close()  # intact after all (another process fetched it)
-                else:
+                if found is None:  # else intact after all (another process fetched it)
                     if not self._reserve(key, uri, version, size):
                         os.close(fd)
                         return None
@@ -278,38 +278,28 @@ class ShardCache:
         """``(map, identity)`` of entry ``key`` when its record and file are what was asked for
         and written (the whole file hashed on its first open in this process), the identity
         (inode, mtime, size) being the mapped file's own; else None."""
-        import pyarrow as pa
-
-        try:
-            mapped = pa.memory_map(self.shard_path(key), "r")
-        except OSError:
+        found = _map_file(self.shard_path(key))
+        if found is None:
             return None
-        try:
-            st = os.fstat(mapped.fileno())  # the file mapped, whatever the path names since
-            seen = (key, st.st_ino, st.st_mtime_ns, st.st_size)
+        mapped, st = found  # the file mapped, whatever the path names since
+        seen = (key, st.st_ino, st.st_mtime_ns, st.st_size)
+        with self._lock:
+            record = self._records.get(seen)  # a record is written with its shard file only
+            verified = seen in self._verified
+        if record is None:
+            record = _read_json(self._record_path(key))
+            wanted = {"state": "done", "uri": uri, "version": version, "size": size}
+            if record is None or any(record.get(k) != v for k, v in wanted.items()):
+                return None
+            if seen[1:] != (record["ino"], record["mtime_ns"], size):
+                return None
             with self._lock:
-                record = self._records.get(seen)  # a record is written with its shard file only
-                verified = seen in self._verified
-            if record is None:
-                record = _read_json(self._record_path(key))
-                wanted = {"state": "done", "uri": uri, "version": version, "size": size}
-                if record is None or any(record.get(k) != v for k, v in wanted.items()):
-                    mapped.close()
-                    return None
-                if seen[1:] != (record["ino"], record["mtime_ns"], size):
-                    mapped.close()
-                    return None
-                with self._lock:
-                    self._records[seen] = record
-            if not verified:
-                if _sha256_of(mapped) != record["sha256"]:
-                    mapped.close()
-                    return None
-                with self._lock:
-                    self._verified.add(seen)
-        except BaseException:
-            mapped.close()
-            raise
+                self._records[seen] = record
+        if not verified:
+            if hashlib.sha256(mapped).hexdigest() != record["sha256"]:
+                return None
+            with self._lock:
+                self._verified.add(seen)
         with contextlib.suppress(OSError):
             os.utime(self._record_path(key))  # its last use, for eviction
         return mapped, seen[1:]
@@ -611,18 +601,18 @@ class CachedShard:
 
 
 class _Entry:
-    """A cache entry this process has open: its lock file held shared (``fd``), its memory map
-    and the whole of it as a buffer, and the file's identity when it was checked."""
+    """A cache entry this process has open: its lock file held shared (``fd``), the whole of its
+    memory map as a buffer, and the file's identity when it was checked."""
 
     def __init__(
         self, key: str, path: str, fd: int, mapped: Any, seen: tuple[int, int, int]
     ) -> None:
+        import pyarrow as pa
+
         self.key = key
         self.path = path
         self.fd = fd
-        self.mapped = mapped
-        mapped.seek(0)
-        self.data = mapped.read_buffer(seen[2])  # the map itself, no copy
+        self.data = pa.py_buffer(mapped)  # the map itself, no copy
         self.seen = seen
         self.users = 1
         self.kept = True
@@ -636,20 +626,28 @@ class _Entry:
         return (st.st_ino, st.st_mtime_ns, st.st_size) == self.seen
 
     def close(self) -> None:
-        """Close the map and let go of the lock."""
-        self.mapped.close()
+        """Let go of the lock and of the map (unmapped once no buffer read from it is left)."""
+        self.data = None
         os.close(self.fd)
 
 
 # ------------------------------------------------------------------------- helpers
 
 
-def _sha256_of(mapped: Any) -> str:
-    h = hashlib.sha256()
-    size = mapped.size()
-    for at in range(0, size, DOWNLOAD_PIECE):
-        h.update(mapped.read_at(min(DOWNLOAD_PIECE, size - at), at))
-    return h.hexdigest()
+def _map_file(path: str) -> tuple[Any, os.stat_result] | None:
+    """A read-only memory map of the file at ``path`` (``b""`` when it is empty) and the mapped
+    file's ``stat``; None when it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        return (mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else b""), st
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
