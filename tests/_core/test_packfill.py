@@ -21,7 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zephon._core.binfill import BinPacker, FlatPacker
-from zephon._core.packfill import BinFill, field_lengths, payload_fields, token_lengths
+from zephon._core.packfill import (
+    BinFill,
+    field_lengths,
+    payload_fields,
+    release_warm_arenas,
+    token_lengths,
+    warm_arena_bytes,
+)
 from zephon.types import SampleCursor, SampleMeta, SampleRecord
 
 Row = tuple[int, int, int, int, int]  # (item, frag_start, frag_len, bin_id, bin_offset)
@@ -440,6 +447,84 @@ def test_memory_a_view_still_holds_is_never_written_again() -> None:
         assert not np.shares_memory(block, kept)
         assert block[0, :8].tolist() == [bin_id * 1000 + k for k in range(7)] + [0]
     assert np.array_equal(kept, expected)
+
+
+def take_one_by_one(fill: BinFill, bin_ids: range) -> list[np.ndarray]:
+    """The blocks of bins ``bin_ids``, each holding 3 tokens of its own, taken as they fill."""
+    blocks = []
+    for bin_id in bin_ids:
+        rows = np.array([[0, 0, 3, bin_id, 0]], dtype=np.int64)
+        fill.write(rows, token_arrays([3], bin_id), [bin_id])
+        blocks += fill.take(np.array([bin_id], dtype=np.int64))[0]
+    return blocks
+
+
+def test_a_new_fill_writes_into_the_arenas_a_dropped_fill_left() -> None:
+    # Fresh memory costs a page fault per page: a pipeline built after another one (the next
+    # epoch's, an evaluation's) reuses the arenas of the first one's packer.
+    release_warm_arenas()
+    first = BinFill(1000)
+    take_one_by_one(first, range(1))  # a block taken, and let go
+    del first
+    assert warm_arena_bytes() == 128 * 3 * 1000 * 4  # its arena: 128 bins of 3 rows of 1,000
+    second = BinFill(1000)
+    (block,) = take_one_by_one(second, range(1))
+    assert warm_arena_bytes() == 0  # taken back by the second fill
+    assert block[0, :4].tolist() == [0, 1, 2, 0] and not block[1:, 3:].any()
+    release_warm_arenas()
+
+
+def test_an_arena_a_view_still_holds_is_not_written_by_another_fill() -> None:
+    release_warm_arenas()
+    first = BinFill(1000)
+    (held,) = take_one_by_one(first, range(7, 8))
+    expected = held.copy()
+    del first  # its arena goes on to the next fills, still under the view
+    assert warm_arena_bytes() > 0
+    later = take_one_by_one(BinFill(1000), range(400))  # a few arenas' worth
+    assert not any(np.shares_memory(block, held) for block in later)
+    assert np.array_equal(held, expected)
+    release_warm_arenas()
+
+
+def test_the_arenas_kept_for_the_next_fills_are_bounded() -> None:
+    release_warm_arenas()
+    fills = [BinFill(2048) for _ in range(60)]
+    for fill in fills:  # each has an arena of 64 bins of 3 rows of 2,048 tokens (1.5 MiB)
+        take_one_by_one(fill, range(1))
+    del fill, fills
+    assert 40 * (3 << 19) <= warm_arena_bytes() <= 64 << 20
+    assert release_warm_arenas() > 0 and warm_arena_bytes() == 0
+
+
+def test_fills_on_several_threads_share_the_warm_arenas_and_never_write_under_a_view() -> None:
+    import sys
+    import threading
+
+    release_warm_arenas()
+    changed: list[int] = []
+
+    def work(t: int) -> None:
+        held = []
+        for r in range(15):  # each fill takes 150 bins (two arenas), one view kept, then dropped
+            fill = BinFill(1000)
+            blocks = take_one_by_one(fill, range(r * 150, r * 150 + 150))
+            held.append((blocks[t * 30], blocks[t * 30].copy()))
+            del fill, blocks
+        changed.extend(t for block, expected in held if not np.array_equal(block, expected))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+        release_warm_arenas()
+    assert changed == []
 
 
 def test_an_item_is_read_when_its_bin_leaves() -> None:

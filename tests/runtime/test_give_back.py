@@ -180,3 +180,19 @@ def test_lanes_on_threads_of_one_worker_check_their_growth_at_once() -> None:
     finally:
         sys.setswitchinterval(interval)
     assert errors == []
+
+
+def test_giving_back_drops_the_arenas_packers_keep_for_the_next_ones() -> None:
+    import numpy as np
+
+    from zephon._core.packfill import BinFill, release_warm_arenas, warm_arena_bytes
+    from zephon.runtime.workers.memory_release import give_back
+
+    release_warm_arenas()
+    fill = BinFill(2048)
+    fill.write(np.array([[0, 0, 3, 0, 0]], dtype=np.int64), [np.arange(3, dtype=np.int32)], [0])
+    fill.take(np.array([0], dtype=np.int64))
+    del fill  # its arena is kept warm for the next packer of this process
+    assert warm_arena_bytes() > 0
+    give_back()
+    assert warm_arena_bytes() == 0

@@ -64,7 +64,9 @@ cdef class RowArena:
     cdef object array              # the ndarray that owns the memory (never handed out: a view
                                    # of it would not hold the arena, and could see it reused)
     cdef char* data
+    cdef Py_ssize_t fields         # rows of each bin's block
     cdef Py_ssize_t rows           # bins it holds
+    cdef Py_ssize_t seq_len        # tokens of each row
     cdef Py_ssize_t next_row       # the next bin's row
 
 

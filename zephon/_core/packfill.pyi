@@ -22,6 +22,12 @@ def payload_fields(
     """A packer's token arrays, their lengths and its side fields' arrays, read from dict payloads
     already in shape (1-D, C-contiguous, native, of the right dtype and length); None otherwise."""
 
+def warm_arena_bytes() -> int:
+    """Bytes of the arenas this process keeps for its next fills (64 MiB at most)."""
+
+def release_warm_arenas() -> int:
+    """Drop the arenas kept for the process's next fills; the bytes they held."""
+
 @disjoint_base
 class RowArena:
     """Memory that ``BinFill.take`` writes bins into one after another, field by field: the base

@@ -10,7 +10,11 @@ row per side field), padded.
 
 Tokens are copied once, when their bin leaves, without the GIL: into the next free rows of a
 ``RowArena``, field by field, so the bins taken one after another sit back to back. A batch of
-them is then a view of the arena, not a copy (``zephon._core.collate``).
+them is then a view of the arena, not a copy (``zephon._core.collate``). An arena is written
+again once no view holds it: by its fill, or, when its fill is gone or keeps enough spares, by
+the next fill of the process that needs one of its shape (up to ``WARM_BYTES`` of such arenas
+are kept): memory the kernel has mapped already, where fresh memory would cost a page fault per
+page.
 
 Calls from several threads are safe: every method that reads or changes the bins holds the fill's
 lock from its first read to its last write, GIL-free copies included, so concurrent calls run one
@@ -55,6 +59,62 @@ cdef extern from "Python.h":
 # Arenas no view holds any more that a fill keeps for reuse, beyond the one it reuses.
 cdef enum:
     SPARE_ARENAS = 2
+
+# Arenas the fills of this process no longer keep (a fill that was dropped, or more spares than
+# one keeps), held for the next fills, most recent last: their pages are mapped already, so a new
+# pipeline's first bins cost no page faults. WARM_BYTES in all at most; like a fill's own, an
+# arena is reused only once no view holds it.
+cdef enum:
+    WARM_BYTES = 64 << 20
+cdef list _warm = []
+cdef Py_ssize_t _warm_bytes = 0
+
+
+cdef inline Py_ssize_t _arena_bytes(RowArena arena) noexcept:
+    return arena.fields * arena.rows * arena.seq_len * sizeof(token_t)
+
+
+cdef void _keep_warm(RowArena arena):
+    global _warm_bytes
+    if _warm is None:  # the module is being torn down
+        return
+    _warm.append(arena)
+    _warm_bytes += _arena_bytes(arena)
+    while _warm_bytes > WARM_BYTES:
+        _warm_bytes -= _arena_bytes(<RowArena>_warm.pop(0))
+
+
+cdef RowArena _warm_arena(Py_ssize_t fields, Py_ssize_t rows, Py_ssize_t seq_len):
+    # The most recently kept warm arena of this shape that no view holds, or None.
+    global _warm_bytes
+    cdef Py_ssize_t i
+    cdef RowArena held
+    for i in range(len(_warm) - 1, -1, -1):
+        held = <RowArena>_warm[i]
+        # Only the list and ``held`` refer to an arena no view holds.
+        if (
+            held.fields == fields and held.rows == rows and held.seq_len == seq_len
+            and _refcount(<PyObject*>held) == 2
+        ):
+            del _warm[i]
+            _warm_bytes -= _arena_bytes(held)
+            return held
+    return None
+
+
+def warm_arena_bytes():
+    """Bytes of the arenas this process keeps for its next fills."""
+    return _warm_bytes
+
+
+def release_warm_arenas():
+    """Drop the arenas kept for the process's next fills (each freed once no view holds it);
+    the bytes they held."""
+    global _warm_bytes
+    freed = _warm_bytes
+    del _warm[:]
+    _warm_bytes = 0
+    return freed
 
 
 cdef inline Py_ssize_t _search(const LiveBin* live, Py_ssize_t n, offset_t bin_id) noexcept nogil:
@@ -245,7 +305,9 @@ cdef class RowArena:
     def __cinit__(self, Py_ssize_t fields, Py_ssize_t rows, Py_ssize_t seq_len):
         self.array = np.empty((fields, rows, seq_len), dtype=np.int32)
         self.data = <char*>cnp.PyArray_DATA(<cnp.ndarray>self.array)
+        self.fields = fields
         self.rows = rows
+        self.seq_len = seq_len
         self.next_row = 0
 
     def __reduce__(self):
@@ -329,6 +391,12 @@ cdef class BinFill:
 
     def __dealloc__(self):
         cdef Py_ssize_t k
+        # Its arenas go on to the process's next fills (reused once no view holds them).
+        if self._arena is not None:
+            _keep_warm(self._arena)
+        if self._retired is not None:
+            for held in self._retired:
+                _keep_warm(held)
         if self._slots != NULL:
             for k in range(self._n_slots):
                 PyMem_Free(self._slots[k].frags)
@@ -860,6 +928,7 @@ cdef class BinFill:
         holds any more (its memory is mapped and warm already), else a new one."""
         cdef RowArena arena = self._arena
         cdef Py_ssize_t spare = 0
+        cdef Py_ssize_t fields = BLOCK_ROWS + self._n_side
         if arena is not None and arena.next_row < arena.rows:
             return arena
         if arena is not None:
@@ -875,9 +944,13 @@ cdef class BinFill:
             elif spare < SPARE_ARENAS:
                 kept.append(held)
                 spare += 1
+            else:
+                _keep_warm(held)
         self._retired = kept
         if arena is None:
-            arena = RowArena(BLOCK_ROWS + self._n_side, self._arena_rows, self._seq_len)
+            arena = _warm_arena(fields, self._arena_rows, self._seq_len)
+        if arena is None:
+            arena = RowArena(fields, self._arena_rows, self._seq_len)
         arena.next_row = 0
         self._arena = arena
         return arena

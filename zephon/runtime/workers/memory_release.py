@@ -59,7 +59,8 @@ def private_resident_bytes() -> int | None:
 
 
 def give_back() -> None:
-    """Return free heap pages (glibc) and Arrow's unused pool memory to the operating system."""
+    """Return free heap pages (glibc), Arrow's unused pool memory and the packers' spare arenas
+    to the operating system."""
     global _held_after
     trim = _malloc_trim()
     if trim:
@@ -67,6 +68,9 @@ def give_back() -> None:
     arrow = sys.modules.get("pyarrow")
     if arrow is not None:
         arrow.default_memory_pool().release_unused()
+    packfill = sys.modules.get("zephon._core.packfill")
+    if packfill is not None:  # the packers' spare arenas, kept warm for the next ones
+        packfill.release_warm_arenas()
     _held_after = private_resident_bytes()
 
 
