@@ -76,8 +76,6 @@ cdef inline Py_ssize_t _arena_bytes(RowArena arena) noexcept:
 
 cdef void _keep_warm(RowArena arena):
     global _warm_bytes
-    if _warm is None:  # the module is being torn down
-        return
     _warm.append(arena)
     _warm_bytes += _arena_bytes(arena)
     while _warm_bytes > WARM_BYTES:
