@@ -88,7 +88,7 @@ cdef class BinFill:
     cdef list _sources             # per slot: the arrays its fragments read, or None when free
     cdef RowArena _arena           # where take() writes the next bins (None until the first)
     cdef Py_ssize_t _arena_rows    # bins per arena (see ARENA_BYTES)
-    cdef list _retired             # arenas written to the end: views may still hold them
+    cdef list _retired             # arenas written to the end that views held when last checked
     cdef list _records             # per slot: the item of each fragment, in bin order
     # Held by every method that reads or changes the bins, GIL-free copies included; _owner is
     # the holding thread's ident, 0 when free.

@@ -11,10 +11,9 @@ row per side field), padded.
 Tokens are copied once, when their bin leaves, without the GIL: into the next free rows of a
 ``RowArena``, field by field, so the bins taken one after another sit back to back. A batch of
 them is then a view of the arena, not a copy (``zephon._core.collate``). An arena is written
-again once no view holds it: by its fill, or, when its fill is gone or keeps enough spares, by
-the next fill of the process that needs one of its shape (up to ``WARM_BYTES`` of such arenas
-are kept): memory the kernel has mapped already, where fresh memory would cost a page fault per
-page.
+again once no view holds it, by whichever fill of the process next needs one of its shape
+(most often its own; up to ``WARM_BYTES`` of such arenas are kept, a dropped fill's too): memory
+the kernel has mapped already, where fresh memory would cost a page fault per page.
 
 Calls from several threads are safe: every method that reads or changes the bins holds the fill's
 lock from its first read to its last write, GIL-free copies included, so concurrent calls run one
@@ -56,14 +55,10 @@ cdef enum:
 cdef extern from "Python.h":
     Py_ssize_t _refcount "Py_REFCNT"(PyObject*)
 
-# Arenas no view holds any more that a fill keeps for reuse, beyond the one it reuses.
-cdef enum:
-    SPARE_ARENAS = 2
-
-# Arenas the fills of this process no longer keep (a fill that was dropped, or more spares than
-# one keeps), held for the next fills, most recent last: their pages are mapped already, so a new
-# pipeline's first bins cost no page faults. WARM_BYTES in all at most; like a fill's own, an
-# arena is reused only once no view holds it.
+# Arenas the fills of this process wrote to the end and no view holds any more (or whose fill
+# was dropped), most recent last, for the next arena any fill needs: their pages are mapped
+# already, so neither a fill's next arena nor a new pipeline's first one costs page faults.
+# WARM_BYTES in all at most; an arena is written again only once no view holds it.
 cdef enum:
     WARM_BYTES = 64 << 20
 cdef list _warm = []
@@ -922,31 +917,24 @@ cdef class BinFill:
         return blocks, items, frags
 
     cdef RowArena _arena_for(self):
-        """The arena whose next row is free: the current one, else one used before that no view
-        holds any more (its memory is mapped and warm already), else a new one."""
+        """The arena whose next row is free: the current one, else a warm one no view holds any
+        more (its memory is mapped already; most often this fill's own last one), else a new
+        one. Arenas views still hold stay with the fill until they are let go."""
         cdef RowArena arena = self._arena
-        cdef Py_ssize_t spare = 0
         cdef Py_ssize_t fields = BLOCK_ROWS + self._n_side
         if arena is not None and arena.next_row < arena.rows:
             return arena
         if arena is not None:
             self._retired.append(arena)
-        arena = None
         kept = []
         for held in self._retired:
             # Only this list and the loop refer to an arena no view holds: nothing can read it.
             if _refcount(<PyObject*>held) > 2:
                 kept.append(held)
-            elif arena is None:
-                arena = held
-            elif spare < SPARE_ARENAS:
-                kept.append(held)
-                spare += 1
             else:
                 _keep_warm(held)
         self._retired = kept
-        if arena is None:
-            arena = _warm_arena(fields, self._arena_rows, self._seq_len)
+        arena = _warm_arena(fields, self._arena_rows, self._seq_len)
         if arena is None:
             arena = RowArena(fields, self._arena_rows, self._seq_len)
         arena.next_row = 0
