@@ -4,7 +4,12 @@ Build a ``Pipeline`` from a source and operators, iterate it, save ``loader.stat
 your model, and resume with ``pipeline.iter(state=...)``: the stream continues exactly.
 """
 
-from zephon._core import check_build as _check_build
+# Before numpy loads (the compiled core loads it): a fork server's BLAS starts no threads.
+from zephon._fork_server_env import one_blas_thread_in_fork_server as _one_blas_thread
+
+_one_blas_thread()
+
+from zephon._core import check_build as _check_build  # noqa: E402
 
 _check_build()
 

@@ -1,15 +1,24 @@
-"""Sizing the BLAS pool a process loaded before it knew its share of the CPUs."""
+"""Sizing the BLAS pool a process loaded before it knew its share of the CPUs, and the fork
+server loading it with one thread."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 
 import numpy as np  # noqa: F401  (loads numpy's BLAS into this process)
+import pytest
 from threadpoolctl import threadpool_info
 
-from zephon.runtime.workers.blas_threads import loaded_libraries
+import zephon
+from zephon._fork_server_env import BLAS_VARIABLES, is_fork_server, one_blas_thread_in_fork_server
+from zephon.ops.basic import fetch, map_transform
+from zephon.runtime.workers.blas_threads import _SETTERS, loaded_libraries
+from zephon.runtime.workers.thread_budget import usable_cpus
+from zephon.sources.memory import RangeSource
 
 
 def test_loaded_libraries_lists_numpys_blas():
@@ -48,3 +57,53 @@ def test_a_loaded_pool_takes_the_size_its_variable_gives():
 def test_a_variable_that_is_not_a_count_leaves_the_pool_alone():
     got = limited({"OPENBLAS_NUM_THREADS": "4,2", "MKL_NUM_THREADS": "0"})
     assert got["changed"] == [] and got["sizes"] == limited({})["sizes"]
+
+
+SERVER_ARGV = [
+    sys.executable,
+    "-c",
+    "from multiprocessing.forkserver import main; main(5, 6, ['zephon'], **{})",
+]
+
+
+def test_a_fork_server_is_known_by_its_command_line():
+    assert is_fork_server(SERVER_ARGV)
+    assert is_fork_server([sys.executable, "-X", "dev", *SERVER_ARGV[1:]])
+    assert not is_fork_server([sys.executable, "train.py"])
+    assert not is_fork_server([sys.executable, "-c", "import zephon"])
+    assert not is_fork_server([sys.executable, "-c"])
+    assert not is_fork_server(sys.orig_argv)  # this test run
+
+
+def test_a_fork_server_loads_blas_with_one_thread_unless_the_user_sized_it():
+    environ = {"MKL_NUM_THREADS": "4"}
+    assert one_blas_thread_in_fork_server(environ, SERVER_ARGV) == ["OPENBLAS_NUM_THREADS"]
+    assert environ == {"MKL_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "1"}
+    assert set(BLAS_VARIABLES) <= {variable for variable, _ in _SETTERS.values()}
+
+
+def test_elsewhere_the_environment_is_left_alone():
+    environ: dict[str, str] = {}
+    assert one_blas_thread_in_fork_server(environ, [sys.executable, "train.py"]) == []
+    assert environ == {}
+
+
+def threads_in_worker(payload: dict) -> dict:
+    """The worker's threads: those the OS runs, and those Python started."""
+    return {**payload, "os": len(os.listdir("/proc/self/task")), "py": threading.active_count()}
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_a_worker_with_one_cpu_runs_no_blas_threads():
+    # Each worker's share is one CPU: its BLAS pool (forked from the fork server, where numpy
+    # loaded) is one thread, the worker's own, and no thread of the machine's size waits idle.
+    lanes = usable_cpus()
+    pipeline = zephon.Pipeline(
+        RangeSource(4 * lanes, chunk_size=2),
+        [fetch(), map_transform(threads_in_worker)],
+        lanes=lanes,
+        workers="process",
+    )
+    with pipeline.iter() as loader:
+        seen = {(r.payload["os"], r.payload["py"]) for r in loader}
+    assert seen and all(native == python for native, python in seen), seen

@@ -2,9 +2,10 @@
 
 A worker process is forked from a server that imported numpy before the worker existed, and
 numpy's BLAS (OpenBLAS in its wheels, MKL in some builds) reads its thread count from the
-environment once, when it loads: a worker's ``OPENBLAS_NUM_THREADS`` comes too late, and every
-worker would run a pool as large as the machine. ``limit_loaded_blas`` tells each BLAS library
-loaded in this process how many threads to use, through the function the library exports for it.
+environment once, when it loads: a worker's ``OPENBLAS_NUM_THREADS`` comes too late. The server
+loads it with one thread (``zephon._fork_server_env``), and ``limit_loaded_blas`` tells each BLAS
+library loaded in this process how many threads to use, through the function the library exports
+for it (in a forked OpenBLAS the call starts the pool: the threads of this worker's share).
 """
 
 from __future__ import annotations
