@@ -19,9 +19,9 @@ import os
 import sys
 from collections.abc import MutableMapping, Sequence
 
-#: The variables that size a BLAS library's pool when it loads, as ``limit_loaded_blas`` sets
-#: them in each worker.
-BLAS_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+#: The variables that size a BLAS library's pool when it loads: OpenBLAS's (MKL sizes its pool
+#: at its first call, in the worker, from the worker's own ``MKL_NUM_THREADS``).
+BLAS_VARIABLES = ("OPENBLAS_NUM_THREADS",)
 
 #: How ``multiprocessing`` starts its fork server: ``python -c`` with this command.
 _SERVER_COMMAND = "from multiprocessing.forkserver import main;"

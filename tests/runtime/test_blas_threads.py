@@ -76,9 +76,12 @@ def test_a_fork_server_is_known_by_its_command_line():
 
 
 def test_a_fork_server_loads_blas_with_one_thread_unless_the_user_sized_it():
-    environ = {"MKL_NUM_THREADS": "4"}
+    environ = {"OMP_NUM_THREADS": "4"}
     assert one_blas_thread_in_fork_server(environ, SERVER_ARGV) == ["OPENBLAS_NUM_THREADS"]
-    assert environ == {"MKL_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "1"}
+    assert environ == {"OMP_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "1"}
+    sized = {"OPENBLAS_NUM_THREADS": "3"}
+    assert one_blas_thread_in_fork_server(sized, SERVER_ARGV) == []
+    assert sized == {"OPENBLAS_NUM_THREADS": "3"}
     assert set(BLAS_VARIABLES) <= {variable for variable, _ in _SETTERS.values()}
 
 
