@@ -17,7 +17,7 @@ import zephon
 from zephon._fork_server_env import BLAS_VARIABLES, is_fork_server, one_blas_thread_in_fork_server
 from zephon.ops.basic import fetch, map_transform
 from zephon.runtime.workers.blas_threads import _SETTERS, loaded_libraries
-from zephon.runtime.workers.thread_budget import usable_cpus
+from zephon.runtime.workers.thread_budget import worker_environment
 from zephon.sources.memory import RangeSource
 
 
@@ -97,16 +97,16 @@ def threads_in_worker(payload: dict) -> dict:
 
 
 @pytest.mark.usefixtures("no_leftover_workers")
-def test_a_worker_with_one_cpu_runs_no_blas_threads():
-    # Each worker's share is one CPU: its BLAS pool (forked from the fork server, where numpy
-    # loaded) is one thread, the worker's own, and no thread of the machine's size waits idle.
-    lanes = usable_cpus()
+def test_a_worker_runs_the_blas_threads_of_its_share_and_no_more():
+    # Numpy loaded in the fork server; each worker sizes its BLAS pool to its share of the CPUs
+    # (one thread, its own, on two CPUs), and no pool of the machine's size waits idle beside it.
     pipeline = zephon.Pipeline(
-        RangeSource(4 * lanes, chunk_size=2),
+        RangeSource(8, chunk_size=2),
         [fetch(), map_transform(threads_in_worker)],
-        lanes=lanes,
+        lanes=2,
         workers="process",
     )
+    share = int(worker_environment(pipeline.compile().processes)["OPENBLAS_NUM_THREADS"])
     with pipeline.iter() as loader:
         seen = {(r.payload["os"], r.payload["py"]) for r in loader}
-    assert seen and all(native == python for native, python in seen), seen
+    assert seen and all(native == python + share - 1 for native, python in seen), (share, seen)
