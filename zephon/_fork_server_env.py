@@ -7,6 +7,8 @@ worker then has no pool, and the first call that sizes it to the worker's share 
 (``runtime.workers.blas_threads``) starts the whole pool again, spinning, and keeps the threads
 it does not need. A server that loads its BLAS with one thread starts none, and a worker starts
 only the threads of its share. The server computes nothing itself, so nothing else changes.
+The setting is made here, as ``zephon`` (the server's first preload) is imported: the server
+inherits the loader's environment, and changing the loader's to start it would race other threads.
 
 Only in a process started with ``multiprocessing``'s fork server command line (the server, and a
 process forked from it that imports ``zephon`` first), and only for variables the environment
