@@ -14,7 +14,6 @@ its fastest configuration here (its default read threads only add overhead to an
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 import zephon
+from zephon.bench.clock import start_clock
 from zephon.ops import batch, fetch, pack_flat, pack_sequences, training_collate
 from zephon.sources.memory import RangeSource
 
@@ -42,14 +42,6 @@ N_SEQUENCES = 20_000
 EPOCH_SEQUENCES = 4096
 CHUNK_SIZE = 1024
 STRATEGIES = ("best_fit", "first_fit")
-
-
-def _start_clock() -> float:
-    """The clock's start, after collecting what earlier runs left: a full collection of a
-    process holding the bench's objects takes tens of milliseconds, as long as a whole packing
-    run, and would land in whichever run (ours or a baseline) happened to trigger it."""
-    gc.collect()
-    return time.perf_counter()
 
 
 def uniform_lengths(n: int = N_SEQUENCES, seed: int = 0, high: int = 512) -> np.ndarray:
@@ -170,7 +162,7 @@ def run_zephon_pack(
     # Planning (which fingerprints the in-memory payloads, array by array) happens before the
     # clock starts, like building Grain's datasets; iteration, packing and delivery are timed.
     loader = pipeline.iter()
-    start = _start_clock()
+    start = start_clock()
     n_bins = 0
     with loader:
         for item in loader:
@@ -206,7 +198,7 @@ def run_grain_pack(
         num_packing_bins=open_bins,
         shuffle_bins=False,
     )
-    start = _start_clock()
+    start = start_clock()
     n_bins = 0
     for _ in dataset:
         n_bins += 1
@@ -289,7 +281,7 @@ def run_python_first_fit(
     """Tokens/s and fill of ``python_first_fit`` on the same payloads (the in-process baseline)."""
     payloads = token_payloads(lengths) if payloads is None else payloads
     n_tokens = int(np.sum(lengths))
-    start = _start_clock()
+    start = start_clock()
     bins = python_first_fit(payloads, seq_len, open_bins, epoch_sequences)
     return _result(n_tokens, len(bins), time.perf_counter() - start, seq_len)
 
@@ -426,7 +418,7 @@ def run_pack_collate(
         epoch_chunks=EPOCH_SEQUENCES // CHUNK_SIZE,
     )
     loader = pipeline.iter()
-    start = _start_clock()
+    start = start_clock()
     rows = 0
     with loader:
         for item in loader:

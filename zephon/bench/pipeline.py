@@ -16,7 +16,6 @@ suite call them. Times are in seconds and sizes in bytes; every function returns
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import statistics
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 import zephon
+from zephon.bench.clock import start_clock
 from zephon.ops.basic import fetch, map_transform
 from zephon.ops.batching import batch, collate_payloads
 from zephon.sources.memory import RangeSource
@@ -148,12 +148,10 @@ def measure_overhead(
     paired differences. The two runs alternate so that machine noise hits both alike."""
     ours, bare, diff = [], [], []
     for _ in range(repeats):
-        gc.collect()
-        start = time.perf_counter()
+        start = start_clock()
         drain(iter(overhead_pipeline(n, batch_size=batch_size)))
         t_ours = (time.perf_counter() - start) / n
-        gc.collect()
-        start = time.perf_counter()
+        start = start_clock()
         drain(bare_chain(n, batch_size=batch_size))
         t_bare = (time.perf_counter() - start) / n
         ours.append(t_ours)
@@ -312,8 +310,7 @@ def measure_ratios(n: int = 300_000, *, repeats: int = 5) -> dict[str, float]:
     torchdata_map_batch(1)  # import torch and torchdata before the clock starts
     for _ in range(repeats):
         for key, make in makers.items():
-            gc.collect()
-            start = time.perf_counter()
+            start = start_clock()
             it = make()
             if it is None:
                 runs[key].append(float("nan"))
@@ -394,8 +391,7 @@ def measure_restores(
     replayed = [0] * len(states)
     for _ in range(repeats):
         for k, state in enumerate(states):
-            gc.collect()
-            start = time.perf_counter()
+            start = start_clock()
             loader = pipeline.iter(state=state)
             next(loader)
             times[k].append(time.perf_counter() - start)
