@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -12,7 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zephon._core.cursor import cursors_for_chunk
-from zephon._core.records import count_closing, cursors_of, map_payloads, records_for_chunk
+from zephon._core.records import (
+    RecordRun,
+    count_closing,
+    cursors_of,
+    map_payloads,
+    records_for_chunk,
+)
 from zephon._core.records import make_batch as make_batch_unchecked
 from zephon.types import ContributorRef, SampleBatch, SampleCursor, SampleMeta, SampleRecord
 
@@ -320,6 +327,49 @@ def test_record_survives_pickle_with_an_array_payload():
     assert back.payload["text"] == "x"
     np.testing.assert_array_equal(back.payload["tokens"], record.payload["tokens"])
     assert back.payload["tokens"].dtype == np.int32
+
+
+FLAT_PAYLOADS = [{"a": 1, "text": "x", "tokens": np.arange(3)}, {}, "text", 7, None]
+NESTED_PAYLOADS = [{"a": [1]}, {"a": {"b": 1}}, [1, 2], (1, [2])]
+
+
+@pytest.mark.parametrize("payload", FLAT_PAYLOADS + NESTED_PAYLOADS, ids=repr)
+def test_a_record_is_cycle_collected_as_its_payload_is(payload: Any):
+    # A dict of strings, numbers and arrays is left to reference counting by CPython; so is a
+    # record holding one, however it is made (its meta is left out already).
+    expected = gc.is_tracked(payload)
+    assert expected == (payload in NESTED_PAYLOADS)
+    for record in (
+        SampleRecord(full_meta(), payload),
+        SampleRecord(full_meta(), {}).with_payload(payload),
+        RecordRun(1, [[0, 0, 0]], [payload], 0, None)[0],
+    ):
+        assert gc.is_tracked(record) is expected
+
+
+def test_a_record_made_from_the_freelist_is_tracked_again_when_its_payload_is():
+    for _ in range(3):  # records freed untracked go back to the freelist and come out of it
+        flat = [SampleRecord(full_meta(), {"i": i}) for i in range(2000)]
+        assert not any(gc.is_tracked(r) for r in flat)
+        del flat
+        nested = [SampleRecord(full_meta(), {"i": [i]}) for i in range(2000)]
+        assert all(gc.is_tracked(r) for r in nested)
+        del nested
+
+
+def test_a_cycle_through_a_record_whose_payload_is_tracked_is_collected():
+    freed = []
+
+    class Witness:
+        def __del__(self) -> None:
+            freed.append(True)
+
+    loop: list[Any] = [Witness()]
+    record = SampleRecord(full_meta(), {"loop": loop})
+    loop.append(record)  # record -> payload -> loop -> record
+    del loop, record
+    gc.collect()
+    assert freed == [True]
 
 
 def make_batch() -> SampleBatch:

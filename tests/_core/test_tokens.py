@@ -29,7 +29,10 @@ def reference(ids: list[int], eos: int | None, limit: int | None) -> np.ndarray:
 
 good_ids = st.lists(st.integers(0, ID_LIMIT - 1), max_size=40)
 any_ids = st.lists(
-    st.one_of(st.integers(0, 50), st.sampled_from([-1, ID_LIMIT, ID_LIMIT - 1, 2**64])),
+    st.one_of(
+        st.integers(0, 50),
+        st.sampled_from([-1, -(2**30), 2**30 - 1, 2**30, ID_LIMIT, ID_LIMIT - 1, 2**64]),
+    ),
     max_size=20,
 )
 eos_ids = st.one_of(st.none(), st.integers(0, ID_LIMIT - 1))

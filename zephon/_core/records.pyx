@@ -24,6 +24,11 @@ cdef type _ndarray = np.ndarray
 _NO_TAGS = frozenset()
 
 
+cdef extern from "Python.h":
+    int PyObject_GC_IsTracked(object op)
+    void PyObject_GC_UnTrack(void* op)
+
+
 @cython.no_gc
 cdef class ContributorRef:
     """A base offset a record stands for, and whether this record is the last one that will."""
@@ -262,11 +267,25 @@ cpdef SampleMeta counted_meta(SampleMeta meta, object n_tokens):
     return _one_sample(m, n_tokens)
 
 
+cdef inline void _collected_as_its_payload(SampleRecord r):
+    """Leaves ``r`` out of the cycle collector when its payload is left out (a dict of strings,
+    numbers and arrays is, by CPython itself): its meta is left out already, so nothing it
+    holds leads back to it. A pipeline holds thousands of records at once; collected, each would
+    be walked by every collection it lives through and then moved to the oldest generation, whose
+    full collections would come as often as a few tens of thousands had been made. (A payload
+    that gains, later, a container leading back to its own record would leave that cycle to
+    reference counting alone, which never frees it: a record never changes its payload, and no
+    zephon operator puts a record into a payload.)"""
+    if not PyObject_GC_IsTracked(r.payload):
+        PyObject_GC_UnTrack(<void*>r)
+
+
 cdef SampleRecord make_record(SampleMeta meta, object payload):
     """A record of a valid meta, without the constructor's checks."""
     cdef SampleRecord r = SampleRecord.__new__(SampleRecord)
     r.meta = meta
     r.payload = payload
+    _collected_as_its_payload(r)
     return r
 
 
@@ -279,6 +298,7 @@ cdef class SampleRecord:
             raise TypeError(f"SampleRecord meta must be a SampleMeta, got {meta!r}")
         self.meta = meta
         self.payload = payload
+        _collected_as_its_payload(self)
 
     @property
     def cursor(self):

@@ -25,6 +25,32 @@ cdef type _ndarray = np.ndarray
 
 cdef long long ID_LIMIT = 2147483648  # int32 ids are never negative: [0, 2**31)
 
+
+cdef extern from *:
+    """
+    #if PY_VERSION_HEX < 0x030B0000
+    #include "longintrepr.h"
+    #endif
+    /* The value of an int object that holds one digit or none (0 <= value < 2**30), read from
+       the object itself; 0 for any other int, left to PyLong_AsLongLongAndOverflow. Per token
+       id this is a load, not a call. */
+    static inline int zephon_one_digit_long(PyObject* op, long long* value) {
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (!PyUnstable_Long_IsCompact((PyLongObject*)op)) return 0;
+        Py_ssize_t v = PyUnstable_Long_CompactValue((PyLongObject*)op);
+        if (v < 0) return 0;
+        *value = (long long)v;
+        return 1;
+    #else
+        Py_ssize_t size = Py_SIZE(op);
+        if (size == 0) { *value = 0; return 1; }
+        if (size == 1) { *value = (long long)((PyLongObject*)op)->ob_digit[0]; return 1; }
+        return 0;
+    #endif
+    }
+    """
+    bint one_digit_long "zephon_one_digit_long"(PyObject* op, long long* value)
+
 #: What ``int32_ids`` returns for a list it leaves to the general conversion.
 UNDECIDED = object()
 
@@ -70,9 +96,10 @@ cdef object _converted(list ids, bint has_eos, long long eos, Py_ssize_t limit):
         item = PyList_GET_ITEM(ids, i)
         if type(<object>item) is not int:
             return None
-        value = PyLong_AsLongLongAndOverflow(<object>item, &overflow)
-        if overflow or not 0 <= value < ID_LIMIT:
-            raise ValueError(f"token ids include {<object>item} (at {i}), outside [0, 2**31)")
+        if not one_digit_long(item, &value):
+            value = PyLong_AsLongLongAndOverflow(<object>item, &overflow)
+            if overflow or not 0 <= value < ID_LIMIT:
+                raise ValueError(f"token ids include {<object>item} (at {i}), outside [0, 2**31)")
         if i < keep:
             out[i] = <int>value
     if total > n:
