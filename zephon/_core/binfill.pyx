@@ -474,18 +474,20 @@ cdef class BinPacker:
         return placements, closed[:n_closed].copy()
 
     def state(self):
-        """The open bins and the next bin id as plain data: ``{"next_id", "bins": [[bin_id,
-        room, cut], ...]}`` (``[bin_id, room, cut, segments]`` with ``max_segments``) in the
-        packer's own order (what ``restore`` takes back)."""
+        """The open bins and the next bin id as plain data: ``{"next_id", "bins": ((bin_id,
+        room, cut), ...)}`` (``(bin_id, room, cut, segments)`` with ``max_segments``) in the
+        packer's own order (what ``restore`` takes back, as tuples or as the lists JSON makes of
+        them). Tuples, because a pipeline takes this state every few dozen samples and keeps it
+        until the next: tuples of ints are left out of the cycle collector, lists are not."""
         cdef Py_ssize_t k
         self._enter()
         try:
             # The fragment count only with a cap: states of uncapped packers stay as they were.
-            bins = [
-                [self._bins[k].bin_id, self._bins[k].room, self._bins[k].cut]
-                + ([self._bins[k].segments] if self._max_segments else [])
+            bins = tuple([
+                (self._bins[k].bin_id, self._bins[k].room, self._bins[k].cut)
+                + ((self._bins[k].segments,) if self._max_segments else ())
                 for k in range(self._n_open)
-            ]
+            ])
             return {"next_id": self._next_id, "bins": bins}
         finally:
             self._exit()
