@@ -478,7 +478,8 @@ cdef class BinPacker:
         room, cut), ...)}`` (``(bin_id, room, cut, segments)`` with ``max_segments``) in the
         packer's own order (what ``restore`` takes back, as tuples or as the lists JSON makes of
         them). Tuples, because a pipeline takes this state every few dozen samples and keeps it
-        until the next: tuples of ints are left out of the cycle collector, lists are not."""
+        until the next: the cycle collector stops tracking a tuple of ints the first time it
+        meets one, and walks a list until it is freed."""
         cdef Py_ssize_t k
         self._enter()
         try:
