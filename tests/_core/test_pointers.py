@@ -64,6 +64,18 @@ def test_own_sample_indices_are_the_column_or_the_first_foreign_row(
     assert isinstance(got, int) or all(type(i) is int for i in got)
 
 
+@given(row_arrays, st.integers(-1, 2), st.integers(0, 11), st.sampled_from(["idx", "", "é"]))
+def test_own_sample_indices_with_a_key_are_one_dict_per_index(rows, dataset_id, num_samples, key):
+    got = own_sample_indices(rows, dataset_id, num_samples, key)
+    expected = reference_indices(rows, dataset_id, num_samples)
+    if isinstance(expected, int):
+        assert got == expected
+        return
+    assert got == [{key: idx} for idx in expected]
+    assert all(type(p) is dict and type(p[key]) is int for p in got)
+    assert len({id(p) for p in got}) == len(got)  # a dict of its own each, free to change
+
+
 def test_own_sample_indices_refuse_anything_but_int64_rows_of_three():
     bad: Any
     for bad in (
@@ -75,6 +87,10 @@ def test_own_sample_indices_refuse_anything_but_int64_rows_of_three():
     ):
         with pytest.raises(ValueError, match="int64 array of shape"):
             own_sample_indices(bad, 0, 5)
+        with pytest.raises(ValueError, match="int64 array of shape"):
+            own_sample_indices(bad, 0, 5, "idx")
+    with pytest.raises(TypeError):
+        own_sample_indices(np.zeros((2, 3), dtype=np.int64), 0, 5, b"idx")  # type: ignore[arg-type]
 
 
 big = st.sampled_from([-(2**62), 2**62])

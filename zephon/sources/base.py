@@ -242,10 +242,11 @@ class IndexedSource(WorkSource):
             raise self._foreign(rows[bad])
         return rows[:, 2]
 
-    def _sample_index_list(self, pointers: np.ndarray) -> list[int]:
-        # ``_sample_indices`` as a list of ints, in one compiled pass (what in-memory reads use).
+    def _sample_index_list(self, pointers: np.ndarray, key: str | None = None) -> list[Any]:
+        # ``_sample_indices`` as a list of ints, in one compiled pass (what in-memory reads use);
+        # with ``key``, each as the payload ``{key: idx}``.
         rows = check_pointers(pointers, self)
-        indices = own_sample_indices(rows, self.dataset_id, self.num_samples())
+        indices = own_sample_indices(rows, self.dataset_id, self.num_samples(), key)
         if isinstance(indices, int):
             raise self._foreign(rows[indices])
         return indices

@@ -51,11 +51,10 @@ class RangeSource(IndexedSource):
 
     def read(self, pointers: np.ndarray) -> list[Any]:
         """``make(idx)`` (or ``{"idx": idx}``) for each row's sample_idx, in row order."""
-        indices = self._sample_index_list(pointers)
         if self.make is None:
-            return [{"idx": i} for i in indices]
+            return self._sample_index_list(pointers, "idx")
         make = self.make
-        return [make(i) for i in indices]
+        return [make(i) for i in self._sample_index_list(pointers)]
 
     def describe(self) -> dict[str, Any]:
         """Class, size, chunking/shuffle parameters and the identity of ``make`` (its code,
