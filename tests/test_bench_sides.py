@@ -21,6 +21,13 @@ def test_every_side_delivers_the_same_batches_of_the_same_records():
         assert (ours["idx"] == theirs["idx"]).all() and (ours["square"] == theirs["square"]).all()
 
 
+def test_without_batch_both_sides_give_the_same_payloads_one_by_one():
+    n = 1000
+    ours = [r.payload for r in pb.overhead_pipeline(n, batch_size=None)]
+    assert ours == list(pb.bare_chain(n, batch_size=None))
+    assert ours == [{"idx": i, "square": i * i} for i in range(n)]
+
+
 def test_run_side_names_a_side_it_does_not_know():
     with pytest.raises(KeyError):
         pb.run_side("no such side", 10)

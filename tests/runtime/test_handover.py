@@ -39,7 +39,7 @@ def steps(loader: Any) -> Iterator[tuple[tuple, str]]:
     n=st.integers(0, 300),
     chunk_size=st.sampled_from([7, 32, 64]),
     micro_batch=st.sampled_from([8, 16, 256]),
-    batch_size=st.integers(1, 40),
+    batch_size=st.none() | st.integers(1, 40),  # None: records handed over one by one
     lanes=st.integers(1, 3),
     drop=st.booleans(),
     drop_remainder=st.booleans(),
@@ -48,7 +48,7 @@ def test_the_compiled_step_delivers_and_books_what_the_python_step_does(
     n: int,
     chunk_size: int,
     micro_batch: int,
-    batch_size: int,
+    batch_size: int | None,
     lanes: int,
     drop: bool,
     drop_remainder: bool,
@@ -57,7 +57,8 @@ def test_the_compiled_step_delivers_and_books_what_the_python_step_does(
         ops: list[Any] = [fetch(), map_transform(double)]
         if drop:  # tombstones between the records: batches that are not one run
             ops.append(DropMultiples(5))
-        ops.append(batch(batch_size, drop_remainder=drop_remainder))
+        if batch_size is not None:
+            ops.append(batch(batch_size, drop_remainder=drop_remainder))
         return zephon.Pipeline(
             RangeSource(n, chunk_size=chunk_size), ops, lanes=lanes, micro_batch=micro_batch
         )
@@ -92,6 +93,17 @@ def test_the_python_step_is_what_the_reference_runs() -> None:
         mp.setattr(LaneDelivery, "hand_over_head", nothing_to_hand_over)
         assert len(list(iter(pipeline))) == 8
     assert fast < 8 <= len(calls)  # most compiled steps never reach Python
+
+    calls.clear()
+    records = zephon.Pipeline(RangeSource(64, chunk_size=64), [fetch()])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LaneDelivery, "next_delivery", counted)
+        assert len(list(iter(records))) == 64
+        fast = len(calls)
+        calls.clear()
+        mp.setattr(LaneDelivery, "hand_over_head", nothing_to_hand_over)
+        assert len(list(iter(records))) == 64
+    assert fast < 64 <= len(calls)  # records without a batcher too
 
 
 def test_a_collate_that_fails_in_the_compiled_step_names_the_batch_and_books_nothing() -> None:

@@ -23,6 +23,7 @@ cdef class LaneOutlet:
     cdef public Py_ssize_t limit        # items it hands over at most (even ends across ranks)
 
     cpdef object hand_over_head(self)
+    cdef object _hand_over_record(self, FeedBuffer feed)
 
 
 cdef class LoaderStep:

@@ -15,6 +15,7 @@ them.
 """
 
 from zephon._core.delivery cimport DeliveryBook, hand_over_run
+from zephon._core.records cimport RecordRun, SampleRecord
 
 from zephon._core.delivery import CollateFailed
 
@@ -64,11 +65,16 @@ cdef class LaneOutlet:
         """The usual hand-over: when the lane is running, nothing is pending and the feed position
         holds a run at least a batch long, its head as the next batch, collated and booked
         (``hand_over_run``); otherwise None, having done nothing. A collate that fails is an
-        ``OperatorError`` naming the batch's first record, with nothing booked."""
+        ``OperatorError`` naming the batch's first record, with nothing booked. A lane without a
+        batcher hands over the real record at the feed position (``_hand_over_record``)."""
         cdef FeedBuffer feed = self.feed
         cdef PendingBatch batcher = self.batcher
-        if (self.ended or self.replay is not None or batcher is None or batcher.n_pending
-                or feed.pos >= len(feed.buf) or self.delivered >= self.limit):
+        if (self.ended or self.replay is not None or feed is None or feed.pos >= len(feed.buf)
+                or self.delivered >= self.limit):
+            return None
+        if batcher is None:
+            return self._hand_over_record(feed)
+        if batcher.n_pending:
             return None
         cdef DeliveryBook book = <DeliveryBook?>self.book.book
         try:
@@ -84,6 +90,30 @@ cdef class LaneOutlet:
         self.restored_state = None
         self.delivered += 1
         return (<tuple>done)[1]
+
+    cdef object _hand_over_record(self, FeedBuffer feed):
+        """Without a batcher: the real record at the feed position, booked, as the next item; a
+        run there is first put back as its records one by one (what the feed's ``next_item``
+        does). None for anything else (a tombstone, a control item), having done nothing."""
+        cdef list buf = feed.buf
+        item = buf[feed.pos]
+        if type(item) is RecordRun:
+            records = (<RecordRun>item).records()
+            if not records:
+                return None
+            buf[feed.pos : feed.pos + 1] = records
+            item = records[0]
+        if type(item) is not SampleRecord or (<SampleRecord>item).meta.is_tombstone:
+            return None
+        cdef DeliveryBook book = <DeliveryBook?>self.book.book
+        try:
+            book._record(<SampleRecord>item, True)
+        except (KeyError, ValueError, IndexError) as exc:
+            raise self.book.invented(item, exc) from None
+        feed.pos += 1
+        self.restored_state = None
+        self.delivered += 1
+        return item
 
 
 cdef class LoaderStep:

@@ -103,21 +103,21 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def overhead_pipeline(
-    n: int, *, batch_size: int = BATCH_SIZE, lanes: int = 1, workers: str = "inline"
+    n: int, *, batch_size: int | None = BATCH_SIZE, lanes: int = 1, workers: str = "inline"
 ) -> zephon.Pipeline:
-    """``fetch -> map_transform(square) -> batch`` over ``RangeSource(n)``."""
-    return zephon.Pipeline(
-        RangeSource(n, chunk_size=CHUNK_SIZE),
-        [fetch(), map_transform(square), batch(batch_size)],
-        lanes=lanes,
-        workers=workers,
-    )
+    """``fetch -> map_transform(square) -> batch`` over ``RangeSource(n)``; without ``batch``
+    when ``batch_size`` is None (records handed over one by one)."""
+    ops: list[Any] = [fetch(), map_transform(square)]
+    if batch_size is not None:
+        ops.append(batch(batch_size))
+    return zephon.Pipeline(RangeSource(n, chunk_size=CHUNK_SIZE), ops, lanes=lanes, workers=workers)
 
 
-def bare_chain(n: int, *, batch_size: int = BATCH_SIZE) -> Iterator[Any]:
+def bare_chain(n: int, *, batch_size: int | None = BATCH_SIZE) -> Iterator[Any]:
     """The baseline: the pipeline's work as plain generators, with no cursors, no records and
     no bookkeeping — payload dicts read chunk by chunk, ``square``, lists of ``batch_size``
-    collated by the same ``collate_payloads`` the default collate uses."""
+    collated by the same ``collate_payloads`` the default collate uses (the mapped payloads one
+    by one when ``batch_size`` is None)."""
     source = RangeSource(n, chunk_size=CHUNK_SIZE)
 
     def payloads() -> Iterator[dict]:
@@ -138,11 +138,11 @@ def bare_chain(n: int, *, batch_size: int = BATCH_SIZE) -> Iterator[Any]:
         if buf:
             yield collate_payloads(buf)
 
-    return batched(mapped(payloads()))
+    return mapped(payloads()) if batch_size is None else batched(mapped(payloads()))
 
 
 def measure_overhead(
-    n: int = 1_000_000, *, repeats: int = 7, batch_size: int = BATCH_SIZE
+    n: int = 1_000_000, *, repeats: int = 7, batch_size: int | None = BATCH_SIZE
 ) -> dict[str, float]:
     """Seconds per record of the pipeline and of the bare chain (medians), and the median of the
     paired differences. The two runs alternate so that machine noise hits both alike."""
