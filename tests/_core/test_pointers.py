@@ -10,7 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from zephon._core.pointers import first_foreign_row, index_range, index_rows, own_sample_indices
+from zephon._core.pointers import (
+    first_foreign_row,
+    index_range,
+    index_rows,
+    own_sample_indices,
+    own_samples,
+)
 
 
 def reference(rows: np.ndarray, dataset_id: int, num_samples: int) -> int:
@@ -76,6 +82,27 @@ def test_own_sample_indices_with_a_key_are_one_dict_per_index(rows, dataset_id, 
     assert len({id(p) for p in got}) == len(got)  # a dict of its own each, free to change
 
 
+@given(row_arrays, st.integers(-1, 2), st.integers(0, 11), st.booleans())
+def test_own_samples_are_the_items_the_indices_name(rows, dataset_id, num_samples, strided):
+    rows = rows[::2] if strided else rows
+    items = [object() for _ in range(num_samples)]
+    got = own_samples(rows, dataset_id, num_samples, items)
+    expected = reference_indices(rows, dataset_id, num_samples)
+    if isinstance(expected, int):
+        assert got == expected
+    else:
+        assert type(got) is list and len(got) == len(expected)
+        assert all(g is items[i] for g, i in zip(got, expected))  # the items themselves
+
+
+def test_own_samples_refuse_a_list_shorter_than_the_samples():
+    rows = np.array([[0, 0, 0]], dtype=np.int64)
+    with pytest.raises(IndexError, match="3 samples, but the list holds 2"):
+        own_samples(rows, 0, 3, ["a", "b"])
+    with pytest.raises(TypeError):
+        own_samples(rows, 0, 1, ("a",))  # type: ignore[arg-type]
+
+
 def test_own_sample_indices_refuse_anything_but_int64_rows_of_three():
     bad: Any
     for bad in (
@@ -89,6 +116,8 @@ def test_own_sample_indices_refuse_anything_but_int64_rows_of_three():
             own_sample_indices(bad, 0, 5)
         with pytest.raises(ValueError, match="int64 array of shape"):
             own_sample_indices(bad, 0, 5, "idx")
+        with pytest.raises(ValueError, match="int64 array of shape"):
+            own_samples(bad, 0, 5, [0] * 5)
     with pytest.raises(TypeError):
         own_sample_indices(np.zeros((2, 3), dtype=np.int64), 0, 5, b"idx")  # type: ignore[arg-type]
 

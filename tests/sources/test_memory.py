@@ -181,6 +181,14 @@ def test_reading_a_pointer_the_source_never_produced_is_a_fetch_error():
         src.read(np.array([1, 0, 0]))
 
 
+def test_a_list_that_shrank_after_the_source_was_made_is_an_index_error_not_a_bad_read():
+    items = ["a", "b", "c"]
+    src = ListSource(items)
+    del items[1:]  # the source holds the list by reference
+    with pytest.raises(IndexError, match="3 samples, but the list holds 1"):
+        src.read(np.array([[0, 0, 0]]))
+
+
 def test_list_source_accepts_any_sized_indexable_and_materializes_iterators():
     assert ListSource(np.arange(5) * 2).read(np.array([[0, 0, 4]])) == [8]
     assert ListSource(x for x in "abc").read(np.array([[0, 0, 2]])) == ["c"]

@@ -37,16 +37,20 @@ def first_foreign_row(const int64_t[:, :] rows, int64_t dataset_id, int64_t num_
     return _first_foreign(rows, dataset_id, num_samples)
 
 
+cdef const int64_t[:, :] _pointer_rows(rows) except *:
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.int64 or rows.ndim != 2 \
+            or rows.shape[1] != 3:
+        raise ValueError(f"pointer rows must be an int64 array of shape (n, 3), got {rows!r:.60}")
+    return rows
+
+
 def own_sample_indices(rows, int64_t dataset_id, int64_t num_samples, str key=None):
     """The sample indices of int64 ``(n, 3)`` ``rows`` as a list of ints when every row is the
     source's (``first_foreign_row`` is -1); otherwise that first foreign row's index, an int.
     One pass and one list, for the sources that index a Python sequence with them. With ``key``,
     each index comes as the dict ``{key: index}`` (made here: a comprehension doing the same
     takes a third longer, most of it in the collector's young collections)."""
-    if not isinstance(rows, np.ndarray) or rows.dtype != np.int64 or rows.ndim != 2 \
-            or rows.shape[1] != 3:
-        raise ValueError(f"pointer rows must be an int64 array of shape (n, 3), got {rows!r:.60}")
-    cdef const int64_t[:, :] view = rows
+    cdef const int64_t[:, :] view = _pointer_rows(rows)
     cdef Py_ssize_t i, bad = _first_foreign(view, dataset_id, num_samples)
     if bad >= 0:
         return bad
@@ -57,6 +61,22 @@ def own_sample_indices(rows, int64_t dataset_id, int64_t num_samples, str key=No
         return out
     for i in range(view.shape[0]):
         out[i] = {key: view[i, 2]}
+    return out
+
+
+def own_samples(rows, int64_t dataset_id, int64_t num_samples, list items not None):
+    """The items of ``items`` that int64 ``(n, 3)`` ``rows`` name, as a list, when every row is
+    the source's; otherwise the first foreign row's index, an int (``own_sample_indices``, with
+    no int made per row). ``items`` must hold at least ``num_samples`` items (``IndexError``)."""
+    cdef const int64_t[:, :] view = _pointer_rows(rows)
+    cdef Py_ssize_t i, bad = _first_foreign(view, dataset_id, num_samples)
+    if bad >= 0:
+        return bad
+    if len(items) < num_samples:
+        raise IndexError(f"rows may name {num_samples} samples, but the list holds {len(items)}")
+    cdef list out = [None] * view.shape[0]
+    for i in range(view.shape[0]):
+        out[i] = items[<Py_ssize_t>view[i, 2]]
     return out
 
 

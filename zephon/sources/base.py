@@ -17,7 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from zephon._core.pointers import first_foreign_row, index_range, index_rows, own_sample_indices
+from zephon._core.pointers import (
+    first_foreign_row,
+    index_range,
+    index_rows,
+    own_sample_indices,
+    own_samples,
+)
 from zephon.errors import FetchError
 from zephon.sources.permutation import derive_key, permute
 from zephon.types import WorkChunk
@@ -250,6 +256,14 @@ class IndexedSource(WorkSource):
         if isinstance(indices, int):
             raise self._foreign(rows[indices])
         return indices
+
+    def _own_list_items(self, pointers: np.ndarray, items: list[Any]) -> list[Any]:
+        # The items of ``items`` the pointers name, in the compiled pass that checks them.
+        rows = check_pointers(pointers, self)
+        found = own_samples(rows, self.dataset_id, self.num_samples(), items)
+        if isinstance(found, int):
+            raise self._foreign(rows[found])
+        return found
 
     def _foreign(self, row: np.ndarray) -> FetchError:
         return FetchError(

@@ -101,6 +101,8 @@ class ListSource(IndexedSource):
     def read(self, pointers: np.ndarray) -> list[Any]:
         """``items[idx]`` for each row's sample_idx, in row order."""
         items = self.items
+        if type(items) is list:  # in one compiled pass with the pointers' check
+            return self._own_list_items(pointers, items)
         return [items[i] for i in self._sample_index_list(pointers)]
 
     def describe(self) -> dict[str, Any]:
