@@ -48,8 +48,8 @@ def own_sample_indices(rows, int64_t dataset_id, int64_t num_samples, str key=No
     """The sample indices of int64 ``(n, 3)`` ``rows`` as a list of ints when every row is the
     source's (``first_foreign_row`` is -1); otherwise that first foreign row's index, an int.
     One pass and one list, for the sources that index a Python sequence with them. With ``key``,
-    each index comes as the dict ``{key: index}`` (made here: a comprehension doing the same
-    takes a third longer, most of it in the collector's young collections)."""
+    each index comes as the dict ``{key: index}`` (made here: a comprehension over the indices
+    doing the same took about a third longer)."""
     cdef const int64_t[:, :] view = _pointer_rows(rows)
     cdef Py_ssize_t i, bad = _first_foreign(view, dataset_id, num_samples)
     if bad >= 0:
