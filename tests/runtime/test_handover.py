@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from pipeline_kit import DropMultiples, fingerprint_item
 
 import zephon
-from zephon._core.handover import LaneOutlet, LoaderStep
+from zephon._core.handover import LaneOutlet, LoaderStep, StepLock
 from zephon.errors import OperatorError
 from zephon.ops.basic import fetch, map_transform
 from zephon.ops.batching import batch
@@ -143,7 +144,6 @@ def test_the_compiled_bases_refuse_what_is_not_a_lane() -> None:
     step = Step()
     step.lanes = [object()]  # type: ignore[list-item]
     step._started = True
-    step._lock = threading.Lock()
     with pytest.raises(TypeError, match="LaneOutlet"):
         next(step)
     assert isinstance(step._failure, TypeError)  # a failed step is a failed loader
@@ -159,8 +159,52 @@ def test_a_hook_the_subclass_left_out_is_refused_by_name() -> None:
     step = Step()
     step.lanes = [LaneOutlet()]  # type: ignore[abstract]  # (a type checker refuses it too)
     step._started = True
-    step._lock = threading.Lock()
     with pytest.raises(NotImplementedError, match=r"LaneOutlet must define next_delivery\(\)"):
         next(step)
     with pytest.raises(NotImplementedError, match=r"LoaderStep must define _fail\(\)"):
         LoaderStep()._fail(ValueError())  # type: ignore[abstract]
+
+
+def test_the_step_lock_makes_another_thread_wait_and_refuses_the_thread_holding_it() -> None:
+    lock = StepLock()
+    order: list[str] = []
+    with lock:
+        assert lock.locked()
+        with pytest.raises(RuntimeError, match="the loader was called again"):
+            lock.__enter__()  # the same thread again: an error, not a hang
+
+        def other() -> None:
+            with lock:
+                order.append("other")
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(0.2)
+        assert thread.is_alive()  # waiting for the lock, with the GIL let go
+        order.append("holder")
+    thread.join(5)
+    assert order == ["holder", "other"] and not lock.locked()
+
+
+def test_a_loader_step_on_the_same_thread_inside_a_step_is_refused() -> None:
+    # A training loop's callback that calls next() from inside a step (here: the lane's own
+    # next_delivery) gets an error naming the loader, where a plain lock would hang.
+    inner: list[BaseException] = []
+
+    class Reentrant(Outlet):
+        def next_delivery(self) -> None:
+            try:
+                next(step)
+            except RuntimeError as exc:
+                inner.append(exc)
+            return None
+
+    lane = Reentrant()
+    lane.book = SimpleNamespace(found=[], opened=False)  # nothing to report
+    step = Step()
+    step.lanes = [lane]
+    step._started = True
+    with pytest.raises(StopIteration):
+        next(step)
+    assert len(inner) == 1 and "called again" in str(inner[0])
+    assert not step._lock.locked()

@@ -26,11 +26,22 @@ cdef class LaneOutlet:
     cdef object _hand_over_record(self, FeedBuffer feed)
 
 
+from cpython.pythread cimport PyThread_type_lock
+
+
+cdef class StepLock:
+    cdef PyThread_type_lock _handle
+    cdef long _owner                    # the thread holding it, or 0
+
+    cdef int take(self) except -1
+    cdef void drop(self) noexcept
+
+
 cdef class LoaderStep:
     cdef public list lanes
     cdef public Py_ssize_t next_lane
     cdef public object policy           # where the lanes' contract violations are reported
-    cdef public object _lock
+    cdef readonly StepLock _lock
     cdef public object _failure
     cdef public bint _closed
     cdef public bint _started

@@ -67,13 +67,23 @@ class LaneOutlet:
     def next_delivery(self) -> Any: ...
 
 @disjoint_base
+class StepLock:
+    """The loader's lock: ``with lock:``; taken again by the thread holding it, a
+    ``RuntimeError``."""
+
+    def locked(self) -> bool: ...
+    def __enter__(self) -> StepLock: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+@disjoint_base
 class LoaderStep:
     """The loader's ``__next__``: a round over its lanes until one delivers."""
 
     lanes: Sequence[LaneOutlet]
     next_lane: int
     policy: ViolationReport
-    _lock: Any
+    @property
+    def _lock(self) -> StepLock: ...
     _failure: BaseException | None
     _closed: bool
     _started: bool

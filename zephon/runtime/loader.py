@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterator
 from time import perf_counter
@@ -102,7 +101,7 @@ class Loader(LoaderStep):
             lane.feed.waits = self.waits
         self.history = RunHistory()  # what was done to the run, the steps still to skip
         self.retired = Retirements()  # samples never delivered (``retire``)
-        self._lock = threading.Lock()  # one delivery, or one state, at a time
+        # ``_lock`` (the compiled step's ``StepLock``): one delivery, or one state, at a time.
         self._started = False
         self._closed = False
         self._failure: BaseException | None = None
