@@ -75,9 +75,10 @@ def nothing_to_hand_over(self: LaneDelivery) -> None:
     return None
 
 
-def test_the_python_step_is_what_the_reference_runs() -> None:
+@pytest.mark.parametrize("batched", [True, False], ids=["batches", "records"])
+def test_the_python_step_is_what_the_reference_runs(batched: bool) -> None:
     # The reference above must really bypass the compiled hand-over, and the compiled step must
-    # really skip the Python method.
+    # really skip the Python method, for batches and for records handed over one by one.
     calls = []
     original = LaneDelivery.next_delivery
 
@@ -85,26 +86,17 @@ def test_the_python_step_is_what_the_reference_runs() -> None:
         calls.append(1)
         return original(self)
 
-    pipeline = zephon.Pipeline(RangeSource(64, chunk_size=64), [fetch(), batch(8)])
+    ops: list[Any] = [fetch(), batch(8)] if batched else [fetch()]
+    pipeline = zephon.Pipeline(RangeSource(64, chunk_size=64), ops)
+    items = 8 if batched else 64
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(LaneDelivery, "next_delivery", counted)
-        assert len(list(iter(pipeline))) == 8
+        assert len(list(iter(pipeline))) == items
         fast = len(calls)
         calls.clear()
         mp.setattr(LaneDelivery, "hand_over_head", nothing_to_hand_over)
-        assert len(list(iter(pipeline))) == 8
-    assert fast < 8 <= len(calls)  # most compiled steps never reach Python
-
-    calls.clear()
-    records = zephon.Pipeline(RangeSource(64, chunk_size=64), [fetch()])
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LaneDelivery, "next_delivery", counted)
-        assert len(list(iter(records))) == 64
-        fast = len(calls)
-        calls.clear()
-        mp.setattr(LaneDelivery, "hand_over_head", nothing_to_hand_over)
-        assert len(list(iter(records))) == 64
-    assert fast < 64 <= len(calls)  # records without a batcher too
+        assert len(list(iter(pipeline))) == items
+    assert fast < items <= len(calls)  # most compiled steps never reach Python
 
 
 def test_a_collate_that_fails_in_the_compiled_step_names_the_batch_and_books_nothing() -> None:
