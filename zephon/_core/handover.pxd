@@ -1,5 +1,7 @@
 # Layouts of the loader's compiled step, published for cimport.
 
+from cpython.pythread cimport PyThread_type_lock
+
 cdef class FeedBuffer:
     cdef public list buf
     cdef public Py_ssize_t pos
@@ -24,9 +26,6 @@ cdef class LaneOutlet:
 
     cpdef object hand_over_head(self)
     cdef object _hand_over_record(self, FeedBuffer feed)
-
-
-from cpython.pythread cimport PyThread_type_lock
 
 
 cdef class StepLock:
