@@ -2,6 +2,7 @@
 
 from cpython.pythread cimport PyThread_type_lock
 
+
 cdef class FeedBuffer:
     cdef public list buf
     cdef public Py_ssize_t pos
