@@ -1,12 +1,14 @@
-"""The loader's step, compiled: one batch handed to the training loop in the usual case without a
-Python frame.
+"""The loader's step, compiled: one batch (or, without a batcher, one record) handed to the
+training loop in the usual case without a Python frame.
 
 A loader runs one step per batch. In the usual case the step is short: take the loader's lock,
 pick the next lane, hand over the head of the run at that lane's feed position (collate, book,
 wrap; ``delivery.hand_over_run``), look at two flags, release the lock. Written in Python that
 took about as long as booking the batch itself, so the state those steps read lives in the
 compiled bases below; the runtime's classes derive from them and keep every other case (the
-first step, a refill, a pending batch, control items, the end, errors) in Python.
+first step, a refill, a pending batch, control items, tombstones, the end, errors) in Python.
+A pipeline without a batcher runs one step per record, the record at the feed position booked
+the same way.
 
 What the step calls back is declared here, as methods a subclass defines (each refuses by name
 until it does), and, for the objects it is handed, as the protocols of ``handover.pyi``
