@@ -7,6 +7,8 @@ cdef class FeedBuffer:
     cdef public list buf
     cdef public Py_ssize_t pos
 
+    cpdef object head(self)
+
 
 cdef class PendingBatch:
     cdef public list pending

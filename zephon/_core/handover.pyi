@@ -36,6 +36,7 @@ class FeedBuffer:
 
     buf: list[Any]
     pos: int
+    def head(self) -> Any: ...
 
 @disjoint_base
 class PendingBatch:

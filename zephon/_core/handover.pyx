@@ -39,6 +39,17 @@ cdef class FeedBuffer:
     def __cinit__(self):
         self.buf = []
 
+    cpdef object head(self):
+        """The item at ``pos`` (which must be in ``buf``); a run there is first put back as its
+        records, one item each, and its first record is the head."""
+        cdef list buf = self.buf
+        item = buf[self.pos]
+        if type(item) is RecordRun:
+            records = (<RecordRun>item).records()
+            buf[self.pos : self.pos + 1] = records
+            item = records[0]
+        return item
+
 
 cdef class PendingBatch:
     """A lane's pending batch: ``n_pending`` real records wait in ``pending`` for ``batch_size``;
@@ -97,17 +108,10 @@ cdef class LaneOutlet:
         return (<tuple>done)[1]
 
     cdef object _hand_over_record(self, FeedBuffer feed):
-        """Without a batcher: the real record at the feed position, booked, as the next item; a
-        run there is first put back as its records one by one (what the feed's ``next_item``
-        does). None for anything else (a tombstone, a control item), having done nothing."""
-        cdef list buf = feed.buf
-        item = buf[feed.pos]
-        if type(item) is RecordRun:
-            records = (<RecordRun>item).records()
-            if not records:
-                return None
-            buf[feed.pos : feed.pos + 1] = records
-            item = records[0]
+        """Without a batcher: the real record at the feed position (``FeedBuffer.head``), booked,
+        as the next item. None for anything else (a tombstone, a control item), having done
+        nothing."""
+        item = feed.head()
         if type(item) is not SampleRecord or (<SampleRecord>item).meta.is_tombstone:
             return None
         cdef DeliveryBook book = <DeliveryBook?>self.book.book

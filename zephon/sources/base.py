@@ -12,7 +12,7 @@ from here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -251,16 +251,17 @@ class IndexedSource(WorkSource):
     def _sample_index_list(self, pointers: np.ndarray, key: str | None = None) -> list[Any]:
         # ``_sample_indices`` as a list of ints, in one compiled pass (what in-memory reads use);
         # with ``key``, each as the payload ``{key: idx}``.
-        rows = check_pointers(pointers, self)
-        indices = own_sample_indices(rows, self.dataset_id, self.num_samples(), key)
-        if isinstance(indices, int):
-            raise self._foreign(rows[indices])
-        return indices
+        return self._own(pointers, own_sample_indices, key)
 
     def _own_list_items(self, pointers: np.ndarray, items: list[Any]) -> list[Any]:
         # The items of ``items`` the pointers name, in the compiled pass that checks them.
+        return self._own(pointers, own_samples, items)
+
+    def _own(self, pointers: np.ndarray, kernel: Callable[..., Any], arg: Any) -> list[Any]:
+        # ``kernel`` (``own_sample_indices`` or ``own_samples``) on checked pointers: its list,
+        # or the FetchError for the first row that is not this source's.
         rows = check_pointers(pointers, self)
-        found = own_samples(rows, self.dataset_id, self.num_samples(), items)
+        found = kernel(rows, self.dataset_id, self.num_samples(), arg)
         if isinstance(found, int):
             raise self._foreign(rows[found])
         return found

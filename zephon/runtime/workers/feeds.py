@@ -11,7 +11,6 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from zephon._core.handover import FeedBuffer
-from zephon._core.records import RecordRun
 from zephon.errors import ZephonError
 from zephon.plan import Plan
 from zephon.runtime.lanes.retire_screen import screen
@@ -113,10 +112,7 @@ class LaneFeed(FeedBuffer):
         """The next item, a run of records coming as its records one by one."""
         if self.pos >= len(self.buf):
             self.refill()
-        item = self.buf[self.pos]
-        if type(item) is RecordRun:
-            self.buf[self.pos : self.pos + 1] = records = item.records()
-            item = records[0]
+        item = self.head()
         self.pos += 1
         return item
 
