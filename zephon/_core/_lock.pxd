@@ -11,10 +11,15 @@ from cpython.pythread cimport (
 )
 
 
-cdef inline int take_lock(PyThread_type_lock lock, long* owner, str name) except -1:
+cdef inline int take_lock(
+    PyThread_type_lock lock, long* owner, str name, str refusal=None
+) except -1:
+    # The thread holding the lock taking it again: a RuntimeError, ``refusal`` when given.
     cdef long me = PyThread_get_thread_ident()
     if owner[0] == me:
-        raise RuntimeError(f"{name} was called again while this thread is inside one of its calls")
+        raise RuntimeError(
+            refusal or f"{name} was called again while this thread is inside one of its calls"
+        )
     if not PyThread_acquire_lock(lock, NOWAIT_LOCK):
         with nogil:
             PyThread_acquire_lock(lock, WAIT_LOCK)

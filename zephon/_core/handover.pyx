@@ -125,6 +125,16 @@ cdef class LaneOutlet:
         return item
 
 
+# A signal handler runs in the main thread between two bytecodes, and so possibly in the middle
+# of a step: there the loader's bookkeeping is half way from one item to the next.
+_CALLED_AGAIN = (
+    "the loader was called again from inside one of its own calls on this thread (by a signal "
+    "handler that ran while next() was working, or by code a step runs): in the middle of a "
+    "step the loader has no state a run could resume from. In a signal handler, set a flag, and "
+    "call state_dict() in the training loop once next() has returned"
+)
+
+
 cdef class StepLock:
     """The loader's lock: one step, or one look at its state, at a time. ``with lock:`` from
     Python; the compiled step takes it without a method call (a ``threading.Lock``'s methods,
@@ -142,7 +152,7 @@ cdef class StepLock:
             PyThread_free_lock(self._handle)
 
     cdef int take(self) except -1:
-        return take_lock(self._handle, &self._owner, "the loader")
+        return take_lock(self._handle, &self._owner, "the loader", _CALLED_AGAIN)
 
     cdef void drop(self) noexcept:
         drop_lock(self._handle, &self._owner)

@@ -1,0 +1,101 @@
+"""A signal handler and the loader: a preemption notice (SIGTERM on most clusters) that arrives
+while ``next()`` is working runs its handler in the middle of a step. Taking the state there is
+refused with what to do instead, and the way it says works: a flag, and the state taken in the
+training loop once ``next()`` has returned, resumes the run exactly."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import zephon
+from zephon.ops.basic import fetch, map_transform
+from zephon.ops.batching import batch
+from zephon.sources.memory import RangeSource
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no SIGUSR1")
+
+NOTICE_AT = 45  # the sample whose transform the notice interrupts
+
+
+def notice_during(payload: dict) -> dict:
+    # The notice arrives while the step transforms this sample: its handler runs right here,
+    # in the main thread, in the middle of next().
+    if payload["idx"] == NOTICE_AT and armed:
+        signal.raise_signal(signal.SIGUSR1)
+    return payload
+
+
+armed: list[bool] = []  # the notice comes while it holds True
+
+
+def pipeline(batch_size: int | None) -> zephon.Pipeline:
+    ops: list = [fetch(), map_transform(notice_during)]
+    if batch_size is not None:
+        ops.append(batch(batch_size))
+    return zephon.Pipeline(RangeSource(120, chunk_size=16, shuffle=True, seed=3), ops, lanes=2)
+
+
+def ids(items: Any) -> list:
+    """Each item's sample ids: an int for a record, a list for a batch."""
+    return [np.asarray(item.payload["idx"]).tolist() for item in items]
+
+
+@pytest.fixture
+def on_notice() -> Iterator[list]:
+    """SIGUSR1 runs each callable appended to the list."""
+    handlers: list = []
+    before = signal.signal(signal.SIGUSR1, lambda *_: [h() for h in handlers])
+    try:
+        yield handlers
+    finally:
+        armed.clear()
+        signal.signal(signal.SIGUSR1, before)
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_a_state_taken_in_a_signal_handler_inside_next_is_refused_with_what_to_do(
+    on_notice: list, batch_size: int | None
+) -> None:
+    full = ids(pipeline(batch_size).iter())
+    armed.append(True)
+    loader = pipeline(batch_size).iter()
+    on_notice.append(loader.state_dict)
+    got: list = []
+    with pytest.raises(zephon.ZephonError) as failed:
+        for item in loader:
+            got += ids([item])
+    refused = failed.value.__cause__
+    assert isinstance(refused, RuntimeError)
+    assert "signal handler" in str(refused) and "set a flag" in str(refused)
+    # The interrupted step delivered nothing, and the loader's state is still the one after the
+    # last item it handed over.
+    state = loader.state_dict()
+    loader.close()
+    armed.clear()
+    assert got + ids(pipeline(batch_size).iter(state=state)) == full
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_a_flag_set_by_the_handler_and_the_state_taken_after_next_resumes_exactly(
+    on_notice: list, batch_size: int | None
+) -> None:
+    full = ids(pipeline(batch_size).iter())
+    armed.append(True)
+    notice: list[bool] = []
+    on_notice.append(lambda: notice.append(True))
+    got: list = []
+    with pipeline(batch_size).iter() as loader:
+        for item in loader:
+            got += ids([item])
+            if notice:  # the training loop saves its model and the loader's state here
+                state = loader.state_dict()
+                break
+    assert notice and 0 < len(got) < len(full)
+    armed.clear()
+    assert got + ids(pipeline(batch_size).iter(state=state)) == full
