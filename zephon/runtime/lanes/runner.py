@@ -618,15 +618,31 @@ class LaneRunner:
     def _locate_error(
         self, op: Operator, records: Sequence[SampleRecord], exc: Exception
     ) -> OperatorError:
-        culprit = records[0]
-        if not op.traits.stateful:  # safe to rerun: find the record that fails
+        """The error of ``op``'s call on ``records``, naming the record to blame: the only one,
+        else (an operator that keeps no state) the first that fails when called again alone.
+        Where none does, or ``op`` keeps state and cannot be called again, the error names the
+        micro-batch and says why it names no record of it: nobody should retire or mend an
+        innocent one."""
+        if len(records) == 1:
+            return record_error(op, records[0], exc)
+        first, last = records[0].meta.cursor, records[-1].meta.cursor
+        where = (
+            f"operator {op.name!r} failed on a micro-batch of {len(records)} records, {first!r} "
+            f"to {last!r}"
+        )
+        if op.traits.stateful:
+            why = "it keeps state, so they were not called again one at a time to find the culprit"
+        else:
             for rec in records:
                 try:
                     self._copy(op).process_many([rec])
                 except Exception:
-                    culprit = rec
-                    break
-        return record_error(op, culprit, exc)
+                    return record_error(op, rec, exc)
+            why = (
+                "each of them went through when called again alone: no record is to blame (they "
+                "fail only together, or the failure comes and goes)"
+            )
+        return OperatorError(f"{where}; {why}: {type(exc).__name__}: {exc}", operator=op.name)
 
     def _flush_from(self, j: int) -> list:
         op = self.ops[j]

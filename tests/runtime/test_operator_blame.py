@@ -1,0 +1,91 @@
+"""Which record an operator's error names. A run that fails on a bad record is mended by retiring
+or fixing that record, so the error may name one only when it is to blame: the one that fails
+when called again alone. When the records of a micro-batch fail only together (a call too large
+for memory, a failure that comes and goes), or the operator keeps state and cannot be called
+again, the error names the micro-batch and no record."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+import zephon
+from zephon.errors import OperatorError
+from zephon.ops.base import Operator, OpTraits
+from zephon.ops.basic import fetch
+from zephon.sources.memory import RangeSource
+from zephon.types import SampleCursor
+
+KINDS = ["inline", "thread", "process"]
+
+
+class FailsOn13(Operator):
+    """Fails on any call that holds sample 13: the record to blame."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def process_many(self, records: list) -> list:
+        if any(r.payload["idx"] == 13 for r in records):
+            raise ValueError("sample 13 is bad")
+        return records
+
+
+class FailsOnMany(Operator):
+    """Fails on any call of more than 4 records, as a call too large for memory does."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def process_many(self, records: list) -> list:
+        if len(records) > 4:
+            raise MemoryError(f"no room for {len(records)} records")
+        return records
+
+
+class KeepsStateFailsOn13(FailsOn13):
+    traits = OpTraits(preserves_cursor_order=True, stateful=True)
+
+
+def run(op: Operator, workers: str, micro_batch: int = 8, **kw: object) -> None:
+    pipeline = zephon.Pipeline(
+        RangeSource(40, chunk_size=8), [fetch(), op], workers=workers, micro_batch=micro_batch, **kw
+    )
+    list(pipeline)
+
+
+@pytest.mark.parametrize("workers", KINDS)
+def test_the_record_that_fails_alone_is_named(workers: str) -> None:
+    with pytest.raises(OperatorError, match=r"failed on record SampleCursor\(1, 5,") as info:
+        run(FailsOn13(), workers)
+    assert isinstance(info.value.cursor, SampleCursor) and info.value.cursor.sample_id[2] == 13
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("workers", KINDS)
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_records_that_fail_only_together_name_the_micro_batch_and_no_record(
+    workers: str, on_error: str
+) -> None:
+    with pytest.raises(OperatorError) as info:
+        run(FailsOnMany(), workers, on_error=on_error)  # skipping finds no record to skip
+    text = str(info.value)
+    assert (
+        "micro-batch of 8 records, SampleCursor(0, 0," in text and "to SampleCursor(0, 7," in text
+    )
+    assert "no record is to blame" in text and "MemoryError: no room for 8 records" in text
+    assert "failed on record" not in text and info.value.cursor is None
+    assert not multiprocessing.active_children()
+
+
+def test_an_operator_that_keeps_state_names_the_micro_batch_and_says_why() -> None:
+    with pytest.raises(OperatorError) as info:
+        run(KeepsStateFailsOn13(), "inline")
+    text = str(info.value)
+    assert "micro-batch of 8 records, SampleCursor(1, 0," in text and "it keeps state" in text
+    assert "failed on record" not in text and info.value.cursor is None
+
+
+def test_the_only_record_of_a_call_is_named_even_by_an_operator_that_keeps_state() -> None:
+    with pytest.raises(OperatorError, match=r"failed on record SampleCursor\(1, 5,") as info:
+        run(KeepsStateFailsOn13(), "inline", micro_batch=1)
+    assert info.value.cursor is not None and info.value.cursor.sample_id[2] == 13
