@@ -46,11 +46,14 @@ class KeepsStateFailsOn13(FailsOn13):
     traits = OpTraits(preserves_cursor_order=True, stateful=True)
 
 
-def run(op: Operator, workers: str, micro_batch: int = 8, **kw: object) -> None:
-    pipeline = zephon.Pipeline(
-        RangeSource(40, chunk_size=8), [fetch(), op], workers=workers, micro_batch=micro_batch, **kw
-    )
-    list(pipeline)
+def run(op: Operator, workers: str, micro_batch: int = 8, on_error: str = "raise") -> None:
+    ops = [fetch(), op]
+    list(
+        zephon.Pipeline(
+            RangeSource(40, chunk_size=8), ops, workers=workers, micro_batch=micro_batch,
+            on_error=on_error,
+        )
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("workers", KINDS)
@@ -88,4 +91,4 @@ def test_an_operator_that_keeps_state_names_the_micro_batch_and_says_why() -> No
 def test_the_only_record_of_a_call_is_named_even_by_an_operator_that_keeps_state() -> None:
     with pytest.raises(OperatorError, match=r"failed on record SampleCursor\(1, 5,") as info:
         run(KeepsStateFailsOn13(), "inline", micro_batch=1)
-    assert info.value.cursor is not None and info.value.cursor.sample_id[2] == 13
+    assert isinstance(info.value.cursor, SampleCursor) and info.value.cursor.sample_id[2] == 13
