@@ -7,6 +7,7 @@ again, the error names the micro-batch and no record."""
 from __future__ import annotations
 
 import multiprocessing
+import sys
 
 import pytest
 
@@ -44,6 +45,15 @@ class FailsOnMany(Operator):
 
 class KeepsStateFailsOn13(FailsOn13):
     traits = OpTraits(preserves_cursor_order=True, stateful=True)
+
+
+class KeepsStateExitsOn13(Operator):
+    traits = OpTraits(preserves_cursor_order=True, stateful=True)
+
+    def process_many(self, records: list) -> list:
+        if any(r.payload["idx"] == 13 for r in records):
+            sys.exit(3)
+        return records
 
 
 def run(op: Operator, workers: str, micro_batch: int = 8, on_error: str = "raise") -> None:
@@ -92,3 +102,14 @@ def test_the_only_record_of_a_call_is_named_even_by_an_operator_that_keeps_state
     with pytest.raises(OperatorError, match=r"failed on record SampleCursor\(1, 5,") as info:
         run(KeepsStateFailsOn13(), "inline", micro_batch=1)
     assert isinstance(info.value.cursor, SampleCursor) and info.value.cursor.sample_id[2] == 13
+
+
+@pytest.mark.parametrize(
+    ("micro_batch", "named"), [(8, "a micro-batch of 8 records,"), (1, "record")]
+)
+def test_an_exit_names_the_record_only_when_it_is_the_one(micro_batch: int, named: str) -> None:
+    with pytest.raises(
+        OperatorError, match=rf"called sys.exit\(3\) on {named} SampleCursor\(1, "
+    ) as info:
+        run(KeepsStateExitsOn13(), "inline", micro_batch=micro_batch)
+    assert (info.value.cursor is None) == (micro_batch > 1)

@@ -514,19 +514,16 @@ class LaneRunner:
                 return skipped
             raise self._locate_error(op, records, exc).add_context(lane=self.lane_id) from exc
         except SystemExit as exc:  # in a worker it would end the worker, inline the training run
-            culprit = records[0]
-            if not op.traits.stateful:  # safe to rerun: find the record that exits
-                for rec in records:
-                    try:
-                        self._copy(op).process_many([rec])
-                    except (Exception, SystemExit):
-                        culprit = rec
-                        break
-            cursor = culprit.meta.cursor
+            culprit = self._culprit(op, records, (Exception, SystemExit))
+            cursor = None if culprit is None else culprit.meta.cursor
+            where = (
+                self._micro_batch(records)
+                if cursor is None
+                else f"record {cursor!r} (sample_id={cursor.sample_id})"
+            )
             raise OperatorError(
-                f"operator {self.labels[j]!r} called sys.exit({exc.code!r}) on record {cursor!r} "
-                f"(sample_id={cursor.sample_id}): an operator must raise an exception, "
-                "not exit the process",
+                f"operator {self.labels[j]!r} called sys.exit({exc.code!r}) on {where}: an "
+                "operator must raise an exception, not exit the process",
                 operator=self.labels[j],
                 cursor=cursor,
             ).add_context(lane=self.lane_id) from exc
@@ -618,31 +615,49 @@ class LaneRunner:
     def _locate_error(
         self, op: Operator, records: Sequence[SampleRecord], exc: Exception
     ) -> OperatorError:
-        """The error of ``op``'s call on ``records``, naming the record to blame: the only one,
-        else (an operator that keeps no state) the first that fails when called again alone.
-        Where none does, or ``op`` keeps state and cannot be called again, the error names the
-        micro-batch and says why it names no record of it: nobody should retire or mend an
-        innocent one."""
-        if len(records) == 1:
-            return record_error(op, records[0], exc)
-        first, last = records[0].meta.cursor, records[-1].meta.cursor
-        where = (
-            f"operator {op.name!r} failed on a micro-batch of {len(records)} records, {first!r} "
-            f"to {last!r}"
+        """The error of ``op``'s call on ``records``, naming the record to blame (``_culprit``).
+        Where there is none to name, the error names the micro-batch and says why it names no
+        record: nobody should retire or mend an innocent one."""
+        culprit = self._culprit(op, records, Exception)
+        if culprit is not None:
+            return record_error(op, culprit, exc)
+        why = (
+            "it keeps state, so they were not called again one at a time to find the culprit"
+            if op.traits.stateful
+            else "each of them went through when called again alone: no record is to blame (they "
+            "fail only together, or the failure comes and goes)"
         )
+        return OperatorError(
+            f"operator {op.name!r} failed on {self._micro_batch(records)}; {why}: "
+            f"{type(exc).__name__}: {exc}",
+            operator=op.name,
+        )
+
+    def _culprit(
+        self,
+        op: Operator,
+        records: Sequence[SampleRecord],
+        failures: type[BaseException] | tuple[type[BaseException], ...],
+    ) -> SampleRecord | None:
+        """The record to blame for ``op``'s failed call on ``records``: the only one, else (an
+        operator that keeps no state) the first whose call alone raises one of ``failures``.
+        None when no record fails alone, or when ``op`` keeps state and cannot be called
+        again."""
+        if len(records) == 1:
+            return records[0]
         if op.traits.stateful:
-            why = "it keeps state, so they were not called again one at a time to find the culprit"
-        else:
-            for rec in records:
-                try:
-                    self._copy(op).process_many([rec])
-                except Exception:
-                    return record_error(op, rec, exc)
-            why = (
-                "each of them went through when called again alone: no record is to blame (they "
-                "fail only together, or the failure comes and goes)"
-            )
-        return OperatorError(f"{where}; {why}: {type(exc).__name__}: {exc}", operator=op.name)
+            return None
+        for rec in records:
+            try:
+                self._copy(op).process_many([rec])
+            except failures:
+                return rec
+        return None
+
+    @staticmethod
+    def _micro_batch(records: Sequence[SampleRecord]) -> str:
+        first, last = records[0].meta.cursor, records[-1].meta.cursor
+        return f"a micro-batch of {len(records)} records, {first!r} to {last!r}"
 
     def _flush_from(self, j: int) -> list:
         op = self.ops[j]
