@@ -5,8 +5,10 @@ training loop once ``next()`` has returned, resumes the run exactly."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,3 +101,47 @@ def test_a_flag_set_by_the_handler_and_the_state_taken_after_next_resumes_exactl
     assert notice and 0 < len(got) < len(full)
     armed.clear()
     assert got + ids(pipeline(batch_size).iter(state=state)) == full
+
+
+def notice_from_the_lane(payload: dict) -> dict:
+    # On a thread lane the notice comes while the main thread most likely waits inside next()
+    # for this lane's items (the sleep), else between two items: either way the state a handler
+    # gets, or its refusal, must leave the run exact.
+    if payload["idx"] == NOTICE_AT and armed:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+    return payload
+
+
+def test_a_handler_that_catches_the_refusal_leaves_the_run_going_and_a_state_it_got_is_exact(
+    on_notice: list,
+) -> None:
+    def lane_pipeline() -> zephon.Pipeline:
+        ops = [fetch(), map_transform(notice_from_the_lane), batch(4)]
+        source = RangeSource(120, chunk_size=16, shuffle=True, seed=3)
+        return zephon.Pipeline(source, ops, lanes=2, workers="thread")
+
+    full = ids(lane_pipeline().iter())
+    armed.append(True)
+    got: list = []
+    taken: list = []  # (items delivered then, the state)
+    refused: list[RuntimeError] = []
+
+    def save() -> None:
+        try:
+            taken.append((len(got), loader.state_dict()))
+        except RuntimeError as exc:
+            refused.append(exc)
+
+    on_notice.append(save)
+    with lane_pipeline().iter() as loader:
+        for item in loader:
+            got += ids([item])
+    armed.clear()
+    assert got == full  # the handler's call, refused or not, changed nothing
+    assert len(taken) + len(refused) == 1  # refused in each of 12 runs tried here
+    if refused:
+        assert "set a flag" in str(refused[0])
+    else:
+        ((delivered, state),) = taken
+        assert got[:delivered] + ids(lane_pipeline().iter(state=state)) == full
