@@ -57,13 +57,9 @@ class KeepsStateExitsOn13(Operator):
 
 
 def run(op: Operator, workers: str, micro_batch: int = 8, on_error: str = "raise") -> None:
+    source = RangeSource(40, chunk_size=8)
     ops = [fetch(), op]
-    list(
-        zephon.Pipeline(
-            RangeSource(40, chunk_size=8), ops, workers=workers, micro_batch=micro_batch,
-            on_error=on_error,
-        )
-    )  # fmt: skip
+    list(zephon.Pipeline(source, ops, workers=workers, micro_batch=micro_batch, on_error=on_error))
 
 
 @pytest.mark.parametrize("workers", KINDS)

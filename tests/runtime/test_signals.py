@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -25,22 +25,46 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no SIGUSR1")
 NOTICE_AT = 45  # the sample whose transform the notice interrupts
 
 
+armed: list[bool] = []  # one notice comes while it holds True (``uninterrupted_then_armed``)
+
+
 def notice_during(payload: dict) -> dict:
     # The notice arrives while the step transforms this sample: its handler runs right here,
     # in the main thread, in the middle of next().
     if payload["idx"] == NOTICE_AT and armed:
+        armed.clear()  # once: a resumed run meets no notice
         signal.raise_signal(signal.SIGUSR1)
     return payload
 
 
-armed: list[bool] = []  # the notice comes while it holds True
+def notice_from_the_lane(payload: dict) -> dict:
+    # On a thread lane the notice comes while the main thread most likely waits inside next()
+    # for this lane's items (the sleep), else between two items: either way the state a handler
+    # gets, or its refusal, must leave the run exact.
+    if payload["idx"] == NOTICE_AT and armed:
+        armed.clear()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+    return payload
 
 
-def pipeline(batch_size: int | None) -> zephon.Pipeline:
-    ops: list = [fetch(), map_transform(notice_during)]
+def pipeline(
+    batch_size: int | None,
+    transform: Callable[[dict], dict] = notice_during,
+    workers: str = "inline",
+) -> zephon.Pipeline:
+    ops: list = [fetch(), map_transform(transform)]
     if batch_size is not None:
         ops.append(batch(batch_size))
-    return zephon.Pipeline(RangeSource(120, chunk_size=16, shuffle=True, seed=3), ops, lanes=2)
+    source = RangeSource(120, chunk_size=16, shuffle=True, seed=3)
+    return zephon.Pipeline(source, ops, lanes=2, workers=workers)
+
+
+def uninterrupted_then_armed(make: Callable[[], zephon.Pipeline]) -> list:
+    """The sample ids ``make()``'s pipeline delivers without a notice; the next run gets one."""
+    full = ids(make().iter())
+    armed.append(True)
+    return full
 
 
 def ids(items: Any) -> list:
@@ -64,8 +88,7 @@ def on_notice() -> Iterator[list]:
 def test_a_state_taken_in_a_signal_handler_inside_next_is_refused_with_what_to_do(
     on_notice: list, batch_size: int | None
 ) -> None:
-    full = ids(pipeline(batch_size).iter())
-    armed.append(True)
+    full = uninterrupted_then_armed(lambda: pipeline(batch_size))
     loader = pipeline(batch_size).iter()
     on_notice.append(loader.state_dict)
     got: list = []
@@ -79,7 +102,6 @@ def test_a_state_taken_in_a_signal_handler_inside_next_is_refused_with_what_to_d
     # last item it handed over.
     state = loader.state_dict()
     loader.close()
-    armed.clear()
     assert got + ids(pipeline(batch_size).iter(state=state)) == full
 
 
@@ -87,8 +109,7 @@ def test_a_state_taken_in_a_signal_handler_inside_next_is_refused_with_what_to_d
 def test_a_flag_set_by_the_handler_and_the_state_taken_after_next_resumes_exactly(
     on_notice: list, batch_size: int | None
 ) -> None:
-    full = ids(pipeline(batch_size).iter())
-    armed.append(True)
+    full = uninterrupted_then_armed(lambda: pipeline(batch_size))
     notice: list[bool] = []
     on_notice.append(lambda: notice.append(True))
     got: list = []
@@ -99,30 +120,16 @@ def test_a_flag_set_by_the_handler_and_the_state_taken_after_next_resumes_exactl
                 state = loader.state_dict()
                 break
     assert notice and 0 < len(got) < len(full)
-    armed.clear()
     assert got + ids(pipeline(batch_size).iter(state=state)) == full
-
-
-def notice_from_the_lane(payload: dict) -> dict:
-    # On a thread lane the notice comes while the main thread most likely waits inside next()
-    # for this lane's items (the sleep), else between two items: either way the state a handler
-    # gets, or its refusal, must leave the run exact.
-    if payload["idx"] == NOTICE_AT and armed:
-        os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.05)
-    return payload
 
 
 def test_a_handler_that_catches_the_refusal_leaves_the_run_going_and_a_state_it_got_is_exact(
     on_notice: list,
 ) -> None:
     def lane_pipeline() -> zephon.Pipeline:
-        ops = [fetch(), map_transform(notice_from_the_lane), batch(4)]
-        source = RangeSource(120, chunk_size=16, shuffle=True, seed=3)
-        return zephon.Pipeline(source, ops, lanes=2, workers="thread")
+        return pipeline(4, notice_from_the_lane, workers="thread")
 
-    full = ids(lane_pipeline().iter())
-    armed.append(True)
+    full = uninterrupted_then_armed(lane_pipeline)
     got: list = []
     taken: list = []  # (items delivered then, the state)
     refused: list[RuntimeError] = []
@@ -137,7 +144,6 @@ def test_a_handler_that_catches_the_refusal_leaves_the_run_going_and_a_state_it_
     with lane_pipeline().iter() as loader:
         for item in loader:
             got += ids([item])
-    armed.clear()
     assert got == full  # the handler's call, refused or not, changed nothing
     assert len(taken) + len(refused) == 1  # refused in each of 12 runs tried here
     if refused:
