@@ -172,7 +172,8 @@ cdef object _no_cut_rows(object no_cut, Py_ssize_t n_items):
     if len(rows):
         items, lo, hi = rows[:, 0], rows[:, 1], rows[:, 2]
         bad = (items < 0) | (items >= n_items) | (lo >= hi)
-        bad[1:] |= (items[1:] < items[:-1]) | ((items[1:] == items[:-1]) & (lo[1:] < hi[:-1]))
+        last = len(rows) - 1  # no negative index: this module is compiled without wraparound
+        bad[1:] |= (items[1:] < items[:last]) | ((items[1:] == items[:last]) & (lo[1:] < hi[:last]))
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
             raise ValueError(

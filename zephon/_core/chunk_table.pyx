@@ -348,7 +348,8 @@ cdef class ChunkTable:
         if n == 0:
             return -1
         # Walked as in _apply_many.
-        cdef const char *cp = <const char*>&chunk_ids[0], *op = <const char*>&offsets[0]
+        cdef const char *cp = <const char*>&chunk_ids[0]
+        cdef const char *op = <const char*>&offsets[0]
         cdef Py_ssize_t cs = chunk_ids.strides[0], os = offsets.strides[0]
         while i < n:
             cid = (<const offset_t*>cp)[0]
@@ -378,7 +379,8 @@ cdef class ChunkTable:
             return 0
         # Pointers walked by byte strides: the loop keeps them in registers (indexing the
         # memoryviews reloads their strides from the stack at every pair).
-        cdef const char *cp = <const char*>&chunk_ids[0], *op = <const char*>&offsets[0]
+        cdef const char *cp = <const char*>&chunk_ids[0]
+        cdef const char *op = <const char*>&offsets[0]
         cdef Py_ssize_t cs = chunk_ids.strides[0], os = offsets.strides[0]
         while i < n:
             # A run of pairs of one chunk.

@@ -440,8 +440,10 @@ cdef class RecordRun:
     cdef void _set_tokens(self, object counts):
         # ``counts``: None, or a C-contiguous int64 array indexed as ``_payloads``.
         self._tokens = counts
-        self._t = NULL if counts is None else <const offset_t*>cnp.PyArray_DATA(
-            <cnp.ndarray>counts)
+        if counts is None:
+            self._t = NULL
+        else:
+            self._t = <const offset_t*>cnp.PyArray_DATA(<cnp.ndarray>counts)
 
     cdef SampleRecord record_at(self, Py_ssize_t i):
         cdef const offset_t* p = self._p + 3 * i
