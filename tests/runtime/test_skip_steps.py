@@ -4,6 +4,7 @@ is then, with the skipped items booked as delivered and the skip kept in the sta
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 import pytest
@@ -18,9 +19,9 @@ from zephon.runtime.checkpoint.format import seal
 from zephon.sources.memory import RangeSource
 
 
-def pipeline(**kw: Any) -> zephon.Pipeline:
+def pipeline(seed: int = 8, **kw: Any) -> zephon.Pipeline:
     source = RangeSource(900, chunk_size=9, make=lambda i: {"idx": i})
-    ops = [fetch(), shuffle(6, seed=8), batch(2)]
+    ops = [fetch(), shuffle(6, seed=seed), batch(2)]
     return zephon.Pipeline(source, ops, **{"lanes": 4, "epoch_chunks": 2, **kw})
 
 
@@ -114,3 +115,35 @@ def test_states_of_the_previous_format_merge_skip_and_resume() -> None:
     assert job["version"] == 4 and job["history"][0]["event"] == "skip"
     for r in range(2):
         assert stream(pipeline(rank=r, world_size=2).iter(state=job)) == full[r][2 * (3 + 4) :]
+
+
+@pytest.mark.parametrize("event", ["retire", "change"])
+def test_a_state_taken_before_the_skip_is_done_resumes_after_retiring_or_a_change(
+    event: str,
+) -> None:
+    _, state = checkpoint(pipeline, 8)
+    skipped = zephon.skip_steps(state, 5)
+    seed = 8 if event == "retire" else 9
+    kw: dict[str, Any] = (
+        {"retire": [(0, 0, i) for i in range(0, 900, 7)]}
+        if event == "retire"
+        else {"allow_changes": True}
+    )
+
+    def make() -> zephon.Pipeline:
+        return pipeline(seed=seed)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zephon.PipelineChangeWarning)
+        expected = stream(make().iter(state=skipped, **kw))
+        loader = make().iter(state=skipped, **kw)
+    # saved at once (a preemption before the first step): the skip and the event both kept
+    early = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert early["skip"] == 5
+    assert sorted(e["event"] for e in early["history"]) == sorted(["skip", event])
+    assert stream(make().iter(state=early)) == expected
+    # a second skip joins the one still to be done
+    again = zephon.skip_steps(early, 1)
+    assert again["skip"] == 6
+    assert stream(make().iter(state=again)) == expected[4:]

@@ -686,10 +686,21 @@ def check_job_turn(
 
 
 # ------------------------------------------------------------------------------------ history
+def last_skip(history: list[dict[str, Any]]) -> int:
+    """The index in ``history`` of the skip event a skip still to be done belongs to: the last
+    skip event, past the changes and retirements of the resume that has it still to do (-1 when
+    there is none there)."""
+    at = len(history) - 1
+    while at >= 0 and history[at]["event"] != "skip":
+        at -= 1
+    return at
+
+
 def _trailing_skips(history: list[dict[str, Any]]) -> list[int]:
-    """The sums of the last 1, 2, ... skip events at the end of ``history``."""
+    """The sums of the last 1, 2, ... skip events at the end of ``history`` (from
+    ``last_skip``)."""
     sums: list[int] = []
-    for event in reversed(history):
+    for event in reversed(history[: last_skip(history) + 1]):
         if event["event"] != "skip":
             break
         sums.append((sums[-1] if sums else 0) + event["steps"])
