@@ -11,7 +11,8 @@ import pytest
 from pipeline_kit import fingerprint_item
 
 import zephon
-from zephon.errors import CheckpointCorruptError
+from zephon.errors import CheckpointCorruptError, OperatorError
+from zephon.ops import map_transform
 from zephon.ops.basic import fetch
 from zephon.ops.batching import batch
 from zephon.ops.shuffle import shuffle
@@ -147,3 +148,31 @@ def test_a_state_taken_before_the_skip_is_done_resumes_after_retiring_or_a_chang
     again = zephon.skip_steps(early, 1)
     assert again["skip"] == 6
     assert stream(make().iter(state=again)) == expected[4:]
+
+
+def _fails_on_500(payload: dict) -> dict:
+    if payload["idx"] == 500:
+        raise ValueError("sample 500 is broken")
+    return payload
+
+
+def failing(on_error: str) -> zephon.Pipeline:
+    source = RangeSource(900, chunk_size=9, make=lambda i: {"idx": i})
+    ops = [fetch(), map_transform(_fails_on_500), shuffle(6, seed=8), batch(2)]
+    return zephon.Pipeline(source, ops, lanes=4, epoch_chunks=2, on_error=on_error)
+
+
+def test_a_skip_that_fails_leaves_the_state_it_started_from() -> None:
+    steps = 100  # the broken sample is read while skipping, by the last lane
+    full = stream(failing("skip"))
+    _, state = checkpoint(failing, 8, on_error="raise")
+    skipped = zephon.skip_steps(state, steps)
+    loader = failing("raise").iter(state=skipped)
+    with pytest.raises(OperatorError, match="broken"):
+        next(loader)
+    after = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert after["skip"] == steps
+    assert [s["delivered"] for s in after["lane_states"]] == [2, 2, 2, 2]
+    # resumed where it stood, skipping the broken sample this time
+    assert stream(failing("skip").iter(state=after)) == full[4 * (2 + steps) :]

@@ -106,6 +106,7 @@ class Loader(LoaderStep):
         self._closed = False
         self._failure: BaseException | None = None
         self._untrusted: BaseException | None = None  # bookkeeping stopped half-way
+        self._before_skip: dict[str, Any] | None = None  # the state while ``skip_steps`` runs
 
     def _end_evenly(self) -> None:
         """With ``uneven_end="carry"``, every lane stops at the job's shortest lane's items, so
@@ -218,11 +219,15 @@ class Loader(LoaderStep):
         if not steps:
             return
         log.info("skipping %d global step(s) before delivering", steps)
+        # Until every lane has skipped, the state is the one the skip starts from: a skip that
+        # stops half-way (an error, an interrupt) leaves no lanes skipped with the skip to do.
+        self._before_skip = self._state()
         for lane in self.lanes:
             for _ in range(steps):
                 if lane.next_delivery() is None:
                     break
         self.history.skip = 0
+        self._before_skip = None
 
     def _note_inflight(self) -> None:
         """A lane announced a chunk: keep the most chunks the lanes held at once."""
@@ -464,31 +469,37 @@ class Loader(LoaderStep):
         ``pipeline.iter(state=...)`` continues exactly from there. Each part comes from the
         stage that keeps it (``runtime.checkpoint.schema.STATE_FIELDS``)."""
         with self._lock:
+            if self._before_skip is not None:  # the skip stopped half-way
+                return self._before_skip
             if self._untrusted is not None:
                 raise CheckpointError(
                     "this loader stopped on a contract violation in the middle of its "
                     f"bookkeeping ({self._untrusted}); a state taken now would be wrong. Resume "
                     "from the last state saved before it"
                 )
-            plan = self.plan
-            return seal(
-                {
-                    "format": STATE_FORMAT,
-                    "version": STATE_VERSION,
-                    "fingerprint": plan.fingerprint,
-                    "pipeline": plan.fingerprint_parts,
-                    "rank": plan.rank,
-                    "world_size": plan.world_size,
-                    "lanes": plan.lanes,
-                    "layout": self.layout.encode(),
-                    "next_lane": self.next_lane,
-                    "served": self.served,
-                    "lane_states": [lane.state() for lane in self.lanes],
-                    **self.totals.state(self.replayed),
-                    **self.history.state(),
-                    "retired": self.retired.state(),
-                }
-            )
+            return self._state()
+
+    def _state(self) -> dict[str, Any]:
+        # ``state_dict`` without the lock (taken by the caller).
+        plan = self.plan
+        return seal(
+            {
+                "format": STATE_FORMAT,
+                "version": STATE_VERSION,
+                "fingerprint": plan.fingerprint,
+                "pipeline": plan.fingerprint_parts,
+                "rank": plan.rank,
+                "world_size": plan.world_size,
+                "lanes": plan.lanes,
+                "layout": self.layout.encode(),
+                "next_lane": self.next_lane,
+                "served": self.served,
+                "lane_states": [lane.state() for lane in self.lanes],
+                **self.totals.state(self.replayed),
+                **self.history.state(),
+                "retired": self.retired.state(),
+            }
+        )
 
     def retire(self, retire: Any) -> None:
         """Never deliver the samples ``retire`` names from now on (before the first ``next()``):
