@@ -95,12 +95,12 @@ class Loader(LoaderStep):
         self.dropped_together = 0  # items left when another rank's data ended (end_together)
         self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
+        self.history = RunHistory()  # what was done to the run, the steps still to skip
+        self.retired = Retirements()  # samples never delivered (``retire``)
         self._end_evenly()
         self.waits = TrainerWait(self)  # the training loop's waits in next()
         for lane in self.lanes:
             lane.feed.waits = self.waits
-        self.history = RunHistory()  # what was done to the run, the steps still to skip
-        self.retired = Retirements()  # samples never delivered (``retire``)
         # ``_lock`` (the compiled step's ``StepLock``): one delivery, or one state, at a time.
         self._started = False
         self._closed = False
@@ -112,7 +112,10 @@ class Loader(LoaderStep):
         """With ``uneven_end="carry"``, every lane stops at the job's shortest lane's items, so
         every rank delivers the same global steps (``runtime.even_end``); a re-laned job's lanes
         run to their ends."""
-        items = lane_items(self.plan, self.layout) if self.plan.uneven_end == "carry" else None
+        sets = self.retired.sets
+        retired = RetiredIds(np.concatenate([r.ids.rows for r in sets])) if sets else None
+        carry = self.plan.uneven_end == "carry"
+        items = lane_items(self.plan, self.layout, retired) if carry else None
         steps = min(items) if items else NO_LIMIT
         for lane in self.lanes:
             lane.limit = steps
@@ -531,6 +534,7 @@ class Loader(LoaderStep):
         self.history.add({"event": "retire", "step": step, "ids": len(taken)})
         self.retired.add(Retirement(taken, horizons))
         self._screen_retired()
+        self._end_evenly()  # lanes that lose more samples than others hand over fewer items
 
     def _screen_retired(self) -> None:
         """Every lane screens the run's retired samples, at delivery and at fetch."""
@@ -573,7 +577,7 @@ class Loader(LoaderStep):
             body = relaned_state(body, plan)
             job = True
         self.layout = check_layout(body["layout"], plan.lanes, plan.source.total_chunks())
-        if self.layout.current:
+        if self.layout.current or self.retired.sets:
             self._end_evenly()
         if job:
             lane_states = check_lane_list(body["lane_states"], plan.lanes)
