@@ -176,3 +176,23 @@ def test_a_skip_that_fails_leaves_the_state_it_started_from() -> None:
     assert [s["delivered"] for s in after["lane_states"]] == [2, 2, 2, 2]
     # resumed where it stood, skipping the broken sample this time
     assert stream(failing("skip").iter(state=after)) == full[4 * (2 + steps) :]
+
+
+def uneven(**kw: Any) -> zephon.Pipeline:
+    """11 chunks of 10 on 3 lanes: 14, 14 and 10 batches; after lane 2 ends, lanes 0 and 1 fill
+    the global steps."""
+    source = RangeSource(110, chunk_size=10, make=lambda i: {"idx": i})
+    ops = [fetch(), shuffle(4, seed=1), batch(3)]
+    return zephon.Pipeline(source, ops, **{"lanes": 3, "epoch_chunks": 2, **kw})
+
+
+@pytest.mark.parametrize("step", [0, 3, 6])
+@pytest.mark.parametrize("steps", [5, 10, 11, 12, 13])
+def test_a_skip_past_the_end_of_a_lane_skips_the_global_steps_of_the_run(
+    step: int, steps: int
+) -> None:
+    full = stream(uneven())
+    _, state = checkpoint(uneven, 3 * step)
+    assert (
+        stream(uneven().iter(state=zephon.skip_steps(state, steps))) == full[3 * (step + steps) :]
+    )

@@ -215,9 +215,10 @@ class Loader(LoaderStep):
             lane.catch_up(shown.update)
 
     def _skip_steps(self) -> None:
-        """``skip_steps``: every lane hands over its next ``skip`` items to no one, booked as
-        delivered, so the stream goes on where the uninterrupted run is that many global steps
-        later."""
+        """``skip_steps``: the next ``skip`` global steps' items are handed over to no one,
+        booked as delivered, in the order ``next()`` takes them (an item of each lane a step,
+        the lanes left filling the steps of those that ended), so the stream goes on where the
+        uninterrupted run is that many global steps later."""
         steps = self.history.skip
         if not steps:
             return
@@ -225,10 +226,17 @@ class Loader(LoaderStep):
         # Until every lane has skipped, the state is the one the skip starts from: a skip that
         # stops half-way (an error, an interrupt) leaves no lanes skipped with the skip to do.
         self._before_skip = self._state()
-        for lane in self.lanes:
-            for _ in range(steps):
-                if lane.next_delivery() is None:
+        lanes = self.lanes
+        items = steps * len(lanes)
+        while items:
+            for _ in lanes:  # the next lane in turn that still has an item
+                lane = lanes[self.next_lane]
+                self.next_lane = (self.next_lane + 1) % len(lanes)
+                if lane.next_delivery() is not None:
+                    items -= 1
                     break
+            else:
+                break  # every lane has ended
         self.history.skip = 0
         self._before_skip = None
 
