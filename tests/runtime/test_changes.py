@@ -329,6 +329,24 @@ def test_a_checkpoint_after_a_change_by_position_resumes_the_same_stream(workers
     assert [fingerprint_item(x) for x in again] == rest
 
 
+@pytest.mark.parametrize("make", [_filtered, _in_order], ids=["monotone", "epoch"])
+@pytest.mark.parametrize("lanes", [2, 1])  # re-laned onto 1: the other lane's run waits its turn
+def test_a_checkpoint_soon_after_a_change_in_order_resumes_the_same_stream(
+    make: Callable[..., zephon.Pipeline], lanes: int
+) -> None:
+    _, state = head(make(_odd_or_small), 7)
+    expected = [fingerprint_item(x) for x in resumed(make(_odd_or_large, lanes=lanes), state)]
+    for items in range(4):  # before the first item, and before each lane delivered again
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", (PipelineChangeWarning, RelaneWarning))
+            loader = make(_odd_or_large, lanes=lanes).iter(state=state, allow_changes=True)
+        middle = [fingerprint_item(next(loader)) for _ in range(items)]
+        later = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        rest = [fingerprint_item(x) for x in make(_odd_or_large, lanes=lanes).iter(state=later)]
+        assert middle + rest == expected, f"a state after {items} item(s)"
+
+
 def _short_docs(n: int) -> list[dict[str, Any]]:
     return [{"doc": i, "text": f"{i}:" + "xy" * (1 + (i * 7) % 5)} for i in range(n)]
 

@@ -131,3 +131,36 @@ def test_skipping_bad_records_makes_the_counts_unknown_and_says_so() -> None:
     assert zephon.Pipeline(source, ops, **kw).compile().uneven_end == "allow"
     with pytest.raises(PlanError, match="on_error='skip'"):
         zephon.Pipeline(source, ops, uneven_end="carry", **kw).compile()
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_ranks_still_end_together_after_samples_are_retired_from_some_lanes(passes: int) -> None:
+    ranks = [pipeline(passes, rank=r, world_size=2).iter() for r in range(2)]
+    head = [[fingerprint_item(next(loader)) for _ in range(4)] for loader in ranks]
+    job = zephon.merge_states([json.loads(json.dumps(loader.state_dict())) for loader in ranks])
+    for loader in ranks:
+        loader.close()
+    # samples 0..19: some lanes lose more of them than others
+    retired = [(0, 0, i) for i in range(20)]
+    rest = [
+        [
+            fingerprint_item(x)
+            for x in pipeline(passes, rank=r, world_size=2).iter(state=job, retire=retired)
+        ]
+        for r in range(2)
+    ]
+    assert len(rest[0]) == len(rest[1])  # no rank waits alone for a peer that ended
+    delivered = samples([x for r in range(2) for x in head[r] + rest[r]])
+    assert max(delivered.values()) <= passes
+    assert not set(samples(rest[0] + rest[1])) & set(range(20))
+    # a later resume, the ids kept in the state only, ends the ranks at the same step again
+    ranks = [
+        pipeline(passes, rank=r, world_size=2).iter(state=job, retire=retired) for r in range(2)
+    ]
+    for loader in ranks:
+        next(loader), next(loader)
+    later = zephon.merge_states([loader.state_dict() for loader in ranks])
+    for loader in ranks:
+        loader.close()
+    tail = [list(pipeline(passes, rank=r, world_size=2).iter(state=later)) for r in range(2)]
+    assert len(tail[0]) == len(tail[1]) == len(rest[0]) - 2

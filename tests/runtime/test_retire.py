@@ -16,7 +16,13 @@ import pytest
 from pipeline_kit import PackPairs, fingerprint_item
 
 import zephon
-from zephon.errors import CheckpointCorruptError, PlanError, RelaneWarning, RetireWarning
+from zephon.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    PlanError,
+    RelaneWarning,
+    RetireWarning,
+)
 from zephon.ops import filter_records, map_transform
 from zephon.ops.basic import fetch
 from zephon.ops.batching import batch
@@ -121,8 +127,11 @@ def test_retired_samples_stay_retired_through_checkpoints_and_relanings(
     assert Counter(before) + Counter(middle) + Counter(relaned) == expected
     job = zephon.merge_states([state2])
     world = make().compile().lanes  # one lane per rank
+    # every lane to its end: even ends ("carry") leave what the longest lanes hold beyond it
     ranks = [
-        i for r in range(world) for i in delivered(make(rank=r, world_size=world).iter(state=job))
+        i
+        for r in range(world)
+        for i in delivered(make(rank=r, world_size=world, uneven_end="allow").iter(state=job))
     ]
     assert Counter(before) + Counter(middle) + Counter(ranks) == expected
     with pytest.warns(RelaneWarning):
@@ -311,3 +320,14 @@ def test_without_what_was_consumed_a_row_of_such_an_operator_goes_whole_and_says
     with pytest.warns(RetireWarning, match=r"leave_out"):
         pairs = _pairs(old, [(0, 0, 10)])
     assert (10, 11) not in pairs and len(pairs) == 17  # 11 went with the retired 10
+
+
+def test_ranks_resumed_with_different_retirements_do_not_merge_and_the_error_says_so() -> None:
+    states = [head(iter(shuffled(rank=r, world_size=3)), 2)[1] for r in range(3)]
+    retired = [(0, 0, 100), (0, 0, 200)]
+    later = [
+        head(shuffled(rank=r, world_size=3).iter(state=s, retire=retired if r else None), 2)[1]
+        for r, s in enumerate(states)
+    ]
+    with pytest.raises(CheckpointError, match=r"retired samples.*every rank the same .*retire="):
+        zephon.merge_states(later)

@@ -4,13 +4,15 @@ is then, with the skipped items booked as delivered and the skip kept in the sta
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 import pytest
 from pipeline_kit import fingerprint_item
 
 import zephon
-from zephon.errors import CheckpointCorruptError
+from zephon.errors import CheckpointCorruptError, OperatorError
+from zephon.ops import map_transform
 from zephon.ops.basic import fetch
 from zephon.ops.batching import batch
 from zephon.ops.shuffle import shuffle
@@ -18,9 +20,9 @@ from zephon.runtime.checkpoint.format import seal
 from zephon.sources.memory import RangeSource
 
 
-def pipeline(**kw: Any) -> zephon.Pipeline:
+def pipeline(seed: int = 8, **kw: Any) -> zephon.Pipeline:
     source = RangeSource(900, chunk_size=9, make=lambda i: {"idx": i})
-    ops = [fetch(), shuffle(6, seed=8), batch(2)]
+    ops = [fetch(), shuffle(6, seed=seed), batch(2)]
     return zephon.Pipeline(source, ops, **{"lanes": 4, "epoch_chunks": 2, **kw})
 
 
@@ -114,3 +116,83 @@ def test_states_of_the_previous_format_merge_skip_and_resume() -> None:
     assert job["version"] == 4 and job["history"][0]["event"] == "skip"
     for r in range(2):
         assert stream(pipeline(rank=r, world_size=2).iter(state=job)) == full[r][2 * (3 + 4) :]
+
+
+@pytest.mark.parametrize("event", ["retire", "change"])
+def test_a_state_taken_before_the_skip_is_done_resumes_after_retiring_or_a_change(
+    event: str,
+) -> None:
+    _, state = checkpoint(pipeline, 8)
+    skipped = zephon.skip_steps(state, 5)
+    seed = 8 if event == "retire" else 9
+    kw: dict[str, Any] = (
+        {"retire": [(0, 0, i) for i in range(0, 900, 7)]}
+        if event == "retire"
+        else {"allow_changes": True}
+    )
+
+    def make() -> zephon.Pipeline:
+        return pipeline(seed=seed)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zephon.PipelineChangeWarning)
+        expected = stream(make().iter(state=skipped, **kw))
+        loader = make().iter(state=skipped, **kw)
+    # saved at once (a preemption before the first step): the skip and the event both kept
+    early = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert early["skip"] == 5
+    assert sorted(e["event"] for e in early["history"]) == sorted(["skip", event])
+    assert stream(make().iter(state=early)) == expected
+    # a second skip joins the one still to be done
+    again = zephon.skip_steps(early, 1)
+    assert again["skip"] == 6
+    assert stream(make().iter(state=again)) == expected[4:]
+
+
+def _fails_on_500(payload: dict) -> dict:
+    if payload["idx"] == 500:
+        raise ValueError("sample 500 is broken")
+    return payload
+
+
+def failing(on_error: str) -> zephon.Pipeline:
+    source = RangeSource(900, chunk_size=9, make=lambda i: {"idx": i})
+    ops = [fetch(), map_transform(_fails_on_500), shuffle(6, seed=8), batch(2)]
+    return zephon.Pipeline(source, ops, lanes=4, epoch_chunks=2, on_error=on_error)
+
+
+def test_a_skip_that_fails_leaves_the_state_it_started_from() -> None:
+    steps = 100  # the broken sample is read while skipping, by the last lane
+    full = stream(failing("skip"))
+    _, state = checkpoint(failing, 8, on_error="raise")
+    skipped = zephon.skip_steps(state, steps)
+    loader = failing("raise").iter(state=skipped)
+    with pytest.raises(OperatorError, match="broken"):
+        next(loader)
+    after = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert after["skip"] == steps
+    assert [s["delivered"] for s in after["lane_states"]] == [2, 2, 2, 2]
+    # resumed where it stood, skipping the broken sample this time
+    assert stream(failing("skip").iter(state=after)) == full[4 * (2 + steps) :]
+
+
+def uneven(**kw: Any) -> zephon.Pipeline:
+    """11 chunks of 10 on 3 lanes: 14, 14 and 10 batches; after lane 2 ends, lanes 0 and 1 fill
+    the global steps."""
+    source = RangeSource(110, chunk_size=10, make=lambda i: {"idx": i})
+    ops = [fetch(), shuffle(4, seed=1), batch(3)]
+    return zephon.Pipeline(source, ops, **{"lanes": 3, "epoch_chunks": 2, **kw})
+
+
+@pytest.mark.parametrize("step", [0, 3, 6])
+@pytest.mark.parametrize("steps", [5, 10, 11, 12, 13])
+def test_a_skip_past_the_end_of_a_lane_skips_the_global_steps_of_the_run(
+    step: int, steps: int
+) -> None:
+    full = stream(uneven())
+    _, state = checkpoint(uneven, 3 * step)
+    assert (
+        stream(uneven().iter(state=zephon.skip_steps(state, steps))) == full[3 * (step + steps) :]
+    )

@@ -95,23 +95,27 @@ class Loader(LoaderStep):
         self.dropped_together = 0  # items left when another rank's data ended (end_together)
         self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
+        self.history = RunHistory()  # what was done to the run, the steps still to skip
+        self.retired = Retirements()  # samples never delivered (``retire``)
         self._end_evenly()
         self.waits = TrainerWait(self)  # the training loop's waits in next()
         for lane in self.lanes:
             lane.feed.waits = self.waits
-        self.history = RunHistory()  # what was done to the run, the steps still to skip
-        self.retired = Retirements()  # samples never delivered (``retire``)
         # ``_lock`` (the compiled step's ``StepLock``): one delivery, or one state, at a time.
         self._started = False
         self._closed = False
         self._failure: BaseException | None = None
         self._untrusted: BaseException | None = None  # bookkeeping stopped half-way
+        self._before_skip: dict[str, Any] | None = None  # the state while ``skip_steps`` runs
 
     def _end_evenly(self) -> None:
         """With ``uneven_end="carry"``, every lane stops at the job's shortest lane's items, so
         every rank delivers the same global steps (``runtime.even_end``); a re-laned job's lanes
         run to their ends."""
-        items = lane_items(self.plan, self.layout) if self.plan.uneven_end == "carry" else None
+        sets = self.retired.sets
+        retired = RetiredIds(np.concatenate([r.ids.rows for r in sets])) if sets else None
+        carry = self.plan.uneven_end == "carry"
+        items = lane_items(self.plan, self.layout, retired) if carry else None
         steps = min(items) if items else NO_LIMIT
         for lane in self.lanes:
             lane.limit = steps
@@ -211,18 +215,30 @@ class Loader(LoaderStep):
             lane.catch_up(shown.update)
 
     def _skip_steps(self) -> None:
-        """``skip_steps``: every lane hands over its next ``skip`` items to no one, booked as
-        delivered, so the stream goes on where the uninterrupted run is that many global steps
-        later."""
+        """``skip_steps``: the next ``skip`` global steps' items are handed over to no one,
+        booked as delivered, in the order ``next()`` takes them (an item of each lane a step,
+        the lanes left filling the steps of those that ended), so the stream goes on where the
+        uninterrupted run is that many global steps later."""
         steps = self.history.skip
         if not steps:
             return
         log.info("skipping %d global step(s) before delivering", steps)
-        for lane in self.lanes:
-            for _ in range(steps):
-                if lane.next_delivery() is None:
+        # Until every lane has skipped, the state is the one the skip starts from: a skip that
+        # stops half-way (an error, an interrupt) leaves no lanes skipped with the skip to do.
+        self._before_skip = self._state()
+        lanes = self.lanes
+        items = steps * len(lanes)
+        while items:
+            for _ in lanes:  # the next lane in turn that still has an item
+                lane = lanes[self.next_lane]
+                self.next_lane = (self.next_lane + 1) % len(lanes)
+                if lane.next_delivery() is not None:
+                    items -= 1
                     break
+            else:
+                break  # every lane has ended
         self.history.skip = 0
+        self._before_skip = None
 
     def _note_inflight(self) -> None:
         """A lane announced a chunk: keep the most chunks the lanes held at once."""
@@ -464,31 +480,37 @@ class Loader(LoaderStep):
         ``pipeline.iter(state=...)`` continues exactly from there. Each part comes from the
         stage that keeps it (``runtime.checkpoint.schema.STATE_FIELDS``)."""
         with self._lock:
+            if self._before_skip is not None:  # the skip stopped half-way
+                return self._before_skip
             if self._untrusted is not None:
                 raise CheckpointError(
                     "this loader stopped on a contract violation in the middle of its "
                     f"bookkeeping ({self._untrusted}); a state taken now would be wrong. Resume "
                     "from the last state saved before it"
                 )
-            plan = self.plan
-            return seal(
-                {
-                    "format": STATE_FORMAT,
-                    "version": STATE_VERSION,
-                    "fingerprint": plan.fingerprint,
-                    "pipeline": plan.fingerprint_parts,
-                    "rank": plan.rank,
-                    "world_size": plan.world_size,
-                    "lanes": plan.lanes,
-                    "layout": self.layout.encode(),
-                    "next_lane": self.next_lane,
-                    "served": self.served,
-                    "lane_states": [lane.state() for lane in self.lanes],
-                    **self.totals.state(self.replayed),
-                    **self.history.state(),
-                    "retired": self.retired.state(),
-                }
-            )
+            return self._state()
+
+    def _state(self) -> dict[str, Any]:
+        # ``state_dict`` without the lock (taken by the caller).
+        plan = self.plan
+        return seal(
+            {
+                "format": STATE_FORMAT,
+                "version": STATE_VERSION,
+                "fingerprint": plan.fingerprint,
+                "pipeline": plan.fingerprint_parts,
+                "rank": plan.rank,
+                "world_size": plan.world_size,
+                "lanes": plan.lanes,
+                "layout": self.layout.encode(),
+                "next_lane": self.next_lane,
+                "served": self.served,
+                "lane_states": [lane.state() for lane in self.lanes],
+                **self.totals.state(self.replayed),
+                **self.history.state(),
+                "retired": self.retired.state(),
+            }
+        )
 
     def retire(self, retire: Any) -> None:
         """Never deliver the samples ``retire`` names from now on (before the first ``next()``):
@@ -520,6 +542,7 @@ class Loader(LoaderStep):
         self.history.add({"event": "retire", "step": step, "ids": len(taken)})
         self.retired.add(Retirement(taken, horizons))
         self._screen_retired()
+        self._end_evenly()  # lanes that lose more samples than others hand over fewer items
 
     def _screen_retired(self) -> None:
         """Every lane screens the run's retired samples, at delivery and at fetch."""
@@ -562,7 +585,7 @@ class Loader(LoaderStep):
             body = relaned_state(body, plan)
             job = True
         self.layout = check_layout(body["layout"], plan.lanes, plan.source.total_chunks())
-        if self.layout.current:
+        if self.layout.current or self.retired.sets:
             self._end_evenly()
         if job:
             lane_states = check_lane_list(body["lane_states"], plan.lanes)

@@ -6,7 +6,8 @@ A state's ``history`` is a list of events, oldest first, each a small object wit
 kind and the global ``step`` it happened at; only the last ``MAX_EVENTS`` are kept, so a state
 never grows with the number of resumes. ``skip`` is the number of global steps a state still has
 to skip (``zephon.skip_steps``), done by the loader before its first item; it is always what the
-last skip events of the history add up to, so an edited count is refused.
+last skip events of the history add up to (a change or retirement at the resume that has the skip
+still to do comes after them), so an edited count is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 from zephon.runtime.checkpoint.format import seal, unseal
-from zephon.runtime.checkpoint.schema import JOB_FORMAT, MAX_EVENTS, STATE_FORMAT, check_history
+from zephon.runtime.checkpoint.schema import (
+    JOB_FORMAT,
+    MAX_EVENTS,
+    STATE_FORMAT,
+    check_history,
+    last_skip,
+)
 
 MAX_CHANGES = 20  # changed operators named in one event
 _SHOWN = 200  # characters of one named change
@@ -100,9 +107,10 @@ def skip_steps(state: dict[str, Any], steps: int) -> dict[str, Any]:
     history, pending = check_history(body["history"], body["skip"])
     if not steps:
         return seal(body)
-    if pending:  # still to be done: this skip joins the last one
-        last = {**history[-1], "steps": history[-1]["steps"] + steps}
-        history = [*history[:-1], last]
+    if pending:  # still to be done: this skip joins it
+        at = last_skip(history)
+        history = [*history]
+        history[at] = {**history[at], "steps": history[at]["steps"] + steps}
     else:
         event = {"event": "skip", "step": global_step(body["lane_states"]), "steps": steps}
         history = with_event(history, event)

@@ -55,8 +55,10 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
         )
     if any(b.get(key) != first.get(key) for b in bodies for key in ("history", "skip")):
         raise CheckpointError(
-            "the states of the ranks hold different histories (operator changes, skipped steps): "
-            "they were not taken in one run of the job"
+            "the states of the ranks hold different histories (operator changes, skipped steps, "
+            "retired samples): they were not taken in one run of the job, or its ranks were "
+            "resumed differently: give every rank the same allow_changes=, retire= and "
+            "skip_steps"
         )
     retired = merge_retired([body.get("retired") for body in bodies])
     sizes = {body.get("world_size") for body in bodies}

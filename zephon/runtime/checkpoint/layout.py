@@ -210,6 +210,10 @@ class Run:
     #: since a resume with changed operators (the same kind; None: nothing).
     progress: Any = None
     screened: Any = None
+    #: ``cursor``/``count``/``digest`` were booked by operators changed since (a resume with
+    #: ``allow_changes=True`` before this run was replayed): on a plan that keeps cursor order
+    #: its replay swallows what sorts at or below the cursor, whatever the records are.
+    changed: bool = False
 
     @property
     def inherited(self) -> bool:

@@ -159,6 +159,7 @@ def relane(
                 "held": None,
                 "progress": None,
                 "screened": None,
+                "changed": False,
                 "run": None,
                 "pending": [],
             }

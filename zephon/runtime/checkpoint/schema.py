@@ -76,7 +76,18 @@ JOB_KEYS = frozenset(JOB_FIELDS) - NEWER_JOB_KEYS
 MAX_INT = (1 << 62) - 1  # larger numbers in a state are damage, not positions
 # A replay window, and the run it belongs to (``pending`` lists runs of these fields).
 RUN_KEYS = frozenset(
-    {"run", "start", "cursor", "count", "digest", "carry", "held", "progress", "screened"}
+    {
+        "run",
+        "start",
+        "cursor",
+        "count",
+        "digest",
+        "carry",
+        "held",
+        "progress",
+        "screened",
+        "changed",
+    }
 )
 # Written since runs say what they consumed by position; a window without them says nothing.
 NEWER_RUN_KEYS = frozenset({"progress", "screened"})
@@ -116,7 +127,7 @@ def upgrade(body: dict[str, Any]) -> dict[str, Any]:
         body = {**body, "version": STATE_VERSION, "history": [], "skip": 0, "retired": None}
     lanes = body.get("lane_states")
     if isinstance(lanes, list):
-        body = {**body, "lane_states": [_with_progress(lane) for lane in lanes]}
+        body = {**body, "lane_states": [_with_changed(_with_progress(lane)) for lane in lanes]}
     return body
 
 
@@ -134,6 +145,24 @@ def _with_progress(lane: Any) -> Any:
             {**run, "progress": None, "screened": None}
             if isinstance(run, dict) and not NEWER_RUN_KEYS & set(run)
             else run
+            for run in pending
+        ]
+        if isinstance(pending, list)
+        else pending,
+    }
+
+
+def _with_changed(lane: Any) -> Any:
+    """A lane state written before windows said whether changed operators booked them, as one
+    whose windows the operators that wrote it booked."""
+    if not isinstance(lane, dict) or "changed" in lane:
+        return lane
+    pending = lane.get("pending")
+    return {
+        **lane,
+        "changed": False,
+        "pending": [
+            {**run, "changed": False} if isinstance(run, dict) and "changed" not in run else run
             for run in pending
         ]
         if isinstance(pending, list)
@@ -206,6 +235,7 @@ def encode_run(run: Run) -> dict[str, Any]:
         "held": run.held,
         "progress": None if run.progress is None else run.progress.encode(),
         "screened": None if run.screened is None else run.screened.encode(),
+        "changed": run.changed,
     }
 
 
@@ -396,6 +426,7 @@ def check_run(value: dict[str, Any], where: str, layout: Layout, **window: Any) 
         value["held"],
         progress,
         screened,
+        check_bool(value["changed"], f"{where}.changed"),
     )
 
 
@@ -483,6 +514,7 @@ def check_lane_state(
                 held,
                 progress,
                 screened,
+                check_bool(value["changed"], f"{where}.changed"),
             )
         )
     return {**value, "runs": runs}
@@ -686,10 +718,21 @@ def check_job_turn(
 
 
 # ------------------------------------------------------------------------------------ history
+def last_skip(history: list[dict[str, Any]]) -> int:
+    """The index in ``history`` of the skip event a skip still to be done belongs to: the last
+    skip event, past the changes and retirements of the resume that has it still to do (-1 when
+    there is none there)."""
+    at = len(history) - 1
+    while at >= 0 and history[at]["event"] != "skip":
+        at -= 1
+    return at
+
+
 def _trailing_skips(history: list[dict[str, Any]]) -> list[int]:
-    """The sums of the last 1, 2, ... skip events at the end of ``history``."""
+    """The sums of the last 1, 2, ... skip events at the end of ``history`` (from
+    ``last_skip``)."""
     sums: list[int] = []
-    for event in reversed(history):
+    for event in reversed(history[: last_skip(history) + 1]):
         if event["event"] != "skip":
             break
         sums.append((sums[-1] if sums else 0) + event["steps"])

@@ -11,6 +11,10 @@ Chunks are dealt to lanes across pass boundaries, so a pass's remainder is deliv
 pass's global steps; only the end of the last pass can be uneven, and what the longer lanes hold
 beyond the shortest is not delivered.
 
+Retired samples (``retire=``) are not delivered, so a lane that holds more of them hands over
+fewer items: every lane's count then drops by what its retired samples can take away at most
+(all of them, in whole batches), the same on every rank, since each rank has the retired ids.
+
 Plans whose item counts are unknown (they filter, split or pack) end their ranks together at
 run time instead (``Loader.end_together``): one minimum all-reduce per item, with the job's own
 collective. What the ranks with more data still hold then is dropped and counted, not carried:
@@ -24,23 +28,40 @@ import numpy as np
 
 from zephon.plan import Plan
 from zephon.runtime.checkpoint.layout import Layout
+from zephon.runtime.checkpoint.retired import RetiredIds
 
 
-def lane_items(plan: Plan, layout: Layout) -> list[int] | None:
+def lane_items(plan: Plan, layout: Layout, retired: RetiredIds | None = None) -> list[int] | None:
     """Items each lane of the job hands over from the start of its generation to its end, or
     None when that is not known without running the lanes: an operator filters, splits or
     packs records, the source is unbounded, or the job was re-laned (what the new lanes finish
-    of the old ones' runs depends on where the checkpoint was taken)."""
+    of the old ones' runs depends on where the checkpoint was taken). With ``retired`` samples,
+    the fewest items each lane can hand over: retired samples delivered before they were
+    retired still count, the others do not."""
     total = plan.source.total_chunks()
     if not plan.indexable or layout.current or total is None:
         return None
     lanes = plan.lanes
     lengths = plan.source.chunk_lengths(np.arange(total, dtype=np.int64))
-    padded = np.zeros(-(-total // lanes) * lanes, dtype=np.int64)
-    padded[:total] = lengths
-    records = padded.reshape(-1, lanes).sum(axis=0).tolist()  # position p goes to lane p % lanes
+    records = _per_lane(lengths, lanes)
+    gone = [0] * lanes
+    if retired is not None and len(retired):
+        hits = [int(retired.contains(plan.source.chunk(p).pointers).sum()) for p in range(total)]
+        gone = _per_lane(np.array(hits, dtype=np.int64), lanes)
     batcher = plan.batcher
     if batcher is None:
-        return records
+        return [n - k for n, k in zip(records, gone)]
     size = batcher.batch_size
-    return [n // size if batcher.drop_remainder else -(-n // size) for n in records]
+    # A batch gathers the records left, so k retired samples take at most ceil(k / size)
+    # batches away from what the lane's records make.
+    return [
+        (n // size if batcher.drop_remainder else -(-n // size)) - -(-k // size)
+        for n, k in zip(records, gone)
+    ]
+
+
+def _per_lane(counts: np.ndarray, lanes: int) -> list[int]:
+    """``counts`` per chunk position summed per lane (position p goes to lane p % lanes)."""
+    padded = np.zeros(-(-len(counts) // lanes) * lanes, dtype=np.int64)
+    padded[: len(counts)] = counts
+    return padded.reshape(-1, lanes).sum(axis=0).tolist()

@@ -12,6 +12,7 @@ counts as values.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from zephon._core.cursor import cursors_for_chunk, digest_cursors
@@ -28,7 +29,7 @@ from zephon.runtime.checkpoint.retired import FetchScreen
 from zephon.runtime.checkpoint.schema import check_lane_state, encode_cursor, encode_run
 from zephon.runtime.delivery.batcher import LEAVE_TO_CALLER, FinalBatcher
 from zephon.runtime.delivery.bookkeeping import LaneBook
-from zephon.runtime.delivery.replay import ReplayFilter
+from zephon.runtime.delivery.replay import ReplayFilter, changed_records, merged_records
 from zephon.runtime.delivery.skips import SkipLog
 from zephon.runtime.lanes.control import EpochEnd, LaneEnd, Retired, RunStart, Skipped
 from zephon.runtime.workers.feeds import LaneFeed
@@ -57,8 +58,11 @@ class LaneDelivery(LaneOutlet):
         self.cut = False
         self.surplus = 0
         self.cause: str | None = None  # what a replay divergence means (``ReplayFilter``)
-        self.lenient = False  # replays need not meet the delivered records (``ReplayFilter``)
+        # This resume changed operators that keep cursor order: the windows it restores were
+        # booked by the old ones (``Run.changed``), and replay leniently (``ReplayFilter``).
+        self.lenient = False
         self.merges: str | None = None  # why a lenient replay refuses merged records (same)
+        self.in_order = all(op.traits.preserves_cursor_order for op in plan.chain)
         self.fetch_screen = FetchScreen([])  # what the lane's runner screens out at fetch
         # A resume with changed operators or retired samples behind a reordering operator:
         # its runs continue by position where they can (``checkpoint.progress.after_change``).
@@ -146,6 +150,8 @@ class LaneDelivery(LaneOutlet):
                     on_record()
         self.replayed += replay.swallowed
         self.replay = None
+        if replay.lenient:  # the window the new operators booked replaces the old one's
+            self.restored_state = None
 
     def _replay_run(self, marker: RunStart) -> None:
         """A run taken over from another lane starts: swallow what that lane delivered of it
@@ -154,15 +160,7 @@ class LaneDelivery(LaneOutlet):
         run = self.book.runs[marker.index]
         if run.cursor is None:
             return
-        replay = ReplayFilter(
-            self.lane_id,
-            run.cursor,
-            (run.count, run.digest),
-            monotone=self.book.monotone,
-            cause=self.cause,
-            lenient=self.lenient,
-            merges=self.merges,
-        )
+        replay = self._replay_to(run.cursor, (run.count, run.digest), changed=run.changed)
         marker.replayed = [
             SampleRecord(item.meta, None)  # the payload is not needed to book it
             if type(item) is SampleRecord and not item.meta.is_tombstone
@@ -263,6 +261,7 @@ class LaneDelivery(LaneOutlet):
             "held": book.held_state(),
             "progress": _encoded(book.progress()),
             "screened": _encoded(book.screened),
+            "changed": False,  # booked by the operators running now
             "run": [run.gen, run.lane, run.end] if run.inherited else None,
             "pending": [encode_run(r) for r in book.runs[book.run_index + 1 :] if r.inherited],
         }
@@ -298,6 +297,15 @@ class LaneDelivery(LaneOutlet):
             self.restored_state = None  # what it says is replaced by the screens
             # runs left to their replay because a sample was partly delivered
             self.partly_delivered = sum(len(r.progress.partial) for r in runs if r.progress)
+        if self.lenient:
+            # Booked by the old operators: replayed leniently, also from a state taken before
+            # they are (``Run.changed``).
+            runs = [replace(r, changed=True) if r.cursor is not None else r for r in runs]
+            self.restored_state = {
+                **state,
+                "changed": runs[0].changed,
+                "pending": [encode_run(r) for r in runs[1:] if r.inherited],
+            }
         first = runs[0]
         self.book.runs = runs
         self.book.layout = layout
@@ -310,7 +318,7 @@ class LaneDelivery(LaneOutlet):
             if plan.indexable and cursor.chunk_id == position:
                 skip = self._skip_at_source(position, cursor, expect, where, first)
             else:
-                self.replay = self._replay_to(cursor, expect)
+                self.replay = self._replay_to(cursor, expect, changed=first.changed)
         self.feed.start_at = {
             "runs": [run.for_runner() for run in runs],
             "layout": layout.encode(),
@@ -350,7 +358,7 @@ class LaneDelivery(LaneOutlet):
         if skip == offset + 1:
             # After a change on the monotone path every sample up to the cursor was consumed,
             # whatever the old operators made of it (``ReplayFilter.lenient``).
-            if seen != expect and not self.lenient:
+            if seen != expect and not (run.changed and self.in_order):
                 raise CheckpointCorruptError(
                     f"loader state field {where} says lane {self.lane_id} delivered "
                     f"{expect[0]} records of chunk {position} up to {cursor!r}; the chunk holds "
@@ -358,23 +366,35 @@ class LaneDelivery(LaneOutlet):
                 )
             self.book.book.last_cursor = cursor
         else:
-            self.replay = self._replay_to(cursor, expect, seen)
+            self.replay = self._replay_to(cursor, expect, seen, changed=run.changed)
         return skip
 
     def _replay_to(
-        self, cursor: SampleCursor, expect: tuple[int, int], seen: tuple[int, int] = (0, 0)
+        self,
+        cursor: SampleCursor,
+        expect: tuple[int, int],
+        seen: tuple[int, int] = (0, 0),
+        *,
+        changed: bool,
     ) -> ReplayFilter:
         # What swallows the records this lane delivered before the checkpoint, up to ``cursor``
-        # (``seen``: the count and digest of those skipped at the source already).
+        # (``seen``: the count and digest of those skipped at the source already; ``changed``:
+        # operators changed since booked them, see ``Run.changed``).
+        lenient = changed and self.in_order
+        cause, merges = self.cause, self.merges
+        if lenient and cause is None:  # changed at an earlier resume than this one
+            cause = changed_records(["operators changed at an earlier resume"], [])
+        if lenient and merges is None:
+            merges = merged_records([op.name for op in self.plan.chain if op.traits.stateful])
         return ReplayFilter(
             self.lane_id,
             cursor,
             expect,
             monotone=self.book.monotone,
             seen=seen,
-            cause=self.cause,
-            lenient=self.lenient,
-            merges=self.merges,
+            cause=cause,
+            lenient=lenient,
+            merges=merges if lenient else None,
         )
 
 
