@@ -241,3 +241,46 @@ def test_a_bucket_copy_read_through_a_shard_cache_and_ahead_of_its_reads(
     got = every_sample(there)
     assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
     assert there.io_counters()[there.root]["cache_misses"] == 2 * shards  # metadata, then ahead
+
+
+def test_a_shard_rewritten_at_its_size_on_a_store_without_mtime_or_version_is_read_anew(
+    tmp_path,
+):
+    # A memory:// store gives no mtime and no version: the sidecar in the cache directory cannot
+    # tell the rewrite, so a new source digests the shard again (and inflates the new content)
+    # rather than reading what the old digests named.
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+
+    def text(letter: str) -> Path:
+        root = tmp_path / letter
+        columns = {"idx": "int", "text": "str"}
+        with mds_writer()(out=str(root), columns=columns, compression="zstd") as out:
+            for i in range(20):
+                out.write({"idx": i, "text": f"{letter}{i:04d}"})
+        return root
+
+    by_size: dict[int, Path] = {}
+    for letter in "abcdefghijkl":  # two datasets whose compressed shards have one size
+        root = text(letter)
+        size = (root / "shard.00000.mds.zstd").stat().st_size
+        if size in by_size:
+            first, second = by_size[size], root
+            break
+        by_size[size] = root
+    else:
+        pytest.fail("no two shards of one compressed size")
+
+    def put(root: Path) -> None:
+        for path in root.iterdir():
+            memory.pipe(f"/{tmp_path.name}/{path.name}", path.read_bytes())
+
+    uri = f"memory:///{tmp_path.name}"
+    put(first)
+    before = MDSSource(uri, cache_dir=tmp_path / "c")
+    assert before.read(before.chunk(0).pointers[:1])[0]["text"] == f"{first.name}0000"
+    put(second)
+    after = MDSSource(uri, cache_dir=tmp_path / "c")
+    assert after.read(after.chunk(0).pointers[:1])[0]["text"] == f"{second.name}0000"
+    assert after.describe() != before.describe()
