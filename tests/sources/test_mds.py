@@ -284,3 +284,18 @@ def test_a_shard_rewritten_at_its_size_on_a_store_without_mtime_or_version_is_re
     after = MDSSource(uri, cache_dir=tmp_path / "c")
     assert after.read(after.chunk(0).pointers[:1])[0]["text"] == f"{second.name}0000"
     assert after.describe() != before.describe()
+
+
+def test_an_ndarray_value_cut_to_nothing_is_a_fetch_error_naming_its_shard_and_column(tmp_path):
+    columns = {"arr": "ndarray", "idx": "int"}
+    with mds_writer()(out=str(tmp_path), columns=columns) as out:
+        for i in range(3):
+            out.write({"arr": np.arange(i + 1, dtype=np.int32), "idx": i})
+    shard = tmp_path / "shard.00000.mds"
+    data = bytearray(shard.read_bytes())
+    at = int(np.frombuffer(data, "<u4", count=1, offset=4 + 4 * 2)[0])  # sample 2
+    data[at : at + 4] = np.uint32(0).tobytes()  # its array's size: no dtype code, no shape
+    shard.write_bytes(bytes(data))
+    src = MDSSource(tmp_path, chunk_size=3)
+    with pytest.raises(FetchError, match=r"shard\.00000\.mds.*sample 2, column 'arr' \(ndarray\)"):
+        src.read(src.chunk(0).pointers)

@@ -517,6 +517,7 @@ class MDSSource(ShardLayoutSource[_Shard]):
                     values[col.name] = _decode_value(col.encoding, sample[at : at + size])
                 except (
                     ValueError,
+                    IndexError,  # an array's dtype code or shape cut off
                     UnicodeDecodeError,
                     InvalidOperation,
                     pickle.UnpicklingError,
