@@ -107,6 +107,17 @@ def test_a_directory_mixing_formats_is_a_plan_error_listing_them(tmp_path):
         open_source(tmp_path)
 
 
+def test_a_json_file_beside_jsonl_files_is_not_read_as_a_sample(tmp_path):
+    # JsonlSource lists .json files too: a metadata file beside the data would be read as
+    # samples, so open_source refuses the directory and says how to pick the files.
+    (tmp_path / "train.jsonl").write_text('{"i": 1}\n{"i": 2}\n')
+    (tmp_path / "meta.json").write_text('{"license": "mit"}\n')
+    with pytest.raises(PlanError, match=r"mixes formats \(1 \.json, 1 \.jsonl\).*\*\.jsonl"):
+        open_source(tmp_path)
+    src = open_source(str(tmp_path / "**" / "*.jsonl"))  # the glob the message suggests
+    assert [r["i"] for r in rows(src)] == [1, 2]
+
+
 def test_an_unknown_layout_is_a_plan_error_naming_what_was_found(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     (tmp_path / "blob.dat").write_bytes(b"\0")

@@ -15,7 +15,9 @@ What decides, in order:
   (``JsonlSource``), ``.idx`` with its ``.bin`` and ``.npy`` (``TokenShardSource``), ``.tar``
   (WebDataset shards, ``WebDatasetSource``).
 
-A layout that is none of these, or mixes two, is a ``PlanError`` listing what was found.
+A layout that is none of these, or mixes two, is a ``PlanError`` listing what was found; so is a
+directory holding files the chosen source would read but no format here names (``.json`` beside
+``.jsonl``: a metadata file would be read as samples).
 """
 
 from __future__ import annotations
@@ -152,10 +154,23 @@ def _open_directory(fs: Any, path: str, item: str, kw: dict[str, Any]) -> FileSo
     ]
     families = Counter(_family_of(f) for f in files)
     readable = {f: n for f, n in families.items() if f is not None}
+    found = _found(files, path)
     if len(readable) == 1:
         (family,) = readable
-        return _SOURCES[family](item, **kw)
-    found = _found(files, path)
+        source = _SOURCES[family]
+        # Files the source's own listing keeps that name no format here (JsonlSource's .json,
+        # often a metadata file): it would read them as samples.
+        extra = [f for f in files if _family_of(f) is None and f.endswith(source.SUFFIXES)]
+        if not extra:
+            return source(item, **kw)
+        data = Counter(posixpath.splitext(f)[1] for f in files if _family_of(f) == family)
+        glob = posixpath.join(item, "**", "*" + data.most_common(1)[0][0])
+        raise PlanError(
+            f"open_source: {item!r} mixes formats ({found}); {source.__name__} would read the "
+            f"{', '.join(sorted({posixpath.splitext(f)[1] for f in extra}))} files as data too: "
+            f"give a glob of the data files (e.g. {glob!r}), or {source.__name__}({item!r}) to "
+            "read them all"
+        )
     if not readable:
         raise PlanError(
             f"open_source: {item!r} holds no file of a readable format (found {found}); "
