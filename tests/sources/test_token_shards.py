@@ -154,6 +154,16 @@ def test_a_truncated_index_is_a_fetch_error_naming_it(tmp_path):
         TokenShardSource(tmp_path).num_samples()
 
 
+def test_an_index_pointing_before_the_start_of_the_bin_is_a_fetch_error_naming_it(tmp_path):
+    idx = write_megatron(tmp_path / "m", [[d] for d in documents(0, 4)])
+    data = bytearray(idx.read_bytes())
+    pointers_at = 9 + 8 + 1 + 8 + 8 + 4 * 4  # header, then four int32 sequence lengths
+    data[pointers_at + 16 : pointers_at + 24] = np.int64(-4).tobytes()  # sequence 2's pointer
+    idx.write_bytes(bytes(data))
+    with pytest.raises(FetchError, match=r"m\.idx.*a sequence lies outside the \.bin"):
+        TokenShardSource(tmp_path).num_samples()
+
+
 def test_a_flat_file_without_a_cut_is_refused(tmp_path):
     np.save(tmp_path / "x.npy", np.arange(5))
     with pytest.raises(FetchError, match=r"x\.npy.*needs eos_id= .* or window="):

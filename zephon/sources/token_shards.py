@@ -362,7 +362,7 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
             bad = "its document indices are not increasing"
         elif (lengths < 0).any() or (pointers % item).any():
             bad = "a sequence length is negative or a pointer is not a whole token"
-        elif sequences and (pointers[0] < 0 or ends.max(initial=0) > data_size):
+        elif sequences and (pointers.min() < 0 or ends.max(initial=0) > data_size):
             bad = f"a sequence lies outside the .bin ({data_size} bytes)"
         else:
             inner = np.ones(sequences, dtype=bool)
