@@ -299,3 +299,16 @@ def test_an_ndarray_value_cut_to_nothing_is_a_fetch_error_naming_its_shard_and_c
     src = MDSSource(tmp_path, chunk_size=3)
     with pytest.raises(FetchError, match=r"shard\.00000\.mds.*sample 2, column 'arr' \(ndarray\)"):
         src.read(src.chunk(0).pointers)
+
+
+def test_a_shard_the_index_names_answering_503_is_retried_then_named(
+    tmp_path, bucket, failing_proxy
+):
+    uri = bucket.upload(write(tmp_path / "local"), "mds-503")
+    bucket.point_at(failing_proxy.endpoint)
+    failing_proxy.fail_paths = {"/shard.00002.mds": 1}  # its HEAD, while the index is listed
+    assert MDSSource(uri, cache_dir=tmp_path / "c").num_samples() == N
+    assert failing_proxy.failed == 1
+    failing_proxy.fail_paths = {"/shard.00002.mds": 100}
+    with pytest.raises(FetchError, match=rf"{uri}/shard\.00002\.mds.*gave up after 4 attempts"):
+        MDSSource(uri, cache_dir=tmp_path / "c").num_samples()

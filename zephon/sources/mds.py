@@ -53,6 +53,7 @@ from zephon.sources.files import (
 )
 from zephon.sources.locations import DataFile, default_cache_dir
 from zephon.sources.mapped_files import ChangedFile, MappedFiles, map_bytes
+from zephon.sources.remote import is_transient
 from zephon.sources.shard_layouts import ShardLayoutSource
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ class MDSSource(ShardLayoutSource[_Shard]):
                 with locations.filesystem.open_input_stream(index_path) as fh:
                     return bytes(fh.read())
             except OSError as exc:
-                if not self.is_local and not isinstance(exc, FileNotFoundError):
+                if not self.is_local and is_transient(exc):
                     raise
                 raise FetchError(
                     f"{type(self).__name__} cannot read {locations.uri(index_path)!r}: "
@@ -189,19 +190,29 @@ class MDSSource(ShardLayoutSource[_Shard]):
         paths = [posixpath.join(root, n) for n in names]
 
         def stat(p: str) -> Any:
-            return locations.filesystem.get_file_info(p)
+            # One shard's metadata, retried on transient errors as the index's read is.
+            def once() -> Any:
+                try:
+                    return locations.filesystem.get_file_info(p)
+                except OSError as exc:
+                    if not self.is_local and is_transient(exc):
+                        raise
+                    raise FetchError(
+                        f"{name} cannot read {locations.uri(p)!r}: {type(exc).__name__}: {exc}"
+                    ) from exc
+
+            return self.with_retries(once, lambda: f"{name} reading {locations.uri(p)!r}")
 
         import pyarrow.fs as pafs
 
         infos = self.parallel(stat, paths)
         files = []
-        for name, p, info in zip(names, paths, infos, strict=True):
+        for stored, p, info in zip(names, paths, infos, strict=True):
             if info.type != pafs.FileType.File:
                 raise FetchError(
-                    f"{type(self).__name__}: shard {locations.uri(p)!r} listed in {index_path!r} "
-                    "is missing"
+                    f"{name}: shard {locations.uri(p)!r} listed in {index_path!r} is missing"
                 )
-            files.append(DataFile(p, locations.uri(p), name, int(info.size), info.mtime_ns))
+            files.append(DataFile(p, locations.uri(p), stored, int(info.size), info.mtime_ns))
         return locations.uri(root), files
 
     def index_entries(self, raw: bytes, index_uri: str) -> list[dict[str, Any]]:
