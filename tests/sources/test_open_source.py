@@ -59,6 +59,15 @@ def test_megatron_pairs_open_from_the_directory_the_bin_or_the_idx(tmp_path):
         assert [r["tokens"].tolist() for r in rows(src)] == [d.tolist() for d in docs]
 
 
+def test_lists_and_globs_of_megatron_bins_open_their_indexes(tmp_path):
+    write_megatron(tmp_path / "a", [[d] for d in documents(0, 3)])
+    write_megatron(tmp_path / "b", [[d] for d in documents(3, 4)])
+    for given in ([tmp_path / "a.bin", tmp_path / "b.bin"], str(tmp_path / "*.bin")):
+        src = open_source(given)
+        assert type(src) is TokenShardSource
+        assert [r["tokens"].tolist() for r in rows(src)] == [d.tolist() for d in documents(0, 7)]
+
+
 def test_npy_files_open_as_token_shards_with_the_cut_given(tmp_path):
     np.save(tmp_path / "t.npy", flat_with_eos(documents(0, 5)).astype(np.int32))
     src = open_source(tmp_path / "t.npy", eos_id=0)
