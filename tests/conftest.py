@@ -111,8 +111,9 @@ STALL_LIMIT = 120.0
 
 class FailingProxy:
     """A loopback HTTP proxy in front of the S3 server: it answers the next ``fail`` requests,
-    and every ranged GET starting at one of the byte offsets in ``fail_ranges``, with 503
-    SlowDown, and forwards every other one; it counts what it saw.
+    every ranged GET starting at one of the byte offsets in ``fail_ranges``, and the next
+    ``fail_paths[end]`` requests of a path ending with ``end``, with 503 SlowDown, and forwards
+    every other one; it counts what it saw.
 
     ``stall()`` makes it a server that accepts connections and reads requests but never answers
     them (``stalled`` counts those held; ``stall(n, method)``: the next ``n`` only, of that
@@ -124,6 +125,7 @@ class FailingProxy:
         self.upstream = upstream.removeprefix("http://")
         self.fail = 0
         self.fail_ranges: set[int] = set()
+        self.fail_paths: dict[str, int] = {}
         self.requests: list[str] = []
         self.failed = 0
         self.stalled = 0
@@ -150,7 +152,11 @@ class FailingProxy:
                     proxy._released.wait(STALL_LIMIT)
                     return  # the connection closes without an answer
                 ranged = re.match(r"bytes=(\d+)-", self.headers.get("Range") or "")
-                if proxy.fail > 0 or (ranged and int(ranged.group(1)) in proxy.fail_ranges):
+                if (
+                    proxy.fail > 0
+                    or (ranged and int(ranged.group(1)) in proxy.fail_ranges)
+                    or (proxy._fails_path(self.path))
+                ):
                     proxy.fail = max(0, proxy.fail - 1)
                     proxy.failed += 1
                     reply = (
@@ -217,6 +223,15 @@ class FailingProxy:
             self.stalled += 1
             self._held.append(threading.current_thread())
             return True
+
+    def _fails_path(self, path: str) -> bool:
+        # Whether a request of ``path`` is one of the failures ``fail_paths`` asks for.
+        with self._lock:
+            for end, left in self.fail_paths.items():
+                if left > 0 and path.endswith(end):
+                    self.fail_paths[end] = left - 1
+                    return True
+        return False
 
     def release(self) -> None:
         """Close the held requests unanswered, wait for their handlers, and forward again."""

@@ -235,3 +235,16 @@ def test_chunks_stored_as_an_arrow_footer_are_refused(tmp_path):
     writer.merge()
     with pytest.raises(PlanError, match=r"chunk-0-0\.bin.* holds its rows as an Arrow IPC footer"):
         LitDataSource(tmp_path).num_samples()
+
+
+def test_a_damaged_item_of_a_sample_compressed_chunk_is_named_with_its_pointer(tmp_path):
+    write(tmp_path, "sample")
+    chunk = tmp_path / "chunk-0-0.bin"
+    data = bytearray(chunk.read_bytes())
+    n = int(np.frombuffer(data, "<u4", count=1)[0])
+    third = int(np.frombuffer(data, "<u4", count=1, offset=4 + 4 * 2)[0])
+    data[third : third + 4] = b"XXXX"  # item 2's zstd frame header
+    chunk.write_bytes(bytes(data))
+    src = LitDataSource(tmp_path, chunk_size=n)
+    with pytest.raises(FetchError, match=r"pointer \(0, 0, 2\) from .*chunk-0-0\.bin.*item 2 "):
+        src.read(src.chunk(0).pointers)

@@ -241,3 +241,74 @@ def test_a_bucket_copy_read_through_a_shard_cache_and_ahead_of_its_reads(
     got = every_sample(there)
     assert [g["idx"] for g in got] == [g["idx"] for g in every_sample(here)]
     assert there.io_counters()[there.root]["cache_misses"] == 2 * shards  # metadata, then ahead
+
+
+def test_a_shard_rewritten_at_its_size_on_a_store_without_mtime_or_version_is_read_anew(
+    tmp_path,
+):
+    # A memory:// store gives no mtime and no version: the sidecar in the cache directory cannot
+    # tell the rewrite, so a new source digests the shard again (and inflates the new content)
+    # rather than reading what the old digests named.
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+
+    def text(letter: str) -> Path:
+        root = tmp_path / letter
+        columns = {"idx": "int", "text": "str"}
+        with mds_writer()(out=str(root), columns=columns, compression="zstd") as out:
+            for i in range(20):
+                out.write({"idx": i, "text": f"{letter}{i:04d}"})
+        return root
+
+    by_size: dict[int, Path] = {}
+    for letter in "abcdefghijkl":  # two datasets whose compressed shards have one size
+        root = text(letter)
+        size = (root / "shard.00000.mds.zstd").stat().st_size
+        if size in by_size:
+            first, second = by_size[size], root
+            break
+        by_size[size] = root
+    else:
+        pytest.fail("no two shards of one compressed size")
+
+    def put(root: Path) -> None:
+        for path in root.iterdir():
+            memory.pipe(f"/{tmp_path.name}/{path.name}", path.read_bytes())
+
+    uri = f"memory:///{tmp_path.name}"
+    put(first)
+    before = MDSSource(uri, cache_dir=tmp_path / "c")
+    assert before.read(before.chunk(0).pointers[:1])[0]["text"] == f"{first.name}0000"
+    put(second)
+    after = MDSSource(uri, cache_dir=tmp_path / "c")
+    assert after.read(after.chunk(0).pointers[:1])[0]["text"] == f"{second.name}0000"
+    assert after.describe() != before.describe()
+
+
+def test_an_ndarray_value_cut_to_nothing_is_a_fetch_error_naming_its_shard_and_column(tmp_path):
+    columns = {"arr": "ndarray", "idx": "int"}
+    with mds_writer()(out=str(tmp_path), columns=columns) as out:
+        for i in range(3):
+            out.write({"arr": np.arange(i + 1, dtype=np.int32), "idx": i})
+    shard = tmp_path / "shard.00000.mds"
+    data = bytearray(shard.read_bytes())
+    at = int(np.frombuffer(data, "<u4", count=1, offset=4 + 4 * 2)[0])  # sample 2
+    data[at : at + 4] = np.uint32(0).tobytes()  # its array's size: no dtype code, no shape
+    shard.write_bytes(bytes(data))
+    src = MDSSource(tmp_path, chunk_size=3)
+    with pytest.raises(FetchError, match=r"shard\.00000\.mds.*sample 2, column 'arr' \(ndarray\)"):
+        src.read(src.chunk(0).pointers)
+
+
+def test_a_shard_the_index_names_answering_503_is_retried_then_named(
+    tmp_path, bucket, failing_proxy
+):
+    uri = bucket.upload(write(tmp_path / "local"), "mds-503")
+    bucket.point_at(failing_proxy.endpoint)
+    failing_proxy.fail_paths = {"/shard.00002.mds": 1}  # its HEAD, while the index is listed
+    assert MDSSource(uri, cache_dir=tmp_path / "c").num_samples() == N
+    assert failing_proxy.failed == 1
+    failing_proxy.fail_paths = {"/shard.00002.mds": 100}
+    with pytest.raises(FetchError, match=rf"{uri}/shard\.00002\.mds.*gave up after 4 attempts"):
+        MDSSource(uri, cache_dir=tmp_path / "c").num_samples()

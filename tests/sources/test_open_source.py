@@ -59,6 +59,15 @@ def test_megatron_pairs_open_from_the_directory_the_bin_or_the_idx(tmp_path):
         assert [r["tokens"].tolist() for r in rows(src)] == [d.tolist() for d in docs]
 
 
+def test_lists_and_globs_of_megatron_bins_open_their_indexes(tmp_path):
+    write_megatron(tmp_path / "a", [[d] for d in documents(0, 3)])
+    write_megatron(tmp_path / "b", [[d] for d in documents(3, 4)])
+    for given in ([tmp_path / "a.bin", tmp_path / "b.bin"], str(tmp_path / "*.bin")):
+        src = open_source(given)
+        assert type(src) is TokenShardSource
+        assert [r["tokens"].tolist() for r in rows(src)] == [d.tolist() for d in documents(0, 7)]
+
+
 def test_npy_files_open_as_token_shards_with_the_cut_given(tmp_path):
     np.save(tmp_path / "t.npy", flat_with_eos(documents(0, 5)).astype(np.int32))
     src = open_source(tmp_path / "t.npy", eos_id=0)
@@ -105,6 +114,17 @@ def test_a_directory_mixing_formats_is_a_plan_error_listing_them(tmp_path):
     (tmp_path / "b.jsonl").write_text('{"i": 1}\n')
     with pytest.raises(PlanError, match=r"mixes formats \(1 \.jsonl, 1 \.parquet\)"):
         open_source(tmp_path)
+
+
+def test_a_json_file_beside_jsonl_files_is_not_read_as_a_sample(tmp_path):
+    # JsonlSource lists .json files too: a metadata file beside the data would be read as
+    # samples, so open_source refuses the directory and says how to pick the files.
+    (tmp_path / "train.jsonl").write_text('{"i": 1}\n{"i": 2}\n')
+    (tmp_path / "meta.json").write_text('{"license": "mit"}\n')
+    with pytest.raises(PlanError, match=r"mixes formats \(1 \.json, 1 \.jsonl\).*\*\.jsonl"):
+        open_source(tmp_path)
+    src = open_source(str(tmp_path / "**" / "*.jsonl"))  # the glob the message suggests
+    assert [r["i"] for r in rows(src)] == [1, 2]
 
 
 def test_an_unknown_layout_is_a_plan_error_naming_what_was_found(tmp_path):

@@ -154,6 +154,16 @@ def test_a_truncated_index_is_a_fetch_error_naming_it(tmp_path):
         TokenShardSource(tmp_path).num_samples()
 
 
+def test_an_index_pointing_before_the_start_of_the_bin_is_a_fetch_error_naming_it(tmp_path):
+    idx = write_megatron(tmp_path / "m", [[d] for d in documents(0, 4)])
+    data = bytearray(idx.read_bytes())
+    pointers_at = 9 + 8 + 1 + 8 + 8 + 4 * 4  # header, then four int32 sequence lengths
+    data[pointers_at + 16 : pointers_at + 24] = np.int64(-4).tobytes()  # sequence 2's pointer
+    idx.write_bytes(bytes(data))
+    with pytest.raises(FetchError, match=r"m\.idx.*a sequence lies outside the \.bin"):
+        TokenShardSource(tmp_path).num_samples()
+
+
 def test_a_flat_file_without_a_cut_is_refused(tmp_path):
     np.save(tmp_path / "x.npy", np.arange(5))
     with pytest.raises(FetchError, match=r"x\.npy.*needs eos_id= .* or window="):
@@ -359,3 +369,21 @@ def test_a_bucket_copy_resumes_exactly(tmp_path, bucket):
     state = json.loads(json.dumps(loader.state_dict()))
     loader.close()
     assert head + run(make().iter(state=state)) == full
+
+
+def test_a_shard_rewritten_at_its_size_on_a_store_without_mtime_or_version_is_read_anew(
+    tmp_path,
+):
+    # memory:// gives no mtime and no version: a new source digests the file again instead of
+    # trusting the sidecar in the cache directory, whose digests name the old tokens.
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    uri = f"memory:///{tmp_path.name}/tokens.npy"
+    for tokens in ([5, 6, 0, 7, 0], [8, 0, 9, 9, 0]):
+        np.save(tmp_path / "tokens.npy", np.array(tokens, dtype=np.uint16))
+        memory.pipe(f"/{tmp_path.name}/tokens.npy", (tmp_path / "tokens.npy").read_bytes())
+        src = TokenShardSource(uri, eos_id=0, cache_dir=tmp_path / "c")
+        assert [d.tolist() for d in every_document(src)] == [
+            list(d) for d in np.split(tokens, np.flatnonzero(np.array(tokens) == 0)[:-1] + 1)
+        ]

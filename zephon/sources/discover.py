@@ -15,7 +15,9 @@ What decides, in order:
   (``JsonlSource``), ``.idx`` with its ``.bin`` and ``.npy`` (``TokenShardSource``), ``.tar``
   (WebDataset shards, ``WebDatasetSource``).
 
-A layout that is none of these, or mixes two, is a ``PlanError`` listing what was found.
+A layout that is none of these, or mixes two, is a ``PlanError`` listing what was found; so is a
+directory holding files the chosen source would read but no format here names (``.json`` beside
+``.jsonl``: a metadata file would be read as samples).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def open_source(uri_or_paths: Any, **kw: Any) -> FileSource:
         if item.startswith("hf://"):
             return ArrowSource(_hf_cache_files(item), **kw)
         return _open_one(item, kw)
-    items = [os.fspath(p) for p in uri_or_paths]
+    items = [_megatron_index(os.fspath(p), kw) or os.fspath(p) for p in uri_or_paths]
     if not items:
         raise PlanError("open_source: no paths given")
     families = {_family_of(p) for p in items}
@@ -94,9 +96,26 @@ def _family_of(path: str) -> str | None:
     return _FAMILIES.get(posixpath.splitext(path.rstrip("/"))[1].lower())
 
 
+def _megatron_index(item: str, kw: dict[str, Any]) -> str | None:
+    """The ``.idx`` of a Megatron ``.bin`` file (or of a glob of them) when it is one, without
+    ``dtype=`` (which reads ``.bin`` files as raw tokens); None otherwise."""
+    if not item.endswith(".bin") or kw.get("dtype") is not None:
+        return None
+    import pyarrow.fs as pafs
+
+    idx = item[: -len(".bin")] + ".idx"
+    fs, path = filesystem_and_path(idx, kw.get("filesystem"), "open_source")
+    if re.search(r"[*?\[]", path) or fs.get_file_info(path).type == pafs.FileType.File:
+        return idx
+    return None
+
+
 def _open_one(item: str, kw: dict[str, Any]) -> FileSource:
     import pyarrow.fs as pafs
 
+    idx = _megatron_index(item, kw)
+    if idx is not None:
+        return TokenShardSource(idx, **kw)
     fs, path = filesystem_and_path(item, kw.get("filesystem"), "open_source")
     if re.search(r"[*?\[]", path):
         family = _family_of(path)
@@ -111,10 +130,6 @@ def _open_one(item: str, kw: dict[str, Any]) -> FileSource:
     if info.type == pafs.FileType.NotFound:
         raise PlanError(f"open_source: {item!r} does not exist")
     if info.type == pafs.FileType.File:
-        if path.endswith(".bin") and kw.get("dtype") is None:
-            idx = path[: -len(".bin")] + ".idx"
-            if fs.get_file_info(idx).type == pafs.FileType.File:
-                return TokenShardSource(item[: -len(".bin")] + ".idx", **kw)
         if posixpath.basename(path) == "index.json":
             return _open_one(posixpath.dirname(item) or ".", kw)
         family = _family_of(path)
@@ -152,10 +167,23 @@ def _open_directory(fs: Any, path: str, item: str, kw: dict[str, Any]) -> FileSo
     ]
     families = Counter(_family_of(f) for f in files)
     readable = {f: n for f, n in families.items() if f is not None}
+    found = _found(files, path)
     if len(readable) == 1:
         (family,) = readable
-        return _SOURCES[family](item, **kw)
-    found = _found(files, path)
+        source = _SOURCES[family]
+        # Files the source's own listing keeps that name no format here (JsonlSource's .json,
+        # often a metadata file): it would read them as samples.
+        extra = [f for f in files if _family_of(f) is None and f.endswith(source.SUFFIXES)]
+        if not extra:
+            return source(item, **kw)
+        data = Counter(posixpath.splitext(f)[1] for f in files if _family_of(f) == family)
+        glob = posixpath.join(item, "**", "*" + data.most_common(1)[0][0])
+        raise PlanError(
+            f"open_source: {item!r} mixes formats ({found}); {source.__name__} would read the "
+            f"{', '.join(sorted({posixpath.splitext(f)[1] for f in extra}))} files as data too: "
+            f"give a glob of the data files (e.g. {glob!r}), or {source.__name__}({item!r}) to "
+            "read them all"
+        )
     if not readable:
         raise PlanError(
             f"open_source: {item!r} holds no file of a readable format (found {found}); "

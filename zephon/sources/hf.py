@@ -9,8 +9,10 @@ stream as an ``ArrowSource`` over the same rows in Parquet, and resumes on a cop
 elsewhere, never on a dataset saved again with other rows.
 
 What it refuses, with a ValueError saying what to do: a dataset held in memory (no cache files:
-``save_to_disk`` then ``load_from_disk``), and one with an indices mapping (after ``select``,
-``shuffle``, ``filter``...: ``flatten_indices()`` writes the rows it selects).
+``save_to_disk`` then ``load_from_disk``), one with an indices mapping (after ``select``,
+``shuffle``, ``filter``...: ``flatten_indices()`` writes the rows it selects), and one whose
+columns were changed in memory only (``rename_columns``, ``add_column``: its cache files keep
+the old columns). Columns removed or selected in memory are simply not read.
 
 ``datasets`` is imported by the caller, never by this module: ``import zephon`` does not load it.
 """
@@ -47,7 +49,36 @@ def _cache_files(dataset: Any) -> list[str]:
             "HFDatasetSource: the dataset lives in memory and has no Arrow cache files; "
             "save_to_disk() it and load_from_disk() it again, or build it from files"
         )
+    changed = _changed_in_memory(getattr(dataset, "data", None))
+    if changed:
+        raise ValueError(
+            f"HFDatasetSource: the dataset's columns were changed in memory ({changed}), not in "
+            "its cache files, which keep the old ones; save_to_disk() it and load_from_disk() "
+            "it again (or make the change with map(), which writes new cache files)"
+        )
     return [os.fspath(f["filename"]) for f in files]
+
+
+#: Changes ``datasets`` makes to a memory-mapped table in memory (its ``replays``) that keep the
+#: values of its cache files' columns: the source reads ``column_names`` from the files, and the
+#: row count is checked against them (``HFDatasetSource.load_metadata``).
+_KEEPS_FILE_VALUES = frozenset({"replace_schema_metadata", "drop", "select", "slice"})
+
+
+def _changed_in_memory(table: Any) -> str:
+    """What of ``table`` (a dataset's ``data``) its cache files do not hold: the in-memory
+    operations that rename, add or recast its columns, ``"in memory"`` for blocks held in
+    memory (``add_column``, a concatenation with an in-memory dataset), or a concatenation of
+    columns (whose files each hold some); ``""`` when none."""
+    blocks = getattr(table, "blocks", None)
+    if blocks is not None:  # a ConcatenationTable: its blocks, row by row
+        if any(len(row) > 1 for row in blocks):  # each file holds some of the columns
+            return "concatenate_datasets(axis=1)"
+        return ", ".join(filter(None, (_changed_in_memory(b) for row in blocks for b in row)))
+    if type(table).__name__ == "InMemoryTable":
+        return "in memory"
+    names = [r[0] for r in getattr(table, "replays", None) or () if r]
+    return ", ".join(dict.fromkeys(n for n in names if n not in _KEEPS_FILE_VALUES))
 
 
 class HFDatasetSource(ArrowSource):

@@ -219,7 +219,11 @@ class LitDataSource(MDSSource):
         self, i: int, sample: memoryview, pointer: np.ndarray, idx: int
     ) -> dict[str, Any]:
         if self._level == "sample":
-            sample = memoryview(zstd_decompress(bytes(sample), lambda m: self.fetch_error(i, m)))
+
+            def error(message: str) -> FetchError:
+                return self.fetch_error(i, f"item {idx} {message}", pointer)
+
+            sample = memoryview(zstd_decompress(bytes(sample), error))
         plan = self._plan or self._make_plan()
         try:
             sizes = plan.sizes.unpack_from(sample, 0)

@@ -16,7 +16,8 @@ code the data chooses, so a pickled column is a ``PlanError`` otherwise (leave i
 ``columns=``). Image encodings (``pil``, ``jpeg``, ``png``...) are refused the same way.
 
 Identity. The stored file of every shard is digested once in ``BLOCK_BYTES`` blocks (cached in
-a ``.zsum`` sidecar keyed by its size and mtime); ``describe()`` carries, per shard, the sha256 of
+a ``.zsum`` sidecar keyed by its size, mtime and the store's version of it; never trusted when
+the store gives neither mtime nor version); ``describe()`` carries, per shard, the sha256 of
 those digests and of its index entry, so a rewritten shard or index changes the fingerprint.
 
 Reading. Only the samples asked for are read. A raw local shard is memory-mapped; a raw remote
@@ -43,9 +44,16 @@ import numpy as np
 
 from zephon.errors import FetchError, PlanError
 from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
-from zephon.sources.files import DigestTable, FileOptions, read_sidecar
+from zephon.sources.files import (
+    DigestTable,
+    FileOptions,
+    read_sidecar,
+    section_text,
+    text_section,
+)
 from zephon.sources.locations import DataFile, default_cache_dir
 from zephon.sources.mapped_files import ChangedFile, MappedFiles, map_bytes
+from zephon.sources.remote import is_transient
 from zephon.sources.shard_layouts import ShardLayoutSource
 
 if TYPE_CHECKING:
@@ -165,7 +173,7 @@ class MDSSource(ShardLayoutSource[_Shard]):
                 with locations.filesystem.open_input_stream(index_path) as fh:
                     return bytes(fh.read())
             except OSError as exc:
-                if not self.is_local and not isinstance(exc, FileNotFoundError):
+                if not self.is_local and is_transient(exc):
                     raise
                 raise FetchError(
                     f"{type(self).__name__} cannot read {locations.uri(index_path)!r}: "
@@ -182,19 +190,29 @@ class MDSSource(ShardLayoutSource[_Shard]):
         paths = [posixpath.join(root, n) for n in names]
 
         def stat(p: str) -> Any:
-            return locations.filesystem.get_file_info(p)
+            # One shard's metadata, retried on transient errors as the index's read is.
+            def once() -> Any:
+                try:
+                    return locations.filesystem.get_file_info(p)
+                except OSError as exc:
+                    if not self.is_local and is_transient(exc):
+                        raise
+                    raise FetchError(
+                        f"{name} cannot read {locations.uri(p)!r}: {type(exc).__name__}: {exc}"
+                    ) from exc
+
+            return self.with_retries(once, lambda: f"{name} reading {locations.uri(p)!r}")
 
         import pyarrow.fs as pafs
 
         infos = self.parallel(stat, paths)
         files = []
-        for name, p, info in zip(names, paths, infos, strict=True):
+        for stored, p, info in zip(names, paths, infos, strict=True):
             if info.type != pafs.FileType.File:
                 raise FetchError(
-                    f"{type(self).__name__}: shard {locations.uri(p)!r} listed in {index_path!r} "
-                    "is missing"
+                    f"{name}: shard {locations.uri(p)!r} listed in {index_path!r} is missing"
                 )
-            files.append(DataFile(p, locations.uri(p), name, int(info.size), info.mtime_ns))
+            files.append(DataFile(p, locations.uri(p), stored, int(info.size), info.mtime_ns))
         return locations.uri(root), files
 
     def index_entries(self, raw: bytes, index_uri: str) -> list[dict[str, Any]]:
@@ -347,19 +365,37 @@ class MDSSource(ShardLayoutSource[_Shard]):
         )
 
     def _stored_table(self, i: int) -> DigestTable:
+        # The sidecar stands for the file only when its size and mtime, or the store's version
+        # of the object, would show a rewrite (``cache_can_tell``); else the file is digested.
         f = self.files()[i]
         mtime = f.mtime_ns or 0
-        for where in self.sidecar_candidates(i, ".zsum"):
-            sections = read_sidecar(where, _SUM_TAG, f.size, mtime)
-            if sections is not None and len(sections) == 2 and len(sections[0]) == 1:
-                block = int(sections[0][0])
-                if block == self.BLOCK_BYTES and len(sections[1]) == -(-f.size // block):
-                    return regular_table(f.size, block, sections[1])
         with self.open_random(f.path) as fh:
+            version = self.object_version(i, fh)
+            if self.cache_can_tell(i, version):
+                for where in self.sidecar_candidates(i, ".zsum"):
+                    table = self._sidecar_table(where, f.size, mtime, version)
+                    if table is not None:
+                        return table
             table = block_table(fh, f.size, self.BLOCK_BYTES)
         meta = np.array([self.BLOCK_BYTES], dtype=np.int64)
-        self.store_sidecar(i, ".zsum", _SUM_TAG, f.size, mtime, [meta, table.digests])
+        sections = [meta, table.digests, text_section([version])]
+        self.store_sidecar(i, ".zsum", _SUM_TAG, f.size, mtime, sections)
         return table
+
+    def _sidecar_table(self, where: str, size: int, mtime: int, version: str) -> DigestTable | None:
+        # The block digests a ``.zsum`` holds for this size, mtime and version; None otherwise.
+        sections = read_sidecar(where, _SUM_TAG, size, mtime)
+        if sections is None or len(sections) != 3 or len(sections[0]) != 1:
+            return None
+        try:
+            if section_text(sections[2]) != [version]:
+                return None
+        except ValueError:
+            return None
+        block = int(sections[0][0])
+        if block != self.BLOCK_BYTES or len(sections[1]) != -(-size // block):
+            return None
+        return regular_table(size, block, sections[1])
 
     def _decompressed(self, i: int, stored: DigestTable, raw_size: int | None) -> str:
         # The raw shard, decompressed once into the cache and named after its compressed content
@@ -492,6 +528,7 @@ class MDSSource(ShardLayoutSource[_Shard]):
                     values[col.name] = _decode_value(col.encoding, sample[at : at + size])
                 except (
                     ValueError,
+                    IndexError,  # an array's dtype code or shape cut off
                     UnicodeDecodeError,
                     InvalidOperation,
                     pickle.UnpicklingError,

@@ -20,8 +20,10 @@ Identity. The first time a shard is seen, its files are read once in full and cu
 ``BLOCK_BYTES`` blocks, each with a content digest (``zephon.sources.files.DigestTable``); with
 ``eos_id`` the document ends are found in the same pass. They are cached in a ``.zsum`` sidecar
 (keyed, as every sidecar, by the listed file's size and mtime; for Megatron shards the ``.bin``'s
-size and mtime are checked too). ``describe()`` carries the sha256 of every shard's tables: a
-rewritten shard changes the fingerprint, whatever its name or place.
+size and mtime are checked too; remote, the store's version of the data file; a store that gives
+neither mtime nor version has its shards digested again by every new source). ``describe()``
+carries the sha256 of every shard's tables: a rewritten shard changes the fingerprint, whatever
+its name or place.
 
 Reading. A read touches only the documents it asks for. Local shards are memory-mapped (the
 mapping is kept between reads and dropped by ``drop_read_caches``; the file's size and mtime are
@@ -48,8 +50,16 @@ import numpy as np
 from zephon._core.tokens import document_views
 from zephon.errors import FetchError
 from zephon.sources.block_reads import ChangedBlock, block_table, read_spans, regular_table
-from zephon.sources.files import DigestTable, FileOptions, PathsArg, read_sidecar
+from zephon.sources.files import (
+    DigestTable,
+    FileOptions,
+    PathsArg,
+    read_sidecar,
+    section_text,
+    text_section,
+)
 from zephon.sources.mapped_files import ChangedFile, MappedFiles
+from zephon.sources.shard_cache import CachedShard
 from zephon.sources.shard_layouts import ShardLayoutSource
 from zephon.validation import check_int
 
@@ -253,11 +263,20 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
             if kind == "megatron":
                 with self.open_random(entry.path) as fh:
                     idx_blocks = block_table(fh, size, self.BLOCK_BYTES)
-            cached = self._cached_sums(i, kind, size, mtime_ns, (data_size, data_mtime))
-            if cached is not None:
-                blocks, ends = cached
-            else:
-                with self.open_random(data_path) as fh:
+            with self.open_random(data_path) as fh:
+                # The data file's own version (a Megatron shard's .bin, not its listed .idx).
+                version = (
+                    fh.version
+                    if isinstance(fh, CachedShard)
+                    else self._locations.version(data_path, fh)
+                )
+                cached = None
+                if version or entry.mtime_ns is not None:  # a rewrite would show
+                    data_stat = (data_size, data_mtime)
+                    cached = self._cached_sums(i, kind, size, mtime_ns, data_stat, version)
+                if cached is not None:
+                    blocks, ends = cached
+                else:
                     blocks, ends = self._scan(fh, kind, dtype, offset, data_size)
         except OSError as exc:
             raise self.os_error(exc, i) from exc
@@ -268,6 +287,7 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
                 np.array([self.BLOCK_BYTES, data_size, data_mtime, self._eos_key(kind)], np.int64),
                 blocks.digests,
                 ends,
+                text_section([version]),
             ]
             self.store_sidecar(i, ".zsum", _SUM_TAG, size, mtime_ns, sections)
         window = 0
@@ -342,7 +362,7 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
             bad = "its document indices are not increasing"
         elif (lengths < 0).any() or (pointers % item).any():
             bad = "a sequence length is negative or a pointer is not a whole token"
-        elif sequences and (pointers[0] < 0 or ends.max(initial=0) > data_size):
+        elif sequences and (pointers.min() < 0 or ends.max(initial=0) > data_size):
             bad = f"a sequence lies outside the .bin ({data_size} bytes)"
         else:
             inner = np.ones(sequences, dtype=bool)
@@ -432,13 +452,26 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
         return blocks, ends
 
     def _cached_sums(
-        self, i: int, kind: str, size: int, mtime_ns: int, data_stat: tuple[int, int]
+        self,
+        i: int,
+        kind: str,
+        size: int,
+        mtime_ns: int,
+        data_stat: tuple[int, int],
+        version: str,
     ) -> tuple[DigestTable, np.ndarray] | None:
+        # The digests and document ends a sidecar holds for the shard at this size and mtime
+        # (of its .bin too) and the store's ``version`` of its data file; None otherwise.
         for where in self.sidecar_candidates(i, ".zsum"):
             sections = read_sidecar(where, _SUM_TAG, size, mtime_ns)
-            if sections is None or len(sections) != 3 or len(sections[0]) != 4:
+            if sections is None or len(sections) != 4 or len(sections[0]) != 4:
                 continue
-            meta, digests, ends = sections
+            meta, digests, ends, said = sections
+            try:
+                if section_text(said) != [version]:
+                    continue
+            except ValueError:
+                continue
             block, data_size, data_mtime, eos = (int(v) for v in meta)
             if (block, eos) != (self.BLOCK_BYTES, self._eos_key(kind)):
                 continue
