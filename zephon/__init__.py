@@ -6,8 +6,10 @@ your model, and resume with ``pipeline.iter(state=...)``: the stream continues e
 
 # Before numpy loads (the compiled core loads it): a fork server's BLAS starts no threads.
 from zephon._fork_server_env import one_blas_thread_in_fork_server as _one_blas_thread
+from zephon._fork_server_env import quiet_fork_warnings_in_fork_server as _quiet_forks
 
 _one_blas_thread()
+_quiet_forks()
 
 from zephon._core import check_build as _check_build  # noqa: E402
 

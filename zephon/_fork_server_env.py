@@ -1,4 +1,5 @@
-"""One-threaded BLAS in a fork server, set before numpy loads.
+"""One-threaded BLAS in a fork server, set before numpy loads, and no warnings that a fork
+server's forks are unsafe.
 
 Worker processes are forked from a ``multiprocessing`` fork server that imports ``zephon`` (and
 with it numpy) before it forks any. OpenBLAS starts its thread pool when it loads, as large as
@@ -10,6 +11,11 @@ only the threads of its share. The server computes nothing itself, so nothing el
 The setting is made here, as ``zephon`` (the server's first preload) is imported: the server
 inherits the loader's environment, and changing the loader's to start it would race other threads.
 
+Some libraries warn before every fork of a process that imported them (Lance: "not fork-safe ...
+use spawn or forkserver"), for the threads their calls start. The server imports them for the
+workers and calls nothing, so it forks from no such thread: the warning is silenced there
+(``quiet_fork_warnings_in_fork_server``). A worker inherits the filter; it forks nothing itself.
+
 Only in a process started with ``multiprocessing``'s fork server command line (the server, and a
 process forked from it that imports ``zephon`` first), and only for variables the environment
 does not set. A process forked from the server inherits them; a zephon worker sets its own.
@@ -19,11 +25,16 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import MutableMapping, Sequence
 
 #: The variables that size a BLAS library's pool when it loads: OpenBLAS's (MKL sizes its pool
 #: at its first call, in the worker, from the worker's own ``MKL_NUM_THREADS``).
 BLAS_VARIABLES = ("OPENBLAS_NUM_THREADS",)
+
+#: Warnings of modules that warn before every fork of a process that imported them (the module,
+#: the start of the message): a fork server imports them and runs none of their code.
+FORK_WARNINGS = (("lance", "lance is not fork-safe"),)
 
 #: How ``multiprocessing`` starts its fork server: ``python -c`` with this command.
 _SERVER_COMMAND = "from multiprocessing.forkserver import main;"
@@ -47,3 +58,12 @@ def one_blas_thread_in_fork_server(
     for name in unset:
         environ[name] = "1"
     return unset
+
+
+def quiet_fork_warnings_in_fork_server(argv: Sequence[str] | None = None) -> bool:
+    """In a fork server, ignore ``FORK_WARNINGS``; whether this process is one."""
+    if not is_fork_server(argv):
+        return False
+    for module, message in FORK_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, module=module)
+    return True

@@ -197,3 +197,22 @@ def test_a_bucket_dataset_resumes_exactly(tmp_path, bucket):
     uri = write(f"s3://{bucket.name}/written.lance", storage_options={"allow_http": "true"})
     assert delivered(list(pipeline(uri))) == Counter(range(N))
     assert_resumes_exactly(partial(pipeline, uri), lambda n: (6,))
+
+
+def test_process_lanes_start_without_lances_fork_warning(tmp_path):
+    # Lance warns before every fork of a process that imported it; the fork server imports it
+    # for the workers but never runs it (it forks from no Lance thread), so the warning, which
+    # says to use a fork server, would only alarm. A fresh interpreter: its fork server is new.
+    root = write(tmp_path / "ds.lance")
+    code = (
+        "import zephon\n"
+        "from zephon.ops import batch, fetch\n"
+        "from zephon.sources import LanceSource\n"
+        f"pipeline = zephon.Pipeline(LanceSource({root!r}), [fetch(), batch(8)], lanes=2,"
+        " workers='process')\n"
+        "with pipeline.iter() as loader:\n"
+        "    print(sum(len(b.payload['idx']) for b in loader))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == [str(N)]
+    assert "fork-safe" not in done.stderr
