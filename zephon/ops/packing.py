@@ -367,6 +367,11 @@ class _Packer(Operator):
                     self, rec, TypeError(f"field {self.field!r} holds {arr.dtype}, not token ids")
                 )
             else:
+                lo, hi = int(arr.min()), int(arr.max())
+                if lo < -(2**31) or hi >= 2**31:  # a cast would wrap them into other ids
+                    raise record_error(
+                        self, rec, ValueError(f"field {self.field!r} holds {lo}..{hi}, not int32")
+                    )
                 arr = arr.astype(np.int32)
         if arr.ndim != 1:
             raise record_error(
