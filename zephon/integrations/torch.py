@@ -135,13 +135,14 @@ class ZephonIterableDataset(IterableDataset[Any]):
 
     def _end_agreement(self, loader: Loader) -> _EndTogether | None:
         """How this rank ends together with the others, or None: when ``end_together`` is on,
-        or left to decide (None) on a job of several ranks whose pipeline cannot end them at
+        or left to decide (None) on a job of several ranks whose loader cannot end them at
         the same global step by itself (its item counts are unknown: ``uneven_end='allow'``
-        by default)."""
+        by default, or a re-laned job's lanes running to their ends) and was not told
+        ``uneven_end='allow'``."""
         plan = loader.plan
         wanted = self.end_together
         if wanted is None:
-            wanted = self.pipeline.uneven_end is None and plan.uneven_end == "allow"
+            wanted = self.pipeline.uneven_end != "allow" and not loader.ends_evenly
         if not wanted or plan.world_size == 1:
             return None
         if self._together is None:
