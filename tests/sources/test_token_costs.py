@@ -276,3 +276,15 @@ def test_a_tokenizer_with_padding_enabled_is_calibrated_on_its_real_tokens() -> 
     padded = long_and_short(by="tokens", tokenizer=bpe).token_costs()
     assert padded == plain
     assert plain["short"].tokens_per_byte == Fraction(1, 2)  # one token per two-byte "é"
+
+
+def test_a_tokenizer_with_truncation_enabled_is_refused_naming_the_component() -> None:
+    # Its calibration would count each text cut at max_length, a cost tokenize never makes
+    # (tokenize refuses such a tokenizer until no_truncation()).
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "é": 1}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("é", "isolated")
+    tok.enable_truncation(max_length=16)
+    with pytest.raises(PlanError, match=r"component 'long'.*truncation.*no_truncation\(\)"):
+        long_and_short(by="tokens", tokenizer=tok)
+    tok.no_truncation()
+    assert long_and_short(by="tokens", tokenizer=tok).token_costs()["long"].tokens_per_byte == 0.5

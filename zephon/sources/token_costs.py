@@ -144,7 +144,16 @@ def _calibration_tokens(
 ) -> int:
     """Tokens in ``texts``, the samples of component ``name`` at ``indices``. An exception of the
     tokenizer is a PlanError naming the component and, when one text alone fails, its sample and
-    file, chained to the tokenizer's error."""
+    file, chained to the tokenizer's error; so is a Hugging Face tokenizer with truncation
+    enabled, whose counts would stop at its ``max_length`` (``tokenize`` refuses it too)."""
+    if getattr(tokenizer, "truncation", None) is not None and callable(
+        getattr(tokenizer, "no_truncation", None)
+    ):
+        raise PlanError(
+            f"MixtureSource(by='tokens'): the tokenizer calibrating component {name!r} has "
+            "truncation enabled, so its counts would stop at its max_length; call "
+            "tokenizer.no_truncation() first (tokenize refuses it as well)"
+        )
     encode = _encoder(tokenizer)
     try:
         encoded = encode(texts)
