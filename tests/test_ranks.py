@@ -74,6 +74,23 @@ def test_environment_variables_that_are_not_integers_are_a_plan_error(monkeypatc
         resolve_rank(None, None)
 
 
+def test_half_the_position_given_is_completed_only_by_a_world_that_agrees(monkeypatch):
+    # Under torchrun with a 2 x 2 (data x tensor parallel) mesh, global rank 1 is data-parallel
+    # rank 0 of 2. Passing only that rank must not take the world size (4) of the whole job:
+    # its ranks would run half the lanes and nobody the rest.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolve_rank(1, None) == (1, 4)  # the same world: the other half is known
+    assert resolve_rank(None, 4) == (1, 4)
+    with pytest.raises(PlanError, match=r"rank=0 .* RANK/WORLD_SIZE .* rank 1 of 4.*world_size="):
+        resolve_rank(0, None)
+    with pytest.raises(PlanError, match=r"world_size=2 .* RANK/WORLD_SIZE .* rank 1 of 4.*rank="):
+        resolve_rank(None, 2)
+    fake_jax(monkeypatch, count=8, index=5)
+    with pytest.raises(PlanError, match=r"jax .* rank 5 of 8"):
+        resolve_rank(2, None)
+
+
 def test_a_rank_outside_the_world_is_a_plan_error():
     with pytest.raises(PlanError, match=r"rank=3, world_size=3"):
         resolve_rank(3, 3)

@@ -33,10 +33,17 @@ _PASS_IT = "pass rank= and world_size= to zephon.Pipeline"
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """``(rank, world_size)``: the arguments, else the first framework or environment that
-    knows, else ``(0, 1)``. Raises ``PlanError`` unless ``0 <= rank < world_size``."""
+    knows, else ``(0, 1)``. One argument given is completed only by a framework whose position
+    agrees with it: a given data-parallel rank with the job's whole world size (or the other way
+    round) would leave lanes that no rank runs, so that is a ``PlanError`` naming both. Raises
+    ``PlanError`` unless ``0 <= rank < world_size``."""
     if rank is None or world_size is None:
-        found = rank_from_torch() or rank_from_jax() or rank_from_env()
+        where, found = _found_rank()
         r, w = found if found else (0, 1)
+        if found and rank is not None and rank != r:
+            raise _other_world(f"rank={rank}", where, r, w, "world_size=")
+        if found and world_size is not None and world_size != w:
+            raise _other_world(f"world_size={world_size}", where, r, w, "rank=")
         rank = r if rank is None else rank
         world_size = w if world_size is None else world_size
     if world_size < 1 or not 0 <= rank < world_size:
@@ -44,6 +51,27 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
             f"rank must be in [0, world_size): got rank={rank}, world_size={world_size}"
         )
     return rank, world_size
+
+
+def _found_rank() -> tuple[str, tuple[int, int] | None]:
+    """The first framework or environment that knows this process's position, and its answer."""
+    for where, ask in (
+        ("the torch.distributed process group", rank_from_torch),
+        ("the jax runtime", rank_from_jax),
+        ("the RANK/WORLD_SIZE environment variables", rank_from_env),
+    ):
+        found = ask()
+        if found:
+            return where, found
+    return "", None
+
+
+def _other_world(given: str, where: str, r: int, w: int, missing: str) -> PlanError:
+    return PlanError(
+        f"{given} was given, but by {where} this process is rank {r} of {w}, another world "
+        f"(a data-parallel position inside a larger job?): pass {missing} too (both from "
+        "zephon.ranks.from_device_mesh under tensor or pipeline parallelism)"
+    )
 
 
 def rank_from_torch() -> tuple[int, int] | None:

@@ -384,3 +384,20 @@ def test_the_documented_arguments_do_not_warn():
         as_torch_dataset(pipeline()), batch_size=None, num_workers=0
     )
     assert len(list(loader)) == 24
+
+
+def keep_two_of_three(payload: dict) -> bool:
+    return payload["idx"] % 3 != 0
+
+
+def test_ending_ranks_together_without_a_process_group_says_what_to_do():
+    # rank 0 of 2 given by hand (another launcher), a plan whose item counts are unknown: the
+    # dataset would end its ranks together over torch.distributed, which is not initialized.
+    from zephon.integrations.torch import as_torch_dataset
+
+    ops = [fetch(), zephon.ops.filter_records(keep_two_of_three), batch(4)]
+    pipeline = zephon.Pipeline(RangeSource(100), ops, lanes=2, rank=0, world_size=2)
+    with pytest.raises(zephon.ZephonError, match=r"init_process_group.*end_together=False"):
+        next(iter(as_torch_dataset(pipeline)))
+    alone = as_torch_dataset(pipeline, end_together=False)
+    assert sum(1 for _ in alone) == len(list(pipeline)) > 0

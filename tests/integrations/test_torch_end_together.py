@@ -83,3 +83,63 @@ def test_ranks_with_unequal_data_stop_at_the_same_step(tmp_path: Path) -> None:
     # (NCCL) or fails when the other rank leaves (gloo notices the closed connection).
     alone = _run(script, "off", timeout=30)
     assert alone is None or sorted(code for code, _, _ in alone) != [0, 0]
+
+
+RELANED = textwrap.dedent("""
+    import json, sys, warnings
+    warnings.simplefilter("ignore")
+    sys.path.insert(0, {tests!r})
+    import torch.distributed as dist
+    from zephon.integrations.torch import as_torch_dataset
+    from integrations.test_torch_end_together import indexable
+
+    url, rank, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=2)
+    dataset = as_torch_dataset(indexable(lanes=2))
+    with open(path) as f:
+        dataset.load_state_dict(json.load(f))
+    steps = 0
+    for batch in dataset:
+        dist.barrier()
+        steps += 1
+    print(json.dumps({{"steps": steps, "dropped": dataset.stats()["dropped_at_end"]}}))
+    dist.destroy_process_group()
+""").format(tests=TESTS)
+
+
+def indexable(lanes: int, **kw):
+    """A plan whose item counts are known (1 -> 1): its ranks end together by themselves
+    (``uneven_end="carry"``), unless the job was re-laned."""
+    import zephon
+    from zephon.ops import batch, fetch
+    from zephon.sources import RangeSource
+
+    return zephon.Pipeline(RangeSource(203, chunk_size=8), [fetch(), batch(3)], lanes=lanes, **kw)
+
+
+def test_ranks_resuming_a_relaned_job_stop_at_the_same_step(tmp_path: Path) -> None:
+    import warnings
+
+    import zephon
+
+    loader = indexable(lanes=4, rank=0, world_size=1).iter()
+    for _ in range(8):
+        next(loader)
+    state = loader.state_dict()
+    loader.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zephon.RelaneWarning)
+        counts = [
+            sum(1 for _ in indexable(lanes=2, rank=r, world_size=2).iter(state=state))
+            for r in range(2)
+        ]
+    assert counts[0] != counts[1]  # after the re-laning the lanes run to their own ends
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    script = tmp_path / "rank.py"
+    script.write_text(RELANED)
+    finished = _run(script, str(tmp_path / "state.json"), timeout=120)
+    assert finished is not None, "the ranks did not finish"
+    assert [code for code, _, _ in finished] == [0, 0], [err[-3000:] for _, _, err in finished]
+    ranks = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in finished]
+    assert [r["steps"] for r in ranks] == [min(counts)] * 2
+    assert sum(r["dropped"] for r in ranks) == max(counts) - min(counts)

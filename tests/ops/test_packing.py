@@ -246,6 +246,19 @@ def test_a_missing_field_names_the_record():
         pack_sequences(4, field="ids", pad_id=0).process_many([rec])
 
 
+@pytest.mark.parametrize(
+    "tokens",
+    [np.array([1, 2**31 + 5], np.int64), [1, -(2**31) - 1], np.array([7, 2**32 - 1], np.uint32)],
+    ids=["int64", "list", "uint32"],
+)
+@pytest.mark.parametrize("packer", [pack_sequences(4, pad_id=0), pack_flat(4, pad_id=0)])
+def test_token_ids_outside_int32_name_the_record_instead_of_wrapping(packer, tokens):
+    rec = token_records([2])[0]
+    rec = SampleRecord(rec.meta, {**rec.payload, "tokens": tokens})
+    with pytest.raises(zephon.OperatorError, match=r"SampleCursor\(0, 0.*'tokens' holds .*int32"):
+        run(packer, [rec])
+
+
 def test_bins_never_cross_a_flush_and_a_packer_with_open_bins_cannot_be_copied():
     op = pack_sequences(8, pad_id=0)
     op.start_epoch(0, 0)

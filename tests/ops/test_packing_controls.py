@@ -83,6 +83,34 @@ def test_no_row_holds_more_than_max_segments(lengths, seq_len, cap, strategy, cu
     assert_every_input_recovered_once(lengths, out)
 
 
+@pytest.mark.parametrize("strategy", ["best_fit", "first_fit"])
+def test_a_cut_to_fill_flush_keeps_the_cap_on_sequences(strategy):
+    # Four open bins of one 6-token sequence each: laying them out again at the epoch's end
+    # must not put a whole one, the tail of a cut one and another head in one row.
+    lengths = [6, 6, 6, 6]
+    op = pack_sequences(
+        10, open_bins=4, strategy=strategy, pad_id=0, max_segments=2, cut_to_fill=True
+    )
+    out = run(op, token_records(lengths))
+    assert [int(rec.payload["segment_ids"].max()) for rec in out] == [2, 2, 1]
+    assert_every_input_recovered_once(lengths, out)
+
+
+@settings(max_examples=60)
+@given(
+    lengths=st.lists(st.integers(4, 9), max_size=30),
+    cap=st.integers(2, 3),
+    open_bins=st.integers(3, 6),
+)
+def test_no_row_of_a_cut_to_fill_flush_holds_more_than_max_segments(lengths, cap, open_bins):
+    # Rows of 10: sequences over half a row keep to bins of their own, and the flush lays
+    # those bins out again.
+    op = pack_sequences(10, open_bins=open_bins, pad_id=0, max_segments=cap, cut_to_fill=True)
+    out = run(op, token_records(lengths), micro=4, flush_every=9)
+    assert all(int(rec.payload["segment_ids"].max(initial=0)) <= cap for rec in out)
+    assert_every_input_recovered_once(lengths, out)
+
+
 @settings(max_examples=60)
 @given(lengths=st.lists(st.integers(0, 50), max_size=40), seq_len=st.integers(1, 24))
 def test_wrap_fills_every_row_but_the_last(lengths, seq_len):

@@ -288,6 +288,24 @@ def test_a_tokenizer_that_pads_its_batches_is_refused():
     assert (tokenize(tok).eos_id, tokenize(tok).pad_id) == (1, 2)
 
 
+def test_a_tokenizer_that_truncates_is_refused():
+    # A tokenizer.json saved with truncation (common for encoders) would cut every document at
+    # its max_length, silently, even with split_long_samples=True.
+    tok = bpe_tokenizer(("<unk>", "</s>"))
+    tok.enable_truncation(max_length=2)
+    assert len(tok.encode("the quick brown fox").ids) == 2
+    with pytest.raises(PlanError, match=r"truncation enabled.*no_truncation\(\).*max_len="):
+        tokenize(tok, max_len=4, split_long_samples=True)
+    tok.no_truncation()
+    tokens = tokenize(tok, max_len=4, split_long_samples=True).process_many(
+        text_records(["the quick brown fox"])
+    )
+    assert (
+        sum(len(r.payload["tokens"]) for r in tokens)
+        == len(tok.encode("the quick brown fox").ids) + 1
+    )
+
+
 def test_the_chosen_eos_and_pad_are_named_in_the_plan_description():
     tok = bpe_tokenizer(("<unk>", "</s>", "<pad>"))
     plan = zephon.Pipeline(ListSource([{"text": "the dog"}]), [fetch(), tokenize(tok)]).compile()

@@ -22,6 +22,7 @@ from chat_kit import BOS, EOT, HEADERS, OURS, chat_records, fast_tokenizer, visi
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pipeline_kit import assert_resumes_at, run
+from tokenizers import Tokenizer
 
 import zephon
 from zephon.errors import OperatorError, PlanError, RelaneWarning
@@ -241,6 +242,13 @@ def test_images_and_their_items_must_agree_and_the_image_id_is_never_guessed() -
         tokenize_chat(vision_bpe(), template=OURS, max_len=64, **image_kw())
     with pytest.raises(ValueError, match=r"patch_size= .* or image_tokens="):
         tokenize_interleaved(vision_bpe(), image_token_id=tid(IMAGE))
+
+
+def test_a_tokenizer_that_truncates_is_refused_for_interleaved_documents() -> None:
+    tok = Tokenizer.from_str(vision_bpe().to_str())  # a copy: vision_bpe() is shared
+    tok.enable_truncation(max_length=8)
+    with pytest.raises(PlanError, match=r"tokenize_interleaved: .*truncation enabled"):
+        tokenize_interleaved(tok, eos_id=tid(EOT), **image_kw())
 
 
 # ------------------------------------------------------------------------------- packing

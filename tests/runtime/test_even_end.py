@@ -164,3 +164,22 @@ def test_ranks_still_end_together_after_samples_are_retired_from_some_lanes(pass
         loader.close()
     tail = [list(pipeline(passes, rank=r, world_size=2).iter(state=later)) for r in range(2)]
     assert len(tail[0]) == len(tail[1]) == len(rest[0]) - 2
+
+
+def test_a_loader_says_whether_it_ends_its_ranks_together_by_itself():
+    def make(lanes: int, **kw: Any) -> zephon.Pipeline:
+        source = RangeSource(100, chunk_size=10)
+        return zephon.Pipeline(source, [fetch(), batch(3)], lanes=lanes, **kw)
+
+    carried = make(4, rank=0, world_size=2).iter()
+    assert carried.ends_evenly
+    allowed = make(4, rank=0, world_size=2, uneven_end="allow").iter()
+    assert not allowed.ends_evenly
+    one = make(4, rank=0, world_size=1).iter()
+    for _ in range(3):
+        next(one)
+    with pytest.warns(zephon.RelaneWarning):
+        relaned = make(2, rank=0, world_size=2).iter(state=one.state_dict())
+    assert not relaned.ends_evenly  # the re-laned lanes run to their ends
+    for loader in (carried, allowed, one, relaned):
+        loader.close()

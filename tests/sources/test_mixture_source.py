@@ -449,3 +449,38 @@ def test_a_pipeline_resumes_exactly_around_the_point_a_component_runs_out(policy
     )
     # a runs out after about 120 samples: 40 batches over both lanes
     check_resume(pipeline, steps=[0, 17, 18, 19, 20, 21, 22, 35, 41, 60])
+
+
+class Unlisted(RangeSource):
+    """A component that refuses to list its samples: only its size may be asked."""
+
+    def samples(self, pass_idx: int, start: int, stop: int) -> np.ndarray:
+        raise AssertionError(f"samples({pass_idx}, {start}, {stop}) was asked for")
+
+
+@pytest.mark.parametrize("policy", ["stop", "redistribute", "repeat"])
+def test_chunk_lengths_follow_from_the_layout_alone(policy):
+    # Every rank of a job ending its ranks together asks for the length of every chunk of the
+    # mixture when its loader starts: the answer must not build them.
+    sizes = {"a": 37, "b": 90, "c": 0}
+    weights = {"a": 1, "b": 2, "c": 0}
+
+    def mixture(kind: type[RangeSource]) -> MixtureSource:
+        comps = {n: kind(size, dataset_id=i) for i, (n, size) in enumerate(sizes.items())}
+        return MixtureSource(comps, weights, chunk_size=8, on_exhausted=policy)
+
+    total = mixture(RangeSource).num_chunks()
+    assert total is not None
+    lengths = mixture(Unlisted).chunk_lengths(np.arange(total, dtype=np.int64))
+    assert lengths.dtype == np.int64
+    assert lengths.tolist() == [len(mixture(RangeSource).chunk(p)) for p in range(total)]
+    with pytest.raises(IndexError, match="past the end"):
+        mixture(Unlisted).chunk_lengths(np.array([total]))
+
+
+@given(mix=finite_mixtures("redistribute"))
+def test_chunk_lengths_equal_the_chunks_of_a_redistributed_mixture(mix):
+    total = mix.num_chunks()
+    assert total is not None
+    lengths = mix.chunk_lengths(np.arange(total, dtype=np.int64)).tolist()
+    assert lengths == [len(mix.chunk(p)) for p in range(total)]

@@ -264,3 +264,27 @@ def test_a_calibrated_estimate_is_identical_across_processes_and_thread_counts(
     assert json.loads(results.pop()) == json.loads(
         json.dumps(here.describe()["token_costs"], sort_keys=True)
     )
+
+
+def test_a_tokenizer_with_padding_enabled_is_calibrated_on_its_real_tokens() -> None:
+    # tokenize refuses such a tokenizer (no_padding() first); the source, built before that,
+    # must not count the padding each calibration batch gets up to its longest text.
+    bpe = Tokenizer(models.WordLevel({"<pad>": 0, "é": 1}, unk_token="<pad>"))
+    bpe.pre_tokenizer = pre_tokenizers.Split("é", "isolated")
+    plain = long_and_short(by="tokens", tokenizer=bpe).token_costs()
+    bpe.enable_padding(pad_id=0, pad_token="<pad>")
+    padded = long_and_short(by="tokens", tokenizer=bpe).token_costs()
+    assert padded == plain
+    assert plain["short"].tokens_per_byte == Fraction(1, 2)  # one token per two-byte "é"
+
+
+def test_a_tokenizer_with_truncation_enabled_is_refused_naming_the_component() -> None:
+    # Its calibration would count each text cut at max_length, a cost tokenize never makes
+    # (tokenize refuses such a tokenizer until no_truncation()).
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "é": 1}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("é", "isolated")
+    tok.enable_truncation(max_length=16)
+    with pytest.raises(PlanError, match=r"component 'long'.*truncation.*no_truncation\(\)"):
+        long_and_short(by="tokens", tokenizer=tok)
+    tok.no_truncation()
+    assert long_and_short(by="tokens", tokenizer=tok).token_costs()["long"].tokens_per_byte == 0.5

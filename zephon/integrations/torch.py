@@ -122,7 +122,11 @@ class ZephonIterableDataset(IterableDataset[Any]):
         return self._generate(loader)
 
     def _generate(self, loader: Loader) -> Iterator[Any]:
-        together = self._end_agreement(loader)
+        try:
+            together = self._end_agreement(loader)
+        except BaseException:
+            self._retire(loader)  # its lanes stop; the state stays where it was
+            raise
         items = loader if together is None else loader.end_together(together.least)
         try:
             for item in items:
@@ -135,16 +139,28 @@ class ZephonIterableDataset(IterableDataset[Any]):
 
     def _end_agreement(self, loader: Loader) -> _EndTogether | None:
         """How this rank ends together with the others, or None: when ``end_together`` is on,
-        or left to decide (None) on a job of several ranks whose pipeline cannot end them at
+        or left to decide (None) on a job of several ranks whose loader cannot end them at
         the same global step by itself (its item counts are unknown: ``uneven_end='allow'``
-        by default)."""
+        by default, or a re-laned job's lanes running to their ends) and was not told
+        ``uneven_end='allow'``."""
         plan = loader.plan
         wanted = self.end_together
         if wanted is None:
-            wanted = self.pipeline.uneven_end is None and plan.uneven_end == "allow"
+            wanted = self.pipeline.uneven_end != "allow" and not loader.ends_evenly
         if not wanted or plan.world_size == 1:
             return None
         if self._together is None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ZephonError(
+                    f"as_torch_dataset: rank {plan.rank} of {plan.world_size} must end together "
+                    "with the other ranks (its pipeline cannot end them at the same global step "
+                    "by itself), which takes an all-reduce over torch.distributed, and no "
+                    "process group is initialized: call dist.init_process_group first, or pass "
+                    "as_torch_dataset(..., end_together=False) and end the ranks yourself "
+                    "(loader.end_together with your own all-reduce)"
+                )
             self._together = _EndTogether()
         return self._together
 

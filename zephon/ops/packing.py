@@ -140,23 +140,30 @@ def _count_spread(
 
 
 def _consolidated(
-    rows: np.ndarray, seq_len: int, head_of: Callable[[int, int, int], int] | None = None
+    rows: np.ndarray,
+    seq_len: int,
+    head_of: Callable[[int, int, int], int] | None = None,
+    max_segments: int | None = None,
 ) -> np.ndarray:
     """New placement rows for the fragments of ``rows`` (``BinFill.contents()`` rows: item,
     frag_start, frag_len, bin_id, bin_offset) in as few bins as their tokens need: each bin
     takes the largest fragment that fits until none does, then the head of the smallest one
     that does not fills its rest (one cut per bin; the tail goes back to be placed). Every bin
-    is full but the last. Ties keep the fragments' order in ``rows``, so the result depends on
-    the held bins alone. ``head_of(item, start, room)``: the longest head of at most ``room``
-    tokens that may be cut from a fragment (0: none; the next smallest is tried, and when no
-    fragment can be cut the bin leaves with its room)."""
+    is full but the last, unless ``max_segments`` ends it first: no bin takes more fragments
+    than that, as no bin of the kernel does. Ties keep the fragments' order in ``rows``, so the
+    result depends on the held bins alone. ``head_of(item, start, room)``: the longest head of
+    at most ``room`` tokens that may be cut from a fragment (0: none; the next smallest is
+    tried, and when no fragment can be cut the bin leaves with its room)."""
     pool = sorted((int(size), k, int(item), int(start)) for k, (item, start, size, _, _) in
                   enumerate(rows.tolist()))  # fmt: skip
     out: list[tuple[int, int, int, int, int]] = []
+    cap = len(rows) if max_segments is None else max_segments
     bin_id = 0
     while pool:
         room = seq_len
-        while pool and (room or not pool[0][0]):  # empty fragments join a full bin
+        held = 0
+        # empty fragments join a full bin
+        while pool and held < cap and (room or not pool[0][0]):
             at = bisect.bisect_right(pool, (room, len(rows)))  # fragments that fit: pool[:at]
             if at:
                 size, _, item, start = pool.pop(at - 1)
@@ -172,6 +179,7 @@ def _consolidated(
                 size = head
             out.append((item, start, size, bin_id, seq_len - room))
             room -= size
+            held += 1
         bin_id += 1
     return np.array(out, dtype=np.int64).reshape(-1, 5)
 
@@ -359,6 +367,11 @@ class _Packer(Operator):
                     self, rec, TypeError(f"field {self.field!r} holds {arr.dtype}, not token ids")
                 )
             else:
+                lo, hi = int(arr.min()), int(arr.max())
+                if lo < -(2**31) or hi >= 2**31:  # a cast would wrap them into other ids
+                    raise record_error(
+                        self, rec, ValueError(f"field {self.field!r} holds {lo}..{hi}, not int32")
+                    )
                 arr = arr.astype(np.int32)
         if arr.ndim != 1:
             raise record_error(
@@ -809,7 +822,7 @@ class PackSequences(_Packer):
             def head_of(item: int, start: int, room: int) -> int:
                 return _head_outside(spans[item], start, room)
 
-        rows = _consolidated(rows, self.seq_len, head_of)
+        rows = _consolidated(rows, self.seq_len, head_of, self.max_segments)
         fill.clear()
         fill.write(rows, arrays, items, sides)
         return np.arange(rows[-1, 3] + 1, dtype=np.int64)  # _consolidated numbers bins 0, 1, ...

@@ -245,6 +245,21 @@ def _refuse_batch_padding(tokenizer: Any) -> None:
     )
 
 
+def _refuse_truncation(tokenizer: Any, owner: str, instead: str) -> None:
+    """A Hugging Face tokenizer with truncation enabled (as many saved ``tokenizer.json`` files
+    of encoders are) cuts every text at its ``max_length`` and drops the rest: refused, since
+    the documents would lose their tails silently. ``instead`` says what cuts them openly."""
+    truncation = getattr(tokenizer, "truncation", None) if _is_hf_tokenizer(tokenizer) else None
+    if truncation is None:
+        return
+    length = truncation.get("max_length") if isinstance(truncation, dict) else None
+    at = f" at {length} tokens" if length is not None else ""
+    raise PlanError(
+        f"{owner}: the tokenizer has truncation enabled, so every text would be cut{at} and "
+        f"the rest dropped silently. Call tokenizer.no_truncation() first; {instead}"
+    )
+
+
 def _no_eos_error(tokenizer: Any) -> PlanError:
     if _is_hf_tokenizer(tokenizer):
         looked = f"its post-processor and the tokens {', '.join(EOS_TOKENS)}"
@@ -395,6 +410,11 @@ class Tokenize(Operator):
         self.append_eos = bool(append_eos)
         self._mode = _encoder_mode(tokenizer)
         _refuse_batch_padding(tokenizer)
+        _refuse_truncation(
+            tokenizer,
+            "tokenize",
+            "max_len= cuts documents (with split_long_samples=True, keeping the rest)",
+        )
 
         eos = find_eos(tokenizer, eos_id) if self.append_eos else None
         if self.append_eos and eos is None:

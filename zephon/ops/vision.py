@@ -36,6 +36,7 @@ from zephon.ops.tokenize import (
     ByteTokenizer,
     Tokenize,
     _refuse_batch_padding,
+    _refuse_truncation,
     backend_digest,
     find_eos,
     find_pad,
@@ -315,6 +316,7 @@ class TokenizeInterleaved(Operator):
         self.mask_field = mask_field
         self.append_eos = bool(append_eos)
         _refuse_batch_padding(tokenizer)
+        _refuse_truncation(tokenizer, self.name, "the packer cuts what is longer than a row")
         # Text items are encoded without the tokenizer's own special tokens (a BOS or EOS per
         # item would land between a text and its image); other tokenizers through tokenize's.
         self._plain = all(

@@ -111,11 +111,12 @@ class Loader(LoaderStep):
     def _end_evenly(self) -> None:
         """With ``uneven_end="carry"``, every lane stops at the job's shortest lane's items, so
         every rank delivers the same global steps (``runtime.even_end``); a re-laned job's lanes
-        run to their ends."""
+        run to their ends (``ends_evenly``)."""
         sets = self.retired.sets
         retired = RetiredIds(np.concatenate([r.ids.rows for r in sets])) if sets else None
         carry = self.plan.uneven_end == "carry"
         items = lane_items(self.plan, self.layout, retired) if carry else None
+        self._ends_evenly = carry and (items is not None or self.plan.source.total_chunks() is None)
         steps = min(items) if items else NO_LIMIT
         for lane in self.lanes:
             lane.limit = steps
@@ -127,6 +128,14 @@ class Loader(LoaderStep):
                 steps,
                 sum(items) - steps * len(items),
             )
+
+    @property
+    def ends_evenly(self) -> bool:
+        """Whether this loader ends its rank at the same global step as the job's other ranks by
+        itself: ``uneven_end="carry"`` with every lane's item count known (not after a
+        re-laning, whose lanes run to their ends), or a stream without end. When False on a job
+        of several ranks, end them with ``end_together``."""
+        return self._ends_evenly
 
     # ----------------------------------------------------------------------------- iteration
     def __iter__(self) -> Loader:

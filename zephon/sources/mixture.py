@@ -459,6 +459,25 @@ class MixtureSource(WorkSource):
         last = self._phases[-1]
         return None if last.chunks is None else last.first_chunk + last.chunks
 
+    def chunk_lengths(self, positions: np.ndarray) -> np.ndarray:
+        """``len(chunk(p).pointers)`` for each position, from the phases alone (no chunk is
+        built, no component asked): every chunk is full but the last of each phase, the one in
+        which a component runs out (or the mixture ends)."""
+        p = np.asarray(positions, dtype=np.int64)
+        if p.size and int(p.min()) < 0:
+            raise ValueError(f"{self!r}: chunk position {int(p.min())} is negative")
+        total = self.total_chunks()
+        if total is not None and p.size and int(p.max()) >= total:
+            raise IndexError(
+                f"{self!r}: chunk position {int(p.max())} is past the end ({total} chunks)"
+            )
+        out = np.full(p.shape, self.chunk_size, dtype=np.int64)
+        for phase in self._phases:
+            if phase.chunks is not None and phase.samples is not None and phase.chunks:
+                last = phase.first_chunk + phase.chunks - 1
+                out[p == last] = phase.samples - (phase.chunks - 1) * self.chunk_size
+        return out
+
     def component_counts(self, slots: int) -> dict[str, int]:
         """How many samples of each component the first ``slots`` mixture samples hold (equal to
         counting them in the chunks, in O(chunk))."""

@@ -99,7 +99,9 @@ def estimate_indices(name: str, n: int, size: int) -> np.ndarray:
 def count_tokens(tokenizer: Any, texts: list[str]) -> list[int]:
     """Tokens per text as the tokenizer encodes them: ``encode_batch`` (Hugging Face
     ``tokenizers``, ``ByteTokenizer``), else ``encode`` (``transformers``), else the tokenizer
-    called on each text; a result's ``.ids`` when it has them, else the result itself."""
+    called on each text; a result's ``.ids`` when it has them, else the result itself. Padding
+    (where a Hugging Face ``Encoding``'s attention mask is 0) is not counted: ``tokenize``
+    never delivers it."""
     return _token_counts(_encoder(tokenizer)(texts), len(texts))
 
 
@@ -123,7 +125,18 @@ def _token_counts(encoded: Sequence[Any], n: int) -> list[int]:
         raise ValueError(
             f"MixtureSource: the tokenizer returned {len(encoded)} results for {n} texts"
         )
-    return [len(getattr(e, "ids", e)) for e in encoded]
+    return [_real_tokens(e) for e in encoded]
+
+
+def _real_tokens(encoded: Any) -> int:
+    """The tokens of one encoder result without its padding: a Hugging Face ``Encoding`` of a
+    tokenizer with padding enabled is padded to the longest text of its batch (or to a fixed
+    length), and its attention mask is 0 there."""
+    ids = getattr(encoded, "ids", encoded)
+    mask = getattr(encoded, "attention_mask", None)
+    if isinstance(mask, list) and len(mask) == len(ids):
+        return sum(1 for m in mask if m)
+    return len(ids)
 
 
 def _calibration_tokens(
@@ -131,7 +144,16 @@ def _calibration_tokens(
 ) -> int:
     """Tokens in ``texts``, the samples of component ``name`` at ``indices``. An exception of the
     tokenizer is a PlanError naming the component and, when one text alone fails, its sample and
-    file, chained to the tokenizer's error."""
+    file, chained to the tokenizer's error; so is a Hugging Face tokenizer with truncation
+    enabled, whose counts would stop at its ``max_length`` (``tokenize`` refuses it too)."""
+    if getattr(tokenizer, "truncation", None) is not None and callable(
+        getattr(tokenizer, "no_truncation", None)
+    ):
+        raise PlanError(
+            f"MixtureSource(by='tokens'): the tokenizer calibrating component {name!r} has "
+            "truncation enabled, so its counts would stop at its max_length; call "
+            "tokenizer.no_truncation() first (tokenize refuses it as well)"
+        )
     encode = _encoder(tokenizer)
     try:
         encoded = encode(texts)
