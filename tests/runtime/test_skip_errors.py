@@ -309,7 +309,7 @@ def test_skips_survive_a_sigkill_of_the_training_process(
     logged = [line for line in (before + second.stderr).splitlines() if "skipped record" in line]
     assert len(logged) == 3
     for row in BAD:
-        assert sum(f"(sample_id=(0, 0, {row}))" in line for line in logged) == 1
+        assert sum(f"(sample_id=(0, 0, {row}), file " in line for line in logged) == 1
 
 
 @pytest.mark.parametrize("lanes", [1, 3])  # 1: lane 0 also finishes lane 1's run after its own

@@ -91,7 +91,7 @@ class Loader(LoaderStep):
         # ``served`` (the items this rank handed over, in global steps of its world size) less
         # what its lanes delivered: nonzero after a resume from a job state
         self.served_offset = 0
-        self.skips = SkipLog(self.counts, plan.max_skipped)
+        self.skips = SkipLog(self.counts, plan.max_skipped, plan.source.origin)
         self.dropped_together = 0  # items left when another rank's data ended (end_together)
         self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())
@@ -409,10 +409,11 @@ class Loader(LoaderStep):
 
     def skipped(self) -> list[dict[str, Any]]:
         """The latest skipped records (``Pipeline(on_error="skip")``), oldest first, at most
-        ``zephon.runtime.delivery.skips.KEEP``: each one's ``lane``, ``cursor``, ``sample_id``, the
-        ``operator`` that failed on it and its ``error``. Only those handed over since this loader
-        started: a restored run counts the earlier ones (``stats()["skipped"]``) but does not
-        list them."""
+        ``zephon.runtime.delivery.skips.KEEP``: each one's ``lane``, ``cursor``, ``sample_id``,
+        where the source says the sample lives (``WorkSource.origin``: a file source's ``file``
+        and ``sample_in_file``), the ``operator`` that failed on it and its ``error``. Only those
+        handed over since this loader started: a restored run counts the earlier ones
+        (``stats()["skipped"]``) but does not list them."""
         return list(self.skips.latest)
 
     def _mixture_components(self) -> dict[Hashable, dict[str, Any]]:

@@ -96,6 +96,11 @@ class WorkSource(ABC):
         """The mixture component of each pointer row: by default the row's ``dataset_id``."""
         return check_pointers(pointers, self)[:, 0].tolist()
 
+    def origin(self, pointer: np.ndarray) -> dict[str, Any]:
+        """Where the sample of one pointer row lives, for messages about it (a file source:
+        ``{"file": path, "sample_in_file": i}``); this default can tell nothing: ``{}``."""
+        return {}
+
     def drop_read_caches(self) -> None:
         """Forget what reads kept for the reads after them (decoded data, bytes fetched ahead),
         but not what describes the data: reading the same samples again reads them again. A

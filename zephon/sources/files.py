@@ -638,6 +638,11 @@ class FileSource(IndexedSource):
         starts = np.concatenate(([0], ends[:-1]))
         return rows, files, idx - starts[files]
 
+    def origin(self, pointer: np.ndarray) -> dict[str, Any]:
+        """The file of the pointer row's sample and the sample's place in it (from 0)."""
+        _, files, local = self.locate(np.asarray(pointer, dtype=np.int64).reshape(1, 3))
+        return {"file": self.paths[int(files[0])], "sample_in_file": int(local[0])}
+
     def object_version(self, file_index: int, opened: Any) -> str:
         """The store's version of file ``file_index`` (``opened``: a file just opened on it),
         ``""`` when local or when the store gives none; see ``Locations.version``."""

@@ -522,6 +522,12 @@ class MixtureSource(WorkSource):
                 out[w] = value
         return out
 
+    def origin(self, pointer: np.ndarray) -> dict[str, Any]:
+        """The component of the pointer row's sample, and where that component says it lives."""
+        row = np.asarray(pointer, dtype=np.int64).reshape(3)
+        i = self._component_of(int(row[0]), row)
+        return {"component": self._names[i], **self._sources[i].origin(row)}
+
     def drop_read_caches(self) -> None:
         """Each component forgets what its reads kept."""
         for src in self._sources:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from zephon._core.delivery import DeliveryCounters
 from zephon.errors import OperatorError
@@ -30,9 +33,15 @@ class SkipLog:
     """The skipped records of a loader (all its lanes): the count, kept in ``counters``
     (restored with a checkpoint), and the latest ``KEEP`` of them."""
 
-    def __init__(self, counters: DeliveryCounters, limit: int | None):
+    def __init__(
+        self,
+        counters: DeliveryCounters,
+        limit: int | None,
+        origin: Callable[[np.ndarray], dict[str, Any]] = lambda pointer: {},
+    ):
         self.counters = counters
         self.limit = limit
+        self.origin = origin  # where a sample lives (``WorkSource.origin``)
         self.held = 0  # admitted, waiting in a pending batch to be booked
         self.latest: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP)
 
@@ -53,7 +62,7 @@ class SkipLog:
                 "operator, or raise Pipeline(max_skipped=...)",
                 operator=item.operator,
                 cursor=cursor,
-            ).add_context(lane=lane_id)
+            ).add_context(lane=lane_id, **self._where(cursor))
         self.held += 1
 
     def book(self, item: Skipped, lane_id: int) -> None:
@@ -62,11 +71,13 @@ class SkipLog:
         tags = self.counters.tag_counts
         tags[SKIPPED] = tags.get(SKIPPED, 0) + 1
         cursor = item.cursor
+        where = self._where(cursor)
         log.warning(
-            "lane %d: skipped record %r (sample_id=%s): operator %r failed: %s (%d skipped)",
+            "lane %d: skipped record %r (sample_id=%s%s): operator %r failed: %s (%d skipped)",
             lane_id,
             cursor,
             cursor.sample_id,
+            "".join(f", {k} {v!r}" for k, v in where.items()),
             item.operator,
             item.error,
             tags[SKIPPED],
@@ -76,7 +87,15 @@ class SkipLog:
                 "lane": lane_id,
                 "cursor": cursor,
                 "sample_id": cursor.sample_id,
+                **where,
                 "operator": item.operator,
                 "error": item.error,
             }
         )
+
+    def _where(self, cursor: Any) -> dict[str, Any]:
+        # The sample's file and place in it, where the source can tell; never an error of its own.
+        try:
+            return self.origin(np.asarray(cursor.sample_id, dtype=np.int64))
+        except Exception:
+            return {}

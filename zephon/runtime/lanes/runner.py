@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
 
+import numpy as np
+
 from zephon._core.records import RecordRun, count_closing, expand_runs, next_control
 from zephon.errors import FetchError, OperatorError, ZephonError
 from zephon.ops.base import Operator, introduce_neighbours, record_error
@@ -508,11 +510,14 @@ class LaneRunner:
         except ZephonError as exc:
             if self._skips[j] and (skipped := self._skip_failing(j, records, began)):
                 return skipped
-            raise exc.add_context(lane=self.lane_id, operator=self.labels[j]) from exc.__cause__
+            exc.add_context(lane=self.lane_id, operator=self.labels[j])
+            raise self._placed(exc) from exc.__cause__
         except Exception as exc:
             if self._skips[j] and (skipped := self._skip_failing(j, records, began)):
                 return skipped
-            raise self._locate_error(op, records, exc).add_context(lane=self.lane_id) from exc
+            raise self._placed(
+                self._locate_error(op, records, exc).add_context(lane=self.lane_id)
+            ) from exc
         except SystemExit as exc:  # in a worker it would end the worker, inline the training run
             culprit = self._culprit(op, records, (Exception, SystemExit))
             cursor = None if culprit is None else culprit.meta.cursor
@@ -521,12 +526,13 @@ class LaneRunner:
                 if cursor is None
                 else f"record {cursor!r} (sample_id={cursor.sample_id})"
             )
-            raise OperatorError(
+            error = OperatorError(
                 f"operator {self.labels[j]!r} called sys.exit({exc.code!r}) on {where}: an "
                 "operator must raise an exception, not exit the process",
                 operator=self.labels[j],
                 cursor=cursor,
-            ).add_context(lane=self.lane_id) from exc
+            )
+            raise self._placed(error.add_context(lane=self.lane_id)) from exc
         stats = self.op_stats[j]
         stats[0] += len(records)
         stats[2] += perf_counter() - began
@@ -611,6 +617,18 @@ class LaneRunner:
             self._over_reported[j] = True
             return [OverClose(self.labels[j]), *emitted]
         return emitted
+
+    def _placed(self, error: ZephonError) -> ZephonError:
+        """``error`` with the file of the sample its cursor names and the sample's place in it,
+        where the source can tell (``WorkSource.origin``)."""
+        cursor = getattr(error, "cursor", None)
+        if cursor is None:
+            return error
+        try:
+            where = self.plan.source.origin(np.asarray(cursor.sample_id, dtype=np.int64))
+        except Exception:  # a place that cannot be named must not hide the error itself
+            return error
+        return error.add_context(**where)
 
     def _locate_error(
         self, op: Operator, records: Sequence[SampleRecord], exc: Exception
