@@ -17,6 +17,7 @@ from zephon.ops import batch, fetch, map_transform
 from zephon.sources import JsonlSource, MixtureSource
 from zephon.sources.arrow import ArrowSource
 from zephon.sources.memory import RangeSource
+from zephon.types import SampleCursor
 
 KINDS = ["inline", "thread", "process"]
 
@@ -76,7 +77,9 @@ def test_a_source_without_files_names_none(tmp_path):
     pipeline = zephon.Pipeline(RangeSource(10, chunk_size=4), [fetch(), map_transform(fails_on_5)])
     with pytest.raises(OperatorError) as info:
         list(pipeline)
-    assert "file" not in info.value.context and info.value.cursor.sample_id[2] == 5
+    cursor = info.value.cursor
+    assert isinstance(cursor, SampleCursor) and cursor.sample_id[2] == 5
+    assert "file" not in info.value.context
 
 
 @pytest.mark.parametrize("workers", ["inline", "process"])
