@@ -273,7 +273,7 @@ cdef class ChunkTable:
     cdef int _wait_for_holder(self) except -1:
         """Called when _owner is set: wait until no locked section runs. Returns with the GIL
         held and _owner 0, so none can start before the caller is done."""
-        if self._owner == PyThread_get_thread_ident():
+        if self._owner == <long>PyThread_get_thread_ident():  # as take_lock stores it
             raise RuntimeError(
                 "ChunkTable was called again while this thread is inside one of its updates"
             )
