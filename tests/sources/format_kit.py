@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -21,6 +22,7 @@ from worker_kit import worker_processes
 
 import zephon
 from zephon.errors import CheckpointMismatchError, FetchError, PlanError, RelaneWarning
+from zephon.sources import ShardCache
 
 Make = Callable[..., zephon.Pipeline]
 Delivered = Callable[[list[Any]], Counter]
@@ -202,3 +204,44 @@ def assert_a_changed_object_is_refused(
     bucket.overwrite(f"{prefix}/{name}", bytes(data))
     with pytest.raises(FetchError, match=match):
         every_sample(there)
+
+
+def kept_decompressed_bytes(cache_dir: Path, cache: Any) -> int:
+    """Bytes a source over compressed shards keeps on disk: the decompressed copies it put in
+    ``cache_dir`` and every entry of ``cache`` (a ``ShardCache``: downloads and decompressed
+    copies)."""
+    copies = sum(f.stat().st_size for f in Path(cache_dir).rglob("*.raw"))
+    return copies + sum(f.stat().st_size for f in Path(cache.dir).glob("*.shard"))
+
+
+def largest_decompressed_shard(source: Callable[..., Any], cache_dir: Path) -> int:
+    """The size of the largest shard ``source(cache_dir=...)`` decompresses, as it reads
+    without a ``ShardCache`` (its copies in ``cache_dir``)."""
+    every_sample(source(cache_dir=cache_dir))
+    return max(f.stat().st_size for f in Path(cache_dir).rglob("*.raw"))
+
+
+def assert_a_shard_cache_bounds_decompressed_shards(
+    source: Callable[..., Any], tmp: Path, key: str, check: Callable[[Any], None]
+) -> None:
+    """``source(cache_dir=..., cache=...)`` over compressed shards, through a ``ShardCache``
+    with room for three of its decompressed shards, keeps every copy it makes within
+    ``max_bytes``, and reads (compared by ``key``, each sample passing ``check``) what it reads
+    without the cache: first, and again in a copy of it (as a process lane has) after the
+    evictions made it decompress shards again."""
+    plain = every_sample(source(cache_dir=tmp / "plain"))
+    largest = max(f.stat().st_size for f in Path(tmp / "plain").rglob("*.raw"))
+    cache = ShardCache(tmp / "shards", max_bytes=3 * largest)
+    cached = source(cache_dir=tmp / "c", cache=cache)
+    shards = len(cached.files())
+    assert shards > 3, "the data should span more shards than the cache holds"
+    for _ in range(2):
+        got = every_sample(cached)
+        assert [g[key] for g in got] == [g[key] for g in plain]
+        for g in got:
+            check(g)
+        kept = kept_decompressed_bytes(tmp / "c", cache)
+        assert kept <= cache.max_bytes, f"{kept} bytes kept, max_bytes={cache.max_bytes}"
+        assert len(list(Path(cache.dir).glob("*.shard"))) < shards, "nothing was evicted"
+        cached.drop_read_caches()
+        cached = pickle.loads(pickle.dumps(cached))

@@ -20,14 +20,19 @@ from format_kit import (
     assert_a_changed_object_is_refused,
     assert_a_copy_reads_the_same,
     assert_a_killed_worker_resumes_exactly,
+    assert_a_shard_cache_bounds_decompressed_shards,
     assert_columns_pick_and_order,
     assert_each_sample_twice,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks_and_relanes,
     assert_same_values,
     every_sample,
+    kept_decompressed_bytes,
+    largest_decompressed_shard,
+    stopped_after,
 )
 from litdata.streaming.writer import BinaryWriter
+from pipeline_kit import run
 
 import zephon
 from zephon.errors import FetchError, PlanError
@@ -142,9 +147,11 @@ def test_open_source_picks_litdata_for_the_directory_and_its_index(tmp_path):
 # --------------------------------------------------------------------------- pipelines
 
 
-def pipeline(root: Path | str, cache: Path, **kw: Any) -> zephon.Pipeline:
+def pipeline(
+    root: Path | str, cache: Path, shards: ShardCache | None = None, **kw: Any
+) -> zephon.Pipeline:
     src = LitDataSource(
-        root, columns=["idx", "tokens"], chunk_size=5, shuffle=True, cache_dir=cache
+        root, columns=["idx", "tokens"], chunk_size=5, shuffle=True, cache_dir=cache, cache=shards
     )
     return zephon.Pipeline(src, [fetch(), batch(3)], **kw)
 
@@ -184,6 +191,52 @@ def test_a_rewritten_chunk_is_a_checkpoint_mismatch(tmp_path, layout):
         return re.escape(sorted(p.name for p in root.glob("chunk-*"))[-1])
 
     assert_a_changed_dataset_is_refused(make, rewrite, last)
+
+
+# --------------------------------------------------------------------------- a bounded cache
+
+
+@pytest.mark.parametrize("layout", ["batch", "chunk"])
+def test_a_shard_cache_bounds_the_decompressed_copies_of_compressed_chunks(tmp_path, layout):
+    root = write(tmp_path / "d", layout)
+    assert_a_shard_cache_bounds_decompressed_shards(
+        partial(LitDataSource, root, chunk_size=7, shuffle=True), tmp_path, "idx", assert_written
+    )
+
+
+def test_a_bucket_copy_keeps_downloads_and_decompressed_copies_within_the_shard_cache(
+    tmp_path, bucket
+):
+    uri = bucket.upload(write(tmp_path / "local", "batch"), "litdata-bounded")
+    assert_a_shard_cache_bounds_decompressed_shards(
+        partial(LitDataSource, uri, chunk_size=7, shuffle=True), tmp_path, "idx", assert_written
+    )
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_compressed_chunks_through_a_small_shard_cache_resume_exactly_in_process_lanes(tmp_path):
+    root = write(tmp_path / "d", "batch")
+    largest = largest_decompressed_shard(partial(LitDataSource, root), tmp_path / "plain")
+    full = run(iter(pipeline(root, tmp_path / "plain", lanes=2)))
+    cache = ShardCache(tmp_path / "shards", max_bytes=2 * largest)
+    make = partial(pipeline, root, tmp_path / "c", cache, lanes=2, workers="process")
+    assert run(iter(make())) == full
+    head, state = stopped_after(make, 5)
+    assert len(list(Path(cache.dir).glob("*.shard"))) <= 2  # the others were evicted
+    assert head + run(make().iter(state=state)) == full
+    assert kept_decompressed_bytes(tmp_path / "c", cache) <= cache.max_bytes
+
+
+def test_a_decompressed_chunk_larger_than_the_shard_cache_is_a_fetch_error_naming_it(tmp_path):
+    root = write(tmp_path / "d", "batch")
+    largest = largest_decompressed_shard(partial(LitDataSource, root), tmp_path / "plain")
+    cache = ShardCache(tmp_path / "shards", max_bytes=largest - 1)
+    with pytest.raises(
+        FetchError,
+        match=r"chunk-\d+-\d+\.bin.*decompresses to \d+ bytes, more than ShardCache\(.*"
+        r"max_bytes=\d+.*raise max_bytes above the largest decompressed shard",
+    ):
+        LitDataSource(root, cache_dir=tmp_path / "c", cache=cache).num_samples()
 
 
 # --------------------------------------------------------------------------- remote

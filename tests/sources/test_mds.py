@@ -3,6 +3,7 @@ zstd-compressed, locally and on the loopback S3 server."""
 
 from __future__ import annotations
 
+import pickle
 import re
 import shutil
 from collections import Counter
@@ -20,14 +21,19 @@ from format_kit import (
     assert_a_copy_reads_the_same,
     assert_a_file_rewritten_under_a_reader_is_refused,
     assert_a_killed_worker_resumes_exactly,
+    assert_a_shard_cache_bounds_decompressed_shards,
     assert_columns_pick_and_order,
     assert_each_sample_twice,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks_and_relanes,
     assert_same_values,
     every_sample,
+    kept_decompressed_bytes,
+    largest_decompressed_shard,
+    stopped_after,
 )
 from mds_kit import mds_writer
+from pipeline_kit import run
 from worker_kit import wait_until
 
 import zephon
@@ -137,8 +143,12 @@ def test_open_source_picks_mds_for_the_directory_and_its_index(tmp_path):
 # --------------------------------------------------------------------------- pipelines
 
 
-def pipeline(root: Path | str, cache: Path, **kw: Any) -> zephon.Pipeline:
-    src = MDSSource(root, columns=["idx", "tokens"], chunk_size=5, shuffle=True, cache_dir=cache)
+def pipeline(
+    root: Path | str, cache: Path, shards: ShardCache | None = None, **kw: Any
+) -> zephon.Pipeline:
+    src = MDSSource(
+        root, columns=["idx", "tokens"], chunk_size=5, shuffle=True, cache_dir=cache, cache=shards
+    )
     return zephon.Pipeline(src, [fetch(), batch(3)], **kw)
 
 
@@ -177,6 +187,89 @@ def test_a_rewritten_shard_is_a_checkpoint_mismatch(tmp_path, compression):
         return re.escape(sorted(p.name for p in root.glob("shard.*"))[-1])
 
     assert_a_changed_dataset_is_refused(make, rewrite, last)
+
+
+# --------------------------------------------------------------------------- a bounded cache
+
+
+def test_a_shard_cache_bounds_the_decompressed_copies_of_compressed_shards(tmp_path):
+    root = write(tmp_path / "d", "zstd")
+    assert_a_shard_cache_bounds_decompressed_shards(
+        partial(MDSSource, root, chunk_size=7, shuffle=True), tmp_path, "idx", assert_written
+    )
+
+
+def test_a_bucket_copy_keeps_downloads_and_decompressed_copies_within_the_shard_cache(
+    tmp_path, bucket
+):
+    uri = bucket.upload(write(tmp_path / "local", "zstd"), "mds-bounded")
+    assert_a_shard_cache_bounds_decompressed_shards(
+        partial(MDSSource, uri, chunk_size=7, shuffle=True), tmp_path, "idx", assert_written
+    )
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_compressed_shards_through_a_small_shard_cache_resume_exactly_in_process_lanes(tmp_path):
+    root = write(tmp_path / "d", "zstd")
+    largest = largest_decompressed_shard(partial(MDSSource, root), tmp_path / "plain")
+    full = run(iter(pipeline(root, tmp_path / "plain", lanes=2)))
+    cache = ShardCache(tmp_path / "shards", max_bytes=2 * largest)
+    make = partial(pipeline, root, tmp_path / "c", cache, lanes=2, workers="process")
+    assert run(iter(make())) == full
+    head, state = stopped_after(make, 7)
+    assert len(list(Path(cache.dir).glob("*.shard"))) <= 2  # the others were evicted
+    assert head + run(make().iter(state=state)) == full
+    assert kept_decompressed_bytes(tmp_path / "c", cache) <= cache.max_bytes
+
+
+def test_a_decompressed_copy_is_not_evicted_while_bytes_read_from_it_are_alive(tmp_path):
+    root = write(tmp_path / "d", "zstd")
+    largest = largest_decompressed_shard(partial(MDSSource, root), tmp_path / "plain")
+    cache = ShardCache(tmp_path / "shards", max_bytes=2 * largest)
+    src = MDSSource(root, chunk_size=7, shuffle=True, cache_dir=tmp_path / "c", cache=cache)
+    src.num_samples()
+    shard = src._shard(0)
+    view = src._mapped(0, shard, src.chunk(0).pointers[0]).data[:64]
+    key = cache.key(
+        src.files()[0].uri + MDSSource.INFLATED_SUFFIX, shard.stored.identity(), shard.raw_size
+    )
+    entry = Path(cache.shard_path(key))
+    head = entry.read_bytes()[:64]
+    cache.let_go()  # only the view holds the entry now
+    other = pickle.loads(pickle.dumps(src))  # its own cache object: as another process
+    every_sample(other)  # evicts every other copy, again and again
+    assert entry.read_bytes()[:64] == bytes(view) == head
+    del view
+    assert not cache._live, "the entry is still open with nothing read from it alive"
+
+
+def test_a_shard_finding_no_room_in_the_shard_cache_is_decompressed_in_memory_that_time(tmp_path):
+    root = write(tmp_path / "d", "zstd")
+    largest = largest_decompressed_shard(partial(MDSSource, root), tmp_path / "plain")
+    plain = every_sample(MDSSource(root, chunk_size=7, shuffle=True, cache_dir=tmp_path / "plain"))
+    cache = ShardCache(tmp_path / "shards", max_bytes=largest * 3 // 2)
+    src = MDSSource(root, chunk_size=7, shuffle=True, cache_dir=tmp_path / "c", cache=cache)
+    src.num_samples()
+    view = src._mapped(0, src._shard(0), src.chunk(0).pointers[0]).data[:64]
+    cache.let_go()
+    other = pickle.loads(pickle.dumps(src))  # no other copy fits beside the one held open
+    got = every_sample(other)
+    assert [g["idx"] for g in got] == [g["idx"] for g in plain]
+    assert len(list(Path(cache.dir).glob("*.shard"))) == 1
+    assert kept_decompressed_bytes(tmp_path / "c", cache) <= cache.max_bytes
+    del view
+
+
+def test_a_decompressed_shard_larger_than_the_shard_cache_is_a_fetch_error_naming_it(tmp_path):
+    root = write(tmp_path / "d", "zstd")
+    largest = largest_decompressed_shard(partial(MDSSource, root), tmp_path / "plain")
+    cache = ShardCache(tmp_path / "shards", max_bytes=largest - 1)
+    with pytest.raises(
+        FetchError,
+        match=r"shard\.\d+\.mds\.zstd.*decompresses to \d+ bytes, more than ShardCache\(.*"
+        r"max_bytes=\d+.*raise max_bytes above the largest decompressed shard",
+    ):
+        MDSSource(root, cache_dir=tmp_path / "c", cache=cache).num_samples()
 
 
 # --------------------------------------------------------------------------- remote

@@ -18,9 +18,11 @@ Arrow IPC footer (its layout for samples made only of strings or nested lists).
 
 Compression (``compression="zstd"``; needs the ``zstandard`` or ``zstd`` module): framed chunks
 (LitData's default, ``compression_level="batch"``) and whole-file ``.zstd.bin`` chunks
-(``"chunk"``) are inflated once into the cache directory and memory-mapped from there, their
-stored bytes checked against their digests first; ``"sample"`` chunks keep their layout and each
-item is inflated when it is read.
+(``"chunk"``) are inflated once and memory-mapped from their inflated copy, their stored bytes
+checked against their digests first: an entry of the ``ShardCache`` when one is given
+(``cache=``; its raw size is a whole-file chunk's ``chunk_bytes``, or read from a framed chunk's
+header), else a file in the cache directory kept for later runs (as ``MDSSource`` does);
+``"sample"`` chunks keep their layout and each item is inflated when it is read.
 
 Identity and reading are ``MDSSource``'s: each stored chunk digested in blocks (cached in a
 ``.zsum`` sidecar), the digests and the chunk's index entry in the fingerprint; only the items
@@ -44,7 +46,7 @@ from zephon.sources.mds import Column, MDSSource, zstd_decompress
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from zephon.sources.files import FileOptions
+    from zephon.sources.files import DigestTable, FileOptions
 
 __all__ = ["LitDataSource"]
 
@@ -95,8 +97,8 @@ class LitDataSource(MDSSource):
     naming the chunk, the item and the column.
 
     Every file source also takes the ``FileOptions`` (``dataset_id``, ``chunk_size``,
-    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads`` and the
-    storage deadlines ``timeout`` and ``total_timeout``).
+    ``shuffle``, ``seed``, ``passes``, the metadata caches, ``filesystem``, ``threads``, the
+    storage deadlines ``timeout`` and ``total_timeout``, and the shard ``cache``).
     """
 
     INFLATED_DIR = "litdata"
@@ -155,6 +157,23 @@ class LitDataSource(MDSSource):
         if self._level == "chunk":
             return zstd_decompress(data, error)
         return _unframe(data, error)
+
+    def inflated_size(self, i: int, stored: DigestTable) -> int:
+        """A whole-file chunk's ``chunk_bytes`` (its raw size); a framed chunk's from its
+        header: the classic header of its items, then their bytes (its last logical offset)."""
+        if self._level != "batch":
+            return super().inflated_size(i, stored)
+        n = int(self._entries[i]["chunk_size"])
+        head = self.stored_bytes(i, stored, _FRAMED_PREFIX.size + 4 * (n + 1))
+        if len(head) < _FRAMED_PREFIX.size + 4 * (n + 1) or head[:8] != _FRAMED_MAGIC:
+            raise self.fetch_error(i, "is not a framed zstd chunk (no LDFZ01 header)")
+        items = _FRAMED_PREFIX.unpack_from(head, 0)[3]
+        if items != n:
+            raise self.fetch_error(
+                i, f"its framed header holds {items} items, its index entry says {n}"
+            )
+        last = int(np.frombuffer(head, "<u4", count=1, offset=_FRAMED_PREFIX.size + 4 * n)[0])
+        return 4 + 4 * (n + 1) + last
 
     def columns_of(self, entries: list[dict[str, Any]]) -> list[Column]:
         where = self.root

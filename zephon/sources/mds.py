@@ -22,9 +22,14 @@ those digests and of its index entry, so a rewritten shard or index changes the 
 
 Reading. Only the samples asked for are read. A raw local shard is memory-mapped; a raw remote
 shard is read in whole checked blocks (``zephon.sources.block_reads``). A compressed shard
-(``zstd``; needs the ``zstandard`` or ``zstd`` module) is fetched and decompressed once into the
-cache directory (``cache_dir``, else ``$ZEPHON_CACHE_DIR``...), its compressed bytes checked
-against their digests first, and memory-mapped from there.
+(``zstd``; needs the ``zstandard`` or ``zstd`` module) is fetched and decompressed whole, its
+compressed bytes checked against their digests first, and memory-mapped from its inflated copy.
+With a ``ShardCache`` (``cache=``) that copy is an entry of the cache, keyed by the stored file's
+URI plus ``INFLATED_SUFFIX``, the compressed content's identity and the raw size: bounded by
+``max_bytes`` with the downloads, evicted least recently used, shared by every process through
+the cache's locks, and held open while any buffer read from it is alive. Without one it goes to
+the cache directory (``cache_dir``, else ``$ZEPHON_CACHE_DIR``...), where it is kept for later
+runs and never evicted.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import os
 import pickle
 import posixpath
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Any
@@ -54,6 +60,7 @@ from zephon.sources.files import (
 from zephon.sources.locations import DataFile, default_cache_dir
 from zephon.sources.mapped_files import ChangedFile, MappedFiles, map_bytes
 from zephon.sources.remote import is_transient
+from zephon.sources.shard_cache import CachedShard
 from zephon.sources.shard_layouts import ShardLayoutSource
 
 if TYPE_CHECKING:
@@ -113,7 +120,7 @@ class _Shard:
     samples: int
     stored: DigestTable
     compressed: bool
-    raw_path: str  # the stored file, or the decompressed copy in the cache
+    raw_path: str  # the stored file, the decompressed copy in cache_dir, or "" (in the cache)
     raw_size: int
     offsets: np.ndarray  # uint32, samples + 1
     identity: str
@@ -133,8 +140,11 @@ class MDSSource(ShardLayoutSource[_Shard]):
     """
 
     BLOCK_BYTES = 1 << 20
-    #: The cache's subdirectory of decompressed shards.
+    #: The cache directory's subdirectory of decompressed shards (without a ``ShardCache``).
     INFLATED_DIR = "mds"
+    #: What a decompressed shard's ``ShardCache`` entry adds to its stored file's URI, so the
+    #: entry is never taken for the compressed download of that file.
+    INFLATED_SUFFIX = "#inflated"
 
     def __init__(
         self,
@@ -326,6 +336,13 @@ class MDSSource(ShardLayoutSource[_Shard]):
         """The raw shard of the stored bytes of compressed shard ``i``."""
         return zstd_decompress(data, lambda msg: self.fetch_error(i, msg))
 
+    def inflated_size(self, i: int, stored: DigestTable) -> int:
+        """The raw size of compressed shard ``i``, known before it is inflated (the index gives
+        it); a format whose index does not reads it from the stored file (``stored_bytes``)."""
+        size = self.shard_facts(i)[1]
+        assert size is not None, "a format without raw sizes overrides inflated_size"
+        return size
+
     def check_stored(self, i: int) -> None:
         """Refuse shard ``i`` before its header is read when its stored layout is one this source
         does not read (none for MDS)."""
@@ -338,13 +355,19 @@ class MDSSource(ShardLayoutSource[_Shard]):
         raw_size = f.size if size is None else size
         try:
             stored = self._stored_table(i)
-            if compressed:
-                raw_path = self._decompressed(i, stored, size)
-                raw_size = os.path.getsize(raw_path)
-                local = True
+            if compressed and self.cache is not None:
+                raw_path, raw_size = "", self.inflated_size(i, stored)
+                inflated = self._inflated(i, stored, raw_size)
+                header = self._parse_header(i, bytes(inflated[: 4 * (samples + 2)]), samples)
+                del inflated  # let go of the cache entry
             else:
-                raw_path, local = f.path, self.is_local
-            header = self._read_header(i, raw_path, local, samples)
+                if compressed:
+                    raw_path = self._decompressed(i, stored, size)
+                    raw_size = os.path.getsize(raw_path)
+                    local = True
+                else:
+                    raw_path, local = f.path, self.is_local
+                header = self._read_header(i, raw_path, local, samples)
         except OSError as exc:
             raise self.os_error(exc, i) from exc
         if not compressed and f.size != raw_size:
@@ -397,9 +420,31 @@ class MDSSource(ShardLayoutSource[_Shard]):
             return None
         return regular_table(size, block, sections[1])
 
+    def stored_bytes(self, i: int, stored: DigestTable, end: int) -> bytes:
+        """The first ``end`` bytes of shard ``i``'s stored file, checked against its digests."""
+        f = self.files()[i]
+        with self.open_random(f.path) as fh:
+            try:
+                (data,) = read_spans(fh, stored, self.BLOCK_BYTES, [0], [min(end, f.size)])
+            except ChangedBlock as changed:
+                raise self.fetch_error(
+                    i, f"{changed} no longer matches the digest taken when it was indexed"
+                ) from None
+        return data
+
+    def _inflate_stored(self, i: int, stored: DigestTable, raw_size: int | None) -> bytes:
+        # The raw shard, from its stored bytes checked against their digests.
+        raw = self.inflate(i, self.stored_bytes(i, stored, self.files()[i].size))
+        if raw_size is not None and len(raw) != raw_size:
+            raise self.fetch_error(
+                i, f"decompresses to {len(raw)} bytes, its index entry says {raw_size}"
+            )
+        return raw
+
     def _decompressed(self, i: int, stored: DigestTable, raw_size: int | None) -> str:
-        # The raw shard, decompressed once into the cache and named after its compressed content
-        # (written whole, then renamed: a copy there is complete).
+        # Without a ShardCache: the raw shard, decompressed once into the cache directory and
+        # named after its compressed content (written whole, then renamed: a copy there is
+        # complete); kept for later runs, never evicted.
         f = self.files()[i]
         key = stored.identity()[:20]
         name = type(self).__name__
@@ -410,24 +455,46 @@ class MDSSource(ShardLayoutSource[_Shard]):
             have = os.path.getsize(target)
             if raw_size is None or have == raw_size:
                 return target
-        with self.open_random(f.path) as fh:
-            try:
-                (data,) = read_spans(fh, stored, self.BLOCK_BYTES, [0], [f.size])
-            except ChangedBlock as changed:
-                raise self.fetch_error(
-                    i, f"{changed} no longer matches the digest taken when it was indexed"
-                ) from None
-        raw = self.inflate(i, data)
-        if raw_size is not None and len(raw) != raw_size:
-            raise self.fetch_error(
-                i, f"decompresses to {len(raw)} bytes, its index entry says {raw_size}"
-            )
+        raw = self._inflate_stored(i, stored, raw_size)
         os.makedirs(where, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".zephon-", dir=where)
         with os.fdopen(fd, "wb") as out:
             out.write(raw)
         os.replace(tmp, target)
         return target
+
+    def _inflated(self, i: int, stored: DigestTable, raw_size: int) -> np.ndarray:
+        # With a ShardCache: the raw shard from its entry in the cache (inflated into it when
+        # missing, or in memory this once when the cache has no room), as a read-only uint8
+        # array that holds the entry open until it and every view of it are gone.
+        cache = self.cache
+        assert cache is not None
+        if raw_size > cache.max_bytes:
+            raise self.fetch_error(
+                i,
+                f"it decompresses to {raw_size} bytes, more than {cache!r} holds (a compressed "
+                "shard is read from its decompressed copy, kept in that cache); raise max_bytes "
+                "above the largest decompressed shard, or read this data without cache=",
+            )
+
+        def download(write: Callable[[bytes], None]) -> int:
+            raw = self._inflate_stored(i, stored, raw_size)
+            write(raw)
+            return len(raw)
+
+        def direct() -> Any:
+            import pyarrow as pa
+
+            return pa.BufferReader(pa.py_buffer(self._inflate_stored(i, stored, raw_size)))
+
+        uri = self.files()[i].uri + self.INFLATED_SUFFIX
+        opened = cache.open(uri, stored.identity(), raw_size, download, direct)
+        try:
+            opened.seek(0)
+            return _held_bytes(opened.read_buffer(raw_size), opened)
+        except BaseException:
+            opened.close()
+            raise
 
     def _read_header(self, i: int, path: str, local: bool, samples: int) -> np.ndarray:
         want = 4 * (samples + 2)
@@ -437,6 +504,11 @@ class MDSSource(ShardLayoutSource[_Shard]):
         else:
             with self.open_random(path) as fh:
                 head = bytes(fh.read_at(want, 0))
+        return self._parse_header(i, head, samples)
+
+    def _parse_header(self, i: int, head: bytes, samples: int) -> np.ndarray:
+        # The sample offsets of a raw shard's first 4 * (samples + 2) bytes.
+        want = 4 * (samples + 2)
         if len(head) != want or int(np.frombuffer(head[:4], "<u4")[0]) != samples:
             raise self.fetch_error(
                 i, f"its header does not hold the {samples} samples its index entry says"
@@ -484,7 +556,19 @@ class MDSSource(ShardLayoutSource[_Shard]):
 
     def _mapped(self, i: int, shard: _Shard, pointer: np.ndarray) -> np.ndarray:
         # The raw shard memory-mapped (kept for the next reads); a local uncompressed shard is
-        # checked against the size and mtime it was indexed at on every read.
+        # checked against the size and mtime it was indexed at on every read. A compressed
+        # shard read through a ShardCache is mapped from its cache entry, which the cache keeps
+        # open between reads as it does its downloads.
+        if shard.compressed and self.cache is not None:
+
+            def inflated() -> np.ndarray:
+                try:
+                    return self._inflated(i, shard.stored, shard.raw_size)
+                except OSError as exc:
+                    raise self.os_error(exc, i, pointer) from exc
+
+            data: np.ndarray = self.read_retried(i, inflated)
+            return data
         mtime = None if shard.compressed else self.files()[i].mtime_ns
         path = shard.raw_path
         try:
@@ -563,6 +647,18 @@ class MDSSource(ShardLayoutSource[_Shard]):
             for k, f in enumerate(self.files())
         ]
         return out
+
+
+def _held_bytes(buffer: Any, holder: CachedShard) -> np.ndarray:
+    """``buffer`` (a pyarrow buffer) as a read-only uint8 array whose views all keep ``holder``
+    open: it is closed (its cache entry released) once the last of them is gone."""
+    import pyarrow as pa
+
+    if not buffer.size:
+        holder.close()
+        return np.zeros(0, dtype=np.uint8)
+    held = pa.foreign_buffer(buffer.address, buffer.size, base=(buffer, holder))
+    return np.frombuffer(held, dtype=np.uint8)
 
 
 def _decode_value(encoding: str, data: memoryview) -> Any:

@@ -10,6 +10,9 @@ version id) and its size: ``<key>.shard`` holds its bytes and ``<key>.json`` its
 version, size, sha256 of the bytes, and the size, mtime and inode the shard file was written
 with). An object the store names no version of is read without the cache: nothing would tell a
 rewrite from the copy.
+A source may also keep bytes it derives from a shard as an entry, under a URI of its own (MDS
+and LitData: a compressed shard's decompressed copy, ``<uri>#inflated``, versioned by the
+compressed content's digest), bounded and evicted with the downloads.
 
 Sharing. Each key has a lock file (``locks/<key>.lock``, ``fcntl.flock``): a reader holds it
 shared while the entry is open; a download holds it exclusively, so a second reader of the same
