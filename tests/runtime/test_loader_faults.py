@@ -153,3 +153,31 @@ def test_an_abandoned_loader_with_shared_workers_stops_them(workers: str) -> Non
         assert wait_until(lambda: not lane_threads() and not worker_processes(), 2.0)
     finally:
         gc.enable()
+
+
+def _exits_at_150(payload: dict) -> dict:
+    if payload["idx"] == 150:
+        os._exit(3)
+    return payload
+
+
+def test_a_lost_workers_error_keeps_no_frame_of_the_failed_pipe_call() -> None:
+    # The loader keeps its failure for as long as it lives, and with it the failed pipe call's
+    # error as its context; that one's frames would hold the message being sent, an export of
+    # a BytesIO, which Python 3.13's garbage collector reports as an ignored BufferError. The
+    # worker's exit is met on the pipe (a context) in most runs, at its process sentinel (none)
+    # in the others: runs until one meets it on the pipe.
+    source = RangeSource(400, chunk_size=20)
+    ops = [fetch(), map_transform(_exits_at_150), batch(4)]
+    contexts = []
+    for _ in range(30):
+        with zephon.Pipeline(source, ops, lanes=2, workers="process").iter() as loader:
+            with pytest.raises(zephon.ZephonError, match="died") as info:
+                run(loader)
+            context = info.value.__context__
+        if context is not None:
+            contexts.append(context)
+            break
+    assert contexts, "the exit was never met on the pipe"
+    assert all(c.__traceback__ is None for c in contexts)
+    assert not worker_processes()

@@ -355,8 +355,8 @@ class ProcessLane(WorkerLane):
         released = self._ring.take_released() if self._ring is not None else None
         try:
             self._conn.send((RELEASED, released) if released else ACK)
-        except OSError:
-            raise self._lost() from None
+        except OSError as exc:
+            raise self._lost() from _untraced(exc)
         self._acks += 1
         return value
 
@@ -387,10 +387,10 @@ class ProcessLane(WorkerLane):
                 continue
             try:
                 kind, value, size = receive(conn, self.timeout, self._ring)
-            except MessageStalled:
-                raise self._stall() from None
-            except (EOFError, OSError):
-                raise self._lost() from None
+            except MessageStalled as exc:
+                raise self._stall() from _untraced(exc)
+            except (EOFError, OSError) as exc:
+                raise self._lost() from _untraced(exc)
             if self._arrived(kind, value):
                 return kind, value, size
 
@@ -460,3 +460,12 @@ class ProcessLane(WorkerLane):
             f"{who} died: it {_how_it_ended(code)}. The lane cannot go on: resume from the last "
             "checkpoint, or run with workers='inline' to debug the failing operator in this process"
         )
+
+
+def _untraced(exc: BaseException) -> None:
+    """Drop the traceback of a failed pipe call before the lane's error replaces it (``raise
+    ... from _untraced(exc)``: no cause shown, ``exc`` still its context). The loader keeps that
+    error, and so its context, for as long as it lives: with the traceback it would keep the
+    call's frames, whose buffer of the message being sent is an export of a ``BytesIO``, which
+    Python 3.13 reports as an ignored ``BufferError`` when the garbage collector finds both."""
+    exc.__traceback__ = None
