@@ -384,3 +384,21 @@ def test_the_documented_arguments_do_not_warn():
         as_torch_dataset(pipeline()), batch_size=None, num_workers=0
     )
     assert len(list(loader)) == 24
+
+
+def test_process_lanes_in_a_dataloader_worker_are_refused_with_what_to_do():
+    # A DataLoader worker is a daemonic process, which multiprocessing forbids to start
+    # processes: the refusal must say so and what to use, before any sample is read.
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from zephon.integrations.torch import as_torch_dataset
+
+    def process_pipeline() -> zephon.Pipeline:
+        src = RangeSource(400, chunk_size=7, shuffle=True, seed=3)
+        return zephon.Pipeline(src, [fetch(), batch(4)], lanes=2, workers="process")
+
+    assert list(process_pipeline())  # the fork server of this process is warm
+    loader = DataLoader(as_torch_dataset(process_pipeline()), batch_size=None, num_workers=1)
+    with pytest.raises(PlanError, match=r"daemonic.*num_workers=0.*workers='thread'"):
+        list(loader)

@@ -41,6 +41,20 @@ def _refuse_unguarded_main() -> None:
     raise PlanError(unguarded_main())  # some other library's worker re-ran the script
 
 
+def _refuse_daemonic_process() -> None:
+    """Fail before any read in a daemonic process (a torch DataLoader worker, a
+    ``multiprocessing.Pool`` worker), which multiprocessing forbids to start processes."""
+    me = mp.current_process()
+    if not me.daemon:
+        return
+    raise PlanError(
+        f"workers='process' cannot start worker processes from {me.name}, a daemonic process "
+        "(a torch DataLoader worker or a multiprocessing.Pool worker) that multiprocessing "
+        "forbids to start processes of its own: give the DataLoader num_workers=0 (the lanes "
+        "already parallelize), or use workers='thread' inside such a process"
+    )
+
+
 def _parts_of(value: Any) -> list[tuple[str, Any]]:
     if isinstance(value, dict):
         return [(f"[{k!r}]", v) for k, v in value.items()]
@@ -100,6 +114,7 @@ class PlanParcel:
 
     def __init__(self, plan: Plan):
         _refuse_unguarded_main()
+        _refuse_daemonic_process()
         try:
             self.plan_bytes, self.needs_main = pickle_plan(plan)
         except Exception as exc:
