@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from worker_kit import script_env
 
 import zephon
 from zephon.errors import CheckpointMismatchError, PlanError
@@ -402,3 +403,33 @@ def test_process_lanes_in_a_dataloader_worker_are_refused_with_what_to_do():
     loader = DataLoader(as_torch_dataset(process_pipeline()), batch_size=None, num_workers=1)
     with pytest.raises(PlanError, match=r"daemonic.*num_workers=0.*workers='thread'"):
         list(loader)
+
+
+_LEFT_MID_STREAM = """
+import zephon
+from torchdata.stateful_dataloader import StatefulDataLoader
+from zephon.integrations.torch import as_torch_dataset
+from zephon.ops import batch, fetch, shuffle
+from zephon.sources import RangeSource
+
+if __name__ == "__main__":
+    source = RangeSource(400, chunk_size=7, shuffle=True, seed=3)
+    pipeline = zephon.Pipeline(source, [fetch(), shuffle(5, seed=1), batch(4)], lanes=2)
+    loader = StatefulDataLoader(as_torch_dataset(pipeline), batch_size=None, num_workers=0)
+    batches = iter(loader)
+    for step in range(3):  # a training run that stops at its last step, mid-stream
+        next(batches)
+    print("trained")
+"""
+
+
+def test_a_script_that_ends_mid_stream_exits_without_a_traceback():
+    pytest.importorskip("torchdata.stateful_dataloader")
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore::UserWarning", "-c", _LEFT_MID_STREAM],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "trained\n", "")

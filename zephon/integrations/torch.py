@@ -20,6 +20,7 @@ of the whole pipeline, which the dataset refuses)::
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -148,11 +149,15 @@ class ZephonIterableDataset(IterableDataset[Any]):
             self._together = _EndTogether()
         return self._together
 
-    def _retire(self, loader: Loader) -> None:
-        # Keep the state of a loader that ended or was abandoned, then free its lanes.
+    def _retire(self, loader: Loader, _finalizing: Any = sys.is_finalizing) -> None:
+        # Keep the state of a loader that ended or was abandoned, then free its lanes. A
+        # generator left open when the interpreter exits is closed while modules are torn
+        # down (this module's names included, hence the default argument): no one can ask
+        # for its state then, and taking it would fail.
         if self._loader is loader:
-            self._final = loader.state_dict()
-            self._final_stats = loader.stats()
+            if not _finalizing():
+                self._final = loader.state_dict()
+                self._final_stats = loader.stats()
             self._loader = None
         loader.close()
 
