@@ -433,3 +433,16 @@ def test_a_script_that_ends_mid_stream_exits_without_a_traceback():
         timeout=120,
     )
     assert (done.returncode, done.stdout, done.stderr) == (0, "trained\n", "")
+
+
+def test_to_tensors_copies_arrays_torch_cannot_share_and_leaves_dtypes_it_has_not():
+    torch = pytest.importorskip("torch")
+    from zephon.integrations.torch import to_tensors
+
+    # A field of a packed record array: its strides are no multiple of its item size.
+    records = np.zeros(3, dtype=[("a", "<i4"), ("b", "<i8")])
+    records["b"] = [5, 6, 7]
+    extended = np.arange(2, dtype=np.longdouble)
+    out = to_tensors({"field": records["b"], "extended": extended})
+    assert out["field"].dtype == torch.int64 and out["field"].tolist() == [5, 6, 7]
+    assert out["extended"] is extended  # torch has no tensor of this dtype
