@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from worker_kit import script_env
 
 import zephon
 from zephon.errors import CheckpointMismatchError, PlanError
@@ -401,3 +402,64 @@ def test_ending_ranks_together_without_a_process_group_says_what_to_do():
         next(iter(as_torch_dataset(pipeline)))
     alone = as_torch_dataset(pipeline, end_together=False)
     assert sum(1 for _ in alone) == len(list(pipeline)) > 0
+
+
+def test_process_lanes_in_a_dataloader_worker_are_refused_with_what_to_do():
+    # A DataLoader worker is a daemonic process, which multiprocessing forbids to start
+    # processes: the refusal must say so and what to use, before any sample is read.
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from zephon.integrations.torch import as_torch_dataset
+
+    def process_pipeline() -> zephon.Pipeline:
+        src = RangeSource(400, chunk_size=7, shuffle=True, seed=3)
+        return zephon.Pipeline(src, [fetch(), batch(4)], lanes=2, workers="process")
+
+    assert list(process_pipeline())  # the fork server of this process is warm
+    loader = DataLoader(as_torch_dataset(process_pipeline()), batch_size=None, num_workers=1)
+    with pytest.raises(PlanError, match=r"daemonic.*num_workers=0.*workers='thread'"):
+        list(loader)
+
+
+_LEFT_MID_STREAM = """
+import zephon
+from torchdata.stateful_dataloader import StatefulDataLoader
+from zephon.integrations.torch import as_torch_dataset
+from zephon.ops import batch, fetch, shuffle
+from zephon.sources import RangeSource
+
+if __name__ == "__main__":
+    source = RangeSource(400, chunk_size=7, shuffle=True, seed=3)
+    pipeline = zephon.Pipeline(source, [fetch(), shuffle(5, seed=1), batch(4)], lanes=2)
+    loader = StatefulDataLoader(as_torch_dataset(pipeline), batch_size=None, num_workers=0)
+    batches = iter(loader)
+    for step in range(3):  # a training run that stops at its last step, mid-stream
+        next(batches)
+    print("trained")
+"""
+
+
+def test_a_script_that_ends_mid_stream_exits_without_a_traceback():
+    pytest.importorskip("torchdata.stateful_dataloader")
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore::UserWarning", "-c", _LEFT_MID_STREAM],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "trained\n", "")
+
+
+def test_to_tensors_copies_arrays_torch_cannot_share_and_leaves_dtypes_it_has_not():
+    torch = pytest.importorskip("torch")
+    from zephon.integrations.torch import to_tensors
+
+    # A field of a packed record array: its strides are no multiple of its item size.
+    records = np.zeros(3, dtype=[("a", "<i4"), ("b", "<i8")])
+    records["b"] = [5, 6, 7]
+    extended = np.arange(2, dtype=np.longdouble)
+    out = to_tensors({"field": records["b"], "extended": extended})
+    assert out["field"].dtype == torch.int64 and out["field"].tolist() == [5, 6, 7]
+    assert out["extended"] is extended  # torch has no tensor of this dtype

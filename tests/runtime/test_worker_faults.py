@@ -385,6 +385,27 @@ def test_an_unpicklable_pipeline_names_the_operator_and_its_attribute():
         open_lane(plan, 0)
 
 
+def a_lock_at_idx_21(payload: dict) -> dict:
+    if payload["idx"] == 21:
+        return {**payload, "extra": {"guard": threading.Lock()}}
+    return payload
+
+
+def test_a_record_that_cannot_be_pickled_is_named_with_its_cursor_and_field():
+    pipeline = zephon.Pipeline(
+        RangeSource(40, chunk_size=8),
+        [fetch(), map_transform(a_lock_at_idx_21)],
+        lanes=2,
+        workers="process",
+    )
+    with pytest.raises(
+        ZephonError,
+        match=r"record SampleCursor\(2, 5, \(0, 0, 21\)\) \(sample_id=\(0, 0, 21\)\), in "
+        r"its payload\['extra'\]\['guard'\],.*cannot pickle '_thread.lock' object",
+    ):
+        list(pipeline)
+
+
 def interrupt_on_13(payload: dict) -> dict:
     if payload["idx"] == 13:
         raise KeyboardInterrupt

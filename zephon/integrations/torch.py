@@ -20,6 +20,7 @@ of the whole pipeline, which the dataset refuses)::
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +36,12 @@ from zephon.runtime.loader import Loader
 
 __all__ = ["ZephonIterableDataset", "as_torch_dataset", "job_state", "to_tensors"]
 
-_TENSOR_KINDS = "biufc"  # bool, signed, unsigned, float, complex: what torch.from_numpy takes
+# What torch.from_numpy takes (by kind and item size): bool, signed and unsigned integers,
+# float16/32/64 and complex64/128, not numpy's extended precision (longdouble).
+_TENSOR_SIZES = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8), "c": (8, 16)}
+_TENSOR_DTYPES = frozenset(
+    np.dtype(f"{kind}{size}") for kind, sizes in _TENSOR_SIZES.items() for size in sizes
+)
 
 
 def to_tensors(value: Any) -> Any:
@@ -43,20 +49,25 @@ def to_tensors(value: Any) -> Any:
     tuples (named tuples keep their type).
 
     A numeric or bool array becomes ``torch.from_numpy(array)``, sharing its memory; an array torch
-    cannot share (read-only, or with negative strides) is copied first. A numpy scalar becomes a
-    0-d tensor. Arrays of strings or objects, Python scalars, ``str`` and anything else are
-    returned unchanged.
+    cannot share (read-only, with negative strides or strides that are no multiple of its item
+    size, as a field of a record array has) is copied first. A numpy scalar becomes a 0-d tensor.
+    Arrays of strings or objects, of a dtype torch has no tensor of (``longdouble``), Python
+    scalars, ``str`` and anything else are returned unchanged.
     """
     if isinstance(value, np.ndarray):
-        if value.dtype.kind not in _TENSOR_KINDS:
+        if value.dtype.newbyteorder("=") not in _TENSOR_DTYPES:
             return value
-        if not value.flags.writeable or any(s < 0 for s in value.strides):
+        size = value.itemsize
+        if not value.flags.writeable or any(s < 0 or s % size for s in value.strides):
             value = np.array(value)
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
         return torch.from_numpy(value)
     if isinstance(value, np.generic):
-        return torch.from_numpy(np.array(value)) if value.dtype.kind in _TENSOR_KINDS else value
+        native = value.dtype.newbyteorder("=")
+        if native not in _TENSOR_DTYPES:
+            return value
+        return torch.from_numpy(np.array(value, dtype=native))
     if isinstance(value, dict):
         return {k: to_tensors(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -164,11 +175,15 @@ class ZephonIterableDataset(IterableDataset[Any]):
             self._together = _EndTogether()
         return self._together
 
-    def _retire(self, loader: Loader) -> None:
-        # Keep the state of a loader that ended or was abandoned, then free its lanes.
+    def _retire(self, loader: Loader, _finalizing: Any = sys.is_finalizing) -> None:
+        # Keep the state of a loader that ended or was abandoned, then free its lanes. A
+        # generator left open when the interpreter exits is closed while modules are torn
+        # down (this module's names included, hence the default argument): no one can ask
+        # for its state then, and taking it would fail.
         if self._loader is loader:
-            self._final = loader.state_dict()
-            self._final_stats = loader.stats()
+            if not _finalizing():
+                self._final = loader.state_dict()
+                self._final_stats = loader.stats()
             self._loader = None
         loader.close()
 

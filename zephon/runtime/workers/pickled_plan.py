@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import pickle
 import sys
-import types
 from typing import Any
 
 from zephon.errors import PlanError
 from zephon.plan import Plan
 from zephon.runtime.workers.fork_server import plan_modules
 from zephon.runtime.workers.main_script import pickle_plan
+from zephon.runtime.workers.pipe_messages import pickle_error, unpicklable_part
 from zephon.runtime.workers.process_group import ProcessGroup
 from zephon.runtime.workers.process_main import EXIT_MAIN_REIMPORTED
 from zephon.runtime.workers.stopping import WORKER_NAME
@@ -41,34 +40,18 @@ def _refuse_unguarded_main() -> None:
     raise PlanError(unguarded_main())  # some other library's worker re-ran the script
 
 
-def _parts_of(value: Any) -> list[tuple[str, Any]]:
-    if isinstance(value, dict):
-        return [(f"[{k!r}]", v) for k, v in value.items()]
-    if isinstance(value, (list, tuple)):
-        return [(f"[{i}]", v) for i, v in enumerate(value)]
-    attrs = getattr(value, "__dict__", None)
-    if isinstance(attrs, dict) and not isinstance(value, (type, types.ModuleType)):
-        return [(f".{name}", v) for name, v in attrs.items()]
-    return []
-
-
-def _pickle_error(value: Any) -> Exception | None:
-    try:
-        pickle.dumps(value, protocol=5)
-    except Exception as exc:
-        return exc
-    return None
-
-
-def _culprit(value: Any, path: str = "", depth: int = 4) -> tuple[str, Exception] | None:
-    """The deepest attribute path (``settings['guard']``) under ``value`` that cannot be pickled."""
-    for name, part in _parts_of(value):
-        error = _pickle_error(part)
-        if error is not None:
-            here = f"{path}{name}"
-            deeper = _culprit(part, here, depth - 1) if depth > 1 else None
-            return deeper or (here, error)
-    return None
+def _refuse_daemonic_process() -> None:
+    """Fail before any read in a daemonic process (a torch DataLoader worker, a
+    ``multiprocessing.Pool`` worker), which multiprocessing forbids to start processes."""
+    me = mp.current_process()
+    if not me.daemon:
+        return
+    raise PlanError(
+        f"workers='process' cannot start worker processes from {me.name}, a daemonic process "
+        "(a torch DataLoader worker or a multiprocessing.Pool worker) that multiprocessing "
+        "forbids to start processes of its own: give the DataLoader num_workers=0 (the lanes "
+        "already parallelize), or use workers='thread' inside such a process"
+    )
 
 
 def _unpicklable_message(plan: Plan, exc: Exception) -> str:
@@ -77,10 +60,10 @@ def _unpicklable_message(plan: Plan, exc: Exception) -> str:
     parts += [(f"operator {op.name!r} (#{i})", op) for i, op in enumerate(ops)]
     what = "it"
     for label, part in parts:
-        error = _pickle_error(part)
+        error = pickle_error(part)
         if error is None:
             continue
-        found = _culprit(part)
+        found = unpicklable_part(part)
         what, exc = label, error
         if found is not None:
             what, exc = f"{label}, in its attribute {found[0].lstrip('.')},", found[1]
@@ -100,6 +83,7 @@ class PlanParcel:
 
     def __init__(self, plan: Plan):
         _refuse_unguarded_main()
+        _refuse_daemonic_process()
         try:
             self.plan_bytes, self.needs_main = pickle_plan(plan)
         except Exception as exc:

@@ -13,6 +13,7 @@ import select
 import struct
 import sys
 import time
+import types
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -32,6 +33,38 @@ RELEASED = "released"
 
 class LoaderGone(Exception):
     """The loader closed its end of the pipe: the worker stops."""
+
+
+def _parts_of(value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [(f"[{k!r}]", v) for k, v in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(value)]
+    attrs = getattr(value, "__dict__", None)
+    if isinstance(attrs, dict) and not isinstance(value, (type, types.ModuleType)):
+        return [(f".{name}", v) for name, v in attrs.items()]
+    return []
+
+
+def pickle_error(value: Any) -> Exception | None:
+    """Why ``value`` cannot be pickled, or None when it can."""
+    try:
+        pickle.dumps(value, protocol=5)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def unpicklable_part(value: Any, path: str = "", depth: int = 4) -> tuple[str, Exception] | None:
+    """The deepest attribute or item path (``settings['guard']``) under ``value`` that cannot be
+    pickled, with the error, or None."""
+    for name, part in _parts_of(value):
+        error = pickle_error(part)
+        if error is not None:
+            here = f"{path}{name}"
+            deeper = unpicklable_part(part, here, depth - 1) if depth > 1 else None
+            return deeper or (here, error)
+    return None
 
 
 def encode(kind: str, value: Any) -> tuple[tuple, list[Any]]:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+from zephon._core.records import RecordRun, SampleBatch, SampleRecord
 from zephon.errors import PlanError, ZephonError
 from zephon.ops.base import OperatorContext
 from zephon.plan import Plan
@@ -36,7 +37,9 @@ from zephon.runtime.workers.pipe_messages import (
     announce_ring,
     body_size,
     encode,
+    pickle_error,
     through_ring,
+    unpicklable_part,
     write,
 )
 from zephon.runtime.workers.shared_ring import MIN_RING_MESSAGE, RingWriter, ring_possible
@@ -187,9 +190,10 @@ def _stream(
         try:
             message = encode("items", items)
         except Exception as exc:
+            what, why = _unpicklable_record(items) or ("records", exc)
             raise ZephonError(
-                f"lane {lane_id} produced records that cannot be pickled to reach the loader "
-                f"({type(exc).__name__}: {exc}): with workers='process' payloads must be "
+                f"lane {lane_id} produced {what} that cannot be pickled to reach the loader "
+                f"({type(why).__name__}: {why}): with workers='process' payloads must be "
                 "picklable"
             ) from exc
         if items and type(items[0]) is ChunkOpened:  # what the last chunk took is free again
@@ -221,6 +225,29 @@ def _stream(
             inflight += size
         del message  # its buffers are the arrays of ``items``: nothing of them is kept here
         give_back_once_grown(GIVE_BACK_GROWTH)
+
+
+def _unpicklable_record(items: list) -> tuple[str, Exception] | None:
+    """The first record of ``items`` whose payload cannot be pickled, described by its cursor
+    and the field that cannot (``payload['image']``), with the error; None if none is found."""
+    for item in items:
+        if isinstance(item, SampleRecord):
+            records = [item]
+        elif isinstance(item, RecordRun):
+            records = list(item)
+        elif isinstance(item, SampleBatch):
+            records = list(item.records)
+        else:
+            continue
+        for record in records:
+            error = pickle_error(record.payload)
+            if error is None:
+                continue
+            cursor = record.meta.cursor
+            found = unpicklable_part(record.payload, "payload")
+            where, why = found if found else ("payload", error)
+            return f"record {cursor!r} (sample_id={cursor.sample_id}), in its {where},", why
+    return None
 
 
 def _from_loader(message: Any, ring: RingWriter | None) -> bool:
