@@ -6,6 +6,7 @@ changed behind the source refused. Each format's tests call them with its own so
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -245,3 +246,21 @@ def assert_a_shard_cache_bounds_decompressed_shards(
         assert len(list(Path(cache.dir).glob("*.shard"))) < shards, "nothing was evicted"
         cached.drop_read_caches()
         cached = pickle.loads(pickle.dumps(cached))
+
+
+def assert_a_small_shard_cache_resumes_exactly_in_process_lanes(
+    source: Callable[..., Any], make: Make, tmp: Path, items: int
+) -> None:
+    """``make(cache_dir, shards, **kw)``, the pipeline over compressed shards, on two process
+    lanes through a ``ShardCache`` with room for two of ``source``'s decompressed shards:
+    delivers the stream of a read without the cache, and resumes exactly after ``items`` items
+    with the others evicted, keeping what it keeps on disk within ``max_bytes``."""
+    largest = largest_decompressed_shard(source, tmp / "plain")
+    full = run(iter(make(tmp / "plain", lanes=2)))
+    cache = ShardCache(tmp / "shards", max_bytes=2 * largest)
+    cached = functools.partial(make, tmp / "c", cache, lanes=2, workers="process")
+    assert run(iter(cached())) == full
+    head, state = stopped_after(cached, items)
+    assert len(list(Path(cache.dir).glob("*.shard"))) <= 2  # the others were evicted
+    assert head + run(cached().iter(state=state)) == full
+    assert kept_decompressed_bytes(tmp / "c", cache) <= cache.max_bytes

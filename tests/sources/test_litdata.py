@@ -21,18 +21,16 @@ from format_kit import (
     assert_a_copy_reads_the_same,
     assert_a_killed_worker_resumes_exactly,
     assert_a_shard_cache_bounds_decompressed_shards,
+    assert_a_small_shard_cache_resumes_exactly_in_process_lanes,
     assert_columns_pick_and_order,
     assert_each_sample_twice,
     assert_resumes_exactly,
     assert_resumes_on_two_ranks_and_relanes,
     assert_same_values,
     every_sample,
-    kept_decompressed_bytes,
     largest_decompressed_shard,
-    stopped_after,
 )
 from litdata.streaming.writer import BinaryWriter
-from pipeline_kit import run
 
 import zephon
 from zephon.errors import FetchError, PlanError
@@ -216,15 +214,9 @@ def test_a_bucket_copy_keeps_downloads_and_decompressed_copies_within_the_shard_
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_compressed_chunks_through_a_small_shard_cache_resume_exactly_in_process_lanes(tmp_path):
     root = write(tmp_path / "d", "batch")
-    largest = largest_decompressed_shard(partial(LitDataSource, root), tmp_path / "plain")
-    full = run(iter(pipeline(root, tmp_path / "plain", lanes=2)))
-    cache = ShardCache(tmp_path / "shards", max_bytes=2 * largest)
-    make = partial(pipeline, root, tmp_path / "c", cache, lanes=2, workers="process")
-    assert run(iter(make())) == full
-    head, state = stopped_after(make, 5)
-    assert len(list(Path(cache.dir).glob("*.shard"))) <= 2  # the others were evicted
-    assert head + run(make().iter(state=state)) == full
-    assert kept_decompressed_bytes(tmp_path / "c", cache) <= cache.max_bytes
+    assert_a_small_shard_cache_resumes_exactly_in_process_lanes(
+        partial(LitDataSource, root), partial(pipeline, root), tmp_path, 5
+    )
 
 
 def test_a_decompressed_chunk_larger_than_the_shard_cache_is_a_fetch_error_naming_it(tmp_path):

@@ -22,6 +22,7 @@ from format_kit import (
     assert_a_file_rewritten_under_a_reader_is_refused,
     assert_a_killed_worker_resumes_exactly,
     assert_a_shard_cache_bounds_decompressed_shards,
+    assert_a_small_shard_cache_resumes_exactly_in_process_lanes,
     assert_columns_pick_and_order,
     assert_each_sample_twice,
     assert_resumes_exactly,
@@ -30,10 +31,8 @@ from format_kit import (
     every_sample,
     kept_decompressed_bytes,
     largest_decompressed_shard,
-    stopped_after,
 )
 from mds_kit import mds_writer
-from pipeline_kit import run
 from worker_kit import wait_until
 
 import zephon
@@ -211,15 +210,9 @@ def test_a_bucket_copy_keeps_downloads_and_decompressed_copies_within_the_shard_
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_compressed_shards_through_a_small_shard_cache_resume_exactly_in_process_lanes(tmp_path):
     root = write(tmp_path / "d", "zstd")
-    largest = largest_decompressed_shard(partial(MDSSource, root), tmp_path / "plain")
-    full = run(iter(pipeline(root, tmp_path / "plain", lanes=2)))
-    cache = ShardCache(tmp_path / "shards", max_bytes=2 * largest)
-    make = partial(pipeline, root, tmp_path / "c", cache, lanes=2, workers="process")
-    assert run(iter(make())) == full
-    head, state = stopped_after(make, 7)
-    assert len(list(Path(cache.dir).glob("*.shard"))) <= 2  # the others were evicted
-    assert head + run(make().iter(state=state)) == full
-    assert kept_decompressed_bytes(tmp_path / "c", cache) <= cache.max_bytes
+    assert_a_small_shard_cache_resumes_exactly_in_process_lanes(
+        partial(MDSSource, root), partial(pipeline, root), tmp_path, 7
+    )
 
 
 def test_a_decompressed_copy_is_not_evicted_while_bytes_read_from_it_are_alive(tmp_path):
