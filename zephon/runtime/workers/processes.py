@@ -356,7 +356,8 @@ class ProcessLane(WorkerLane):
         try:
             self._conn.send((RELEASED, released) if released else ACK)
         except OSError as exc:
-            raise self._lost() from _untraced(exc)
+            _untraced(exc)
+            raise self._lost() from None
         self._acks += 1
         return value
 
@@ -388,9 +389,11 @@ class ProcessLane(WorkerLane):
             try:
                 kind, value, size = receive(conn, self.timeout, self._ring)
             except MessageStalled as exc:
-                raise self._stall() from _untraced(exc)
+                _untraced(exc)
+                raise self._stall() from None
             except (EOFError, OSError) as exc:
-                raise self._lost() from _untraced(exc)
+                _untraced(exc)
+                raise self._lost() from None
             if self._arrived(kind, value):
                 return kind, value, size
 
@@ -463,9 +466,9 @@ class ProcessLane(WorkerLane):
 
 
 def _untraced(exc: BaseException) -> None:
-    """Drop the traceback of a failed pipe call before the lane's error replaces it (``raise
-    ... from _untraced(exc)``: no cause shown, ``exc`` still its context). The loader keeps that
-    error, and so its context, for as long as it lives: with the traceback it would keep the
-    call's frames, whose buffer of the message being sent is an export of a ``BytesIO``, which
-    Python 3.13 reports as an ignored ``BufferError`` when the garbage collector finds both."""
+    """Drop the traceback of a failed pipe call before the lane's error replaces it (``exc``
+    stays that error's context). The loader keeps that error, and so its context, for as long
+    as it lives: with the traceback it would keep the call's frames, whose buffer of the message
+    being sent is an export of a ``BytesIO``, which Python 3.13 reports as an ignored
+    ``BufferError`` when the garbage collector finds both."""
     exc.__traceback__ = None
