@@ -91,7 +91,7 @@ class Loader(LoaderStep):
         # ``served`` (the items this rank handed over, in global steps of its world size) less
         # what its lanes delivered: nonzero after a resume from a job state
         self.served_offset = 0
-        self.skips = SkipLog(self.counts, plan.max_skipped, plan.source.origin)
+        self.skips = SkipLog(self.counts, plan.max_skipped, plan.source)
         self.dropped_together = 0  # items left when another rank's data ended (end_together)
         self.lanes = [LaneDelivery(plan, lane, self.counts, self.skips) for lane in plan.rank_lanes]
         self.layout = Layout.fresh(plan.lanes, plan.source.total_chunks())

@@ -295,3 +295,15 @@ class IndexedSource(WorkSource):
             f"chunk_size={self.chunk_size}, shuffle={self.shuffle}, seed={self.seed}, "
             f"passes={self.passes})"
         )
+
+
+def sample_origin(source: WorkSource | None, cursor: Any) -> dict[str, Any]:
+    """``source.origin`` of the sample a record's ``cursor`` names, for a message about it;
+    ``{}`` without a source or cursor, or when naming the place fails (it must never hide the
+    error being reported)."""
+    if source is None or cursor is None:
+        return {}
+    try:
+        return source.origin(np.asarray(cursor.sample_id, dtype=np.int64))
+    except Exception:
+        return {}

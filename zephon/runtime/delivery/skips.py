@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
 from typing import Any
-
-import numpy as np
 
 from zephon._core.delivery import DeliveryCounters
 from zephon.errors import OperatorError
 from zephon.runtime.lanes.control import Skipped
+from zephon.sources.base import WorkSource, sample_origin
 
 log = logging.getLogger("zephon")
 
@@ -37,11 +35,11 @@ class SkipLog:
         self,
         counters: DeliveryCounters,
         limit: int | None,
-        origin: Callable[[np.ndarray], dict[str, Any]] = lambda pointer: {},
+        source: WorkSource | None = None,
     ):
         self.counters = counters
         self.limit = limit
-        self.origin = origin  # where a sample lives (``WorkSource.origin``)
+        self.source = source  # says where a sample lives (``WorkSource.origin``)
         self.held = 0  # admitted, waiting in a pending batch to be booked
         self.latest: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP)
 
@@ -62,7 +60,7 @@ class SkipLog:
                 "operator, or raise Pipeline(max_skipped=...)",
                 operator=item.operator,
                 cursor=cursor,
-            ).add_context(lane=lane_id, **self._where(cursor))
+            ).add_context(lane=lane_id, **sample_origin(self.source, cursor))
         self.held += 1
 
     def book(self, item: Skipped, lane_id: int) -> None:
@@ -71,7 +69,7 @@ class SkipLog:
         tags = self.counters.tag_counts
         tags[SKIPPED] = tags.get(SKIPPED, 0) + 1
         cursor = item.cursor
-        where = self._where(cursor)
+        where = sample_origin(self.source, cursor)
         log.warning(
             "lane %d: skipped record %r (sample_id=%s%s): operator %r failed: %s (%d skipped)",
             lane_id,
@@ -92,10 +90,3 @@ class SkipLog:
                 "error": item.error,
             }
         )
-
-    def _where(self, cursor: Any) -> dict[str, Any]:
-        # The sample's file and place in it, where the source can tell; never an error of its own.
-        try:
-            return self.origin(np.asarray(cursor.sample_id, dtype=np.int64))
-        except Exception:
-            return {}

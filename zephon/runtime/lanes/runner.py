@@ -18,8 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
 
-import numpy as np
-
 from zephon._core.records import RecordRun, count_closing, expand_runs, next_control
 from zephon.errors import FetchError, OperatorError, ZephonError
 from zephon.ops.base import Operator, introduce_neighbours, record_error
@@ -41,6 +39,7 @@ from zephon.runtime.lanes.operator_setup import OperatorSetup
 from zephon.runtime.lanes.overlap import NextRead
 from zephon.runtime.lanes.retire_screen import screened_out, tombstoned
 from zephon.runtime.lanes.snapshots import rebuild, snapshot_of
+from zephon.sources.base import sample_origin
 from zephon.types import ContributorRef, SampleCursor, SampleRecord
 
 #: Samples read between two snapshots of what the stateful operators hold, when the chain has
@@ -621,14 +620,7 @@ class LaneRunner:
     def _placed(self, error: ZephonError) -> ZephonError:
         """``error`` with the file of the sample its cursor names and the sample's place in it,
         where the source can tell (``WorkSource.origin``)."""
-        cursor = getattr(error, "cursor", None)
-        if cursor is None:
-            return error
-        try:
-            where = self.plan.source.origin(np.asarray(cursor.sample_id, dtype=np.int64))
-        except Exception:  # a place that cannot be named must not hide the error itself
-            return error
-        return error.add_context(**where)
+        return error.add_context(**sample_origin(self.plan.source, getattr(error, "cursor", None)))
 
     def _locate_error(
         self, op: Operator, records: Sequence[SampleRecord], exc: Exception
