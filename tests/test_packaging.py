@@ -137,6 +137,7 @@ def test_the_sdist_holds_the_build_files_and_every_kernel_source(sdist_names: se
         "setup.py",
         "pyproject.toml",
         "README.md",
+        "LICENSE",
         "zephon/py.typed",
         "zephon/_core/_types.pxd",
     }
@@ -164,6 +165,9 @@ def test_the_wheel_ships_compiled_kernels_stubs_and_py_typed(wheel: Path):
         names = sorted(zf.namelist())
     listing = "\n  ".join(names)
     assert "zephon/py.typed" in names, f"no py.typed in the wheel:\n  {listing}"
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), (
+        f"no LICENSE:\n  {listing}"
+    )
     for stem in KERNELS:
         assert f"zephon/_core/{stem}.pyi" in names, f"no stub for {stem}:\n  {listing}"
         compiled = [
