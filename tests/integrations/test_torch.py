@@ -309,6 +309,32 @@ def test_stateful_dataloader_restores_in_a_new_loader():
         assert [plain(p) for p in restored] == full  # the next epoch starts over
 
 
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_one_dataloader_worker_checkpoints_through_the_stateful_dataloader():
+    # The dataset object in the training process never iterates with num_workers=1: its own
+    # state is a fresh start, the worker's comes back through StatefulDataLoader.state_dict().
+    pytest.importorskip("torch")
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from zephon.integrations.torch import as_torch_dataset
+
+    def make_loader() -> Any:
+        ds = as_torch_dataset(pipeline(shuffled=True))
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=1)
+
+    full = [plain(p) for p in make_loader()]
+    assert len(full) == 24
+    loader = make_loader()
+    it = iter(loader)
+    head = [plain(next(it)) for _ in range(7)]
+    fresh = as_torch_dataset(pipeline(shuffled=True)).state_dict()
+    assert loader.dataset.state_dict() == fresh
+    state = loader.state_dict()
+    del it
+    restored = make_loader()
+    restored.load_state_dict(state)
+    assert head + [plain(p) for p in restored] == full
+
+
 def test_torch_dataloader_workers_are_refused(monkeypatch):
     pytest.importorskip("torch")
     import zephon.integrations.torch as zt
