@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import pickle
+import subprocess
+import sys
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -19,6 +21,7 @@ import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from worker_kit import script_env
 
 from zephon._core.binfill import BinPacker, FlatPacker
 from zephon._core.packfill import (
@@ -495,6 +498,47 @@ def test_the_arenas_kept_for_the_next_fills_are_bounded() -> None:
     del fill, fills
     assert 40 * (3 << 19) <= warm_arena_bytes() <= 64 << 20
     assert release_warm_arenas() > 0 and warm_arena_bytes() == 0
+
+
+GC_CYCLE_SCRIPT = """
+import gc
+import numpy as np
+from zephon._core.packfill import BinFill, warm_arena_bytes
+
+def take_one(fill, bin_id):
+    rows = np.array([[0, 0, 3, bin_id, 0]], dtype=np.int64)
+    fill.write(rows, [np.arange(3, dtype=np.int32) + 7], [bin_id])
+    (block,), _, _ = fill.take(np.array([bin_id], dtype=np.int64))
+    return block
+
+cycle = []  # made before the fill, so that the collector clears the list before the fill
+first = BinFill(1000)
+take_one(first, 0)
+cycle += [first, cycle]  # the fill is reachable from nothing but a reference cycle
+del first, cycle
+gc.collect()
+assert warm_arena_bytes() > 0  # its arena went on to the next fills
+second = BinFill(1000)
+blocks = [take_one(second, i) for i in range(200)]
+print(blocks[0][0, :4].tolist(), blocks[-1][0, :4].tolist())
+"""
+
+
+def test_a_fill_collected_in_a_reference_cycle_leaves_its_arena_whole() -> None:
+    # A fill that dies in a cycle (a packer held by records it made, a lane's chain) passes
+    # its arena on to the next fills, which write to it: the collector must not have freed the
+    # arena's memory. Arenas are mapped memory here (a low mmap threshold), so a write to a
+    # freed one ends the process.
+    env = {**script_env(), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run(
+        [sys.executable, "-c", GC_CYCLE_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.split() == ["[7,", "8,", "9,", "0]", "[7,", "8,", "9,", "0]"]
 
 
 def test_an_item_is_read_when_its_bin_leaves() -> None:

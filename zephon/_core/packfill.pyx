@@ -20,6 +20,7 @@ lock from its first read to its last write, GIL-free copies included, so concurr
 after the other; a thread waits for the lock without the GIL, so the holder can always finish.
 """
 
+cimport cython
 cimport numpy as cnp
 from cpython.dict cimport PyDict_GetItem
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
@@ -291,6 +292,10 @@ def payload_fields(list records not None, str field not None, tuple sides not No
     return arrays, out, side_arrays
 
 
+# Never tracked by the cyclic collector: what it refers to (its own ndarray) cannot refer back,
+# and a collector's clear of an arena found in a dead fill's cycle would free its memory while
+# the fill's dealloc passes the arena on to the next fills (``_keep_warm``), which write to it.
+@cython.no_gc
 cdef class RowArena:
     """Memory that ``BinFill.take`` writes bins into, one after another (see the module
     docstring); the base of every block and row view it hands over."""
