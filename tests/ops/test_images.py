@@ -448,3 +448,20 @@ def test_images_by_uri_resume_exactly(store, lanes, workers):
         full = run(loader)
     assert sum(len(item[2]) for item in full) == 15
     assert_resumes_at(pipeline, [1, 3], full)
+
+
+def test_a_skipped_augmentation_inside_decoding_is_reported_under_its_own_name(images):
+    # Run inside decode_images or on its own, the skip report names the augmentation that failed.
+    def reports(between: list) -> list[tuple[str, str]]:
+        p = zephon.Pipeline(
+            ArrowSource([str(images)], chunk_size=16),
+            [fetch(), decode_images(), *between, _Stamped()],
+            on_error="skip",
+        )
+        with p.iter() as loader:
+            list(loader)
+            return [(s["operator"], s["error"]) for s in loader.skipped()]
+
+    joined, alone = reports([]), reports([map_transform(_unchanged)])
+    assert joined == alone
+    assert joined and {operator for operator, _ in joined} == {"stamped(image)"}
