@@ -465,3 +465,23 @@ def test_a_skipped_augmentation_inside_decoding_is_reported_under_its_own_name(i
     joined, alone = reports([]), reports([map_transform(_unchanged)])
     assert joined == alone
     assert joined and {operator for operator, _ in joined} == {"stamped(image)"}
+
+
+def test_an_undecodable_image_is_named_by_its_path_and_its_place_in_the_list(tmp_path: Path):
+    paths = []
+    for i in range(3):
+        paths.append(str(tmp_path / f"photo-{i}.jpg"))
+        drawn(i).save(paths[-1], format="JPEG")
+    whole = Path(paths[1]).read_bytes()
+    Path(paths[1]).write_bytes(whole[: len(whole) // 2])  # truncated: Pillow names no file
+    rows = [{"images": [paths[0]], "image": paths[0]}, {"images": paths, "image": paths[1]}]
+    for field, which in (("images", f"image 1 of field 'images' ({paths[1]!r})"),
+                         ("image", f"image {paths[1]!r}")):  # fmt: skip
+        ops = [fetch(), decode_images(field)]
+        with pytest.raises(OperatorError) as info:
+            list(zephon.Pipeline(ListSource(rows), ops))
+        assert f"(sample_id=(0, 0, 1)): {which}: OSError" in str(info.value)
+        with zephon.Pipeline(ListSource(rows), ops, on_error="skip").iter() as loader:
+            assert len(list(loader)) == 1
+            (skipped,) = loader.skipped()
+        assert skipped["error"].startswith(f"{which}: OSError")

@@ -167,11 +167,22 @@ class DecodeImages(_PerImage):
                 if self.on_error == "drop":
                     out.extend(tombstones_for_record(rec))
                     continue
+                if isinstance(exc, _Undecodable):
+                    about = exc.which(self.field, isinstance(value, list))
+                    raise record_error(self, rec, exc.error, about=about) from exc.error
                 raise record_error(self, rec, exc) from exc
             out.append(self._with(rec, decoded))
         return out
 
     def _decode(self, rec: SampleRecord, value: Any, i: int) -> Any:
+        try:
+            return self._decoded(rec, value, i)
+        except _AugmentationFailed:
+            raise
+        except Exception as exc:
+            raise _Undecodable(value, i, exc) from exc
+
+    def _decoded(self, rec: SampleRecord, value: Any, i: int) -> Any:
         Image = _pil()
         if isinstance(value, dict):  # a Hugging Face Image feature
             value = value.get("bytes") or value.get("path")
@@ -246,6 +257,27 @@ def decode_images(
     ``OperatorError`` naming the sample, or with ``on_error="drop"`` its record is dropped (with
     its tombstones)."""
     return DecodeImages(field, mode=mode, max_pixels=max_pixels, on_error=on_error)
+
+
+class _Undecodable(Exception):
+    """Image ``i`` of a record's field (``value``, as the field holds it) could not be read or
+    decoded: ``error``, which the record's ``OperatorError`` names it with (``which``)."""
+
+    def __init__(self, value: Any, i: int, error: Exception):
+        super().__init__(str(error))
+        self.value, self.i, self.error = value, i, error
+
+    def which(self, field: str, listed: bool) -> str | None:
+        """The image's place in a list of ``field`` and its path or URI, as far as known:
+        Pillow's errors name neither."""
+        value = self.value
+        path = value.get("path") if isinstance(value, dict) else value
+        named = f"{path!r}" if isinstance(path, str) and path else None
+        if isinstance(self.error, FetchError):
+            named = None  # its message names the URI
+        if not listed:
+            return None if named is None else f"image {named}"
+        return f"image {self.i} of field {field!r}" + ("" if named is None else f" ({named})")
 
 
 class _AugmentationFailed(Exception):
