@@ -485,3 +485,21 @@ def test_an_undecodable_image_is_named_by_its_path_and_its_place_in_the_list(tmp
             assert len(list(loader)) == 1
             (skipped,) = loader.skipped()
         assert skipped["error"].startswith(f"{which}: OSError")
+
+
+@pytest.mark.parametrize("max_pixels", [None, 200])
+@pytest.mark.parametrize("mode", ["L", "RGB", "RGBA"])
+def test_a_16_bit_grayscale_image_decodes_to_its_8_bit_values_not_white(mode, max_pixels):
+    deep = (np.arange(24 * 36, dtype=np.uint16).reshape(24, 36) * 75).astype(np.uint16)
+    shallow = (deep >> 8).astype(np.uint8)  # what a viewer shows of it, in 8 bits
+    files = []
+    for pixels in (deep, shallow):
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        files.append(buf.getvalue())
+    assert Image.open(io.BytesIO(files[0])).mode == "I;16"
+    ops = [fetch(), decode_images(mode=mode, max_pixels=max_pixels)]
+    p = zephon.Pipeline(ListSource([{"image": data} for data in files]), ops)
+    got, expected = (r.payload["image"] for r in p)
+    assert np.array_equal(got, expected)
+    assert max_pixels is not None or np.array_equal(got[..., 0] if mode != "L" else got, shallow)

@@ -66,6 +66,16 @@ def _pil() -> Any:
     return Image
 
 
+def _eight_bit(image: Any) -> Any:
+    """``image``, or for a 16-bit grayscale one (``I;16``: a 16-bit PNG or TIFF) the 8-bit ``L``
+    image of its high bytes, what a viewer shows of it: Pillow's own conversion to ``L`` or
+    ``RGB`` clips every value above 255 to white instead."""
+    if not image.mode.startswith("I;16"):
+        return image
+    high = (np.asarray(image) >> 8).astype(np.uint8)
+    return _pil().fromarray(high)  # a 2-D uint8 array is an L image
+
+
 def pixels_of(image: Any) -> np.ndarray:
     """The pixels of a Pillow image as a new, writable ``uint8`` array: ``(H, W, C)``, or
     ``(H, W)`` for one band. An RGB image's are packed straight from Pillow's memory (which holds
@@ -192,7 +202,8 @@ class DecodeImages(_PerImage):
             source = io.BytesIO(self._read_uri(value)) if self._storage.is_uri(value) else value
         else:
             raise TypeError(f"an image is encoded bytes or a path, got {type(value).__name__}")
-        with Image.open(source) as image:
+        with Image.open(source) as opened:
+            image = _eight_bit(opened)
             if self.max_pixels is not None and image.width * image.height > self.max_pixels:
                 scale = math.sqrt(self.max_pixels / (image.width * image.height))
                 size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
