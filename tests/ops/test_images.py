@@ -35,6 +35,7 @@ from zephon.testing import check_operator
 
 Image = pytest.importorskip("PIL.Image")
 ImageDraw = pytest.importorskip("PIL.ImageDraw")
+ImageOps = pytest.importorskip("PIL.ImageOps")
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 FORMATS = ("PNG", "JPEG", "WEBP")
@@ -503,3 +504,27 @@ def test_a_16_bit_grayscale_image_decodes_to_its_8_bit_values_not_white(mode, ma
     got, expected = (r.payload["image"] for r in p)
     assert np.array_equal(got, expected)
     assert max_pixels is not None or np.array_equal(got[..., 0] if mode != "L" else got, shallow)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_a_photo_with_an_exif_orientation_decodes_upright(mode, orientation):
+    # As a viewer, Pillow's ImageOps.exif_transpose and Hugging Face datasets show it.
+    photo = drawn(3)  # 61 x 63, not symmetric
+    exif = photo.getexif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    photo.save(buf, format="PNG", exif=exif)
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(buf.getvalue()))).convert(mode)
+    rows = [{"image": buf.getvalue()}]
+    (got,) = (
+        r.payload["image"]
+        for r in zephon.Pipeline(ListSource(rows), [fetch(), decode_images(mode=mode)])
+    )
+    assert np.array_equal(got, np.asarray(upright))
+    ops = [fetch(), decode_images(mode=mode, max_pixels=1000), resize_images(20)]
+    (small,) = (r.payload["image"] for r in zephon.Pipeline(ListSource(rows), ops))
+    assert small.shape[:2] == (20, round(20 * upright.width / upright.height)) or (
+        small.shape[:2] == (round(20 * upright.height / upright.width), 20)
+    )
+    assert (small.shape[0] > small.shape[1]) == (upright.height > upright.width)

@@ -66,6 +66,31 @@ def _pil() -> Any:
     return Image
 
 
+#: The transposition that makes an image upright, by its EXIF orientation (2 to 8; 1 is upright),
+#: as ``PIL.ImageOps.exif_transpose`` applies it.
+_EXIF_TURNS = {
+    2: "FLIP_LEFT_RIGHT",
+    3: "ROTATE_180",
+    4: "FLIP_TOP_BOTTOM",
+    5: "TRANSPOSE",
+    6: "ROTATE_270",
+    7: "TRANSVERSE",
+    8: "ROTATE_90",
+}
+
+
+def _exif_turn(image: Any) -> Any:
+    """The ``Image.Transpose`` that shows ``image`` upright, as viewers (and Hugging Face
+    ``datasets``) do with a photo's EXIF orientation; None for an upright one, and for EXIF
+    that cannot be read (a damaged tag never fails the image)."""
+    try:
+        orientation = image.getexif().get(0x0112)
+    except Exception:
+        return None
+    name = _EXIF_TURNS.get(orientation) if isinstance(orientation, int) else None
+    return None if name is None else getattr(_pil().Transpose, name)
+
+
 def _eight_bit(image: Any) -> Any:
     """``image``, or for a 16-bit grayscale one (``I;16``: a 16-bit PNG or TIFF) the 8-bit ``L``
     image of its high bytes, what a viewer shows of it: Pillow's own conversion to ``L`` or
@@ -203,6 +228,7 @@ class DecodeImages(_PerImage):
         else:
             raise TypeError(f"an image is encoded bytes or a path, got {type(value).__name__}")
         with Image.open(source) as opened:
+            turn = _exif_turn(opened)
             image = _eight_bit(opened)
             if self.max_pixels is not None and image.width * image.height > self.max_pixels:
                 scale = math.sqrt(self.max_pixels / (image.width * image.height))
@@ -213,6 +239,8 @@ class DecodeImages(_PerImage):
                 image = image.convert(self.mode)
             else:  # already in the mode: converting would only copy it
                 image.load()
+            if turn is not None:  # after any scaling down: a turn is exact at any size
+                image = image.transpose(turn)
             if not self._then:
                 return pixels_of(image)
             return self._augmented(image, rec, i)
