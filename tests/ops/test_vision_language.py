@@ -244,6 +244,18 @@ def test_images_and_their_items_must_agree_and_the_image_id_is_never_guessed() -
         tokenize_interleaved(vision_bpe(), image_token_id=tid(IMAGE))
 
 
+def test_a_text_item_without_its_text_is_an_error_not_an_image() -> None:
+    # Read as an image, it would take the next picture, and the pictures after it would shift.
+    op = tokenize_interleaved(vision_bpe(), eos_id=tid(EOT), **image_kw())
+    for item in ({"type": "text", "text": None}, {"type": "text"}):
+        rec = SampleRecord(
+            SampleMeta(SampleCursor(0, 0, (0, 0, 0))),
+            {"content": ["a fox", item, None], "images": [picture(0), picture(1)]},
+        )
+        with pytest.raises(OperatorError, match=r"item 1 of field 'content' is a text item"):
+            op.process_many([rec])
+
+
 def test_a_tokenizer_that_truncates_is_refused_for_interleaved_documents() -> None:
     tok = Tokenizer.from_str(vision_bpe().to_str())  # a copy: vision_bpe() is shared
     tok.enable_truncation(max_length=8)

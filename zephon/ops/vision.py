@@ -402,6 +402,11 @@ class TokenizeInterleaved(Operator):
         for i, item in enumerate(items):
             if isinstance(item, Mapping) and item.get("type") == "text":
                 item = item.get("text")
+                if not isinstance(item, str):  # None would read as the next image
+                    raise TypeError(
+                        f"item {i} of field {self.field!r} is a text item whose 'text' is "
+                        f"{item!r:.60}, not a str"
+                    )
             if not (isinstance(item, str) or _is_image_item(item)):
                 raise TypeError(
                     f"item {i} of field {self.field!r} is {item!r:.60}: an item is a str, "
