@@ -5,6 +5,7 @@ the sample's cursor, whatever the lanes, workers or resumes."""
 from __future__ import annotations
 
 import io
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -528,3 +529,20 @@ def test_a_photo_with_an_exif_orientation_decodes_upright(mode, orientation):
         small.shape[:2] == (round(20 * upright.height / upright.width), 20)
     )
     assert (small.shape[0] > small.shape[1]) == (upright.height > upright.width)
+
+
+def test_a_left_right_and_a_top_bottom_flip_with_the_default_seed_are_drawn_apart():
+    # With one draw for both, an image was flipped both ways or not at all, never mirrored once.
+    image = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    outcomes = {
+        "neither": image,
+        "left-right": image[:, ::-1],
+        "top-bottom": image[::-1],
+        "both": image[::-1, ::-1],
+    }
+    ops = [fetch(), random_flip(), random_flip(horizontal=False)]
+    seen = Counter()
+    for r in zephon.Pipeline(ListSource([{"image": image}] * 200), ops):
+        (which,) = [k for k, v in outcomes.items() if np.array_equal(r.payload["image"], v)]
+        seen[which] += 1
+    assert set(seen) == set(outcomes) and min(seen.values()) > 20

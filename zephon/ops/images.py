@@ -394,8 +394,15 @@ class ImageTransform(_PerImage):
                 f"{type(image).__name__} {getattr(image, 'dtype', '')}"
             )
         seed = self.seed
-        rng = None if seed is None else record_rng(seed, rec.meta.cursor, f"{self.kind}:{i}")
+        purpose = f"{self._purpose()}:{i}"
+        rng = None if seed is None else record_rng(seed, rec.meta.cursor, purpose)
         return self.transform(image, rng)
+
+    def _purpose(self) -> str:
+        """What this transform's draws are for, which with the image's place tags its generator:
+        its kind (so the same crop is drawn for two fields with one seed); a transform whose
+        options make another augmentation of the same kind says more."""
+        return self.kind
 
 
 def _resample(name: str) -> Any:
@@ -581,6 +588,11 @@ class RandomFlip(ImageTransform):
         self.p = float(p)
         self.horizontal = bool(horizontal)
         self._named(field, seed)
+
+    def _purpose(self) -> str:
+        # A top-bottom flip draws apart from a left-right one of the same seed, which would
+        # otherwise flip each image both ways or neither (left-right keeps the draws it had).
+        return self.kind if self.horizontal else f"{self.kind}:top-bottom"
 
     def transform(self, image: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
         assert rng is not None
