@@ -541,7 +541,7 @@ def test_a_left_right_and_a_top_bottom_flip_with_the_default_seed_are_drawn_apar
         "both": image[::-1, ::-1],
     }
     ops = [fetch(), random_flip(), random_flip(horizontal=False)]
-    seen = Counter()
+    seen: Counter[str] = Counter()
     for r in zephon.Pipeline(ListSource([{"image": image}] * 200), ops):
         (which,) = [k for k, v in outcomes.items() if np.array_equal(r.payload["image"], v)]
         seen[which] += 1
