@@ -5,6 +5,7 @@ the sample's cursor, whatever the lanes, workers or resumes."""
 from __future__ import annotations
 
 import io
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from zephon.testing import check_operator
 
 Image = pytest.importorskip("PIL.Image")
 ImageDraw = pytest.importorskip("PIL.ImageDraw")
+ImageOps = pytest.importorskip("PIL.ImageOps")
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 FORMATS = ("PNG", "JPEG", "WEBP")
@@ -448,3 +450,99 @@ def test_images_by_uri_resume_exactly(store, lanes, workers):
         full = run(loader)
     assert sum(len(item[2]) for item in full) == 15
     assert_resumes_at(pipeline, [1, 3], full)
+
+
+def test_a_skipped_augmentation_inside_decoding_is_reported_under_its_own_name(images):
+    # Run inside decode_images or on its own, the skip report names the augmentation that failed.
+    def reports(between: list) -> list[tuple[str, str]]:
+        p = zephon.Pipeline(
+            ArrowSource([str(images)], chunk_size=16),
+            [fetch(), decode_images(), *between, _Stamped()],
+            on_error="skip",
+        )
+        with p.iter() as loader:
+            list(loader)
+            return [(s["operator"], s["error"]) for s in loader.skipped()]
+
+    joined, alone = reports([]), reports([map_transform(_unchanged)])
+    assert joined == alone
+    assert joined and {operator for operator, _ in joined} == {"stamped(image)"}
+
+
+def test_an_undecodable_image_is_named_by_its_path_and_its_place_in_the_list(tmp_path: Path):
+    paths = []
+    for i in range(3):
+        paths.append(str(tmp_path / f"photo-{i}.jpg"))
+        drawn(i).save(paths[-1], format="JPEG")
+    whole = Path(paths[1]).read_bytes()
+    Path(paths[1]).write_bytes(whole[: len(whole) // 2])  # truncated: Pillow names no file
+    rows = [{"images": [paths[0]], "image": paths[0]}, {"images": paths, "image": paths[1]}]
+    for field, which in (("images", f"image 1 of field 'images' ({paths[1]!r})"),
+                         ("image", f"image {paths[1]!r}")):  # fmt: skip
+        ops = [fetch(), decode_images(field)]
+        with pytest.raises(OperatorError) as info:
+            list(zephon.Pipeline(ListSource(rows), ops))
+        assert f"(sample_id=(0, 0, 1)): {which}: OSError" in str(info.value)
+        with zephon.Pipeline(ListSource(rows), ops, on_error="skip").iter() as loader:
+            assert len(list(loader)) == 1
+            (skipped,) = loader.skipped()
+        assert skipped["error"].startswith(f"{which}: OSError")
+
+
+@pytest.mark.parametrize("max_pixels", [None, 200])
+@pytest.mark.parametrize("mode", ["L", "RGB", "RGBA"])
+def test_a_16_bit_grayscale_image_decodes_to_its_8_bit_values_not_white(mode, max_pixels):
+    deep = (np.arange(24 * 36, dtype=np.uint16).reshape(24, 36) * 75).astype(np.uint16)
+    shallow = (deep >> 8).astype(np.uint8)  # what a viewer shows of it, in 8 bits
+    files = []
+    for pixels in (deep, shallow):
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        files.append(buf.getvalue())
+    assert Image.open(io.BytesIO(files[0])).mode == "I;16"
+    ops = [fetch(), decode_images(mode=mode, max_pixels=max_pixels)]
+    p = zephon.Pipeline(ListSource([{"image": data} for data in files]), ops)
+    got, expected = (r.payload["image"] for r in p)
+    assert np.array_equal(got, expected)
+    assert max_pixels is not None or np.array_equal(got[..., 0] if mode != "L" else got, shallow)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_a_photo_with_an_exif_orientation_decodes_upright(mode, orientation):
+    # As a viewer, Pillow's ImageOps.exif_transpose and Hugging Face datasets show it.
+    photo = drawn(3)  # 61 x 63, not symmetric
+    exif = photo.getexif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    photo.save(buf, format="PNG", exif=exif)
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(buf.getvalue()))).convert(mode)
+    rows = [{"image": buf.getvalue()}]
+    (got,) = (
+        r.payload["image"]
+        for r in zephon.Pipeline(ListSource(rows), [fetch(), decode_images(mode=mode)])
+    )
+    assert np.array_equal(got, np.asarray(upright))
+    ops = [fetch(), decode_images(mode=mode, max_pixels=1000), resize_images(20)]
+    (small,) = (r.payload["image"] for r in zephon.Pipeline(ListSource(rows), ops))
+    assert small.shape[:2] == (20, round(20 * upright.width / upright.height)) or (
+        small.shape[:2] == (round(20 * upright.height / upright.width), 20)
+    )
+    assert (small.shape[0] > small.shape[1]) == (upright.height > upright.width)
+
+
+def test_a_left_right_and_a_top_bottom_flip_with_the_default_seed_are_drawn_apart():
+    # With one draw for both, an image was flipped both ways or not at all, never mirrored once.
+    image = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    outcomes = {
+        "neither": image,
+        "left-right": image[:, ::-1],
+        "top-bottom": image[::-1],
+        "both": image[::-1, ::-1],
+    }
+    ops = [fetch(), random_flip(), random_flip(horizontal=False)]
+    seen: Counter[str] = Counter()
+    for r in zephon.Pipeline(ListSource([{"image": image}] * 200), ops):
+        (which,) = [k for k, v in outcomes.items() if np.array_equal(r.payload["image"], v)]
+        seen[which] += 1
+    assert set(seen) == set(outcomes) and min(seen.values()) > 20

@@ -244,6 +244,41 @@ def test_images_and_their_items_must_agree_and_the_image_id_is_never_guessed() -
         tokenize_interleaved(vision_bpe(), image_token_id=tid(IMAGE))
 
 
+@pytest.mark.parametrize("kind", ["tokenizers", "transformers"])
+def test_a_document_spelling_a_special_token_gets_text_not_the_token(kind: str) -> None:
+    # A scraped page may spell "<|image|>" or "<|end|>": an image token without its image, or an
+    # end of document in the middle of one, would reach the model.
+    from transformers import PreTrainedTokenizerFast
+
+    tok: Any = vision_bpe()
+    if kind == "transformers":
+        tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, pad_token="<pad>")
+    text = f"a page on {IMAGE} and {EOT} tokens"
+    plain = Tokenizer.from_str(vision_bpe().to_str())
+    plain.encode_special_tokens = True
+    spelled = plain.encode(text, add_special_tokens=False).ids
+    assert tid(IMAGE) not in spelled and tid(EOT) not in spelled
+    rec = SampleRecord(
+        SampleMeta(SampleCursor(0, 0, (0, 0, 0))),
+        {"content": [text, None, "fox"], "images": [picture(0)]},
+    )
+    (out,) = tokenize_interleaved(tok, eos_id=tid(EOT), **image_kw()).process_many([rec])
+    fox = vision_bpe().encode("fox", add_special_tokens=False).ids
+    assert out.payload["tokens"].tolist() == [*spelled, *span(picture(0)), *fox, tid(EOT)]
+
+
+def test_a_text_item_without_its_text_is_an_error_not_an_image() -> None:
+    # Read as an image, it would take the next picture, and the pictures after it would shift.
+    op = tokenize_interleaved(vision_bpe(), eos_id=tid(EOT), **image_kw())
+    for item in ({"type": "text", "text": None}, {"type": "text"}):
+        rec = SampleRecord(
+            SampleMeta(SampleCursor(0, 0, (0, 0, 0))),
+            {"content": ["a fox", item, None], "images": [picture(0), picture(1)]},
+        )
+        with pytest.raises(OperatorError, match=r"item 1 of field 'content' is a text item"):
+            op.process_many([rec])
+
+
 def test_a_tokenizer_that_truncates_is_refused_for_interleaved_documents() -> None:
     tok = Tokenizer.from_str(vision_bpe().to_str())  # a copy: vision_bpe() is shared
     tok.enable_truncation(max_length=8)

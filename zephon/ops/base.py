@@ -250,12 +250,16 @@ def introduce_neighbours(chain: Sequence[Operator], skips: Sequence[bool]) -> No
         before = op
 
 
-def record_error(op: Operator, record: SampleRecord, exc: BaseException) -> OperatorError:
-    """An ``OperatorError`` naming the operator, the record's cursor and its sample id."""
+def record_error(
+    op: Operator, record: SampleRecord, exc: BaseException, *, about: str | None = None
+) -> OperatorError:
+    """An ``OperatorError`` naming the operator, the record's cursor and its sample id, and with
+    ``about`` the part of the record that failed (an image of a list, its file)."""
     cursor = record.meta.cursor
+    part = f"{about}: " if about else ""
     return OperatorError(
         f"operator {op.name!r} failed on record {cursor!r} (sample_id={cursor.sample_id}): "
-        f"{type(exc).__name__}: {exc}",
+        f"{part}{type(exc).__name__}: {exc}",
         operator=op.name,
         cursor=cursor,
     )

@@ -66,6 +66,41 @@ def _pil() -> Any:
     return Image
 
 
+#: The transposition that makes an image upright, by its EXIF orientation (2 to 8; 1 is upright),
+#: as ``PIL.ImageOps.exif_transpose`` applies it.
+_EXIF_TURNS = {
+    2: "FLIP_LEFT_RIGHT",
+    3: "ROTATE_180",
+    4: "FLIP_TOP_BOTTOM",
+    5: "TRANSPOSE",
+    6: "ROTATE_270",
+    7: "TRANSVERSE",
+    8: "ROTATE_90",
+}
+
+
+def _exif_turn(image: Any) -> Any:
+    """The ``Image.Transpose`` that shows ``image`` upright, as viewers (and Hugging Face
+    ``datasets``) do with a photo's EXIF orientation; None for an upright one, and for EXIF
+    that cannot be read (a damaged tag never fails the image)."""
+    try:
+        orientation = image.getexif().get(0x0112)
+    except Exception:
+        return None
+    name = _EXIF_TURNS.get(orientation) if isinstance(orientation, int) else None
+    return None if name is None else getattr(_pil().Transpose, name)
+
+
+def _eight_bit(image: Any) -> Any:
+    """``image``, or for a 16-bit grayscale one (``I;16``: a 16-bit PNG or TIFF) the 8-bit ``L``
+    image of its high bytes, what a viewer shows of it: Pillow's own conversion to ``L`` or
+    ``RGB`` clips every value above 255 to white instead."""
+    if not image.mode.startswith("I;16"):
+        return image
+    high = (np.asarray(image) >> 8).astype(np.uint8)
+    return _pil().fromarray(high)  # a 2-D uint8 array is an L image
+
+
 def pixels_of(image: Any) -> np.ndarray:
     """The pixels of a Pillow image as a new, writable ``uint8`` array: ``(H, W, C)``, or
     ``(H, W)`` for one band. An RGB image's are packed straight from Pillow's memory (which holds
@@ -167,11 +202,22 @@ class DecodeImages(_PerImage):
                 if self.on_error == "drop":
                     out.extend(tombstones_for_record(rec))
                     continue
+                if isinstance(exc, _Undecodable):
+                    about = exc.which(self.field, isinstance(value, list))
+                    raise record_error(self, rec, exc.error, about=about) from exc.error
                 raise record_error(self, rec, exc) from exc
             out.append(self._with(rec, decoded))
         return out
 
     def _decode(self, rec: SampleRecord, value: Any, i: int) -> Any:
+        try:
+            return self._decoded(rec, value, i)
+        except _AugmentationFailed:
+            raise
+        except Exception as exc:
+            raise _Undecodable(value, i, exc) from exc
+
+    def _decoded(self, rec: SampleRecord, value: Any, i: int) -> Any:
         Image = _pil()
         if isinstance(value, dict):  # a Hugging Face Image feature
             value = value.get("bytes") or value.get("path")
@@ -181,7 +227,9 @@ class DecodeImages(_PerImage):
             source = io.BytesIO(self._read_uri(value)) if self._storage.is_uri(value) else value
         else:
             raise TypeError(f"an image is encoded bytes or a path, got {type(value).__name__}")
-        with Image.open(source) as image:
+        with Image.open(source) as opened:
+            turn = _exif_turn(opened)
+            image = _eight_bit(opened)
             if self.max_pixels is not None and image.width * image.height > self.max_pixels:
                 scale = math.sqrt(self.max_pixels / (image.width * image.height))
                 size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
@@ -191,6 +239,8 @@ class DecodeImages(_PerImage):
                 image = image.convert(self.mode)
             else:  # already in the mode: converting would only copy it
                 image.load()
+            if turn is not None:  # after any scaling down: a turn is exact at any size
+                image = image.transpose(turn)
             if not self._then:
                 return pixels_of(image)
             return self._augmented(image, rec, i)
@@ -246,6 +296,27 @@ def decode_images(
     ``OperatorError`` naming the sample, or with ``on_error="drop"`` its record is dropped (with
     its tombstones)."""
     return DecodeImages(field, mode=mode, max_pixels=max_pixels, on_error=on_error)
+
+
+class _Undecodable(Exception):
+    """Image ``i`` of a record's field (``value``, as the field holds it) could not be read or
+    decoded: ``error``, which the record's ``OperatorError`` names it with (``which``)."""
+
+    def __init__(self, value: Any, i: int, error: Exception):
+        super().__init__(str(error))
+        self.value, self.i, self.error = value, i, error
+
+    def which(self, field: str, listed: bool) -> str | None:
+        """The image's place in a list of ``field`` and its path or URI, as far as known:
+        Pillow's errors name neither."""
+        value = self.value
+        path = value.get("path") if isinstance(value, dict) else value
+        named = f"{path!r}" if isinstance(path, str) and path else None
+        if isinstance(self.error, FetchError):
+            named = None  # its message names the URI
+        if not listed:
+            return None if named is None else f"image {named}"
+        return f"image {self.i} of field {field!r}" + ("" if named is None else f" ({named})")
 
 
 class _AugmentationFailed(Exception):
@@ -323,8 +394,15 @@ class ImageTransform(_PerImage):
                 f"{type(image).__name__} {getattr(image, 'dtype', '')}"
             )
         seed = self.seed
-        rng = None if seed is None else record_rng(seed, rec.meta.cursor, f"{self.kind}:{i}")
+        purpose = f"{self._purpose()}:{i}"
+        rng = None if seed is None else record_rng(seed, rec.meta.cursor, purpose)
         return self.transform(image, rng)
+
+    def _purpose(self) -> str:
+        """What this transform's draws are for, which with the image's place tags its generator:
+        its kind (so the same crop is drawn for two fields with one seed); a transform whose
+        options make another augmentation of the same kind says more."""
+        return self.kind
 
 
 def _resample(name: str) -> Any:
@@ -510,6 +588,11 @@ class RandomFlip(ImageTransform):
         self.p = float(p)
         self.horizontal = bool(horizontal)
         self._named(field, seed)
+
+    def _purpose(self) -> str:
+        # A top-bottom flip draws apart from a left-right one of the same seed, which would
+        # otherwise flip each image both ways or neither (left-right keeps the draws it had).
+        return self.kind if self.horizontal else f"{self.kind}:top-bottom"
 
     def transform(self, image: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
         assert rng is not None

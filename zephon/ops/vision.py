@@ -328,6 +328,8 @@ class TokenizeInterleaved(Operator):
         self._text = (
             None if self._plain or self._transformers else Tokenize(tokenizer, append_eos=False)
         )
+        self._specials: np.ndarray | None = None  # _special_ids
+        self._spelling: Any = None  # _as_text's copy of a tokenizers.Tokenizer
         eos = find_eos(tokenizer, eos_id) if self.append_eos else None
         if self.append_eos and eos is None:
             raise PlanError(
@@ -376,15 +378,59 @@ class TokenizeInterleaved(Operator):
             return []
         tok = self.tokenizer
         if self._plain:
-            return [
+            out = [
                 np.asarray(e.ids, dtype=np.int32)
                 for e in tok.encode_batch(texts, add_special_tokens=False)
             ]
-        if self._transformers:
+        elif self._transformers:
             ids = tok(texts, add_special_tokens=False)["input_ids"]
-            return [np.asarray(i, dtype=np.int32) for i in ids]
-        assert self._text is not None
-        return self._text.encode_texts(texts)
+            out = [np.asarray(i, dtype=np.int32) for i in ids]
+        else:
+            assert self._text is not None
+            return self._text.encode_texts(texts)
+        # A text that spells a special token ("<|image|>" or "<|end|>" on a scraped page) is
+        # encoded again with such strings as text: an image token without its image, or an end
+        # of document inside one, must not reach the model.
+        specials = self._special_ids()
+        for k, ids in enumerate(out):
+            if len(specials) and np.isin(ids, specials).any():
+                out[k] = self._as_text(texts[k])
+        return out
+
+    def _special_ids(self) -> np.ndarray:
+        """The ids of the tokenizer's special tokens (looked up once)."""
+        if self._specials is None:
+            tok = self.tokenizer
+            decoder = getattr(tok, "added_tokens_decoder", None)
+            if decoder is None:
+                get = getattr(tok, "get_added_tokens_decoder", None)
+                decoder = get() if callable(get) else {}
+            ids = [int(i) for i, t in decoder.items() if getattr(t, "special", False)]
+            self._specials = np.array(sorted(ids), dtype=np.int32)
+        return self._specials
+
+    def _as_text(self, text: str) -> np.ndarray:
+        """The ids of ``text`` with special tokens' strings encoded as the text they are."""
+        tok = self.tokenizer
+        if self._transformers:
+            ids = tok([text], add_special_tokens=False, split_special_tokens=True)["input_ids"][0]
+            return np.asarray(ids, dtype=np.int32)
+        if self._spelling is None:
+            try:
+                copy = type(tok).from_str(tok.to_str())
+                copy.encode_special_tokens = True
+            except Exception as exc:
+                raise ValueError(
+                    f"the text spells a special token of the tokenizer, which cannot be copied to "
+                    f"encode it as text ({type(exc).__name__}: {exc})"
+                ) from exc
+            self._spelling = copy
+        encoding = self._spelling.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, dtype=np.int32)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The copy that encodes special tokens' strings as text is made again where needed.
+        return {**self.__dict__, "_spelling": None}
 
     def _items(self, rec: SampleRecord) -> list[Any]:
         payload = rec.payload
@@ -402,6 +448,11 @@ class TokenizeInterleaved(Operator):
         for i, item in enumerate(items):
             if isinstance(item, Mapping) and item.get("type") == "text":
                 item = item.get("text")
+                if not isinstance(item, str):  # None would read as the next image
+                    raise TypeError(
+                        f"item {i} of field {self.field!r} is a text item whose 'text' is "
+                        f"{item!r:.60}, not a str"
+                    )
             if not (isinstance(item, str) or _is_image_item(item)):
                 raise TypeError(
                     f"item {i} of field {self.field!r} is {item!r:.60}: an item is a str, "
@@ -472,7 +523,9 @@ def tokenize_interleaved(
     (``str`` or ``{"type": "text", "text": ...}``) or an image (``None`` or ``{"type":
     "image"}``), whose pixels are the next of ``payload[image_field]`` (decoded, in order).
 
-    Each text is encoded on its own, without the tokenizer's special tokens; each image becomes
+    Each text is encoded on its own, without the tokenizer's special tokens (a special token's
+    string inside a text, ``"<|image|>"`` on a scraped page, is encoded as the plain text it is,
+    for a ``tokenizers`` or ``transformers`` fast tokenizer); each image becomes
     its span of ``image_token_id`` (required, never guessed), between ``image_start_id`` and
     ``image_end_id`` when given, as many as ``patch_size``/``merge`` or ``image_tokens(h, w)``
     say (see ``zephon.ops.vision``). With ``append_eos`` the document ends with the

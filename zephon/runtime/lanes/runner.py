@@ -97,6 +97,13 @@ def _error_text(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def _failed_operator(exc: BaseException, label: str) -> str:
+    """The operator a skipped record's report names: the one the error already names (an
+    augmentation ``decode_images`` applied inside itself), else the one that was called."""
+    context = exc.__dict__.get("context", {}) if isinstance(exc, ZephonError) else {}
+    return context.get("operator") or label
+
+
 def _storage_failed(exc: BaseException) -> bool:
     """The error came from the storage, not from one sample's data (an ``OSError``, or an error
     caused by one): such a read is never skipped, since it may well succeed on the next run."""
@@ -557,7 +564,7 @@ class LaneRunner:
             try:
                 got = op.process_many([rec])
             except Exception as exc:
-                out.append(Skipped(rec.meta.cursor, label, _error_text(exc)))
+                out.append(Skipped(rec.meta.cursor, _failed_operator(exc, label), _error_text(exc)))
                 got = tombstones_for_record(rec)
             out += got
             emitted += got
