@@ -433,6 +433,17 @@ def test_a_missing_image_object_is_named_or_dropped_with_its_tombstone(store):
     assert kept == [f"picture {i}" for i in range(6) if i != 2]
 
 
+def test_an_image_the_storage_keeps_failing_is_never_skipped(bucket, failing_proxy):
+    # A read that gave up on a storage outage may well pass on the next run: skipping it would
+    # make the stream depend on the outage, so it raises as on_error="raise" would.
+    by_uri, _ = _by_uri_and_inline(bucket, 4)
+    bucket.point_at(failing_proxy.endpoint)
+    failing_proxy.fail_paths = {"/images/2.img": 100}
+    pipeline = zephon.Pipeline(ListSource(by_uri), [fetch(), decode_images()], on_error="skip")
+    with pytest.raises(OperatorError, match=r"\(0, 0, 2\).*images/2\.img.*gave up"):
+        list(pipeline)
+
+
 @pytest.mark.parametrize(("lanes", "workers"), [(1, "inline"), (2, "process")])
 def test_images_by_uri_resume_exactly(store, lanes, workers):
     by_uri, _ = _by_uri_and_inline(store, 16)

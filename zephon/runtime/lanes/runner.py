@@ -40,6 +40,7 @@ from zephon.runtime.lanes.overlap import NextRead
 from zephon.runtime.lanes.retire_screen import screened_out, tombstoned
 from zephon.runtime.lanes.snapshots import rebuild, snapshot_of
 from zephon.sources.base import sample_origin
+from zephon.sources.remote import is_transient
 from zephon.types import ContributorRef, SampleCursor, SampleRecord
 
 #: Samples read between two snapshots of what the stateful operators hold, when the chain has
@@ -111,6 +112,17 @@ def _storage_failed(exc: BaseException) -> bool:
         if isinstance(exc, OSError):
             return True
         exc = exc.__cause__  # type: ignore[assignment]
+    return False
+
+
+def _outage(exc: BaseException) -> bool:
+    """An operator's read from the storage gave up on errors another attempt may not meet (a
+    ``decode_images`` URI during an outage): never skipped, since the next run may read it."""
+    err: BaseException | None = exc
+    while err is not None:
+        if is_transient(err):
+            return True
+        err = err.__cause__
     return False
 
 
@@ -564,6 +576,8 @@ class LaneRunner:
             try:
                 got = op.process_many([rec])
             except Exception as exc:
+                if _outage(exc):
+                    return None
                 out.append(Skipped(rec.meta.cursor, _failed_operator(exc, label), _error_text(exc)))
                 got = tombstones_for_record(rec)
             out += got
