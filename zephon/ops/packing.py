@@ -254,11 +254,12 @@ class _Packer(Operator):
         self.images = images
         self._fill = self._new_fill()
 
-    def _new_fill(self) -> BinFill | None:
-        """An empty fill with this packer's padding (``None`` until a padding id is known)."""
+    def _new_fill(self, arenas_of: BinFill | None = None) -> BinFill | None:
+        """An empty fill with this packer's padding (``None`` until a padding id is known),
+        writing its rows into arenas of its own or into those of ``arenas_of``."""
         if self._pad is None:
             return None
-        return BinFill(self.seq_len, self._pad, tuple(self.extra_fields.values()))
+        return BinFill(self.seq_len, self._pad, tuple(self.extra_fields.values()), arenas_of)
 
     def describe(self) -> dict[str, Any]:
         """As ``Operator.describe``; ``extra_fields`` counts only when there are some, so a packer
@@ -946,7 +947,9 @@ class GroupedPacker(Operator):
     of its group, so a row only holds sequences of one group. The packers are copies of one
     planned template, made when their group first appears; an epoch's end flushes them in the
     groups' sorted order (str groups after int ones), which does not depend on when a group
-    appeared, so a restore from what the packers hold continues the same stream."""
+    appeared, so a restore from what the packers hold continues the same stream. Their fills
+    write rows into the template's arenas, one after another: the memory rows are written into
+    does not grow with the number of groups."""
 
     traits = OpTraits(preserves_cursor_order=False, stateful=True)
     ratios = _Packer.ratios
@@ -1012,6 +1015,7 @@ class GroupedPacker(Operator):
         packer = self._groups.get(group)
         if packer is None:
             packer = copy.deepcopy(self.packer)  # the planned template holds no bins
+            packer._fill = packer._new_fill(arenas_of=self.packer._fill)
             packer.start_epoch(self.lane_id, self.epoch)
             if self._retired is not None:
                 packer.leave_out(self._retired)
