@@ -95,6 +95,34 @@ def test_a_grouped_packer_holds_arenas_that_do_not_grow_with_its_groups():
     assert 0 < held <= 2 * ARENA_BYTES
 
 
+def test_a_grouped_packer_keeps_nothing_of_the_groups_of_an_ended_epoch():
+    # Per-user groups, new ones every epoch: once an epoch has ended its groups hold nothing,
+    # and what the packer keeps must not grow with every group it ever saw.
+    per_epoch = 1000
+    op = copy.deepcopy(pack_sequences(64, open_bins=2, pad_id=0, group_by="lang"))
+    assert isinstance(op, GroupedPacker)
+
+    def epoch(e: int) -> int:
+        records = token_records([40] * per_epoch)
+        for i, rec in enumerate(records):
+            rec.payload["lang"] = f"user {e}-{i}"
+        op.start_epoch(0, e)
+        rows = sum(len(op.process_many(records[m : m + 256])) for m in range(0, per_epoch, 256))
+        return rows + len(op.flush())
+
+    rows = epoch(0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        rows += sum(epoch(e) for e in range(1, 4))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 1 << 20, f"{grown / 2**20:.1f} MiB kept for {3 * per_epoch} ended groups"
+    assert rows == 4 * per_epoch
+    assert op.counters() == {"rows": rows, "real_tokens": 40 * rows, "row_tokens": 64 * rows}
+
+
 def reference_grouped(template, records, micro: int, flush_every: int | None) -> list:
     """What ``group_by`` is defined as: per micro-batch, each group's inputs (groups in order of
     first appearance) to a plain packer of that group's own; an epoch's end flushes the groups in
