@@ -985,3 +985,32 @@ def test_fills_on_several_threads_share_warm_arenas_and_never_write_under_a_view
     from threads_kit import run_threads
 
     assert run_threads(WARM_HAMMER) == {"errors": []}
+
+
+# Fills on four threads at once, all writing into the arenas of one fill and keeping every block:
+# each bin gets a row of its own, which nothing writes again while its view lives.
+SHARED_HAMMER = """
+from zephon._core.packfill import BinFill
+
+first = BinFill(1000)
+
+def work(t):
+    fill = BinFill(1000, arenas_of=first)
+    held = []
+    for b in range(300):
+        tokens = np.arange(3, dtype=np.int32) + (t * 1000 + b) * 1000
+        fill.write(np.array([[0, 0, 3, b, 0]], dtype=np.int64), [tokens], [b])
+        (block,), _, _ = fill.take(np.array([b], dtype=np.int64))
+        held.append((block, block.copy()))
+    bad = [i for i, (block, copy) in enumerate(held) if not np.array_equal(block, copy)]
+    if bad:
+        raise AssertionError(f"the memory under views {bad[:5]} was written again")
+
+print(json.dumps({"errors": hammer(4, work)}))
+"""
+
+
+def test_fills_sharing_arenas_on_several_threads_never_write_under_a_view() -> None:
+    from threads_kit import run_threads
+
+    assert run_threads(SHARED_HAMMER) == {"errors": []}
