@@ -27,6 +27,7 @@ from zephon._core.binfill import BinPacker, FlatPacker
 from zephon._core.packfill import (
     BinFill,
     field_lengths,
+    held_arena_bytes,
     payload_fields,
     release_warm_arenas,
     token_lengths,
@@ -541,6 +542,55 @@ def test_a_fill_collected_in_a_reference_cycle_leaves_its_arena_whole() -> None:
     assert done.stdout.split() == ["[7,", "8,", "9,", "0]", "[7,", "8,", "9,", "0]"]
 
 
+def test_fills_made_with_arenas_of_write_their_rows_one_after_another_in_one_arena() -> None:
+    first = BinFill(1000)
+    second = BinFill(1000, pad_id=7, arenas_of=first)
+    blocks = take_one_by_one(first, range(2)) + take_one_by_one(second, range(3))
+    blocks += take_one_by_one(first, range(2, 3))
+    assert len({id(b.base) for b in blocks}) == 1
+    starts = [b[0].__array_interface__["data"][0] for b in blocks]
+    assert np.diff(starts).tolist() == [1000 * 4] * 5
+    assert [b[0, :4].tolist() for b in blocks] == [
+        [0, 1, 2, 0], [1000, 1001, 1002, 0], [0, 1, 2, 7], [1000, 1001, 1002, 7],
+        [2000, 2001, 2002, 7], [2000, 2001, 2002, 0],
+    ]  # fmt: skip
+    arena = 128 * 3 * 1000 * 4  # 128 bins of 3 rows of 1,000
+    assert held_arena_bytes([first]) == held_arena_bytes([first, second]) == arena
+    assert held_arena_bytes([first, BinFill(1000)]) == arena  # a fill that took no row: none
+    del first  # the arenas stay with the fill that shares them
+    (block,) = take_one_by_one(second, range(3, 4))
+    assert block[0].__array_interface__["data"][0] == starts[-1] + 1000 * 4
+
+
+def test_fills_sharing_arenas_never_write_under_a_view() -> None:
+    # Ten fills on one set of arenas take bins in turn, each block held by a view: all keep
+    # their values, over three arenas (256 bins of 4 rows of 512 tokens each).
+    fills = [BinFill(512, side_pads=(1,))]
+    fills += [BinFill(512, side_pads=(2,), arenas_of=fills[0]) for _ in range(9)]
+    kept = []
+    for bin_id in range(60):
+        for k, fill in enumerate(fills):
+            arrays = token_arrays([3], base=k)
+            rows = np.array([[0, 0, 3, bin_id, 0]], dtype=np.int64)
+            fill.write(rows, arrays, [k], side_arrays(arrays, fill.side_pads))
+            kept += fill.take(np.array([bin_id], dtype=np.int64))[0]
+    assert len({id(b.base) for b in kept}) == 3
+    assert [b[0, :4].tolist() for b in kept] == [
+        [k * 1000, k * 1000 + 1, k * 1000 + 2, 0] for _ in range(60) for k in range(10)
+    ]
+    assert [int(b[3, -1]) for b in kept] == ([1] + [2] * 9) * 60
+
+
+def test_a_fill_shares_the_arenas_of_a_fill_of_its_shape_only() -> None:
+    with pytest.raises(ValueError, match="arenas_of has seq_len 8 and 0 side fields"):
+        BinFill(9, arenas_of=BinFill(8))
+    with pytest.raises(ValueError, match="arenas_of has seq_len 8 and 1 side fields"):
+        BinFill(8, arenas_of=BinFill(8, side_pads=(0.5,)))
+    with pytest.raises(TypeError):
+        BinFill(8, arenas_of="fill")  # type: ignore[arg-type]
+    BinFill(8, side_pads=(3,), arenas_of=BinFill(8, side_pads=(0.5,)))  # padding may differ
+
+
 def test_an_item_is_read_when_its_bin_leaves() -> None:
     # The fill holds the item's array, not a copy: what the array holds when the bin is taken is
     # what the block gets (the packers hand over arrays nothing writes to afterwards).
@@ -979,3 +1029,32 @@ def test_fills_on_several_threads_share_warm_arenas_and_never_write_under_a_view
     from threads_kit import run_threads
 
     assert run_threads(WARM_HAMMER) == {"errors": []}
+
+
+# Fills on four threads at once, all writing into the arenas of one fill and keeping every block:
+# each bin gets a row of its own, which nothing writes again while its view lives.
+SHARED_HAMMER = """
+from zephon._core.packfill import BinFill
+
+first = BinFill(1000)
+
+def work(t):
+    fill = BinFill(1000, arenas_of=first)
+    held = []
+    for b in range(300):
+        tokens = np.arange(3, dtype=np.int32) + (t * 1000 + b) * 1000
+        fill.write(np.array([[0, 0, 3, b, 0]], dtype=np.int64), [tokens], [b])
+        (block,), _, _ = fill.take(np.array([b], dtype=np.int64))
+        held.append((block, block.copy()))
+    bad = [i for i, (block, copy) in enumerate(held) if not np.array_equal(block, copy)]
+    if bad:
+        raise AssertionError(f"the memory under views {bad[:5]} was written again")
+
+print(json.dumps({"errors": hammer(4, work)}))
+"""
+
+
+def test_fills_sharing_arenas_on_several_threads_never_write_under_a_view() -> None:
+    from threads_kit import run_threads
+
+    assert run_threads(SHARED_HAMMER) == {"errors": []}

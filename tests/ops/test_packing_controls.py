@@ -4,6 +4,8 @@ row (``max_segments``), and the concatenate-and-cut strategy that never waits fo
 
 from __future__ import annotations
 
+import copy
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 from test_packing import STRIDE, assert_every_input_recovered_once, run, token_records
 
 import zephon
+from zephon._core.packfill import held_arena_bytes
 from zephon.errors import OperatorError
 from zephon.ops import batch, fetch, pack_sequences, tokenize
 from zephon.ops.packing import GroupedPacker, PackSequences
@@ -56,6 +59,128 @@ def test_grouped_rows_hold_one_group_and_lose_no_token(
     out = run(op, grouped_records(lengths), micro=micro, flush_every=flush_every)
     assert all(len(g) <= 1 for g in rows_groups(out))
     assert_every_input_recovered_once(lengths, out)
+
+
+NUMPY_DOMAIN = 389047  # numpy reports its array allocations to tracemalloc under this domain
+ARENA_BYTES = 2 << 20  # zephon._core.packfill's ARENA_BYTES
+
+
+def test_a_grouped_packer_holds_arenas_that_do_not_grow_with_its_groups():
+    # Per-user or per-source groups: thousands of them, each emitting rows. The memory its rows
+    # are written into must stay about one packer's, not an arena (about 1.5 MiB) per group.
+    n_groups = 3000
+    records = token_records([40] * (4 * n_groups))  # at seq_len 64 every input has a row
+    for i, rec in enumerate(records):
+        rec.payload["lang"] = i % n_groups
+    op = copy.deepcopy(pack_sequences(64, open_bins=2, pad_id=0, group_by="lang"))
+    assert isinstance(op, GroupedPacker)
+    op.start_epoch(0, 0)
+    emitted = 0
+    tracemalloc.start()
+    try:
+        for m in range(0, len(records), 256):  # the rows are let go, as a trainer does
+            emitted += len(op.process_many(records[m : m + 256]))
+        snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    allocated = sum(
+        s.size
+        for s in snapshot.filter_traces([tracemalloc.DomainFilter(True, NUMPY_DOMAIN)]).statistics(
+            "filename"
+        )
+    )
+    assert emitted == 2 * n_groups and len(op._groups) == n_groups
+    assert allocated <= 4 * ARENA_BYTES, f"{allocated / 2**20:.0f} MiB of arrays for {n_groups}"
+    held = held_arena_bytes(p._bins() for p in [op.packer, *op._groups.values()])
+    assert 0 < held <= 2 * ARENA_BYTES
+
+
+def test_a_grouped_packer_keeps_nothing_of_the_groups_of_an_ended_epoch():
+    # Per-user groups, new ones every epoch: once an epoch has ended its groups hold nothing,
+    # and what the packer keeps must not grow with every group it ever saw.
+    per_epoch = 1000
+    op = copy.deepcopy(pack_sequences(64, open_bins=2, pad_id=0, group_by="lang"))
+    assert isinstance(op, GroupedPacker)
+
+    def epoch(e: int) -> int:
+        records = token_records([40] * per_epoch)
+        for i, rec in enumerate(records):
+            rec.payload["lang"] = f"user {e}-{i}"
+        op.start_epoch(0, e)
+        rows = sum(len(op.process_many(records[m : m + 256])) for m in range(0, per_epoch, 256))
+        return rows + len(op.flush())
+
+    rows = epoch(0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        rows += sum(epoch(e) for e in range(1, 4))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 1 << 20, f"{grown / 2**20:.1f} MiB kept for {3 * per_epoch} ended groups"
+    assert rows == 4 * per_epoch
+    assert op.counters() == {"rows": rows, "real_tokens": 40 * rows, "row_tokens": 64 * rows}
+
+
+def reference_grouped(template, records, micro: int, flush_every: int | None) -> list:
+    """What ``group_by`` is defined as: per micro-batch, each group's inputs (groups in order of
+    first appearance) to a plain packer of that group's own; an epoch's end flushes the groups in
+    sorted order."""
+    out: list = []
+    packers: dict = {}
+    epoch = flush_every or max(len(records), 1)
+    for e, lo in enumerate(range(0, len(records), epoch)):
+        part = records[lo : lo + epoch]
+        for packer in packers.values():
+            packer.start_epoch(0, e)
+        for m in range(0, len(part), micro):
+            by_group: dict = {}
+            for rec in part[m : m + micro]:
+                by_group.setdefault(rec.payload["lang"], []).append(rec)
+            for group, members in by_group.items():
+                if group not in packers:
+                    packers[group] = copy.deepcopy(template)
+                    packers[group].start_epoch(0, e)
+                out += packers[group].process_many(members)
+        for group in sorted(packers, key=lambda g: (isinstance(g, str), g)):
+            out += packers[group].flush()
+    return out
+
+
+def row_values(rec) -> tuple:
+    p = rec.payload
+    arrays = tuple(p[k].tolist() for k in ("tokens", "segment_ids", "positions", "mask", "w"))
+    return rec.meta.cursor, arrays, [r.cursor for r in rec.contribution_refs()]
+
+
+@settings(max_examples=60)
+@given(
+    lengths=st.lists(st.integers(0, 30), max_size=60),
+    n_groups=st.integers(1, 12),
+    seq_len=st.integers(1, 24),
+    micro=st.integers(1, 9),
+    flush_every=st.sampled_from([None, 7, 19]),
+    strategy=st.sampled_from(["best_fit", "first_fit", "wrap"]),
+)
+def test_grouped_rows_equal_those_of_a_packer_per_group(
+    lengths, n_groups, seq_len, micro, flush_every, strategy
+):
+    # The groups' fills share their arenas: every row, kept alive to the end, must still hold
+    # what a packer of its group's own (arenas of its own) gives, in the same order.
+    records = token_records(lengths)
+    for i, rec in enumerate(records):
+        rec.payload["lang"] = (i * 7) % n_groups if i % 2 else f"g{(i * 5) % n_groups}"
+        rec.payload["mask"] = (rec.payload["tokens"] % 2).astype(np.int32)
+        rec.payload["w"] = (rec.payload["tokens"] % 5 / 4).astype(np.float32)
+    sides = {"mask": -1, "w": 0.5}
+    grouped = pack_sequences(
+        seq_len, open_bins=3, strategy=strategy, pad_id=0, extra_fields=sides, group_by="lang"
+    )
+    plain = pack_sequences(seq_len, open_bins=3, strategy=strategy, pad_id=0, extra_fields=sides)
+    out = run(grouped, records, micro=micro, flush_every=flush_every)
+    expected = reference_grouped(plain, records, micro, flush_every)
+    assert [row_values(r) for r in out] == [row_values(r) for r in expected]
 
 
 def test_two_groups_fill_at_least_98_percent_at_2048():

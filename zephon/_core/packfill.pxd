@@ -70,6 +70,23 @@ cdef class RowArena:
     cdef Py_ssize_t next_row       # the next bin's row
 
 
+# The arenas a fill takes rows from, or several fills (a grouped packer's, one per group): the one
+# being written and those written to the end that views held when last checked. Fills that share
+# them take their rows one after another under its lock, so their arenas do not grow with their
+# number.
+cdef class RowArenas:
+    cdef RowArena current          # where the next rows go (None until the first)
+    cdef list retired              # arenas written to the end that views held when last checked
+    cdef Py_ssize_t fields         # rows of each bin's block
+    cdef Py_ssize_t rows           # bins per arena (see ARENA_BYTES)
+    cdef Py_ssize_t seq_len        # tokens of each row
+    cdef PyThread_type_lock _lock  # held while a fill takes rows; _owner as in BinFill
+    cdef long _owner
+
+    cdef RowArena _arena_for(self)
+    cdef Py_ssize_t _held_bytes(self)
+
+
 cdef class BinFill:
     cdef offset_t _seq_len
     cdef token_t _pad_id
@@ -86,9 +103,7 @@ cdef class BinFill:
     cdef Py_ssize_t* _free         # stack of free slots
     cdef Py_ssize_t _n_free
     cdef list _sources             # per slot: the arrays its fragments read, or None when free
-    cdef RowArena _arena           # where take() writes the next bins (None until the first)
-    cdef Py_ssize_t _arena_rows    # bins per arena (see ARENA_BYTES)
-    cdef list _retired             # arenas written to the end that views held when last checked
+    cdef RowArenas _arenas         # where take() writes the bins (shared with arenas_of's fill)
     cdef list _records             # per slot: the item of each fragment, in bin order
     # Held by every method that reads or changes the bins, GIL-free copies included; _owner is
     # the holding thread's ident, 0 when free.
@@ -104,6 +119,5 @@ cdef class BinFill:
     cdef void _attach(self, const offset_t[:, ::1] placements, const offset_t[::1] lengths,
                       const size_t[::1] data, const size_t[:, ::1] side_data,
                       const Py_ssize_t[::1] target, const Py_ssize_t[::1] slot_of) noexcept nogil
-    cdef RowArena _arena_for(self)
     cdef void _fill(self, const Slot* slot, token_t* dst, Py_ssize_t stride) noexcept nogil
     cdef tuple _take(self, const offset_t[::1] bin_ids, Py_ssize_t[::1] idx)

@@ -1,4 +1,4 @@
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -33,6 +33,14 @@ class RowArena:
     """Memory that ``BinFill.take`` writes bins into one after another, field by field: the base
     of every block and row view it hands over (a batch of rows back to back is a view of it)."""
 
+def held_arena_bytes(fills: Iterable[BinFill]) -> int:
+    """Bytes of the arenas ``fills`` hold for their rows (the one each writes and those views held
+    when last checked), arenas fills share counted once."""
+
+@disjoint_base
+class RowArenas:
+    """The arenas a ``BinFill`` writes bins into, shared by the fills made with ``arenas_of``."""
+
 @disjoint_base
 class BinFill:
     """Fragment lists of a packer's open bins, from placement rows, and their payload blocks.
@@ -41,11 +49,16 @@ class BinFill:
     arrays; ``take`` hands finished bins over as ``(3 + n_side, seq_len)`` int32 blocks (tokens,
     segment_ids, positions, then one row per side field: an int padding value makes an int32 row, a
     float a float32 row stored as its bits), padded, copying the tokens without the GIL into the
-    next rows of a ``RowArena``.
+    next rows of a ``RowArena``: of its own ``RowArenas``, or those of ``arenas_of`` (a fill of
+    the same ``seq_len`` and number of side fields).
     """
 
     def __new__(
-        cls, seq_len: int, pad_id: int = 0, side_pads: Sequence[int | float] = ()
+        cls,
+        seq_len: int,
+        pad_id: int = 0,
+        side_pads: Sequence[int | float] = (),
+        arenas_of: BinFill | None = None,
     ) -> Self: ...
     @property
     def seq_len(self) -> int: ...

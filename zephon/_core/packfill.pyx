@@ -13,7 +13,9 @@ Tokens are copied once, when their bin leaves, without the GIL: into the next fr
 them is then a view of the arena, not a copy (``zephon._core.collate``). An arena is written
 again once no view holds it, by whichever fill of the process next needs one of its shape
 (most often its own; up to ``WARM_BYTES`` of such arenas are kept, a dropped fill's too): memory
-the kernel has mapped already, where fresh memory would cost a page fault per page.
+the kernel has mapped already, where fresh memory would cost a page fault per page. Fills made
+with ``arenas_of`` share their arenas (``RowArenas``), taking rows one after another: a grouped
+packer's fills, one per group, hold one fill's arenas between them, however many groups it sees.
 
 Calls from several threads are safe: every method that reads or changes the bins holds the fill's
 lock from its first read to its last write, GIL-free copies included, so concurrent calls run one
@@ -312,6 +314,89 @@ cdef class RowArena:
         raise TypeError("a RowArena is a packer's scratch memory and cannot be pickled")
 
 
+cdef class RowArenas:
+    """The arenas ``BinFill.take`` writes bins into (see the module docstring): the one being
+    written and those written to the end that views held when last checked. Fills made with
+    ``arenas_of`` share them, taking rows one after another: a grouped packer's fills, one per
+    group, hold the arenas of one fill between them, however many groups there are."""
+
+    def __cinit__(self, Py_ssize_t fields, Py_ssize_t seq_len):
+        # Bins per arena: the largest power of two whose blocks fit in ARENA_BYTES (at least 1).
+        cdef Py_ssize_t bin_bytes = fields * seq_len * sizeof(token_t)
+        self.rows = 1
+        while 2 * self.rows * bin_bytes <= ARENA_BYTES:
+            self.rows *= 2
+        self.fields = fields
+        self.seq_len = seq_len
+        self.current = None
+        self.retired = []
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError("RowArenas cannot allocate its lock")
+        self._owner = 0
+
+    def __dealloc__(self):
+        # Its arenas go on to the process's next fills (reused once no view holds them).
+        if self.current is not None:
+            _keep_warm(self.current)
+        if self.retired is not None:
+            for held in self.retired:
+                _keep_warm(held)
+        if self._lock != NULL:
+            PyThread_free_lock(self._lock)
+
+    def __reduce__(self):
+        raise TypeError("RowArenas are a packer's scratch memory and cannot be pickled")
+
+    cdef RowArena _arena_for(self):
+        """The arena whose next row is free: the current one, else a warm one no view holds any
+        more (its memory is mapped already; most often one of these arenas' own), else a new
+        one. Arenas views still hold stay here until they are let go. Called under the lock."""
+        cdef RowArena arena = self.current
+        if arena is not None and arena.next_row < arena.rows:
+            return arena
+        if arena is not None:
+            self.retired.append(arena)
+        kept = []
+        for held in self.retired:
+            # Only this list and the loop refer to an arena no view holds: nothing can read it.
+            if _refcount(<PyObject*>held) > 2:
+                kept.append(held)
+            else:
+                _keep_warm(held)
+        self.retired = kept
+        arena = _warm_arena(self.fields, self.rows, self.seq_len)
+        if arena is None:
+            arena = RowArena(self.fields, self.rows, self.seq_len)
+        arena.next_row = 0
+        self.current = arena
+        return arena
+
+    cdef Py_ssize_t _held_bytes(self):
+        cdef Py_ssize_t total = 0
+        take_lock(self._lock, &self._owner, "RowArenas")
+        if self.current is not None:
+            total += _arena_bytes(self.current)
+        for held in self.retired:
+            total += _arena_bytes(<RowArena>held)
+        drop_lock(self._lock, &self._owner)
+        return total
+
+
+def held_arena_bytes(fills not None):
+    """Bytes of the arenas ``fills`` (an iterable of ``BinFill``) hold for their rows: the one
+    each writes and those views held when last checked, arenas fills share counted once."""
+    cdef set seen = set()
+    cdef Py_ssize_t total = 0
+    cdef RowArenas arenas
+    for fill in fills:
+        arenas = (<BinFill?>fill)._arenas
+        if id(arenas) not in seen:
+            seen.add(id(arenas))
+            total += arenas._held_bytes()
+    return total
+
+
 cdef tuple _side_pad(object value, Py_ssize_t k):
     """(kind, 4 bytes as an int32) of side field ``k``'s padding value: an int is an int32 field,
     a float a float32 field."""
@@ -345,9 +430,12 @@ cdef class BinFill:
 
     ``side_pads`` gives one padding value per side field, in row order: an int makes an int32
     row, a float a float32 row (its bits sit in the int32 block; view the row as float32).
+    ``arenas_of``, a fill of the same ``seq_len`` and number of side fields, makes this fill
+    write its bins into that fill's arenas (rows of both one after another), not arenas of its
+    own.
     """
 
-    def __cinit__(self, seq_len, pad_id=0, side_pads=()):
+    def __cinit__(self, seq_len, pad_id=0, side_pads=(), arenas_of=None):
         cdef object n = checked_int(seq_len, "BinFill", "seq_len", 1, INT32_MAX)
         cdef object pad = checked_int(pad_id, "BinFill", "pad_id", INT32_MIN, INT32_MAX)
         pads = tuple(side_pads)
@@ -365,11 +453,17 @@ cdef class BinFill:
                 self._side_pads[k] = bits
         self._side_pad_values = pads
         self._seq_len = n
-        # Bins per arena: the largest power of two whose blocks fit in ARENA_BYTES (at least 1).
-        bin_bytes = (BLOCK_ROWS + self._n_side) * n * sizeof(token_t)
-        self._arena_rows = 1
-        while 2 * self._arena_rows * bin_bytes <= ARENA_BYTES:
-            self._arena_rows *= 2
+        if arenas_of is None:
+            self._arenas = RowArenas(BLOCK_ROWS + self._n_side, n)
+        else:
+            other = <BinFill?>arenas_of
+            if other._seq_len != n or other._n_side != self._n_side:
+                raise ValueError(
+                    f"BinFill: arenas_of has seq_len {other._seq_len} and {other._n_side} side "
+                    f"fields; a fill shares the arenas of one of its shape only ({n} and "
+                    f"{self._n_side})"
+                )
+            self._arenas = other._arenas
         self._pad_id = pad
         self._max_id = -1
         self._live = NULL
@@ -380,8 +474,6 @@ cdef class BinFill:
         self._n_free = 0
         self._sources = []
         self._records = []
-        self._arena = None
-        self._retired = []
         self._lock = PyThread_allocate_lock()
         if self._lock == NULL:
             raise MemoryError("BinFill cannot allocate its lock")
@@ -389,12 +481,6 @@ cdef class BinFill:
 
     def __dealloc__(self):
         cdef Py_ssize_t k
-        # Its arenas go on to the process's next fills (reused once no view holds them).
-        if self._arena is not None:
-            _keep_warm(self._arena)
-        if self._retired is not None:
-            for held in self._retired:
-                _keep_warm(held)
         if self._slots != NULL:
             for k in range(self._n_slots):
                 PyMem_Free(self._slots[k].frags)
@@ -839,6 +925,7 @@ cdef class BinFill:
         cdef Py_ssize_t fields = BLOCK_ROWS + self._n_side
         cdef Slot* slot
         cdef RowArena arena
+        cdef RowArenas arenas = self._arenas
         for i in range(n):
             t = self._find(bin_ids[i])
             if t < 0:
@@ -860,8 +947,8 @@ cdef class BinFill:
         cdef cnp.npy_intp strides[2]
         cdef size_t[::1] dst
         cdef offset_t[:, ::1] fv
-        # A block's rows are a field apart in its arena: arena_rows rows of seq_len tokens.
-        cdef Py_ssize_t stride = self._arena_rows * self._seq_len
+        # A block's rows are a field apart in its arena: arenas.rows rows of seq_len tokens.
+        cdef Py_ssize_t stride = arenas.rows * self._seq_len
         dims[0] = fields
         dims[1] = self._seq_len
         strides[0] = stride * sizeof(token_t)
@@ -870,18 +957,23 @@ cdef class BinFill:
             frags = np.empty((total, FRAG_COLUMNS), dtype=np.int64)
             fv = frags
             # Where each bin goes: the next row of an arena, blocks as views of it. The arenas
-            # the bins need are allocated before any bin is written or released.
+            # the bins need are allocated before any bin is written or released; the rows are
+            # taken under the arenas' lock, which other fills sharing them take too.
             dst = np.empty(n, dtype=np.uintp)
-            for i in range(n):
-                arena = self._arena_for()
-                dst[i] = <size_t>(arena.data + arena.next_row * self._seq_len * sizeof(token_t))
-                block = cnp.PyArray_New(
-                    np.ndarray, 2, dims, cnp.NPY_INT32, strides, <void*>dst[i],
-                    sizeof(token_t), cnp.NPY_ARRAY_WRITEABLE | cnp.NPY_ARRAY_ALIGNED, None
-                )
-                cnp.set_array_base(block, arena)
-                blocks[i] = block
-                arena.next_row += 1
+            take_lock(arenas._lock, &arenas._owner, "RowArenas")
+            try:
+                for i in range(n):
+                    arena = arenas._arena_for()
+                    dst[i] = <size_t>(arena.data + arena.next_row * self._seq_len * sizeof(token_t))
+                    arena.next_row += 1
+                    block = cnp.PyArray_New(
+                        np.ndarray, 2, dims, cnp.NPY_INT32, strides, <void*>dst[i],
+                        sizeof(token_t), cnp.NPY_ARRAY_WRITEABLE | cnp.NPY_ARRAY_ALIGNED, None
+                    )
+                    cnp.set_array_base(block, arena)
+                    blocks[i] = block
+            finally:
+                drop_lock(arenas._lock, &arenas._owner)
         except BaseException:
             for i in range(n):
                 self._slots[idx[i]].taken = False
@@ -920,31 +1012,6 @@ cdef class BinFill:
                     t += 1
             self._n_live = t
         return blocks, items, frags
-
-    cdef RowArena _arena_for(self):
-        """The arena whose next row is free: the current one, else a warm one no view holds any
-        more (its memory is mapped already; most often this fill's own last one), else a new
-        one. Arenas views still hold stay with the fill until they are let go."""
-        cdef RowArena arena = self._arena
-        cdef Py_ssize_t fields = BLOCK_ROWS + self._n_side
-        if arena is not None and arena.next_row < arena.rows:
-            return arena
-        if arena is not None:
-            self._retired.append(arena)
-        kept = []
-        for held in self._retired:
-            # Only this list and the loop refer to an arena no view holds: nothing can read it.
-            if _refcount(<PyObject*>held) > 2:
-                kept.append(held)
-            else:
-                _keep_warm(held)
-        self._retired = kept
-        arena = _warm_arena(fields, self._arena_rows, self._seq_len)
-        if arena is None:
-            arena = RowArena(fields, self._arena_rows, self._seq_len)
-        arena.next_row = 0
-        self._arena = arena
-        return arena
 
     cdef void _fill(self, const Slot* slot, token_t* dst, Py_ssize_t stride) noexcept nogil:
         # The bin's block at dst, its rows ``stride`` tokens apart: the fragments' tokens, segment

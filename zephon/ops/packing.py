@@ -64,6 +64,7 @@ __all__ = ["GroupedPacker", "PackFlat", "PackSequences", "pack_flat", "pack_sequ
 
 _STRATEGIES = ("best_fit", "first_fit", "wrap")
 _BASE_FIELDS = ("tokens", "segment_ids", "positions")
+_COUNTERS = ("rows", "real_tokens", "row_tokens")  # the names of a packer's counters()
 
 
 def _checked_extra_fields(owner: str, field: str, extra: Any) -> dict[str, int | float]:
@@ -254,11 +255,12 @@ class _Packer(Operator):
         self.images = images
         self._fill = self._new_fill()
 
-    def _new_fill(self) -> BinFill | None:
-        """An empty fill with this packer's padding (``None`` until a padding id is known)."""
+    def _new_fill(self, arenas_of: BinFill | None = None) -> BinFill | None:
+        """An empty fill with this packer's padding (``None`` until a padding id is known),
+        writing its rows into arenas of its own or into those of ``arenas_of``."""
         if self._pad is None:
             return None
-        return BinFill(self.seq_len, self._pad, tuple(self.extra_fields.values()))
+        return BinFill(self.seq_len, self._pad, tuple(self.extra_fields.values()), arenas_of)
 
     def describe(self) -> dict[str, Any]:
         """As ``Operator.describe``; ``extra_fields`` counts only when there are some, so a packer
@@ -946,7 +948,9 @@ class GroupedPacker(Operator):
     of its group, so a row only holds sequences of one group. The packers are copies of one
     planned template, made when their group first appears; an epoch's end flushes them in the
     groups' sorted order (str groups after int ones), which does not depend on when a group
-    appeared, so a restore from what the packers hold continues the same stream."""
+    appeared, so a restore from what the packers hold continues the same stream. Their fills
+    write rows into the template's arenas, one after another, and a flush drops the packers
+    (keeping their counts): what the packer keeps does not grow with every group it ever saw."""
 
     traits = OpTraits(preserves_cursor_order=False, stateful=True)
     ratios = _Packer.ratios
@@ -962,6 +966,8 @@ class GroupedPacker(Operator):
         self.packer = packer
         self.group_by = group_by
         self._groups: dict[int | str, _Packer] = {}
+        # The counts of the packers flushes dropped.
+        self._flushed: dict[str, int | float] = dict.fromkeys(_COUNTERS, 0)
 
     def describe(self) -> dict[str, Any]:
         """The template packer's identity with the grouping added."""
@@ -1012,6 +1018,7 @@ class GroupedPacker(Operator):
         packer = self._groups.get(group)
         if packer is None:
             packer = copy.deepcopy(self.packer)  # the planned template holds no bins
+            packer._fill = packer._new_fill(arenas_of=self.packer._fill)
             packer.start_epoch(self.lane_id, self.epoch)
             if self._retired is not None:
                 packer.leave_out(self._retired)
@@ -1028,8 +1035,8 @@ class GroupedPacker(Operator):
         return out
 
     def counters(self) -> dict[str, int | float]:
-        """Its group packers' counts, added up."""
-        out: dict[str, int | float] = dict.fromkeys(("rows", "real_tokens", "row_tokens"), 0)
+        """Its group packers' counts, added up (those of the packers flushes dropped too)."""
+        out: dict[str, int | float] = dict(self._flushed)
         for packer in self._groups.values():
             for name, value in packer.counters().items():
                 out[name] += value
@@ -1042,6 +1049,12 @@ class GroupedPacker(Operator):
         out: list[SampleRecord] = []
         for _, packer in self._in_order():
             out += packer.flush()
+        # Every group's bins have left and its kernel starts again: a fresh copy of the template,
+        # made when the group appears again, packs as this one would. Only the counts stay.
+        for packer in self._groups.values():
+            for name, value in packer.counters().items():
+                self._flushed[name] += value
+        self._groups.clear()
         return out
 
     def holdings(self) -> tuple[list[SampleRecord], dict[str, Any]]:
@@ -1069,6 +1082,7 @@ class GroupedPacker(Operator):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(vars(self))
         state["_groups"] = {}  # copies are taken between epochs, when no group holds a bin
+        state["_flushed"] = dict.fromkeys(_COUNTERS, 0)  # a copy counts from zero
         if any(p._fill is not None and p._fill.n_open for p in self._groups.values()):
             raise RuntimeError(f"{self.name}: cannot copy or pickle a packer that holds open bins")
         return state
