@@ -206,6 +206,20 @@ def test_the_endpoint_serves_metrics_only_and_its_thread_ends_at_close():
             urllib.request.urlopen(server.url, timeout=30)
 
 
+def test_the_endpoint_listens_on_ipv6_addresses_and_its_url_brackets_them():
+    with pipeline().iter() as loader:
+        with serve_metrics(loader, addr="::1") as server:
+            assert server.url == f"http://[::1]:{server.port}/metrics"
+            with urllib.request.urlopen(server.url, timeout=30) as reply:
+                assert b"zephon_records_delivered_total" in reply.read()
+        with serve_metrics(loader, addr="::") as every:  # every address, IPv4 ones too
+            for host in ("[::1]", "127.0.0.1"):
+                url = f"http://{host}:{every.port}/metrics"
+                with urllib.request.urlopen(url, timeout=30) as reply:
+                    assert b"zephon_records_delivered_total" in reply.read()
+    assert not any(t.name == "zephon-metrics" for t in threading.enumerate())
+
+
 def test_a_client_that_sends_nothing_holds_the_endpoint_only_until_its_deadline(monkeypatch):
     from zephon.observability import server as metrics_server
 
