@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from pipeline_kit import busy
+from pipeline_kit import busy, run
 
 import zephon
 from zephon.cli import main
@@ -217,6 +217,29 @@ def test_the_endpoint_listens_on_ipv6_addresses_and_its_url_brackets_them():
                 url = f"http://{host}:{every.port}/metrics"
                 with urllib.request.urlopen(url, timeout=30) as reply:
                     assert b"zephon_records_delivered_total" in reply.read()
+    assert not any(t.name == "zephon-metrics" for t in threading.enumerate())
+
+
+def test_a_scrape_whose_stats_fail_is_a_500_naming_the_error_and_the_endpoint_stays_up():
+    from zephon.integrations.torch import as_torch_dataset
+
+    # Before its first item, the torch dataset's stats() are those of the state it will start
+    # from; a state of another pipeline fails there (as the training loop's iter() will).
+    with pipeline().iter() as other:
+        run(other, 3)
+        state = other.state_dict()
+    dataset = as_torch_dataset(pipeline(epoch_chunks=2))
+    dataset.load_state_dict(state)
+    with serve_metrics(dataset) as server:
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(server.url, timeout=30)
+        assert failed.value.code == 500
+        assert b"CheckpointMismatchError" in failed.value.read()
+        failed.value.close()
+        with dataset.pipeline.iter() as fresh:
+            dataset.load_state_dict(fresh.state_dict())
+        with urllib.request.urlopen(server.url, timeout=30) as reply:
+            assert b"zephon_records_delivered_total" in reply.read()
     assert not any(t.name == "zephon-metrics" for t in threading.enumerate())
 
 

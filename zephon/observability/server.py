@@ -131,8 +131,12 @@ class MetricsServer:
             status, body, kind = "404 Not Found", b"the metrics are at /metrics\n", "text/plain"
         else:
             source = self.source
-            status, kind = "200 OK", CONTENT_TYPE
-            body = render(metric_families(source.read(), rank=source.rank))
+            try:
+                status, kind = "200 OK", CONTENT_TYPE
+                body = render(metric_families(source.read(), rank=source.rank))
+            except Exception as exc:  # this scrape fails, not the endpoint
+                status, kind = "500 Internal Server Error", "text/plain"
+                body = f"stats() failed: {type(exc).__name__}: {exc}\n".encode()
         head = (
             f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
             "Connection: close\r\n\r\n"
