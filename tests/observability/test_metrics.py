@@ -117,6 +117,25 @@ def test_explain_names_the_slow_operator():
     assert explain(stats).splitlines()[1] == line
 
 
+# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_explain_of_a_dataloader_around_the_torch_dataset_knows_where_its_lanes_run():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from zephon.integrations.torch import as_torch_dataset
+
+    slow = zephon.Pipeline(texts(0, 400), [fetch(), map_transform(busy), batch(4)], lanes=2)
+    dataset = as_torch_dataset(slow)
+    dataloader = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+    steps = iter(dataloader)
+    for _ in range(20):
+        next(steps)
+    said = explain(dataloader).splitlines()
+    assert said[2] == explain(dataset).splitlines()[2]
+    assert said[2].startswith("2 lane(s) run inline, inside the training loop's next()")
+    dataset.close()
+
+
 def test_the_metrics_log_holds_a_line_per_write_and_a_last_one_at_close(tmp_path: Path):
     path = tmp_path / "run.jsonl"
     with pipeline().iter() as loader, MetricsLog(loader, path) as log:
