@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from pipeline_kit import busy, run
+from worker_kit import wait_until
 
 import zephon
 from zephon.cli import main
@@ -147,6 +148,33 @@ def test_the_metrics_log_holds_a_line_per_write_and_a_last_one_at_close(tmp_path
     assert [line["step"] for line in lines] == [0, 50, 100, 150, 200, 250, None]
     assert json.loads(json.dumps(final)) == lines[-1]["stats"]
     assert all(line["rank"] == 0 for line in lines)
+
+
+def test_the_metrics_log_thread_outlives_a_failed_read_and_close_closes_the_file(
+    tmp_path: Path,
+):
+    from zephon.observability import StatsSource
+
+    failing = threading.Event()  # set: reads fail, as stats() may while storage is down
+    failing.set()
+    failed_once = threading.Event()
+
+    def read() -> dict:
+        if failing.is_set():
+            failed_once.set()
+            raise OSError("the store did not answer")
+        return {"delivered": 7}
+
+    log = MetricsLog(StatsSource(read, 0, 1), tmp_path / "run.jsonl", interval=0.01)
+    assert failed_once.wait(30)
+    failing.clear()
+    assert wait_until(lambda: read_metrics_log(tmp_path / "run.jsonl"), 30), "no line after it"
+    failing.set()
+    with pytest.raises(OSError, match="the store did not answer"):
+        log.close()  # its last line fails
+    assert log._file.closed
+    assert not any(t.name == "zephon-metrics-log" for t in threading.enumerate())
+    assert read_metrics_log(tmp_path / "run.jsonl")[0]["stats"] == {"delivered": 7}
 
 
 def test_zephon_top_once_explain_and_report_run(tmp_path: Path, capsys):
