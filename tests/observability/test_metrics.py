@@ -267,7 +267,7 @@ def test_the_endpoint_listens_on_ipv6_addresses_and_its_url_brackets_them():
     assert not any(t.name == "zephon-metrics" for t in threading.enumerate())
 
 
-def test_a_scrape_whose_stats_fail_is_a_500_naming_the_error_and_the_endpoint_stays_up():
+def test_a_scrape_whose_stats_fail_is_a_500_naming_the_error_and_the_endpoint_stays_up(capsys):
     from zephon.integrations.torch import as_torch_dataset
 
     # Before its first item, the torch dataset's stats() are those of the state it will start
@@ -283,6 +283,8 @@ def test_a_scrape_whose_stats_fail_is_a_500_naming_the_error_and_the_endpoint_st
         assert failed.value.code == 500
         assert b"CheckpointMismatchError" in failed.value.read()
         failed.value.close()
+        assert main(["explain", f"127.0.0.1:{server.port}"]) == 1  # says why, too
+        assert "500" in (said := capsys.readouterr().err) and "CheckpointMismatchError" in said
         with dataset.pipeline.iter() as fresh:
             dataset.load_state_dict(fresh.state_dict())
         with urllib.request.urlopen(server.url, timeout=30) as reply:
