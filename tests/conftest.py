@@ -112,8 +112,8 @@ STALL_LIMIT = 120.0
 class FailingProxy:
     """A loopback HTTP proxy in front of the S3 server: it answers the next ``fail`` requests,
     every ranged GET starting at one of the byte offsets in ``fail_ranges``, and the next
-    ``fail_paths[end]`` requests of a path ending with ``end``, with 503 SlowDown, and forwards
-    every other one; it counts what it saw.
+    ``fail_paths[end]`` requests of a path ending with ``end``, with 503 SlowDown (or the
+    ``fail_status`` set), and forwards every other one; it counts what it saw.
 
     ``stall()`` makes it a server that accepts connections and reads requests but never answers
     them (``stalled`` counts those held; ``stall(n, method)``: the next ``n`` only, of that
@@ -124,6 +124,7 @@ class FailingProxy:
     def __init__(self, upstream: str):
         self.upstream = upstream.removeprefix("http://")
         self.fail = 0
+        self.fail_status = (503, "SlowDown")  # what a failed request is answered
         self.fail_ranges: set[int] = set()
         self.fail_paths: dict[str, int] = {}
         self.requests: list[str] = []
@@ -159,11 +160,12 @@ class FailingProxy:
                 ):
                     proxy.fail = max(0, proxy.fail - 1)
                     proxy.failed += 1
+                    status, code = proxy.fail_status
                     reply = (
-                        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-                        b"<Message>Please reduce your request rate.</Message></Error>"
-                    )
-                    self.send_response(503)
+                        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                        "<Message>Please reduce your request rate.</Message></Error>"
+                    ).encode()
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(reply)))
                     self.send_header("Connection", "close")

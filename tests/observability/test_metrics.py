@@ -12,7 +12,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from pipeline_kit import busy
+from pipeline_kit import busy, run
+from worker_kit import wait_until
 
 import zephon
 from zephon.cli import main
@@ -117,6 +118,25 @@ def test_explain_names_the_slow_operator():
     assert explain(stats).splitlines()[1] == line
 
 
+# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_explain_of_a_dataloader_around_the_torch_dataset_knows_where_its_lanes_run():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from zephon.integrations.torch import as_torch_dataset
+
+    slow = zephon.Pipeline(texts(0, 400), [fetch(), map_transform(busy), batch(4)], lanes=2)
+    dataset = as_torch_dataset(slow)
+    dataloader = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+    steps = iter(dataloader)
+    for _ in range(20):
+        next(steps)
+    said = explain(dataloader).splitlines()
+    assert said[2] == explain(dataset).splitlines()[2]
+    assert said[2].startswith("2 lane(s) run inline, inside the training loop's next()")
+    dataset.close()
+
+
 def test_the_metrics_log_holds_a_line_per_write_and_a_last_one_at_close(tmp_path: Path):
     path = tmp_path / "run.jsonl"
     with pipeline().iter() as loader, MetricsLog(loader, path) as log:
@@ -128,6 +148,33 @@ def test_the_metrics_log_holds_a_line_per_write_and_a_last_one_at_close(tmp_path
     assert [line["step"] for line in lines] == [0, 50, 100, 150, 200, 250, None]
     assert json.loads(json.dumps(final)) == lines[-1]["stats"]
     assert all(line["rank"] == 0 for line in lines)
+
+
+def test_the_metrics_log_thread_outlives_a_failed_read_and_close_closes_the_file(
+    tmp_path: Path,
+):
+    from zephon.observability import StatsSource
+
+    failing = threading.Event()  # set: reads fail, as stats() may while storage is down
+    failing.set()
+    failed_once = threading.Event()
+
+    def read() -> dict:
+        if failing.is_set():
+            failed_once.set()
+            raise OSError("the store did not answer")
+        return {"delivered": 7}
+
+    log = MetricsLog(StatsSource(read, 0, 1), tmp_path / "run.jsonl", interval=0.01)
+    assert failed_once.wait(30)
+    failing.clear()
+    assert wait_until(lambda: read_metrics_log(tmp_path / "run.jsonl"), 30), "no line after it"
+    failing.set()
+    with pytest.raises(OSError, match="the store did not answer"):
+        log.close()  # its last line fails
+    assert log._file.closed
+    assert not any(t.name == "zephon-metrics-log" for t in threading.enumerate())
+    assert read_metrics_log(tmp_path / "run.jsonl")[0]["stats"] == {"delivered": 7}
 
 
 def test_zephon_top_once_explain_and_report_run(tmp_path: Path, capsys):
@@ -204,6 +251,45 @@ def test_the_endpoint_serves_metrics_only_and_its_thread_ends_at_close():
         assert not any(t.name == "zephon-metrics" for t in threading.enumerate())
         with pytest.raises(urllib.error.URLError):
             urllib.request.urlopen(server.url, timeout=30)
+
+
+def test_the_endpoint_listens_on_ipv6_addresses_and_its_url_brackets_them():
+    with pipeline().iter() as loader:
+        with serve_metrics(loader, addr="::1") as server:
+            assert server.url == f"http://[::1]:{server.port}/metrics"
+            with urllib.request.urlopen(server.url, timeout=30) as reply:
+                assert b"zephon_records_delivered_total" in reply.read()
+        with serve_metrics(loader, addr="::") as every:  # every address, IPv4 ones too
+            for host in ("[::1]", "127.0.0.1"):
+                url = f"http://{host}:{every.port}/metrics"
+                with urllib.request.urlopen(url, timeout=30) as reply:
+                    assert b"zephon_records_delivered_total" in reply.read()
+    assert not any(t.name == "zephon-metrics" for t in threading.enumerate())
+
+
+def test_a_scrape_whose_stats_fail_is_a_500_naming_the_error_and_the_endpoint_stays_up(capsys):
+    from zephon.integrations.torch import as_torch_dataset
+
+    # Before its first item, the torch dataset's stats() are those of the state it will start
+    # from; a state of another pipeline fails there (as the training loop's iter() will).
+    with pipeline().iter() as other:
+        run(other, 3)
+        state = other.state_dict()
+    dataset = as_torch_dataset(pipeline(epoch_chunks=2))
+    dataset.load_state_dict(state)
+    with serve_metrics(dataset) as server:
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(server.url, timeout=30)
+        assert failed.value.code == 500
+        assert b"CheckpointMismatchError" in failed.value.read()
+        failed.value.close()
+        assert main(["explain", f"127.0.0.1:{server.port}"]) == 1  # says why, too
+        assert "500" in (said := capsys.readouterr().err) and "CheckpointMismatchError" in said
+        with dataset.pipeline.iter() as fresh:
+            dataset.load_state_dict(fresh.state_dict())
+        with urllib.request.urlopen(server.url, timeout=30) as reply:
+            assert b"zephon_records_delivered_total" in reply.read()
+    assert not any(t.name == "zephon-metrics" for t in threading.enumerate())
 
 
 def test_a_client_that_sends_nothing_holds_the_endpoint_only_until_its_deadline(monkeypatch):

@@ -103,3 +103,37 @@ def test_import_zephon_imports_no_opentelemetry():
         "assert 'prometheus_client' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _delivered(reader) -> dict[tuple, float]:
+    return {
+        labels: value
+        for (name, labels), value in otel_samples(reader).items()
+        if name == "zephon_records_delivered_total"
+    }
+
+
+def test_a_later_loader_on_the_same_provider_is_reported_and_two_at_once_by_their_attributes():
+    from zephon.observability.otel import register_metrics
+
+    pipeline = zephon.Pipeline(texts(0, 200), [fetch(), batch(4)], lanes=2)
+    reader = export.InMemoryMetricReader()
+    provider = metrics_sdk.MeterProvider(metric_readers=[reader])
+    rank = ("rank", "0")
+    try:
+        with pipeline.iter() as first:
+            register_metrics(first, provider)
+            for _ in zip(range(3), first):
+                pass
+            assert _delivered(reader) == {(rank,): 12}
+        with pipeline.iter() as second:  # the next run of a loop: it replaces the first
+            register_metrics(second, provider)
+            next(second)
+            assert _delivered(reader) == {(rank,): 4}
+            with pipeline.iter() as evaluation:
+                register_metrics(evaluation, provider, attributes={"loader": "eval"})
+                for _ in zip(range(5), evaluation):
+                    pass
+                assert _delivered(reader) == {(rank,): 4, (("loader", "eval"), rank): 20}
+    finally:
+        provider.shutdown()

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, cast
@@ -492,3 +493,30 @@ def test_a_change_resumed_by_position_on_ray_lanes_is_the_inline_stream(ray_clus
             changed = _filtered_and_shuffled(_large_or_odd, workers=workers)
             streams.append(stream(changed.iter(state=state, allow_changes=True)))
     assert streams[0] == streams[1] and streams[0]
+
+
+class _Guarded:
+    """A map function that opened a lock in ``__init__``: no pickler can carry it to an actor."""
+
+    def __init__(self) -> None:
+        self.guard = threading.Lock()
+
+    def __call__(self, payload: dict) -> dict:
+        return payload
+
+    def describe(self) -> dict:
+        return {"guarded": True}
+
+
+def test_a_pipeline_ray_cannot_serialize_is_refused_naming_the_operator_and_attribute(
+    ray_cluster,
+):
+    ops = [fetch(), map_transform(_Guarded()), batch(4)]
+    pipeline = zephon.Pipeline(RangeSource(40, chunk_size=8), ops, lanes=2, workers="ray")
+    with pytest.raises(PlanError) as refused, pipeline.iter() as loader:
+        next(loader)
+    message = str(refused.value)
+    assert "operator 'map_transform(_Guarded)' (#1), in its attribute fn.guard," in message
+    assert "cannot pickle '_thread.lock' object" in message
+    assert len(message) < 600, "Ray's dump of the whole plan is left out"
+    assert not our_actors()

@@ -100,11 +100,18 @@ def test_process_lanes_read_the_bucket_as_the_loader_sees_it(tmp_path, store):
     assert rows(workers="process") == inline
 
 
-def test_a_server_failing_the_first_requests_with_503_is_retried(tmp_path, bucket, failing_proxy):
+@pytest.mark.parametrize(
+    "status", [(503, "SlowDown"), (429, "TooManyRequests")], ids=["503", "429"]
+)
+def test_a_server_failing_the_first_requests_with_503_or_429_is_retried(
+    tmp_path, bucket, failing_proxy, status
+):
+    # 429 Too Many Requests: how S3-compatible stores (MinIO, Ceph, R2) throttle
     local = shards(tmp_path / "data", [8, 8, 8], group=4)
     uri = bucket.upload(local, "d")
     expected, _ = stream(ArrowSource(str(local)))
     bucket.point_at(failing_proxy.endpoint)
+    failing_proxy.fail_status = status
     failing_proxy.fail = 3  # the S3 client makes no retries of its own: the source's 4 attempts
     src = ArrowSource(uri, chunk_size=6)
     assert src.num_samples() == 24

@@ -619,3 +619,61 @@ def test_an_empty_object_is_cached_and_read_as_empty(tmp_path):
     for hit in (False, True):
         with cache.open("s3://b/empty", "v1", 0, lambda write: 0, lambda: None) as shard:
             assert shard.read() == b"" and shard.hit is hit
+
+
+class _MeetingCache(ShardCache):
+    """A cache whose readers, on their first look at the entry, wait for each other there: two
+    readers (threads of one process, or two caches on one directory as two processes have) that
+    both find the shard missing at once."""
+
+    meeting: threading.Barrier
+    seen: threading.local
+
+    def _intact(self, key: str, uri: str, version: str, size: int):
+        found = super()._intact(key, uri, version, size)
+        first = getattr(self.seen, "first", True)
+        self.seen.first = False
+        if first:
+            self.meeting.wait(timeout=60)
+        return found
+
+
+@pytest.mark.parametrize("caches", [1, 2], ids=["threads of one process", "two processes"])
+def test_two_readers_that_miss_a_shard_at_once_share_one_download(tmp_path, caches):
+    # Both hold the entry's lock shared when they find it missing; the first to ask for it
+    # exclusively lets its shared hold go and loses. The loser used to wait LOCK_WAIT for the
+    # winner's copy to be let go (it is kept open) and read from the store past the cache.
+    meeting = threading.Barrier(2)
+    made = []
+    for _ in range(caches):
+        cache = _MeetingCache(tmp_path / "shards", max_bytes=1 << 20)
+        cache.meeting, cache.seen = meeting, threading.local()
+        made.append(cache)
+    downloads: list[str] = []
+    direct: list[str] = []
+
+    def whole(write) -> int:
+        downloads.append(threading.current_thread().name)
+        write(PIECE)
+        return len(PIECE)
+
+    def store() -> pa.BufferReader:
+        direct.append(threading.current_thread().name)
+        return pa.BufferReader(PIECE)
+
+    def read(cache: ShardCache) -> None:
+        with cache.open("s3://b/x", "v1", len(PIECE), whole, store) as s:
+            assert s.read_at(len(PIECE), 0) == PIECE
+
+    readers = [
+        threading.Thread(target=read, args=(made[k % caches],), name=f"reader-{k}")
+        for k in range(2)
+    ]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(timeout=120)
+    assert not any(reader.is_alive() for reader in readers)
+    assert len(downloads) == 1 and direct == [], "one download, and no read past the cache"
+    for cache in made:
+        cache.let_go()

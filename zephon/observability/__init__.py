@@ -31,7 +31,8 @@ __all__ = [
 def serve_metrics(source: Any, port: int = 0, addr: str = "127.0.0.1") -> Any:
     """Serve ``source``'s metrics (a ``Loader``, a torch ``ZephonIterableDataset`` or a
     ``StatefulDataLoader`` around one) in the Prometheus text format at
-    ``http://addr:port/metrics``, from a daemon thread; ``port=0`` picks a free port. Returns a
+    ``http://addr:port/metrics``, from a daemon thread; ``port=0`` picks a free port, ``addr``
+    may be an IPv6 address (``"::"``: every address, IPv4 ones too). Returns a
     ``MetricsServer`` (``.url``, ``.port``, ``.close()``; a context manager)."""
     from zephon.observability.server import MetricsServer
 

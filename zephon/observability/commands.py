@@ -4,6 +4,7 @@ metrics endpoint (``serve_metrics``); ``zephon report`` draws a ``MetricsLog`` f
 from __future__ import annotations
 
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,11 @@ def scrape(url: str, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as reply:
             text = reply.read().decode("utf-8")
+    except urllib.error.HTTPError as exc:  # the endpoint's body says why (serve_metrics's does)
+        with exc:
+            why = exc.read(2000).decode("utf-8", "replace").strip()
+        said = f"HTTP {exc.code} {exc.reason}" + (f": {why}" if why else "")
+        raise ZephonError(f"cannot read metrics from {url}: {said}") from None
     except OSError as exc:
         raise ZephonError(f"cannot read metrics from {url}: {exc}") from None
     per_rank: dict[str, list[tuple[str, list[tuple[dict[str, str], float]]]]] = {}

@@ -24,13 +24,10 @@ def explain(source: Any, *, workers: str | None = None, prefetch: int | None = N
     if isinstance(source, Mapping):
         stats = source
     else:
-        read = stats_source(source)
+        read = stats_source(source)  # a DataLoader's dataset's, too
         stats = read.read()
-        plan = getattr(source, "plan", None)
-        if plan is None and hasattr(source, "pipeline"):
-            plan = source.pipeline.compile()
-        workers = workers or getattr(plan, "workers", None)
-        prefetch = prefetch or getattr(plan, "prefetch", None)
+        workers = workers or getattr(read.plan, "workers", None)
+        prefetch = prefetch or getattr(read.plan, "prefetch", None)
     verdict = _trainer(stats)
     lines = [verdict[1], _operators(stats), _lanes(stats, workers, prefetch, verdict[0])]
     lines += _packing(stats)

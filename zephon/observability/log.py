@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from zephon.observability.sources import stats_source
+
+log = logging.getLogger("zephon")
 
 
 class MetricsLog:
@@ -56,18 +59,28 @@ class MetricsLog:
 
     def _every(self, interval: float) -> None:
         while not self._closed.wait(interval):
-            self.write()
+            try:
+                self.write()
+            except Exception as exc:  # that line is lost, not the log
+                log.warning(
+                    "MetricsLog(%r): no line this time, stats() failed: %s: %s",
+                    str(self.path),
+                    type(exc).__name__,
+                    exc,
+                )
 
     def close(self) -> None:
-        """Write a last line, stop the thread, close the file."""
+        """Write a last line, stop the thread, close the file (also when that line fails)."""
         if self._closed.is_set():
             return
         self._closed.set()
         if self._thread is not None:
             self._thread.join()
-        self.write()
-        with self._lock:
-            self._file.close()
+        try:
+            self.write()
+        finally:
+            with self._lock:
+                self._file.close()
 
     def __enter__(self) -> MetricsLog:
         return self

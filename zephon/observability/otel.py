@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from zephon.observability.families import Labels, catalogue, metric_families
@@ -59,26 +60,66 @@ def _unit(name: str) -> str:
     return "1"
 
 
-def register_metrics(source: Any, meter_provider: MeterProvider) -> list[Instrument]:
+class _Registered:
+    """The instruments declared on one ``MeterProvider`` and the loaders they report, by their
+    ``attributes`` (the SDK keeps the first instrument of a name and drops the callbacks of any
+    later one, so the instruments are declared once and observe every loader registered)."""
+
+    def __init__(self, meter_provider: MeterProvider):
+        self._lock = threading.Lock()
+        self.readings: dict[tuple[tuple[str, str], ...], tuple[_Reading, Labels]] = {}
+        meter = meter_provider.get_meter("zephon")
+        self.instruments: list[Instrument] = []
+        for name, kind, help in catalogue():
+
+            def observe(options: CallbackOptions, name: str = name) -> Iterable[Observation]:
+                with self._lock:
+                    readings = list(self.readings.values())
+                return [
+                    Observation(value, {**labels, **attributes})
+                    for reading, attributes in readings
+                    for labels, value in reading.samples(name)
+                ]
+
+            if kind == "counter":
+                instrument: Any = meter.create_observable_counter(
+                    name.removesuffix("_total"), [observe], unit=_unit(name), description=help
+                )
+            else:
+                instrument = meter.create_observable_gauge(
+                    name, [observe], unit=_unit(name), description=help
+                )
+            self.instruments.append(instrument)
+
+    def add(self, reading: _Reading, attributes: Labels) -> None:
+        """Report ``reading`` with ``attributes``, in place of any loader registered with them."""
+        with self._lock:
+            self.readings[tuple(sorted(attributes.items()))] = (reading, attributes)
+
+
+_registered: weakref.WeakKeyDictionary[Any, _Registered] = weakref.WeakKeyDictionary()
+_registering = threading.Lock()
+
+
+def register_metrics(
+    source: Any, meter_provider: MeterProvider, *, attributes: Mapping[str, str] | None = None
+) -> list[Instrument]:
     """Declare ``source``'s metrics (a ``Loader``, the torch dataset of
     ``zephon.integrations.torch`` or a DataLoader around it) on ``meter_provider`` as
     observable instruments, under the meter ``"zephon"``; returns the instruments. Each
-    collection reads ``stats()`` once for all of them."""
-    meter = meter_provider.get_meter("zephon")
-    reading = _Reading(source)
-    instruments: list[Instrument] = []
-    for name, kind, help in catalogue():
+    collection reads ``stats()`` once for all of them.
 
-        def observe(options: CallbackOptions, name: str = name) -> Iterable[Observation]:
-            return [Observation(value, labels) for labels, value in reading.samples(name)]
-
-        if kind == "counter":
-            instrument: Any = meter.create_observable_counter(
-                name.removesuffix("_total"), [observe], unit=_unit(name), description=help
-            )
-        else:
-            instrument = meter.create_observable_gauge(
-                name, [observe], unit=_unit(name), description=help
-            )
-        instruments.append(instrument)
-    return instruments
+    ``attributes`` are added to every observation: loaders registered on one provider with the
+    same attributes replace each other (the next run of a loop takes the place of the last),
+    with different ones (``{"loader": "eval"}``) they are reported side by side."""
+    reading = _Reading(source)  # a TypeError for what is not a loader, before anything
+    extra = {str(k): str(v) for k, v in (attributes or {}).items()}
+    clash = sorted(set(extra) & {"rank", "component", "operator", "source", "lane"})
+    if clash:
+        raise ValueError(f"register_metrics: attributes may not name the labels {clash}")
+    with _registering:
+        registered = _registered.get(meter_provider)
+        if registered is None:
+            registered = _registered[meter_provider] = _Registered(meter_provider)
+    registered.add(reading, extra)
+    return list(registered.instruments)

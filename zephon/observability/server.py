@@ -78,7 +78,12 @@ class MetricsServer:
 
     def __init__(self, source: Any, *, port: int = 0, addr: str = "127.0.0.1"):
         self.source = stats_source(source)
-        self._listener = socket.create_server((addr, port))
+        ipv6 = ":" in addr  # an IPv6 address; "::" is every address, IPv4 ones too
+        self._listener = socket.create_server(
+            (addr, port),
+            family=socket.AF_INET6 if ipv6 else socket.AF_INET,
+            dualstack_ipv6=addr == "::" and socket.has_dualstack_ipv6(),
+        )
         self.addr = addr
         self.port = int(self._listener.getsockname()[1])
         self._closed = False
@@ -87,8 +92,10 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        """Where the metrics are: ``http://addr:port/metrics``."""
-        return f"http://{self.addr}:{self.port}/metrics"
+        """Where the metrics are: ``http://addr:port/metrics`` (``http://[addr]:port/metrics``
+        for an IPv6 address)."""
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"http://{host}:{self.port}/metrics"
 
     def _serve(self) -> None:
         while True:
@@ -124,8 +131,12 @@ class MetricsServer:
             status, body, kind = "404 Not Found", b"the metrics are at /metrics\n", "text/plain"
         else:
             source = self.source
-            status, kind = "200 OK", CONTENT_TYPE
-            body = render(metric_families(source.read(), rank=source.rank))
+            try:
+                status, kind = "200 OK", CONTENT_TYPE
+                body = render(metric_families(source.read(), rank=source.rank))
+            except Exception as exc:  # this scrape fails, not the endpoint
+                status, kind = "500 Internal Server Error", "text/plain"
+                body = f"stats() failed: {type(exc).__name__}: {exc}\n".encode()
         head = (
             f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
             "Connection: close\r\n\r\n"

@@ -9,11 +9,13 @@ from typing import Any
 
 @dataclass(frozen=True)
 class StatsSource:
-    """How to read one rank's counters (``stats()``), and which rank they are."""
+    """How to read one rank's counters (``stats()``), which rank they are, and the plan they
+    are of (None when the source has none: its ``workers`` and ``prefetch`` are unknown)."""
 
     read: Callable[[], dict[str, Any]]
     rank: int
     world_size: int
+    plan: Any = None
 
 
 def stats_source(source: Any) -> StatsSource:
@@ -35,4 +37,4 @@ def stats_source(source: Any) -> StatsSource:
         plan = target.pipeline.compile()
     rank = getattr(plan, "rank", 0)
     world = getattr(plan, "world_size", 1)
-    return StatsSource(read, int(rank), int(world))
+    return StatsSource(read, int(rank), int(world), plan)

@@ -2,14 +2,15 @@
 retry loop with backoff and deadlines, and a bounded parallel map for metadata and read-ahead.
 
 A transient error is an ``OSError`` whose message pyarrow's S3/GCS clients (or fsspec) give for
-a server error (HTTP 5xx, throttling), a reset or refused connection, or a timeout. Every other
-error is permanent. ``with_retries`` makes at most ``RetryPolicy.attempts`` attempts, sleeping
-``backoff * 4**k`` seconds (capped at ``max_sleep``) before attempt ``k + 1``, and starts none
-that could end past ``total_timeout`` seconds from the first (an attempt waits at most
-``timeout`` seconds for a request: the filesystem's client gives up on it then, see
-``zephon.sources.locations``). When it stops it raises ``FetchError`` naming what it was doing,
-the attempts, the time waited, the deadline, and the last error. While it runs, the operation is
-registered in ``zephon.sources.storage_waits``, so a lane's supervision can name it.
+a server error (HTTP 5xx, throttling: 503 SlowDown or 429 Too Many Requests), a reset or refused
+connection, or a timeout. Every other error is permanent. ``with_retries`` makes at most
+``RetryPolicy.attempts`` attempts, sleeping ``backoff * 4**k`` seconds (capped at ``max_sleep``)
+before attempt ``k + 1``, and starts none that could end past ``total_timeout`` seconds from the
+first (an attempt waits at most ``timeout`` seconds for a request: the filesystem's client gives
+up on it then, see ``zephon.sources.locations``). When it stops it raises ``FetchError`` naming
+what it was doing, the attempts, the time waited, the deadline, and the last error. While it
+runs, the operation is registered in ``zephon.sources.storage_waits``, so a lane's supervision
+can name it.
 
 ``parallel_map`` runs at most ``threads`` calls at a time on threads it joins before returning
 (named ``zephon-io-*``), so it leaves nothing running behind it, even when a call fails; once a
@@ -39,6 +40,10 @@ R = TypeVar("R")
 _TRANSIENT_MARKERS = (
     "HTTP status 5",
     "HTTP response code 5",
+    "HTTP status 429",  # Too Many Requests: how S3-compatible stores (MinIO, Ceph, R2) throttle
+    "HTTP response code 429",
+    "TooManyRequests",
+    "Too Many Requests",
     "SLOW_DOWN",
     "SlowDown",
     "SERVICE_UNAVAILABLE",

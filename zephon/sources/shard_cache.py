@@ -112,6 +112,7 @@ class ShardCache:
     def _reset(self) -> None:
         self._lock = threading.Lock()
         self._verified: set[tuple[str, int, int, int]] = set()  # key, inode, mtime, size
+        self._damaged: set[tuple[str, int, int, int]] = set()  # hashed, and not as recorded
         # Records read, by their shard file's (key, inode, mtime, size).
         self._records: dict[tuple[str, int, int, int], dict[str, Any]] = {}
         self._made_dirs = False
@@ -205,7 +206,8 @@ class ShardCache:
                         "changed on disk while this process had it open; do not write into the "
                         "cache directory"
                     )
-                if not _exclusive(fd, self.LOCK_WAIT):
+                taken = self._exclusive(fd, key, uri, version, size)
+                if taken is None:
                     # Another process has the old copy open and may keep it for as long as it
                     # runs: read from the store this time rather than wait for it.
                     log.info(
@@ -216,6 +218,8 @@ class ShardCache:
                     )
                     os.close(fd)
                     return None
+                if taken is not True:  # another reader downloaded it meanwhile
+                    return self._opened(key, fd, *taken), not fetched
                 found = self._intact(key, uri, version, size)
                 if found is None:  # else intact after all (another process fetched it)
                     if not self._reserve(key, uri, version, size):
@@ -231,6 +235,36 @@ class ShardCache:
         except BaseException:
             os.close(fd)
             raise
+
+    def _exclusive(self, fd: int, key: str, uri: str, version: str, size: int) -> Any:
+        """Entry ``key``'s lock, held shared, taken exclusively (True: download it); or, when
+        another reader downloaded the entry meanwhile, ``(map, identity)`` of it, the lock held
+        shared again; None when others keep a copy that is not intact open past ``LOCK_WAIT``.
+
+        A shared lock that cannot be made exclusive is let go (``flock`` drops it first), and
+        taken again only to look at the entry, so two readers that found it missing at once do
+        not keep each other from downloading it: the loser waits, shared, for the winner's
+        download and reads its copy."""
+        deadline = time.monotonic() + self.LOCK_WAIT
+        pause = 0.005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                pass
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # a download under way: wait for it
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            found = self._intact(key, uri, version, size)
+            if found is not None:
+                return found
+            fcntl.flock(fd, fcntl.LOCK_UN)  # others may take it to download meanwhile
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.25)
 
     def _opened(self, key: str, fd: int, mapped: Any, seen: tuple[int, int, int]) -> _Entry:
         # A newly opened entry, used by its caller and kept open for the next reads.
@@ -289,6 +323,8 @@ class ShardCache:
         with self._lock:
             record = self._records.get(seen)  # a record is written with its shard file only
             verified = seen in self._verified
+            if seen in self._damaged:  # hashed already: a reader waiting for it looks often
+                return None
         if record is None:
             record = _read_json(self._record_path(key))
             wanted = {"state": "done", "uri": uri, "version": version, "size": size}
@@ -300,6 +336,8 @@ class ShardCache:
                 self._records[seen] = record
         if not verified:
             if hashlib.sha256(mapped).hexdigest() != record["sha256"]:
+                with self._lock:
+                    self._damaged.add(seen)
                 return None
             with self._lock:
                 self._verified.add(seen)
@@ -667,21 +705,6 @@ def _write_json(path: str, value: dict[str, Any]) -> None:
     with open(tmp, "w") as fh:
         json.dump(value, fh)
     os.replace(tmp, path)
-
-
-def _exclusive(fd: int, wait: float) -> bool:
-    """Take ``fd``'s lock exclusively within ``wait`` seconds (False: others still hold it)."""
-    deadline = time.monotonic() + wait
-    pause = 0.005
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 0.25)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from zephon.errors import PlanError
@@ -54,20 +55,28 @@ def _refuse_daemonic_process() -> None:
     )
 
 
-def _unpicklable_message(plan: Plan, exc: Exception) -> str:
+def unpicklable_culprit(
+    plan: Plan, exc: Exception, dumps: Callable[[Any], Any] | None = None
+) -> tuple[str, Exception]:
+    """What of ``plan`` cannot be pickled (by ``dumps``: ``pickle`` unless given), as the
+    message names it (``operator 'x' (#1), in its attribute fn.guard,``), and why; ``("it",
+    exc)`` when no single part is to blame."""
     ops = [plan.fetch, *plan.chain, *((plan.batcher,) if plan.batcher else ())]
     parts: list[tuple[str, Any]] = [(f"the source ({type(plan.source).__name__})", plan.source)]
     parts += [(f"operator {op.name!r} (#{i})", op) for i, op in enumerate(ops)]
-    what = "it"
     for label, part in parts:
-        error = pickle_error(part)
+        error = pickle_error(part, dumps)
         if error is None:
             continue
-        found = unpicklable_part(part)
-        what, exc = label, error
+        found = unpicklable_part(part, dumps=dumps)
         if found is not None:
-            what, exc = f"{label}, in its attribute {found[0].lstrip('.')},", found[1]
-        break
+            return f"{label}, in its attribute {found[0].lstrip('.')},", found[1]
+        return label, error
+    return "it", exc
+
+
+def _unpicklable_message(plan: Plan, exc: Exception) -> str:
+    what, exc = unpicklable_culprit(plan, exc)
     return (
         f"workers='process' needs a picklable pipeline, but {what} cannot be pickled "
         f"({type(exc).__name__}: {exc}): define operators and the callables they hold at module "

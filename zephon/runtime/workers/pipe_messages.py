@@ -14,6 +14,7 @@ import struct
 import sys
 import time
 import types
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -46,23 +47,29 @@ def _parts_of(value: Any) -> list[tuple[str, Any]]:
     return []
 
 
-def pickle_error(value: Any) -> Exception | None:
-    """Why ``value`` cannot be pickled, or None when it can."""
+def pickle_error(value: Any, dumps: Callable[[Any], Any] | None = None) -> Exception | None:
+    """Why ``value`` cannot be pickled (by ``dumps``; ``pickle``'s protocol 5 unless given), or
+    None when it can."""
     try:
-        pickle.dumps(value, protocol=5)
+        if dumps is None:
+            pickle.dumps(value, protocol=5)
+        else:
+            dumps(value)
     except Exception as exc:
         return exc
     return None
 
 
-def unpicklable_part(value: Any, path: str = "", depth: int = 4) -> tuple[str, Exception] | None:
+def unpicklable_part(
+    value: Any, path: str = "", depth: int = 4, dumps: Callable[[Any], Any] | None = None
+) -> tuple[str, Exception] | None:
     """The deepest attribute or item path (``settings['guard']``) under ``value`` that cannot be
-    pickled, with the error, or None."""
+    pickled (by ``dumps``), with the error, or None."""
     for name, part in _parts_of(value):
-        error = pickle_error(part)
+        error = pickle_error(part, dumps)
         if error is not None:
             here = f"{path}{name}"
-            deeper = unpicklable_part(part, here, depth - 1) if depth > 1 else None
+            deeper = unpicklable_part(part, here, depth - 1, dumps) if depth > 1 else None
             return deeper or (here, error)
     return None
 

@@ -19,6 +19,7 @@ from typing import Any
 from zephon.errors import PlanError, WorkerLostError, ZephonError
 from zephon.plan import Plan
 from zephon.runtime.workers.inflight_bytes import has_room, item_list_bytes
+from zephon.runtime.workers.pickled_plan import unpicklable_culprit
 from zephon.runtime.workers.pipe_messages import END
 from zephon.runtime.workers.ray_actor import LaneActor
 from zephon.runtime.workers.stopping import WorkerLane, closed_error, timed_out
@@ -48,11 +49,13 @@ class RayStart:
         try:
             self.plan_ref = ray.put(plan)
         except Exception as exc:
+            # Ray pickles with cloudpickle (lambdas travel); its own error dumps the whole plan.
+            what, why = unpicklable_culprit(plan, exc, ray.cloudpickle.dumps)
             raise PlanError(
-                f"workers='ray' needs a pipeline Ray can serialize, but it cannot "
-                f"({type(exc).__name__}: {exc}): define operators and the callables they hold at "
-                "module level, and open locks, files and connections in start_epoch or on first "
-                "use rather than in __init__"
+                f"workers='ray' needs a pipeline Ray can serialize, but {what} cannot be "
+                f"serialized ({type(why).__name__}: {why}): define operators and the callables "
+                "they hold at module level, and open locks, files and connections in "
+                "start_epoch or on first use rather than in __init__"
             ) from None
         if _actor_class is None:
             _actor_class = ray.remote(LaneActor)
