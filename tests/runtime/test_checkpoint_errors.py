@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -103,6 +105,20 @@ def test_save_and_load_checkpoint_roundtrip(tmp_path, state):
     zephon.save_checkpoint(path, state)
     assert zephon.load_checkpoint(path) == state
     assert not [p for p in path.parent.iterdir() if p.name != "loader.json"]  # no temp files left
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_a_checkpoint_file_gets_the_permissions_of_any_new_file(tmp_path, state, umask):
+    # Other processes of a job (another user on a shared filesystem, an evaluation job) read
+    # the files save_checkpoint and save_rank_state write, as they would a torch.save file.
+    old = os.umask(umask)
+    try:
+        zephon.save_checkpoint(tmp_path / "loader.json", state)
+        path = zephon.save_rank_state(str(tmp_path / "job"), state)
+    finally:
+        os.umask(old)
+    assert oct(stat.S_IMODE((tmp_path / "loader.json").stat().st_mode)) == oct(0o666 & ~umask)
+    assert oct(stat.S_IMODE(os.stat(path).st_mode)) == oct(0o666 & ~umask)
 
 
 def test_truncated_checkpoint_file_is_corrupt(tmp_path, state):

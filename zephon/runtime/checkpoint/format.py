@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 import warnings
 from pathlib import Path
 from typing import Any
@@ -211,7 +211,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
     target = Path(path)
     data = checkpoint_bytes(state)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    fd, tmp = _new_file_beside(target)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -226,6 +226,14 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _new_file_beside(target: Path) -> tuple[int, str]:
+    """A new temporary file in ``target``'s directory, opened for writing, with the permissions
+    of any new file (``0o666`` less the umask, as ``open`` gives; ``tempfile.mkstemp`` would
+    make it ``0o600``, and other users of a shared directory could not read the checkpoint)."""
+    tmp = target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp"
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), str(tmp)
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
