@@ -254,3 +254,21 @@ def test_inspect_of_a_resealed_malformed_state_names_the_field_and_fails(
     out, err = capsys.readouterr()
     assert not out  # nothing of it shown as if it were valid
     assert re.search(field, err) and str(path) in err, err
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        (b'{"time": 1, "elapsed": 0.5, "rank": 0, "step": 1, "stats": {}}\nnot json\n', "line 2"),
+        (b'{"a": 1}\n{"b": 2}\n', "line 1"),
+        (b"\xff\xfe binary \x00\n" * 3, "line 1"),
+    ],
+    ids=["damaged-line", "other-json-lines", "binary"],
+)
+def test_report_of_a_file_that_is_not_a_metrics_log_prints_one_line_and_fails(
+    tmp_path, content, named
+):
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(content)
+    line = one_friendly_line(zephon_cli("report", str(path)))
+    assert str(path) in line and named in line
