@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 import zephon
-from zephon.errors import OperatorError
+from zephon.errors import OperatorError, PlanError
 from zephon.ops import Operator, OperatorContext, OpTraits, batch, fetch
+from zephon.ops.basic import Fetch
+from zephon.ops.batching import Batch
 from zephon.sources import RangeSource
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
@@ -152,3 +154,31 @@ def test_a_plan_with_setup_resumes_exactly(tmp_path):
     with p.iter(state=state) as resumed:
         tail = [b.payload["idx"].tolist() for b in resumed]
     assert head + tail == full
+
+
+class DecodingFetch(Fetch):
+    """A reader that would load a decoder in setup: never run for the pipeline's reader."""
+
+    def setup(self, ctx: OperatorContext) -> None:
+        self.decoder = Unpicklable()
+
+
+class CountingBatch(Batch):
+    """A grouper with a teardown: never run for the pipeline's grouper."""
+
+    def teardown(self) -> None:
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize(
+    ("ops", "named"),
+    [
+        ([DecodingFetch(), batch(2)], r"operator #0 \(DecodingFetch\) reads pointers"),
+        ([fetch(), CountingBatch(2)], r"operator #1 \(CountingBatch\) groups records"),
+    ],
+    ids=["reader", "grouper"],
+)
+def test_a_reader_or_grouper_with_setup_is_refused_rather_than_never_set_up(ops, named):
+    p = zephon.Pipeline(RangeSource(10), ops, lanes=2, workers="inline")
+    with pytest.raises(PlanError, match=named + ".*setup.*teardown"):
+        p.compile()
