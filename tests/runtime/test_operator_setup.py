@@ -182,3 +182,13 @@ def test_a_reader_or_grouper_with_setup_is_refused_rather_than_never_set_up(ops,
     p = zephon.Pipeline(RangeSource(10), ops, lanes=2, workers="inline")
     with pytest.raises(PlanError, match=named + ".*setup.*teardown"):
         p.compile()
+
+
+def test_a_failing_setup_of_thread_lanes_sharing_a_thread_names_the_operator():
+    p = zephon.Pipeline(
+        RangeSource(10), [fetch(), BrokenSetup(), batch(2)], lanes=4, workers="thread", processes=2
+    )
+    with pytest.raises(
+        OperatorError, match=r"setup of operator 'BrokenSetup' failed.*classifier\.bin"
+    ):
+        list(p)

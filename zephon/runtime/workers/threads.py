@@ -128,8 +128,16 @@ def _thread_group_main(
     in lane order, and waits when none has. Each lane's items are what its own runner makes, so
     sharing a thread changes when they are made, never what they are."""
     active = []
-    for channel, plan, lane_id, start in members:
-        active.append((channel, lane_id, LaneRunner(plan, lane_id, **start).run()))
+    try:
+        for channel, plan, lane_id, start in members:
+            active.append((channel, lane_id, LaneRunner(plan, lane_id, **start).run()))
+    except BaseException as exc:  # a lane's setup failed: every lane of the thread says so
+        for _, _, lane_items in active:
+            lane_items.close()
+        for channel, _, _, _ in members:
+            channel.put(("error", exc))
+            channel.done.set()
+        return
     try:
         while active:
             progressed = False
