@@ -184,6 +184,57 @@ def test_a_reader_or_grouper_with_setup_is_refused_rather_than_never_set_up(ops,
         p.compile()
 
 
+class HeldInside(Operator):
+    """Holds its lane's worker thread inside ``process_many`` from the second chunk on, until
+    the test lets it go; notes whether its model was torn down under it."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+    inside = threading.Event()
+    proceed = threading.Event()
+    notes: list[str] = []
+
+    def __init__(self) -> None:
+        self.model: dict[str, bool] | None = None
+
+    def setup(self, ctx: OperatorContext) -> None:
+        self.model = {"alive": True}
+
+    def teardown(self) -> None:
+        assert self.model is not None
+        self.model["alive"] = False
+        self.notes.append("teardown")
+
+    def process_many(self, records):
+        assert self.model is not None
+        if records and records[0].payload["idx"] >= 8:
+            type(self).inside.set()
+            assert type(self).proceed.wait(60)
+        self.notes.append("used" if self.model["alive"] else "used after teardown")
+        return records
+
+
+def test_thread_lanes_are_torn_down_only_once_their_thread_left_the_operators():
+    HeldInside.notes.clear()
+    HeldInside.inside.clear()
+    HeldInside.proceed.clear()
+    p = zephon.Pipeline(
+        RangeSource(64, chunk_size=8), [fetch(), HeldInside(), batch(4)], lanes=1, workers="thread"
+    )
+    loader = p.iter()
+    try:
+        next(loader)
+        assert HeldInside.inside.wait(60)
+        loader.close()  # the worker thread is inside process_many: close does not wait for it
+        assert "teardown" not in HeldInside.notes
+    finally:
+        HeldInside.proceed.set()
+    for thread in threading.enumerate():
+        if thread.name.startswith("zephon-lane-"):
+            thread.join(60)
+    assert HeldInside.notes[-2:] == ["used", "teardown"]
+    assert HeldInside.notes.count("teardown") == 1
+
+
 def test_a_failing_setup_of_thread_lanes_sharing_a_thread_names_the_operator():
     p = zephon.Pipeline(
         RangeSource(10), [fetch(), BrokenSetup(), batch(2)], lanes=4, workers="thread", processes=2
