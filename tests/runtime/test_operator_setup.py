@@ -243,3 +243,33 @@ def test_a_failing_setup_of_thread_lanes_sharing_a_thread_names_the_operator():
         OperatorError, match=r"setup of operator 'BrokenSetup' failed.*classifier\.bin"
     ):
         list(p)
+
+
+class ByLanguage(Operator):
+    """Fills, in setup, a dict made in ``__init__`` (a change in place, not an assignment)."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def __init__(self) -> None:
+        self.models: dict[str, Unpicklable] = {}
+
+    def setup(self, ctx: OperatorContext) -> None:
+        self.models["en"] = Unpicklable()
+
+    def process_many(self, records):
+        return records
+
+
+@pytest.mark.parametrize("workers", ["inline", "thread", "process"])
+def test_an_operator_its_setup_left_uncopyable_is_named_with_the_way_out(workers):
+    # A lane copies the set-up operator, sharing only the attributes setup assigned: the dict
+    # filled in place is copied, and the model in it cannot be.
+    p = zephon.Pipeline(
+        RangeSource(40, chunk_size=8), [fetch(), ByLanguage(), batch(4)], lanes=2, workers=workers
+    )
+    with pytest.raises(
+        OperatorError,
+        match=r"operator 'ByLanguage' cannot be copied for a lane after its setup.*"
+        r"TypeError: the model must never be pickled.*assign",
+    ):
+        list(p)

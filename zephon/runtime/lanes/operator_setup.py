@@ -63,7 +63,17 @@ class OperatorSetup:
 
     def copy(self, op: Operator) -> Operator:
         """A deep copy of ``op`` sharing what setup set (the memo maps each to itself)."""
-        return copy.deepcopy(op, dict(self._shared))
+        try:
+            return copy.deepcopy(op, dict(self._shared))
+        except Exception as exc:
+            raise OperatorError(
+                f"operator {op.name!r} cannot be copied for a lane after its setup: "
+                f"{type(exc).__name__}: {exc}. A lane shares what setup assigned to an attribute "
+                "of the operator (self.model = ...) and copies the rest: assign what setup "
+                "loads (self.models = {...}) rather than putting it into an attribute made "
+                "before (self.models[key] = ...)",
+                operator=op.name,
+            ) from exc
 
     def teardown(self) -> None:
         """Tear the set-up operators down, once (later calls do nothing)."""
