@@ -18,7 +18,7 @@ import pytest
 import zephon
 from zephon.cli import DISTRIBUTION, main
 from zephon.ops import batch, fetch
-from zephon.runtime.checkpoint.format import seal
+from zephon.runtime.checkpoint.format import seal, unseal
 from zephon.runtime.checkpoint.schema import STATE_VERSION
 from zephon.sources import RangeSource
 
@@ -272,3 +272,13 @@ def test_report_of_a_file_that_is_not_a_metrics_log_prints_one_line_and_fails(
     path.write_bytes(content)
     line = one_friendly_line(zephon_cli("report", str(path)))
     assert str(path) in line and named in line
+
+
+def test_inspect_names_the_version_a_state_was_written_in(tmp_path, capsys):
+    body = unseal(loader_state())
+    old = {k: v for k, v in body.items() if k not in ("history", "skip", "retired", "served")}
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(seal({**old, "version": 3})))
+    assert main(["inspect", str(path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith(f"Zephon loader state v3 (read as v{STATE_VERSION})")

@@ -87,10 +87,11 @@ def _states_in(obj: Any, where: str = "", depth: int = 0) -> Iterator[tuple[str,
             yield from _states_in(value, f"{where}[{i}]", depth + 1)
 
 
-def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
+def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any], Any]]:
     """The loader states in a JSON state file, a ``save_checkpoint`` file or a ``torch.save``
     file (under any key, nested too), each with its key path, unsealed and checked field by
-    field as far as that goes without the pipeline (``check_saved_state``)."""
+    field as far as that goes without the pipeline (``check_saved_state``), and the version it
+    was written in (it is read as the current one)."""
     path = Path(path)
     raw = path.read_bytes()
     if raw.startswith((_ZIP_MAGIC, _PICKLE_MAGIC)):
@@ -114,7 +115,8 @@ def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
     checked = []
     for where, state in found:
         try:  # an older version reads as the current one
-            checked.append((where, check_saved_state(unseal(state, _STATE_FORMATS))))
+            body = check_saved_state(unseal(state, _STATE_FORMATS))
+            checked.append((where, body, state["version"]))
         except CheckpointError as exc:
             raise InspectError(f"{path}{where}: {exc}") from None
     return checked
@@ -123,16 +125,19 @@ def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
 def inspect_checkpoint(path: str | os.PathLike[str], out: Any = None) -> int:
     """Print the loader state(s) a checkpoint file holds, readably; returns the exit status."""
     out = out or sys.stdout
-    for where, state in read_states(path):
+    for where, state, written in read_states(path):
+        version = f"v{written}" + (
+            f" (read as v{state['version']})" if written != state["version"] else ""
+        )
         if state["format"] == JOB_FORMAT:
-            print(f"{path}{where}: Zephon job state v{state['version']} (all ranks)", file=out)
+            print(f"{path}{where}: Zephon job state {version} (all ranks)", file=out)
             print(
                 f"  pipeline fingerprint {state['fingerprint'][:16]}…, {state['lanes']} lane(s); "
                 "resumes on any world size dividing the lanes",
                 file=out,
             )
         else:
-            print(f"{path}{where}: Zephon loader state v{state['version']}", file=out)
+            print(f"{path}{where}: Zephon loader state {version}", file=out)
             lanes = [lane["lane"] for lane in state["lane_states"]]
             shown = f"lanes {lanes[0]}..{lanes[-1]}" if lanes else "no lanes"
             print(
