@@ -291,3 +291,20 @@ def test_a_carry_state_of_an_operator_with_setup_is_left_to_its_set_up_copy():
     loader.close()
     assert state["lane_states"][0]["carry"] is not None
     assert head + [item.payload["total"] for item in running().iter(state=state)] == full
+
+
+def test_a_checkpoint_file_handed_over_the_wrong_way_says_the_right_way(tmp_path, state):
+    path = tmp_path / "loader.json"
+    zephon.save_checkpoint(path, state)
+    with pytest.raises(CheckpointError, match=r"got str.*zephon\.load_checkpoint"):
+        make().iter(state=str(path))
+    with pytest.raises(CheckpointError, match=r"save_checkpoint file.*zephon\.load_checkpoint"):
+        make().iter(state=json.loads(path.read_text()))
+    plain = tmp_path / "state.json"
+    plain.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"state\.json holds a loader state itself.*json"):
+        zephon.load_checkpoint(plain)
+    torch_file = tmp_path / "ckpt.pt"
+    torch_file.write_bytes(b"PK\x03\x04" + b"\x00" * 60)
+    with pytest.raises(CheckpointError, match=r"ckpt\.pt looks like a torch\.save file"):
+        zephon.load_checkpoint(torch_file)

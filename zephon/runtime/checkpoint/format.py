@@ -19,7 +19,7 @@ from zephon.errors import (
 from zephon.identity import identify
 from zephon.plan import digest
 from zephon.runtime.checkpoint.identity_diff import first_difference, operator_differences
-from zephon.runtime.checkpoint.schema import STATE_FORMAT, check_version, upgrade
+from zephon.runtime.checkpoint.schema import JOB_FORMAT, STATE_FORMAT, check_version, upgrade
 
 FILE_FORMAT = "zephon-checkpoint"
 
@@ -38,7 +38,15 @@ def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, 
     """Check format, version and checksum; ``CheckpointCorruptError`` for anything else. The
     body is returned in the current version (``schema.upgrade``)."""
     if not isinstance(state, dict):
-        raise CheckpointCorruptError(f"a loader state is a dict, got {type(state).__name__}")
+        hint = ""
+        if isinstance(state, (str, os.PathLike)):
+            hint = ": zephon.load_checkpoint(path) reads the state a save_checkpoint file holds"
+        raise CheckpointCorruptError(f"a loader state is a dict, got {type(state).__name__}{hint}")
+    if state.get("format") == FILE_FORMAT:
+        raise CheckpointCorruptError(
+            "this is what a save_checkpoint file holds (format 'zephon-checkpoint'), not a "
+            "loader state: zephon.load_checkpoint(path) returns the state in it"
+        )
     check_version(state, formats)
     body = {k: v for k, v in state.items() if k != "checksum"}
     try:
@@ -243,10 +251,20 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def state_from_checkpoint_bytes(raw: bytes, path: str) -> dict[str, Any]:
     """The state a checkpoint file's bytes hold, verified; ``path`` names it in errors."""
+    if raw.startswith((b"PK\x03\x04", b"\x80")):
+        raise CheckpointCorruptError(
+            f"{path} looks like a torch.save file, not a save_checkpoint file: torch.load it "
+            "and pass the loader state in it to pipeline.iter(state=...)"
+        )
     try:
         envelope = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointCorruptError(f"checkpoint {path} is not readable JSON: {exc}") from None
+    if isinstance(envelope, dict) and envelope.get("format") in (STATE_FORMAT, JOB_FORMAT):
+        raise CheckpointCorruptError(
+            f"{path} holds a loader state itself, not a save_checkpoint file: json.load it and "
+            "pass it to pipeline.iter(state=...)"
+        )
     if not isinstance(envelope, dict) or envelope.get("format") != FILE_FORMAT:
         raise CheckpointCorruptError(f"{path} is not a Zephon checkpoint file")
     if envelope.get("version") != 1:
