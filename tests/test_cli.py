@@ -282,3 +282,11 @@ def test_inspect_names_the_version_a_state_was_written_in(tmp_path, capsys):
     assert main(["inspect", str(path)]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.endswith(f"Zephon loader state v3 (read as v{STATE_VERSION})")
+
+
+@pytest.mark.parametrize("interval", ["-1", "0", "nan", "inf", "soon"])
+def test_top_refuses_an_interval_that_is_not_a_positive_number_of_seconds(interval, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["top", "127.0.0.1:9", "--interval", interval])
+    assert exited.value.code == 2
+    assert "--interval: must be a positive number of seconds" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
 import sys
@@ -235,7 +236,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     top.add_argument("endpoint", metavar="ADDR:PORT")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    top.add_argument("--interval", type=_seconds, default=2.0, help="seconds between frames")
     why = sub.add_parser(
         "explain",
         help="name a running job's bottleneck, from its metrics endpoint",
@@ -253,6 +254,17 @@ def _parser() -> argparse.ArgumentParser:
         "-o", "--output", metavar="PNG", help="where to write (default: beside the log)"
     )
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (``--interval``); argparse names the option."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def _bench(quick: bool) -> int:
