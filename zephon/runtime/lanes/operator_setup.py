@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from zephon.errors import OperatorError
@@ -27,10 +27,11 @@ _log = logging.getLogger("zephon")
 
 
 class OperatorSetup:
-    """The set-up copies of one plan's chain in one worker, and how lanes copy them."""
+    """The set-up copies of one plan's chain (``plan.chain``) in one worker, and how lanes copy
+    them."""
 
-    def __init__(self, plan: Plan, ctx: OperatorContext):
-        self._ops = [copy.deepcopy(op) for op in plan.chain]
+    def __init__(self, chain: Sequence[Operator], ctx: OperatorContext):
+        self._ops = [copy.deepcopy(op) for op in chain]
         self._shared: dict[int, Any] = {}  # id -> object: what setup set, shared by copies
         # Lane worker threads using the operators now, and whether they are to be torn down
         # once the last of them leaves (``release``).
@@ -133,7 +134,7 @@ def in_process_setup(plan: Plan, worker: str) -> OperatorSetup | None:
             ctx = OperatorContext(
                 worker, tuple(plan.rank_lanes), plan.rank, plan.world_size, os.getpid()
             )
-            setup = OperatorSetup(plan, ctx)
+            setup = OperatorSetup(plan.chain, ctx)
             _in_process[key] = setup
             weakref.finalize(plan, release_in_process_id, key)
         return setup
