@@ -308,3 +308,11 @@ def test_a_checkpoint_file_handed_over_the_wrong_way_says_the_right_way(tmp_path
     torch_file.write_bytes(b"PK\x03\x04" + b"\x00" * 60)
     with pytest.raises(CheckpointError, match=r"ckpt\.pt looks like a torch\.save file"):
         zephon.load_checkpoint(torch_file)
+
+
+def test_a_file_uri_names_the_local_file(tmp_path, state, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = (tmp_path / "ckpt" / "loader.json").as_uri()
+    zephon.save_checkpoint(uri, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no directory "file:"
+    assert zephon.load_checkpoint(uri) == zephon.load_checkpoint(tmp_path / "ckpt/loader.json")

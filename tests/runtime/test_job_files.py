@@ -111,3 +111,22 @@ def test_a_resealed_malformed_rank_state_is_corrupt_naming_the_field(tmp_path: P
     zephon.save_checkpoint(path, seal(body))
     with pytest.raises(CheckpointCorruptError, match="must have exactly the fields"):
         zephon.load_job_state(str(tmp_path))
+
+
+def test_a_checkpoint_file_saved_to_a_bucket_is_in_the_bucket(
+    bucket, tmp_path: Path, monkeypatch
+) -> None:
+    import pyarrow.fs as pafs
+
+    monkeypatch.chdir(tmp_path)  # where a URI taken for a local path would land
+    loader = make().iter()
+    for _ in range(STEPS):
+        next(loader)
+    state = loader.state_dict()
+    loader.close()
+    uri = f"s3://{bucket.name}/ckpt/step-5/loader.json"
+    zephon.save_checkpoint(uri, state)
+    assert list(tmp_path.iterdir()) == []
+    info = bucket.fs.get_file_info(f"{bucket.name}/ckpt/step-5/loader.json")
+    assert info.type == pafs.FileType.File
+    assert zephon.load_checkpoint(uri) == state

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import warnings
 from pathlib import Path
@@ -215,9 +216,16 @@ def checkpoint_bytes(state: dict[str, Any]) -> bytes:
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically (temp file, fsync, rename) with a checksum."""
-    target = Path(path)
+    """Write ``state`` to ``path`` atomically (temp file, fsync, rename) with a checksum;
+    ``path`` may name an object in storage (``s3://``, ``gs://``, any fsspec protocol), which
+    appears whole when written."""
     data = checkpoint_bytes(state)
+    fs, where = _where(path, "save_checkpoint")
+    if fs is not None:
+        with fs.open_output_stream(str(where)) as out:
+            out.write(data)
+        return
+    target = Path(where)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _new_file_beside(target)
     try:
@@ -245,8 +253,25 @@ def _new_file_beside(target: Path) -> tuple[int, str]:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and verify a ``save_checkpoint`` file; ``CheckpointCorruptError`` if damaged."""
-    return state_from_checkpoint_bytes(Path(path).read_bytes(), str(path))
+    """Read and verify a ``save_checkpoint`` file (a local path or a URI of object storage);
+    ``CheckpointCorruptError`` if damaged."""
+    fs, where = _where(path, "load_checkpoint")
+    if fs is None:
+        return state_from_checkpoint_bytes(Path(where).read_bytes(), str(path))
+    with fs.open_input_stream(str(where)) as f:
+        return state_from_checkpoint_bytes(f.read(), str(path))
+
+
+def _where(path: str | os.PathLike[str], owner: str) -> tuple[Any, str | os.PathLike[str]]:
+    """``(None, local path)`` for a local path or a ``file://`` URI; ``(filesystem, path on
+    it)`` for a URI of object storage (``s3://...``, which taken for a local path would become a
+    directory named ``s3:``)."""
+    if not isinstance(path, str) or not re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path):
+        return None, path
+    from zephon.sources.locations import UriFilesystems, filesystem_and_path
+
+    fs, where = filesystem_and_path(path, None, owner)
+    return (fs, where) if UriFilesystems.is_uri(path) else (None, where)
 
 
 def state_from_checkpoint_bytes(raw: bytes, path: str) -> dict[str, Any]:
