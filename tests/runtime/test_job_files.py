@@ -130,3 +130,14 @@ def test_a_checkpoint_file_saved_to_a_bucket_is_in_the_bucket(
     info = bucket.fs.get_file_info(f"{bucket.name}/ckpt/step-5/loader.json")
     assert info.type == pafs.FileType.File
     assert zephon.load_checkpoint(uri) == state
+
+
+def test_the_ranks_missing_from_a_large_job_are_named_a_few_and_counted(tmp_path: Path) -> None:
+    pipeline = zephon.Pipeline(
+        RangeSource(640, chunk_size=10), [fetch(), batch(2)], lanes=64, rank=0, world_size=64
+    )
+    with pipeline.iter() as loader:
+        zephon.save_rank_state(str(tmp_path), loader.state_dict())
+    with pytest.raises(CheckpointError) as refused:
+        zephon.load_job_state(str(tmp_path))
+    assert "rank(s) [1, 2, 3, 4, 5, 6, 7] and 56 more of 64" in str(refused.value)
