@@ -8,6 +8,7 @@ stderr and exit status 1, never a traceback.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -20,10 +21,11 @@ from typing import Any
 
 import zephon
 from zephon.errors import CheckpointError, ZephonError
-from zephon.runtime.checkpoint.format import FILE_FORMAT, unseal
+from zephon.runtime.checkpoint.format import FILE_FORMAT, state_from_checkpoint_bytes, unseal
 from zephon.runtime.checkpoint.history import described as described_history
 from zephon.runtime.checkpoint.saved_state import check_saved_state
 from zephon.runtime.checkpoint.schema import JOB_FORMAT, STATE_FORMAT
+from zephon.sources.locations import UriFilesystems, filesystem_and_path
 
 _STATE_FORMATS = (STATE_FORMAT, JOB_FORMAT)
 
@@ -50,7 +52,18 @@ class InspectError(ZephonError):
     """A file ``zephon inspect`` cannot show; the message names the file and what is wrong."""
 
 
-def _torch_load(path: Path) -> Any:
+def _read(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the file ``path`` names: a local path, or a URI of object storage
+    (``s3://...``, where ``zephon.save_checkpoint`` writes too)."""
+    if isinstance(path, str) and UriFilesystems.is_uri(path):
+        fs, where = filesystem_and_path(path, None, "zephon inspect")
+        with fs.open_input_stream(where) as f:
+            data: bytes = f.read()
+            return data
+    return Path(path).read_bytes()
+
+
+def _torch_load(path: str | os.PathLike[str], raw: bytes) -> Any:
     """A ``torch.save`` file's content, loaded safely (``weights_only``: plain data and tensors,
     never arbitrary pickled code); torch is imported only here."""
     try:
@@ -63,7 +76,7 @@ def _torch_load(path: Path) -> Any:
     try:
         with warnings.catch_warnings():  # torch's notes on pickle protocols are not for us
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise InspectError(
             f"{path} is not a torch.save file of plain data and tensors (torch.load with "
@@ -93,10 +106,9 @@ def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any],
     file (under any key, nested too), each with its key path, unsealed and checked field by
     field as far as that goes without the pipeline (``check_saved_state``), and the version it
     was written in (it is read as the current one)."""
-    path = Path(path)
-    raw = path.read_bytes()
+    raw = _read(path)
     if raw.startswith((_ZIP_MAGIC, _PICKLE_MAGIC)):
-        content = _torch_load(path)
+        content = _torch_load(path, raw)
     else:
         try:
             content = json.loads(raw)
@@ -106,7 +118,8 @@ def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any],
                 f"torch.save file ({exc})"
             ) from None
         if isinstance(content, dict) and content.get("format") == FILE_FORMAT:
-            content = zephon.load_checkpoint(path)  # verifies the file's own checksum
+            # verifies the file's own checksum
+            content = state_from_checkpoint_bytes(raw, str(path))
     found = list(_states_in(content))
     if not found:
         raise InspectError(
@@ -214,7 +227,7 @@ def _parser() -> argparse.ArgumentParser:
         help="show the loader state in a checkpoint file",
         description="Show the loader state in FILE: a JSON file of loader.state_dict(), a "
         "zephon.save_checkpoint file, or a torch.save file holding a loader state under any "
-        "key (torch is needed only for the last).",
+        "key (torch is needed only for the last); a local path or a URI (s3://...).",
     )
     insp.add_argument("checkpoint", metavar="FILE")
     bench = sub.add_parser(

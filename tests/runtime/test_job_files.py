@@ -141,3 +141,22 @@ def test_the_ranks_missing_from_a_large_job_are_named_a_few_and_counted(tmp_path
     with pytest.raises(CheckpointError) as refused:
         zephon.load_job_state(str(tmp_path))
     assert "rank(s) [1, 2, 3, 4, 5, 6, 7] and 56 more of 64" in str(refused.value)
+
+
+def test_zephon_inspect_reads_a_checkpoint_in_a_bucket(bucket, capsys) -> None:
+    import torch
+
+    from zephon.cli import main
+
+    loader = make().iter()
+    next(loader)
+    state = loader.state_dict()
+    loader.close()
+    uri = f"s3://{bucket.name}/ckpt/loader.json"
+    zephon.save_checkpoint(uri, state)
+    with bucket.fs.open_output_stream(f"{bucket.name}/ckpt/step-1.pt") as out:
+        torch.save({"model": torch.zeros(2), "loader": state}, out)
+    assert main(["inspect", uri]) == 0
+    assert main(["inspect", f"s3://{bucket.name}/ckpt/step-1.pt"]) == 0
+    shown = capsys.readouterr().out
+    assert f"{uri}: Zephon loader state" in shown and "step-1.pt['loader']: Zephon" in shown
