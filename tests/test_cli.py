@@ -18,7 +18,7 @@ import pytest
 import zephon
 from zephon.cli import DISTRIBUTION, main
 from zephon.ops import batch, fetch
-from zephon.runtime.checkpoint.format import seal
+from zephon.runtime.checkpoint.format import seal, unseal
 from zephon.runtime.checkpoint.schema import STATE_VERSION
 from zephon.sources import RangeSource
 
@@ -254,3 +254,39 @@ def test_inspect_of_a_resealed_malformed_state_names_the_field_and_fails(
     out, err = capsys.readouterr()
     assert not out  # nothing of it shown as if it were valid
     assert re.search(field, err) and str(path) in err, err
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        (b'{"time": 1, "elapsed": 0.5, "rank": 0, "step": 1, "stats": {}}\nnot json\n', "line 2"),
+        (b'{"a": 1}\n{"b": 2}\n', "line 1"),
+        (b"\xff\xfe binary \x00\n" * 3, "line 1"),
+    ],
+    ids=["damaged-line", "other-json-lines", "binary"],
+)
+def test_report_of_a_file_that_is_not_a_metrics_log_prints_one_line_and_fails(
+    tmp_path, content, named
+):
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(content)
+    line = one_friendly_line(zephon_cli("report", str(path)))
+    assert str(path) in line and named in line
+
+
+def test_inspect_names_the_version_a_state_was_written_in(tmp_path, capsys):
+    body = unseal(loader_state())
+    old = {k: v for k, v in body.items() if k not in ("history", "skip", "retired", "served")}
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(seal({**old, "version": 3})))
+    assert main(["inspect", str(path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith(f"Zephon loader state v3 (read as v{STATE_VERSION})")
+
+
+@pytest.mark.parametrize("interval", ["-1", "0", "nan", "inf", "soon"])
+def test_top_refuses_an_interval_that_is_not_a_positive_number_of_seconds(interval, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["top", "127.0.0.1:9", "--interval", interval])
+    assert exited.value.code == 2
+    assert "--interval: must be a positive number of seconds" in capsys.readouterr().err

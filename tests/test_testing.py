@@ -227,3 +227,64 @@ def test_check_resume_passes_the_built_ins():
     )
     check_resume(pipeline)
     check_resume(_resume_pipeline(RunningTotal()), steps=[0, 5, 17])
+
+
+SETUP_CALLS: list[str] = []
+
+
+class Classified(Operator):
+    """Loads its classifier in setup (as docs/operators.md shows), and carries a count."""
+
+    traits = OpTraits(preserves_cursor_order=True, stateful=True)
+
+    def __init__(self) -> None:
+        self.model: dict[str, int] | None = None
+        self.seen = 0
+
+    def setup(self, ctx) -> None:
+        SETUP_CALLS.append("setup")
+        self.model = {"threshold": 2}
+
+    def teardown(self) -> None:
+        SETUP_CALLS.append("teardown")
+
+    def process_many(self, records):
+        assert self.model is not None, "process_many ran before setup"
+        self.seen += len(records)
+        return records
+
+    def carry_state(self):
+        return {"seen": self.seen}
+
+    def restore_carry(self, state) -> None:
+        self.seen = state["seen"]
+
+
+def test_check_operator_sets_an_operator_with_setup_up_once_and_tears_it_down():
+    SETUP_CALLS.clear()
+    op = Classified()
+    check_operator(op, records(6))
+    assert op.model is None  # the operator as made is never set up: a copy of it is
+    assert SETUP_CALLS == ["setup", "teardown"]
+
+
+class ForgetsItsTotalWithAModel(ForgetsItsTotal):
+    """ForgetsItsTotal, needing a model its setup loads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: dict[str, int] | None = None
+
+    def setup(self, ctx) -> None:
+        self.model = {"scale": 1}
+
+    def process_many(self, recs):
+        assert self.model is not None, "process_many ran before setup"
+        return super().process_many(recs)
+
+
+def test_check_resume_names_the_suspect_of_a_pipeline_with_setup():
+    with pytest.raises(
+        AssertionError, match=r"item \d+ differs.*Suspect: ForgetsItsTotalWithAModel"
+    ):
+        check_resume(_resume_pipeline(ForgetsItsTotalWithAModel()))

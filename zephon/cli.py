@@ -8,7 +8,9 @@ stderr and exit status 1, never a traceback.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import math
 import os
 import pickle
 import sys
@@ -19,10 +21,11 @@ from typing import Any
 
 import zephon
 from zephon.errors import CheckpointError, ZephonError
-from zephon.runtime.checkpoint.format import FILE_FORMAT, unseal
+from zephon.runtime.checkpoint.format import FILE_FORMAT, state_from_checkpoint_bytes, unseal
 from zephon.runtime.checkpoint.history import described as described_history
 from zephon.runtime.checkpoint.saved_state import check_saved_state
 from zephon.runtime.checkpoint.schema import JOB_FORMAT, STATE_FORMAT
+from zephon.sources.locations import UriFilesystems, filesystem_and_path
 
 _STATE_FORMATS = (STATE_FORMAT, JOB_FORMAT)
 
@@ -49,7 +52,18 @@ class InspectError(ZephonError):
     """A file ``zephon inspect`` cannot show; the message names the file and what is wrong."""
 
 
-def _torch_load(path: Path) -> Any:
+def _read(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the file ``path`` names: a local path, or a URI of object storage
+    (``s3://...``, where ``zephon.save_checkpoint`` writes too)."""
+    if isinstance(path, str) and UriFilesystems.is_uri(path):
+        fs, where = filesystem_and_path(path, None, "zephon inspect")
+        with fs.open_input_stream(where) as f:
+            data: bytes = f.read()
+            return data
+    return Path(path).read_bytes()
+
+
+def _torch_load(path: str | os.PathLike[str], raw: bytes) -> Any:
     """A ``torch.save`` file's content, loaded safely (``weights_only``: plain data and tensors,
     never arbitrary pickled code); torch is imported only here."""
     try:
@@ -62,7 +76,7 @@ def _torch_load(path: Path) -> Any:
     try:
         with warnings.catch_warnings():  # torch's notes on pickle protocols are not for us
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise InspectError(
             f"{path} is not a torch.save file of plain data and tensors (torch.load with "
@@ -87,14 +101,14 @@ def _states_in(obj: Any, where: str = "", depth: int = 0) -> Iterator[tuple[str,
             yield from _states_in(value, f"{where}[{i}]", depth + 1)
 
 
-def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
+def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any], Any]]:
     """The loader states in a JSON state file, a ``save_checkpoint`` file or a ``torch.save``
     file (under any key, nested too), each with its key path, unsealed and checked field by
-    field as far as that goes without the pipeline (``check_saved_state``)."""
-    path = Path(path)
-    raw = path.read_bytes()
+    field as far as that goes without the pipeline (``check_saved_state``), and the version it
+    was written in (it is read as the current one)."""
+    raw = _read(path)
     if raw.startswith((_ZIP_MAGIC, _PICKLE_MAGIC)):
-        content = _torch_load(path)
+        content = _torch_load(path, raw)
     else:
         try:
             content = json.loads(raw)
@@ -104,7 +118,8 @@ def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
                 f"torch.save file ({exc})"
             ) from None
         if isinstance(content, dict) and content.get("format") == FILE_FORMAT:
-            content = zephon.load_checkpoint(path)  # verifies the file's own checksum
+            # verifies the file's own checksum
+            content = state_from_checkpoint_bytes(raw, str(path))
     found = list(_states_in(content))
     if not found:
         raise InspectError(
@@ -114,7 +129,8 @@ def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
     checked = []
     for where, state in found:
         try:  # an older version reads as the current one
-            checked.append((where, check_saved_state(unseal(state, _STATE_FORMATS))))
+            body = check_saved_state(unseal(state, _STATE_FORMATS))
+            checked.append((where, body, state["version"]))
         except CheckpointError as exc:
             raise InspectError(f"{path}{where}: {exc}") from None
     return checked
@@ -123,16 +139,19 @@ def read_states(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
 def inspect_checkpoint(path: str | os.PathLike[str], out: Any = None) -> int:
     """Print the loader state(s) a checkpoint file holds, readably; returns the exit status."""
     out = out or sys.stdout
-    for where, state in read_states(path):
+    for where, state, written in read_states(path):
+        version = f"v{written}" + (
+            f" (read as v{state['version']})" if written != state["version"] else ""
+        )
         if state["format"] == JOB_FORMAT:
-            print(f"{path}{where}: Zephon job state v{state['version']} (all ranks)", file=out)
+            print(f"{path}{where}: Zephon job state {version} (all ranks)", file=out)
             print(
                 f"  pipeline fingerprint {state['fingerprint'][:16]}…, {state['lanes']} lane(s); "
                 "resumes on any world size dividing the lanes",
                 file=out,
             )
         else:
-            print(f"{path}{where}: Zephon loader state v{state['version']}", file=out)
+            print(f"{path}{where}: Zephon loader state {version}", file=out)
             lanes = [lane["lane"] for lane in state["lane_states"]]
             shown = f"lanes {lanes[0]}..{lanes[-1]}" if lanes else "no lanes"
             print(
@@ -208,7 +227,7 @@ def _parser() -> argparse.ArgumentParser:
         help="show the loader state in a checkpoint file",
         description="Show the loader state in FILE: a JSON file of loader.state_dict(), a "
         "zephon.save_checkpoint file, or a torch.save file holding a loader state under any "
-        "key (torch is needed only for the last).",
+        "key (torch is needed only for the last); a local path or a URI (s3://...).",
     )
     insp.add_argument("checkpoint", metavar="FILE")
     bench = sub.add_parser(
@@ -230,7 +249,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     top.add_argument("endpoint", metavar="ADDR:PORT")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    top.add_argument("--interval", type=_seconds, default=2.0, help="seconds between frames")
     why = sub.add_parser(
         "explain",
         help="name a running job's bottleneck, from its metrics endpoint",
@@ -248,6 +267,17 @@ def _parser() -> argparse.ArgumentParser:
         "-o", "--output", metavar="PNG", help="where to write (default: beside the log)"
     )
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (``--interval``); argparse names the option."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def _bench(quick: bool) -> int:

@@ -334,8 +334,8 @@ class Pipeline:
 
     def _check_operators(self) -> list[Operator]:
         """The chain, each operator checked for its place: ``fetch`` (a ``PointerReader``)
-        first, a ``Grouper`` only last, declared traits, and a stateful operator on one
-        thread."""
+        first, a ``Grouper`` only last, neither with a setup (it would never run), declared
+        traits, and a stateful operator on one thread."""
         ops = self.ops
         if not ops:
             raise PlanError("a pipeline needs at least the fetch operator")
@@ -359,6 +359,13 @@ class Pipeline:
             if op.groups_at_delivery and not isinstance(op, Grouper):
                 raise PlanError(
                     f"{label} groups records but lacks batch_size/drop_remainder/collate (Grouper)"
+                )
+            if (op.consumes_pointers or op.groups_at_delivery) and op.has_setup:
+                role = "reads pointers" if op.consumes_pointers else "groups records into batches"
+                raise PlanError(
+                    f"{label} {role} and defines setup()/teardown(), which run only for the "
+                    "operators between the reader and the grouper: load what it needs in an "
+                    "operator of the chain"
                 )
             self._check_one_thread(op, label)
         if not ops[0].consumes_pointers:

@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import itertools
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon.ops.base import Operator
+from zephon.ops.base import Operator, OperatorContext
+from zephon.runtime.lanes.operator_setup import OperatorSetup
 from zephon.types import RecordRun, SampleBatch, SampleRecord
 
 if TYPE_CHECKING:
@@ -20,8 +24,20 @@ if TYPE_CHECKING:
 __all__ = ["check_operator", "check_resume"]
 
 
+#: The check's set-up operator, while ``check_operator`` checks an operator with ``setup``.
+_SET_UP: contextvars.ContextVar[OperatorSetup | None] = contextvars.ContextVar(
+    "zephon_check_setup", default=None
+)
+
+
+def _fresh(op: Operator) -> Operator:
+    """A copy of ``op`` to run, sharing what its setup loaded, as a lane's copy does."""
+    setup = _SET_UP.get()
+    return setup.copy(op) if setup is not None else copy.deepcopy(op)
+
+
 def _run(op: Operator, records: Sequence[SampleRecord], lane_id: int) -> list[SampleRecord]:
-    fresh = copy.deepcopy(op)
+    fresh = _fresh(op)
     fresh.start_epoch(lane_id, 0)
     out = list(fresh.process_many(list(records))) + list(fresh.flush())
     for item in out:
@@ -40,6 +56,28 @@ def check_operator(op: Operator, records: Sequence[SampleRecord], *, lane_id: in
     other payloads than ``process_many``, or ``process_many`` changing a record's metadata."""
     if any(r.meta.is_tombstone for r in records):
         raise ValueError("check_operator takes real records; operators never receive tombstones")
+    with _set_up([op], lane_id) as (set_up,):
+        _check_operator(set_up, records, lane_id)
+
+
+@contextlib.contextmanager
+def _set_up(chain: Sequence[Operator], lane_id: int) -> Iterator[list[Operator]]:
+    """``chain`` set up once, as a worker sets up its copies, when an operator of it has a
+    ``setup`` (torn down at the end): every run inside copies the set-up operators, sharing
+    what their setup loaded (``_fresh``)."""
+    if not any(op.has_setup for op in chain):
+        yield list(chain)
+        return
+    setup = OperatorSetup(chain, OperatorContext("inline", (lane_id,), 0, 1, os.getpid()))
+    token = _SET_UP.set(setup)
+    try:
+        yield [setup.fresh(j) for j in range(len(chain))]
+    finally:
+        _SET_UP.reset(token)
+        setup.teardown()
+
+
+def _check_operator(op: Operator, records: Sequence[SampleRecord], lane_id: int) -> None:
     if op.maps_payloads:
         _check_payload_mapping(op, records, lane_id)
     first = _run(op, records, lane_id)
@@ -134,7 +172,7 @@ def _check_payload_mapping(op: Operator, records: Sequence[SampleRecord], lane_i
                 [r.meta.component for r in part],
                 cursor.chunk_offset,
             )
-            fresh = copy.deepcopy(op)
+            fresh = _fresh(op)
             fresh.start_epoch(lane_id, 0)
             got = [_comparable(p) for p in fresh.map_payloads(run)]
             if got != [_comparable(r.payload) for r in by_record[i:j]]:
@@ -196,7 +234,7 @@ def _carry_round_trip(op: Operator, records: Sequence[SampleRecord], lane_id: in
     half = len(records) // 2
     first, second = list(records[:half]), list(records[half:])
     for later in (second, first):
-        original = copy.deepcopy(op)
+        original = _fresh(op)
         original.start_epoch(lane_id, 0)
         original.process_many(first)
         original.flush()
@@ -207,7 +245,7 @@ def _carry_round_trip(op: Operator, records: Sequence[SampleRecord], lane_id: in
             raise AssertionError(f"{op.name}: carry_state() is not JSON data: {exc}") from None
         original.start_epoch(lane_id, 1)
         expected = [*original.process_many(later), *original.flush()]
-        restored = copy.deepcopy(op)
+        restored = _fresh(op)
         if saved is not None:
             restored.restore_carry(saved)
         restored.start_epoch(lane_id, 1)
@@ -291,17 +329,18 @@ def _suspects(pipeline: Pipeline) -> str:
     chunk = source.chunk(0)
     records = list(fetcher.fetch(0, chunk.pointers, 0))
     named = []
-    for op in plan.chain:
-        if op.traits.stateful:
-            try:
-                _carry_round_trip(op, records, 0)
-            except AssertionError as exc:
-                named.append(str(exc))
-        fresh = copy.deepcopy(op)
-        fresh.start_epoch(0, 0)
-        records = [
-            r for r in [*fresh.process_many(records), *fresh.flush()] if not r.meta.is_tombstone
-        ]
+    with _set_up(plan.chain, 0) as chain:
+        for op in chain:
+            if op.traits.stateful:
+                try:
+                    _carry_round_trip(op, records, 0)
+                except AssertionError as exc:
+                    named.append(str(exc))
+            fresh = _fresh(op)
+            fresh.start_epoch(0, 0)
+            records = [
+                r for r in [*fresh.process_many(records), *fresh.flush()] if not r.meta.is_tombstone
+            ]
     if not named:
         return "Some operator's output depends on more than its carry state and its input."
     return "Suspect: " + " | ".join(named)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -103,6 +105,20 @@ def test_save_and_load_checkpoint_roundtrip(tmp_path, state):
     zephon.save_checkpoint(path, state)
     assert zephon.load_checkpoint(path) == state
     assert not [p for p in path.parent.iterdir() if p.name != "loader.json"]  # no temp files left
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_a_checkpoint_file_gets_the_permissions_of_any_new_file(tmp_path, state, umask):
+    # Other processes of a job (another user on a shared filesystem, an evaluation job) read
+    # the files save_checkpoint and save_rank_state write, as they would a torch.save file.
+    old = os.umask(umask)
+    try:
+        zephon.save_checkpoint(tmp_path / "loader.json", state)
+        path = zephon.save_rank_state(str(tmp_path / "job"), state)
+    finally:
+        os.umask(old)
+    assert oct(stat.S_IMODE((tmp_path / "loader.json").stat().st_mode)) == oct(0o666 & ~umask)
+    assert oct(stat.S_IMODE(os.stat(path).st_mode)) == oct(0o666 & ~umask)
 
 
 def test_truncated_checkpoint_file_is_corrupt(tmp_path, state):
@@ -275,3 +291,28 @@ def test_a_carry_state_of_an_operator_with_setup_is_left_to_its_set_up_copy():
     loader.close()
     assert state["lane_states"][0]["carry"] is not None
     assert head + [item.payload["total"] for item in running().iter(state=state)] == full
+
+
+def test_a_checkpoint_file_handed_over_the_wrong_way_says_the_right_way(tmp_path, state):
+    path = tmp_path / "loader.json"
+    zephon.save_checkpoint(path, state)
+    with pytest.raises(CheckpointError, match=r"got str.*zephon\.load_checkpoint"):
+        make().iter(state=str(path))
+    with pytest.raises(CheckpointError, match=r"save_checkpoint file.*zephon\.load_checkpoint"):
+        make().iter(state=json.loads(path.read_text()))
+    plain = tmp_path / "state.json"
+    plain.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"state\.json holds a loader state itself.*json"):
+        zephon.load_checkpoint(plain)
+    torch_file = tmp_path / "ckpt.pt"
+    torch_file.write_bytes(b"PK\x03\x04" + b"\x00" * 60)
+    with pytest.raises(CheckpointError, match=r"ckpt\.pt looks like a torch\.save file"):
+        zephon.load_checkpoint(torch_file)
+
+
+def test_a_file_uri_names_the_local_file(tmp_path, state, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = (tmp_path / "ckpt" / "loader.json").as_uri()
+    zephon.save_checkpoint(uri, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no directory "file:"
+    assert zephon.load_checkpoint(uri) == zephon.load_checkpoint(tmp_path / "ckpt/loader.json")

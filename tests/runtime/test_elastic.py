@@ -288,3 +288,15 @@ def test_processes_is_checked_and_described() -> None:
     assert plan.processes == 3
     assert "3 worker process(s)" in plan.describe()
     assert plan.fingerprint == monotone(lanes=N, rank=0, world_size=2).compile().fingerprint
+
+
+def test_merging_a_job_state_again_or_states_of_two_world_sizes_says_which_states() -> None:
+    states = _rank_states(2, [2, 2])
+    job = zephon.merge_states(states)
+    with pytest.raises(CheckpointError, match=r"state #0 is a job state.*merged already"):
+        zephon.merge_states([job, states[1]])
+    damaged = {**states[1], "next_lane": 1 - states[1]["next_lane"]}
+    with pytest.raises(CheckpointError, match=r"checksum.*\n  - at state 1"):
+        zephon.merge_states([states[0], damaged])
+    with pytest.raises(CheckpointError, match=r"rank 0 of 2.*rank 1 of 4"):
+        zephon.merge_states([states[0], _rank_states(4, [2, 2])[1]])

@@ -111,3 +111,52 @@ def test_a_resealed_malformed_rank_state_is_corrupt_naming_the_field(tmp_path: P
     zephon.save_checkpoint(path, seal(body))
     with pytest.raises(CheckpointCorruptError, match="must have exactly the fields"):
         zephon.load_job_state(str(tmp_path))
+
+
+def test_a_checkpoint_file_saved_to_a_bucket_is_in_the_bucket(
+    bucket, tmp_path: Path, monkeypatch
+) -> None:
+    import pyarrow.fs as pafs
+
+    monkeypatch.chdir(tmp_path)  # where a URI taken for a local path would land
+    loader = make().iter()
+    for _ in range(STEPS):
+        next(loader)
+    state = loader.state_dict()
+    loader.close()
+    uri = f"s3://{bucket.name}/ckpt/step-5/loader.json"
+    zephon.save_checkpoint(uri, state)
+    assert list(tmp_path.iterdir()) == []
+    info = bucket.fs.get_file_info(f"{bucket.name}/ckpt/step-5/loader.json")
+    assert info.type == pafs.FileType.File
+    assert zephon.load_checkpoint(uri) == state
+
+
+def test_the_ranks_missing_from_a_large_job_are_named_a_few_and_counted(tmp_path: Path) -> None:
+    pipeline = zephon.Pipeline(
+        RangeSource(640, chunk_size=10), [fetch(), batch(2)], lanes=64, rank=0, world_size=64
+    )
+    with pipeline.iter() as loader:
+        zephon.save_rank_state(str(tmp_path), loader.state_dict())
+    with pytest.raises(CheckpointError) as refused:
+        zephon.load_job_state(str(tmp_path))
+    assert "rank(s) [1, 2, 3, 4, 5, 6, 7] and 56 more of 64" in str(refused.value)
+
+
+def test_zephon_inspect_reads_a_checkpoint_in_a_bucket(bucket, capsys) -> None:
+    import torch
+
+    from zephon.cli import main
+
+    loader = make().iter()
+    next(loader)
+    state = loader.state_dict()
+    loader.close()
+    uri = f"s3://{bucket.name}/ckpt/loader.json"
+    zephon.save_checkpoint(uri, state)
+    with bucket.fs.open_output_stream(f"{bucket.name}/ckpt/step-1.pt") as out:
+        torch.save({"model": torch.zeros(2), "loader": state}, out)
+    assert main(["inspect", uri]) == 0
+    assert main(["inspect", f"s3://{bucket.name}/ckpt/step-1.pt"]) == 0
+    shown = capsys.readouterr().out
+    assert f"{uri}: Zephon loader state" in shown and "step-1.pt['loader']: Zephon" in shown

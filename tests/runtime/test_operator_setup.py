@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 import zephon
-from zephon.errors import OperatorError
+from zephon.errors import OperatorError, PlanError
 from zephon.ops import Operator, OperatorContext, OpTraits, batch, fetch
+from zephon.ops.basic import Fetch
+from zephon.ops.batching import Batch
 from zephon.sources import RangeSource
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
@@ -152,3 +154,122 @@ def test_a_plan_with_setup_resumes_exactly(tmp_path):
     with p.iter(state=state) as resumed:
         tail = [b.payload["idx"].tolist() for b in resumed]
     assert head + tail == full
+
+
+class DecodingFetch(Fetch):
+    """A reader that would load a decoder in setup: never run for the pipeline's reader."""
+
+    def setup(self, ctx: OperatorContext) -> None:
+        self.decoder = Unpicklable()
+
+
+class CountingBatch(Batch):
+    """A grouper with a teardown: never run for the pipeline's grouper."""
+
+    def teardown(self) -> None:
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize(
+    ("ops", "named"),
+    [
+        ([DecodingFetch(), batch(2)], r"operator #0 \(DecodingFetch\) reads pointers"),
+        ([fetch(), CountingBatch(2)], r"operator #1 \(CountingBatch\) groups records"),
+    ],
+    ids=["reader", "grouper"],
+)
+def test_a_reader_or_grouper_with_setup_is_refused_rather_than_never_set_up(ops, named):
+    p = zephon.Pipeline(RangeSource(10), ops, lanes=2, workers="inline")
+    with pytest.raises(PlanError, match=named + ".*setup.*teardown"):
+        p.compile()
+
+
+class HeldInside(Operator):
+    """Holds its lane's worker thread inside ``process_many`` from the second chunk on, until
+    the test lets it go; notes whether its model was torn down under it."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+    inside = threading.Event()
+    proceed = threading.Event()
+    notes: list[str] = []
+
+    def __init__(self) -> None:
+        self.model: dict[str, bool] | None = None
+
+    def setup(self, ctx: OperatorContext) -> None:
+        self.model = {"alive": True}
+
+    def teardown(self) -> None:
+        assert self.model is not None
+        self.model["alive"] = False
+        self.notes.append("teardown")
+
+    def process_many(self, records):
+        assert self.model is not None
+        if records and records[0].payload["idx"] >= 8:
+            type(self).inside.set()
+            assert type(self).proceed.wait(60)
+        self.notes.append("used" if self.model["alive"] else "used after teardown")
+        return records
+
+
+def test_thread_lanes_are_torn_down_only_once_their_thread_left_the_operators():
+    HeldInside.notes.clear()
+    HeldInside.inside.clear()
+    HeldInside.proceed.clear()
+    p = zephon.Pipeline(
+        RangeSource(64, chunk_size=8), [fetch(), HeldInside(), batch(4)], lanes=1, workers="thread"
+    )
+    loader = p.iter()
+    try:
+        next(loader)
+        assert HeldInside.inside.wait(60)
+        loader.close()  # the worker thread is inside process_many: close does not wait for it
+        assert "teardown" not in HeldInside.notes
+    finally:
+        HeldInside.proceed.set()
+    for thread in threading.enumerate():
+        if thread.name.startswith("zephon-lane-"):
+            thread.join(60)
+    assert HeldInside.notes[-2:] == ["used", "teardown"]
+    assert HeldInside.notes.count("teardown") == 1
+
+
+def test_a_failing_setup_of_thread_lanes_sharing_a_thread_names_the_operator():
+    p = zephon.Pipeline(
+        RangeSource(10), [fetch(), BrokenSetup(), batch(2)], lanes=4, workers="thread", processes=2
+    )
+    with pytest.raises(
+        OperatorError, match=r"setup of operator 'BrokenSetup' failed.*classifier\.bin"
+    ):
+        list(p)
+
+
+class ByLanguage(Operator):
+    """Fills, in setup, a dict made in ``__init__`` (a change in place, not an assignment)."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def __init__(self) -> None:
+        self.models: dict[str, Unpicklable] = {}
+
+    def setup(self, ctx: OperatorContext) -> None:
+        self.models["en"] = Unpicklable()
+
+    def process_many(self, records):
+        return records
+
+
+@pytest.mark.parametrize("workers", ["inline", "thread", "process"])
+def test_an_operator_its_setup_left_uncopyable_is_named_with_the_way_out(workers):
+    # A lane copies the set-up operator, sharing only the attributes setup assigned: the dict
+    # filled in place is copied, and the model in it cannot be.
+    p = zephon.Pipeline(
+        RangeSource(40, chunk_size=8), [fetch(), ByLanguage(), batch(4)], lanes=2, workers=workers
+    )
+    with pytest.raises(
+        OperatorError,
+        match=r"operator 'ByLanguage' cannot be copied for a lane after its setup.*"
+        r"TypeError: the model must never be pickled.*assign",
+    ):
+        list(p)

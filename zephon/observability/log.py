@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zephon.errors import ZephonError
 from zephon.observability.sources import stats_source
 
 log = logging.getLogger("zephon")
@@ -91,10 +92,29 @@ class MetricsLog:
 
 def read_metrics_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The lines of a ``MetricsLog`` file, in order (a last line cut short by a crash is left
-    out)."""
+    out); ``ZephonError`` naming the file and the line when one is not a ``MetricsLog`` line."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for text in f:
-            if text.endswith("\n"):
-                out.append(json.loads(text))
+    with open(path, "rb") as f:  # each line decoded on its own, so an error names its line
+        for number, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
+                continue
+            try:
+                out.append(_metrics_line(json.loads(raw.decode("utf-8"))))
+            except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+                raise ZephonError(
+                    f"{path} line {number} is not a line of a zephon.observability.MetricsLog: "
+                    f"{exc}"
+                ) from None
     return out
+
+
+def _metrics_line(line: Any) -> dict[str, Any]:
+    """``line`` when it has the fields ``MetricsLog.write`` writes; ValueError otherwise."""
+    if not isinstance(line, dict) or not set(line) >= _LINE_KEYS:
+        raise ValueError(f"it is not an object with the fields {sorted(_LINE_KEYS)}")
+    if not isinstance(line["stats"], dict):
+        raise ValueError("its stats are not an object")
+    return line
+
+
+_LINE_KEYS = {"time", "elapsed", "rank", "step", "stats"}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import re
+import secrets
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from zephon.errors import (
 from zephon.identity import identify
 from zephon.plan import digest
 from zephon.runtime.checkpoint.identity_diff import first_difference, operator_differences
-from zephon.runtime.checkpoint.schema import STATE_FORMAT, check_version, upgrade
+from zephon.runtime.checkpoint.schema import JOB_FORMAT, STATE_FORMAT, check_version, upgrade
 
 FILE_FORMAT = "zephon-checkpoint"
 
@@ -38,7 +39,15 @@ def unseal(state: Any, formats: tuple[str, ...] = (STATE_FORMAT,)) -> dict[str, 
     """Check format, version and checksum; ``CheckpointCorruptError`` for anything else. The
     body is returned in the current version (``schema.upgrade``)."""
     if not isinstance(state, dict):
-        raise CheckpointCorruptError(f"a loader state is a dict, got {type(state).__name__}")
+        hint = ""
+        if isinstance(state, (str, os.PathLike)):
+            hint = ": zephon.load_checkpoint(path) reads the state a save_checkpoint file holds"
+        raise CheckpointCorruptError(f"a loader state is a dict, got {type(state).__name__}{hint}")
+    if state.get("format") == FILE_FORMAT:
+        raise CheckpointCorruptError(
+            "this is what a save_checkpoint file holds (format 'zephon-checkpoint'), not a "
+            "loader state: zephon.load_checkpoint(path) returns the state in it"
+        )
     check_version(state, formats)
     body = {k: v for k, v in state.items() if k != "checksum"}
     try:
@@ -207,11 +216,18 @@ def checkpoint_bytes(state: dict[str, Any]) -> bytes:
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically (temp file, fsync, rename) with a checksum."""
-    target = Path(path)
+    """Write ``state`` to ``path`` atomically (temp file, fsync, rename) with a checksum;
+    ``path`` may name an object in storage (``s3://``, ``gs://``, any fsspec protocol), which
+    appears whole when written."""
     data = checkpoint_bytes(state)
+    fs, where = _where(path, "save_checkpoint")
+    if fs is not None:
+        with fs.open_output_stream(str(where)) as out:
+            out.write(data)
+        return
+    target = Path(where)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    fd, tmp = _new_file_beside(target)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -228,17 +244,52 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
         os.close(dir_fd)
 
 
+def _new_file_beside(target: Path) -> tuple[int, str]:
+    """A new temporary file in ``target``'s directory, opened for writing, with the permissions
+    of any new file (``0o666`` less the umask, as ``open`` gives; ``tempfile.mkstemp`` would
+    make it ``0o600``, and other users of a shared directory could not read the checkpoint)."""
+    tmp = target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp"
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), str(tmp)
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and verify a ``save_checkpoint`` file; ``CheckpointCorruptError`` if damaged."""
-    return state_from_checkpoint_bytes(Path(path).read_bytes(), str(path))
+    """Read and verify a ``save_checkpoint`` file (a local path or a URI of object storage);
+    ``CheckpointCorruptError`` if damaged."""
+    fs, where = _where(path, "load_checkpoint")
+    if fs is None:
+        return state_from_checkpoint_bytes(Path(where).read_bytes(), str(path))
+    with fs.open_input_stream(str(where)) as f:
+        return state_from_checkpoint_bytes(f.read(), str(path))
+
+
+def _where(path: str | os.PathLike[str], owner: str) -> tuple[Any, str | os.PathLike[str]]:
+    """``(None, local path)`` for a local path or a ``file://`` URI; ``(filesystem, path on
+    it)`` for a URI of object storage (``s3://...``, which taken for a local path would become a
+    directory named ``s3:``)."""
+    if not isinstance(path, str) or not re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path):
+        return None, path
+    from zephon.sources.locations import UriFilesystems, filesystem_and_path
+
+    fs, where = filesystem_and_path(path, None, owner)
+    return (fs, where) if UriFilesystems.is_uri(path) else (None, where)
 
 
 def state_from_checkpoint_bytes(raw: bytes, path: str) -> dict[str, Any]:
     """The state a checkpoint file's bytes hold, verified; ``path`` names it in errors."""
+    if raw.startswith((b"PK\x03\x04", b"\x80")):
+        raise CheckpointCorruptError(
+            f"{path} looks like a torch.save file, not a save_checkpoint file: torch.load it "
+            "and pass the loader state in it to pipeline.iter(state=...)"
+        )
     try:
         envelope = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointCorruptError(f"checkpoint {path} is not readable JSON: {exc}") from None
+    if isinstance(envelope, dict) and envelope.get("format") in (STATE_FORMAT, JOB_FORMAT):
+        raise CheckpointCorruptError(
+            f"{path} holds a loader state itself, not a save_checkpoint file: json.load it and "
+            "pass it to pipeline.iter(state=...)"
+        )
     if not isinstance(envelope, dict) or envelope.get("format") != FILE_FORMAT:
         raise CheckpointCorruptError(f"{path} is not a Zephon checkpoint file")
     if envelope.get("version") != 1:

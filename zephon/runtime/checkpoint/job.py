@@ -37,7 +37,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     ``CheckpointError`` naming the problem when ranks or lanes are missing or duplicated, or the
     ranks were checkpointed at different global steps.
     """
-    bodies = [check_saved_state(unseal(state)) for state in states]
+    bodies = [_rank_body(i, state) for i, state in enumerate(states)]
     if not bodies:
         raise CheckpointError("merge_states needs the state of every rank, got none")
     first = bodies[0]
@@ -63,7 +63,8 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     retired = merge_retired([body.get("retired") for body in bodies])
     sizes = {body.get("world_size") for body in bodies}
     if len(sizes) != 1:
-        raise CheckpointError(f"the states were taken under different world sizes: {sizes}")
+        shown = ", ".join(f"rank {b.get('rank')} of {b.get('world_size')}" for b in bodies)
+        raise CheckpointError(f"the states were taken under different world sizes: {shown}")
     world_size = check_int(sizes.pop(), "world_size", 1, lanes)
     ranks = Counter(body.get("rank") for body in bodies)
     duplicated = [r for r, n in ranks.items() if n > 1]
@@ -118,6 +119,20 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             "retired": retired,
         }
     )
+
+
+def _rank_body(i: int, state: Any) -> dict[str, Any]:
+    """The ``i``-th state given to ``merge_states``, unsealed and checked; an error says which
+    state it is."""
+    if isinstance(state, dict) and state.get("format") == JOB_FORMAT:
+        raise CheckpointError(
+            f"merge_states takes the state of each rank (loader.state_dict()): state #{i} is a "
+            "job state, merged already. Resume from it, or merge the states it was merged from"
+        )
+    try:
+        return check_saved_state(unseal(state))
+    except CheckpointError as exc:
+        raise exc.add_context(state=i) from None
 
 
 def _missing(lanes: int, by_lane: dict[int, Any], world_size: int, ranks: Counter[Any]) -> str:

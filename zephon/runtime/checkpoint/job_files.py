@@ -24,6 +24,7 @@ from zephon.runtime.checkpoint.saved_state import check_saved_state
 from zephon.runtime.checkpoint.schema import STATE_FORMAT
 from zephon.sources.locations import filesystem_and_path
 
+_SHOWN = 8  # missing ranks named in an error
 _NAME = re.compile(r"^rank-(\d{5,})-of-(\d{5,})\.json$")
 
 
@@ -79,8 +80,13 @@ def load_job_state(where: str, *, filesystem: Any = None) -> dict[str, Any]:
     ((world, by_rank),) = files.items()
     missing = sorted(set(range(world)) - set(by_rank))
     if missing:
+        shown = (  # the first few: a job may have thousands of ranks
+            f"{missing}"
+            if len(missing) <= _SHOWN
+            else f"{missing[: _SHOWN - 1]} and {len(missing) - _SHOWN + 1} more"
+        )
         raise CheckpointError(
-            f"load_job_state: {where} lacks the state of rank(s) {missing} of {world}: every "
+            f"load_job_state: {where} lacks the state of rank(s) {shown} of {world}: every "
             "rank must call save_rank_state before the job state can be read"
         )
     states = []

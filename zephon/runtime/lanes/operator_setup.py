@@ -10,11 +10,13 @@ lanes share one setup per loader in the training process (``in_process_setup``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import threading
 import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from zephon.errors import OperatorError
@@ -25,11 +27,17 @@ _log = logging.getLogger("zephon")
 
 
 class OperatorSetup:
-    """The set-up copies of one plan's chain in one worker, and how lanes copy them."""
+    """The set-up copies of one plan's chain (``plan.chain``) in one worker, and how lanes copy
+    them."""
 
-    def __init__(self, plan: Plan, ctx: OperatorContext):
-        self._ops = [copy.deepcopy(op) for op in plan.chain]
+    def __init__(self, chain: Sequence[Operator], ctx: OperatorContext):
+        self._ops = [copy.deepcopy(op) for op in chain]
         self._shared: dict[int, Any] = {}  # id -> object: what setup set, shared by copies
+        # Lane worker threads using the operators now, and whether they are to be torn down
+        # once the last of them leaves (``release``).
+        self._users = 0
+        self._released = False
+        self._users_lock = threading.Lock()
         done: list[Operator] = []
         self._finalizer = weakref.finalize(self, _tear_down, done)
         for op in self._ops:
@@ -56,11 +64,45 @@ class OperatorSetup:
 
     def copy(self, op: Operator) -> Operator:
         """A deep copy of ``op`` sharing what setup set (the memo maps each to itself)."""
-        return copy.deepcopy(op, dict(self._shared))
+        try:
+            return copy.deepcopy(op, dict(self._shared))
+        except Exception as exc:
+            raise OperatorError(
+                f"operator {op.name!r} cannot be copied for a lane after its setup: "
+                f"{type(exc).__name__}: {exc}. A lane shares what setup assigned to an attribute "
+                "of the operator (self.model = ...) and copies the rest: assign what setup "
+                "loads (self.models = {...}) rather than putting it into an attribute made "
+                "before (self.models[key] = ...)",
+                operator=op.name,
+            ) from exc
 
     def teardown(self) -> None:
         """Tear the set-up operators down, once (later calls do nothing)."""
         self._finalizer()
+
+    @contextlib.contextmanager
+    def used(self) -> Iterator[None]:
+        """A lane's worker thread uses the operators inside this block: ``release`` leaves
+        their teardown to it until it leaves (a thread busy inside an operator outlives the
+        loader's ``close()``)."""
+        with self._users_lock:
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._users_lock:
+                self._users -= 1
+                last = self._released and not self._users
+            if last:
+                self.teardown()
+
+    def release(self) -> None:
+        """Tear down now, or as the last worker thread still using the operators leaves."""
+        with self._users_lock:
+            self._released = True
+            idle = not self._users
+        if idle:
+            self.teardown()
 
 
 _MISSING = object()
@@ -92,14 +134,15 @@ def in_process_setup(plan: Plan, worker: str) -> OperatorSetup | None:
             ctx = OperatorContext(
                 worker, tuple(plan.rank_lanes), plan.rank, plan.world_size, os.getpid()
             )
-            setup = OperatorSetup(plan, ctx)
+            setup = OperatorSetup(plan.chain, ctx)
             _in_process[key] = setup
             weakref.finalize(plan, release_in_process_id, key)
         return setup
 
 
 def release_in_process(plan: Plan) -> None:
-    """Tear down the training process's setup of ``plan``, if it has one."""
+    """Tear down the training process's setup of ``plan``, if it has one (once the lane worker
+    threads still inside its operators have left them)."""
     release_in_process_id(id(plan))
 
 
@@ -107,4 +150,9 @@ def release_in_process_id(key: int) -> None:
     with _lock:
         setup = _in_process.pop(key, None)
     if setup is not None:
-        setup.teardown()
+        setup.release()
+
+
+def used(setup: OperatorSetup | None) -> contextlib.AbstractContextManager[None]:
+    """``setup.used()``, or nothing to do without a setup."""
+    return setup.used() if setup is not None else contextlib.nullcontext()

@@ -313,7 +313,7 @@ def process_main(
     if isinstance(plan, Plan) and plan.sets_up:
         ctx = OperatorContext("process", tuple(lane_ids), plan.rank, plan.world_size, os.getpid())
         try:
-            setup = OperatorSetup(plan, ctx)
+            setup = OperatorSetup(plan.chain, ctx)
         except Exception as exc:  # every lane reports it: the loader fails on the first
             plan = exc  # type: ignore[assignment]
     try:

@@ -50,7 +50,7 @@ class LaneActor:
         try:
             if plan.sets_up:
                 ctx = OperatorContext("ray", (lane_id,), plan.rank, plan.world_size, os.getpid())
-                self._setup = OperatorSetup(plan, ctx)
+                self._setup = OperatorSetup(plan.chain, ctx)
             self._items = LaneRunner(plan, lane_id, setup=self._setup, **start).run()
         except Exception as exc:
             self._failed = exc

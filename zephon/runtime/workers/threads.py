@@ -16,6 +16,7 @@ from typing import Any
 
 from zephon.errors import ZephonError
 from zephon.plan import Plan
+from zephon.runtime.lanes.operator_setup import used
 from zephon.runtime.lanes.runner import LaneRunner
 from zephon.runtime.workers.inflight_bytes import has_room, item_list_bytes
 from zephon.runtime.workers.pipe_messages import END
@@ -108,9 +109,12 @@ class _ThreadChannel:
 
 
 def _thread_main(channel: _ThreadChannel, plan: Plan, lane_id: int, start: dict) -> None:
-    """A worker thread's life; it holds the channel, never the lane, so the lane can be freed."""
+    """A worker thread's life; it holds the channel, never the lane, so the lane can be freed.
+    The lane's end or error is handed over once the thread has left the lane's operators, so
+    their teardown never runs under it (``OperatorSetup.used``)."""
     try:
-        with contextlib.closing(LaneRunner(plan, lane_id, **start).run()) as lane_items:
+        runner = LaneRunner(plan, lane_id, **start)
+        with used(runner.setup), contextlib.closing(runner.run()) as lane_items:
             for items in lane_items:
                 if not channel.put(("items", items), channel.size_of(items)):
                     return
@@ -121,52 +125,76 @@ def _thread_main(channel: _ThreadChannel, plan: Plan, lane_id: int, start: dict)
         channel.put(("error", exc))
 
 
+class _GroupMember:
+    """One lane of a shared worker thread: its channel, its runner's items, and its hold on the
+    operators' setup, left when the lane ends, before its end or error is handed over."""
+
+    def __init__(self, channel: _ThreadChannel, lane_id: int, runner: LaneRunner):
+        self.channel, self.lane_id = channel, lane_id
+        self.lane_items = runner.run()
+        self._using = used(runner.setup)
+        self._using.__enter__()
+
+    def leave(self) -> None:
+        self.lane_items.close()
+        self._using.__exit__(None, None, None)
+
+
 def _thread_group_main(
     members: list[tuple[_ThreadChannel, Plan, int, dict]], room: threading.Event
 ) -> None:
     """One worker thread for several lanes: it advances whichever lane has room in its queue,
     in lane order, and waits when none has. Each lane's items are what its own runner makes, so
     sharing a thread changes when they are made, never what they are."""
-    active = []
-    for channel, plan, lane_id, start in members:
-        active.append((channel, lane_id, LaneRunner(plan, lane_id, **start).run()))
+    active: list[_GroupMember] = []
     try:
+        for channel, plan, lane_id, start in members:
+            active.append(_GroupMember(channel, lane_id, LaneRunner(plan, lane_id, **start)))
         while active:
             progressed = False
             for member in list(active):
-                channel, lane_id, lane_items = member
+                channel = member.channel
                 if channel.stop.is_set() or channel.has_room():
                     progressed = True
-                    if not _advance(channel, lane_id, lane_items):
+                    last = _advance(channel, member.lane_id, member.lane_items)
+                    if last is not None:
                         active.remove(member)
-                        lane_items.close()
+                        member.leave()
+                        if last:
+                            channel.put(last)
                         channel.done.set()
             if not progressed:
                 room.wait(_POLL_SECONDS)
                 room.clear()
+    except BaseException as exc:  # a lane's setup failed: every lane of the thread says so
+        for member in active:
+            member.leave()
+        active = []
+        for channel, _, _, _ in members:
+            channel.put(("error", exc))
     finally:
-        for channel, _, lane_items in active:
-            lane_items.close()
+        for member in active:
+            member.leave()
+        for channel, _, _, _ in members:
             channel.done.set()
 
 
-def _advance(channel: _ThreadChannel, lane_id: int, lane_items: Iterator[list]) -> bool:
-    """Hand over the lane's next item list (there is room); False once the lane is done."""
+def _advance(channel: _ThreadChannel, lane_id: int, lane_items: Iterator[list]) -> tuple | None:
+    """Hand over the lane's next item list (there is room): None while the lane goes on; once
+    it is done, the message that ends it (its end or its error), or ``()`` when it was
+    stopped."""
     if channel.stop.is_set():
-        return False
+        return ()
     try:
         items = next(lane_items)
     except StopIteration:
-        channel.put((END, None))
-        return False
+        return (END, None)
     except SystemExit as exc:
-        channel.put(("error", exit_outside_operator(lane_id, exc)))
-        return False
+        return ("error", exit_outside_operator(lane_id, exc))
     except BaseException as exc:  # delivered to the caller, who re-raises it
-        channel.put(("error", exc))
-        return False
+        return ("error", exc)
     channel.put_nowait(("items", items), channel.size_of(items))
-    return True
+    return None
 
 
 class _ThreadWorker:
