@@ -575,7 +575,10 @@ def test_raw_pixels_decode_as_the_same_picture_encoded(mode, max_pixels):
             "png": [encoded_picture(p) for p in pictures],
         }
     ]
-    augmentations = [partial(resize_images, 6), partial(random_flip, seed=2)]
+    augmentations: list[Callable[..., Any]] = [
+        partial(resize_images, 6),
+        partial(random_flip, seed=2),
+    ]
 
     def decoded(field: str, chain: list[Callable[..., Any]]) -> list[np.ndarray]:
         ops = [fetch(), decode_images(field, mode=mode, max_pixels=max_pixels)]

@@ -508,7 +508,7 @@ def test_image_columns_decode_to_the_pixels_pillow_gives(tmp_path, compression, 
     for i, got in pixels.items():
         want = stored[i]
         lossless = image_sample(where, i)  # the pictures PNG and raw pixels keep exactly
-        expected = {
+        expected: dict[str, Any] = {
             "jpeg": pillow_pixels(want["jpeg"], "RGB"),
             "jpegs": [pillow_pixels(v, "L") for v in want["jpegs"]],
             "jpeg_array": [pillow_pixels(v, "RGB") for v in want["jpeg_array"]],
