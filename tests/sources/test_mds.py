@@ -497,6 +497,9 @@ def test_image_columns_decode_to_the_pixels_pillow_gives(tmp_path, compression, 
         for value, image in zip([got["pil"], *got["pils"]], [want["pil"], *want["pils"]]):
             assert value == RawImage(image.mode, image.width, image.height, image.tobytes())
         assert len(got["pngs"]) == len(got["pils"]) == len(got["jpegs"]) == i % 3
+    raw = stored[0]["pil"]
+    assert repr(raw) == f"RawImage(mode='L', width=10, height=8, pixels=<{8 * 10} bytes>)"
+    assert np.array_equal(np.asarray(raw.to_pil()), np.asarray(picture(1, "L")))
 
     decoded = {"jpeg": "RGB", "jpegs": "L", "jpeg_array": "RGB", "jpegarray": "RGB"}
     decoded |= {"png": "RGBA", "pngs": "RGBA", "pil": "RGBA", "pils": "L"}

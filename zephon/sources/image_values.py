@@ -43,7 +43,7 @@ _MODE_BITS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RawImage:
     """An image as raw pixels: ``pixels`` are what Pillow's ``Image.tobytes()`` gives for an
     image of ``mode`` (a Pillow mode: ``"RGB"``, ``"L"``, ``"RGBA"``...) and size ``width`` x
@@ -54,6 +54,12 @@ class RawImage:
     width: int
     height: int
     pixels: bytes
+
+    def __repr__(self) -> str:  # the pixels by their count: a photo's would fill a screen
+        return (
+            f"RawImage(mode={self.mode!r}, width={self.width}, height={self.height}, "
+            f"pixels=<{len(self.pixels)} bytes>)"
+        )
 
     @property
     def size(self) -> tuple[int, int]:
