@@ -299,10 +299,9 @@ def decode_images(
     """Decode the image(s) in ``payload[field]`` (JPEG, PNG, WebP, ... bytes; a Hugging Face
     ``Image`` dict; a file path; a URI: ``s3://``, ``gs://`` or any fsspec protocol, read with
     the sources' retries; raw pixels, a ``zephon.sources.RawImage``) into ``uint8`` arrays in
-    ``mode``; an image of more than
-    ``max_pixels`` pixels is scaled down to fit, keeping its aspect. A corrupt image is an
-    ``OperatorError`` naming the sample, or with ``on_error="drop"`` its record is dropped (with
-    its tombstones)."""
+    ``mode``; an image of more than ``max_pixels`` pixels is scaled down to fit, keeping its
+    aspect. A corrupt image is an ``OperatorError`` naming the sample, or with
+    ``on_error="drop"`` its record is dropped (with its tombstones)."""
     return DecodeImages(field, mode=mode, max_pixels=max_pixels, on_error=on_error)
 
 

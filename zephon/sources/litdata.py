@@ -73,7 +73,7 @@ _NUMPY_DTYPES = {
 }
 _SCALARS = {"int": struct.Struct("<q"), "float": struct.Struct("<d")}
 _TEXT = ("str", "text")
-#: Image serializers besides ``image:<extension>`` (each the encoded file's bytes).
+#: The image serializers besides ``image:<extension>``.
 _IMAGES = ("pil", "jpeg", "jpeg_array")
 _FRAMED_MAGIC = b"LDFZ01\0\0"
 _FRAMED_PREFIX = struct.Struct("<8sHHIII")

@@ -3,8 +3,8 @@
 A lane's read-ahead is bounded by item lists (``prefetch``) and, when the plan asks, by bytes. The
 bytes are the payloads' own: numpy arrays' ``nbytes``, the length of bytes and str values and the
 pixels of a ``RawImage``, summed through dicts, lists and tuples; control items and anything else
-count nothing. A process lane
-counts the body of the message that carries a list instead, which the pipe already measured.
+count nothing. A process lane counts the body of the message that carries a list instead, which
+the pipe already measured.
 """
 
 from __future__ import annotations
