@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from zephon.ops import (
 )
 from zephon.ops.base import introduce_neighbours
 from zephon.ops.images import ImageTransform
-from zephon.sources import ArrowSource, ListSource
+from zephon.sources import ArrowSource, ListSource, RawImage
 from zephon.testing import check_operator
 
 Image = pytest.importorskip("PIL.Image")
@@ -557,3 +558,45 @@ def test_a_left_right_and_a_top_bottom_flip_with_the_default_seed_are_drawn_apar
         (which,) = [k for k, v in outcomes.items() if np.array_equal(r.payload["image"], v)]
         seen[which] += 1
     assert set(seen) == set(outcomes) and min(seen.values()) > 20
+
+
+@pytest.mark.parametrize("max_pixels", [None, 40])
+@pytest.mark.parametrize("mode", ["L", "RGB", "RGBA"])
+def test_raw_pixels_decode_as_the_same_picture_encoded(mode, max_pixels):
+    # A RawImage (an MDS or LitData "pil" value) goes the way of an encoded file: the same mode
+    # conversion, scaling down and augmentations; a 16-bit one becomes its high bytes.
+    pictures = [drawn(4), drawn(5).convert("L"), drawn(6).convert("RGBA"), drawn(7).convert("1")]
+    deep = (np.arange(8 * 11, dtype=np.uint16).reshape(8, 11) * 700).astype(np.uint16)
+    pictures.append(Image.fromarray(deep))
+    assert pictures[-1].mode == "I;16"
+    rows = [
+        {
+            "raw": [RawImage(p.mode, p.width, p.height, p.tobytes()) for p in pictures],
+            "png": [encoded_picture(p) for p in pictures],
+        }
+    ]
+    augmentations: list[Callable[..., Any]] = [
+        partial(resize_images, 6),
+        partial(random_flip, seed=2),
+    ]
+
+    def decoded(field: str, chain: list[Callable[..., Any]]) -> list[np.ndarray]:
+        ops = [fetch(), decode_images(field, mode=mode, max_pixels=max_pixels)]
+        ops += [make(field=field) for make in chain]
+        (payload,) = (r.payload for r in zephon.Pipeline(ListSource(rows), ops))
+        return list(payload[field])
+
+    for chain in ([], augmentations):
+        got, want = decoded("raw", chain), decoded("png", chain)
+        assert len(got) == len(want) == len(pictures)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+    short = RawImage("RGB", 4, 4, bytes(47))  # one byte short of its pixels
+    with pytest.raises(OperatorError, match=r"\(sample_id=\(0, 0, 0\)\): ValueError: not enough"):
+        list(zephon.Pipeline(ListSource([{"image": short}]), [fetch(), decode_images()]))
+
+
+def encoded_picture(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()

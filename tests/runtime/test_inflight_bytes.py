@@ -13,7 +13,8 @@ import zephon
 from zephon.errors import PlanError
 from zephon.ops.basic import fetch, map_transform
 from zephon.ops.batching import batch
-from zephon.runtime.workers.inflight_bytes import item_list_bytes
+from zephon.runtime.workers.inflight_bytes import item_list_bytes, payload_bytes
+from zephon.sources import RawImage
 from zephon.sources.memory import RangeSource
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
@@ -53,6 +54,12 @@ def test_item_list_bytes_counts_arrays_bytes_and_str_of_the_payloads():
     assert item_list_bytes(items) == MICRO * PIXELS + names
     assert item_list_bytes([]) == 0
     loader.close()
+
+
+def test_raw_images_count_their_pixels():
+    # What MDS and LitData give of a "pil" column before decode_images: its pixels are held.
+    raw = RawImage("RGB", 4, 5, bytes(60))
+    assert payload_bytes({"image": raw, "images": [raw, raw], "caption": "abc"}) == 3 * 60 + 3
 
 
 # One worker per lane, and two lanes sharing one worker (one thread; one process).

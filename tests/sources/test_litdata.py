@@ -13,6 +13,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
+import litdata
 import numpy as np
 import pytest
 from format_kit import (
@@ -31,11 +32,12 @@ from format_kit import (
     largest_decompressed_shard,
 )
 from litdata.streaming.writer import BinaryWriter
+from PIL import Image
 
 import zephon
 from zephon.errors import FetchError, PlanError
-from zephon.ops import batch, fetch
-from zephon.sources import LitDataSource, ShardCache, open_source
+from zephon.ops import batch, decode_images, fetch, random_resized_crop
+from zephon.sources import LitDataSource, RawImage, ShardCache, open_source
 
 N = 40
 #: LitData's zstd layouts: framed (its default), whole-file ``.zstd.bin``, one frame per item.
@@ -293,3 +295,154 @@ def test_a_damaged_item_of_a_sample_compressed_chunk_is_named_with_its_pointer(t
     src = LitDataSource(tmp_path, chunk_size=n)
     with pytest.raises(FetchError, match=r"pointer \(0, 0, 2\) from .*chunk-0-0\.bin.*item 2 "):
         src.read(src.chunk(0).pointers)
+
+
+# --------------------------------------------------------------------------- images
+
+IMAGES = 18
+MODES = ("RGB", "L", "RGBA")
+
+
+def picture(seed: int, mode: str) -> Image.Image:
+    """A small picture of random pixels in ``mode`` (RGB, L or RGBA), its size by ``seed``."""
+    rng = np.random.default_rng(seed)
+    shape = (7 + seed % 3, 9 + seed % 5) + (() if mode == "L" else (len(mode),))
+    image = Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8))
+    assert image.mode == mode
+    return image
+
+
+def image_files(where: Path, i: int) -> dict[str, Any]:
+    """Sample ``i``'s files: a JPEG (RGB or L), a PNG (RGB, L or RGBA), and 1 to 3 JPEGs."""
+    where.mkdir(parents=True, exist_ok=True)
+    jpeg, png = where / f"{i}.jpg", where / f"{i}.png"
+    picture(i, ("RGB", "L")[i % 2]).save(jpeg, format="JPEG")
+    picture(i + 50, MODES[i % 3]).save(png, format="PNG")
+    photos = [where / f"{i}-{k}.jpg" for k in range(1 + i % 3)]
+    for k, path in enumerate(photos):
+        picture(100 * i + k, "RGB").save(path, format="JPEG")
+    return {"jpeg": jpeg, "png": png, "photos": photos}
+
+
+def write_images(root: Path, layout: str = "raw") -> Path:
+    """Image samples written by LitData's BinaryWriter with its image serializers: a Pillow
+    image (``pil``: raw pixels), a JPEG opened from its file (``jpeg``: the file's bytes),
+    ``litdata.Image(path=)`` (``image:png``) and ``litdata.JpegArray`` of encoded bytes."""
+    writer = BinaryWriter(str(root), chunk_bytes=8000, **LAYOUTS[layout])
+    for i in range(IMAGES):
+        files = image_files(root.parent / "files", i)
+        with Image.open(files["jpeg"]) as jpeg:
+            writer[i] = {
+                "idx": i,
+                "pil": picture(i + 1, MODES[(i + 1) % 3]),
+                "jpeg": jpeg,
+                "png": litdata.Image(path=str(files["png"])),
+                "photos": litdata.JpegArray(images=[p.read_bytes() for p in files["photos"]]),
+            }
+    writer.done()
+    writer.merge()
+    return root
+
+
+def pillow_pixels(path: Path, mode: str) -> np.ndarray:
+    """What Pillow itself decodes of the file at ``path``, in ``mode``."""
+    with Image.open(path) as image:
+        return np.asarray(image.convert(mode))
+
+
+@pytest.mark.parametrize("layout", ["raw", "sample"])
+def test_image_columns_decode_to_the_pixels_pillow_gives(tmp_path, layout):
+    root = write_images(tmp_path / "d", layout)
+    src = partial(LitDataSource, root, chunk_size=5, shuffle=True, cache_dir=tmp_path / "c")
+    serializers = [["idx", "int"], ["pil", "pil"], ["jpeg", "jpeg"], ["png", "image:png"]]
+    assert src().describe()["columns"] == [*serializers, ["photos", "jpeg_array"]]
+    assert len(src().files()) > 2, "the data should span several chunks"
+    stored = {p["idx"]: p for p in every_sample(src())}
+    assert sorted(stored) == list(range(IMAGES))
+    for i, got in stored.items():
+        files = image_files(tmp_path / "want", i)  # the same pictures, encoded the same way
+        assert got["jpeg"] == files["jpeg"].read_bytes()
+        assert got["png"] == files["png"].read_bytes()
+        assert got["photos"] == [p.read_bytes() for p in files["photos"]]
+        image = picture(i + 1, MODES[(i + 1) % 3])
+        assert got["pil"] == RawImage(image.mode, image.width, image.height, image.tobytes())
+
+    modes = {"pil": "RGBA", "jpeg": "RGB", "png": "RGBA", "photos": "L"}
+    ops = [fetch(), *(decode_images(field, mode=mode) for field, mode in modes.items())]
+    with zephon.Pipeline(src(), ops, lanes=2).iter() as loader:
+        pixels = {r.payload["idx"]: r.payload for r in loader}
+    assert sorted(pixels) == list(range(IMAGES))
+    for i, got in pixels.items():
+        files = image_files(tmp_path / "want", i)
+        expected: dict[str, Any] = {
+            "pil": np.asarray(picture(i + 1, MODES[(i + 1) % 3]).convert("RGBA")),
+            "jpeg": pillow_pixels(files["jpeg"], "RGB"),
+            "png": np.asarray(picture(i + 50, MODES[i % 3]).convert("RGBA")),
+            "photos": [pillow_pixels(p, "L") for p in files["photos"]],
+        }
+        for field, value in expected.items():
+            values = value if isinstance(value, list) else [value]
+            decoded = got[field] if isinstance(value, list) else [got[field]]
+            assert len(decoded) == len(values), (i, field)
+            for a, b in zip(decoded, values, strict=True):
+                assert a.dtype == b.dtype and np.array_equal(a, b), (i, field)
+
+
+def image_pipeline(root: Path, cache: Path, **kw: Any) -> zephon.Pipeline:
+    src = LitDataSource(
+        root, columns=["idx", "pil", "photos"], chunk_size=4, shuffle=True, cache_dir=cache
+    )
+    ops = [
+        fetch(),
+        decode_images("pil"),
+        random_resized_crop(6, seed=3, field="pil"),
+        decode_images("photos", mode="L"),
+        batch(3),
+    ]
+    return zephon.Pipeline(src, ops, **kw)
+
+
+def test_an_image_pipeline_resumes_exactly_at_any_step(tmp_path):
+    root = write_images(tmp_path / "d", "batch")
+    assert_resumes_exactly(
+        partial(image_pipeline, root, tmp_path / "c"), lambda n: (0, 2, n // 2, n - 1)
+    )
+
+
+MALFORMED = {  # serializer, value, where in it a uint32 is rewritten, to what, the error
+    "pil-height": (
+        "pil", picture(0, "RGB"), 4, 70,
+        r"a 9x70 RGB image has 1890 bytes of pixels, the value holds 189",
+    ),
+    "jpeg-array-count": (
+        "jpeg_array", litdata.JpegArray(images=[b"abc", b"defg"]), 0, 7,
+        r"it counts 7 images, whose sizes run past its end \(19 bytes\)",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("serializer", "value", "at", "put", "error"), list(MALFORMED.values()), ids=list(MALFORMED)
+)
+def test_a_malformed_image_value_is_a_fetch_error_naming_its_chunk_item_and_column(
+    tmp_path, serializer, value, at, put, error
+):
+    # One uint32 of item 2's value rewritten: a size or a count the value cannot hold.
+    writer = BinaryWriter(str(tmp_path), chunk_bytes=1 << 20)
+    for i in range(3):
+        writer[i] = {"idx": i, "image": value}
+    writer.done()
+    writer.merge()
+    chunk = tmp_path / "chunk-0-0.bin"
+    data = bytearray(chunk.read_bytes())
+    start = int(np.frombuffer(data, "<u4", count=1, offset=4 + 4 * 2)[0])  # item 2
+    where = start + 4 * 2 + 8 + at  # past the item's two sizes and its idx
+    data[where : where + 4] = np.uint32(put).tobytes()
+    chunk.write_bytes(bytes(data))
+    src = LitDataSource(tmp_path, chunk_size=3)
+    assert src.describe()["columns"] == [["idx", "int"], ["image", serializer]]
+    assert [p["idx"] for p in src.read(src.chunk(0).pointers[:2])] == [0, 1]
+    with pytest.raises(FetchError) as info:
+        src.read(src.chunk(0).pointers)
+    message = re.escape(f"item 2, column 'image' ({serializer}) cannot be decoded: ValueError: ")
+    assert re.search(rf"chunk-0-0\.bin.*{message}{error}", str(info.value)), info.value

@@ -3,6 +3,7 @@ zstd-compressed, locally and on the loopback S3 server."""
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
 import shutil
@@ -33,12 +34,13 @@ from format_kit import (
     largest_decompressed_shard,
 )
 from mds_kit import mds_writer
+from PIL import Image
 from worker_kit import wait_until
 
 import zephon
 from zephon.errors import FetchError, PlanError
-from zephon.ops import batch, fetch
-from zephon.sources import MDSSource, ShardCache, open_source
+from zephon.ops import batch, decode_images, fetch, random_resized_crop
+from zephon.sources import MDSSource, RawImage, ShardCache, open_source
 
 N = 60
 COLUMNS = {
@@ -398,3 +400,200 @@ def test_a_shard_the_index_names_answering_503_is_retried_then_named(
     failing_proxy.fail_paths = {"/shard.00002.mds": 100}
     with pytest.raises(FetchError, match=rf"{uri}/shard\.00002\.mds.*gave up after 4 attempts"):
         MDSSource(uri, cache_dir=tmp_path / "c").num_samples()
+
+
+# --------------------------------------------------------------------------- images
+
+IMAGE_COLUMNS = {
+    "idx": "int",
+    "jpeg": "jpeg",
+    "png": "png",
+    "pil": "pil",
+    "jpegs": "list[jpeg]",
+    "pngs": "list[png]",
+    "pils": "list[pil]",
+    "jpeg_array": "jpeg_array",
+    "jpegarray": "jpegarray",
+}
+IMAGES = 24
+MODES = ("RGB", "L", "RGBA")
+
+
+def picture(seed: int, mode: str) -> Image.Image:
+    """A small picture of random pixels in ``mode`` (RGB, L or RGBA), its size by ``seed``."""
+    rng = np.random.default_rng(seed)
+    shape = (7 + seed % 3, 9 + seed % 5) + (() if mode == "L" else (len(mode),))
+    image = Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8))
+    assert image.mode == mode
+    return image
+
+
+def jpeg_file(where: Path, seed: int) -> Path:
+    """A JPEG file of ``picture(seed)`` in RGB or L (JPEG has no alpha)."""
+    path = where / f"{seed}.jpg"
+    picture(seed, ("RGB", "L")[seed % 2]).save(path, format="JPEG")
+    return path
+
+
+def image_sample(where: Path, i: int) -> dict[str, Any]:
+    """Sample ``i``: its pictures (Pillow images), its JPEG files (paths) and, for
+    ``jpeg_array``, encoded bytes. Every third sample's lists are empty."""
+    listed = range(i % 3)
+    jpegs = [jpeg_file(where, 1000 * i + k) for k in listed]
+    return {
+        "idx": i,
+        "jpeg": jpeg_file(where, 1000 * i + 999),
+        "png": picture(i, MODES[i % 3]),
+        "pil": picture(i + 1, MODES[(i + 1) % 3]),
+        "jpegs": jpegs,
+        "pngs": [picture(100 * i + k, MODES[k]) for k in listed],
+        "pils": [picture(100 * i + k + 50, MODES[(k + i) % 3]) for k in listed],
+        "jpeg_array": [path.read_bytes() for path in jpegs],
+        "jpegarray": [path.read_bytes() for path in reversed(jpegs)],
+    }
+
+
+def write_images(root: Path, compression: str | None = None) -> Path:
+    """The image samples written by MDSWriter; each JPEG is given opened from its file, so the
+    writer stores that file's bytes."""
+    where = root.parent / "jpegs"
+    where.mkdir(parents=True, exist_ok=True)
+    with mds_writer()(
+        out=str(root), columns=IMAGE_COLUMNS, compression=compression, size_limit=4096
+    ) as out:
+        for i in range(IMAGES):
+            row = image_sample(where, i)
+            opened = [Image.open(path) for path in [row["jpeg"], *row["jpegs"]]]
+            out.write({**row, "jpeg": opened[0], "jpegs": opened[1:]})
+            for image in opened:
+                image.close()
+    return root
+
+
+def pillow_pixels(image: Any, mode: str) -> np.ndarray:
+    """What Pillow itself gives of ``image`` (a Pillow image, or JPEG bytes) in ``mode``."""
+    if isinstance(image, bytes):
+        image = Image.open(io.BytesIO(image))
+    return np.asarray(image.convert(mode))
+
+
+@pytest.mark.parametrize(("compression", "workers"), [(None, "inline"), ("zstd", "process")])
+def test_image_columns_decode_to_the_pixels_pillow_gives(tmp_path, compression, workers):
+    root = write_images(tmp_path / "mds", compression)
+    src = partial(MDSSource, root, chunk_size=5, shuffle=True, cache_dir=tmp_path / "c")
+    assert len(src().files()) > 2, "the data should span several shards"
+    where = tmp_path / "jpegs"
+    stored = {p["idx"]: p for p in every_sample(src())}
+    assert sorted(stored) == list(range(IMAGES))
+    for i, got in stored.items():
+        want = image_sample(where, i)
+        # The source gives what the writer stored: each JPEG file's bytes, each PNG's bytes,
+        # raw pixels as Pillow's own tobytes() of the image.
+        assert got["jpeg"] == want["jpeg"].read_bytes()
+        assert got["jpegs"] == [path.read_bytes() for path in want["jpegs"]]
+        assert got["jpeg_array"] == want["jpeg_array"]
+        assert got["jpegarray"] == want["jpegarray"]
+        assert all(type(v) is bytes for v in [got["jpeg"], got["png"], *got["pngs"]])
+        for value, image in zip([got["pil"], *got["pils"]], [want["pil"], *want["pils"]]):
+            assert value == RawImage(image.mode, image.width, image.height, image.tobytes())
+        assert len(got["pngs"]) == len(got["pils"]) == len(got["jpegs"]) == i % 3
+    raw = stored[0]["pil"]
+    assert repr(raw) == f"RawImage(mode='L', width=10, height=8, pixels=<{8 * 10} bytes>)"
+    assert np.array_equal(np.asarray(raw.to_pil()), np.asarray(picture(1, "L")))
+
+    decoded = {"jpeg": "RGB", "jpegs": "L", "jpeg_array": "RGB", "jpegarray": "RGB"}
+    decoded |= {"png": "RGBA", "pngs": "RGBA", "pil": "RGBA", "pils": "L"}
+    ops = [fetch(), *(decode_images(field, mode=mode) for field, mode in decoded.items())]
+    pipeline = zephon.Pipeline(src(), ops, lanes=2, workers=workers)
+    with pipeline.iter() as loader:
+        pixels = {r.payload["idx"]: r.payload for r in loader}
+    assert sorted(pixels) == list(range(IMAGES))
+    for i, got in pixels.items():
+        want = stored[i]
+        lossless = image_sample(where, i)  # the pictures PNG and raw pixels keep exactly
+        expected: dict[str, Any] = {
+            "jpeg": pillow_pixels(want["jpeg"], "RGB"),
+            "jpegs": [pillow_pixels(v, "L") for v in want["jpegs"]],
+            "jpeg_array": [pillow_pixels(v, "RGB") for v in want["jpeg_array"]],
+            "jpegarray": [pillow_pixels(v, "RGB") for v in want["jpegarray"]],
+            "png": pillow_pixels(lossless["png"], "RGBA"),
+            "pngs": [pillow_pixels(v, "RGBA") for v in lossless["pngs"]],
+            "pil": pillow_pixels(lossless["pil"], "RGBA"),
+            "pils": [pillow_pixels(v, "L") for v in lossless["pils"]],
+        }
+        for field, value in expected.items():
+            if isinstance(value, list):
+                assert len(got[field]) == len(value), field
+                for a, b in zip(got[field], value, strict=True):
+                    assert a.dtype == b.dtype and np.array_equal(a, b), (i, field)
+            else:
+                assert got[field].dtype == value.dtype and np.array_equal(got[field], value)
+
+
+def image_pipeline(root: Path, cache: Path, **kw: Any) -> zephon.Pipeline:
+    src = MDSSource(
+        root, columns=["idx", "pil", "pngs"], chunk_size=5, shuffle=True, cache_dir=cache
+    )
+    ops = [
+        fetch(),
+        decode_images("pil"),
+        random_resized_crop(6, seed=3, field="pil"),
+        decode_images("pngs", mode="L"),
+        batch(3),
+    ]
+    return zephon.Pipeline(src, ops, **kw)
+
+
+def test_an_image_pipeline_resumes_exactly_at_any_step(tmp_path):
+    root = write_images(tmp_path / "d", "zstd")
+    assert_resumes_exactly(
+        partial(image_pipeline, root, tmp_path / "c"), lambda n: (0, 2, n // 2, n - 1)
+    )
+
+
+MALFORMED = {  # encoding, value, where in it a uint32 is rewritten, to what, the error
+    "pil-width": (
+        "pil", picture(0, "RGB"), 0, 99,
+        r"a 99x7 RGB image has 2079 bytes of pixels, the value holds 189",
+    ),
+    "pil-mode": ("pil", picture(0, "L"), 8, 500, r"its mode's name of 500 bytes runs past"),
+    "pil-in-a-list": (
+        "list[pil]", [picture(0, "L"), picture(1, "RGBA")], 16 + 76, 3,
+        r"image 1 of the list: a 3x8 RGBA image has 96 bytes of pixels, the value holds 320",
+    ),
+    "png-count": (
+        "list[png]", [picture(0, "L")], 4, 1000,
+        r"it counts 1000 images, whose sizes run past its end \(\d+ bytes\)",
+    ),
+    "empty-list-count": (
+        "list[jpeg]", [], 4, 1, r"it counts 1 images, whose sizes run past its end \(8 bytes\)"
+    ),
+    "jpeg-array-size": (
+        "jpeg_array", [b"abc", b"defg"], 4, 5, r"its 2 images take 9 bytes, 7 follow their sizes"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("encoding", "value", "at", "put", "error"), list(MALFORMED.values()), ids=list(MALFORMED)
+)
+def test_a_malformed_image_value_is_a_fetch_error_naming_its_shard_sample_and_column(
+    tmp_path, encoding, value, at, put, error
+):
+    # One uint32 of sample 2's value rewritten: a size or a count the value cannot hold.
+    columns = {"image": encoding, "idx": "int"}
+    with mds_writer()(out=str(tmp_path), columns=columns) as out:
+        for i in range(3):
+            out.write({"image": value, "idx": i})
+    shard = tmp_path / "shard.00000.mds"
+    data = bytearray(shard.read_bytes())
+    start = int(np.frombuffer(data, "<u4", count=1, offset=4 + 4 * 2)[0])  # sample 2
+    where = start + 4 + 8 + at  # past the image column's size and "idx" (the writer sorts)
+    data[where : where + 4] = np.uint32(put).tobytes()
+    shard.write_bytes(bytes(data))
+    src = MDSSource(tmp_path, chunk_size=3)
+    assert [p["idx"] for p in src.read(src.chunk(0).pointers[:2])] == [0, 1]
+    with pytest.raises(FetchError) as info:
+        src.read(src.chunk(0).pointers)
+    message = re.escape(f"sample 2, column 'image' ({encoding}) cannot be decoded: ValueError: ")
+    assert re.search(rf"shard\.00000\.mds.*{message}{error}", str(info.value)), info.value

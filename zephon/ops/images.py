@@ -31,6 +31,7 @@ from zephon._core.pixels import rgb_of_rgbx
 from zephon.errors import FetchError, OperatorError
 from zephon.ops.base import Operator, OpTraits, record_error
 from zephon.ops.children import tombstones_for_record
+from zephon.sources.image_values import RawImage
 from zephon.sources.locations import UriFilesystems
 from zephon.sources.remote import RetryPolicy, with_retries
 from zephon.types import SampleCursor, SampleRecord
@@ -152,7 +153,8 @@ class _PerImage(Operator):
 
 class DecodeImages(_PerImage):
     """Encoded images (bytes, a Hugging Face ``Image`` dict with ``bytes``/``path``, a path, or a
-    URI such as ``s3://bucket/key``) to ``uint8`` arrays of shape ``(H, W, C)`` (``(H, W)`` for
+    URI such as ``s3://bucket/key``), or raw pixels (a ``RawImage``, as MDS and LitData sources
+    give a ``pil`` column), to ``uint8`` arrays of shape ``(H, W, C)`` (``(H, W)`` for
     ``mode="L"``). A URI is read through the storage layer the sources use, with their retries
     and deadlines."""
 
@@ -221,13 +223,18 @@ class DecodeImages(_PerImage):
         Image = _pil()
         if isinstance(value, dict):  # a Hugging Face Image feature
             value = value.get("bytes") or value.get("path")
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            source: Any = io.BytesIO(value)
+        if isinstance(value, RawImage):  # raw pixels: no file to open, no EXIF
+            opened = Image.frombytes(value.mode, value.size, value.pixels)
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            opened = Image.open(io.BytesIO(value))
         elif isinstance(value, str):
             source = io.BytesIO(self._read_uri(value)) if self._storage.is_uri(value) else value
+            opened = Image.open(source)
         else:
-            raise TypeError(f"an image is encoded bytes or a path, got {type(value).__name__}")
-        with Image.open(source) as opened:
+            raise TypeError(
+                "an image is encoded bytes, a path or a RawImage, got " + type(value).__name__
+            )
+        with opened:
             turn = _exif_turn(opened)
             image = _eight_bit(opened)
             if self.max_pixels is not None and image.width * image.height > self.max_pixels:
@@ -291,10 +298,10 @@ def decode_images(
 ) -> DecodeImages:
     """Decode the image(s) in ``payload[field]`` (JPEG, PNG, WebP, ... bytes; a Hugging Face
     ``Image`` dict; a file path; a URI: ``s3://``, ``gs://`` or any fsspec protocol, read with
-    the sources' retries) into ``uint8`` arrays in ``mode``; an image of more than
-    ``max_pixels`` pixels is scaled down to fit, keeping its aspect. A corrupt image is an
-    ``OperatorError`` naming the sample, or with ``on_error="drop"`` its record is dropped (with
-    its tombstones)."""
+    the sources' retries; raw pixels, a ``zephon.sources.RawImage``) into ``uint8`` arrays in
+    ``mode``; an image of more than ``max_pixels`` pixels is scaled down to fit, keeping its
+    aspect. A corrupt image is an ``OperatorError`` naming the sample, or with
+    ``on_error="drop"`` its record is dropped (with its tombstones)."""
     return DecodeImages(field, mode=mode, max_pixels=max_pixels, on_error=on_error)
 
 

@@ -5,6 +5,7 @@ from zephon.sources.base import IndexedSource, WorkSource
 from zephon.sources.discover import open_source
 from zephon.sources.files import FileOptions, FileSource
 from zephon.sources.hf import HFDatasetSource
+from zephon.sources.image_values import RawImage
 from zephon.sources.jsonl import JsonlSource
 from zephon.sources.lance import LanceSource
 from zephon.sources.litdata import LitDataSource
@@ -28,6 +29,7 @@ __all__ = [
     "MDSSource",
     "MixtureSource",
     "RangeSource",
+    "RawImage",
     "ShardCache",
     "TokenShardSource",
     "WebDatasetSource",

@@ -9,10 +9,13 @@ size per leaf, then every leaf's bytes. Samples must be flat dicts (their keys a
 
 Serializers decoded: ``int``, ``float``, ``bool``, ``str``, ``text``, ``bytes``, ``numpy``
 (any shape) and ``no_header_numpy:<dtype>`` (1-d), to Python and numpy values as written.
+Images are given as ``zephon.ops.decode_images`` takes them, never decoded here (no Pillow is
+needed): ``jpeg`` and ``image:<extension>`` as the encoded file's ``bytes``, ``jpeg_array`` as a
+list of them, ``pil`` (raw pixels) as a ``RawImage`` (``zephon.sources.image_values``).
 Refused with a ``PlanError`` naming the column and serializer (leave the column out with
 ``columns=``): ``pickle`` (it would run code the data chooses), torch tensors (``tensor``,
-``no_header_tensor``: write numpy arrays), media (``pil``, ``jpeg``, ``image:*``, ``video``,
-``audio``, ``file``...) and ``json`` leaves; refused for the whole dataset: encryption, item
+``no_header_tensor``: write numpy arrays), other media (``video``, ``audio``, ``file``,
+``tifffile``...) and ``json`` leaves; refused for the whole dataset: encryption, item
 loaders other than the default ``PyTreeLoader``, and chunks whose rows LitData stored as an
 Arrow IPC footer (its layout for samples made only of strings or nested lists).
 
@@ -41,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon.errors import FetchError, PlanError
+from zephon.sources.image_values import encoded_images, raw_image
 from zephon.sources.mds import Column, MDSSource, zstd_decompress
 
 if TYPE_CHECKING:
@@ -69,6 +73,8 @@ _NUMPY_DTYPES = {
 }
 _SCALARS = {"int": struct.Struct("<q"), "float": struct.Struct("<d")}
 _TEXT = ("str", "text")
+#: The image serializers besides ``image:<extension>``.
+_IMAGES = ("pil", "jpeg", "jpeg_array")
 _FRAMED_MAGIC = b"LDFZ01\0\0"
 _FRAMED_PREFIX = struct.Struct("<8sHHIII")
 _FRAME = struct.Struct("<IIQII")
@@ -199,7 +205,9 @@ class LitDataSource(MDSSource):
 
     def check_encoding(self, col: Column) -> None:
         enc = col.encoding
-        if enc in _SCALARS or enc in _TEXT or enc in ("bool", "bytes", "numpy"):
+        if enc in _SCALARS or enc in _TEXT or enc in _IMAGES or enc.startswith("image:"):
+            return
+        if enc in ("bool", "bytes", "numpy"):
             return
         if enc.startswith("no_header_numpy:"):
             code = enc.split(":", 1)[1]
@@ -360,6 +368,12 @@ def _decoder(encoding: str) -> Callable[[memoryview], Any]:
         return lambda data: data[0] != 0
     if encoding == "numpy":
         return _numpy_with_header
+    if encoding == "jpeg" or encoding.startswith("image:"):
+        return bytes
+    if encoding == "pil":
+        return raw_image
+    if encoding == "jpeg_array":
+        return lambda data: [bytes(image) for image in encoded_images(data)]
     dtype = np.dtype(_NUMPY_DTYPES[int(encoding.split(":", 1)[1])])
     return lambda data: np.frombuffer(data, dtype).copy()
 

@@ -13,7 +13,13 @@ Encodings decoded: ``bytes``, ``str``, ``int`` (Python int), ``int8`` .. ``uint6
 (``decimal.Decimal``), ``json``, ``ndarray`` with or without a fixed dtype and shape (a numpy
 array, copied out of the shard), and ``pkl`` only with ``allow_pickle=True``: unpickling runs
 code the data chooses, so a pickled column is a ``PlanError`` otherwise (leave it out with
-``columns=``). Image encodings (``pil``, ``jpeg``, ``png``...) are refused the same way.
+``columns=``). Images are given as ``zephon.ops.decode_images`` takes them, never decoded here
+(the source needs no Pillow): ``jpeg`` and ``png`` as the encoded file's ``bytes``,
+``list[jpeg]``, ``list[png]`` and ``jpeg_array`` (or ``jpegarray``) as a list of them, ``pil``
+(raw pixels) as a ``RawImage`` and ``list[pil]`` as a list of those
+(``zephon.sources.image_values`` has the layouts). A count or size that does not fit the value
+is a ``FetchError`` naming the shard, the sample and the column. Any other encoding is a
+``PlanError`` naming its column.
 
 Identity. The stored file of every shard is digested once in ``BLOCK_BYTES`` blocks (cached in
 a ``.zsum`` sidecar keyed by its size, mtime and the store's version of it; never trusted when
@@ -57,6 +63,7 @@ from zephon.sources.files import (
     section_text,
     text_section,
 )
+from zephon.sources.image_values import encoded_images, raw_image
 from zephon.sources.locations import DataFile, default_cache_dir
 from zephon.sources.mapped_files import ChangedFile, MappedFiles, map_bytes
 from zephon.sources.remote import is_transient
@@ -101,6 +108,16 @@ _NDARRAY_DTYPES = {
 }
 _SHAPE_DTYPES = {0: "<u1", 1: "<u2", 2: "<u4", 3: "<u8"}
 _STR_DECODERS = {"str_int": int, "str_float": float, "str_decimal": Decimal}
+#: Image encodings: where a list's count is (after a placeholder uint32 for ``list[...]``), and
+#: whether its images are raw pixels.
+_IMAGE_LISTS = {
+    "list[jpeg]": (4, False),
+    "list[png]": (4, False),
+    "list[pil]": (4, True),
+    "jpeg_array": (0, False),
+    "jpegarray": (0, False),
+}
+_IMAGES = frozenset({"jpeg", "png", "pil", *_IMAGE_LISTS})
 
 
 @dataclass
@@ -318,11 +335,11 @@ class MDSSource(ShardLayoutSource[_Shard]):
                 "whatever code the data holds. Pass allow_pickle=True only for data you trust, "
                 "or leave the column out with columns="
             )
-        known = {"bytes", "str", "int", "json", "pkl", *_SCALARS, *_STR_DECODERS}
+        known = {"bytes", "str", "int", "json", "pkl", *_SCALARS, *_STR_DECODERS, *_IMAGES}
         if enc not in known and enc != "ndarray" and not enc.startswith("ndarray:"):
             raise PlanError(
                 f"MDSSource: column {col.name!r} has encoding {enc!r}, which Zephon does not "
-                "decode (images: pil, jpeg, png); leave it out with columns="
+                "decode; leave it out with columns="
             )
 
     def shard_facts(self, i: int) -> tuple[int, int | None, bool]:
@@ -679,7 +696,28 @@ def _decode_value(encoding: str, data: memoryview) -> Any:
         return json.loads(str(data, "utf-8"))
     if encoding == "pkl":
         return pickle.loads(data)
+    if encoding in ("jpeg", "png"):
+        return bytes(data)
+    if encoding == "pil":
+        return raw_image(data)
+    listed = _IMAGE_LISTS.get(encoding)
+    if listed is not None:
+        return _image_list(data, *listed)
     return _decode_ndarray(encoding, data)
+
+
+def _image_list(data: memoryview, at: int, raw: bool) -> list[Any]:
+    # A list of images: each one's encoded bytes, or its RawImage for raw pixels.
+    images = encoded_images(data, at)
+    if not raw:
+        return [bytes(image) for image in images]
+    out = []
+    for k, image in enumerate(images):
+        try:
+            out.append(raw_image(image))
+        except ValueError as exc:
+            raise ValueError(f"image {k} of the list: {exc}") from None
+    return out
 
 
 def _decode_ndarray(encoding: str, data: memoryview) -> np.ndarray:

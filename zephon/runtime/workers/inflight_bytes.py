@@ -1,9 +1,10 @@
 """How many payload bytes a lane holds ahead of the loader (``Pipeline(max_inflight_bytes=)``).
 
 A lane's read-ahead is bounded by item lists (``prefetch``) and, when the plan asks, by bytes. The
-bytes are the payloads' own: numpy arrays' ``nbytes``, the length of bytes and str values, summed
-through dicts, lists and tuples; control items and anything else count nothing. A process lane
-counts the body of the message that carries a list instead, which the pipe already measured.
+bytes are the payloads' own: numpy arrays' ``nbytes``, the length of bytes and str values and the
+pixels of a ``RawImage``, summed through dicts, lists and tuples; control items and anything else
+count nothing. A process lane counts the body of the message that carries a list instead, which
+the pipe already measured.
 """
 
 from __future__ import annotations
@@ -13,17 +14,21 @@ from typing import Any
 import numpy as np
 
 from zephon._core.records import RecordRun
+from zephon.sources.image_values import RawImage
 from zephon.types import SampleRecord
 
 
 def payload_bytes(value: Any) -> int:
-    """The bytes held by one payload (arrays, bytes and str, inside dicts, lists and tuples)."""
+    """The bytes held by one payload (arrays, bytes, str and raw images, inside dicts, lists and
+    tuples)."""
     if isinstance(value, np.ndarray):
         return int(value.nbytes)
     if isinstance(value, (bytes, bytearray, str)):
         return len(value)
     if isinstance(value, memoryview):
         return value.nbytes
+    if isinstance(value, RawImage):  # an image column of MDS or LitData, not decoded yet
+        return len(value.pixels)
     if isinstance(value, dict):
         return sum(payload_bytes(v) for v in value.values())
     if isinstance(value, (list, tuple)):
