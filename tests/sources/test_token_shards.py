@@ -80,6 +80,54 @@ def test_megatron_shards_deliver_every_document_once_per_pass_with_its_tokens(tm
         assert [expected_ids(t) for t in got[:N]] != list(range(N))
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_empty_megatron_documents_are_read_as_empty_samples(tmp_path, shuffle):
+    # Megatron's preprocess_data adds a document without sequences for an empty text (its
+    # document index repeats); such a shard reads, every other document exactly.
+    docs = documents(0, 6)
+    shaped = [[docs[0]], [], [docs[1][:2], docs[1][2:]], [], [], [docs[2]], [docs[3]], []]
+    write_megatron(tmp_path / "m", shaped[:6])
+    # As many document entries as one per sequence would give, yet not one per sequence.
+    shaped.append([docs[4][:1], docs[4][1:]])
+    write_megatron(tmp_path / "n", shaped[6:])
+    src = TokenShardSource(tmp_path, chunk_size=3, shuffle=shuffle, seed=1)
+    assert src.num_samples() == len(shaped)
+    assert src.token_total() == sum(d.size for d in docs[:5])
+    got = every_document(src)
+    assert sorted(t.tolist() for t in got) == sorted(
+        np.concatenate(doc).tolist() if doc else [] for doc in shaped
+    )
+    pipeline = zephon.Pipeline(src, [fetch(), pack_sequences(16, pad_id=0)], lanes=1)
+    packed = [t for r in pipeline for t in r.payload["tokens"].tolist() if t]
+    assert Counter(packed) == Counter(np.concatenate(docs[:5]).tolist())
+
+
+def test_empty_megatron_documents_read_alike_from_a_bucket_copy(tmp_path, bucket):
+    docs = documents(0, 3)
+    (tmp_path / "local").mkdir()
+    write_megatron(tmp_path / "local" / "m", [[], [docs[0]], [], [docs[1], docs[2]], []])
+    uri = bucket.upload(tmp_path / "local", "tok")
+    for shuffle in (False, True):
+        here = TokenShardSource(tmp_path / "local", chunk_size=2, shuffle=shuffle, seed=5)
+        there = TokenShardSource(
+            uri, cache_dir=tmp_path / "cache", chunk_size=2, shuffle=shuffle, seed=5
+        )
+        want = [t.tolist() for t in every_document(here)]
+        assert [t.tolist() for t in every_document(there)] == want
+        assert sorted(map(len, want)) == [0, 0, 0, docs[0].size, docs[1].size + docs[2].size]
+
+
+def test_decreasing_megatron_document_indices_are_refused(tmp_path):
+    idx = write_megatron(tmp_path / "m", [[d] for d in documents(0, 3)])
+    data = bytearray(idx.read_bytes())
+    docs_at = 9 + 8 + 1 + 8 + 8 + 3 * 12  # header, lengths and pointers of three sequences
+    data[docs_at + 8 : docs_at + 16] = np.int64(2).tobytes()
+    data[docs_at + 16 : docs_at + 24] = np.int64(1).tobytes()
+    idx.write_bytes(bytes(data))
+    with pytest.raises(FetchError, match=r"m\.idx.*document indices decrease"):
+        TokenShardSource(tmp_path).num_samples()
+
+
 def test_npy_files_cut_at_the_eos_id_keep_it_at_the_end_of_each_document(tmp_path):
     src = TokenShardSource(npy_dir(tmp_path), eos_id=0, chunk_size=16)
     got = every_document(src)

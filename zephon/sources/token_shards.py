@@ -7,7 +7,7 @@ Shards. Each listed file is one shard of one of three kinds:
   sequence and document counts, then the int32 sequence lengths, the int64 byte pointers of the
   sequences into the ``.bin`` and the int64 document indices (the first sequence of each document,
   and a last entry: the sequence count). A sample is one document: its sequences, contiguous in
-  the ``.bin``.
+  the ``.bin``; a document without sequences (Megatron's for an empty text) is an empty sample.
 - ``.npy``: a 1-D integer array saved by ``numpy.save``;
 - anything else, with ``dtype=``: a raw little-endian array of that dtype (``.bin`` in a listing).
 
@@ -358,24 +358,28 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
         bad = ""
         if doc_entries < 1 or docs[0] != 0 or docs[-1] != sequences:
             bad = "its document indices do not start at 0 and end at the sequence count"
-        elif (np.diff(docs) < 1).any():
-            bad = "its document indices are not increasing"
+        elif (np.diff(docs) < 0).any():
+            bad = "its document indices decrease"
         elif (lengths < 0).any() or (pointers % item).any():
             bad = "a sequence length is negative or a pointer is not a whole token"
         elif sequences and (pointers.min() < 0 or ends.max(initial=0) > data_size):
             bad = f"a sequence lies outside the .bin ({data_size} bytes)"
         else:
             inner = np.ones(sequences, dtype=bool)
-            inner[docs[:-1]] = False  # sequences after the first of their document
+            # Sequences after the first of their document (an empty document, which Megatron
+            # writes for an empty text, repeats the index and may stand at the end).
+            inner[docs[:-1][docs[:-1] < sequences]] = False
             if (pointers[1:][inner[1:]] != ends[:-1][inner[1:]]).any():
                 bad = "the sequences of a document are not contiguous in the .bin"
         if bad:
             raise self.fetch_error(i, f"malformed Megatron index: {bad}; write it again")
         first = docs[:-1]
-        if doc_entries == sequences + 1:  # one sequence per document, the common case
-            starts, doc_lengths = pointers // item, lengths
+        if doc_entries == sequences + 1 and (np.diff(docs) == 1).all():
+            starts, doc_lengths = pointers // item, lengths  # one sequence per document
         else:
-            starts = pointers[first] // item
+            # An empty document starts where the next sequence would (the end of the last one).
+            after = int(ends[-1]) if sequences else 0
+            starts = np.append(pointers, after)[first] // item
             cum = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
             doc_lengths = cum[docs[1:]] - cum[first]
         return dtype, 0, data_size // item, starts, doc_lengths
