@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -410,6 +411,34 @@ def test_a_copy_another_process_keeps_open_is_read_past_not_waited_for(
     assert not stuck, "a reader waited for a lock another process keeps"
     assert sorted(got[0]) == list(range(40))
     assert gets(failing_proxy)  # read from the store
+
+
+@pytest.mark.timing
+def test_a_reader_waits_for_a_copy_another_process_keeps_open_once_not_at_every_read(
+    tmp_path, bucket
+):
+    # Eight chunks of one shard whose damaged copy another process keeps open: the reader waits
+    # LOCK_WAIT for it once, then reads the store without waiting again, not once per chunk.
+    uri = bucket.upload(shards(tmp_path / "data", [40], group=5), "d")
+    where = f"{uri}/*.parquet"
+    holder = ArrowSource(
+        where, chunk_size=5, cache=ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    )
+    (path,) = [f.path for f in holder.files()]
+    held = holder.open_random(path)
+    held.materialize()
+    (entry,) = Path(tmp_path / "shards").glob("*.shard")
+    entry.write_bytes(entry.read_bytes()[:-1] + b"\0")
+    other = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
+    other.LOCK_WAIT = 1.0
+    began = time.monotonic()
+    try:
+        got = rows(ArrowSource(where, chunk_size=5, cache=other))
+    finally:
+        held.close()
+    waited = time.monotonic() - began
+    assert sorted(got) == list(range(40))
+    assert waited < 4 * other.LOCK_WAIT, f"the reader waited {waited:.1f} s for 8 chunks"
 
 
 needs_proc = pytest.mark.skipif(

@@ -42,7 +42,7 @@ set exact. A shard larger than ``max_bytes`` is a ``FetchError``; one that canno
 every other entry is in use is read from the store directly this time (a bypass), so the bound
 holds. So is a shard whose copy must be downloaded again while another process still has the old
 one open (it may keep it for as long as it runs): after ``LOCK_WAIT`` seconds the reader bypasses
-instead of waiting.
+instead of waiting, and later reads of that shard bypass at once while the copy stays held.
 
 Read-ahead. With ``prefetch_shards=N`` a background thread (``zephon-shard-prefetch``) downloads
 at most N announced shards ahead of their reads; ``stop_prefetch`` drops what was not started and
@@ -113,6 +113,9 @@ class ShardCache:
         self._lock = threading.Lock()
         self._verified: set[tuple[str, int, int, int]] = set()  # key, inode, mtime, size
         self._damaged: set[tuple[str, int, int, int]] = set()  # hashed, and not as recorded
+        # Entries whose stale copy another process kept open past LOCK_WAIT: not waited for
+        # again, only looked at, until this process can download them.
+        self._passed_over: set[str] = set()
         # Records read, by their shard file's (key, inode, mtime, size).
         self._records: dict[tuple[str, int, int, int], dict[str, Any]] = {}
         self._made_dirs = False
@@ -244,27 +247,36 @@ class ShardCache:
         A shared lock that cannot be made exclusive is let go (``flock`` drops it first), and
         taken again only to look at the entry, so two readers that found it missing at once do
         not keep each other from downloading it: the loser waits, shared, for the winner's
-        download and reads its copy."""
-        deadline = time.monotonic() + self.LOCK_WAIT
+        download and reads its copy. An entry passed over once is not waited for again: every
+        read of a shard would wait ``LOCK_WAIT`` for a process that may run for days."""
+        with self._lock:
+            wait = 0.0 if key in self._passed_over else self.LOCK_WAIT
+        deadline = time.monotonic() + wait
         pause = 0.005
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
+                taken: Any = True
+                break
             except BlockingIOError:
                 pass
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:  # a download under way: wait for it
                 fcntl.flock(fd, fcntl.LOCK_SH)
-            found = self._intact(key, uri, version, size)
-            if found is not None:
-                return found
+            taken = self._intact(key, uri, version, size)
+            if taken is not None:
+                break
             fcntl.flock(fd, fcntl.LOCK_UN)  # others may take it to download meanwhile
             if time.monotonic() >= deadline:
+                with self._lock:
+                    self._passed_over.add(key)
                 return None
             time.sleep(pause)
             pause = min(pause * 2, 0.25)
+        with self._lock:
+            self._passed_over.discard(key)
+        return taken
 
     def _opened(self, key: str, fd: int, mapped: Any, seen: tuple[int, int, int]) -> _Entry:
         # A newly opened entry, used by its caller and kept open for the next reads.
