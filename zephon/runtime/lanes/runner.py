@@ -526,12 +526,12 @@ class LaneRunner:
             else:
                 out = op.process_many(records)
         except ZephonError as exc:
-            if self._skips[j] and (skipped := self._skip_failing(j, records, began)):
+            if skipped := self._skipped_instead(j, records, began, exc):
                 return skipped
             exc.add_context(lane=self.lane_id, operator=self.labels[j])
             raise self._placed(exc) from exc.__cause__
         except Exception as exc:
-            if self._skips[j] and (skipped := self._skip_failing(j, records, began)):
+            if skipped := self._skipped_instead(j, records, began, exc):
                 return skipped
             raise self._placed(
                 self._locate_error(op, records, exc).add_context(lane=self.lane_id)
@@ -559,6 +559,16 @@ class LaneRunner:
             return [self._mapped_run(j, records, out)]
         stats[1] += len(out)
         return self._audit(j, records, out)
+
+    def _skipped_instead(
+        self, j: int, records: list[SampleRecord] | RecordRun, began: float, exc: BaseException
+    ) -> list | None:
+        """What operator ``j``'s call becomes when it may skip the records that failed alone
+        (``_skip_failing``); None, to raise ``exc``, when it may not skip, or the storage failed
+        (the next run may read it: never skipped)."""
+        if not self._skips[j] or _outage(exc):
+            return None
+        return self._skip_failing(j, records, began)
 
     def _skip_failing(
         self, j: int, records: list[SampleRecord] | RecordRun, began: float
