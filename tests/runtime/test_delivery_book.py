@@ -424,3 +424,19 @@ def test_partly_delivered_samples_closed_since_are_forgotten_as_the_set_grows() 
     for rec in roots(1, 3):
         book.record(SampleRecord(spawn_child(rec.meta, 0), None))
     assert {(1, 0), (1, 1), (1, 2)} <= book.partial
+
+
+def test_a_split_sample_closed_by_its_last_part_is_partly_delivered_until_every_part_is() -> None:
+    # behind a packer the last part (which closes the sample) can come before an earlier one
+    table = ChunkTable()
+    book = make_book(table, monotone=False)
+    table.open_chunk(0, 0, 2, 0)
+    first, second = roots(0, 2)
+    book.record(SampleRecord(spawn_child(first.meta, 2, is_last_child=True), None))
+    book.record(SampleRecord(spawn_child(first.meta, 0), None))
+    assert book.partial is not None
+    assert book.unfinished() == {(0, 0)} and (0, 0) in book.partial  # part 1 still held
+    book.record(SampleRecord(spawn_child(first.meta, 1), None))
+    assert book.unfinished() == set() and (0, 0) not in book.partial
+    book.record(SampleRecord(spawn_child(second.meta, 0, is_last_child=True), None))
+    assert book.unfinished() == set()  # a single part: whole

@@ -47,6 +47,7 @@ cdef class DeliveryBook:
     cdef readonly list violations            # broken contracts, as plain tuples, in order
     cdef readonly set partial                # epoch path: offsets with a part delivered
     cdef Py_ssize_t _prune_at                # ``partial`` is pruned of closed offsets past this
+    cdef dict _parts                         # epoch path: split samples with a part not booked
     cdef offset_t _low_chunk                 # monotone: chunk of the watermark
     cdef WindowEntry* _window
     cdef Py_ssize_t _wlen
@@ -56,6 +57,7 @@ cdef class DeliveryBook:
     cdef void _window_drop_through(self, offset_t unit) noexcept
     cdef int _evict_prefix(self) except -1
     cdef int _prune_partial(self) except -1
+    cdef int _count_part(self, SampleCursor c, bint last) except -1
     cdef int _record(self, SampleRecord rec, bint count) except -1
     cdef int _record_run(self, RecordRun run, bint count) except -1
     cdef int _tombstone(self, SampleRecord tomb, bint count) except -1

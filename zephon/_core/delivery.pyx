@@ -234,6 +234,7 @@ cdef class DeliveryBook:
         self.violations = []
         # Only a lane whose checkpoints keep what it consumed by position asks for these.
         self.partial = set() if track_partial and not monotone else None
+        self._parts = {}
         self._prune_at = PARTIAL_PRUNE_AT
         self.last_cursor = None
         self.epochs_done = 0
@@ -322,10 +323,57 @@ cdef class DeliveryBook:
         # next pruning waits until the set has doubled).
         cdef ChunkTable table = self.table
         self.partial = {
-            key for key in self.partial if table.c_offset_state(key[0], key[1]) == OFFSET_OPEN
+            key
+            for key in self.partial
+            if table.c_offset_state(key[0], key[1]) == OFFSET_OPEN or key in self._parts
         }
         self._prune_at = max(PARTIAL_PRUNE_AT, 2 * len(self.partial))
         return 0
+
+    cdef int _count_part(self, SampleCursor c, bint last) except -1:
+        # A part of a sample split over several records, booked (delivered, swallowed or
+        # dropped). Its last part closes the sample, but behind a reordering operator an earlier
+        # part can still wait in it (a packer's open bin): until every part is booked the sample
+        # stays partly delivered. The last part of a one-level split tells how many there are
+        # (its lineage index + 1); a deeper split is counted partly delivered to its epoch's end.
+        key = (c.chunk_id, c.chunk_offset)
+        entry = self._parts.get(key)
+        if entry is None:
+            entry = self._parts[key] = [0, 0, False]  # parts booked, parts in all, deeper split
+        entry[0] += 1
+        if c.nlin != 1:
+            entry[2] = True
+        if last:
+            entry[1] = c.lin[c.nlin - 1] + 1
+        if entry[1] and not entry[2] and entry[0] >= entry[1]:
+            del self._parts[key]
+            self.partial.discard(key)
+        else:
+            self.partial.add(key)
+            if len(self.partial) > self._prune_at:
+                self._prune_partial()
+        return 0
+
+    def unfinished(self):
+        """The ``(chunk_id, chunk_offset)`` of the split samples of which some part is booked
+        and some is not, closed or open (epoch path; empty elsewhere)."""
+        return set(self._parts)
+
+    def clear_partial(self):
+        """Forget the partly delivered samples: an epoch marker, everything before it booked."""
+        if self.partial is not None:
+            self.partial.clear()
+        self._parts.clear()
+
+    def restore_partial(self, keys):
+        """Samples a checkpoint said were partly delivered. Their parts are counted from here:
+        a part booked before a snapshot is not booked again, so such a sample stays partly
+        delivered until as many parts as it has are booked here (never too early)."""
+        if self.partial is None:
+            return
+        for key in keys:
+            self.partial.add(key)
+            self._parts.setdefault(key, [0, 0, False])
 
     # ---- records and tombstones ------------------------------------------------------------------
 
@@ -350,6 +398,8 @@ cdef class DeliveryBook:
                 c = ref.cursor
                 if ref.is_last_child:
                     state = table.c_close(c.chunk_id, c.chunk_offset)
+                    if self.partial is not None and c.nlin:
+                        self._count_part(c, True)
                 elif self.monotone:
                     state = table.c_offset_state(c.chunk_id, c.chunk_offset)
                 else:
@@ -358,7 +408,9 @@ cdef class DeliveryBook:
                     state = OFFSET_EVICTED if table._find(c.chunk_id) == -1 else 0
                     # A part of a sample split over several records: what a resume with changed
                     # operators must know (which open samples were partly delivered).
-                    if self.partial is not None:
+                    if self.partial is not None and c.nlin:
+                        self._count_part(c, False)
+                    elif self.partial is not None:
                         self.partial.add((c.chunk_id, c.chunk_offset))
                         if len(self.partial) > self._prune_at:
                             self._prune_partial()
@@ -452,6 +504,7 @@ cdef class DeliveryBook:
         # A tombstone only closes offsets: it never moves the replay cursor or evicts by itself.
         cdef SampleMeta meta = tomb.meta
         cdef ContributorRef ref
+        cdef SampleCursor c
         if meta.contributors is None:
             self.table.c_close(meta.cursor.chunk_id, meta.cursor.chunk_offset)
         else:
@@ -459,6 +512,9 @@ cdef class DeliveryBook:
                 ref = <ContributorRef>obj
                 if ref.is_last_child:
                     self.table.c_close(ref.cursor.chunk_id, ref.cursor.chunk_offset)
+                c = ref.cursor
+                if self.partial is not None and c.nlin:
+                    self._count_part(c, ref.is_last_child)
         if count:
             self.counters.count_tombstone(meta)
         return 0

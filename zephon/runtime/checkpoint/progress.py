@@ -36,7 +36,8 @@ class EpochProgress:
     """Lane-local chunks ``[start, next)`` of an epoch were opened. ``chunks`` lists, per row, a
     chunk position with an open offset and how many of its first offsets ``open`` covers (up to
     its last open one): ``open`` is those bits, chunk after chunk (True: open). ``partial`` is
-    the ``(position, offset)`` of each open sample that had a part delivered."""
+    the ``(position, offset)`` of each sample that had a part delivered and a part not: open, or
+    closed by its last part while an earlier one still waited in an operator."""
 
     start: int
     next: int
@@ -52,9 +53,11 @@ class EpochProgress:
         positions: np.ndarray,
         offsets: np.ndarray,
         partial: set[tuple[int, int]],
+        unfinished: set[tuple[int, int]] | frozenset[tuple[int, int]] = frozenset(),
     ) -> EpochProgress:
         """From the open offsets of the opened chunks, one ``(position, offset)`` per entry,
-        and the samples of which a part was delivered (those still open are kept)."""
+        and the samples of which a part was delivered (those still open are kept, and those in
+        ``unfinished``: closed by their last part while an earlier part was not delivered)."""
         pos = np.asarray(positions, dtype=np.int64)
         off = np.asarray(offsets, dtype=np.int64)
         ids = np.unique(pos)
@@ -65,9 +68,12 @@ class EpochProgress:
             bits[begins[np.searchsorted(ids, pos)] + off] = True
         row = {p: (int(b), int(n)) for p, b, n in zip(ids.tolist(), begins, lengths)}
         still = sorted(
-            (p, o)
-            for p, o in partial
-            if p in row and o < row[p][1] and bits[row[p][0] + o]  # still open
+            {
+                (p, o)
+                for p, o in partial
+                if p in row and o < row[p][1] and bits[row[p][0] + o]  # still open
+            }
+            | set(unfinished)
         )
         parts = np.array(still, dtype=np.int64).reshape(-1, 2)
         return cls(start, nxt, np.stack([ids, lengths], axis=1).reshape(-1, 2), bits, parts)

@@ -204,8 +204,7 @@ class LaneBook:
         self.held = None
         self._open_at_held = None
         self.screened = None
-        if self.book.partial is not None:
-            self.book.partial.clear()
+        self.book.clear_partial()
 
     def _holdings(self, marker: Holdings) -> None:
         """A snapshot: what is open in the epoch's chunks now is exactly what the operators hold
@@ -238,9 +237,9 @@ class LaneBook:
         self.held = run.held
         self._open_at_held = None
         self.screened = run.screened
-        if run.progress is not None and self.book.partial is not None:
+        if run.progress is not None:
             # parts delivered before a snapshot are not replayed: the checkpoint said which
-            self.book.partial.update(run.progress.partly_delivered)
+            self.book.restore_partial(run.progress.partly_delivered)
         if run.held is None:
             return
         geometry = self.layout.geometry(run.gen, run.lane)
@@ -362,7 +361,7 @@ class LaneBook:
         partial = self.book.partial or set()
         start = self.retained_start()  # past the lane's last chunk after its last, partial epoch
         return EpochProgress.of_open(
-            start, max(start, self.next_local), chunk_ids, offsets, partial
+            start, max(start, self.next_local), chunk_ids, offsets, partial, self.book.unfinished()
         )
 
     def window(self) -> tuple[SampleCursor | None, int, int]:
