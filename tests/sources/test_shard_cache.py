@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -379,14 +380,11 @@ def test_arrow_ipc_files_read_through_the_cache_as_without_it(tmp_path, bucket):
     assert rows(cached) == rows(plain)
 
 
-def test_a_copy_another_process_keeps_open_is_read_past_not_waited_for(
-    tmp_path, bucket, failing_proxy
-):
-    # ``holder`` has the shard open (its lock shared), as a process does while it reads; the
-    # copy is then damaged, and another process that needs it cannot take the lock to
-    # download it again: it reads from the store this time instead of waiting for the holder.
+def a_damaged_copy_held_open(tmp_path: Path, bucket: Any) -> tuple[str, Any]:
+    """The files of a one-shard dataset of 40 rows (8 chunks) in the bucket, and a reader that
+    has the shard open through a cache in ``tmp_path / "shards"`` (its lock shared), as a
+    process does while it reads; the cached copy is then damaged (a new mtime: not intact)."""
     uri = bucket.upload(shards(tmp_path / "data", [40], group=5), "d")
-    bucket.point_at(failing_proxy.endpoint)
     where = f"{uri}/*.parquet"
     holder = ArrowSource(
         where, chunk_size=5, cache=ShardCache(tmp_path / "shards", max_bytes=1 << 30)
@@ -395,7 +393,17 @@ def test_a_copy_another_process_keeps_open_is_read_past_not_waited_for(
     held = holder.open_random(path)
     held.materialize()
     (entry,) = Path(tmp_path / "shards").glob("*.shard")
-    entry.write_bytes(entry.read_bytes()[:-1] + b"\0")  # a new mtime: no longer intact
+    entry.write_bytes(entry.read_bytes()[:-1] + b"\0")
+    return where, held
+
+
+def test_a_copy_another_process_keeps_open_is_read_past_not_waited_for(
+    tmp_path, bucket, failing_proxy
+):
+    # Another process that needs the copy cannot take the lock to download it again: it reads
+    # from the store this time instead of waiting for the holder.
+    where, held = a_damaged_copy_held_open(tmp_path, bucket)
+    bucket.point_at(failing_proxy.endpoint)
     other = ShardCache(tmp_path / "shards", max_bytes=1 << 30)  # as another process has it
     got: list[list[int]] = []
     reader = threading.Thread(
@@ -419,16 +427,7 @@ def test_a_reader_waits_for_a_copy_another_process_keeps_open_once_not_at_every_
 ):
     # Eight chunks of one shard whose damaged copy another process keeps open: the reader waits
     # LOCK_WAIT for it once, then reads the store without waiting again, not once per chunk.
-    uri = bucket.upload(shards(tmp_path / "data", [40], group=5), "d")
-    where = f"{uri}/*.parquet"
-    holder = ArrowSource(
-        where, chunk_size=5, cache=ShardCache(tmp_path / "shards", max_bytes=1 << 30)
-    )
-    (path,) = [f.path for f in holder.files()]
-    held = holder.open_random(path)
-    held.materialize()
-    (entry,) = Path(tmp_path / "shards").glob("*.shard")
-    entry.write_bytes(entry.read_bytes()[:-1] + b"\0")
+    where, held = a_damaged_copy_held_open(tmp_path, bucket)
     other = ShardCache(tmp_path / "shards", max_bytes=1 << 30)
     other.LOCK_WAIT = 1.0
     began = time.monotonic()
