@@ -4,6 +4,7 @@ StatefulDataLoader protocol, and torch never imported by ``import zephon``."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import subprocess
 import sys
@@ -264,14 +265,7 @@ def test_load_state_dict_retires_samples():
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 def test_a_stateful_dataloader_state_skips_steps():
-    pytest.importorskip("torch")
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    from zephon.integrations.torch import as_torch_dataset
-
-    def make_loader() -> Any:
-        ds = as_torch_dataset(pipeline(shuffled=True))
-        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=0)
-
+    make_loader = functools.partial(stateful_loader, num_workers=0)
     full = [plain(p) for p in make_loader()]
     loader = make_loader()
     it = iter(loader)
@@ -281,6 +275,16 @@ def test_a_stateful_dataloader_state_skips_steps():
     restored = make_loader()
     restored.load_state_dict(skipped)
     assert [plain(p) for p in restored] == full[4 + 3 * 2 :]
+
+
+def stateful_loader(num_workers: int) -> Any:
+    """A StatefulDataLoader around the torch dataset of the shuffled pipeline."""
+    pytest.importorskip("torch")
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from zephon.integrations.torch import as_torch_dataset
+
+    ds = as_torch_dataset(pipeline(shuffled=True))
+    return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
 
 
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
@@ -314,13 +318,9 @@ def test_one_dataloader_worker_checkpoints_through_the_stateful_dataloader():
     # The dataset object in the training process never iterates with num_workers=1: its own
     # state is a fresh start, the worker's comes back through StatefulDataLoader.state_dict().
     pytest.importorskip("torch")
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
     from zephon.integrations.torch import as_torch_dataset
 
-    def make_loader() -> Any:
-        ds = as_torch_dataset(pipeline(shuffled=True))
-        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=1)
-
+    make_loader = functools.partial(stateful_loader, num_workers=1)
     full = [plain(p) for p in make_loader()]
     assert len(full) == 24
     loader = make_loader()

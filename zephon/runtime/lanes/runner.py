@@ -105,25 +105,26 @@ def _failed_operator(exc: BaseException, label: str) -> str:
     return context.get("operator") or label
 
 
+def _caused_by(exc: BaseException, kind: Callable[[BaseException], bool]) -> bool:
+    """Whether ``exc`` or an error in its chain of causes is of ``kind``."""
+    err: BaseException | None = exc
+    while err is not None:
+        if kind(err):
+            return True
+        err = err.__cause__
+    return False
+
+
 def _storage_failed(exc: BaseException) -> bool:
     """The error came from the storage, not from one sample's data (an ``OSError``, or an error
     caused by one): such a read is never skipped, since it may well succeed on the next run."""
-    while exc is not None:
-        if isinstance(exc, OSError):
-            return True
-        exc = exc.__cause__  # type: ignore[assignment]
-    return False
+    return _caused_by(exc, lambda err: isinstance(err, OSError))
 
 
 def _outage(exc: BaseException) -> bool:
     """An operator's read from the storage gave up on errors another attempt may not meet (a
     ``decode_images`` URI during an outage): never skipped, since the next run may read it."""
-    err: BaseException | None = exc
-    while err is not None:
-        if is_transient(err):
-            return True
-        err = err.__cause__
-    return False
+    return _caused_by(exc, is_transient)
 
 
 class LaneRunner:
