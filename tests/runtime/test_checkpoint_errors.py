@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
+import pathlib
 import stat
 
 import numpy as np
@@ -316,3 +318,55 @@ def test_a_file_uri_names_the_local_file(tmp_path, state, monkeypatch):
     zephon.save_checkpoint(uri, state)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no directory "file:"
     assert zephon.load_checkpoint(uri) == zephon.load_checkpoint(tmp_path / "ckpt/loader.json")
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/run/loader.json", "gs://bucket/run/loader.json"])
+def test_a_uri_made_a_path_object_is_refused_not_written_beside_the_job(
+    tmp_path, state, monkeypatch, uri
+):
+    # pathlib.Path("s3://bucket/key") is "s3:/bucket/key": taken for a local path, the
+    # checkpoint would go to a directory named "s3:" under the working directory.
+    monkeypatch.chdir(tmp_path)
+    path = pathlib.Path(uri)
+    with pytest.raises(ValueError, match=r"save_checkpoint: .*s3:/|save_checkpoint: .*gs:/"):
+        zephon.save_checkpoint(path, state)
+    with pytest.raises(ValueError, match=r"pass the URI as a string"):
+        zephon.save_rank_state(path.parent, state)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"load_checkpoint: .*pass the URI as a string"):
+        zephon.load_checkpoint(path)
+    assert list(tmp_path.iterdir()) == []
+    # A file URI made a path ("file:/...") still names the local file.
+    local = pathlib.Path((tmp_path / "ckpt" / "loader.json").as_uri())
+    zephon.save_checkpoint(local, state)
+    assert zephon.load_checkpoint(local) == state
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.EOPNOTSUPP, errno.EACCES])
+def test_a_directory_that_cannot_be_synced_still_gets_its_checkpoint(
+    tmp_path, state, monkeypatch, refusal
+):
+    # Some network and FUSE filesystems refuse fsync on a directory; the file itself is
+    # written, synced and renamed into place by then, so the save goes on.
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(refusal, os.strerror(refusal))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    zephon.save_checkpoint(tmp_path / "loader.json", state)
+    assert zephon.load_checkpoint(tmp_path / "loader.json") == state
+    path = zephon.save_rank_state(str(tmp_path / "job"), state)
+    assert zephon.load_checkpoint(path) == state
+
+
+def test_a_failed_file_sync_still_fails_the_save(tmp_path, state, monkeypatch):
+    def fsync(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError, match="Input/output error"):
+        zephon.save_checkpoint(tmp_path / "loader.json", state)
+    assert list(tmp_path.iterdir()) == []

@@ -142,3 +142,16 @@ def test_a_hugging_face_dataset_gives_the_stream_of_its_parquet_files(tmp_path):
         HFDatasetSource(ds.select([9, 2]))
     with pytest.raises(ValueError, match="has 3 rows but its cache files hold 57"):
         HFDatasetSource(ds.select(range(3))).num_samples()
+
+
+def test_a_uri_made_a_path_object_is_refused_naming_the_uri(tmp_path, monkeypatch):
+    # Path("gs://bucket/data") is "gs:/bucket/data"; read as a local path it would be a
+    # directory "gs:" under the working directory, and a drive letter or a file URI is not.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"JsonlSource: 'gs:/bucket/data' looks like the URI "):
+        JsonlSource(Path("gs://bucket/data"))
+    with pytest.raises(ValueError, match=r"'s3://bucket/a\.jsonl' made into a path"):
+        JsonlSource([str(tmp_path / "x.jsonl"), Path("s3://bucket/a.jsonl")])
+    (tmp_path / "file:").mkdir()
+    (tmp_path / "x.jsonl").write_text('{"a": 1}\n')
+    assert JsonlSource(Path((tmp_path / "x.jsonl").as_uri())).total_chunks() == 1

@@ -236,6 +236,24 @@ def _scheme_of(item: str) -> str:
     return match.group(1).lower() if match else ""
 
 
+# A URI whose "//" was collapsed to "/": the scheme takes two letters at least (a drive letter
+# takes one), and "file:/path" is a file URI as it stands.
+_COLLAPSED_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
+
+
+def refuse_collapsed_uri(path: str, owner: str) -> None:
+    """A ValueError for a URI of storage that ``pathlib.Path`` made look like a local path
+    (``Path("s3://bucket/key")`` is ``s3:/bucket/key``): taken as it is, it would be read from
+    or written to a directory named ``s3:`` under the working directory."""
+    match = _COLLAPSED_URI.match(path)
+    if match and match.group(1).lower() != "file":
+        uri = f"{match.group(1)}://{path[match.end() :]}"
+        raise ValueError(
+            f"{owner}: {path!r} looks like the URI {uri!r} made into a path (pathlib.Path "
+            "keeps one slash of '//'); pass the URI as a string"
+        )
+
+
 def _parse(
     items: list[str], filesystem: Any, owner: str, timeout: float, client_attempts: int = 1
 ) -> tuple[Any, str, list[str]]:
@@ -259,6 +277,8 @@ def _parse(
         )
     (scheme,) = schemes
     if scheme == "":
+        for item in items:
+            refuse_collapsed_uri(item, owner)
         paths = [_local_abspath(_from_file_uri(i)) for i in items]
         return pafs.LocalFileSystem(), "", paths
     paths = [i.split("://", 1)[1].rstrip("/") for i in items]
@@ -371,7 +391,8 @@ class _GcsSettings:
 
 
 def _from_file_uri(item: str) -> str:
-    if _scheme_of(item) != "file":
+    # file:///path, file://localhost/path, and file:/path (what pathlib.Path makes of the first)
+    if _scheme_of(item) != "file" and not item.lower().startswith("file:/"):
         return item
     return urllib.parse.unquote(urllib.parse.urlparse(item).path)
 

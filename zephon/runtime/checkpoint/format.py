@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -237,11 +238,22 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
+    _sync_directory(target.parent)
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make the rename into ``directory`` durable. Some network and FUSE filesystems refuse an
+    fsync of a directory (EINVAL, EOPNOTSUPP, EACCES): the file is whole and in place by then,
+    and its own fsync succeeded, so the save stands."""
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EACCES, errno.EBADF):
+            raise
 
 
 def _new_file_beside(target: Path) -> tuple[int, str]:
@@ -266,12 +278,14 @@ def _where(path: str | os.PathLike[str], owner: str) -> tuple[Any, str | os.Path
     """``(None, local path)`` for a local path or a ``file://`` URI; ``(filesystem, path on
     it)`` for a URI of object storage (``s3://...``, which taken for a local path would become a
     directory named ``s3:``)."""
-    if not isinstance(path, str) or not re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path):
-        return None, path
-    from zephon.sources.locations import UriFilesystems, filesystem_and_path
+    from zephon.sources.locations import UriFilesystems, filesystem_and_path, refuse_collapsed_uri
 
-    fs, where = filesystem_and_path(path, None, owner)
-    return (fs, where) if UriFilesystems.is_uri(path) else (None, where)
+    text = os.fspath(path)
+    refuse_collapsed_uri(text, owner)
+    if not re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:/", text):  # a plain local path
+        return None, path
+    fs, where = filesystem_and_path(text, None, owner)
+    return (fs, where) if UriFilesystems.is_uri(text) else (None, where)
 
 
 def state_from_checkpoint_bytes(raw: bytes, path: str) -> dict[str, Any]:
