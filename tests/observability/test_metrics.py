@@ -312,3 +312,37 @@ def test_the_docs_list_every_metric_family():
     page = (Path(__file__).parents[2] / "docs" / "observability.md").read_text()
     listed = {line.split("`")[1] for line in page.splitlines() if line.startswith("| `zephon_")}
     assert listed == {name for name, _, _ in catalogue()}
+
+
+def test_a_training_and_an_evaluation_loader_share_one_registry_under_their_labels():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from zephon.observability.prometheus import ZephonCollector
+
+    with pipeline().iter() as train, pipeline().iter() as evaluation, pipeline().iter() as older:
+        for _ in zip(range(10), train):
+            pass
+        for _ in zip(range(3), evaluation):
+            pass
+        registry = CollectorRegistry(auto_describe=True)  # as prometheus_client's own REGISTRY
+        collector = ZephonCollector(older, labels={"loader": "eval"})
+        collector.add(train, labels={"loader": "train"})
+        collector.add(evaluation, labels={"loader": "eval"})  # in place of the older one
+        registry.register(collector)
+        text = generate_latest(registry).decode()
+        # A scraper refuses an exposition that declares a metric twice.
+        types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+        assert len(types) == len(set(types))
+        delivered = {
+            s.labels["loader"]: s.value
+            for family in prometheus_parser.text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "zephon_records_delivered_total"
+        }
+        assert delivered == {
+            "train": train.stats()["delivered"],
+            "eval": evaluation.stats()["delivered"],
+        }
+        assert delivered["train"] != delivered["eval"]
+        with pytest.raises(ValueError, match=r"labels may not name .*'rank'"):
+            ZephonCollector(train, labels={"rank": "1"})

@@ -240,6 +240,20 @@ def catalogue() -> list[tuple[str, str, str]]:
     return [*out, _REPLAY_DONE, _REPLAY_ALL]
 
 
+# The labels metric_families gives samples itself.
+OWN_LABELS = frozenset({"rank", "component", "operator", "source", "lane"})
+
+
+def extra_labels(labels: Mapping[str, Any] | None, owner: str, what: str = "labels") -> Labels:
+    """``labels`` to add to every sample of a loader (``{"loader": "eval"}``), as strings; a
+    ValueError when one would overwrite a label of the samples' own."""
+    extra = {str(k): str(v) for k, v in (labels or {}).items()}
+    clash = sorted(set(extra) & OWN_LABELS)
+    if clash:
+        raise ValueError(f"{owner}: {what} may not name {clash}, which the metrics carry already")
+    return extra
+
+
 def metric_families(stats: Mapping[str, Any], *, rank: int = 0) -> list[Family]:
     """The families of one rank's ``stats()``; a value the stats do not hold is left out."""
     base = {"rank": str(rank)}

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from zephon.observability.families import Labels, catalogue, metric_families
+from zephon.observability.families import Labels, catalogue, extra_labels, metric_families
 from zephon.observability.sources import stats_source
 
 try:
@@ -113,10 +113,7 @@ def register_metrics(
     same attributes replace each other (the next run of a loop takes the place of the last),
     with different ones (``{"loader": "eval"}``) they are reported side by side."""
     reading = _Reading(source)  # a TypeError for what is not a loader, before anything
-    extra = {str(k): str(v) for k, v in (attributes or {}).items()}
-    clash = sorted(set(extra) & {"rank", "component", "operator", "source", "lane"})
-    if clash:
-        raise ValueError(f"register_metrics: attributes may not name the labels {clash}")
+    extra = extra_labels(attributes, "register_metrics", "attributes")
     with _registering:
         registered = _registered.get(meter_provider)
         if registered is None:
