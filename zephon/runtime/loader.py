@@ -9,7 +9,6 @@ called at any time, from any thread, and waits for a ``next()`` in progress to f
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from collections.abc import Callable, Hashable, Iterator
 from time import perf_counter
@@ -62,7 +61,7 @@ from zephon.runtime.delivery.totals import RunTotals
 from zephon.runtime.lanes.operator_setup import release_in_process
 from zephon.runtime.workers.feeds import close_feeds, start_feeds
 from zephon.runtime.workers.trainer_wait import TrainerWait
-from zephon.sources.source_io import latest_counters, merge_counters
+from zephon.sources.source_io import latest_counters, merge_counters, process_key
 from zephon.validation import check_bool
 
 log = logging.getLogger("zephon")
@@ -468,7 +467,7 @@ class Loader(LoaderStep):
 
     def _source_stats(self) -> dict[str, dict[str, int]]:
         """Per data set, what this process's source and each worker's copy read."""
-        here = os.getpid()
+        here = process_key()
         parts = {here: self.plan.source.io_counters()}
         for lane in self.lanes:
             got = lane.book.source_io

@@ -5,6 +5,8 @@ the shard cache in front of them, and the counters a loader's ``stats()`` report
 
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,10 +20,22 @@ __all__ = [
     "latest_counters",
     "merge_counters",
     "open_through_cache",
+    "process_key",
 ]
 
 #: The names of a source's counters, in the order ``IOCounters`` keeps them.
 COUNTERS = ("read_bytes", "cache_hits", "cache_misses")
+
+
+# Made once per interpreter: a process forked from this one keeps it, and is told apart by its pid.
+_INTERPRETER = secrets.token_hex(8)
+
+
+def process_key() -> str:
+    """Which process of the job this is, for the counters each process reports: its pid, and a
+    token of the interpreter that started it, since a worker on another machine (a Ray lane)
+    may have the pid of the loader's own process or of another worker."""
+    return f"{_INTERPRETER}-{os.getpid()}"
 
 
 class IOCounters:

@@ -77,7 +77,7 @@ class LaneBook:
         self.suspects: set[str] = set()  # operators seen emitting too many closing contributors
         self.op_stats: list[list[Any]] | None = None  # the runner's (``stats_now``), latest chunk
         # (process id, its source's io_counters), as of the runner's latest chunk
-        self.source_io: tuple[int, dict[str, dict[str, int]]] | None = None
+        self.source_io: tuple[str, dict[str, dict[str, int]]] | None = None
         self.opened = False  # a chunk was announced since the loader last looked
         self.carry_warn_bytes = plan.carry_warn_bytes
         self.carry_warned = False

@@ -30,7 +30,7 @@ class ChunkOpened:
         epoch: int,
         skip_below: int = 0,
         op_stats: list[list[float]] | None = None,
-        source_io: tuple[int, dict[str, dict[str, int]]] | None = None,
+        source_io: tuple[str, dict[str, dict[str, int]]] | None = None,
     ):
         self.chunk_id = chunk_id
         self.local_index = local_index
@@ -152,7 +152,7 @@ class LaneEnd:
     def __init__(
         self,
         op_stats: list[list[float]] | None = None,
-        source_io: tuple[int, dict[str, dict[str, int]]] | None = None,
+        source_io: tuple[str, dict[str, dict[str, int]]] | None = None,
     ):
         self.op_stats = op_stats
         self.source_io = source_io

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-import os
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
@@ -41,6 +40,7 @@ from zephon.runtime.lanes.retire_screen import screened_out, tombstoned
 from zephon.runtime.lanes.snapshots import rebuild, snapshot_of
 from zephon.sources.base import sample_origin
 from zephon.sources.remote import is_transient
+from zephon.sources.source_io import process_key
 from zephon.types import ContributorRef, SampleCursor, SampleRecord
 
 #: Samples read between two snapshots of what the stateful operators hold, when the chain has
@@ -421,11 +421,11 @@ class LaneRunner:
                 fetched = tombstoned(fetched, retired)
         return fetched
 
-    def _source_io(self) -> tuple[int, dict[str, dict[str, int]]] | None:
+    def _source_io(self) -> tuple[str, dict[str, dict[str, int]]] | None:
         """What this process's copy of the source read so far, and which process it is (the
         loader sums one per process)."""
         counts = self.plan.source.io_counters()
-        return (os.getpid(), counts) if counts else None
+        return (process_key(), counts) if counts else None
 
     def _fetch(self, position: int, pointers: Any, start: int) -> list:
         try:
