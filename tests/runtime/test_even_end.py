@@ -183,3 +183,25 @@ def test_a_loader_says_whether_it_ends_its_ranks_together_by_itself():
     assert not relaned.ends_evenly  # the re-laned lanes run to their ends
     for loader in (carried, allowed, one, relaned):
         loader.close()
+
+
+def test_a_lane_without_data_is_refused_rather_than_every_rank_delivering_nothing() -> None:
+    # 3 chunks on 4 lanes: the fourth lane holds nothing, so every lane would hand over 0 items
+    # and the whole (evaluation) set would be dropped with a line in the log.
+    source = RangeSource(24, chunk_size=8)
+    small = zephon.Pipeline(source, [fetch(), batch(2)], lanes=4, rank=0, world_size=2)
+    with pytest.raises(PlanError, match=r"lane 3 of 4 holds no item.*3 chunks.*chunk_size"):
+        small.iter()
+    allow = zephon.Pipeline(
+        source, [fetch(), batch(2)], lanes=4, rank=0, world_size=2, uneven_end="allow"
+    )
+    assert len(list(allow.iter())) == 8  # rank 0: lanes 0 and 1, a chunk of 4 batches each
+
+
+def test_dropping_more_than_a_sliver_of_the_data_is_a_warning(caplog) -> None:
+    caplog.set_level("INFO", logger="zephon")
+    few = streams(4)  # 10 chunks on 4 lanes: 2 of the 10 are dropped
+    assert sum(len(s) for s in few) > 0
+    dropped = [r for r in caplog.records if "dropped (uneven_end='carry')" in r.getMessage()]
+    assert dropped and {r.levelname for r in dropped} == {"WARNING"}
+    assert "6 item(s) at the end of the data, 17.6% of the items" in dropped[0].getMessage()

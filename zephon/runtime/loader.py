@@ -117,15 +117,28 @@ class Loader(LoaderStep):
         items = lane_items(self.plan, self.layout, retired) if carry else None
         self._ends_evenly = carry and (items is not None or self.plan.source.total_chunks() is None)
         steps = min(items) if items else NO_LIMIT
+        if items and not steps and sum(items):
+            raise PlanError(
+                f"uneven_end='carry': lane {items.index(0)} of {len(items)} holds no item to hand "
+                f"over (the data is {self.plan.source.total_chunks()} chunks for {len(items)} "
+                "lanes), so no rank would deliver anything; give the source a smaller "
+                "chunk_size, use fewer lanes, or pass uneven_end='allow' (and end the ranks "
+                "together with end_together)"
+            )
         for lane in self.lanes:
             lane.limit = steps
             lane.surplus = items[lane.lane_id] - steps if items else 0
-        if items and sum(items) > steps * len(items):
-            log.info(
+        dropped = sum(items) - steps * len(items) if items else 0
+        if dropped:
+            # A few items per lane of a large dataset are nothing; more is worth a warning.
+            share = dropped / sum(items)
+            log.log(
+                logging.WARNING if share > 0.01 else logging.INFO,
                 "even ends across ranks: every lane hands over %d item(s); %d item(s) at the end "
-                "of the data are dropped (uneven_end='carry')",
+                "of the data, %.1f%% of the items, are dropped (uneven_end='carry')",
                 steps,
-                sum(items) - steps * len(items),
+                dropped,
+                100 * share,
             )
 
     @property
