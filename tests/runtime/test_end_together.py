@@ -143,3 +143,39 @@ def test_ranks_stop_together_through_a_gloo_all_reduce(tmp_path: Path) -> None:
 def test_end_together_needs_a_function() -> None:
     with make().iter() as loader, pytest.raises(TypeError, match="minimum over all ranks"):
         loader.end_together(3)  # type: ignore[arg-type]
+
+
+def test_a_rank_without_data_stopping_the_whole_job_at_once_is_a_warning(caplog) -> None:
+    # One chunk for two ranks: rank 1 has nothing, so every rank stops before its first item,
+    # a small evaluation set delivering nothing at all; a line at INFO would hide it.
+    import threading
+
+    caplog.set_level("INFO", logger="zephon")
+    ops = [fetch(), filter_records(keep), batch(4)]
+    source = RangeSource(32, chunk_size=32)
+    slots = [1, 1]
+    barrier = threading.Barrier(2, timeout=DEADLINE)
+    seen: list[list] = [[], []]
+
+    def least(rank: int, value: int) -> int:
+        slots[rank] = value
+        barrier.wait()
+        smallest = min(slots)
+        barrier.wait()
+        return smallest
+
+    def rank_loop(rank: int) -> None:
+        pipeline = zephon.Pipeline(source, ops, lanes=2, rank=rank, world_size=2)
+        with pipeline.iter() as loader:
+            seen[rank] = list(loader.end_together(lambda n: least(rank, n)))
+
+    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE)
+    assert seen == [[], []]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2, warned
+    assert any("rank 1 has no data" in m for m in warned)
+    assert any("rank 0 delivered nothing" in m and "some rank had no data" in m for m in warned)

@@ -170,17 +170,38 @@ class Loader(LoaderStep):
         return self._until_one_ends(all_reduce_min)
 
     def _until_one_ends(self, all_reduce_min: Callable[[int], Any]) -> Iterator[Any]:
+        fresh = self.served == 0  # the job has handed over nothing yet, on any rank
+        yielded = 0
         for item in self:
             if int(all_reduce_min(1)) < 1:
-                self._drop_rest(1)
+                self._drop_rest(1, nothing_yet=fresh and not yielded)
                 return
+            yielded += 1
             yield item
         all_reduce_min(0)  # this rank is out: the others learn it at this same step
+        if fresh and not yielded:
+            log.warning(
+                "rank %d has no data: every rank of the job stops at its first step with it "
+                "(a dataset with fewer chunks than the job's lanes? give the source a smaller "
+                "chunk_size or use fewer lanes)",
+                self.plan.rank,
+            )
 
-    def _drop_rest(self, fetched: int) -> None:
+    def _drop_rest(self, fetched: int, nothing_yet: bool = False) -> None:
         """Another rank's data ended: this rank's remaining items are read and handed to no one
-        (its lanes then say they finished), and counted."""
+        (its lanes then say they finished), and counted. ``nothing_yet``: it ended before the
+        job's first step, so the job delivers nothing."""
         self.dropped_together += fetched + sum(1 for _ in self)
+        if nothing_yet:
+            log.warning(
+                "rank %d delivered nothing: some rank had no data, and every rank stops at its "
+                "first step with it; %d item(s) of this rank left undelivered (a dataset with "
+                "fewer chunks than the job's lanes? give the source a smaller chunk_size or use "
+                "fewer lanes)",
+                self.plan.rank,
+                self.dropped_together,
+            )
+            return
         log.info(
             "another rank's data ended: %d item(s) of rank %d left undelivered "
             "(stats()['dropped_at_end'])",
