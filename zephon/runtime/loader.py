@@ -117,7 +117,7 @@ class Loader(LoaderStep):
         items = lane_items(self.plan, self.layout, retired) if carry else None
         self._ends_evenly = carry and (items is not None or self.plan.source.total_chunks() is None)
         steps = min(items) if items else NO_LIMIT
-        if items and not steps and sum(items):
+        if items and not steps and any(items):
             raise PlanError(
                 f"uneven_end='carry': lane {items.index(0)} of {len(items)} holds no item to hand "
                 f"over (the data is {self.plan.source.total_chunks()} chunks for {len(items)} "
@@ -128,10 +128,11 @@ class Loader(LoaderStep):
         for lane in self.lanes:
             lane.limit = steps
             lane.surplus = items[lane.lane_id] - steps if items else 0
-        dropped = sum(items) - steps * len(items) if items else 0
+        total = sum(items) if items else 0
+        dropped = total - steps * len(items) if items else 0
         if dropped:
             # A few items per lane of a large dataset are nothing; more is worth a warning.
-            share = dropped / sum(items)
+            share = dropped / total
             log.log(
                 logging.WARNING if share > 0.01 else logging.INFO,
                 "even ends across ranks: every lane hands over %d item(s); %d item(s) at the end "
