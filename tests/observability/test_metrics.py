@@ -346,3 +346,15 @@ def test_a_training_and_an_evaluation_loader_share_one_registry_under_their_labe
         assert delivered["train"] != delivered["eval"]
         with pytest.raises(ValueError, match=r"labels may not name .*'rank'"):
             ZephonCollector(train, labels={"rank": "1"})
+
+
+@pytest.mark.parametrize("where", ["s3://bucket/run.jsonl", Path("gs://bucket/run.jsonl")])
+def test_a_metrics_log_in_object_storage_is_refused_not_written_beside_the_job(
+    tmp_path: Path, monkeypatch, where
+):
+    # A log appended line by line cannot be an object; taken for a local path, "s3://..."
+    # became a directory "s3:" under the working directory.
+    monkeypatch.chdir(tmp_path)
+    with pipeline().iter() as loader, pytest.raises(ValueError, match=r"MetricsLog: .*local file"):
+        MetricsLog(loader, where)
+    assert list(tmp_path.iterdir()) == []

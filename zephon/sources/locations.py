@@ -241,13 +241,20 @@ def _scheme_of(item: str) -> str:
 _COLLAPSED_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
 
 
-def refuse_collapsed_uri(path: str, owner: str) -> None:
-    """A ValueError for a URI of storage that ``pathlib.Path`` made look like a local path
-    (``Path("s3://bucket/key")`` is ``s3:/bucket/key``): taken as it is, it would be read from
-    or written to a directory named ``s3:`` under the working directory."""
+def collapsed_uri(path: str) -> str | None:
+    """The URI of storage that ``pathlib.Path`` made ``path`` of (``Path("s3://bucket/key")``
+    is ``s3:/bucket/key``), or None when ``path`` is not one."""
     match = _COLLAPSED_URI.match(path)
-    if match and match.group(1).lower() != "file":
-        uri = f"{match.group(1)}://{path[match.end() :]}"
+    if match is None or match.group(1).lower() == "file":
+        return None
+    return f"{match.group(1)}://{path[match.end() :]}"
+
+
+def refuse_collapsed_uri(path: str, owner: str) -> None:
+    """A ValueError for a ``collapsed_uri``: taken as it is, it would be read from or written to
+    a directory named ``s3:`` under the working directory."""
+    uri = collapsed_uri(path)
+    if uri is not None:
         raise ValueError(
             f"{owner}: {path!r} looks like the URI {uri!r} made into a path (pathlib.Path "
             "keeps one slash of '//'); pass the URI as a string"
