@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -432,6 +433,53 @@ def test_a_sigkilled_training_process_resumes_exactly_and_its_actors_end(ray_clu
     logged = (tmp_path / "delivered.txt").read_text().splitlines()[:step]
     full = [repr(x) for x in stream(iter(text()))]
     assert logged + [repr(x) for x in stream(text(workers="ray").iter(state=state))] == full
+
+
+SHUTDOWN_SCRIPT = textwrap.dedent("""
+    import os, sys
+    sys.path[:0] = [{here!r}, os.path.dirname({here!r})]
+    import ray
+    import zephon
+    from test_ray_lanes import stream, text
+
+    full = stream(iter(text()))
+    ray.init(address={address!r}, log_to_driver=False)
+    loader = iter(text(workers="ray", timeout=60.0))
+    delivered = 0
+    for _ in range(3):
+        next(loader)
+        delivered += 1
+    ray.shutdown()  # the actors this process started end with its connection
+    try:
+        while True:  # what the lanes had taken over before goes on, then a lane says why not
+            next(loader)
+            delivered += 1
+    except zephon.errors.WorkerLostError as exc:
+        print("raised:", exc)
+    print("initialized:", ray.is_initialized())
+    loader.close()
+    rest = stream(text().iter(state=loader.state_dict()))
+    print("resumes:", rest == full[delivered:] and len(rest) > 0)
+""")
+
+
+def test_a_loader_whose_process_left_ray_says_so_and_starts_no_cluster(ray_cluster, tmp_path):
+    # ray.shutdown() while a loader still runs: Ray's own get would start a new local cluster
+    # and then fail on an object of the old one, naming neither the lane nor what to do.
+    script = tmp_path / "left.py"
+    script.write_text(SHUTDOWN_SCRIPT.format(here=os.path.dirname(__file__), address=ray_cluster))
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=2 * DEADLINE,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"raised: lane [01] \(Ray actor \w+\) cannot go on", out.stdout)
+    assert "disconnected from Ray (ray.shutdown())" in out.stdout
+    assert "initialized: False" in out.stdout
+    assert "resumes: True" in out.stdout
 
 
 @pytest.mark.parametrize(

@@ -161,6 +161,13 @@ class RayLane(WorkerLane):
             raise StopIteration
         import ray  # imported when the lane started
 
+        if not ray.is_initialized():  # ray.get would start a new cluster, without this actor
+            self.close()
+            raise WorkerLostError(
+                f"lane {self.lane_id} (Ray actor {self.actor_id}) cannot go on: this process "
+                "disconnected from Ray (ray.shutdown()), which ends the actors it started. "
+                "Resume from the last checkpoint (on Ray or with any other workers=)"
+            ).add_context(lane=self.lane_id, actor=self.actor_id)
         ref = self._pending[0]
         try:
             kind, value, warned = ray.get(ref, timeout=self.timeout)
