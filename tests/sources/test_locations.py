@@ -155,3 +155,18 @@ def test_a_uri_made_a_path_object_is_refused_naming_the_uri(tmp_path, monkeypatc
     (tmp_path / "file:").mkdir()
     (tmp_path / "x.jsonl").write_text('{"a": 1}\n')
     assert JsonlSource(Path((tmp_path / "x.jsonl").as_uri())).total_chunks() == 1
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/cache", Path("gs://bucket/cache")])
+def test_a_local_cache_given_a_uri_is_refused_not_made_a_directory_here(tmp_path, monkeypatch, uri):
+    from zephon.sources import ShardCache
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.jsonl").write_text('{"a": 1}\n')
+    with pytest.raises(ValueError, match=r"ShardCache: the cache is on this machine's filesystem"):
+        ShardCache(uri, max_bytes=2**20)
+    with pytest.raises(ValueError, match=r"JsonlSource: cache_dir is on this machine's file"):
+        JsonlSource(str(tmp_path / "x.jsonl"), cache_dir=uri)
+    with pytest.raises(ValueError, match=r"JsonlSource: index_dir is on this machine's file"):
+        JsonlSource(str(tmp_path / "x.jsonl"), index_dir=uri)
+    assert [p.name for p in tmp_path.iterdir()] == ["x.jsonl"]

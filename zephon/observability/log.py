@@ -13,7 +13,7 @@ from typing import Any
 
 from zephon.errors import ZephonError
 from zephon.observability.sources import stats_source
-from zephon.sources.locations import UriFilesystems, collapsed_uri
+from zephon.sources.locations import local_path
 
 log = logging.getLogger("zephon")
 
@@ -31,7 +31,7 @@ class MetricsLog:
                 f"MetricsLog: interval must be a positive number of seconds, got {interval!r}"
             )
         self.source = stats_source(source)
-        self.path = _local_file(path)
+        self.path = Path(local_path(path, "MetricsLog", "the log, a file appended line by line,"))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
@@ -89,19 +89,6 @@ class MetricsLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _local_file(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a local file; a ValueError for a URI of object storage (given as a string or
-    made into a ``Path``), which would otherwise be a directory named ``s3:`` here."""
-    text = os.fspath(path)
-    uri = collapsed_uri(text) or (text if UriFilesystems.is_uri(text) else None)
-    if uri is not None:
-        raise ValueError(
-            f"MetricsLog: {uri!r} is in object storage, but the log is a local file appended "
-            "to line by line; give a local path (and copy the file where it should go)"
-        )
-    return Path(text)
 
 
 def read_metrics_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

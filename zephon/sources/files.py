@@ -54,7 +54,7 @@ import numpy as np
 from zephon._core.pointers import index_rows
 from zephon.errors import FetchError
 from zephon.sources.base import IndexedSource, check_int, check_pointers
-from zephon.sources.locations import DataFile, default_cache_dir, parse_locations
+from zephon.sources.locations import DataFile, default_cache_dir, local_path, parse_locations
 from zephon.sources.remote import RetryPolicy, is_transient, parallel_map, with_retries
 from zephon.sources.shard_cache import CachedShard, ShardCache
 from zephon.sources.source_io import CountedFile, IOCounters, open_through_cache
@@ -412,8 +412,8 @@ class FileSource(IndexedSource):
         for arg, value in (("index_dir", index_dir), ("cache_dir", cache_dir)):
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{name}: {arg} must be a path or None, got {value!r}")
-        self.index_dir = None if index_dir is None else os.fspath(index_dir)
-        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self.index_dir = None if index_dir is None else local_path(index_dir, name, "index_dir")
+        self.cache_dir = None if cache_dir is None else local_path(cache_dir, name, "cache_dir")
         self.threads = check_int(threads, "threads", name, minimum=1)
         if cache is not None and not isinstance(cache, ShardCache):
             raise TypeError(

@@ -261,6 +261,17 @@ def refuse_collapsed_uri(path: str, owner: str) -> None:
         )
 
 
+def local_path(path: str | os.PathLike[str], owner: str, what: str) -> str:
+    """``path`` as a string, for what lives on this machine's filesystem only (a cache, a log);
+    a ValueError for a URI of storage, as given or made into a ``Path`` (``collapsed_uri``),
+    which would otherwise become a local directory named ``s3:``."""
+    text = os.fspath(path)
+    uri = collapsed_uri(text) or (text if UriFilesystems.is_uri(text) else None)
+    if uri is not None:
+        raise ValueError(f"{owner}: {what} is on this machine's filesystem, not at {uri!r}")
+    return text
+
+
 def _parse(
     items: list[str], filesystem: Any, owner: str, timeout: float, client_attempts: int = 1
 ) -> tuple[Any, str, list[str]]:

@@ -65,6 +65,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from zephon.errors import FetchError
+from zephon.sources.locations import local_path
 from zephon.validation import check_int
 
 __all__ = ["CachedShard", "ShardCache"]
@@ -102,7 +103,7 @@ class ShardCache:
     ) -> None:
         if not isinstance(dir, (str, os.PathLike)):
             raise TypeError(f"ShardCache: dir must be a path, got {dir!r}")
-        self.dir = os.path.abspath(os.fspath(dir))
+        self.dir = os.path.abspath(local_path(dir, "ShardCache", "the cache"))
         self.max_bytes = check_int(max_bytes, "max_bytes", "ShardCache", minimum=1)
         self.prefetch_shards = check_int(
             prefetch_shards, "prefetch_shards", "ShardCache", minimum=0
