@@ -195,6 +195,31 @@ def test_an_id_outside_int32_fails_only_the_document_holding_it(tmp_path):
         src.read(rows)
 
 
+@pytest.mark.parametrize(
+    "dtype, bad", [(np.int8, -3), (np.int16, -20000), (np.int32, -1), (np.int64, -(2**40))]
+)
+def test_negative_ids_of_a_signed_shard_are_refused_naming_the_document(tmp_path, dtype, bad):
+    # A vocabulary written with a signed dtype too small for it wraps its high ids to negative
+    # ones: never token ids.
+    np.save(tmp_path / "signed.npy", np.array([1, 2, 0, 3, bad, 0, 4, 0], dtype=dtype))
+    src = TokenShardSource(tmp_path, eos_id=0)
+    rows = src.chunk(0).pointers
+    assert [p["tokens"].tolist() for p in src.read(rows[[0, 2]])] == [[1, 2, 0], [4, 0]]
+    named = rf"signed\.npy.*document 1 holds a negative token id \({bad}\)"
+    for asked in (rows, rows[[2, 1]], rows[1:2]):
+        with pytest.raises(FetchError, match=named):
+            src.read(asked)
+
+
+def test_negative_ids_of_a_signed_megatron_shard_are_refused(tmp_path):
+    write_megatron(tmp_path / "m", [[np.array([5, 6])], [np.array([7, -8])]], np.int32)
+    src = TokenShardSource(tmp_path)
+    rows = src.chunk(0).pointers
+    assert src.read(rows[:1])[0]["tokens"].tolist() == [5, 6]
+    with pytest.raises(FetchError, match=r"m\.idx.*document 1 holds a negative token id \(-8\)"):
+        src.read(rows)
+
+
 def test_a_truncated_index_is_a_fetch_error_naming_it(tmp_path):
     idx = megatron_dir(tmp_path) / "s1.idx"
     idx.write_bytes(idx.read_bytes()[:-5])

@@ -29,7 +29,8 @@ Reading. A read touches only the documents it asks for. Local shards are memory-
 mapping is kept between reads and dropped by ``drop_read_caches``; the file's size and mtime are
 checked on every read): a document is one slice of the map, copied into an int32 array. Remote
 shards are read in whole blocks, one ranged read per run of neighbouring blocks, each block
-compared with its digest before a token is taken from it. Token ids outside int32 are refused.
+compared with its digest before a token is taken from it. Negative token ids (a signed dtype too
+small for the vocabulary wraps high ids to them) and ids above int32 are refused.
 
 Payloads are ``{field: int32 array}``. ``provides()`` publishes the field and ``eos_id`` /
 ``pad_id`` for the packers, as ``tokenize`` does, so ``pack_sequences`` needs no ``pad_id=``
@@ -505,9 +506,11 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
             fits = shard.dtype.itemsize < 4 or shard.dtype.newbyteorder("=") == np.int32
             if hi - lo == total or (fits and hi - lo <= 2 * total + 4096):
                 # Neighbouring documents (an unshuffled read): one conversion for all, each
-                # payload a view of that copy. Ids that may not fit int32 are checked over
-                # the documents asked for only, so then without gaps.
-                block = self._int32(i, tokens[lo:hi], rows, positions, local, starts - lo)
+                # payload a view of that copy. Wide ids (int64, uint32, uint64) are converted
+                # so only without gaps; ids are checked in the documents asked for only.
+                block = self._int32(
+                    i, tokens[lo:hi], rows, positions, local, (starts - lo, lengths)
+                )
                 document_views(out, positions, block, starts - lo, lengths, self.field)
                 return
             pieces = [
@@ -533,19 +536,36 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
         rows: np.ndarray,
         positions: np.ndarray,
         local: np.ndarray,
-        starts: np.ndarray | None,
+        documents: tuple[np.ndarray, np.ndarray] | None,
     ) -> np.ndarray:
-        # ``values`` as a new int32 array; an id outside int32 is a FetchError naming the
-        # document holding it (``starts``: where each of ``positions`` begins in ``values``).
-        if values.dtype.itemsize >= 4 and values.dtype.newbyteorder("=") != np.int32:
-            bad = np.flatnonzero((values > _INT32_MAX) | (values < -(2**31)))
+        # ``values`` as a new int32 array; a negative id (a signed shard's) or one above int32
+        # is a FetchError naming the document holding it (``documents``: where each of
+        # ``positions`` begins in ``values`` and its length; values between them are not read).
+        dtype = values.dtype.newbyteorder("=")
+        signed = dtype.kind == "i"
+        wide = dtype.itemsize >= 4 and dtype != np.int32
+        if values.size and ((signed and values.min() < 0) or (wide and values.max() > _INT32_MAX)):
+            bad = np.flatnonzero((values < 0) | (values > _INT32_MAX))
+            k = np.zeros(bad.size, dtype=np.int64)
+            if documents is not None:  # the first bad id inside a document asked for
+                order = np.argsort(documents[0], kind="stable")
+                starts, lengths = documents[0][order], documents[1][order]
+                at = np.maximum(np.searchsorted(starts, bad, "right") - 1, 0)
+                inside = (bad >= starts[at]) & (bad < starts[at] + lengths[at])
+                bad, k = bad[inside], order[at[inside]]
             if bad.size:
-                k = 0 if starts is None else int(np.searchsorted(starts, bad[0], "right")) - 1
+                value = int(values[bad[0]])
+                why = (
+                    "a negative token id ({}); ids are never negative: a signed dtype too small "
+                    "for the vocabulary wraps high ids to negative ones, so write the shard with "
+                    "an unsigned or wider dtype"
+                    if value < 0
+                    else "a token id outside int32 ({}); such ids cannot be delivered"
+                )
                 raise self.fetch_error(
                     i,
-                    f"document {int(local[positions[k]])} holds a token id outside int32 "
-                    f"({int(values[bad[0]])}); such ids cannot be delivered",
-                    rows[positions[k]],
+                    f"document {int(local[positions[k[0]]])} holds {why.format(value)}",
+                    rows[positions[k[0]]],
                 )
         return values.astype(np.int32)
 
