@@ -220,6 +220,18 @@ def test_negative_ids_of_a_signed_megatron_shard_are_refused(tmp_path):
         src.read(rows)
 
 
+@pytest.mark.parametrize("dtype, eos_id", [(np.uint16, 70000), (np.int8, 200), (np.uint8, 256)])
+def test_an_eos_id_the_shard_dtype_cannot_hold_is_refused_naming_the_file(tmp_path, dtype, eos_id):
+    # It can match no token, so the whole shard would be one document.
+    np.save(tmp_path / "narrow.npy", np.array([5, 6, 7, 8], dtype=dtype))
+    with pytest.raises(FetchError, match=rf"narrow\.npy.*eos_id {eos_id} .*{np.dtype(dtype)}"):
+        TokenShardSource(tmp_path, eos_id=eos_id).num_samples()
+    (tmp_path / "narrow.npy").unlink()
+    np.array([5, 6, 7, 8], dtype=dtype).tofile(tmp_path / "narrow.bin")
+    with pytest.raises(FetchError, match=rf"narrow\.bin.*eos_id {eos_id} .*{np.dtype(dtype)}"):
+        TokenShardSource(tmp_path, eos_id=eos_id, dtype=dtype).num_samples()
+
+
 def test_a_truncated_index_is_a_fetch_error_naming_it(tmp_path):
     idx = megatron_dir(tmp_path) / "s1.idx"
     idx.write_bytes(idx.read_bytes()[:-5])

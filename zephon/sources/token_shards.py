@@ -416,6 +416,12 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
                 + ("" if kind == "raw" else f" ({shape[0]} by its header)")
                 + "; the file is truncated or damaged",
             )
+        if self.eos_id is not None and self.eos_id > np.iinfo(dtype).max:
+            raise self.fetch_error(
+                i,
+                f"eos_id {self.eos_id} does not fit its {dtype.newbyteorder('=')} tokens, so no "
+                "token can end a document; give the end-of-sequence id as the file stores it",
+            )
         if self.window is None and self.eos_id is None:
             raise self.fetch_error(
                 i,
