@@ -151,6 +151,18 @@ def test_fixed_windows_over_a_raw_file_keep_a_shorter_last_window(tmp_path):
     np.testing.assert_array_equal(np.concatenate(got), values.astype(np.int32))
 
 
+@pytest.mark.parametrize("dtype", [">u2", ">i4", ">u8"])
+def test_a_raw_file_of_a_big_endian_dtype_is_read_in_that_byte_order(tmp_path, dtype):
+    values = np.array([5, 300, 0, 70, 1, 0, 9], dtype=dtype)
+    values.tofile(tmp_path / "tokens.bin")  # written as the dtype says: big-endian
+    got = every_document(TokenShardSource(tmp_path, dtype=dtype, eos_id=0))
+    assert [t.tolist() for t in got] == [[5, 300, 0], [70, 1, 0], [9]]
+    # Without a byte order, raw files are little-endian.
+    values.astype(np.dtype(dtype).newbyteorder("<")).tofile(tmp_path / "tokens.bin")
+    got = every_document(TokenShardSource(tmp_path, dtype=dtype[1:], eos_id=0))
+    assert [t.tolist() for t in got] == [[5, 300, 0], [70, 1, 0], [9]]
+
+
 def test_the_field_name_is_settable(tmp_path):
     src = TokenShardSource(megatron_dir(tmp_path), field="input_ids")
     (payload,) = src.read(src.chunk(0).pointers[:1])

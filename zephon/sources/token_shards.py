@@ -9,7 +9,8 @@ Shards. Each listed file is one shard of one of three kinds:
   and a last entry: the sequence count). A sample is one document: its sequences, contiguous in
   the ``.bin``; a document without sequences (Megatron's for an empty text) is an empty sample.
 - ``.npy``: a 1-D integer array saved by ``numpy.save``;
-- anything else, with ``dtype=``: a raw little-endian array of that dtype (``.bin`` in a listing).
+- anything else, with ``dtype=``: a raw array of that dtype (``.bin`` in a listing), little-endian
+  unless the dtype is explicitly big-endian (``">u2"``).
 
 A flat array (``.npy`` or raw) is cut into documents by ``eos_id=`` (a document ends with each
 end-of-sequence id, which it keeps; tokens after the last one are a last document) or by
@@ -162,7 +163,9 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
             raise TypeError(f"{name}: field must be a non-empty str, got {field!r}")
         self.raw_dtype: np.dtype | None = None
         if dtype is not None:
-            self.raw_dtype = np.dtype(dtype).newbyteorder("<")
+            given = np.dtype(dtype)
+            # Little-endian unless the dtype says big-endian (">u2"): as the file was written.
+            self.raw_dtype = given if given.byteorder == ">" else given.newbyteorder("<")
             if self.raw_dtype.newbyteorder("=") not in _TOKEN_DTYPES:
                 raise ValueError(f"{name}: dtype must be an integer dtype, got {dtype!r}")
         if eos_id is not None and window is not None:
