@@ -223,6 +223,18 @@ def test_negative_ids_of_a_signed_shard_are_refused_naming_the_document(tmp_path
             src.read(asked)
 
 
+def test_negative_ids_of_a_signed_shard_in_a_bucket_are_refused_naming_the_document(
+    tmp_path, bucket
+):
+    (tmp_path / "local").mkdir()
+    np.save(tmp_path / "local" / "signed.npy", np.array([1, 2, 0, 3, -7, 0, 4, 0], np.int16))
+    src = TokenShardSource(bucket.upload(tmp_path / "local", "tok"), eos_id=0)
+    rows = src.chunk(0).pointers
+    assert [p["tokens"].tolist() for p in src.read(rows[[0, 2]])] == [[1, 2, 0], [4, 0]]
+    with pytest.raises(FetchError, match=r"signed\.npy.*document 1 holds a negative token id"):
+        src.read(rows)
+
+
 def test_negative_ids_of_a_signed_megatron_shard_are_refused(tmp_path):
     write_megatron(tmp_path / "m", [[np.array([5, 6])], [np.array([7, -8])]], np.int32)
     src = TokenShardSource(tmp_path)
