@@ -325,6 +325,16 @@ def test_packing_without_any_pad_id_is_a_plan_error(tmp_path):
         iter(zephon.Pipeline(src, [fetch(), pack_sequences(64), batch(2)]))
 
 
+def test_the_plan_error_without_a_pad_id_names_the_source_not_a_tokenizer(tmp_path):
+    # There is no tokenizer to blame: the source was given no pad_id=.
+    src = TokenShardSource(megatron_dir(tmp_path))
+    with pytest.raises(PlanError) as error:
+        iter(zephon.Pipeline(src, [fetch(), pack_sequences(64), batch(2)]))
+    assert "TokenShardSource publishes none" in str(error.value)
+    assert "given no pad_id=" in str(error.value)
+    assert "tokenizer of TokenShardSource" not in str(error.value)
+
+
 def test_fetch_pack_2048_batch_resumes_exactly_at_any_step(tmp_path):
     root = megatron_dir(tmp_path)
 
