@@ -179,6 +179,26 @@ def test_sample_ids_name_the_shard_and_the_pointer_is_checked(tmp_path):
         src.read(bad)
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_a_document_asked_twice_in_one_read_is_two_arrays(tmp_path, dtype):
+    # A mixture that repeats a small component asks for its documents several times in one
+    # read: an in-place change of one copy (a map_transform's tokens += offset) must not
+    # reach the others.
+    np.save(tmp_path / "x.npy", np.array([1, 2, 0, 3, 4, 0, 5, 0], dtype=dtype))
+    src = TokenShardSource(tmp_path, eos_id=0)
+    rows = src.chunk(0).pointers
+    out = src.read(rows[[0, 1, 0, 2, 1]])
+    for payload in out:
+        payload["tokens"] += 100
+    assert [p["tokens"].tolist() for p in out] == [
+        [101, 102, 100],
+        [103, 104, 100],
+        [101, 102, 100],
+        [105, 100],
+        [103, 104, 100],
+    ]
+
+
 def test_a_pickled_source_reads_the_same_documents(tmp_path):
     src = TokenShardSource(npy_dir(tmp_path), eos_id=0, chunk_size=9, shuffle=True)
     again = pickle.loads(pickle.dumps(src))

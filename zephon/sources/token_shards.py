@@ -513,10 +513,14 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
             hi = int((starts + lengths).max()) if starts.size else 0
             total = int(lengths.sum())
             fits = shard.dtype.itemsize < 4 or shard.dtype.newbyteorder("=") == np.int32
-            if hi - lo == total or (fits and hi - lo <= 2 * total + 4096):
+            asked = local[positions]  # sorted: a document asked twice stands twice in a row
+            repeated = asked.size > 1 and bool((asked[1:] == asked[:-1]).any())
+            if not repeated and (hi - lo == total or (fits and hi - lo <= 2 * total + 4096)):
                 # Neighbouring documents (an unshuffled read): one conversion for all, each
                 # payload a view of that copy. Wide ids (int64, uint32, uint64) are converted
-                # so only without gaps; ids are checked in the documents asked for only.
+                # so only without gaps; ids are checked in the documents asked for only. A
+                # document asked twice (a repeating mixture) gets arrays of its own instead:
+                # views would share their tokens, and a change made to one would reach both.
                 block = self._int32(
                     i, tokens[lo:hi], rows, positions, local, (starts - lo, lengths)
                 )
