@@ -365,6 +365,20 @@ def plain_bpe(specials: list[str]) -> Tokenizer:
     return tok
 
 
+def test_a_template_bos_the_tokenizer_does_not_hold_as_one_token_is_refused():
+    # "<|begin_of_text|>" is not in bpe()'s vocabulary: every conversation would start with
+    # its characters as ordinary tokens instead of a start-of-sequence token.
+    template = ChatTemplate(roles=HEADERS, end_of_turn=EOT, bos="<|begin_of_text|>")
+    with pytest.raises(PlanError, match=r"bos '<\|begin_of_text\|>' is \d+ tokens .*not one"):
+        tokenize_chat(bpe(), template=template)
+    # One token, or none at all, is a start the model can learn.
+    header = token_id(HEADERS["assistant"])
+    for bos, start in ((BOS, [token_id(BOS), header]), ("", [header])):
+        op = tokenize_chat(bpe(), template=ChatTemplate(roles=HEADERS, end_of_turn=EOT, bos=bos))
+        (rec,) = op.process_many(chat_records([[{"role": "assistant", "content": "hello"}]]))
+        assert as_lists(rec)[0][: len(start)] == start
+
+
 def test_refusals_at_construction():
     with pytest.raises(PlanError, match="no chat template of its own"):
         tokenize_chat(bpe())

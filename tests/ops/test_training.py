@@ -246,6 +246,8 @@ def test_default_options_keep_the_identity_pipelines_had_before_they_existed():
         ({"train_on_eos": False}, ValueError, "needs eos_id="),
         ({"eos_id": -1}, ValueError, "eos_id"),
         ({"dtype": "float32"}, ValueError, "dtype must be"),
+        ({"dtype": "int32", "ignore_index": -(2**31) - 1}, ValueError, "ignore_index .* int32"),
+        ({"dtype": "int32", "ignore_index": 2**40}, ValueError, "ignore_index .* int32"),
         ({"layout": "cols"}, ValueError, "layout must be"),
         ({"rename": {"inputs": "x"}}, ValueError, "rename maps output names"),
         ({"rename": {"labels": "input_ids"}}, ValueError, "two outputs one name"),

@@ -151,6 +151,18 @@ def test_fixed_windows_over_a_raw_file_keep_a_shorter_last_window(tmp_path):
     np.testing.assert_array_equal(np.concatenate(got), values.astype(np.int32))
 
 
+@pytest.mark.parametrize("dtype", [">u2", ">i4", ">u8"])
+def test_a_raw_file_of_a_big_endian_dtype_is_read_in_that_byte_order(tmp_path, dtype):
+    values = np.array([5, 300, 0, 70, 1, 0, 9], dtype=dtype)
+    values.tofile(tmp_path / "tokens.bin")  # written as the dtype says: big-endian
+    got = every_document(TokenShardSource(tmp_path, dtype=dtype, eos_id=0))
+    assert [t.tolist() for t in got] == [[5, 300, 0], [70, 1, 0], [9]]
+    # Without a byte order, raw files are little-endian.
+    values.astype(np.dtype(dtype).newbyteorder("<")).tofile(tmp_path / "tokens.bin")
+    got = every_document(TokenShardSource(tmp_path, dtype=dtype[1:], eos_id=0))
+    assert [t.tolist() for t in got] == [[5, 300, 0], [70, 1, 0], [9]]
+
+
 def test_the_field_name_is_settable(tmp_path):
     src = TokenShardSource(megatron_dir(tmp_path), field="input_ids")
     (payload,) = src.read(src.chunk(0).pointers[:1])
@@ -165,6 +177,26 @@ def test_sample_ids_name_the_shard_and_the_pointer_is_checked(tmp_path):
     bad[0, 1] = 2
     with pytest.raises(FetchError, match="lives in file #0"):
         src.read(bad)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_a_document_asked_twice_in_one_read_is_two_arrays(tmp_path, dtype):
+    # A mixture that repeats a small component asks for its documents several times in one
+    # read: an in-place change of one copy (a map_transform's tokens += offset) must not
+    # reach the others.
+    np.save(tmp_path / "x.npy", np.array([1, 2, 0, 3, 4, 0, 5, 0], dtype=dtype))
+    src = TokenShardSource(tmp_path, eos_id=0)
+    rows = src.chunk(0).pointers
+    out = src.read(rows[[0, 1, 0, 2, 1]])
+    for payload in out:
+        payload["tokens"] += 100
+    assert [p["tokens"].tolist() for p in out] == [
+        [101, 102, 100],
+        [103, 104, 100],
+        [101, 102, 100],
+        [105, 100],
+        [103, 104, 100],
+    ]
 
 
 def test_a_pickled_source_reads_the_same_documents(tmp_path):
@@ -193,6 +225,55 @@ def test_an_id_outside_int32_fails_only_the_document_holding_it(tmp_path):
     assert [p["tokens"].tolist() for p in src.read(rows[[0, 2]])] == [[1, 2, 0], [3, 0]]
     with pytest.raises(FetchError, match=r"document 1 holds a token id outside int32"):
         src.read(rows)
+
+
+@pytest.mark.parametrize(
+    "dtype, bad", [(np.int8, -3), (np.int16, -20000), (np.int32, -1), (np.int64, -(2**40))]
+)
+def test_negative_ids_of_a_signed_shard_are_refused_naming_the_document(tmp_path, dtype, bad):
+    # A vocabulary written with a signed dtype too small for it wraps its high ids to negative
+    # ones: never token ids.
+    np.save(tmp_path / "signed.npy", np.array([1, 2, 0, 3, bad, 0, 4, 0], dtype=dtype))
+    src = TokenShardSource(tmp_path, eos_id=0)
+    rows = src.chunk(0).pointers
+    assert [p["tokens"].tolist() for p in src.read(rows[[0, 2]])] == [[1, 2, 0], [4, 0]]
+    named = rf"signed\.npy.*document 1 holds a negative token id \({bad}\)"
+    for asked in (rows, rows[[2, 1]], rows[1:2]):
+        with pytest.raises(FetchError, match=named):
+            src.read(asked)
+
+
+def test_negative_ids_of_a_signed_shard_in_a_bucket_are_refused_naming_the_document(
+    tmp_path, bucket
+):
+    (tmp_path / "local").mkdir()
+    np.save(tmp_path / "local" / "signed.npy", np.array([1, 2, 0, 3, -7, 0, 4, 0], np.int16))
+    src = TokenShardSource(bucket.upload(tmp_path / "local", "tok"), eos_id=0)
+    rows = src.chunk(0).pointers
+    assert [p["tokens"].tolist() for p in src.read(rows[[0, 2]])] == [[1, 2, 0], [4, 0]]
+    with pytest.raises(FetchError, match=r"signed\.npy.*document 1 holds a negative token id"):
+        src.read(rows)
+
+
+def test_negative_ids_of_a_signed_megatron_shard_are_refused(tmp_path):
+    write_megatron(tmp_path / "m", [[np.array([5, 6])], [np.array([7, -8])]], np.int32)
+    src = TokenShardSource(tmp_path)
+    rows = src.chunk(0).pointers
+    assert src.read(rows[:1])[0]["tokens"].tolist() == [5, 6]
+    with pytest.raises(FetchError, match=r"m\.idx.*document 1 holds a negative token id \(-8\)"):
+        src.read(rows)
+
+
+@pytest.mark.parametrize("dtype, eos_id", [(np.uint16, 70000), (np.int8, 200), (np.uint8, 256)])
+def test_an_eos_id_the_shard_dtype_cannot_hold_is_refused_naming_the_file(tmp_path, dtype, eos_id):
+    # It can match no token, so the whole shard would be one document.
+    np.save(tmp_path / "narrow.npy", np.array([5, 6, 7, 8], dtype=dtype))
+    with pytest.raises(FetchError, match=rf"narrow\.npy.*eos_id {eos_id} .*{np.dtype(dtype)}"):
+        TokenShardSource(tmp_path, eos_id=eos_id).num_samples()
+    (tmp_path / "narrow.npy").unlink()
+    np.array([5, 6, 7, 8], dtype=dtype).tofile(tmp_path / "narrow.bin")
+    with pytest.raises(FetchError, match=rf"narrow\.bin.*eos_id {eos_id} .*{np.dtype(dtype)}"):
+        TokenShardSource(tmp_path, eos_id=eos_id, dtype=dtype).num_samples()
 
 
 def test_a_truncated_index_is_a_fetch_error_naming_it(tmp_path):
@@ -262,6 +343,16 @@ def test_packing_without_any_pad_id_is_a_plan_error(tmp_path):
     src = TokenShardSource(megatron_dir(tmp_path))
     with pytest.raises(PlanError, match="pass pad_id="):
         iter(zephon.Pipeline(src, [fetch(), pack_sequences(64), batch(2)]))
+
+
+def test_the_plan_error_without_a_pad_id_names_the_source_not_a_tokenizer(tmp_path):
+    # There is no tokenizer to blame: the source was given no pad_id=.
+    src = TokenShardSource(megatron_dir(tmp_path))
+    with pytest.raises(PlanError) as error:
+        iter(zephon.Pipeline(src, [fetch(), pack_sequences(64), batch(2)]))
+    assert "TokenShardSource publishes none" in str(error.value)
+    assert "given no pad_id=" in str(error.value)
+    assert "tokenizer of TokenShardSource" not in str(error.value)
 
 
 def test_fetch_pack_2048_batch_resumes_exactly_at_any_step(tmp_path):

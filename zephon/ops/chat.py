@@ -78,7 +78,8 @@ class ChatTemplate:
 
     A conversation renders as ``bos``, then per message ``roles[role] + content + end_of_turn +
     separator``. ``end_of_turn`` must be one token of the vocabulary (an added special token, such
-    as ``"<|end|>"``), so it can never merge with the content before it; headers are best special
+    as ``"<|end|>"``), so it can never merge with the content before it, and so must ``bos`` when
+    given (the tokenizer's start-of-sequence token, such as ``"<s>"``); headers are best special
     tokens too (``"<|assistant|>"``). Trained on: content and ``end_of_turn`` of the chosen roles.
     """
 
@@ -343,7 +344,9 @@ class TokenizeChat(Operator):
                     f"tokenize_chat: train_on names {unknown}, which the template has no header "
                     f"for (it has {sorted(template.roles)})"
                 )
-            self.eot_id = self._single_token(template.end_of_turn)
+            self.eot_id = self._single_token(template.end_of_turn, "end_of_turn")
+            if template.bos:  # the start of every conversation: a token, never its spelling
+                self._single_token(template.bos, "bos")
         elif not self._transformers or not getattr(tokenizer, "chat_template", None):
             raise PlanError(
                 "tokenize_chat: the tokenizer has no chat template of its own; pass "
@@ -373,12 +376,13 @@ class TokenizeChat(Operator):
         )
 
     # ------------------------------------------------------------------------- plan time
-    def _single_token(self, text: str) -> int:
-        """The id of ``text`` when the tokenizer encodes it as exactly one token, else PlanError."""
+    def _single_token(self, text: str, name: str) -> int:
+        """The id of ``text`` (the template's ``name``) when the tokenizer encodes it as exactly
+        one token, else PlanError."""
         ids, _ = self._encode([text])[0]
         if len(ids) != 1:
             raise PlanError(
-                f"tokenize_chat: the template's end_of_turn {text!r} is {len(ids)} tokens for this "
+                f"tokenize_chat: the template's {name} {text!r} is {len(ids)} tokens for this "
                 "tokenizer, not one; add it as a special token (tokenizer.add_special_tokens)"
             )
         return int(ids[0])

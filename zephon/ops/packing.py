@@ -296,7 +296,9 @@ class _Packer(Operator):
         elif field != self.field:
             why = f"it reads {self.field!r} while {source} writes {field!r}"
         elif pad is None:
-            why = f"the tokenizer of {source} has no padding token"
+            # A tokenizer without a padding token, or a source (TokenShardSource) given none.
+            why = f"{source} publishes none: its tokenizer has no padding token, or it was "
+            why += "given no pad_id="
         else:
             if self._pad != pad or self._fill is None:
                 if self._fill is not None and self._fill.n_open:

@@ -187,6 +187,11 @@ class TrainingCollate:
             )
         if dtype not in ("int64", "int32"):
             raise ValueError(f"{where}: dtype must be 'int64' or 'int32', got {dtype!r}")
+        if dtype == "int32" and not -(2**31) <= self.ignore_index < 2**31:
+            raise ValueError(
+                f"{where}: ignore_index {self.ignore_index} does not fit dtype='int32' labels; "
+                "pass an int32 ignore_index (-100 is the usual one) or dtype='int64'"
+            )
         if layout not in ("rows", "flat"):
             raise ValueError(f"{where}: layout must be 'rows' or 'flat', got {layout!r}")
         renamed = dict(rename or {})

@@ -9,7 +9,8 @@ Shards. Each listed file is one shard of one of three kinds:
   and a last entry: the sequence count). A sample is one document: its sequences, contiguous in
   the ``.bin``; a document without sequences (Megatron's for an empty text) is an empty sample.
 - ``.npy``: a 1-D integer array saved by ``numpy.save``;
-- anything else, with ``dtype=``: a raw little-endian array of that dtype (``.bin`` in a listing).
+- anything else, with ``dtype=``: a raw array of that dtype (``.bin`` in a listing), little-endian
+  unless the dtype is explicitly big-endian (``">u2"``).
 
 A flat array (``.npy`` or raw) is cut into documents by ``eos_id=`` (a document ends with each
 end-of-sequence id, which it keeps; tokens after the last one are a last document) or by
@@ -29,7 +30,8 @@ Reading. A read touches only the documents it asks for. Local shards are memory-
 mapping is kept between reads and dropped by ``drop_read_caches``; the file's size and mtime are
 checked on every read): a document is one slice of the map, copied into an int32 array. Remote
 shards are read in whole blocks, one ranged read per run of neighbouring blocks, each block
-compared with its digest before a token is taken from it. Token ids outside int32 are refused.
+compared with its digest before a token is taken from it. Negative token ids (a signed dtype too
+small for the vocabulary wraps high ids to them) and ids above int32 are refused.
 
 Payloads are ``{field: int32 array}``. ``provides()`` publishes the field and ``eos_id`` /
 ``pad_id`` for the packers, as ``tokenize`` does, so ``pack_sequences`` needs no ``pad_id=``
@@ -161,7 +163,9 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
             raise TypeError(f"{name}: field must be a non-empty str, got {field!r}")
         self.raw_dtype: np.dtype | None = None
         if dtype is not None:
-            self.raw_dtype = np.dtype(dtype).newbyteorder("<")
+            given = np.dtype(dtype)
+            # Little-endian unless the dtype says big-endian (">u2"): as the file was written.
+            self.raw_dtype = given if given.byteorder == ">" else given.newbyteorder("<")
             if self.raw_dtype.newbyteorder("=") not in _TOKEN_DTYPES:
                 raise ValueError(f"{name}: dtype must be an integer dtype, got {dtype!r}")
         if eos_id is not None and window is not None:
@@ -415,6 +419,12 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
                 + ("" if kind == "raw" else f" ({shape[0]} by its header)")
                 + "; the file is truncated or damaged",
             )
+        if self.eos_id is not None and self.eos_id > np.iinfo(dtype).max:
+            raise self.fetch_error(
+                i,
+                f"eos_id {self.eos_id} does not fit its {dtype.newbyteorder('=')} tokens, so no "
+                "token can end a document; give the end-of-sequence id as the file stores it",
+            )
         if self.window is None and self.eos_id is None:
             raise self.fetch_error(
                 i,
@@ -503,11 +513,17 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
             hi = int((starts + lengths).max()) if starts.size else 0
             total = int(lengths.sum())
             fits = shard.dtype.itemsize < 4 or shard.dtype.newbyteorder("=") == np.int32
-            if hi - lo == total or (fits and hi - lo <= 2 * total + 4096):
+            asked = local[positions]  # sorted: a document asked twice stands twice in a row
+            repeated = asked.size > 1 and bool((asked[1:] == asked[:-1]).any())
+            if not repeated and (hi - lo == total or (fits and hi - lo <= 2 * total + 4096)):
                 # Neighbouring documents (an unshuffled read): one conversion for all, each
-                # payload a view of that copy. Ids that may not fit int32 are checked over
-                # the documents asked for only, so then without gaps.
-                block = self._int32(i, tokens[lo:hi], rows, positions, local, starts - lo)
+                # payload a view of that copy. Wide ids (int64, uint32, uint64) are converted
+                # so only without gaps; ids are checked in the documents asked for only. A
+                # document asked twice (a repeating mixture) gets arrays of its own instead:
+                # views would share their tokens, and a change made to one would reach both.
+                block = self._int32(
+                    i, tokens[lo:hi], rows, positions, local, (starts - lo, lengths)
+                )
                 document_views(out, positions, block, starts - lo, lengths, self.field)
                 return
             pieces = [
@@ -533,19 +549,36 @@ class TokenShardSource(ShardLayoutSource[_Shard]):
         rows: np.ndarray,
         positions: np.ndarray,
         local: np.ndarray,
-        starts: np.ndarray | None,
+        documents: tuple[np.ndarray, np.ndarray] | None,
     ) -> np.ndarray:
-        # ``values`` as a new int32 array; an id outside int32 is a FetchError naming the
-        # document holding it (``starts``: where each of ``positions`` begins in ``values``).
-        if values.dtype.itemsize >= 4 and values.dtype.newbyteorder("=") != np.int32:
-            bad = np.flatnonzero((values > _INT32_MAX) | (values < -(2**31)))
+        # ``values`` as a new int32 array; a negative id (a signed shard's) or one above int32
+        # is a FetchError naming the document holding it (``documents``: where each of
+        # ``positions`` begins in ``values`` and its length; values between them are not read).
+        dtype = values.dtype.newbyteorder("=")
+        signed = dtype.kind == "i"
+        wide = dtype.itemsize >= 4 and dtype != np.int32
+        if values.size and ((signed and values.min() < 0) or (wide and values.max() > _INT32_MAX)):
+            bad = np.flatnonzero((values < 0) | (values > _INT32_MAX))
+            k = np.zeros(bad.size, dtype=np.int64)
+            if documents is not None:  # the first bad id inside a document asked for
+                order = np.argsort(documents[0], kind="stable")
+                starts, lengths = documents[0][order], documents[1][order]
+                at = np.maximum(np.searchsorted(starts, bad, "right") - 1, 0)
+                inside = (bad >= starts[at]) & (bad < starts[at] + lengths[at])
+                bad, k = bad[inside], order[at[inside]]
             if bad.size:
-                k = 0 if starts is None else int(np.searchsorted(starts, bad[0], "right")) - 1
+                value = int(values[bad[0]])
+                why = (
+                    "a negative token id ({}); ids are never negative: a signed dtype too small "
+                    "for the vocabulary wraps high ids to negative ones, so write the shard with "
+                    "an unsigned or wider dtype"
+                    if value < 0
+                    else "a token id outside int32 ({}); such ids cannot be delivered"
+                )
                 raise self.fetch_error(
                     i,
-                    f"document {int(local[positions[k]])} holds a token id outside int32 "
-                    f"({int(values[bad[0]])}); such ids cannot be delivered",
-                    rows[positions[k]],
+                    f"document {int(local[positions[k[0]]])} holds {why.format(value)}",
+                    rows[positions[k[0]]],
                 )
         return values.astype(np.int32)
 
