@@ -20,6 +20,7 @@ of the whole pipeline, which the dataset refuses)::
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from zephon.errors import MidStepWarning, PlanError, ZephonError
 from zephon.planner import Pipeline
+from zephon.ranks import rank_from_torch, resolve_rank
 from zephon.runtime.checkpoint.job import items_into_step, merge_states
 from zephon.runtime.loader import Loader
 
@@ -238,7 +240,24 @@ class ZephonIterableDataset(IterableDataset[Any]):
         state = self.__dict__.copy()
         state["_loader"] = None  # a running loader does not cross processes
         state["_together"] = None  # nor does a process group
+        state["pipeline"] = _placed(self.pipeline)
         return state
+
+
+def _placed(pipeline: Pipeline) -> Pipeline:
+    """``pipeline`` with the rank and world size it leaves to be found taken from this process's
+    ``torch.distributed`` group: a DataLoader worker started by ``spawn`` or ``forkserver`` gets a
+    pickled copy of the dataset but no process group, and would find itself rank 0 of 1 on every
+    rank (each rank then delivering every rank's data)."""
+    if (pipeline.rank is not None and pipeline.world_size is not None) or not rank_from_torch():
+        return pipeline
+    try:
+        rank, world_size = resolve_rank(pipeline.rank, pipeline.world_size)
+    except PlanError:
+        return pipeline  # the copy's own planning raises it, naming both positions
+    placed = copy.copy(pipeline)
+    placed.rank, placed.world_size = rank, world_size
+    return placed
 
 
 def _is_dataloader_state(state: Any) -> bool:
