@@ -106,3 +106,14 @@ def test_a_spawned_dataloader_worker_runs_the_lanes_of_its_own_rank(tmp_path: Pa
     ranks = _ranks(tmp_path, "all", "spawn")
     assert [r.get("error") for r in ranks] == [None] * WORLD
     assert [r["seen"] for r in ranks] == [_items(even(rank=r, world_size=WORLD)) for r in (0, 1)]
+
+
+def test_a_dataloader_worker_refuses_to_end_the_ranks_together_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    # A forked worker inherits the training process's group, which it cannot use: the first
+    # all-reduce of end_together waited for ever there.
+    for rank in _ranks(tmp_path, "filtered", "fork"):
+        assert rank["error"].startswith("PlanError: ")
+        assert "DataLoader worker" in rank["error"]
+        assert "num_workers=0" in rank["error"]

@@ -162,6 +162,16 @@ class ZephonIterableDataset(IterableDataset[Any]):
             wanted = self.pipeline.uneven_end != "allow" and not loader.ends_evenly
         if not wanted or plan.world_size == 1:
             return None
+        if get_worker_info() is not None:  # a forked worker's copy of the group never answers
+            raise PlanError(
+                f"as_torch_dataset: rank {plan.rank} of {plan.world_size} must end together with "
+                "the other ranks (its pipeline cannot end them at the same global step by "
+                "itself), which takes an all-reduce over torch.distributed, and a DataLoader "
+                "worker process cannot take part in the training process's group: use "
+                "num_workers=0 (the pipeline's lanes parallelize), or pass "
+                "as_torch_dataset(..., end_together=False) when the ranks' data has no end "
+                "(a source with passes=None) or you end them yourself"
+            )
         if self._together is None:
             import torch.distributed as dist
 
