@@ -117,3 +117,31 @@ def test_a_dataloader_worker_refuses_to_end_the_ranks_together_instead_of_hangin
         assert rank["error"].startswith("PlanError: ")
         assert "DataLoader worker" in rank["error"]
         assert "num_workers=0" in rank["error"]
+
+
+def test_a_one_worker_stateful_dataloader_merges_into_a_job_state_and_skips_steps(
+    tmp_path: Path,
+) -> None:
+    ranks = _ranks(tmp_path, "checkpoint", "fork")
+    assert [r.get("error") for r in ranks] == [None] * WORLD
+    full = [_items(even(rank=r, world_size=WORLD)) for r in range(WORLD)]
+    assert [r["head"] for r in ranks] == [stream[:6] for stream in full]
+    # each rank's dataloader state, with the same job state in its worker's snapshot
+    job = ranks[0]["job"]
+    worker = [r["job"]["_snapshot"]["_worker_snapshots"]["worker_0"] for r in ranks]
+    merged = [w["dataset_state"] for w in worker]
+    assert merged[0] == merged[1] and merged[0]["format"] == "zephon-job-state"
+    single = _items(even(rank=0, world_size=1))
+    assert _items(even(rank=0, world_size=1).iter(state=merged[0])) == single[12:]
+    skipped = ranks[0]["skipped"]["_snapshot"]["_worker_snapshots"]["worker_0"]["dataset_state"]
+    assert _items(even(rank=0, world_size=WORLD).iter(state=skipped)) == full[0][6 + 2 :]
+    # the one-worker StatefulDataLoader of a run on one rank loads the job state as its own
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from zephon.integrations.torch import as_torch_dataset
+
+    again = StatefulDataLoader(
+        as_torch_dataset(even(rank=0, world_size=1)), batch_size=None, num_workers=1
+    )
+    again.load_state_dict(job)
+    assert [b["idx"].tolist() for b in again] == single[12:]

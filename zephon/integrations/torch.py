@@ -33,6 +33,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from zephon.errors import MidStepWarning, PlanError, ZephonError
 from zephon.planner import Pipeline
 from zephon.ranks import rank_from_torch, resolve_rank
+from zephon.runtime.checkpoint.dataloader_state import (
+    dataset_state,
+    dataset_state_path,
+    with_dataset_state,
+)
 from zephon.runtime.checkpoint.job import items_into_step, merge_states
 from zephon.runtime.loader import Loader
 
@@ -270,13 +275,11 @@ def _placed(pipeline: Pipeline) -> Pipeline:
     return placed
 
 
-def _is_dataloader_state(state: Any) -> bool:
-    """Whether ``state`` is a ``StatefulDataLoader``'s (its dataset's at ``dataset_state``)."""
-    return isinstance(state, dict) and "dataset_state" in state and "format" not in state
-
-
 def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
-    return state["dataset_state"] if _is_dataloader_state(state) else state
+    """The dataset's state in a ``StatefulDataLoader``'s ``state`` (with or without a worker
+    process), else ``state`` itself."""
+    path = dataset_state_path(state)
+    return state if path is None else dataset_state(state, path)
 
 
 class _EndTogether:
@@ -326,11 +329,12 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
     (or ``dataset.load_state_dict(...)``).
 
     The result has the shape of ``source``'s state: given a ``StatefulDataLoader`` (or its
-    state), it is that loader's state with the job state at ``"dataset_state"``, so
-    ``dataloader.load_state_dict(job)`` resumes it; ``job["dataset_state"]`` is the job state
-    itself. Called inside a global step (after a number of items that is not a multiple of
-    ``lanes // world_size``), it warns (``MidStepWarning``) and the merge raises
-    ``CheckpointError``.
+    state), it is that loader's state with the job state in place of its dataset's, so
+    ``dataloader.load_state_dict(job)`` resumes it: ``job["dataset_state"]`` is the job state
+    itself with ``num_workers=0``, ``job["_snapshot"]["_worker_snapshots"]["worker_0"]
+    ["dataset_state"]`` with one worker process. Called inside a global step (after a number of
+    items that is not a multiple of ``lanes // world_size``), it warns (``MidStepWarning``) and
+    the merge raises ``CheckpointError``.
     """
     import torch.distributed as dist
 
@@ -353,4 +357,5 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
     states: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, _unwrapped(state), group=group)
     job = merge_states(states)
-    return {**state, "dataset_state": job} if _is_dataloader_state(state) else job
+    path = dataset_state_path(state)
+    return job if path is None else with_dataset_state(state, path, job)
