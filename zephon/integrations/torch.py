@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from zephon.errors import MidStepWarning, PlanError, ZephonError
+from zephon.errors import CheckpointError, MidStepWarning, PlanError, ZephonError
 from zephon.planner import Pipeline
 from zephon.ranks import rank_from_torch, resolve_rank
 from zephon.runtime.checkpoint.dataloader_state import (
@@ -39,6 +40,7 @@ from zephon.runtime.checkpoint.dataloader_state import (
     with_dataset_state,
 )
 from zephon.runtime.checkpoint.job import items_into_step, merge_states
+from zephon.runtime.checkpoint.schema import STATE_FORMAT
 from zephon.runtime.loader import Loader
 
 __all__ = ["ZephonIterableDataset", "as_torch_dataset", "job_state", "to_tensors"]
@@ -356,6 +358,25 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
         )
     states: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, _unwrapped(state), group=group)
+    _check_data_parallel(states, group)
     job = merge_states(states)
     path = dataset_state_path(state)
     return job if path is None else with_dataset_state(state, path, job)
+
+
+def _check_data_parallel(states: list[Any], group: Any) -> None:
+    """``CheckpointError`` when the gathered ``states`` hold a data-parallel rank more than once:
+    the group spans the tensor-, pipeline- or context-parallel peers of a rank, which share its
+    batches, so only the data-parallel group says how the job's lanes are shared."""
+    ranks = Counter(
+        s.get("rank") for s in states if isinstance(s, dict) and s.get("format") == STATE_FORMAT
+    )
+    shared = sorted(r for r, n in ranks.items() if n > 1 and type(r) is int)
+    if shared:
+        where = "the default process group" if group is None else "the group given"
+        raise CheckpointError(
+            f"job_state gathered the states of {len(states)} processes over {where}, and "
+            f"data-parallel rank(s) {shared} came from several of them: under tensor, pipeline "
+            "or context parallelism, gather over the data-parallel peers only, with "
+            "job_state(..., group=zephon.ranks.from_device_mesh(mesh, dp_dims).group)"
+        )
