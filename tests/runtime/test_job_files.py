@@ -84,6 +84,21 @@ def test_an_empty_directory_and_a_damaged_file_are_named(tmp_path: Path) -> None
         zephon.load_job_state(str(tmp_path))
 
 
+def test_ranks_saved_at_different_steps_into_one_directory_name_it(tmp_path: Path) -> None:
+    # rank 1 saved one global step later (a step-5 directory reused, or a path mixed up)
+    where = tmp_path / "step-5"
+    for rank, steps in ((0, STEPS), (1, STEPS + 1)):
+        loader = make(rank=rank, world_size=2).iter()
+        for _ in range(steps * (N // 2)):
+            next(loader)
+        zephon.save_rank_state(str(where), loader.state_dict())
+        loader.close()
+    with pytest.raises(CheckpointError) as refused:
+        zephon.load_job_state(str(where))
+    assert "rank 0 at step 5, rank 1 at step 6" in str(refused.value)
+    assert f"directory {str(where)!r}" in str(refused.value)
+
+
 def test_a_job_state_round_trips_through_a_bucket(bucket) -> None:
     where = f"s3://{bucket.name}/jobs/step-5"
     save_ranks(where, world=2)

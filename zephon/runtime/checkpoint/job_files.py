@@ -54,7 +54,8 @@ def load_job_state(where: str, *, filesystem: Any = None) -> dict[str, Any]:
     ``where`` by ``save_rank_state``: it resumes on any world size that divides the job's lanes.
 
     Raises ``CheckpointError`` naming the directory and the ranks when some rank's file is
-    missing, or when the directory holds files of more than one world size.
+    missing, when the directory holds files of more than one world size, or when the merge
+    refuses the states (ranks saved at different global steps, from different pipelines).
     """
     import pyarrow.fs as pafs
 
@@ -101,7 +102,10 @@ def load_job_state(where: str, *, filesystem: Any = None) -> dict[str, Any]:
                 f"of rank {rank} of {world}"
             )
         states.append(state)
-    return merge_states(states)
+    try:
+        return merge_states(states)
+    except CheckpointError as exc:  # it names the ranks: rank r is the file of rank r here
+        raise exc.add_context(directory=str(where)) from None
 
 
 def _is_local(fs: Any) -> bool:
