@@ -40,7 +40,7 @@ from zephon.runtime.checkpoint.dataloader_state import (
     with_dataset_state,
 )
 from zephon.runtime.checkpoint.job import items_into_step, merge_states
-from zephon.runtime.checkpoint.schema import STATE_FORMAT
+from zephon.runtime.checkpoint.schema import JOB_FORMAT, STATE_FORMAT
 from zephon.runtime.loader import Loader
 
 __all__ = ["ZephonIterableDataset", "as_torch_dataset", "job_state", "to_tensors"]
@@ -359,7 +359,7 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
     states: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, _unwrapped(state), group=group)
     _check_data_parallel(states, group)
-    job = merge_states(states)
+    job = _unmoved(states) or merge_states(states)
     path = dataset_state_path(state)
     return job if path is None else with_dataset_state(state, path, job)
 
@@ -380,3 +380,13 @@ def _check_data_parallel(states: list[Any], group: Any) -> None:
             "or context parallelism, gather over the data-parallel peers only, with "
             "job_state(..., group=zephon.ranks.from_device_mesh(mesh, dp_dims).group)"
         )
+
+
+def _unmoved(states: list[Any]) -> dict[str, Any] | None:
+    """The job state every rank holds when all hold the same one, else None: datasets given it
+    by ``load_state_dict`` that have not iterated yet are where it says, and it is their job
+    state (merging refuses a job state as a rank's)."""
+    first = states[0]
+    if isinstance(first, dict) and first.get("format") == JOB_FORMAT:
+        return first if all(state == first for state in states) else None
+    return None
