@@ -128,6 +128,22 @@ def test_a_resealed_malformed_rank_state_is_corrupt_naming_the_field(tmp_path: P
         zephon.load_job_state(str(tmp_path))
 
 
+def test_a_rank_file_that_holds_no_rank_state_is_named(tmp_path: Path) -> None:
+    save_ranks(str(tmp_path), world=2)
+    path = tmp_path / "rank-00001-of-00002.json"
+    rank_state = zephon.load_checkpoint(path)
+    body = {k: v for k, v in rank_state.items() if k not in ("checksum", "rank")}
+    zephon.save_checkpoint(path, seal(body))  # a field missing, sealed again
+    with pytest.raises(CheckpointCorruptError, match=r"must have exactly(.|\n)*rank-00001-of"):
+        zephon.load_job_state(str(tmp_path))
+    job = zephon.merge_states(
+        [zephon.load_checkpoint(tmp_path / "rank-00000-of-00002.json"), rank_state]
+    )
+    zephon.save_checkpoint(path, job)  # a merged job state saved under a rank's name
+    with pytest.raises(CheckpointCorruptError, match=r"zephon-job-state(.|\n)*rank-00001-of"):
+        zephon.load_job_state(str(tmp_path))
+
+
 def test_a_checkpoint_file_saved_to_a_bucket_is_in_the_bucket(
     bucket, tmp_path: Path, monkeypatch
 ) -> None:

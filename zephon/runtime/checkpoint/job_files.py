@@ -95,7 +95,10 @@ def load_job_state(where: str, *, filesystem: Any = None) -> dict[str, Any]:
         path = by_rank[rank]
         with fs.open_input_stream(path) as f:
             state = state_from_checkpoint_bytes(f.read(), path)
-        body = check_saved_state(unseal(state, (STATE_FORMAT,)))
+        try:
+            body = check_saved_state(unseal(state, (STATE_FORMAT,)))
+        except CheckpointError as exc:
+            raise exc.add_context(file=path) from None
         if (body["rank"], body["world_size"]) != (rank, world):
             raise CheckpointCorruptError(
                 f"{path} holds the state of rank {body['rank']} of {body['world_size']}, not "
