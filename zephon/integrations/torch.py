@@ -97,8 +97,9 @@ class ZephonIterableDataset(IterableDataset[Any]):
     ``load_state_dict`` when there is one (used once), else from the start of the pipeline.
     ``state_dict()`` is the loader's state (the same small JSON-able dict as
     ``Loader.state_dict()``) after the last item yielded; before any iteration it is the loaded
-    state, or the state of a fresh start. Invariant: a dataset restored from ``state_dict()`` taken
-    after ``k`` items yields exactly the items a single run would have yielded after those ``k``.
+    state (with the samples its ``retire=`` takes out), or the state of a fresh start.
+    Invariant: a dataset restored from ``state_dict()`` taken after ``k`` items yields exactly
+    the items a single run would have yielded after those ``k``.
 
     ``allow_changes=True`` resumes loaded states whose operators changed on purpose
     (``Pipeline.iter``); ``load_state_dict(state, allow_changes=True)`` does it for one state.
@@ -221,6 +222,14 @@ class ZephonIterableDataset(IterableDataset[Any]):
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last item yielded (see the class docstring)."""
+        if self._pending is not None and self._pending_retire is not None:
+            # the samples the next iter() retires are out of the run from the loaded position
+            with self.pipeline.iter(
+                state=self._pending,
+                allow_changes=self._pending_changes,
+                retire=self._pending_retire,
+            ) as upcoming:
+                return upcoming.state_dict()
         if self._pending is not None:
             return self._pending
         if self._loader is not None:
