@@ -237,3 +237,31 @@ def test_job_state_takes_a_stateful_dataloader_in_a_one_process_group() -> None:
     assert [b["idx"].tolist() for b in again] == full[len(seen) :]
     with pytest.raises(zephon.ZephonError, match="init_process_group"):
         job_state(dataloader)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_stateful_dataloader_states_saved_per_rank_merge_for_another_world_size(
+    tmp_path: Path,
+) -> None:
+    # the torch page's loop saves dataloader.state_dict() on each rank; to come back on another
+    # number of ranks those states are merged, or saved into a shared directory and read back
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import zephon
+    from zephon.integrations.torch import as_torch_dataset
+
+    per = N // 2
+    states = []
+    for rank in range(2):
+        dataset = as_torch_dataset(make(rank=rank, world_size=2), end_together=False)
+        dataloader = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+        it = iter(dataloader)
+        for _ in range(STEPS_BEFORE * per):
+            next(it)
+        states.append(json.loads(json.dumps(dataloader.state_dict())))
+        zephon.save_rank_state(str(tmp_path), states[-1])
+    reference = _steps([[item(b) for b in make(rank=r, world_size=2)] for r in range(2)], 2)
+    for job in (zephon.merge_states(states), zephon.load_job_state(str(tmp_path))):
+        tails = [[item(b) for b in make(rank=r, world_size=N).iter(state=job)] for r in range(N)]
+        resumed = _steps(tails, N)
+        assert resumed[:5] == reference[STEPS_BEFORE : STEPS_BEFORE + 5]

@@ -34,11 +34,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from zephon.errors import CheckpointError, MidStepWarning, PlanError, ZephonError
 from zephon.planner import Pipeline
 from zephon.ranks import rank_from_torch, resolve_rank
-from zephon.runtime.checkpoint.dataloader_state import (
-    dataset_state,
-    dataset_state_path,
-    with_dataset_state,
-)
+from zephon.runtime.checkpoint.dataloader_state import dataset_state_path, with_dataset_state
+from zephon.runtime.checkpoint.dataloader_state import unwrapped as _unwrapped
 from zephon.runtime.checkpoint.job import items_into_step, merge_states
 from zephon.runtime.checkpoint.schema import JOB_FORMAT, STATE_FORMAT
 from zephon.runtime.loader import Loader
@@ -284,13 +281,6 @@ def _placed(pipeline: Pipeline) -> Pipeline:
     placed = copy.copy(pipeline)
     placed.rank, placed.world_size = rank, world_size
     return placed
-
-
-def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
-    """The dataset's state in a ``StatefulDataLoader``'s ``state`` (with or without a worker
-    process), else ``state`` itself."""
-    path = dataset_state_path(state)
-    return state if path is None else dataset_state(state, path)
 
 
 class _EndTogether:

@@ -1,7 +1,8 @@
 """Where a loader state sits inside a torchdata ``StatefulDataLoader``'s state: at
 ``dataset_state`` when the DataLoader runs its dataset itself (``num_workers=0``), in its one
 worker's snapshot when a worker process runs it (``num_workers=1``). Plain dicts only: nothing
-here imports torch, so ``zephon.skip_steps`` takes such states too."""
+here imports torch, so ``zephon.skip_steps``, ``zephon.merge_states`` and
+``zephon.save_rank_state`` take such states too."""
 
 from __future__ import annotations
 
@@ -39,3 +40,10 @@ def with_dataset_state(state: dict[str, Any], path: tuple[str, ...], inner: Any)
     """A copy of ``state`` holding ``inner`` as the dataset's state at ``path``; the rest shared."""
     key, *rest = path
     return {**state, key: with_dataset_state(state[key], tuple(rest), inner) if rest else inner}
+
+
+def unwrapped(state: Any) -> Any:
+    """The dataset's state in a ``StatefulDataLoader``'s ``state`` (with or without a worker
+    process), else ``state`` itself."""
+    path = dataset_state_path(state)
+    return state if path is None else dataset_state(state, path)

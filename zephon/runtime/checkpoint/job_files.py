@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from zephon.errors import CheckpointCorruptError, CheckpointError
+from zephon.runtime.checkpoint.dataloader_state import unwrapped
 from zephon.runtime.checkpoint.format import (
     checkpoint_bytes,
     save_checkpoint,
@@ -34,9 +35,11 @@ def rank_file_name(rank: int, world_size: int) -> str:
 
 
 def save_rank_state(where: str, state: dict[str, Any], *, filesystem: Any = None) -> str:
-    """Save one rank's ``state`` (``loader.state_dict()``) into the directory ``where``, shared by
-    every rank of the job; the path written. Every rank calls it at the same global step, with
+    """Save one rank's ``state`` (``loader.state_dict()``; of a torchdata ``StatefulDataLoader``,
+    the state of the Zephon dataset inside) into the directory ``where``, shared by every rank
+    of the job; the path written. Every rank calls it at the same global step, with
     the same ``where``; ``load_job_state(where)`` then reads the job state back."""
+    state = unwrapped(state)  # a StatefulDataLoader's state: its dataset's
     body = unseal(state, (STATE_FORMAT,))
     name = rank_file_name(body["rank"], body["world_size"])
     fs, directory = filesystem_and_path(str(where), filesystem, "save_rank_state")
