@@ -314,6 +314,14 @@ class Pipeline:
             if self.max_inflight_bytes is None
             else size("max_inflight_bytes", self.max_inflight_bytes, 1),
         )
+        if sizes.lanes % sizes.world_size and self.lanes is None and lanes:
+            raise PlanError(  # a resume: the lane count is the checkpoint's
+                f"Pipeline(lanes=None) continues with the checkpoint's {sizes.lanes} lanes, "
+                f"which world_size={world_size} ranks cannot share (the job's lane count must "
+                f"be a multiple of the number of ranks): pass lanes= a multiple of {world_size} "
+                "to re-lane the checkpoint onto them, or resume on a number of ranks that "
+                f"divides {sizes.lanes}"
+            )
         if sizes.lanes % sizes.world_size:
             raise PlanError(
                 f"Pipeline lanes={sizes.lanes} cannot be shared by world_size={world_size} "

@@ -287,6 +287,27 @@ def stateful_loader(num_workers: int) -> Any:
     return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
 
 
+def test_a_state_taken_before_the_first_batch_keeps_the_samples_retired_at_the_load():
+    # a checkpoint right after the resume that retired them (a preemption before the first
+    # batch): resumed from it, the retired samples stay out without retire= again
+    pytest.importorskip("torch")
+    from zephon.integrations.torch import as_torch_dataset
+
+    ds = as_torch_dataset(mapped(_tripled))
+    it = iter(ds)
+    head = [i for _ in range(3) for i in plain(next(it))["idx"][2]]
+    state = ds.state_dict()
+    ds.close()
+    resumed = as_torch_dataset(mapped(_tripled))
+    resumed.load_state_dict(state, retire=[(0, 0, i) for i in range(0, 45, 2)])
+    saved = resumed.state_dict()
+    assert saved["retired"]
+    again = as_torch_dataset(mapped(_tripled))
+    again.load_state_dict(saved)
+    rest = [i for batch in again for i in plain(batch)["idx"][2]]
+    assert sorted(head + rest) == sorted(set(head) | {i for i in range(45) if i % 2})
+
+
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 def test_stateful_dataloader_restores_in_a_new_loader():

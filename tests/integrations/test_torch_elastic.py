@@ -58,6 +58,17 @@ RANK = textwrap.dedent("""
                 error = type(exc).__name__ + ": " + str(exc)
         warned = [str(w.message) for w in caught if w.category is zephon.MidStepWarning]
         out = {{"warned": warned, "error": error}}
+    elif mode == "resume-then-save":       # a job state taken again before the first batch
+        from zephon.integrations.torch import as_torch_dataset
+        with open(path) as f:
+            job = json.load(f)
+        dataset = as_torch_dataset(make())
+        dataset.load_state_dict(job)
+        try:
+            again = job_state(dataset)
+        except zephon.CheckpointError as exc:
+            again = type(exc).__name__ + ": " + str(exc)
+        out = {{"again": again, "tail": [x["idx"].tolist() for x in dataset]}}
     else:
         with open(path) as f:
             job = json.load(f)
@@ -144,6 +155,25 @@ def test_a_two_process_job_continues_on_one_and_on_four_processes(tmp_path: Path
         assert resumed[:limit] == reference[STEPS_BEFORE:shortest], f"world {world}"
 
 
+def test_a_job_state_taken_again_before_the_first_batch_of_its_resume_is_the_same(
+    tmp_path: Path,
+) -> None:
+    # a checkpoint right after a resume, before any rank moved: each dataset still holds the
+    # job state it was given, and job_state() gives it back
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(_run_job(script, 2, "checkpoint")[0]["job"]))
+    job = json.loads(job_file.read_text())
+    resumed = _run_job(script, 2, "resume-then-save", str(job_file))
+    for r, rank in enumerate(resumed):
+        assert rank["again"] == job
+        # the dataset ends the ranks together: the rank with more items stops with the other
+        everything = [item(x) for x in make(rank=r, world_size=2).iter(state=job)]
+        assert rank["tail"] == everything[: len(rank["tail"])]
+    assert len(resumed[0]["tail"]) == len(resumed[1]["tail"]) > 0
+
+
 def test_job_state_at_every_global_step_through_the_end_of_the_pass_resumes_exactly(
     tmp_path: Path,
 ) -> None:
@@ -207,3 +237,31 @@ def test_job_state_takes_a_stateful_dataloader_in_a_one_process_group() -> None:
     assert [b["idx"].tolist() for b in again] == full[len(seen) :]
     with pytest.raises(zephon.ZephonError, match="init_process_group"):
         job_state(dataloader)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_stateful_dataloader_states_saved_per_rank_merge_for_another_world_size(
+    tmp_path: Path,
+) -> None:
+    # the torch page's loop saves dataloader.state_dict() on each rank; to come back on another
+    # number of ranks those states are merged, or saved into a shared directory and read back
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import zephon
+    from zephon.integrations.torch import as_torch_dataset
+
+    per = N // 2
+    states = []
+    for rank in range(2):
+        dataset = as_torch_dataset(make(rank=rank, world_size=2), end_together=False)
+        dataloader = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+        it = iter(dataloader)
+        for _ in range(STEPS_BEFORE * per):
+            next(it)
+        states.append(json.loads(json.dumps(dataloader.state_dict())))
+        zephon.save_rank_state(str(tmp_path), states[-1])
+    reference = _steps([[item(b) for b in make(rank=r, world_size=2)] for r in range(2)], 2)
+    for job in (zephon.merge_states(states), zephon.load_job_state(str(tmp_path))):
+        tails = [[item(b) for b in make(rank=r, world_size=N).iter(state=job)] for r in range(N)]
+        resumed = _steps(tails, N)
+        assert resumed[:5] == reference[STEPS_BEFORE : STEPS_BEFORE + 5]

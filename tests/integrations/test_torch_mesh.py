@@ -109,3 +109,46 @@ def test_dp_dims_must_name_dimensions_of_the_mesh() -> None:
             from_device_mesh(init_device_mesh("cpu", (1,)), "dp")
     finally:
         dist.destroy_process_group()
+
+
+PEERS = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    import zephon
+    from zephon.integrations.torch import job_state
+    from zephon.ranks import from_device_mesh
+    from integrations.test_torch_mesh import make
+
+    url, rank = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    dp = from_device_mesh(mesh, "dp")
+    loader = iter(make(rank=dp.rank, world_size=dp.world_size))
+    next(loader)
+    try:
+        job_state(loader)                  # over the whole job: both tensor-parallel peers
+        error = ""
+    except zephon.CheckpointError as exc:
+        error = type(exc).__name__ + ": " + str(exc)
+    print(json.dumps({{"error": error, "own": job_state(loader, group=dp.group)["format"]}}))
+    loader.close()
+    dist.barrier()
+    dist.destroy_process_group()
+""").format(tests=TESTS)
+
+
+def test_job_state_over_the_whole_mesh_says_to_gather_over_the_data_parallel_group(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(PEERS)
+    done = run_ranks(script, 2, timeout=120)
+    assert [code for code, _, _ in done] == [0] * 2, [err[-3000:] for _, _, err in done]
+    for _, out, _ in done:
+        rank = json.loads(out.strip().splitlines()[-1])
+        assert rank["error"].startswith("CheckpointError: job_state gathered the states of 2 ")
+        assert "data-parallel rank(s) [0]" in rank["error"]
+        assert "group=" in rank["error"] and "from_device_mesh" in rank["error"]
+        assert rank["own"] == "zephon-job-state"  # over the data-parallel group it merges

@@ -224,6 +224,24 @@ def test_lanes_must_be_a_multiple_of_the_world_size() -> None:
         monotone(lanes=6, rank=0, world_size=4).compile()
 
 
+def test_default_lanes_resumed_on_a_world_size_they_do_not_divide_say_to_pass_lanes() -> None:
+    # lanes=None: one lane per rank on the first run (4), the checkpoint's 4 on a resume on 3
+    states = []
+    for r in range(4):
+        with monotone(rank=r, world_size=4).iter() as loader:
+            for _ in range(2):
+                next(loader)
+            states.append(loader.state_dict())
+    job = zephon.merge_states(states)
+    with pytest.raises(PlanError) as refused:
+        monotone(rank=0, world_size=3).iter(state=job)
+    assert "the checkpoint's 4 lanes" in str(refused.value)
+    assert "pass lanes=" in str(refused.value) and "multiple of 3" in str(refused.value)
+    with pytest.warns(zephon.RelaneWarning):  # what it says to do
+        relaned = [list(monotone(lanes=3, rank=r, world_size=3).iter(state=job)) for r in range(3)]
+    assert sum(len(b) for stream in relaned for b in stream) == 400 - 4 * 2 * 2
+
+
 def test_default_lanes_are_one_per_rank_and_the_fingerprint_ignores_world_size() -> None:
     assert monotone(rank=0, world_size=4).compile().lanes == 4
     a = monotone(lanes=N, rank=0, world_size=2).compile()

@@ -84,6 +84,21 @@ def test_an_empty_directory_and_a_damaged_file_are_named(tmp_path: Path) -> None
         zephon.load_job_state(str(tmp_path))
 
 
+def test_ranks_saved_at_different_steps_into_one_directory_name_it(tmp_path: Path) -> None:
+    # rank 1 saved one global step later (a step-5 directory reused, or a path mixed up)
+    where = tmp_path / "step-5"
+    for rank, steps in ((0, STEPS), (1, STEPS + 1)):
+        loader = make(rank=rank, world_size=2).iter()
+        for _ in range(steps * (N // 2)):
+            next(loader)
+        zephon.save_rank_state(str(where), loader.state_dict())
+        loader.close()
+    with pytest.raises(CheckpointError) as refused:
+        zephon.load_job_state(str(where))
+    assert "rank 0 at step 5, rank 1 at step 6" in str(refused.value)
+    assert f"directory {str(where)!r}" in str(refused.value)
+
+
 def test_a_job_state_round_trips_through_a_bucket(bucket) -> None:
     where = f"s3://{bucket.name}/jobs/step-5"
     save_ranks(where, world=2)
@@ -110,6 +125,22 @@ def test_a_resealed_malformed_rank_state_is_corrupt_naming_the_field(tmp_path: P
     body = {k: v for k, v in zephon.load_checkpoint(path).items() if k not in ("checksum", "rank")}
     zephon.save_checkpoint(path, seal(body))
     with pytest.raises(CheckpointCorruptError, match="must have exactly the fields"):
+        zephon.load_job_state(str(tmp_path))
+
+
+def test_a_rank_file_that_holds_no_rank_state_is_named(tmp_path: Path) -> None:
+    save_ranks(str(tmp_path), world=2)
+    path = tmp_path / "rank-00001-of-00002.json"
+    rank_state = zephon.load_checkpoint(path)
+    body = {k: v for k, v in rank_state.items() if k not in ("checksum", "rank")}
+    zephon.save_checkpoint(path, seal(body))  # a field missing, sealed again
+    with pytest.raises(CheckpointCorruptError, match=r"must have exactly(.|\n)*rank-00001-of"):
+        zephon.load_job_state(str(tmp_path))
+    job = zephon.merge_states(
+        [zephon.load_checkpoint(tmp_path / "rank-00000-of-00002.json"), rank_state]
+    )
+    zephon.save_checkpoint(path, job)  # a merged job state saved under a rank's name
+    with pytest.raises(CheckpointCorruptError, match=r"zephon-job-state(.|\n)*rank-00001-of"):
         zephon.load_job_state(str(tmp_path))
 
 

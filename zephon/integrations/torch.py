@@ -20,8 +20,10 @@ of the whole pipeline, which the dataset refuses)::
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,9 +31,13 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from zephon.errors import MidStepWarning, PlanError, ZephonError
+from zephon.errors import CheckpointError, MidStepWarning, PlanError, ZephonError
 from zephon.planner import Pipeline
+from zephon.ranks import rank_from_torch, resolve_rank
+from zephon.runtime.checkpoint.dataloader_state import dataset_state_path, with_dataset_state
+from zephon.runtime.checkpoint.dataloader_state import unwrapped as _unwrapped
 from zephon.runtime.checkpoint.job import items_into_step, merge_states
+from zephon.runtime.checkpoint.schema import JOB_FORMAT, STATE_FORMAT
 from zephon.runtime.loader import Loader
 
 __all__ = ["ZephonIterableDataset", "as_torch_dataset", "job_state", "to_tensors"]
@@ -88,8 +94,9 @@ class ZephonIterableDataset(IterableDataset[Any]):
     ``load_state_dict`` when there is one (used once), else from the start of the pipeline.
     ``state_dict()`` is the loader's state (the same small JSON-able dict as
     ``Loader.state_dict()``) after the last item yielded; before any iteration it is the loaded
-    state, or the state of a fresh start. Invariant: a dataset restored from ``state_dict()`` taken
-    after ``k`` items yields exactly the items a single run would have yielded after those ``k``.
+    state (with the samples its ``retire=`` takes out), or the state of a fresh start.
+    Invariant: a dataset restored from ``state_dict()`` taken after ``k`` items yields exactly
+    the items a single run would have yielded after those ``k``.
 
     ``allow_changes=True`` resumes loaded states whose operators changed on purpose
     (``Pipeline.iter``); ``load_state_dict(state, allow_changes=True)`` does it for one state.
@@ -160,6 +167,16 @@ class ZephonIterableDataset(IterableDataset[Any]):
             wanted = self.pipeline.uneven_end != "allow" and not loader.ends_evenly
         if not wanted or plan.world_size == 1:
             return None
+        if get_worker_info() is not None:  # a forked worker's copy of the group never answers
+            raise PlanError(
+                f"as_torch_dataset: rank {plan.rank} of {plan.world_size} must end together with "
+                "the other ranks (its pipeline cannot end them at the same global step by "
+                "itself), which takes an all-reduce over torch.distributed, and a DataLoader "
+                "worker process cannot take part in the training process's group: use "
+                "num_workers=0 (the pipeline's lanes parallelize), or pass "
+                "as_torch_dataset(..., end_together=False) when the ranks' data has no end "
+                "(a source with passes=None) or you end them yourself"
+            )
         if self._together is None:
             import torch.distributed as dist
 
@@ -202,6 +219,14 @@ class ZephonIterableDataset(IterableDataset[Any]):
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last item yielded (see the class docstring)."""
+        if self._pending is not None and self._pending_retire is not None:
+            # the samples the next iter() retires are out of the run from the loaded position
+            with self.pipeline.iter(
+                state=self._pending,
+                allow_changes=self._pending_changes,
+                retire=self._pending_retire,
+            ) as upcoming:
+                return upcoming.state_dict()
         if self._pending is not None:
             return self._pending
         if self._loader is not None:
@@ -238,16 +263,24 @@ class ZephonIterableDataset(IterableDataset[Any]):
         state = self.__dict__.copy()
         state["_loader"] = None  # a running loader does not cross processes
         state["_together"] = None  # nor does a process group
+        state["pipeline"] = _placed(self.pipeline)
         return state
 
 
-def _is_dataloader_state(state: Any) -> bool:
-    """Whether ``state`` is a ``StatefulDataLoader``'s (its dataset's at ``dataset_state``)."""
-    return isinstance(state, dict) and "dataset_state" in state and "format" not in state
-
-
-def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
-    return state["dataset_state"] if _is_dataloader_state(state) else state
+def _placed(pipeline: Pipeline) -> Pipeline:
+    """``pipeline`` with the rank and world size it leaves to be found taken from this process's
+    ``torch.distributed`` group: a DataLoader worker started by ``spawn`` or ``forkserver`` gets a
+    pickled copy of the dataset but no process group, and would find itself rank 0 of 1 on every
+    rank (each rank then delivering every rank's data)."""
+    if (pipeline.rank is not None and pipeline.world_size is not None) or not rank_from_torch():
+        return pipeline
+    try:
+        rank, world_size = resolve_rank(pipeline.rank, pipeline.world_size)
+    except PlanError:
+        return pipeline  # the copy's own planning raises it, naming both positions
+    placed = copy.copy(pipeline)
+    placed.rank, placed.world_size = rank, world_size
+    return placed
 
 
 class _EndTogether:
@@ -297,11 +330,12 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
     (or ``dataset.load_state_dict(...)``).
 
     The result has the shape of ``source``'s state: given a ``StatefulDataLoader`` (or its
-    state), it is that loader's state with the job state at ``"dataset_state"``, so
-    ``dataloader.load_state_dict(job)`` resumes it; ``job["dataset_state"]`` is the job state
-    itself. Called inside a global step (after a number of items that is not a multiple of
-    ``lanes // world_size``), it warns (``MidStepWarning``) and the merge raises
-    ``CheckpointError``.
+    state), it is that loader's state with the job state in place of its dataset's, so
+    ``dataloader.load_state_dict(job)`` resumes it: ``job["dataset_state"]`` is the job state
+    itself with ``num_workers=0``, ``job["_snapshot"]["_worker_snapshots"]["worker_0"]
+    ["dataset_state"]`` with one worker process. Called inside a global step (after a number of
+    items that is not a multiple of ``lanes // world_size``), it warns (``MidStepWarning``) and
+    the merge raises ``CheckpointError``.
     """
     import torch.distributed as dist
 
@@ -323,5 +357,35 @@ def job_state(source: Any, *, group: Any = None) -> dict[str, Any]:
         )
     states: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, _unwrapped(state), group=group)
-    job = merge_states(states)
-    return {**state, "dataset_state": job} if _is_dataloader_state(state) else job
+    _check_data_parallel(states, group)
+    job = _unmoved(states) or merge_states(states)
+    path = dataset_state_path(state)
+    return job if path is None else with_dataset_state(state, path, job)
+
+
+def _check_data_parallel(states: list[Any], group: Any) -> None:
+    """``CheckpointError`` when the gathered ``states`` hold a data-parallel rank more than once:
+    the group spans the tensor-, pipeline- or context-parallel peers of a rank, which share its
+    batches, so only the data-parallel group says how the job's lanes are shared."""
+    ranks = Counter(
+        s.get("rank") for s in states if isinstance(s, dict) and s.get("format") == STATE_FORMAT
+    )
+    shared = sorted(r for r, n in ranks.items() if n > 1 and type(r) is int)
+    if shared:
+        where = "the default process group" if group is None else "the group given"
+        raise CheckpointError(
+            f"job_state gathered the states of {len(states)} processes over {where}, and "
+            f"data-parallel rank(s) {shared} came from several of them: under tensor, pipeline "
+            "or context parallelism, gather over the data-parallel peers only, with "
+            "job_state(..., group=zephon.ranks.from_device_mesh(mesh, dp_dims).group)"
+        )
+
+
+def _unmoved(states: list[Any]) -> dict[str, Any] | None:
+    """The job state every rank holds when all hold the same one, else None: datasets given it
+    by ``load_state_dict`` that have not iterated yet are where it says, and it is their job
+    state (merging refuses a job state as a rank's)."""
+    first = states[0]
+    if isinstance(first, dict) and first.get("format") == JOB_FORMAT:
+        return first if all(state == first for state in states) else None
+    return None

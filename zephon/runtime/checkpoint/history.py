@@ -14,6 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from zephon.runtime.checkpoint.dataloader_state import (
+    dataset_state,
+    dataset_state_path,
+    with_dataset_state,
+)
 from zephon.runtime.checkpoint.format import seal, unseal
 from zephon.runtime.checkpoint.schema import (
     JOB_FORMAT,
@@ -98,11 +103,13 @@ def skip_steps(state: dict[str, Any], steps: int) -> dict[str, Any]:
     loader first runs the pipeline through those steps and hands their items to no one, booked
     as delivered, so a loss-spike window is never trained on and nothing else is lost. The skip
     is kept in the state's ``history``. A torchdata ``StatefulDataLoader``'s state around a
-    Zephon dataset's comes back with the dataset's state skipped."""
+    Zephon dataset's (run by the DataLoader itself or by one worker process) comes back with the
+    dataset's state skipped."""
     if type(steps) is not int or steps < 0:
         raise ValueError(f"skip_steps needs a number of global steps >= 0, got {steps!r}")
-    if isinstance(state, dict) and "dataset_state" in state and "format" not in state:
-        return {**state, "dataset_state": skip_steps(state["dataset_state"], steps)}
+    path = dataset_state_path(state)
+    if path is not None:
+        return with_dataset_state(state, path, skip_steps(dataset_state(state, path), steps))
     body = unseal(state, (STATE_FORMAT, JOB_FORMAT))
     history, pending = check_history(body["history"], body["skip"])
     if not steps:

@@ -13,6 +13,7 @@ from itertools import islice
 from typing import Any
 
 from zephon.errors import CheckpointError, CheckpointMismatchError
+from zephon.runtime.checkpoint.dataloader_state import unwrapped
 from zephon.runtime.checkpoint.format import seal, unseal
 from zephon.runtime.checkpoint.retired import merge_retired
 from zephon.runtime.checkpoint.saved_state import check_saved_state
@@ -31,7 +32,8 @@ _SHOWN = 8  # missing lanes or ranks named in an error
 
 
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
-    """One job state from the states of all ranks of a job (any order).
+    """One job state from the states of all ranks of a job (any order): each a loader's state, or
+    a torchdata ``StatefulDataLoader``'s around a Zephon dataset (its dataset's is merged).
 
     Raises ``CheckpointMismatchError`` when the states come from different pipelines and
     ``CheckpointError`` naming the problem when ranks or lanes are missing or duplicated, or the
@@ -124,6 +126,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
 def _rank_body(i: int, state: Any) -> dict[str, Any]:
     """The ``i``-th state given to ``merge_states``, unsealed and checked; an error says which
     state it is."""
+    state = unwrapped(state)  # a StatefulDataLoader's state: its dataset's
     if isinstance(state, dict) and state.get("format") == JOB_FORMAT:
         raise CheckpointError(
             f"merge_states takes the state of each rank (loader.state_dict()): state #{i} is a "

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from zephon.errors import CheckpointCorruptError, CheckpointError
+from zephon.runtime.checkpoint.dataloader_state import unwrapped
 from zephon.runtime.checkpoint.format import (
     checkpoint_bytes,
     save_checkpoint,
@@ -34,9 +35,11 @@ def rank_file_name(rank: int, world_size: int) -> str:
 
 
 def save_rank_state(where: str, state: dict[str, Any], *, filesystem: Any = None) -> str:
-    """Save one rank's ``state`` (``loader.state_dict()``) into the directory ``where``, shared by
-    every rank of the job; the path written. Every rank calls it at the same global step, with
+    """Save one rank's ``state`` (``loader.state_dict()``; of a torchdata ``StatefulDataLoader``,
+    the state of the Zephon dataset inside) into the directory ``where``, shared by every rank
+    of the job; the path written. Every rank calls it at the same global step, with
     the same ``where``; ``load_job_state(where)`` then reads the job state back."""
+    state = unwrapped(state)  # a StatefulDataLoader's state: its dataset's
     body = unseal(state, (STATE_FORMAT,))
     name = rank_file_name(body["rank"], body["world_size"])
     fs, directory = filesystem_and_path(str(where), filesystem, "save_rank_state")
@@ -54,7 +57,8 @@ def load_job_state(where: str, *, filesystem: Any = None) -> dict[str, Any]:
     ``where`` by ``save_rank_state``: it resumes on any world size that divides the job's lanes.
 
     Raises ``CheckpointError`` naming the directory and the ranks when some rank's file is
-    missing, or when the directory holds files of more than one world size.
+    missing, when the directory holds files of more than one world size, or when the merge
+    refuses the states (ranks saved at different global steps, from different pipelines).
     """
     import pyarrow.fs as pafs
 
@@ -94,14 +98,20 @@ def load_job_state(where: str, *, filesystem: Any = None) -> dict[str, Any]:
         path = by_rank[rank]
         with fs.open_input_stream(path) as f:
             state = state_from_checkpoint_bytes(f.read(), path)
-        body = check_saved_state(unseal(state, (STATE_FORMAT,)))
+        try:
+            body = check_saved_state(unseal(state, (STATE_FORMAT,)))
+        except CheckpointError as exc:
+            raise exc.add_context(file=path) from None
         if (body["rank"], body["world_size"]) != (rank, world):
             raise CheckpointCorruptError(
                 f"{path} holds the state of rank {body['rank']} of {body['world_size']}, not "
                 f"of rank {rank} of {world}"
             )
         states.append(state)
-    return merge_states(states)
+    try:
+        return merge_states(states)
+    except CheckpointError as exc:  # it names the ranks: rank r is the file of rank r here
+        raise exc.add_context(directory=str(where)) from None
 
 
 def _is_local(fs: Any) -> bool:
