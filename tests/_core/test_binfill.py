@@ -127,7 +127,7 @@ class RefBinPacker:
             if cut:
                 target[2] = 1
             target[1] += r
-            target[3] += 1
+            target[3] += r > 0  # an empty item counts as no sequence
             if target[1] == cap or target[3] == self.max_segments:
                 self.open = [b for b in self.open if b is not target]
                 closed.append(target[0])

@@ -209,6 +209,22 @@ def test_no_row_holds_more_than_max_segments(lengths, seq_len, cap, strategy, cu
 
 
 @pytest.mark.parametrize("strategy", ["best_fit", "first_fit"])
+@pytest.mark.parametrize("cut", [False, True])
+@pytest.mark.parametrize("flush_every", [None, 6])  # epochs that end with a document
+def test_empty_documents_never_make_a_row_of_padding_under_max_segments(strategy, cut, flush_every):
+    # Megatron writes an empty document for an empty text. One that counted as a sequence took
+    # a row of its own under max_segments=1: a row of padding alone, trained on for nothing.
+    lengths = [5, 0, 7, 0, 0, 3, 9, 0, 4, 6, 0, 2, 8, 0, 0, 0, 5, 3]
+    op = pack_sequences(
+        10, open_bins=3, strategy=strategy, pad_id=0, max_segments=1, cut_to_fill=cut
+    )
+    out = run(op, token_records(lengths), micro=4, flush_every=flush_every)
+    assert [int(rec.payload["segment_ids"].max()) for rec in out] == [1] * len(out)
+    assert len(out) == sum(n > 0 for n in lengths)
+    assert_every_input_recovered_once(lengths, out)
+
+
+@pytest.mark.parametrize("strategy", ["best_fit", "first_fit"])
 def test_a_cut_to_fill_flush_keeps_the_cap_on_sequences(strategy):
     # Four open bins of one 6-token sequence each: laying them out again at the epoch's end
     # must not put a whole one, the tail of a cut one and another head in one row.

@@ -194,8 +194,9 @@ cdef class BinPacker:
     with the head of the sequence (so it leaves full), and the rest goes where it fits best among
     the bins that hold no piece of a cut sequence (else to a new bin): a bin takes at most one such
     piece; ``add(..., no_cut=)`` keeps such a head cut out of given ranges of an item. A bin that becomes exactly full leaves at once, and so does one that holds
-    ``max_segments`` fragments (when given). Invariant: no bin ever holds more than ``capacity``
-    tokens or more than ``max_segments`` fragments, every bin id (0, 1, 2, ... in opening order)
+    ``max_segments`` non-empty fragments (when given; an empty item is no sequence and joins a
+    bin without counting). Invariant: no bin ever holds more than ``capacity`` tokens or more
+    than ``max_segments`` non-empty fragments, every bin id (0, 1, 2, ... in opening order)
     leaves exactly once, and fragments in a bin sit back to back from offset 0.
     """
 
@@ -418,8 +419,11 @@ cdef class BinPacker:
             if cut:
                 bins[p].cut = 1
             bins[p].room -= r
-            bins[p].segments += 1
-            if bins[p].room == 0 or bins[p].segments == self._max_segments:
+            if r:  # an empty item is no sequence: it never closes a bin by count
+                bins[p].segments += 1
+            if bins[p].room == 0 or (
+                self._max_segments and bins[p].segments == self._max_segments
+            ):
                 closed[n_closed] = bins[p].bin_id
                 n_closed += 1
                 self._close_at(p)
@@ -510,7 +514,7 @@ cdef class BinPacker:
                 raise ValueError(f"BinPacker.restore: bin {b!r} does not fit this packer")
             if b[2] not in (0, 1):
                 raise ValueError(f"BinPacker.restore: bin {b!r} has a bad cut flag")
-            if columns == 4 and not 1 <= b[3] < self._max_segments:
+            if columns == 4 and not 0 <= b[3] < self._max_segments:
                 raise ValueError(f"BinPacker.restore: bin {b!r} has a bad fragment count")
             if k and (
                 (b[1], b[0]) <= (bins[k - 1][1], bins[k - 1][0])

@@ -150,11 +150,11 @@ def _consolidated(
     frag_start, frag_len, bin_id, bin_offset) in as few bins as their tokens need: each bin
     takes the largest fragment that fits until none does, then the head of the smallest one
     that does not fills its rest (one cut per bin; the tail goes back to be placed). Every bin
-    is full but the last, unless ``max_segments`` ends it first: no bin takes more fragments
-    than that, as no bin of the kernel does. Ties keep the fragments' order in ``rows``, so the
-    result depends on the held bins alone. ``head_of(item, start, room)``: the longest head of
-    at most ``room`` tokens that may be cut from a fragment (0: none; the next smallest is
-    tried, and when no fragment can be cut the bin leaves with its room)."""
+    is full but the last, unless ``max_segments`` ends it first: no bin takes more non-empty
+    fragments than that, as no bin of the kernel does. Ties keep the fragments' order in
+    ``rows``, so the result depends on the held bins alone. ``head_of(item, start, room)``: the
+    longest head of at most ``room`` tokens that may be cut from a fragment (0: none; the next
+    smallest is tried, and when no fragment can be cut the bin leaves with its room)."""
     pool = sorted((int(size), k, int(item), int(start)) for k, (item, start, size, _, _) in
                   enumerate(rows.tolist()))  # fmt: skip
     out: list[tuple[int, int, int, int, int]] = []
@@ -163,9 +163,12 @@ def _consolidated(
     while pool:
         room = seq_len
         held = 0
-        # empty fragments join a full bin
-        while pool and held < cap and (room or not pool[0][0]):
+        # Empty fragments join a full bin, and count as no sequence: a bin of them alone would
+        # be a row of padding.
+        while pool and ((held < cap and room) or not pool[0][0]):
             at = bisect.bisect_right(pool, (room, len(rows)))  # fragments that fit: pool[:at]
+            if held == cap or not room:  # only an empty one still joins
+                at = 1
             if at:
                 size, _, item, start = pool.pop(at - 1)
             else:  # nothing fits: cut the smallest one that can be, its head fills the bin
@@ -180,7 +183,7 @@ def _consolidated(
                 size = head
             out.append((item, start, size, bin_id, seq_len - room))
             room -= size
-            held += 1
+            held += size > 0
         bin_id += 1
     return np.array(out, dtype=np.int64).reshape(-1, 5)
 
@@ -892,6 +895,7 @@ def pack_sequences(
 
     ``max_segments``: a row holds at most that many sequences (fragments); it leaves once it
     has them, full or not (attention cost and position budgets of some models are per segment).
+    An empty sequence joins a row without counting as one.
 
     ``group_by``: rows only mix sequences of one group: a payload field name (``"lang"``) or a
     function of the payload giving a str or int. Each group packs into bins of its own, with up
