@@ -117,7 +117,9 @@ def _tear_down(done: list[Operator]) -> None:
     done.clear()
 
 
-_lock = threading.Lock()
+# Reentrant: a garbage collection during a setup made under it (a model's load allocates) may
+# free another loader's plan, whose finalizer takes it again in the same thread to tear down.
+_lock = threading.RLock()
 _in_process: dict[int, OperatorSetup] = {}  # by id(plan): one per loader
 
 
