@@ -109,3 +109,54 @@ def test_an_exit_names_the_record_only_when_it_is_the_one(micro_batch: int, name
     ) as info:
         run(KeepsStateExitsOn13(), "inline", micro_batch=micro_batch)
     assert (info.value.cursor is None) == (micro_batch > 1)
+
+
+class FailsInHook(Operator):
+    """Keeps a running count; raises in the one hook named ``hook``."""
+
+    traits = OpTraits(preserves_cursor_order=True, stateful=True)
+
+    def __init__(self, hook: str) -> None:
+        self.hook = hook
+        self._seen = 0
+
+    def _fail(self, hook: str) -> None:
+        if hook == self.hook:
+            raise RuntimeError(f"broken {hook}")
+
+    def start_epoch(self, lane_id: int, epoch: int) -> None:
+        super().start_epoch(lane_id, epoch)
+        self._fail("start_epoch")
+
+    def process_many(self, records: list) -> list:
+        self._seen += len(records)
+        return records
+
+    def flush(self) -> list:
+        self._fail("flush")
+        return []
+
+    def carry_state(self) -> dict:
+        self._fail("carry_state")
+        return {"seen": self._seen}
+
+    def restore_carry(self, state: dict) -> None:
+        self._seen = state["seen"]
+
+    def counters(self) -> dict:
+        self._fail("counters")
+        return {"seen": self._seen}
+
+
+@pytest.mark.parametrize("workers", ["inline", "process"])
+@pytest.mark.parametrize("hook", ["start_epoch", "flush", "carry_state", "counters"])
+def test_an_error_in_an_operator_hook_names_the_operator_the_hook_and_the_lane(
+    hook: str, workers: str
+) -> None:
+    with pytest.raises(
+        OperatorError, match=rf"operator 'FailsInHook' failed in {hook}\(\): RuntimeError: broken"
+    ) as info:
+        run(FailsInHook(hook), workers)
+    assert info.value.context["lane"] == 0
+    assert not multiprocessing.active_children()
+

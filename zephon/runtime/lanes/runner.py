@@ -204,7 +204,9 @@ class LaneRunner:
     def stats_now(self) -> list[list[Any]]:
         """Per operator its records in, items out and seconds, then what its ``counters()``
         counted, over every run so far: what ``ChunkOpened`` and ``LaneEnd`` carry."""
-        counts = [op.counters() for op in self.ops] or [{} for _ in self.op_counts]
+        counts = [self._hook(j, "counters", op.counters) for j, op in enumerate(self.ops)] or [
+            {} for _ in self.op_counts
+        ]
         return [
             [*stats, _summed(base, now)]
             for stats, base, now in zip(self.op_stats, self.op_counts, counts)
@@ -255,9 +257,9 @@ class LaneRunner:
             for op in self.ops:
                 op.leave_out(retired.contains)
         if run["carry"] is not None:
-            for op, state in zip(self.ops, run["carry"]):
+            for j, (op, state) in enumerate(zip(self.ops, run["carry"])):
                 if state is not None:
-                    op.restore_carry(state)
+                    self._hook(j, "restore_carry", op.restore_carry, state)
         self._reset_audit()
         stop = geometry.total if run["end"] is None else run["end"]
         per_epoch = plan.epoch_chunks
@@ -477,8 +479,8 @@ class LaneRunner:
         # Seeds come from the identity of the lane whose chunks these are (``seed_lane``), which
         # is the lane itself unless it finishes another lane's run after a re-laning.
         self.fetch.start_epoch(self.seed_lane, epoch)
-        for op in self.ops:
-            op.start_epoch(self.seed_lane, epoch)
+        for j, op in enumerate(self.ops):
+            self._hook(j, "start_epoch", op.start_epoch, self.seed_lane, epoch)
 
     def _push(self, first_op: int, items: list, stop_op: int | None = None) -> list:
         for j in range(first_op, len(self.ops) if stop_op is None else stop_op):
@@ -701,23 +703,28 @@ class LaneRunner:
         first, last = records[0].meta.cursor, records[-1].meta.cursor
         return f"a micro-batch of {len(records)} records, {first!r} to {last!r}"
 
-    def _flush_from(self, j: int) -> list:
-        op = self.ops[j]
+    def _hook(self, j: int, hook: str, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``, operator ``j``'s method ``hook`` other than ``process_many``; an
+        error in it is an ``OperatorError`` naming the operator, the method and the lane."""
+        label = self.labels[j]
         try:
-            flushed = op.flush()
-        except ZephonError:
-            raise
+            return call(*args)
+        except ZephonError as exc:
+            raise exc.add_context(lane=self.lane_id, operator=label) from exc.__cause__
         except Exception as exc:
             raise OperatorError(
-                f"operator {op.name!r} failed in flush(): {type(exc).__name__}: {exc}",
-                operator=op.name,
-            ) from exc
+                f"operator {label!r} failed in {hook}(): {type(exc).__name__}: {exc}",
+                operator=label,
+            ).add_context(lane=self.lane_id) from exc
         except SystemExit as exc:
             raise OperatorError(
-                f"operator {op.name!r} called sys.exit({exc.code!r}) in flush(): an operator "
+                f"operator {label!r} called sys.exit({exc.code!r}) in {hook}(): an operator "
                 "must raise an exception, not exit the process",
-                operator=op.name,
-            ) from exc
+                operator=label,
+            ).add_context(lane=self.lane_id) from exc
+
+    def _flush_from(self, j: int) -> list:
+        flushed = self._hook(j, "flush", self.ops[j].flush)
         return self._push(j + 1, self._audit(j, [], flushed))
 
     def _flush_all(self) -> list:
@@ -733,7 +740,7 @@ class LaneRunner:
             for label, cin, cout in zip(self.labels, self._closing_in, self._closing_out)
             if cin != cout
         }
-        carry = [op.carry_state() for op in self.ops]
+        carry = [self._hook(j, "carry_state", op.carry_state) for j, op in enumerate(self.ops)]
         self._reset_audit()
         out.append(EpochEnd(epoch, carry, deficits))
         return out
