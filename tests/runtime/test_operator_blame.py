@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import sys
 
+import numpy as np
 import pytest
 
 import zephon
@@ -160,3 +161,19 @@ def test_an_error_in_an_operator_hook_names_the_operator_the_hook_and_the_lane(
     assert info.value.context["lane"] == 0
     assert not multiprocessing.active_children()
 
+
+class CarriesNumpy(FailsInHook):
+    """Carries its count as a numpy integer, which a checkpoint (JSON) cannot hold."""
+
+    def carry_state(self) -> dict:
+        return {"seen": np.int64(self._seen)}
+
+
+@pytest.mark.parametrize("workers", ["inline", "process"])
+def test_a_carry_state_that_is_not_json_names_the_operator_and_the_value(workers: str) -> None:
+    with pytest.raises(
+        OperatorError,
+        match=r"operator 'CarriesNumpy' returned a carry_state\(\) that is not JSON data.*int64",
+    ) as info:
+        run(CarriesNumpy(""), workers)
+    assert info.value.context["lane"] == 0
