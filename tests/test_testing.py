@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from pipeline_kit import DropMultiples, PackPairs, RunningTotal, SplitInChildren, WindowShuffle
 
@@ -227,6 +228,53 @@ def test_check_resume_passes_the_built_ins():
     )
     check_resume(pipeline)
     check_resume(_resume_pipeline(RunningTotal()), steps=[0, 5, 17])
+
+
+def _object_array_and_nan(payload: dict) -> dict:
+    """A payload of kinds a pipeline hands over: an object array, a score that is not a number."""
+    i = payload["idx"]
+    texts = np.array(["doc", str(i)], dtype=object)
+    return {**payload, "texts": texts, "score": float("nan") if i % 5 == 0 else i / 7}
+
+
+def _tensor(payload: dict) -> dict:
+    torch = pytest.importorskip("torch")
+    return {**payload, "tensor": torch.arange(3) * payload["idx"]}
+
+
+def _mapped(fn, grouped: bool) -> zephon.Pipeline:
+    return zephon.Pipeline(
+        RangeSource(40, chunk_size=8),
+        [fetch(), map_transform(fn), *([batch(4)] if grouped else [])],
+        lanes=2,
+        epoch_chunks=2,
+    )
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_check_resume_passes_a_correct_pipeline_of_object_arrays_and_nan(grouped):
+    check_resume(_mapped(_object_array_and_nan, grouped), steps=[0, 3, 7])
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_check_resume_passes_a_correct_pipeline_of_tensors(grouped):
+    pytest.importorskip("torch")
+    check_resume(_mapped(_tensor, grouped), steps=[0, 3, 7])
+
+
+class TensorTotal(ForgetsItsTotal):
+    """A running total it forgets to carry, handed over as a tensor."""
+
+    def process_many(self, recs):
+        torch = pytest.importorskip("torch")
+        out = super().process_many(recs)
+        return [r.with_payload({"total": torch.tensor([r.payload["total"]])}) for r in out]
+
+
+def test_check_resume_still_sees_tensors_that_differ_after_a_resume():
+    pytest.importorskip("torch")
+    with pytest.raises(AssertionError, match=r"item \d+ differs.*Suspect: TensorTotal"):
+        check_resume(_resume_pipeline(TensorTotal()), steps=[20])
 
 
 SETUP_CALLS: list[str] = []

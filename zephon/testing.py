@@ -8,6 +8,7 @@ import contextvars
 import copy
 import itertools
 import json
+import math
 import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -208,9 +209,20 @@ def _follows(prev: SampleRecord, rec: SampleRecord) -> bool:
 
 
 def _comparable(value: Any) -> Any:
-    """A payload as a comparable value (arrays by dtype, shape and bytes)."""
+    """A payload as a comparable value: arrays and tensors by dtype, shape and bytes (an array
+    of objects by its items), numpy scalars by their bytes, a NaN equal to a NaN."""
     if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:  # its bytes are addresses
+            return ("ndarray", value.dtype.str, value.shape, _comparable(value.tolist()))
         return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, np.generic):
+        return ("scalar", value.dtype.str, value.tobytes())
+    if isinstance(value, float) and math.isnan(value):
+        return ("nan",)
+    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
+        # A tensor's == is elementwise: by dtype, shape and the bytes of its values instead.
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        return ("tensor", str(value.dtype), tuple(value.shape), _tensor_bytes(flat))
     if isinstance(value, dict):
         return tuple(sorted((str(k), _comparable(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
@@ -218,6 +230,16 @@ def _comparable(value: Any) -> Any:
     if isinstance(value, SampleRecord):
         return ("record", value.meta.cursor, _comparable(value.payload))
     return value
+
+
+def _tensor_bytes(flat: Any) -> Any:
+    """The bytes of a flat CPU tensor's values (its items, for a dtype no byte view takes)."""
+    import torch  # loaded already: the value is one of its tensors
+
+    try:
+        return flat.view(torch.uint8).numpy().tobytes()
+    except (RuntimeError, TypeError):
+        return _comparable(flat.tolist())
 
 
 def _item(item: Any) -> tuple:
