@@ -103,6 +103,13 @@ def test_an_order_preserving_operator_may_not():
         check_operator(Claims(), records())
 
 
+class ForgetsToReturn(Operator):
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def process_many(self, recs):
+        [rec.payload for rec in recs]  # the mistake: no return
+
+
 @pytest.mark.parametrize(
     ("op", "message"),
     [
@@ -111,8 +118,16 @@ def test_an_order_preserving_operator_may_not():
         (Duplicates(), r"emitted twice"),
         (Reverses(), r"preserves_cursor_order"),
         (Moody(), r"not deterministic"),
+        (ForgetsToReturn(), r"process_many\(\) returned None instead of a list"),
     ],
-    ids=["missing-tombstone", "early-close", "duplicate-cursor", "false-order", "nondeterministic"],
+    ids=[
+        "missing-tombstone",
+        "early-close",
+        "duplicate-cursor",
+        "false-order",
+        "nondeterministic",
+        "returns-none",
+    ],
 )
 def test_each_broken_rule_is_explained(op, message):
     with pytest.raises(AssertionError, match=message):

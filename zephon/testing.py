@@ -10,7 +10,7 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,11 +40,22 @@ def _fresh(op: Operator) -> Operator:
 def _run(op: Operator, records: Sequence[SampleRecord], lane_id: int) -> list[SampleRecord]:
     fresh = _fresh(op)
     fresh.start_epoch(lane_id, 0)
-    out = list(fresh.process_many(list(records))) + list(fresh.flush())
+    out = _returned(op, "process_many", fresh.process_many(list(records)))
+    out += _returned(op, "flush", fresh.flush())  # a generator above has run to its end
     for item in out:
         if not isinstance(item, SampleRecord):
             raise AssertionError(f"{op.name} returned {item!r}, which is not a SampleRecord")
     return out
+
+
+def _returned(op: Operator, method: str, made: Any) -> list[SampleRecord]:
+    """What ``op``'s ``method`` returned, as a list: a list, or a generator's items, as the lane
+    runner takes them."""
+    if not isinstance(made, Iterable):
+        raise AssertionError(
+            f"{op.name}: {method}() returned {made!r:.80} instead of a list of SampleRecords"
+        )
+    return list(made)
 
 
 def check_operator(op: Operator, records: Sequence[SampleRecord], *, lane_id: int = 0) -> None:

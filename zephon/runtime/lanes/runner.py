@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import copy
 import os
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
@@ -528,6 +528,8 @@ class LaneRunner:
                 out = self._pooled(j, records)
             else:
                 out = op.process_many(records)
+            if type(out) is not list and not isinstance(records, RecordRun):
+                out = _listed(out)
         except ZephonError as exc:
             if skipped := self._skipped_instead(j, records, began, exc):
                 return skipped
@@ -560,6 +562,7 @@ class LaneRunner:
         if isinstance(records, RecordRun):
             stats[1] += len(records)
             return [self._mapped_run(j, records, out)]
+        out = self._emitted(j, "process_many", out)
         stats[1] += len(out)
         return self._audit(j, records, out)
 
@@ -587,12 +590,13 @@ class LaneRunner:
         emitted: list = []
         for rec in received:
             try:
-                got = op.process_many([rec])
+                got = _listed(op.process_many([rec]))
             except Exception as exc:
                 if _outage(exc):
                     return None
                 out.append(Skipped(rec.meta.cursor, _failed_operator(exc, label), _error_text(exc)))
                 got = tombstones_for_record(rec)
+            got = self._emitted(j, "process_many", got)
             out += got
             emitted += got
         if len(emitted) == len(out):
@@ -625,7 +629,10 @@ class LaneRunner:
         assert pool is not None
         size = -(-len(records) // (self.ops[j].traits.workers or 1))
         parts = [records[i : i + size] for i in range(0, len(records), size)]
-        return [rec for out in pool.map(self.ops[j].process_many, parts) for rec in out]
+        outs = list(pool.map(lambda part: _listed(self.ops[j].process_many(part)), parts))
+        if any(type(out) is not list for out in outs):
+            return next(out for out in outs if type(out) is not list)  # refused by the caller
+        return [rec for out in outs for rec in out]
 
     def close(self) -> None:
         """Shut down the operator thread pools and the thread of the read ahead."""
@@ -693,7 +700,7 @@ class LaneRunner:
             return None
         for rec in records:
             try:
-                self._copy(op).process_many([rec])
+                _listed(self._copy(op).process_many([rec]))
             except failures:
                 return rec
         return None
@@ -723,8 +730,20 @@ class LaneRunner:
                 operator=label,
             ).add_context(lane=self.lane_id) from exc
 
+    def _emitted(self, j: int, method: str, out: Any) -> list:
+        """``out``, what operator ``j``'s ``method`` returned (a generator already made a list by
+        ``_listed``), when it is a list; an ``OperatorError`` naming the operator otherwise."""
+        if type(out) is list:
+            return out
+        raise OperatorError(
+            f"operator {self.labels[j]!r} returned {out!r:.80} from {method}() instead of a "
+            "list of SampleRecords (the records and tombstones it emits; [] for none)",
+            operator=self.labels[j],
+        ).add_context(lane=self.lane_id)
+
     def _flush_from(self, j: int) -> list:
-        flushed = self._hook(j, "flush", self.ops[j].flush)
+        op = self.ops[j]
+        flushed = self._emitted(j, "flush", self._hook(j, "flush", lambda: _listed(op.flush())))
         return self._push(j + 1, self._audit(j, [], flushed))
 
     def _flush_all(self) -> list:
@@ -744,6 +763,13 @@ class LaneRunner:
         self._reset_audit()
         out.append(EpochEnd(epoch, carry, deficits))
         return out
+
+
+def _listed(out: Any) -> Any:
+    """An operator's output as a list: a generator's or a tuple's items (a generator's code runs
+    here, inside the call, where its errors are the operator's); what is not iterable as it is,
+    for ``LaneRunner._emitted`` to refuse."""
+    return list(out) if isinstance(out, Iterable) else out
 
 
 def _summed(base: dict[str, float], more: dict[str, float]) -> dict[str, float]:
