@@ -226,7 +226,7 @@ class LaneBook:
         if held["open"] is None:  # booked from the lane: pack it once, now
             ids, offsets = self._open_at_held  # type: ignore[misc]
             held["open"] = pack_ints(np.stack([ids, offsets], axis=1).ravel())
-            held["ops"] = packed(held["ops"])
+            held["ops"] = packed(held["ops"], self.labels)
         return held
 
     def enter(self, run: Run) -> None:

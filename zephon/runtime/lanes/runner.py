@@ -342,7 +342,9 @@ class LaneRunner:
                     allowed = cut < n or ((k + 1) % per_epoch and (stop is None or k + 1 < stop))
                     if snapshots and since_snapshot >= spacing and allowed:
                         where = (k, cut) if cut < n else (k + 1, 0)
-                        made.append(Holdings(where[0], where[1], epoch, snapshot_of(self.ops)))
+                        made.append(
+                            Holdings(where[0], where[1], epoch, snapshot_of(self.ops, self._hook))
+                        )
                         since_snapshot = 0
                     at = cut
                 if made:
