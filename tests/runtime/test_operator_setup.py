@@ -306,3 +306,28 @@ def test_a_collection_in_setup_that_frees_an_abandoned_loader_does_not_hang():
             return len(list(loader))
 
     assert run_with_timeout(second_run, 60) == 16
+
+
+class GuardsItsCache(Operator):
+    """Makes a lock in ``__init__``, which no lane can copy."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+
+    def process_many(self, records):
+        return records
+
+
+@pytest.mark.parametrize("workers", ["inline", "thread"])
+def test_an_operator_a_lane_cannot_copy_is_named_with_its_attribute_and_the_way_out(workers):
+    p = zephon.Pipeline(
+        RangeSource(40, chunk_size=8), [fetch(), GuardsItsCache(), batch(4)], workers=workers
+    )
+    with pytest.raises(
+        OperatorError,
+        match=r"operator 'GuardsItsCache' cannot be copied for lane 0, in its attribute _guard "
+        r"\(TypeError: cannot pickle '_thread.lock' object\).*start_epoch",
+    ):
+        list(p)

@@ -215,7 +215,27 @@ class LaneRunner:
     def _fresh(self, j: int, op: Operator) -> Operator:
         """A new copy of chain operator ``j`` for a run: of the set-up one when the worker set
         the chain up (sharing what setup loaded), else of the plan's."""
-        return self.setup.fresh(j) if self.setup is not None else copy.deepcopy(op)
+        if self.setup is not None:
+            return self.setup.fresh(j)
+        try:
+            return copy.deepcopy(op)
+        except Exception as exc:
+            part = next(
+                (
+                    f", in its attribute {k}"
+                    for k, v in getattr(op, "__dict__", {}).items()
+                    if _uncopyable(v)
+                ),
+                "",
+            )
+            raise OperatorError(
+                f"operator {self.labels[j]!r} cannot be copied for lane {self.lane_id}{part} "
+                f"({type(exc).__name__}: {exc}): each lane runs its own copy of every operator "
+                "(copy.deepcopy). Make locks, files, connections and generators in start_epoch "
+                "or on first use rather than in __init__, and load what the lanes may share in "
+                "setup()",
+                operator=self.labels[j],
+            ).add_context(lane=self.lane_id) from exc
 
     def _copy(self, op: Operator) -> Operator:
         """A copy of a running operator, to re-run one record on it."""
@@ -765,6 +785,15 @@ class LaneRunner:
         self._reset_audit()
         out.append(EpochEnd(epoch, carry, deficits))
         return out
+
+
+def _uncopyable(value: Any) -> bool:
+    """Whether ``copy.deepcopy(value)`` fails."""
+    try:
+        copy.deepcopy(value)
+    except Exception:
+        return True
+    return False
 
 
 def _listed(out: Any) -> Any:
