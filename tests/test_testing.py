@@ -30,6 +30,7 @@ def records(n=12):
         PackPairs(),
         filter_records(lambda p: p["idx"] % 2),
         map_transform(lambda p: {"y": p["idx"]}),
+        map_transform(lambda p: Box(p["idx"]), name="boxed"),
     ],
     ids=lambda op: op.name,
 )
@@ -76,6 +77,13 @@ class Moody(Operator):
     def process_many(self, recs):
         Moody.calls += 1
         return recs[::-1] if Moody.calls % 2 else recs
+
+
+class Box:
+    """A payload of a class without its own ``==``."""
+
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
 
 
 class ReorderedSiblings(Operator):

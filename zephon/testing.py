@@ -240,6 +240,9 @@ def _comparable(value: Any) -> Any:
         return tuple(_comparable(v) for v in value)
     if isinstance(value, SampleRecord):
         return ("record", value.meta.cursor, _comparable(value.payload))
+    if type(value).__eq__ is object.__eq__ and isinstance(getattr(value, "__dict__", None), dict):
+        # Equal only to itself: by its class and attributes instead.
+        return ("object", type(value).__qualname__, _comparable(vars(value)))
     return value
 
 
