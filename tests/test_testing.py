@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 from pipeline_kit import DropMultiples, PackPairs, RunningTotal, SplitInChildren, WindowShuffle
@@ -79,6 +81,16 @@ class Moody(Operator):
         return recs[::-1] if Moody.calls % 2 else recs
 
 
+class Jitters(Operator):
+    """Augments each payload with noise from an unseeded generator: the same cursors on every
+    run, other payloads."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def process_many(self, recs):
+        return [r.with_payload({**r.payload, "noise": random.random()}) for r in recs]
+
+
 class Box:
     """A payload of a class without its own ``==``."""
 
@@ -127,6 +139,7 @@ class ForgetsToReturn(Operator):
         (Reverses(), r"preserves_cursor_order"),
         (Moody(), r"not deterministic"),
         (ForgetsToReturn(), r"process_many\(\) returned None instead of a list"),
+        (Jitters(), r"payloads are not deterministic.*output 0 \(SampleCursor\(3, 0,"),
     ],
     ids=[
         "missing-tombstone",
@@ -135,6 +148,7 @@ class ForgetsToReturn(Operator):
         "false-order",
         "nondeterministic",
         "returns-none",
+        "nondeterministic-payload",
     ],
 )
 def test_each_broken_rule_is_explained(op, message):

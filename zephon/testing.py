@@ -60,12 +60,13 @@ def _returned(op: Operator, method: str, made: Any) -> list[SampleRecord]:
 
 def check_operator(op: Operator, records: Sequence[SampleRecord], *, lane_id: int = 0) -> None:
     """Run ``op`` (with flush) twice on ``records`` and raise ``AssertionError`` explaining the
-    first broken rule: non-deterministic cursors, a primary cursor that is not unique in the
-    lane, a base offset never closed (a dropped record without its tombstone), a base offset
-    closed before its last record, output out of order despite ``preserves_cursor_order``, or (for
-    ``stateful`` operators) a ``carry_state`` that does not survive a round trip into the next
-    epoch; for ``maps_payloads`` operators, ``map_payloads`` on the records as one run giving
-    other payloads than ``process_many``, or ``process_many`` changing a record's metadata."""
+    first broken rule: non-deterministic cursors or payloads, a primary cursor that is not
+    unique in the lane, a base offset never closed (a dropped record without its tombstone), a
+    base offset closed before its last record, output out of order despite
+    ``preserves_cursor_order``, or (for ``stateful`` operators) a ``carry_state`` that does not
+    survive a round trip into the next epoch; for ``maps_payloads`` operators, ``map_payloads``
+    on the records as one run giving other payloads than ``process_many``, or ``process_many``
+    changing a record's metadata."""
     if any(r.meta.is_tombstone for r in records):
         raise ValueError("check_operator takes real records; operators never receive tombstones")
     with _set_up([op], lane_id) as (set_up,):
@@ -110,6 +111,15 @@ def _check_operator(op: Operator, records: Sequence[SampleRecord], lane_id: int)
             f"output {diff} ({len(first)} vs {len(second)} outputs). Derive randomness from "
             "(seed, lane, epoch) and child indices from emission order."
         )
+
+    for i, (a, b) in enumerate(zip(first, second)):
+        if _comparable(a.payload) != _comparable(b.payload):
+            raise AssertionError(
+                f"{name}: payloads are not deterministic: two runs on the same records give "
+                f"output {i} ({a.meta.cursor!r}) different payloads. Draw randomness from "
+                "(seed, lane, epoch) (zephon.ops.base.epoch_rng in start_epoch), never from an "
+                "unseeded generator, the time or object ids."
+            )
 
     real = [r for r in first if not r.meta.is_tombstone]
     seen: set[object] = set()
