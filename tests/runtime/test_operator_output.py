@@ -5,6 +5,7 @@ alike; anything else is an ``OperatorError`` naming the operator and the method.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from pipeline_kit import run
@@ -63,7 +64,7 @@ class DropsThirdsByGenerator(DropsThirds):
             yield from tombstones_for_record(rec) if rec.payload["idx"] % 3 == 0 else [rec]
 
 
-def _pipeline(op: Operator, **kw: object) -> zephon.Pipeline:
+def _pipeline(op: Operator, **kw: Any) -> zephon.Pipeline:
     return zephon.Pipeline(
         RangeSource(40, chunk_size=8), [fetch(), op], lanes=2, epoch_chunks=2, micro_batch=4, **kw
     )
