@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import zephon
-from zephon.errors import OperatorError
+from zephon.errors import OperatorError, ZephonError
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import fetch
 from zephon.sources.memory import RangeSource
@@ -177,3 +177,30 @@ def test_a_carry_state_that_is_not_json_names_the_operator_and_the_value(workers
     ) as info:
         run(CarriesNumpy(""), workers)
     assert info.value.context["lane"] == 0
+
+
+class QuotaExceeded(ZephonError):
+    """A user's own error class, whose constructor takes more than the message."""
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class RaisesItsOwnError(Operator):
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def process_many(self, records: list) -> list:
+        if any(r.payload["idx"] == 13 for r in records):
+            raise QuotaExceeded("quota of 12 samples exceeded", 12)
+        return records
+
+
+def test_a_zephon_error_of_the_users_that_pickle_cannot_rebuild_still_reaches_the_loop() -> None:
+    # Pickled in the worker, it could not be made again in the loader (its __init__ needs the
+    # limit), which ended the run with a TypeError about __init__ instead of the error.
+    with pytest.raises(ZephonError, match=r"QuotaExceeded: quota of 12 samples exceeded") as info:
+        run(RaisesItsOwnError(), "process")
+    assert info.value.context["lane"] == 0
+    assert info.value.context["operator"] == "RaisesItsOwnError"
+    assert not multiprocessing.active_children()
