@@ -97,3 +97,29 @@ def test_the_worker_prints_nothing_itself(tmp_path: Path, filters: str) -> None:
     assert done.stderr.count("UserWarning: row 7 looks odd") == (
         1 if filters == "default" else 0
     ), done.stderr
+
+
+class LevelWarning(UserWarning):
+    """A warning class whose constructor takes more than the text."""
+
+    def __init__(self, text: str, level: int) -> None:
+        super().__init__(text)
+        self.level = level
+
+
+def note_odd_rows_with_a_level(payload: int) -> int:
+    if payload == 7:
+        warnings.warn(LevelWarning("row 7 looks odd", 2), stacklevel=2)
+    return payload
+
+
+def test_a_worker_warning_whose_class_takes_more_than_its_text_still_arrives() -> None:
+    # Raised again from its text, it could not be made: the run ended in a TypeError.
+    source = ListSource(list(range(40)), chunk_size=8)
+    p = zephon.Pipeline(
+        source, [fetch(), map_transform(note_odd_rows_with_a_level), batch(4)], workers="process"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sum(len(b) for b in p) == 40
+    assert [str(w.message) for w in caught] == ["LevelWarning: row 7 looks odd"]

@@ -81,11 +81,22 @@ def reraise(found: list[tuple[Any, ...]]) -> None:
     """In the training process: raise each warning a worker sent, as if raised here."""
     for module_name, qualname, text, filename, lineno, module in found:
         category = _category(module_name, qualname)
+        if not _made_from_text(category, text):  # its __init__ takes more than the text
+            category = UserWarning
         if category is UserWarning and qualname != "UserWarning":
             text = f"{qualname}: {text}"  # a category this process does not have
         loaded = sys.modules.get(module) if module else None
         registry = vars(loaded).setdefault("__warningregistry__", {}) if loaded else _registry
         warnings.warn_explicit(text, category, filename, lineno, module=module, registry=registry)
+
+
+def _made_from_text(category: type[Warning], text: str) -> bool:
+    """Whether ``category(text)`` can be made, as ``warnings`` makes the warning it raises."""
+    try:
+        category(text)
+    except Exception:
+        return False
+    return True
 
 
 def _category(module_name: str, qualname: str) -> type[Warning]:
