@@ -13,7 +13,7 @@ from zephon.ops import pack_sequences, shuffle, tokenize
 from zephon.ops.base import Operator, OpTraits
 from zephon.ops.basic import fetch, filter_records, map_transform
 from zephon.ops.batching import batch
-from zephon.ops.children import spawn_child, tombstones_for_record
+from zephon.ops.children import pack_meta, spawn_child, tombstones_for_record
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.testing import check_operator, check_resume
 from zephon.types import SampleCursor, SampleMeta, SampleRecord
@@ -91,6 +91,22 @@ class Jitters(Operator):
         return [r.with_payload({**r.payload, "noise": random.random()}) for r in recs]
 
 
+class MergesPairsOfACall(Operator):
+    """Merges the records of each call in pairs: its output depends on how records are grouped
+    into calls, which it does not declare (batch_sensitive=False)."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def process_many(self, recs):
+        out = []
+        for i in range(0, len(recs), 2):
+            pair = recs[i : i + 2]
+            refs = [ref for r in pair for ref in r.meta.contribution_refs()]
+            meta = pack_meta(pair[0].meta.cursor.child(0), refs, lane_id=pair[0].meta.lane_id)
+            out.append(SampleRecord(meta, [r.payload for r in pair]))
+        return out
+
+
 class Box:
     """A payload of a class without its own ``==``."""
 
@@ -140,6 +156,7 @@ class ForgetsToReturn(Operator):
         (Moody(), r"not deterministic"),
         (ForgetsToReturn(), r"process_many\(\) returned None instead of a list"),
         (Jitters(), r"payloads are not deterministic.*output 0 \(SampleCursor\(3, 0,"),
+        (MergesPairsOfACall(), r"other outputs when its records come one at a time.*output 0"),
     ],
     ids=[
         "missing-tombstone",
@@ -149,6 +166,7 @@ class ForgetsToReturn(Operator):
         "nondeterministic",
         "returns-none",
         "nondeterministic-payload",
+        "undeclared-batch-sensitivity",
     ],
 )
 def test_each_broken_rule_is_explained(op, message):

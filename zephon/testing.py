@@ -165,8 +165,34 @@ def _check_operator(op: Operator, records: Sequence[SampleRecord], lane_id: int)
                     f"after {prev.meta.cursor!r}; declare preserves_cursor_order=False"
                 )
 
+    if not op.traits.stateful and not op.traits.batch_sensitive:
+        _check_grouping(op, records, first, lane_id)
+
     if op.traits.stateful:
         _carry_round_trip(op, records, lane_id)
+
+
+def _check_grouping(
+    op: Operator, records: Sequence[SampleRecord], whole: list[SampleRecord], lane_id: int
+) -> None:
+    """An operator that keeps no state and is not batch-sensitive gives the same outputs when
+    its records come one at a time (as a thread pool's slices, a restore's pieces and a skip's
+    calls of one record give them) as in one call (``whole``)."""
+
+    def outputs(out: list[SampleRecord]) -> list[tuple]:
+        return [(r.meta.is_tombstone, r.meta.cursor, _comparable(r.payload)) for r in out]
+
+    alone = outputs([rec for r in records for rec in _run(op, [r], lane_id)])
+    if alone != outputs(whole):
+        i = next((k for k, (a, b) in enumerate(zip(alone, outputs(whole))) if a != b), None)
+        where = f"output {i}" if i is not None else f"{len(alone)} vs {len(whole)} outputs"
+        raise AssertionError(
+            f"{op.name}: gives other outputs when its records come one at a time than in one "
+            f"call ({where}), but does not declare batch_sensitive=True: the runtime cuts "
+            "micro-batches into slices for a thread pool (workers=), into pieces on a restore, "
+            "and into single records to skip a bad one, so the stream would depend on them. "
+            "Declare batch_sensitive=True, or stateful=True for state kept across calls."
+        )
 
 
 def _check_payload_mapping(op: Operator, records: Sequence[SampleRecord], lane_id: int) -> None:
