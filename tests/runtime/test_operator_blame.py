@@ -204,3 +204,21 @@ def test_a_zephon_error_of_the_users_that_pickle_cannot_rebuild_still_reaches_th
     assert info.value.context["lane"] == 0
     assert info.value.context["operator"] == "RaisesItsOwnError"
     assert not multiprocessing.active_children()
+
+
+class CountsAName(FailsInHook):
+    """Reports the name of its model among its counts, which stats() cannot add up."""
+
+    def counters(self) -> dict:
+        return {"seen": self._seen, "model": "bert-base"}
+
+
+@pytest.mark.parametrize("workers", ["inline", "process"])
+def test_counters_that_are_not_numbers_name_the_operator(workers: str) -> None:
+    with pytest.raises(
+        OperatorError,
+        match=r"operator 'CountsAName' returned counters\(\) that are not all numbers: "
+        r"'model': 'bert-base'",
+    ) as info:
+        run(CountsAName(""), workers)
+    assert info.value.context["lane"] == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import numbers
 import os
 from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -204,13 +205,30 @@ class LaneRunner:
     def stats_now(self) -> list[list[Any]]:
         """Per operator its records in, items out and seconds, then what its ``counters()``
         counted, over every run so far: what ``ChunkOpened`` and ``LaneEnd`` carry."""
-        counts = [self._hook(j, "counters", op.counters) for j, op in enumerate(self.ops)] or [
+        counts = [self._counters(j, op) for j, op in enumerate(self.ops)] or [
             {} for _ in self.op_counts
         ]
         return [
             [*stats, _summed(base, now)]
             for stats, base, now in zip(self.op_stats, self.op_counts, counts)
         ]
+
+    def _counters(self, j: int, op: Operator) -> dict[str, Any]:
+        """Operator ``j``'s ``counters()``, which must be numbers by name (they are added up over
+        runs and lanes): an ``OperatorError`` naming the operator otherwise."""
+        counts = self._hook(j, "counters", op.counters)
+        if not isinstance(counts, dict):
+            bad = f"{counts!r:.80}"
+        else:
+            bad = next((f"{k!r}: {v!r:.80}" for k, v in counts.items() if not _a_count(v)), "")
+        if bad:
+            raise OperatorError(
+                f"operator {self.labels[j]!r} returned counters() that are not all numbers: "
+                f"{bad}. counters() gives a dict of counts (ints or floats) by name, which "
+                "Loader.stats() adds up over the lanes",
+                operator=self.labels[j],
+            ).add_context(lane=self.lane_id)
+        return counts
 
     def _fresh(self, j: int, op: Operator) -> Operator:
         """A new copy of chain operator ``j`` for a run: of the set-up one when the worker set
@@ -785,6 +803,11 @@ class LaneRunner:
         self._reset_audit()
         out.append(EpochEnd(epoch, carry, deficits))
         return out
+
+
+def _a_count(value: Any) -> bool:
+    """Whether ``value`` is a number, which counts of several lanes add up."""
+    return isinstance(value, numbers.Real)
 
 
 def _uncopyable(value: Any) -> bool:
