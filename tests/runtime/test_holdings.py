@@ -28,6 +28,7 @@ from zephon.ops import (
 from zephon.runtime.lanes.control import Holdings
 from zephon.runtime.lanes.runner import SNAPSHOT_RECORDS, LaneRunner
 from zephon.runtime.lanes.snapshots import flat_cursors, unpack_cursors
+from zephon.sources import JsonlSource
 from zephon.sources.memory import ListSource
 from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleCursor
@@ -319,3 +320,22 @@ def test_holdings_whose_state_is_not_json_name_the_operator_at_the_checkpoint(wo
     ):
         loader.state_dict()
     loader.close()
+
+
+def test_a_restore_rebuilds_held_records_around_a_sample_skipped_at_fetch(tmp_path):
+    # The shuffle holds records from both sides of line 71, which is not JSON and was skipped:
+    # rebuilding them must not read it again.
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"i": i}) for i in range(600)]
+    lines[70] = "{not json"
+    path.write_text("\n".join(lines) + "\n")
+    pipeline = zephon.Pipeline(
+        JsonlSource(str(path), chunk_size=200),
+        [fetch(), map_transform(dict), shuffle(50, seed=1), batch(4)],
+        lanes=1,
+        on_error="skip",
+    )
+    assert pipeline.compile().restores_holdings
+    full = run(iter(pipeline))
+    assert len(full) == 150
+    assert_resumes_at(pipeline, [21, 30, 60], full)

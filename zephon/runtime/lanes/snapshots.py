@@ -228,9 +228,29 @@ def _reread(
         lo, hi = min(offsets), max(offsets) + 1
         if hi > len(pointers):
             raise ValueError(f"chunk {chunk_id} has no offset {hi - 1}")
-        read = fetch.fetch(chunk_id, pointers[lo:hi], lo)
+        try:
+            read = list(fetch.fetch(chunk_id, pointers[lo:hi], lo))
+        except Exception:
+            # A sample between the held ones may be one that failed to read and was skipped
+            # (on_error="skip"): read only the held ones, a run of consecutive offsets at a time.
+            read = [
+                rec
+                for start, end in _consecutive(sorted(offsets))
+                for rec in fetch.fetch(chunk_id, pointers[start:end], start)
+            ]
         out += [r for r in read if r.meta.cursor.chunk_offset in offsets]
     return out
+
+
+def _consecutive(offsets: list[int]) -> list[tuple[int, int]]:
+    """Sorted ``offsets`` as ``(start, end)`` runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for offset in offsets:
+        if runs and runs[-1][1] == offset:
+            runs[-1] = (runs[-1][0], offset + 1)
+        else:
+            runs.append((offset, offset + 1))
+    return runs
 
 
 def _diverged(lane_id: int, op: Operator, why: str) -> ReplayDivergenceError:
