@@ -200,6 +200,18 @@ def test_a_payload_mapper_passes_when_both_paths_agree_and_is_explained_when_not
         check_operator(Doubles(drops=True), records())
 
 
+class YieldsPayloads(Doubles):
+    """Yields the payloads of a run, which the lane runner refuses (it takes a list)."""
+
+    def map_payloads(self, run):
+        return (p for p in super().map_payloads(run))
+
+
+def test_a_payload_mapper_returning_other_than_a_list_is_explained():
+    with pytest.raises(AssertionError, match=r"map_payloads returned generator, not a list"):
+        check_operator(YieldsPayloads(), records())
+
+
 class ForgetsItsTotal(Operator):
     """Stateful and in order: a running total of idx that it forgets to carry across epochs."""
 

@@ -222,7 +222,13 @@ def _check_payload_mapping(op: Operator, records: Sequence[SampleRecord], lane_i
             )
             fresh = _fresh(op)
             fresh.start_epoch(lane_id, 0)
-            got = [_comparable(p) for p in fresh.map_payloads(run)]
+            mapped = fresh.map_payloads(run)
+            if type(mapped) is not list:  # as the lane runner requires
+                raise AssertionError(
+                    f"{op.name}: map_payloads returned {type(mapped).__name__}, not a list of "
+                    "one payload per record"
+                )
+            got = [_comparable(p) for p in mapped]
             if got != [_comparable(r.payload) for r in by_record[i:j]]:
                 raise AssertionError(
                     f"{op.name}: map_payloads gives other payloads than process_many for the "
