@@ -107,6 +107,16 @@ class MergesPairsOfACall(Operator):
         return out
 
 
+class TagsWhatItPasses(Operator):
+    """Claims to emit the records it received unchanged, but tags them."""
+
+    traits = OpTraits(preserves_cursor_order=True, stateful=True)
+    emits_received_records = True
+
+    def process_many(self, recs):
+        return [r.with_payload({**r.payload, "tag": 1}) for r in recs]
+
+
 class Box:
     """A payload of a class without its own ``==``."""
 
@@ -157,6 +167,7 @@ class ForgetsToReturn(Operator):
         (ForgetsToReturn(), r"process_many\(\) returned None instead of a list"),
         (Jitters(), r"payloads are not deterministic.*output 0 \(SampleCursor\(3, 0,"),
         (MergesPairsOfACall(), r"other outputs when its records come one at a time.*output 0"),
+        (TagsWhatItPasses(), r"sets emits_received_records but output 0 \(SampleCursor\(3, 0,"),
     ],
     ids=[
         "missing-tombstone",
@@ -167,6 +178,7 @@ class ForgetsToReturn(Operator):
         "returns-none",
         "nondeterministic-payload",
         "undeclared-batch-sensitivity",
+        "changes-what-it-passes-on",
     ],
 )
 def test_each_broken_rule_is_explained(op, message):

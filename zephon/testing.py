@@ -165,6 +165,22 @@ def _check_operator(op: Operator, records: Sequence[SampleRecord], lane_id: int)
                     f"after {prev.meta.cursor!r}; declare preserves_cursor_order=False"
                 )
 
+    if op.emits_received_records:
+        received = {r.meta.cursor: r for r in records}
+        for i, rec in enumerate(first):
+            was = received.get(rec.meta.cursor)
+            if not rec.meta.is_tombstone and (
+                was is None
+                or rec.meta != was.meta
+                or _comparable(rec.payload) != _comparable(was.payload)
+            ):
+                raise AssertionError(
+                    f"{name}: sets emits_received_records but output {i} ({rec.meta.cursor!r}) "
+                    "is not a record it received, as it received it: a restore rebuilds what "
+                    "the operators after it hold without running it. Emit received records "
+                    "unchanged, or leave emits_received_records False"
+                )
+
     if not op.traits.stateful and not op.traits.batch_sensitive:
         _check_grouping(op, records, first, lane_id)
 
