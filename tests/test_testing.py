@@ -356,6 +356,52 @@ def test_check_resume_still_sees_tensors_that_differ_after_a_resume():
         check_resume(_resume_pipeline(TensorTotal()), steps=[20])
 
 
+class HoldsFiveForgetsItsCount(Operator):
+    """Holds the last five records and numbers what it emits (those it flushes are "last");
+    what it says it holds forgets the number, so a restore from a snapshot numbers from 0
+    again."""
+
+    traits = OpTraits(preserves_cursor_order=True, stateful=True)
+
+    def __init__(self) -> None:
+        self._held: list = []
+        self._emitted = 0
+
+    def _numbered(self, recs):
+        out = []
+        for rec in recs:
+            out.append(rec.with_payload({**rec.payload, "n": self._emitted}))
+            self._emitted += 1
+        return out
+
+    def process_many(self, recs):
+        self._held += recs
+        out, self._held = self._held[:-5], self._held[-5:]
+        return self._numbered(out)
+
+    def flush(self):
+        out, self._held = self._held, []
+        return [rec.with_payload({**rec.payload, "n": "last"}) for rec in out]
+
+    def holdings(self):
+        return list(self._held), {}
+
+    def restore_holdings(self, recs, state):
+        self._held = list(recs)
+
+
+def test_check_resume_resumes_from_a_snapshot_of_a_small_source():
+    # One snapshot, after 64 samples: only items 59 to 74 differ after a restore from it, and
+    # none of the spread of steps (0, 1, 11, 26, 40, 53, 79, 80) falls among them.
+    pipeline = zephon.Pipeline(
+        RangeSource(80, chunk_size=80),
+        [fetch(), map_transform(dict), HoldsFiveForgetsItsCount()],
+    )
+    assert pipeline.compile().restores_holdings
+    with pytest.raises(AssertionError, match=r"item \d+ differs"):
+        check_resume(pipeline)
+
+
 SETUP_CALLS: list[str] = []
 
 

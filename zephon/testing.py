@@ -356,15 +356,17 @@ def _carry_round_trip(op: Operator, records: Sequence[SampleRecord], lane_id: in
 
 def check_resume(pipeline: Pipeline, steps: Sequence[int] | None = None) -> None:
     """Run ``pipeline`` to the end, then for each of ``steps`` (default: a spread from the start
-    to the end, including the steps around epoch boundaries) take a state there, resume from it
-    through JSON and compare; also resume twice in a row across an epoch boundary. Raises
+    to the end, including the steps around epoch boundaries and right after the first snapshots
+    of what the operators hold) take a state there, resume from it through JSON and compare;
+    also resume twice in a row across an epoch boundary. Raises
     ``AssertionError`` naming the first item that differs and, when it can tell, the operator
     whose carry state was missing or not restored."""
-    full, boundaries = _full_run(pipeline)
+    full, boundaries, snapshots = _full_run(pipeline)
     n = len(full)
     if steps is None:
         spread = {0, 1, n // 7, n // 3, n // 2, (2 * n) // 3, n - 1, n}
         spread |= {b + d for b in boundaries[:3] for d in (-1, 0, 1)}
+        spread |= {s + d for s in snapshots[:3] for d in (0, 1)}  # restores from holdings
         steps = sorted(s for s in spread if 0 <= s <= n)
     for step in steps:
         loader = pipeline.iter()
@@ -384,19 +386,27 @@ def check_resume(pipeline: Pipeline, steps: Sequence[int] | None = None) -> None
         _compare(pipeline, full, head + middle + tail, f"resumed at {first}, then at {second}")
 
 
-def _full_run(pipeline: Pipeline) -> tuple[list[tuple], list[int]]:
-    """The uninterrupted stream, and the steps after which a lane finished an epoch."""
+def _full_run(pipeline: Pipeline) -> tuple[list[tuple], list[int], list[int]]:
+    """The uninterrupted stream, the steps after which a lane finished an epoch, and those
+    after which a lane booked a snapshot of what its operators hold (a restore from there
+    rebuilds them from ``holdings()``)."""
     loader = pipeline.iter()
     full: list[tuple] = []
     boundaries: list[int] = []
+    snapshots: list[int] = []
     done = [0] * len(loader.lanes)
+    held: list[Any] = [None] * len(loader.lanes)
     for item in loader:
         full.append(_item(item))
         for i, lane in enumerate(loader.lanes):
             if lane.book.book.epochs_done != done[i]:
                 done[i] = lane.book.book.epochs_done
                 boundaries.append(len(full))
-    return full, boundaries
+            if lane.book.held is not held[i]:
+                held[i] = lane.book.held
+                if held[i] is not None:
+                    snapshots.append(len(full))
+    return full, boundaries, snapshots
 
 
 def _compare(pipeline: Pipeline, full: list[tuple], got: list[tuple], how: str) -> None:
