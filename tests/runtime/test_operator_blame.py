@@ -222,3 +222,34 @@ def test_counters_that_are_not_numbers_name_the_operator(workers: str) -> None:
     ) as info:
         run(CountsAName(""), workers)
     assert info.value.context["lane"] == 0
+
+
+class TakesItsInput(Operator):
+    """Consumes the list it is given (``pop``) and fails on sample 13."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def process_many(self, records: list) -> list:
+        out = []
+        while records:
+            rec = records.pop(0)
+            if rec.payload["idx"] == 13:
+                raise ValueError("sample 13 is bad")
+            out.append(rec)
+        return out
+
+
+def test_an_operator_that_empties_its_input_list_still_has_the_failing_record_named() -> None:
+    # The runner looked for the culprit in the list the operator had emptied up to it.
+    with pytest.raises(OperatorError, match=r"failed on record SampleCursor\(1, 5,") as info:
+        run(TakesItsInput(), "inline")
+    assert isinstance(info.value.cursor, SampleCursor) and info.value.cursor.sample_id[2] == 13
+
+
+def test_an_operator_that_empties_its_input_list_still_has_the_failing_record_skipped() -> None:
+    loader = zephon.Pipeline(
+        RangeSource(40, chunk_size=8), [fetch(), TakesItsInput()], on_error="skip"
+    ).iter()
+    delivered = [r.payload["idx"] for r in loader]
+    assert delivered == [i for i in range(40) if i != 13]
+    assert loader.stats()["operators"]["TakesItsInput"]["records_in"] == 40

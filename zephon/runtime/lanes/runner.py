@@ -566,8 +566,8 @@ class LaneRunner:
                 out = op.map_payloads(records)
             elif self._pools[j] is not None and len(records) > 1:
                 out = self._pooled(j, records)
-            else:
-                out = op.process_many(records)
+            else:  # a list of its own: the runner still needs ``records`` if the call fails
+                out = op.process_many(records[:])
             if type(out) is not list and not isinstance(records, RecordRun):
                 out = _listed(out)
         except ZephonError as exc:
