@@ -128,7 +128,8 @@ def packed(
     """A snapshot as a checkpoint stores it: cursors and state compressed. An operator's state
     that is not JSON data is an ``OperatorError`` naming it (``labels``: the chain's names)."""
     out: list[dict[str, Any] | None] = []
-    for label, entry in zip(labels, flattened(snapshot), strict=True):
+    for j, entry in enumerate(flattened(snapshot)):
+        label = labels[j] if j < len(labels) else f"#{j}"
         if entry is None:
             out.append(None)
             continue
