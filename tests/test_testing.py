@@ -341,6 +341,18 @@ def test_check_resume_passes_a_correct_pipeline_of_tensors(grouped):
     check_resume(_mapped(_tensor, grouped), steps=[0, 3, 7])
 
 
+def _frame(payload: dict) -> object:
+    pd = pytest.importorskip("pandas")
+    return pd.DataFrame({"idx": [payload["idx"]] * 2, "half": [payload["idx"] / 2] * 2})
+
+
+def test_check_operator_and_check_resume_pass_a_correct_operator_of_data_frames():
+    # A data frame's == compares element by element: no single truth to compare runs by.
+    pytest.importorskip("pandas")
+    check_operator(map_transform(_frame), records())
+    check_resume(_mapped(_frame, grouped=False), steps=[0, 3, 7])
+
+
 class TensorTotal(ForgetsItsTotal):
     """A running total it forgets to carry, handed over as a tensor."""
 

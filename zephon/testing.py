@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -113,7 +114,7 @@ def _check_operator(op: Operator, records: Sequence[SampleRecord], lane_id: int)
         )
 
     for i, (a, b) in enumerate(zip(first, second)):
-        if _comparable(a.payload) != _comparable(b.payload):
+        if not _same(_comparable(a.payload), _comparable(b.payload)):
             raise AssertionError(
                 f"{name}: payloads are not deterministic: two runs on the same records give "
                 f"output {i} ({a.meta.cursor!r}) different payloads. Draw randomness from "
@@ -172,7 +173,7 @@ def _check_operator(op: Operator, records: Sequence[SampleRecord], lane_id: int)
             if not rec.meta.is_tombstone and (
                 was is None
                 or rec.meta != was.meta
-                or _comparable(rec.payload) != _comparable(was.payload)
+                or not _same(_comparable(rec.payload), _comparable(was.payload))
             ):
                 raise AssertionError(
                     f"{name}: sets emits_received_records but output {i} ({rec.meta.cursor!r}) "
@@ -199,8 +200,9 @@ def _check_grouping(
         return [(r.meta.is_tombstone, r.meta.cursor, _comparable(r.payload)) for r in out]
 
     alone = outputs([rec for r in records for rec in _run(op, [r], lane_id)])
-    if alone != outputs(whole):
-        i = next((k for k, (a, b) in enumerate(zip(alone, outputs(whole))) if a != b), None)
+    if not _same(alone, outputs(whole)):
+        pairs = enumerate(zip(alone, outputs(whole)))
+        i = next((k for k, (a, b) in pairs if not _same(a, b)), None)
         where = f"output {i}" if i is not None else f"{len(alone)} vs {len(whole)} outputs"
         raise AssertionError(
             f"{op.name}: gives other outputs when its records come one at a time than in one "
@@ -245,7 +247,7 @@ def _check_payload_mapping(op: Operator, records: Sequence[SampleRecord], lane_i
                     "one payload per record"
                 )
             got = [_comparable(p) for p in mapped]
-            if got != [_comparable(r.payload) for r in by_record[i:j]]:
+            if not _same(got, [_comparable(r.payload) for r in by_record[i:j]]):
                 raise AssertionError(
                     f"{op.name}: map_payloads gives other payloads than process_many for the "
                     f"{j - i} records from {cursor!r} taken as one run"
@@ -304,6 +306,18 @@ def _comparable(value: Any) -> Any:
     return value
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Whether two comparable values (``_comparable``) are equal; where ``==`` gives no single
+    truth (a data frame's compares element by element), by their pickles."""
+    try:
+        return bool(a == b)
+    except Exception:
+        try:
+            return pickle.dumps(a) == pickle.dumps(b)
+        except Exception:  # nothing to tell them apart by: no difference to report
+            return True
+
+
 def _tensor_bytes(flat: Any) -> Any:
     """The bytes of a flat CPU tensor's values (its items, for a dtype no byte view takes)."""
     import torch  # loaded already: the value is one of its tensors
@@ -344,7 +358,7 @@ def _carry_round_trip(op: Operator, records: Sequence[SampleRecord], lane_id: in
             restored.restore_carry(saved)
         restored.start_epoch(lane_id, 1)
         got = [*restored.process_many(later), *restored.flush()]
-        if [_comparable(r) for r in got] != [_comparable(r) for r in expected]:
+        if not _same([_comparable(r) for r in got], [_comparable(r) for r in expected]):
             what = "returns None" if saved is None else f"returns {str(saved)[:80]}"
             again = "" if later is second else ", on records it saw in the epoch before,"
             raise AssertionError(
@@ -410,9 +424,10 @@ def _full_run(pipeline: Pipeline) -> tuple[list[tuple], list[int], list[int]]:
 
 
 def _compare(pipeline: Pipeline, full: list[tuple], got: list[tuple], how: str) -> None:
-    if got == full:
+    if _same(got, full):
         return
-    i = next((k for k, (a, b) in enumerate(zip(full, got)) if a != b), min(len(full), len(got)))
+    pairs = enumerate(zip(full, got))
+    i = next((k for k, (a, b) in pairs if not _same(a, b)), min(len(full), len(got)))
     shown = full[i][1] if i < len(full) else "the end of the stream"
     raise AssertionError(
         f"{how}: item {i} differs from the uninterrupted run ({len(got)} vs {len(full)} items; "
