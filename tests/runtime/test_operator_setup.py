@@ -320,14 +320,24 @@ class GuardsItsCache(Operator):
         return records
 
 
+class GuardsItsCacheWithAModel(GuardsItsCache):
+    def setup(self, ctx: OperatorContext) -> None:
+        self.model = Unpicklable()
+
+
 @pytest.mark.parametrize("workers", ["inline", "thread"])
-def test_an_operator_a_lane_cannot_copy_is_named_with_its_attribute_and_the_way_out(workers):
-    p = zephon.Pipeline(
-        RangeSource(40, chunk_size=8), [fetch(), GuardsItsCache(), batch(4)], workers=workers
-    )
+@pytest.mark.parametrize(
+    ("op", "where"),
+    [(GuardsItsCache, "lane 0"), (GuardsItsCacheWithAModel, r"\w+ lanes \[0\]")],
+    ids=["without-setup", "with-setup"],
+)
+def test_an_operator_a_lane_cannot_copy_is_named_with_its_attribute_and_the_way_out(
+    workers, op, where
+):
+    p = zephon.Pipeline(RangeSource(40, chunk_size=8), [fetch(), op(), batch(4)], workers=workers)
     with pytest.raises(
         OperatorError,
-        match=r"operator 'GuardsItsCache' cannot be copied for lane 0, in its attribute _guard "
+        match=rf"operator '{op.__name__}' cannot be copied for {where}, in its attribute _guard "
         r"\(TypeError: cannot pickle '_thread.lock' object\).*start_epoch",
     ):
         list(p)

@@ -36,7 +36,7 @@ from zephon.runtime.lanes.control import (
     RunStart,
     Skipped,
 )
-from zephon.runtime.lanes.operator_setup import OperatorSetup
+from zephon.runtime.lanes.operator_setup import OperatorSetup, lane_copy
 from zephon.runtime.lanes.overlap import NextRead
 from zephon.runtime.lanes.retire_screen import screened_out, tombstoned
 from zephon.runtime.lanes.snapshots import rebuild, snapshot_of
@@ -236,24 +236,9 @@ class LaneRunner:
         if self.setup is not None:
             return self.setup.fresh(j)
         try:
-            return copy.deepcopy(op)
-        except Exception as exc:
-            part = next(
-                (
-                    f", in its attribute {k}"
-                    for k, v in getattr(op, "__dict__", {}).items()
-                    if _uncopyable(v)
-                ),
-                "",
-            )
-            raise OperatorError(
-                f"operator {self.labels[j]!r} cannot be copied for lane {self.lane_id}{part} "
-                f"({type(exc).__name__}: {exc}): each lane runs its own copy of every operator "
-                "(copy.deepcopy). Make locks, files, connections and generators in start_epoch "
-                "or on first use rather than in __init__, and load what the lanes may share in "
-                "setup()",
-                operator=self.labels[j],
-            ).add_context(lane=self.lane_id) from exc
+            return lane_copy(op, self.labels[j], f"lane {self.lane_id}")
+        except OperatorError as exc:
+            raise exc.add_context(lane=self.lane_id) from exc.__cause__
 
     def _copy(self, op: Operator) -> Operator:
         """A copy of a running operator, to re-run one record on it."""
@@ -808,15 +793,6 @@ class LaneRunner:
 def _a_count(value: Any) -> bool:
     """Whether ``value`` is a number, which counts of several lanes add up."""
     return isinstance(value, numbers.Real)
-
-
-def _uncopyable(value: Any) -> bool:
-    """Whether ``copy.deepcopy(value)`` fails."""
-    try:
-        copy.deepcopy(value)
-    except Exception:
-        return True
-    return False
 
 
 def _listed(out: Any) -> Any:
