@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -253,3 +254,23 @@ def test_an_operator_that_empties_its_input_list_still_has_the_failing_record_sk
     delivered = [r.payload["idx"] for r in loader]
     assert delivered == [i for i in range(40) if i != 13]
     assert loader.stats()["operators"]["TakesItsInput"]["records_in"] == 40
+
+
+class LocksItsCache(FailsOn13):
+    """Makes its lock in start_epoch, as a lane's copy should: the running operator cannot be
+    copied any more."""
+
+    def start_epoch(self, lane_id: int, epoch: int) -> None:
+        super().start_epoch(lane_id, epoch)
+        self._guard = threading.Lock()
+
+    def process_many(self, records: list) -> list:
+        with self._guard:
+            return super().process_many(records)
+
+
+def test_an_operator_holding_a_lock_still_has_the_record_that_fails_alone_named() -> None:
+    # Calling a copy of it on each record failed at the copy, which blamed the first record.
+    with pytest.raises(OperatorError, match=r"failed on record SampleCursor\(1, 5,") as info:
+        run(LocksItsCache(), "inline")
+    assert isinstance(info.value.cursor, SampleCursor) and info.value.cursor.sample_id[2] == 13

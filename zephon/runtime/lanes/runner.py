@@ -725,7 +725,11 @@ class LaneRunner:
             return None
         for rec in records:
             try:
-                _listed(self._copy(op).process_many([rec]))
+                probe = self._copy(op)
+            except Exception:  # it holds what cannot be copied (a lock made in start_epoch):
+                probe = op  # it keeps no state, so it may be called itself
+            try:
+                _listed(probe.process_many([rec]))
             except failures:
                 return rec
         return None
