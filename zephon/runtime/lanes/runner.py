@@ -14,7 +14,7 @@ import bisect
 import copy
 import numbers
 import os
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
@@ -213,11 +213,11 @@ class LaneRunner:
             for stats, base, now in zip(self.op_stats, self.op_counts, counts)
         ]
 
-    def _counters(self, j: int, op: Operator) -> dict[str, Any]:
+    def _counters(self, j: int, op: Operator) -> Mapping[str, Any]:
         """Operator ``j``'s ``counters()``, which must be numbers by name (they are added up over
         runs and lanes): an ``OperatorError`` naming the operator otherwise."""
         counts = self._hook(j, "counters", op.counters)
-        if not isinstance(counts, dict):
+        if not isinstance(counts, Mapping):
             bad = f"{counts!r:.80}"
         else:
             bad = next((f"{k!r}: {v!r:.80}" for k, v in counts.items() if not _a_count(v)), "")
@@ -806,7 +806,7 @@ def _listed(out: Any) -> Any:
     return list(out) if isinstance(out, Iterable) else out
 
 
-def _summed(base: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+def _summed(base: dict[str, float], more: Mapping[str, float]) -> dict[str, float]:
     """Two operators' counts added up, name by name."""
     out = dict(base)
     for name, value in more.items():
