@@ -209,7 +209,9 @@ def _check_grouping(
             f"call ({where}), but does not declare batch_sensitive=True: the runtime cuts "
             "micro-batches into slices for a thread pool (workers=), into pieces on a restore, "
             "and into single records to skip a bad one, so the stream would depend on them. "
-            "Declare batch_sensitive=True, or stateful=True for state kept across calls."
+            "Declare batch_sensitive=True, or stateful=True for state kept across calls (a "
+            "random generator drawn from record after record is such state: seed each "
+            "record's draws from its cursor instead)."
         )
 
 
