@@ -8,6 +8,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 from worker_kit import script_env
@@ -123,3 +124,26 @@ def test_a_worker_warning_whose_class_takes_more_than_its_text_still_arrives() -
         warnings.simplefilter("always")
         assert sum(len(b) for b in p) == 40
     assert [str(w.message) for w in caught] == ["LevelWarning: row 7 looks odd"]
+
+
+def note_odd_rows_from_generated_code(payload: int) -> int:
+    """Warns about row 7 from generated code: a file no loaded module has."""
+    if payload == 7:
+        code = compile("warnings.warn('row 7 looks odd')", "<generated>", "exec")
+        exec(code, {"warnings": warnings})
+    return payload
+
+
+def _rows_and_warnings(fn: Any) -> tuple[int, list[str]]:
+    source = ListSource(list(range(40)), chunk_size=8)
+    p = zephon.Pipeline(source, [fetch(), map_transform(fn), batch(4)], workers="process")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n = sum(len(b) for b in p)
+    return n, [str(w.message) for w in caught]
+
+
+def test_a_worker_warning_from_code_of_no_module_still_arrives() -> None:
+    # Raised again with module=None, which warnings takes as "drop it".
+    n, seen = _rows_and_warnings(note_odd_rows_from_generated_code)
+    assert n == 40 and seen == ["row 7 looks odd"]

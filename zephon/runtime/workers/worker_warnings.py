@@ -87,7 +87,10 @@ def reraise(found: list[tuple[Any, ...]]) -> None:
             text = f"{qualname}: {text}"  # a category this process does not have
         loaded = sys.modules.get(module) if module else None
         registry = vars(loaded).setdefault("__warningregistry__", {}) if loaded else _registry
-        warnings.warn_explicit(text, category, filename, lineno, module=module, registry=registry)
+        # module=None would make warnings drop it: without a module, name none (warnings then
+        # takes the file's name, as for a warning raised here)
+        named = {"module": module} if module else {}
+        warnings.warn_explicit(text, category, filename, lineno, registry=registry, **named)
 
 
 def _made_from_text(category: type[Warning], text: str) -> bool:
