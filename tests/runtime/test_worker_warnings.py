@@ -6,11 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pipeline_kit import run_with_timeout
 from worker_kit import script_env
 
 import zephon
@@ -147,3 +149,26 @@ def test_a_worker_warning_from_code_of_no_module_still_arrives() -> None:
     # Raised again with module=None, which warnings takes as "drop it".
     n, seen = _rows_and_warnings(note_odd_rows_from_generated_code)
     assert n == 40 and seen == ["row 7 looks odd"]
+
+
+def _warns_on_lookup(name: str) -> None:
+    """A module's ``__getattr__`` that warns for any name it lacks (a deprecation shim)."""
+    warnings.warn(f"{name} is deprecated", DeprecationWarning, stacklevel=2)
+    raise AttributeError(name)
+
+
+def note_odd_rows_beside_a_shim(payload: int) -> int:
+    """``note_odd_rows_from_generated_code`` in a process where a module without a file warns
+    on lookups."""
+    if "zephon_test_shim" not in sys.modules:
+        shim = types.ModuleType("zephon_test_shim")
+        shim.__getattr__ = _warns_on_lookup  # type: ignore[method-assign]
+        sys.modules["zephon_test_shim"] = shim
+    return note_odd_rows_from_generated_code(payload)
+
+
+def test_a_warning_raised_while_a_worker_keeps_one_does_not_hang_the_worker() -> None:
+    # Keeping row 7's warning looks for the module of its file in every module; the shim's
+    # lookup warns in turn, inside the keeping of the first, which waited for itself.
+    n, seen = run_with_timeout(lambda: _rows_and_warnings(note_odd_rows_beside_a_shim), 30)
+    assert n == 40 and "row 7 looks odd" in seen

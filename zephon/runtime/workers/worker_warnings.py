@@ -18,7 +18,9 @@ from typing import Any
 #: send one again, which the loader's registry then usually hides).
 MAX_REMEMBERED = 4096
 
-_lock = threading.Lock()
+# Reentrant: a warning raised while one is kept (from a finalizer a garbage collection runs
+# there) is kept in the same thread.
+_lock = threading.RLock()
 _pending: list[tuple[Any, ...]] = []
 _sent: set[tuple[Any, ...]] = set()
 _modules: dict[str, str | None] = {}
@@ -42,13 +44,14 @@ def _keep(
     # The category travels by name: a class of the script is ``__mp_main__``'s in a worker.
     kind = (_main(category.__module__), category.__qualname__)
     key = (*kind, str(message), filename, lineno)
+    module = _module_of(filename)  # not under the lock: a module's own lookup may warn too
     with _lock:
         if key in _sent:
             return
         if len(_sent) >= MAX_REMEMBERED:
             _sent.clear()
         _sent.add(key)
-        _pending.append((*key, _module_of(filename)))
+        _pending.append((*key, module))
 
 
 def _main(module: str) -> str:
@@ -58,6 +61,7 @@ def _main(module: str) -> str:
 def _module_of(filename: str) -> str | None:
     """The name of the loaded module whose file is ``filename`` (filters match on it)."""
     if filename not in _modules:
+        _modules[filename] = None  # while looking: a warning raised by a lookup finds none
         _modules[filename] = next(
             (
                 name
