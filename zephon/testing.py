@@ -8,8 +8,10 @@ import contextvars
 import copy
 import itertools
 import json
+import math
 import os
-from collections.abc import Iterator, Sequence
+import pickle
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,21 +41,33 @@ def _fresh(op: Operator) -> Operator:
 def _run(op: Operator, records: Sequence[SampleRecord], lane_id: int) -> list[SampleRecord]:
     fresh = _fresh(op)
     fresh.start_epoch(lane_id, 0)
-    out = list(fresh.process_many(list(records))) + list(fresh.flush())
+    out = _returned(op, "process_many", fresh.process_many(list(records)))
+    out += _returned(op, "flush", fresh.flush())  # a generator above has run to its end
     for item in out:
         if not isinstance(item, SampleRecord):
             raise AssertionError(f"{op.name} returned {item!r}, which is not a SampleRecord")
     return out
 
 
+def _returned(op: Operator, method: str, made: Any) -> list[SampleRecord]:
+    """What ``op``'s ``method`` returned, as a list: a list, or a generator's items, as the lane
+    runner takes them."""
+    if not isinstance(made, Iterable):
+        raise AssertionError(
+            f"{op.name}: {method}() returned {made!r:.80} instead of a list of SampleRecords"
+        )
+    return list(made)
+
+
 def check_operator(op: Operator, records: Sequence[SampleRecord], *, lane_id: int = 0) -> None:
     """Run ``op`` (with flush) twice on ``records`` and raise ``AssertionError`` explaining the
-    first broken rule: non-deterministic cursors, a primary cursor that is not unique in the
-    lane, a base offset never closed (a dropped record without its tombstone), a base offset
-    closed before its last record, output out of order despite ``preserves_cursor_order``, or (for
-    ``stateful`` operators) a ``carry_state`` that does not survive a round trip into the next
-    epoch; for ``maps_payloads`` operators, ``map_payloads`` on the records as one run giving
-    other payloads than ``process_many``, or ``process_many`` changing a record's metadata."""
+    first broken rule: non-deterministic cursors or payloads, a primary cursor that is not
+    unique in the lane, a base offset never closed (a dropped record without its tombstone), a
+    base offset closed before its last record, output out of order despite
+    ``preserves_cursor_order``, or (for ``stateful`` operators) a ``carry_state`` that does not
+    survive a round trip into the next epoch; for ``maps_payloads`` operators, ``map_payloads``
+    on the records as one run giving other payloads than ``process_many``, or ``process_many``
+    changing a record's metadata."""
     if any(r.meta.is_tombstone for r in records):
         raise ValueError("check_operator takes real records; operators never receive tombstones")
     with _set_up([op], lane_id) as (set_up,):
@@ -99,6 +113,15 @@ def _check_operator(op: Operator, records: Sequence[SampleRecord], lane_id: int)
             "(seed, lane, epoch) and child indices from emission order."
         )
 
+    for i, (a, b) in enumerate(zip(first, second)):
+        if not _same(_comparable(a.payload), _comparable(b.payload)):
+            raise AssertionError(
+                f"{name}: payloads are not deterministic: two runs on the same records give "
+                f"output {i} ({a.meta.cursor!r}) different payloads. Draw randomness from "
+                "(seed, lane, epoch) (zephon.ops.base.epoch_rng in start_epoch), never from an "
+                "unseeded generator, the time or object ids."
+            )
+
     real = [r for r in first if not r.meta.is_tombstone]
     seen: set[object] = set()
     for rec in real:
@@ -143,8 +166,53 @@ def _check_operator(op: Operator, records: Sequence[SampleRecord], lane_id: int)
                     f"after {prev.meta.cursor!r}; declare preserves_cursor_order=False"
                 )
 
+    if op.emits_received_records:
+        received = {r.meta.cursor: r for r in records}
+        for i, rec in enumerate(first):
+            was = received.get(rec.meta.cursor)
+            if not rec.meta.is_tombstone and (
+                was is None
+                or rec.meta != was.meta
+                or not _same(_comparable(rec.payload), _comparable(was.payload))
+            ):
+                raise AssertionError(
+                    f"{name}: sets emits_received_records but output {i} ({rec.meta.cursor!r}) "
+                    "is not a record it received, as it received it: a restore rebuilds what "
+                    "the operators after it hold without running it. Emit received records "
+                    "unchanged, or leave emits_received_records False"
+                )
+
+    if not op.traits.stateful and not op.traits.batch_sensitive:
+        _check_grouping(op, records, first, lane_id)
+
     if op.traits.stateful:
         _carry_round_trip(op, records, lane_id)
+
+
+def _check_grouping(
+    op: Operator, records: Sequence[SampleRecord], whole: list[SampleRecord], lane_id: int
+) -> None:
+    """An operator that keeps no state and is not batch-sensitive gives the same outputs when
+    its records come one at a time (as a thread pool's slices, a restore's pieces and a skip's
+    calls of one record give them) as in one call (``whole``)."""
+
+    def outputs(out: list[SampleRecord]) -> list[tuple]:
+        return [(r.meta.is_tombstone, r.meta.cursor, _comparable(r.payload)) for r in out]
+
+    alone = outputs([rec for r in records for rec in _run(op, [r], lane_id)])
+    if not _same(alone, outputs(whole)):
+        pairs = enumerate(zip(alone, outputs(whole)))
+        i = next((k for k, (a, b) in pairs if not _same(a, b)), None)
+        where = f"output {i}" if i is not None else f"{len(alone)} vs {len(whole)} outputs"
+        raise AssertionError(
+            f"{op.name}: gives other outputs when its records come one at a time than in one "
+            f"call ({where}), but does not declare batch_sensitive=True: the runtime cuts "
+            "micro-batches into slices for a thread pool (workers=), into pieces on a restore, "
+            "and into single records to skip a bad one, so the stream would depend on them. "
+            "Declare batch_sensitive=True, or stateful=True for state kept across calls (a "
+            "random generator drawn from record after record is such state: seed each "
+            "record's draws from its cursor instead)."
+        )
 
 
 def _check_payload_mapping(op: Operator, records: Sequence[SampleRecord], lane_id: int) -> None:
@@ -174,8 +242,14 @@ def _check_payload_mapping(op: Operator, records: Sequence[SampleRecord], lane_i
             )
             fresh = _fresh(op)
             fresh.start_epoch(lane_id, 0)
-            got = [_comparable(p) for p in fresh.map_payloads(run)]
-            if got != [_comparable(r.payload) for r in by_record[i:j]]:
+            mapped = fresh.map_payloads(run)
+            if type(mapped) is not list:  # as the lane runner requires
+                raise AssertionError(
+                    f"{op.name}: map_payloads returned {type(mapped).__name__}, not a list of "
+                    "one payload per record"
+                )
+            got = [_comparable(p) for p in mapped]
+            if not _same(got, [_comparable(r.payload) for r in by_record[i:j]]):
                 raise AssertionError(
                     f"{op.name}: map_payloads gives other payloads than process_many for the "
                     f"{j - i} records from {cursor!r} taken as one run"
@@ -208,16 +282,52 @@ def _follows(prev: SampleRecord, rec: SampleRecord) -> bool:
 
 
 def _comparable(value: Any) -> Any:
-    """A payload as a comparable value (arrays by dtype, shape and bytes)."""
+    """A payload as a comparable value: arrays and tensors by dtype, shape and bytes (an array
+    of objects by its items), numpy scalars by their bytes, a NaN equal to a NaN."""
     if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:  # its bytes are addresses
+            return ("ndarray", value.dtype.str, value.shape, _comparable(value.tolist()))
         return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, np.generic):
+        return ("scalar", value.dtype.str, value.tobytes())
+    if isinstance(value, float) and math.isnan(value):
+        return ("nan",)
+    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
+        # A tensor's == is elementwise: by dtype, shape and the bytes of its values instead.
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        return ("tensor", str(value.dtype), tuple(value.shape), _tensor_bytes(flat))
     if isinstance(value, dict):
         return tuple(sorted((str(k), _comparable(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
         return tuple(_comparable(v) for v in value)
     if isinstance(value, SampleRecord):
         return ("record", value.meta.cursor, _comparable(value.payload))
+    if type(value).__eq__ is object.__eq__ and isinstance(getattr(value, "__dict__", None), dict):
+        # Equal only to itself: by its class and attributes instead.
+        return ("object", type(value).__qualname__, _comparable(vars(value)))
     return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two comparable values (``_comparable``) are equal; where ``==`` gives no single
+    truth (a data frame's compares element by element), by their pickles."""
+    try:
+        return bool(a == b)
+    except Exception:
+        try:
+            return pickle.dumps(a) == pickle.dumps(b)
+        except Exception:  # nothing to tell them apart by: no difference to report
+            return True
+
+
+def _tensor_bytes(flat: Any) -> Any:
+    """The bytes of a flat CPU tensor's values (its items, for a dtype no byte view takes)."""
+    import torch  # loaded already: the value is one of its tensors
+
+    try:
+        return flat.view(torch.uint8).numpy().tobytes()
+    except (RuntimeError, TypeError):
+        return _comparable(flat.tolist())
 
 
 def _item(item: Any) -> tuple:
@@ -250,7 +360,7 @@ def _carry_round_trip(op: Operator, records: Sequence[SampleRecord], lane_id: in
             restored.restore_carry(saved)
         restored.start_epoch(lane_id, 1)
         got = [*restored.process_many(later), *restored.flush()]
-        if [_comparable(r) for r in got] != [_comparable(r) for r in expected]:
+        if not _same([_comparable(r) for r in got], [_comparable(r) for r in expected]):
             what = "returns None" if saved is None else f"returns {str(saved)[:80]}"
             again = "" if later is second else ", on records it saw in the epoch before,"
             raise AssertionError(
@@ -262,15 +372,17 @@ def _carry_round_trip(op: Operator, records: Sequence[SampleRecord], lane_id: in
 
 def check_resume(pipeline: Pipeline, steps: Sequence[int] | None = None) -> None:
     """Run ``pipeline`` to the end, then for each of ``steps`` (default: a spread from the start
-    to the end, including the steps around epoch boundaries) take a state there, resume from it
-    through JSON and compare; also resume twice in a row across an epoch boundary. Raises
+    to the end, including the steps around epoch boundaries and right after the first snapshots
+    of what the operators hold) take a state there, resume from it through JSON and compare;
+    also resume twice in a row across an epoch boundary. Raises
     ``AssertionError`` naming the first item that differs and, when it can tell, the operator
     whose carry state was missing or not restored."""
-    full, boundaries = _full_run(pipeline)
+    full, boundaries, snapshots = _full_run(pipeline)
     n = len(full)
     if steps is None:
         spread = {0, 1, n // 7, n // 3, n // 2, (2 * n) // 3, n - 1, n}
         spread |= {b + d for b in boundaries[:3] for d in (-1, 0, 1)}
+        spread |= {s + d for s in snapshots[:3] for d in (0, 1)}  # restores from holdings
         steps = sorted(s for s in spread if 0 <= s <= n)
     for step in steps:
         loader = pipeline.iter()
@@ -290,25 +402,34 @@ def check_resume(pipeline: Pipeline, steps: Sequence[int] | None = None) -> None
         _compare(pipeline, full, head + middle + tail, f"resumed at {first}, then at {second}")
 
 
-def _full_run(pipeline: Pipeline) -> tuple[list[tuple], list[int]]:
-    """The uninterrupted stream, and the steps after which a lane finished an epoch."""
+def _full_run(pipeline: Pipeline) -> tuple[list[tuple], list[int], list[int]]:
+    """The uninterrupted stream, the steps after which a lane finished an epoch, and those
+    after which a lane booked a snapshot of what its operators hold (a restore from there
+    rebuilds them from ``holdings()``)."""
     loader = pipeline.iter()
     full: list[tuple] = []
     boundaries: list[int] = []
+    snapshots: list[int] = []
     done = [0] * len(loader.lanes)
+    held: list[Any] = [None] * len(loader.lanes)
     for item in loader:
         full.append(_item(item))
         for i, lane in enumerate(loader.lanes):
             if lane.book.book.epochs_done != done[i]:
                 done[i] = lane.book.book.epochs_done
                 boundaries.append(len(full))
-    return full, boundaries
+            if lane.book.held is not held[i]:
+                held[i] = lane.book.held
+                if held[i] is not None:
+                    snapshots.append(len(full))
+    return full, boundaries, snapshots
 
 
 def _compare(pipeline: Pipeline, full: list[tuple], got: list[tuple], how: str) -> None:
-    if got == full:
+    if _same(got, full):
         return
-    i = next((k for k, (a, b) in enumerate(zip(full, got)) if a != b), min(len(full), len(got)))
+    pairs = enumerate(zip(full, got))
+    i = next((k for k, (a, b) in pairs if not _same(a, b)), min(len(full), len(got)))
     shown = full[i][1] if i < len(full) else "the end of the stream"
     raise AssertionError(
         f"{how}: item {i} differs from the uninterrupted run ({len(got)} vs {len(full)} items; "

@@ -13,7 +13,7 @@ from pipeline_kit import WindowShuffle, assert_resumes_at, fingerprint_item, run
 
 import zephon
 from zephon.compact import pack_ints, unpack_ints
-from zephon.errors import ReplayDivergenceError
+from zephon.errors import OperatorError, ReplayDivergenceError
 from zephon.ops import (
     Operator,
     OpTraits,
@@ -28,6 +28,7 @@ from zephon.ops import (
 from zephon.runtime.lanes.control import Holdings
 from zephon.runtime.lanes.runner import SNAPSHOT_RECORDS, LaneRunner
 from zephon.runtime.lanes.snapshots import flat_cursors, unpack_cursors
+from zephon.sources import JsonlSource
 from zephon.sources.memory import ListSource
 from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleCursor
@@ -268,3 +269,73 @@ def test_after_a_restore_the_chunk_is_read_in_pieces_until_its_end():
         assert [*head, first, *run(resumed)] == full, f"resume at step {step}"
     too_large = [sizes for sizes in after if max(sizes, default=0) > SNAPSHOT_RECORDS]
     assert not too_large, too_large
+
+
+class HoldsFive(Operator):
+    """Holds the last five records (emits the oldest); ``broken`` names what goes wrong in
+    describing them: ``"raises"`` in ``holdings()``, ``"set"`` a state a checkpoint cannot hold."""
+
+    traits = OpTraits(preserves_cursor_order=True, stateful=True)
+
+    def __init__(self, broken: str = "") -> None:
+        self.broken = broken
+        self._held: list = []
+
+    def process_many(self, records: list) -> list:
+        self._held += records
+        out, self._held = self._held[:-5], self._held[-5:]
+        return out
+
+    def flush(self) -> list:
+        out, self._held = self._held, []
+        return out
+
+    def holdings(self) -> tuple[list, dict[str, Any]]:
+        if self.broken == "raises":
+            raise RuntimeError("cannot say what it holds")
+        return list(self._held), {"seen": {1, 2}} if self.broken == "set" else {}
+
+    def restore_holdings(self, records: list, state: dict[str, Any]) -> None:
+        self._held = list(records)
+
+
+@pytest.mark.parametrize("workers", ["inline", "process"])
+def test_an_error_in_holdings_names_the_operator(workers):
+    with pytest.raises(
+        OperatorError,
+        match=r"operator 'HoldsFive' failed in holdings\(\): RuntimeError: cannot say",
+    ):
+        list(text_pipeline(HoldsFive("raises"), workers=workers))
+
+
+@pytest.mark.parametrize("workers", ["inline", "process"])
+def test_holdings_whose_state_is_not_json_name_the_operator_at_the_checkpoint(workers):
+    loader = iter(text_pipeline(HoldsFive("set"), workers=workers))
+    for _ in range(SNAPSHOT_RECORDS * 2):
+        next(loader)
+    with pytest.raises(
+        OperatorError,
+        match=r"operator 'HoldsFive' described what it holds \(holdings\(\)\) with a state that "
+        r"is not JSON data.*set",
+    ):
+        loader.state_dict()
+    loader.close()
+
+
+def test_a_restore_rebuilds_held_records_around_a_sample_skipped_at_fetch(tmp_path):
+    # The shuffle holds records from both sides of line 71, which is not JSON and was skipped:
+    # rebuilding them must not read it again.
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"i": i}) for i in range(600)]
+    lines[70] = "{not json"
+    path.write_text("\n".join(lines) + "\n")
+    pipeline = zephon.Pipeline(
+        JsonlSource(str(path), chunk_size=200),
+        [fetch(), map_transform(dict), shuffle(50, seed=1), batch(4)],
+        lanes=1,
+        on_error="skip",
+    )
+    assert pipeline.compile().restores_holdings
+    full = run(iter(pipeline))
+    assert len(full) == 150
+    assert_resumes_at(pipeline, [21, 30, 60], full)

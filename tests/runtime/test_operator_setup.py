@@ -3,12 +3,14 @@ pickled; torn down once per worker on close, at the end and on an error."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pipeline_kit import run_with_timeout
 
 import zephon
 from zephon.errors import OperatorError, PlanError
@@ -271,5 +273,71 @@ def test_an_operator_its_setup_left_uncopyable_is_named_with_the_way_out(workers
         OperatorError,
         match=r"operator 'ByLanguage' cannot be copied for a lane after its setup.*"
         r"TypeError: the model must never be pickled.*assign",
+    ):
+        list(p)
+
+
+class CollectsInSetup(Operator):
+    """Loads a model in setup; the allocations of a real load may run a garbage collection
+    there, which this one does outright."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def setup(self, ctx: OperatorContext) -> None:
+        self.model = list(range(1000))
+        gc.collect()
+
+    def process_many(self, records):
+        return records
+
+
+def test_a_collection_in_setup_that_frees_an_abandoned_loader_does_not_hang():
+    # The abandoned loader's plan is freed by the collection inside the second loader's setup,
+    # and tearing its setup down must not wait for the setup in progress.
+    p = zephon.Pipeline(RangeSource(16, chunk_size=4), [fetch(), CollectsInSetup()], lanes=1)
+    abandoned = p.iter()
+    next(abandoned)
+    cycle: list[Any] = [abandoned]
+    cycle.append(cycle)  # reachable only from a cycle, freed by the next collection
+    del abandoned, cycle
+
+    def second_run() -> int:
+        with p.iter() as loader:
+            return len(list(loader))
+
+    assert run_with_timeout(second_run, 60) == 16
+
+
+class GuardsItsCache(Operator):
+    """Makes a lock in ``__init__``, which no lane can copy."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+
+    def process_many(self, records):
+        return records
+
+
+class GuardsItsCacheWithAModel(GuardsItsCache):
+    def setup(self, ctx: OperatorContext) -> None:
+        self.model = Unpicklable()
+
+
+@pytest.mark.parametrize("workers", ["inline", "thread"])
+@pytest.mark.parametrize(
+    ("op", "where"),
+    [(GuardsItsCache, "lane 0"), (GuardsItsCacheWithAModel, r"\w+ lanes \[0\]")],
+    ids=["without-setup", "with-setup"],
+)
+def test_an_operator_a_lane_cannot_copy_is_named_with_its_attribute_and_the_way_out(
+    workers, op, where
+):
+    p = zephon.Pipeline(RangeSource(40, chunk_size=8), [fetch(), op(), batch(4)], workers=workers)
+    with pytest.raises(
+        OperatorError,
+        match=rf"operator '{op.__name__}' cannot be copied for {where}, in its attribute _guard "
+        r"\(TypeError: cannot pickle '_thread.lock' object\).*start_epoch",
     ):
         list(p)

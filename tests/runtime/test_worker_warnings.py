@@ -6,10 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pipeline_kit import run_with_timeout
 from worker_kit import script_env
 
 import zephon
@@ -97,3 +100,75 @@ def test_the_worker_prints_nothing_itself(tmp_path: Path, filters: str) -> None:
     assert done.stderr.count("UserWarning: row 7 looks odd") == (
         1 if filters == "default" else 0
     ), done.stderr
+
+
+class LevelWarning(UserWarning):
+    """A warning class whose constructor takes more than the text."""
+
+    def __init__(self, text: str, level: int) -> None:
+        super().__init__(text)
+        self.level = level
+
+
+def note_odd_rows_with_a_level(payload: int) -> int:
+    if payload == 7:
+        warnings.warn(LevelWarning("row 7 looks odd", 2), stacklevel=2)
+    return payload
+
+
+def test_a_worker_warning_whose_class_takes_more_than_its_text_still_arrives() -> None:
+    # Raised again from its text, it could not be made: the run ended in a TypeError.
+    source = ListSource(list(range(40)), chunk_size=8)
+    p = zephon.Pipeline(
+        source, [fetch(), map_transform(note_odd_rows_with_a_level), batch(4)], workers="process"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sum(len(b) for b in p) == 40
+    assert [str(w.message) for w in caught] == ["LevelWarning: row 7 looks odd"]
+
+
+def note_odd_rows_from_generated_code(payload: int) -> int:
+    """Warns about row 7 from generated code: a file no loaded module has."""
+    if payload == 7:
+        code = compile("warnings.warn('row 7 looks odd')", "<generated>", "exec")
+        exec(code, {"warnings": warnings})
+    return payload
+
+
+def _rows_and_warnings(fn: Any) -> tuple[int, list[str]]:
+    source = ListSource(list(range(40)), chunk_size=8)
+    p = zephon.Pipeline(source, [fetch(), map_transform(fn), batch(4)], workers="process")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n = sum(len(b) for b in p)
+    return n, [str(w.message) for w in caught]
+
+
+def test_a_worker_warning_from_code_of_no_module_still_arrives() -> None:
+    # Raised again with module=None, which warnings takes as "drop it".
+    n, seen = _rows_and_warnings(note_odd_rows_from_generated_code)
+    assert n == 40 and seen == ["row 7 looks odd"]
+
+
+def _warns_on_lookup(name: str) -> None:
+    """A module's ``__getattr__`` that warns for any name it lacks (a deprecation shim)."""
+    warnings.warn(f"{name} is deprecated", DeprecationWarning, stacklevel=2)
+    raise AttributeError(name)
+
+
+def note_odd_rows_beside_a_shim(payload: int) -> int:
+    """``note_odd_rows_from_generated_code`` in a process where a module without a file warns
+    on lookups."""
+    if "zephon_test_shim" not in sys.modules:
+        shim = types.ModuleType("zephon_test_shim")
+        shim.__getattr__ = _warns_on_lookup  # type: ignore[method-assign]
+        sys.modules["zephon_test_shim"] = shim
+    return note_odd_rows_from_generated_code(payload)
+
+
+def test_a_warning_raised_while_a_worker_keeps_one_does_not_hang_the_worker() -> None:
+    # Keeping row 7's warning looks for the module of its file in every module; the shim's
+    # lookup warns in turn, inside the keeping of the first, which waited for itself.
+    n, seen = run_with_timeout(lambda: _rows_and_warnings(note_odd_rows_beside_a_shim), 30)
+    assert n == 40 and "row 7 looks odd" in seen

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -110,6 +111,22 @@ def fetch(reader: Callable[[np.ndarray], list] | None = None, *, retries: int = 
     return Fetch(reader, retries=retries)
 
 
+def _refuse_lazy(fn: Callable[..., Any], where: str, returns: str) -> None:
+    """``TypeError`` for a generator or coroutine function given as a function of one payload:
+    called, it only makes a generator or coroutine object, which would pass on as it is."""
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        kind = "generator"
+    elif inspect.iscoroutinefunction(fn):
+        kind = "coroutine"
+    else:
+        return
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    raise TypeError(
+        f"{where}: {name} is a {kind} function: called on a payload it returns a {kind} object, "
+        f"not {returns}. Return the value instead of yielding or awaiting it"
+    )
+
+
 class MapTransform(Operator):
     """``payload -> fn(payload)``; with ``drop_none`` a ``None`` result drops the record."""
 
@@ -123,6 +140,7 @@ class MapTransform(Operator):
     ):
         if not callable(fn):
             raise TypeError(f"map_transform needs a callable, got {fn!r}")
+        _refuse_lazy(fn, "map_transform", "the new payload")
         if workers is not None:
             workers = check_int(workers, "workers", "map_transform", minimum=1)
         self.fn = fn
@@ -265,6 +283,7 @@ class FilterRecords(Operator):
     def __init__(self, predicate: Callable[[Any], bool], *, name: str | None = None):
         if not callable(predicate):
             raise TypeError(f"filter_records needs a callable, got {predicate!r}")
+        _refuse_lazy(predicate, "filter_records", "a bool (any object is true: it keeps all)")
         self.predicate = predicate
         qual = getattr(predicate, "__qualname__", type(predicate).__name__)
         self.name = name or f"filter_records({qual})"

@@ -20,7 +20,7 @@ import numpy as np
 from zephon._core.chunk_table import EVICTED, ChunkTable
 from zephon._core.delivery import DeliveryBook, DeliveryCounters
 from zephon.compact import pack_ints, unpack_ints
-from zephon.errors import CarryStateWarning, ContractViolation
+from zephon.errors import CarryStateWarning, ContractViolation, OperatorError
 from zephon.plan import Plan
 from zephon.runtime.checkpoint.layout import Layout, Run
 from zephon.runtime.checkpoint.progress import EpochProgress
@@ -190,8 +190,7 @@ class LaneBook:
         self.book.note_evicted(self.table.evict_complete_epochs(epoch))
         self.book.epochs_done = epoch + 1
         self.carry = marker.carry
-        if self.carry_warn_bytes and not self.carry_warned:
-            self._check_carry_size(marker.carry)
+        self._check_carry(marker)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "lane %d: epoch %d done, %d chunk(s) held",
@@ -227,7 +226,7 @@ class LaneBook:
         if held["open"] is None:  # booked from the lane: pack it once, now
             ids, offsets = self._open_at_held  # type: ignore[misc]
             held["open"] = pack_ints(np.stack([ids, offsets], axis=1).ravel())
-            held["ops"] = packed(held["ops"])
+            held["ops"] = packed(held["ops"], self.labels)
         return held
 
     def enter(self, run: Run) -> None:
@@ -284,12 +283,24 @@ class LaneBook:
             self.replayed(item)
         del self.found[reported:]  # seen (and counted or raised) before the checkpoint
 
-    def _check_carry_size(self, carry: list[Any]) -> None:
-        for label, state in zip(self.labels, carry):
+    def _check_carry(self, marker: EpochEnd) -> None:
+        """Each operator's carry state is JSON data, as a checkpoint stores it (else an
+        ``OperatorError`` naming the operator); warn once when one grows past
+        ``carry_warn_bytes``."""
+        for label, state in zip(self.labels, marker.carry):
             if state is None:
                 continue
-            size = len(json.dumps(state))
-            if size > self.carry_warn_bytes:
+            try:
+                size = len(json.dumps(state))
+            except (TypeError, ValueError) as exc:
+                raise OperatorError(
+                    f"operator {label!r} returned a carry_state() that is not JSON data at the "
+                    f"end of epoch {marker.epoch}: {exc}. Checkpoints store it as JSON: return "
+                    "dicts with str keys, lists, str, bool, None and Python numbers (int() or "
+                    "float() of a numpy scalar, .tolist() of an array)",
+                    operator=label,
+                ).add_context(lane=self.lane_id) from None
+            if self.carry_warn_bytes and not self.carry_warned and size > self.carry_warn_bytes:
                 self.carry_warned = True
                 text = (
                     f"operator {label!r} carries {size} bytes of state across epochs (lane "
@@ -299,7 +310,6 @@ class LaneBook:
                 )
                 log.warning(text)
                 warnings.warn(text, CarryStateWarning, stacklevel=2)
-                return
 
     def lane_end(self) -> None:
         """The lane has no more chunks: on the monotone path everything still open is done."""

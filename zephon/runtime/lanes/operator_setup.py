@@ -31,7 +31,8 @@ class OperatorSetup:
     them."""
 
     def __init__(self, chain: Sequence[Operator], ctx: OperatorContext):
-        self._ops = [copy.deepcopy(op) for op in chain]
+        where = f"{ctx.worker} lanes {list(ctx.lanes)}"
+        self._ops = [lane_copy(op, op.name, where) for op in chain]
         self._shared: dict[int, Any] = {}  # id -> object: what setup set, shared by copies
         # Lane worker threads using the operators now, and whether they are to be torn down
         # once the last of them leaves (``release``).
@@ -108,6 +109,32 @@ class OperatorSetup:
 _MISSING = object()
 
 
+def lane_copy(op: Operator, label: str, where: str) -> Operator:
+    """A deep copy of ``op`` for ``where`` (the lanes it is for); an ``OperatorError`` naming
+    the operator and the attribute that cannot be copied when it cannot be."""
+    try:
+        return copy.deepcopy(op)
+    except Exception as exc:
+        attrs = getattr(op, "__dict__", {})
+        part = next((f", in its attribute {k}" for k, v in attrs.items() if _uncopyable(v)), "")
+        raise OperatorError(
+            f"operator {label!r} cannot be copied for {where}{part} ({type(exc).__name__}: "
+            f"{exc}): each lane runs its own copy of every operator (copy.deepcopy). Make locks, "
+            "files, connections and generators in start_epoch or on first use rather than in "
+            "__init__, and load what the lanes may share in setup()",
+            operator=label,
+        ) from exc
+
+
+def _uncopyable(value: Any) -> bool:
+    """Whether ``copy.deepcopy(value)`` fails."""
+    try:
+        copy.deepcopy(value)
+    except Exception:
+        return True
+    return False
+
+
 def _tear_down(done: list[Operator]) -> None:
     for op in reversed(done):
         try:
@@ -117,7 +144,9 @@ def _tear_down(done: list[Operator]) -> None:
     done.clear()
 
 
-_lock = threading.Lock()
+# Reentrant: a garbage collection during a setup made under it (a model's load allocates) may
+# free another loader's plan, whose finalizer takes it again in the same thread to tear down.
+_lock = threading.RLock()
 _in_process: dict[int, OperatorSetup] = {}  # by id(plan): one per loader
 
 

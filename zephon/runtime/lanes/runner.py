@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import bisect
 import copy
-from collections.abc import Callable, Generator, Sequence
+import numbers
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
@@ -34,7 +35,7 @@ from zephon.runtime.lanes.control import (
     RunStart,
     Skipped,
 )
-from zephon.runtime.lanes.operator_setup import OperatorSetup
+from zephon.runtime.lanes.operator_setup import OperatorSetup, lane_copy
 from zephon.runtime.lanes.overlap import NextRead
 from zephon.runtime.lanes.retire_screen import screened_out, tombstoned
 from zephon.runtime.lanes.snapshots import rebuild, snapshot_of
@@ -204,16 +205,40 @@ class LaneRunner:
     def stats_now(self) -> list[list[Any]]:
         """Per operator its records in, items out and seconds, then what its ``counters()``
         counted, over every run so far: what ``ChunkOpened`` and ``LaneEnd`` carry."""
-        counts = [op.counters() for op in self.ops] or [{} for _ in self.op_counts]
+        counts = [self._counters(j, op) for j, op in enumerate(self.ops)] or [
+            {} for _ in self.op_counts
+        ]
         return [
             [*stats, _summed(base, now)]
             for stats, base, now in zip(self.op_stats, self.op_counts, counts)
         ]
 
+    def _counters(self, j: int, op: Operator) -> Mapping[str, Any]:
+        """Operator ``j``'s ``counters()``, which must be numbers by name (they are added up over
+        runs and lanes): an ``OperatorError`` naming the operator otherwise."""
+        counts = self._hook(j, "counters", op.counters)
+        if not isinstance(counts, Mapping):
+            bad = f"{counts!r:.80}"
+        else:
+            bad = next((f"{k!r}: {v!r:.80}" for k, v in counts.items() if not _a_count(v)), "")
+        if bad:
+            raise OperatorError(
+                f"operator {self.labels[j]!r} returned counters() that are not all numbers: "
+                f"{bad}. counters() gives a dict of counts (ints or floats) by name, which "
+                "Loader.stats() adds up over the lanes",
+                operator=self.labels[j],
+            ).add_context(lane=self.lane_id)
+        return counts
+
     def _fresh(self, j: int, op: Operator) -> Operator:
         """A new copy of chain operator ``j`` for a run: of the set-up one when the worker set
         the chain up (sharing what setup loaded), else of the plan's."""
-        return self.setup.fresh(j) if self.setup is not None else copy.deepcopy(op)
+        if self.setup is not None:
+            return self.setup.fresh(j)
+        try:
+            return lane_copy(op, self.labels[j], f"lane {self.lane_id}")
+        except OperatorError as exc:
+            raise exc.add_context(lane=self.lane_id) from exc.__cause__
 
     def _copy(self, op: Operator) -> Operator:
         """A copy of a running operator, to re-run one record on it."""
@@ -255,9 +280,9 @@ class LaneRunner:
             for op in self.ops:
                 op.leave_out(retired.contains)
         if run["carry"] is not None:
-            for op, state in zip(self.ops, run["carry"]):
+            for j, (op, state) in enumerate(zip(self.ops, run["carry"])):
                 if state is not None:
-                    op.restore_carry(state)
+                    self._hook(j, "restore_carry", op.restore_carry, state)
         self._reset_audit()
         stop = geometry.total if run["end"] is None else run["end"]
         per_epoch = plan.epoch_chunks
@@ -340,7 +365,9 @@ class LaneRunner:
                     allowed = cut < n or ((k + 1) % per_epoch and (stop is None or k + 1 < stop))
                     if snapshots and since_snapshot >= spacing and allowed:
                         where = (k, cut) if cut < n else (k + 1, 0)
-                        made.append(Holdings(where[0], where[1], epoch, snapshot_of(self.ops)))
+                        made.append(
+                            Holdings(where[0], where[1], epoch, snapshot_of(self.ops, self._hook))
+                        )
                         since_snapshot = 0
                     at = cut
                 if made:
@@ -477,8 +504,8 @@ class LaneRunner:
         # Seeds come from the identity of the lane whose chunks these are (``seed_lane``), which
         # is the lane itself unless it finishes another lane's run after a re-laning.
         self.fetch.start_epoch(self.seed_lane, epoch)
-        for op in self.ops:
-            op.start_epoch(self.seed_lane, epoch)
+        for j, op in enumerate(self.ops):
+            self._hook(j, "start_epoch", op.start_epoch, self.seed_lane, epoch)
 
     def _push(self, first_op: int, items: list, stop_op: int | None = None) -> list:
         for j in range(first_op, len(self.ops) if stop_op is None else stop_op):
@@ -524,8 +551,10 @@ class LaneRunner:
                 out = op.map_payloads(records)
             elif self._pools[j] is not None and len(records) > 1:
                 out = self._pooled(j, records)
-            else:
-                out = op.process_many(records)
+            else:  # a list of its own: the runner still needs ``records`` if the call fails
+                out = op.process_many(records[:])
+            if type(out) is not list and not isinstance(records, RecordRun):
+                out = _listed(out)
         except ZephonError as exc:
             if skipped := self._skipped_instead(j, records, began, exc):
                 return skipped
@@ -558,6 +587,7 @@ class LaneRunner:
         if isinstance(records, RecordRun):
             stats[1] += len(records)
             return [self._mapped_run(j, records, out)]
+        out = self._emitted(j, "process_many", out)
         stats[1] += len(out)
         return self._audit(j, records, out)
 
@@ -585,12 +615,13 @@ class LaneRunner:
         emitted: list = []
         for rec in received:
             try:
-                got = op.process_many([rec])
+                got = _listed(op.process_many([rec]))
             except Exception as exc:
                 if _outage(exc):
                     return None
                 out.append(Skipped(rec.meta.cursor, _failed_operator(exc, label), _error_text(exc)))
                 got = tombstones_for_record(rec)
+            got = self._emitted(j, "process_many", got)
             out += got
             emitted += got
         if len(emitted) == len(out):
@@ -623,7 +654,10 @@ class LaneRunner:
         assert pool is not None
         size = -(-len(records) // (self.ops[j].traits.workers or 1))
         parts = [records[i : i + size] for i in range(0, len(records), size)]
-        return [rec for out in pool.map(self.ops[j].process_many, parts) for rec in out]
+        outs = list(pool.map(lambda part: _listed(self.ops[j].process_many(part)), parts))
+        if any(type(out) is not list for out in outs):
+            return next(out for out in outs if type(out) is not list)  # refused by the caller
+        return [rec for out in outs for rec in out]
 
     def close(self) -> None:
         """Shut down the operator thread pools and the thread of the read ahead."""
@@ -691,7 +725,11 @@ class LaneRunner:
             return None
         for rec in records:
             try:
-                self._copy(op).process_many([rec])
+                probe = self._copy(op)
+            except Exception:  # it holds what cannot be copied (a lock made in start_epoch):
+                probe = op  # it keeps no state, so it may be called itself
+            try:
+                _listed(probe.process_many([rec]))
             except failures:
                 return rec
         return None
@@ -701,23 +739,40 @@ class LaneRunner:
         first, last = records[0].meta.cursor, records[-1].meta.cursor
         return f"a micro-batch of {len(records)} records, {first!r} to {last!r}"
 
-    def _flush_from(self, j: int) -> list:
-        op = self.ops[j]
+    def _hook(self, j: int, hook: str, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``, operator ``j``'s method ``hook`` other than ``process_many``; an
+        error in it is an ``OperatorError`` naming the operator, the method and the lane."""
+        label = self.labels[j]
         try:
-            flushed = op.flush()
-        except ZephonError:
-            raise
+            return call(*args)
+        except ZephonError as exc:
+            raise exc.add_context(lane=self.lane_id, operator=label) from exc.__cause__
         except Exception as exc:
             raise OperatorError(
-                f"operator {op.name!r} failed in flush(): {type(exc).__name__}: {exc}",
-                operator=op.name,
-            ) from exc
+                f"operator {label!r} failed in {hook}(): {type(exc).__name__}: {exc}",
+                operator=label,
+            ).add_context(lane=self.lane_id) from exc
         except SystemExit as exc:
             raise OperatorError(
-                f"operator {op.name!r} called sys.exit({exc.code!r}) in flush(): an operator "
+                f"operator {label!r} called sys.exit({exc.code!r}) in {hook}(): an operator "
                 "must raise an exception, not exit the process",
-                operator=op.name,
-            ) from exc
+                operator=label,
+            ).add_context(lane=self.lane_id) from exc
+
+    def _emitted(self, j: int, method: str, out: Any) -> list:
+        """``out``, what operator ``j``'s ``method`` returned (a generator already made a list by
+        ``_listed``), when it is a list; an ``OperatorError`` naming the operator otherwise."""
+        if type(out) is list:
+            return out
+        raise OperatorError(
+            f"operator {self.labels[j]!r} returned {out!r:.80} from {method}() instead of a "
+            "list of SampleRecords (the records and tombstones it emits; [] for none)",
+            operator=self.labels[j],
+        ).add_context(lane=self.lane_id)
+
+    def _flush_from(self, j: int) -> list:
+        op = self.ops[j]
+        flushed = self._emitted(j, "flush", self._hook(j, "flush", lambda: _listed(op.flush())))
         return self._push(j + 1, self._audit(j, [], flushed))
 
     def _flush_all(self) -> list:
@@ -733,13 +788,25 @@ class LaneRunner:
             for label, cin, cout in zip(self.labels, self._closing_in, self._closing_out)
             if cin != cout
         }
-        carry = [op.carry_state() for op in self.ops]
+        carry = [self._hook(j, "carry_state", op.carry_state) for j, op in enumerate(self.ops)]
         self._reset_audit()
         out.append(EpochEnd(epoch, carry, deficits))
         return out
 
 
-def _summed(base: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+def _a_count(value: Any) -> bool:
+    """Whether ``value`` is a number, which counts of several lanes add up."""
+    return isinstance(value, numbers.Real)
+
+
+def _listed(out: Any) -> Any:
+    """An operator's output as a list: a generator's or a tuple's items (a generator's code runs
+    here, inside the call, where its errors are the operator's); what is not iterable as it is,
+    for ``LaneRunner._emitted`` to refuse."""
+    return list(out) if isinstance(out, Iterable) else out
+
+
+def _summed(base: dict[str, float], more: Mapping[str, float]) -> dict[str, float]:
     """Two operators' counts added up, name by name."""
     out = dict(base)
     for name, value in more.items():

@@ -18,7 +18,7 @@ the rebuilt records must match.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,11 +26,12 @@ import numpy as np
 from zephon._core.cursor import digest_cursors
 from zephon._core.records import cursors_of
 from zephon.compact import pack_ints, pack_json, unpack_ints, unpack_json
-from zephon.errors import ReplayDivergenceError, ZephonError
+from zephon.errors import OperatorError, ReplayDivergenceError, ZephonError
 from zephon.ops.base import Operator
 from zephon.types import SampleCursor, SampleRecord
 
 Key = tuple[int, int, tuple[int, ...]]  # a held record: chunk id, offset, lineage
+Hook = Callable[[int, str, Callable[[], Any]], Any]  # makes operator i's call of a method
 
 
 def flat_cursors(cursors: Sequence[SampleCursor]) -> list[int]:
@@ -55,13 +56,14 @@ def unpack_cursors(text: Any) -> list[Key]:
     return out
 
 
-def snapshot_of(ops: Sequence[Operator]) -> list[dict[str, Any] | None]:
+def snapshot_of(ops: Sequence[Operator], hook: Hook | None = None) -> list[dict[str, Any] | None]:
     """Per operator, what it holds (``None`` for one that keeps no state), raw: the held records'
     cursors as they are (cursors never change). Flattening and digesting them (``flattened``)
-    waits until a checkpoint is taken, or until the snapshot leaves a worker process."""
+    waits until a checkpoint is taken, or until the snapshot leaves a worker process. ``hook``
+    (the lane runner's) makes each ``holdings()`` call, naming the operator when it fails."""
     return [
         None if held is None else {"cursors": cursors_of(held[0]), "state": held[1]}
-        for held in _holdings(ops)
+        for held in _holdings(ops, hook)
     ]
 
 
@@ -72,11 +74,17 @@ def kept_records(ops: Sequence[Operator]) -> list[list[SampleRecord] | None]:
     return [None if held is None else list(held[0]) for held in _holdings(ops)]
 
 
-def _holdings(ops: Sequence[Operator]) -> list[tuple[list[SampleRecord], Any] | None]:
-    """Per operator, ``holdings()`` with its records as a list (``None`` for one without)."""
+def _holdings(
+    ops: Sequence[Operator], hook: Hook | None = None
+) -> list[tuple[list[SampleRecord], Any] | None]:
+    """Per operator, ``holdings()`` with its records as a list (``None`` for one without), each
+    call made by ``hook(index, "holdings", method)`` when given."""
     out: list[tuple[list[SampleRecord], Any] | None] = []
-    for op in ops:
-        held = op.holdings() if op.traits.stateful else None
+    for j, op in enumerate(ops):
+        if not op.traits.stateful:
+            held = None
+        else:
+            held = op.holdings() if hook is None else hook(j, "holdings", op.holdings)
         if held is None:
             out.append(None)
             continue
@@ -114,18 +122,30 @@ def _plain(state: Any) -> Any:
     return state
 
 
-def packed(snapshot: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
-    """A snapshot as a checkpoint stores it: cursors and state compressed."""
-    return [
-        None
-        if entry is None
-        else {
-            "records": pack_ints(entry["cursors"]),
-            "digest": entry["digest"],
-            "state": pack_json(entry["state"]),
-        }
-        for entry in flattened(snapshot)
-    ]
+def packed(
+    snapshot: list[dict[str, Any] | None], labels: Sequence[str]
+) -> list[dict[str, Any] | None]:
+    """A snapshot as a checkpoint stores it: cursors and state compressed. An operator's state
+    that is not JSON data is an ``OperatorError`` naming it (``labels``: the chain's names)."""
+    out: list[dict[str, Any] | None] = []
+    for j, entry in enumerate(flattened(snapshot)):
+        label = labels[j] if j < len(labels) else f"#{j}"
+        if entry is None:
+            out.append(None)
+            continue
+        try:
+            state = pack_json(entry["state"])
+        except (TypeError, ValueError) as exc:
+            raise OperatorError(
+                f"operator {label!r} described what it holds (holdings()) with a state that is "
+                f"not JSON data: {exc}. Checkpoints store it as JSON: return dicts with str "
+                "keys, lists, str, bool, None, numbers and numpy arrays",
+                operator=label,
+            ) from None
+        out.append(
+            {"records": pack_ints(entry["cursors"]), "digest": entry["digest"], "state": state}
+        )
+    return out
 
 
 def rebuild(
@@ -209,9 +229,29 @@ def _reread(
         lo, hi = min(offsets), max(offsets) + 1
         if hi > len(pointers):
             raise ValueError(f"chunk {chunk_id} has no offset {hi - 1}")
-        read = fetch.fetch(chunk_id, pointers[lo:hi], lo)
+        try:
+            read = list(fetch.fetch(chunk_id, pointers[lo:hi], lo))
+        except Exception:
+            # A sample between the held ones may be one that failed to read and was skipped
+            # (on_error="skip"): read only the held ones, a run of consecutive offsets at a time.
+            read = [
+                rec
+                for start, end in _consecutive(sorted(offsets))
+                for rec in fetch.fetch(chunk_id, pointers[start:end], start)
+            ]
         out += [r for r in read if r.meta.cursor.chunk_offset in offsets]
     return out
+
+
+def _consecutive(offsets: list[int]) -> list[tuple[int, int]]:
+    """Sorted ``offsets`` as ``(start, end)`` runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for offset in offsets:
+        if runs and runs[-1][1] == offset:
+            runs[-1] = (runs[-1][0], offset + 1)
+        else:
+            runs.append((offset, offset + 1))
+    return runs
 
 
 def _diverged(lane_id: int, op: Operator, why: str) -> ReplayDivergenceError:

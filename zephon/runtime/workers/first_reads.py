@@ -90,7 +90,7 @@ def read_ahead(plan: Plan, lane_id: int, start: dict[str, Any]) -> tuple[list, d
     held = {
         "next": snapshot.next_local,
         "offset": snapshot.offset,
-        "ops": packed(snapshot.ops),
+        "ops": packed(snapshot.ops, runner.labels),
         "kept": kept,
     }
     first, *rest = runner.runs

@@ -275,10 +275,19 @@ def _send_warnings(outbox: _Outbox) -> None:
 
 
 def _send_error(outbox: _Outbox, exc: BaseException) -> None:
+    """Send ``exc`` to the loader; as a ``ZephonError`` with its text and place when the loader
+    could not make it again from its pickle (a class whose ``__init__`` takes more than the
+    message pickles, but does not unpickle)."""
     try:
+        pickle.loads(pickle.dumps(exc, protocol=5))
         message = encode("error", exc)
     except Exception as why:
-        message = encode("error", ZephonError(f"{type(exc).__name__}: {exc} (unpicklable: {why})"))
+        placed = isinstance(exc, ZephonError)  # its text without its place, which follows
+        text = Exception.__str__(exc) if placed else str(exc)
+        error = ZephonError(f"{type(exc).__name__}: {text} (unpicklable: {why})")
+        if placed:
+            error.add_context(**exc.__dict__.get("context", {}))
+        message = encode("error", error)
     outbox.write(message)
 
 

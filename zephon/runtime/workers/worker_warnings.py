@@ -18,7 +18,9 @@ from typing import Any
 #: send one again, which the loader's registry then usually hides).
 MAX_REMEMBERED = 4096
 
-_lock = threading.Lock()
+# Reentrant: a warning raised while one is kept (from a finalizer a garbage collection runs
+# there) is kept in the same thread.
+_lock = threading.RLock()
 _pending: list[tuple[Any, ...]] = []
 _sent: set[tuple[Any, ...]] = set()
 _modules: dict[str, str | None] = {}
@@ -42,13 +44,14 @@ def _keep(
     # The category travels by name: a class of the script is ``__mp_main__``'s in a worker.
     kind = (_main(category.__module__), category.__qualname__)
     key = (*kind, str(message), filename, lineno)
+    module = _module_of(filename)  # not under the lock: a module's own lookup may warn too
     with _lock:
         if key in _sent:
             return
         if len(_sent) >= MAX_REMEMBERED:
             _sent.clear()
         _sent.add(key)
-        _pending.append((*key, _module_of(filename)))
+        _pending.append((*key, module))
 
 
 def _main(module: str) -> str:
@@ -58,6 +61,7 @@ def _main(module: str) -> str:
 def _module_of(filename: str) -> str | None:
     """The name of the loaded module whose file is ``filename`` (filters match on it)."""
     if filename not in _modules:
+        _modules[filename] = None  # while looking: a warning raised by a lookup finds none
         _modules[filename] = next(
             (
                 name
@@ -81,11 +85,25 @@ def reraise(found: list[tuple[Any, ...]]) -> None:
     """In the training process: raise each warning a worker sent, as if raised here."""
     for module_name, qualname, text, filename, lineno, module in found:
         category = _category(module_name, qualname)
+        if not _made_from_text(category, text):  # its __init__ takes more than the text
+            category = UserWarning
         if category is UserWarning and qualname != "UserWarning":
             text = f"{qualname}: {text}"  # a category this process does not have
         loaded = sys.modules.get(module) if module else None
         registry = vars(loaded).setdefault("__warningregistry__", {}) if loaded else _registry
-        warnings.warn_explicit(text, category, filename, lineno, module=module, registry=registry)
+        # module=None would make warnings drop it: without a module, name none (warnings then
+        # takes the file's name, as for a warning raised here)
+        named = {"module": module} if module else {}
+        warnings.warn_explicit(text, category, filename, lineno, registry=registry, **named)
+
+
+def _made_from_text(category: type[Warning], text: str) -> bool:
+    """Whether ``category(text)`` can be made, as ``warnings`` makes the warning it raises."""
+    try:
+        category(text)
+    except Exception:
+        return False
+    return True
 
 
 def _category(module_name: str, qualname: str) -> type[Warning]:
