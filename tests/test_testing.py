@@ -117,6 +117,17 @@ class TagsWhatItPasses(Operator):
         return [r.with_payload({**r.payload, "tag": 1}) for r in recs]
 
 
+class CountsInPlace(Operator):
+    """Changes the payloads it is given instead of making new ones."""
+
+    traits = OpTraits(preserves_cursor_order=True)
+
+    def process_many(self, recs):
+        for r in recs:
+            r.payload["idx"] += 1  # the mistake: the source may hand this dict out again
+        return recs
+
+
 class Box:
     """A payload of a class without its own ``==``."""
 
@@ -168,6 +179,7 @@ class ForgetsToReturn(Operator):
         (Jitters(), r"payloads are not deterministic.*output 0 \(SampleCursor\(3, 0,"),
         (MergesPairsOfACall(), r"other outputs when its records come one at a time.*output 0"),
         (TagsWhatItPasses(), r"sets emits_received_records but output 0 \(SampleCursor\(3, 0,"),
+        (CountsInPlace(), r"changes the payload of input 0 \(SampleCursor\(3, 0,.*in place"),
     ],
     ids=[
         "missing-tombstone",
@@ -179,6 +191,7 @@ class ForgetsToReturn(Operator):
         "nondeterministic-payload",
         "undeclared-batch-sensitivity",
         "changes-what-it-passes-on",
+        "changes-its-input",
     ],
 )
 def test_each_broken_rule_is_explained(op, message):

@@ -62,12 +62,12 @@ def _returned(op: Operator, method: str, made: Any) -> list[SampleRecord]:
 def check_operator(op: Operator, records: Sequence[SampleRecord], *, lane_id: int = 0) -> None:
     """Run ``op`` (with flush) twice on ``records`` and raise ``AssertionError`` explaining the
     first broken rule: non-deterministic cursors or payloads, a primary cursor that is not
-    unique in the lane, a base offset never closed (a dropped record without its tombstone), a
-    base offset closed before its last record, output out of order despite
-    ``preserves_cursor_order``, or (for ``stateful`` operators) a ``carry_state`` that does not
-    survive a round trip into the next epoch; for ``maps_payloads`` operators, ``map_payloads``
-    on the records as one run giving other payloads than ``process_many``, or ``process_many``
-    changing a record's metadata."""
+    unique in the lane, payloads of ``records`` changed in place, a base offset never closed (a
+    dropped record without its tombstone), a base offset closed before its last record, output
+    out of order despite ``preserves_cursor_order``, or (for ``stateful`` operators) a
+    ``carry_state`` that does not survive a round trip into the next epoch; for
+    ``maps_payloads`` operators, ``map_payloads`` on the records as one run giving other
+    payloads than ``process_many``, or ``process_many`` changing a record's metadata."""
     if any(r.meta.is_tombstone for r in records):
         raise ValueError("check_operator takes real records; operators never receive tombstones")
     with _set_up([op], lane_id) as (set_up,):
@@ -92,9 +92,11 @@ def _set_up(chain: Sequence[Operator], lane_id: int) -> Iterator[list[Operator]]
 
 
 def _check_operator(op: Operator, records: Sequence[SampleRecord], lane_id: int) -> None:
+    given = [_comparable(r.payload) for r in records]
     if op.maps_payloads:
         _check_payload_mapping(op, records, lane_id)
     first = _run(op, records, lane_id)
+    _check_inputs_unchanged(op, records, given)
     second = _run(op, records, lane_id)
     name = op.name
 
@@ -187,6 +189,19 @@ def _check_operator(op: Operator, records: Sequence[SampleRecord], lane_id: int)
 
     if op.traits.stateful:
         _carry_round_trip(op, records, lane_id)
+
+
+def _check_inputs_unchanged(op: Operator, records: Sequence[SampleRecord], given: list) -> None:
+    """The payloads ``op`` received are as they were (``given``): a source that holds its
+    samples (``ListSource``) hands the same objects out again, at the next pass and when a
+    resume replays them."""
+    for i, (rec, was) in enumerate(zip(records, given)):
+        if not _same(_comparable(rec.payload), was):
+            raise AssertionError(
+                f"{op.name}: changes the payload of input {i} ({rec.meta.cursor!r}) in place; an "
+                "in-memory source hands that payload out again at the next pass and at a "
+                "resume's replay, changed. Make a new payload ({**payload, ...}, array.copy())"
+            )
 
 
 def _check_grouping(

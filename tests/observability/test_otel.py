@@ -136,6 +136,6 @@ def test_a_later_loader_on_the_same_provider_is_reported_and_two_at_once_by_thei
                     pass
                 assert _delivered(reader) == {(rank,): 4, (("loader", "eval"), rank): 20}
             with pytest.raises(ValueError, match=r"attributes may not name \['lane', 'rank'\]"):
-                register_metrics(second, provider, attributes={"rank": 1, "lane": 0})
+                register_metrics(second, provider, attributes={"rank": "1", "lane": "0"})
     finally:
         provider.shutdown()
