@@ -204,3 +204,51 @@ def test_a_one_rank_job_merged_inside_a_global_step_resumes_there() -> None:
     tail = [fingerprint_item(next(resumed)) for _ in range(3)]
     assert resumed.state_dict()["served"] == 16  # two whole global steps of 8
     assert head + tail + [fingerprint_item(x) for x in resumed] == full
+
+
+def _states_after_a_lane_ended() -> list[dict]:
+    """Two ranks at global step 11: rank 1's lane 3 has ended, so its lane 2 delivered more
+    items than lanes 0 and 1 of rank 0."""
+    loaders = [iter(uneven(rank=r, world_size=2)) for r in range(2)]
+    for loader in loaders:
+        for _ in range(2 * 11):
+            next(loader)
+    states = [json.loads(json.dumps(loader.state_dict())) for loader in loaders]
+    for loader in loaders:
+        loader.close()
+    return states
+
+
+def test_ranks_skipped_by_the_same_steps_after_a_lane_ended_still_merge() -> None:
+    skipped = [zephon.skip_steps(state, 1) for state in _states_after_a_lane_ended()]
+    assert [s["history"] for s in skipped] == [[{"event": "skip", "step": 11, "steps": 1}]] * 2
+    assert zephon.merge_states(skipped)["skip"] == 1
+
+
+def test_ranks_that_retire_the_same_samples_after_a_lane_ended_still_merge() -> None:
+    states = _states_after_a_lane_ended()
+    loaders = [
+        uneven(rank=r, world_size=2).iter(state=s, retire=[(0, 0, 105)])
+        for r, s in enumerate(states)
+    ]
+    retired = [loader.state_dict() for loader in loaders]
+    for loader in loaders:
+        loader.close()
+    assert [s["history"] for s in retired] == [[{"event": "retire", "step": 11, "ids": 1}]] * 2
+    assert zephon.merge_states(retired)["step"] == 11
+
+
+def test_a_skip_after_a_relaning_is_kept_at_the_jobs_global_step() -> None:
+    loader = iter(uneven(rank=0, world_size=1))
+    for _ in range(4 * 5):
+        next(loader)
+    state = loader.state_dict()
+    loader.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RelaneWarning)
+        relaned = uneven(lanes=2, rank=0, world_size=1).iter(state=state)
+        for _ in range(2 * 3):
+            next(relaned)
+    later = relaned.state_dict()
+    relaned.close()
+    assert zephon.skip_steps(later, 1)["history"] == [{"event": "skip", "step": 8, "steps": 1}]

@@ -231,6 +231,22 @@ def job_step(body: dict[str, Any]) -> int:
     return min(open_counts, default=0)
 
 
+def state_step(body: dict[str, Any]) -> int:
+    """The global step an unsealed state (a rank's or a job's) stands at: the job's ``step``, or
+    the items the rank handed over in global steps of its world size; the same on every rank of a
+    job in lockstep, whichever lanes ended or were re-laned (0 for a state too damaged to say,
+    which its load refuses)."""
+    try:
+        if body.get("format") == JOB_FORMAT:
+            return job_step(body)
+        lanes, world_size = body.get("lanes"), body.get("world_size")
+        if type(lanes) is not int or type(world_size) is not int or not 1 <= world_size <= lanes:
+            return 0
+        return rank_served(body) // (lanes // world_size)
+    except (CheckpointError, KeyError, TypeError):
+        return 0
+
+
 def rank_turn(lane_states: list[dict[str, Any]]) -> int:
     """Where a rank's round-robin over ``lane_states`` (checked, in lane order) stands: the first
     lane that has not ended and delivered fewer items than the ones before it (0 when all are
@@ -249,4 +265,5 @@ __all__ = [
     "merge_states",
     "rank_served",
     "rank_turn",
+    "state_step",
 ]
