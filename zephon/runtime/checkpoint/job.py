@@ -9,6 +9,7 @@ the same global step; the result holds all lanes, and each rank of the next run 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
@@ -29,6 +30,7 @@ from zephon.runtime.checkpoint.schema import (
 )
 
 _SHOWN = 8  # missing lanes or ranks named in an error
+_PER_VALUE = 3  # ranks named for each global step or world size when many ranks share one
 
 
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -65,13 +67,19 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     retired = merge_retired([body.get("retired") for body in bodies])
     sizes = {body.get("world_size") for body in bodies}
     if len(sizes) != 1:
-        shown = ", ".join(f"rank {b.get('rank')} of {b.get('world_size')}" for b in bodies)
+        shown = _ranks_by(
+            [(b["rank"], b["world_size"]) for b in bodies],
+            lambda r, w: f"rank {r} of {w}",
+            lambda n, w: f"and {n} more of {w}",
+        )
         raise CheckpointError(f"the states were taken under different world sizes: {shown}")
     world_size = check_int(sizes.pop(), "world_size", 1, lanes)
     ranks = Counter(body.get("rank") for body in bodies)
     duplicated = [r for r, n in ranks.items() if n > 1]
     if duplicated:
-        raise CheckpointError(f"merge_states got rank(s) {duplicated} more than once")
+        raise CheckpointError(
+            f"merge_states got rank(s) {_first(sorted(duplicated))} more than once"
+        )
     by_lane: dict[int, dict[str, Any]] = {}
     for body in bodies:
         lane_states = body.get("lane_states")
@@ -153,6 +161,36 @@ def _missing(lanes: int, by_lane: dict[int, Any], world_size: int, ranks: Counte
     )
 
 
+def _first(ranks: list[Any]) -> str:
+    """``ranks``, or the first few of them and how many more (a job may have thousands)."""
+    if len(ranks) <= _SHOWN:
+        return f"{ranks}"
+    return f"{ranks[: _SHOWN - 1]} and {len(ranks) - _SHOWN + 1} others"
+
+
+def _ranks_by(
+    pairs: list[tuple[Any, Any]], name: Callable[[Any, Any], str], more: Callable[[int, Any], str]
+) -> str:
+    """``name(rank, value)`` for every ``(rank, value)`` pair, in rank order; of a job of many
+    ranks only the first few ranks of each value (``more`` says how many others share it) and
+    the first few values, so the ranks that differ from the rest are named and the text stays
+    short."""
+    pairs = sorted(pairs, key=lambda pair: pair[0])
+    if len(pairs) <= _SHOWN:
+        return ", ".join(name(r, value) for r, value in pairs)
+    groups: dict[Any, list[Any]] = {}
+    for r, value in pairs:
+        groups.setdefault(value, []).append(r)
+    parts = []
+    for value, group in islice(groups.items(), _SHOWN):
+        text = ", ".join(name(r, value) for r in group[:_PER_VALUE])
+        if len(group) > _PER_VALUE:
+            text += f" {more(len(group) - _PER_VALUE, value)}"
+        parts.append(text)
+    rest = sum(len(group) for group in islice(groups.values(), _SHOWN, None))
+    return ", ".join(parts) + (f" and {rest} more ranks" if rest else "")
+
+
 def rank_served(body: dict[str, Any]) -> int:
     """How many items a rank's ``next()`` calls handed over, counted in global steps of its world
     size (``served``; a state written before it was stored: the sum of its lanes' items)."""
@@ -182,15 +220,27 @@ def _job_step(bodies: list[dict[str, Any]], per_rank: int) -> int:
         "state on the same world size"
     )
     if len({step for step, _ in steps.values()}) > 1:
-        shown = ", ".join(f"rank {r} at step {s}" for r, (s, _) in sorted(steps.items()))
-        parts = ", ".join(f"rank {r} {m} items into it" for r, m in sorted(inside.items()))
+        shown = _ranks_by(
+            [(r, s) for r, (s, _) in steps.items()],
+            lambda r, s: f"rank {r} at step {s}",
+            lambda n, s: f"and {n} more at step {s}",
+        )
+        parts = _ranks_by(
+            list(inside.items()),
+            lambda r, m: f"rank {r} {m} items into it",
+            lambda n, m: f"and {n} more",
+        )
         raise CheckpointError(
             f"the ranks were checkpointed at different global steps: {shown}"
             + (f" ({parts}; a global step is {per_rank} items per rank). {advice}" if parts else "")
         )
     if inside and len(bodies) > 1:  # one rank's position inside a step resumes on its own
         step = next(iter(steps.values()))[0]
-        shown = ", ".join(f"rank {r} had handed over {m}" for r, m in sorted(inside.items()))
+        shown = _ranks_by(
+            list(inside.items()),
+            lambda r, m: f"rank {r} had handed over {m}",
+            lambda n, m: f"and {n} more",
+        )
         raise CheckpointError(
             f"the ranks were checkpointed inside a global step: global step {step} is "
             f"{per_rank} items per rank, and {shown}. {advice}"
