@@ -38,6 +38,9 @@ from zephon.runtime.checkpoint.schema import MAX_INT, corrupt
 
 MAX_RETIRED = 1_000_000  # ids a state keeps
 MAX_SETS = 16  # retirements a run takes
+# What a retirement's ids inflate to at most (the count, then three columns): contiguous ids, a
+# whole shard retired, pack far tighter than other packed fields, so their bound is their count.
+_MAX_IDS_BYTES = 8 * (1 + 3 * MAX_RETIRED)
 Horizons = dict[tuple[int, int], int]  # (generation, lane) -> first lane-local chunk screened
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 1], dtype=np.uint64)
 _ID = np.dtype([("dataset", "<i8"), ("shard", "<i8"), ("index", "<i8")])  # sorts as a triple
@@ -104,7 +107,7 @@ class RetiredIds:
     def decode(cls, value: Any, where: str = "retired") -> RetiredIds:
         """What ``encode`` made, checked (``CheckpointCorruptError`` otherwise)."""
         try:
-            flat = unpack_ints(value)
+            flat = unpack_ints(value, _MAX_IDS_BYTES)
         except ValueError as exc:
             raise corrupt(where, str(exc)) from None
         n = int(flat[0]) if len(flat) else -1
