@@ -358,3 +358,30 @@ def test_the_most_ids_a_state_keeps_are_read_back() -> None:
     rows = np.stack([np.zeros(MAX_RETIRED, np.int64), shards, np.arange(MAX_RETIRED)], axis=1)
     ids = RetiredIds(rows)
     assert np.array_equal(RetiredIds.decode(ids.encode()).rows, ids.rows)
+
+
+def test_merging_many_ranks_reads_the_retired_ids_they_share_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    states = []
+    for r in range(8):
+        loader = shuffled(lanes=8, rank=r, world_size=8).iter(retire=[(0, 0, 5), (0, 0, 9)])
+        next(loader)
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        loader.close()
+    for state in states:
+        zephon.save_rank_state(str(tmp_path), state)
+    decode = RetiredIds.decode
+    decoded: list[str] = []
+
+    def counted(value: Any, where: str = "retired") -> RetiredIds:
+        decoded.append(where)
+        return decode(value, where)
+
+    monkeypatch.setattr(RetiredIds, "decode", counted)
+    job = zephon.merge_states(states)
+    assert len(decoded) == 1  # not once or twice per rank: a job may have a thousand
+    assert zephon.load_job_state(str(tmp_path)) == job
+    assert len(decoded) <= 1 + 2
+    rest = delivered(shuffled(lanes=8).iter(state=job))
+    assert not {(0, 0, 5), (0, 0, 9)} & set(rest) and len(set(rest)) == len(rest) > N // 2

@@ -16,7 +16,7 @@ from typing import Any
 from zephon.errors import CheckpointError, CheckpointMismatchError
 from zephon.runtime.checkpoint.dataloader_state import unwrapped
 from zephon.runtime.checkpoint.format import seal, unseal
-from zephon.runtime.checkpoint.retired import merge_retired
+from zephon.runtime.checkpoint.retired import RetiredIds, merge_retired
 from zephon.runtime.checkpoint.saved_state import check_saved_state
 from zephon.runtime.checkpoint.schema import (
     COUNTERS,
@@ -41,7 +41,8 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     ``CheckpointError`` naming the problem when ranks or lanes are missing or duplicated, or the
     ranks were checkpointed at different global steps.
     """
-    bodies = [_rank_body(i, state) for i, state in enumerate(states)]
+    known: dict[str, RetiredIds] = {}  # the retired ids every rank holds, decoded once
+    bodies = [_rank_body(i, state, known) for i, state in enumerate(states)]
     if not bodies:
         raise CheckpointError("merge_states needs the state of every rank, got none")
     first = bodies[0]
@@ -64,7 +65,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             "resumed differently: give every rank the same allow_changes=, retire= and "
             "skip_steps"
         )
-    retired = merge_retired([body.get("retired") for body in bodies])
+    retired = merge_retired([body.get("retired") for body in bodies], known)
     sizes = {body.get("world_size") for body in bodies}
     if len(sizes) != 1:
         shown = _ranks_by(
@@ -131,7 +132,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     )
 
 
-def _rank_body(i: int, state: Any) -> dict[str, Any]:
+def _rank_body(i: int, state: Any, known: dict[str, RetiredIds]) -> dict[str, Any]:
     """The ``i``-th state given to ``merge_states``, unsealed and checked; an error says which
     state it is."""
     state = unwrapped(state)  # a StatefulDataLoader's state: its dataset's
@@ -141,7 +142,7 @@ def _rank_body(i: int, state: Any) -> dict[str, Any]:
             "job state, merged already. Resume from it, or merge the states it was merged from"
         )
     try:
-        return check_saved_state(unseal(state))
+        return check_saved_state(unseal(state), known)
     except CheckpointError as exc:
         raise exc.add_context(state=i) from None
 

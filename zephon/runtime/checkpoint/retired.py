@@ -190,10 +190,20 @@ class Retirement:
         return {"ids": self.ids.encode(), "from": pack_ints(flat)}
 
     @classmethod
-    def decode(cls, value: Any, where: str) -> Retirement:
+    def decode(
+        cls, value: Any, where: str, known: dict[str, RetiredIds] | None = None
+    ) -> Retirement:
+        """``value`` (one of a state's ``retired``), checked; ids whose packed text is in
+        ``known`` are taken from there instead of decoded again, and ``known`` keeps those
+        decoded (the ranks of a job all hold the same ids)."""
         if type(value) is not dict or set(value) != {"ids", "from"}:
             raise corrupt(where, "must be an object with the fields ids and from")
-        ids = RetiredIds.decode(value["ids"], f"{where}.ids")
+        text = value["ids"]
+        ids = known.get(text) if known is not None and type(text) is str else None
+        if ids is None:
+            ids = RetiredIds.decode(text, f"{where}.ids")
+            if known is not None:
+                known[text] = ids
         try:
             flat = unpack_ints(value["from"]).tolist()
         except ValueError as exc:
@@ -224,13 +234,14 @@ def horizons_of(runs: list[Run], *, monotone: bool, per_epoch: int, geometry: An
     return out
 
 
-def decode_retirements(value: Any) -> list[Retirement]:
-    """A state's ``retired``, checked: null, or a list of retirements."""
+def decode_retirements(value: Any, known: dict[str, RetiredIds] | None = None) -> list[Retirement]:
+    """A state's ``retired``, checked: null, or a list of retirements (``known``: see
+    ``Retirement.decode``)."""
     if value is None:
         return []
     if type(value) is not list or not 1 <= len(value) <= MAX_SETS:
         raise corrupt("retired", f"must be null or a list of 1 to {MAX_SETS} retirements")
-    return [Retirement.decode(part, f"retired[{i}]") for i, part in enumerate(value)]
+    return [Retirement.decode(part, f"retired[{i}]", known) for i, part in enumerate(value)]
 
 
 class Retirements:
@@ -258,14 +269,19 @@ class Retirements:
         self._encoded = [r.encode() for r in sets] or None
 
 
-def merge_retired(values: list[Any]) -> Any:
+def merge_retired(values: list[Any], known: dict[str, RetiredIds] | None = None) -> Any:
     """The ``retired`` of a job state from those of its ranks: the same ids, each rank's
-    horizons for its own lanes together."""
+    horizons for its own lanes together. The ids the ranks share are decoded once (``known``:
+    see ``Retirement.decode``), so merging a thousand ranks costs one decoding of them."""
     first = values[0]
-    sets = [decode_retirements(value) for value in values]
+    known = {} if known is None else known
+    sets = [decode_retirements(value, known) for value in values]
     if any(
         len(part) != len(sets[0])
-        or any(a.ids.encode() != b.ids.encode() for a, b in zip(part, sets[0]))
+        or any(
+            a.ids is not b.ids and not np.array_equal(a.ids.rows, b.ids.rows)
+            for a, b in zip(part, sets[0])
+        )
         for part in sets
     ):
         raise CheckpointError(
