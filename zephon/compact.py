@@ -51,8 +51,12 @@ def pack_bits(mask: np.ndarray) -> str:
 
 
 def unpack_bits(text: Any, n: int) -> np.ndarray:
-    """The ``n`` bools ``pack_bits`` made; ValueError for anything else."""
-    raw = _inflate(text, "bits")
+    """The ``n`` bools ``pack_bits`` made; ValueError for anything else. Long runs of equal bits
+    (the open end of a chunk of a million samples) pack far tighter than ``MAX_EXPANSION``, so
+    the field may inflate to the bytes its ``n`` bits take, and never past ``MAX_UNPACKED``."""
+    needed = min(MAX_UNPACKED, (max(n, 0) + 7) // 8)
+    tight = type(text) is str and needed > unpacked_limit(text)
+    raw = _inflate(text, "bits", needed if tight else None)
     if len(raw) != (n + 7) // 8:
         raise ValueError(f"not {n} packed bits ({len(raw)} bytes)")
     return np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=n, bitorder="little") > 0
