@@ -51,8 +51,12 @@ def pack_bits(mask: np.ndarray) -> str:
 
 
 def unpack_bits(text: Any, n: int) -> np.ndarray:
-    """The ``n`` bools ``pack_bits`` made; ValueError for anything else."""
-    raw = _inflate(text, "bits")
+    """The ``n`` bools ``pack_bits`` made; ValueError for anything else. Long runs of equal bits
+    (the open end of a chunk of a million samples) pack far tighter than ``MAX_EXPANSION``, so
+    the field may inflate to the bytes its ``n`` bits take, and never past ``MAX_UNPACKED``."""
+    needed = min(MAX_UNPACKED, (max(n, 0) + 7) // 8)
+    tight = type(text) is str and needed > unpacked_limit(text)
+    raw = _inflate(text, "bits", needed if tight else None)
     if len(raw) != (n + 7) // 8:
         raise ValueError(f"not {n} packed bits ({len(raw)} bytes)")
     return np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=n, bitorder="little") > 0
@@ -63,20 +67,25 @@ def unpacked_limit(text: str) -> int:
     return min(MAX_UNPACKED, max(MIN_UNPACKED, MAX_EXPANSION * len(text)))
 
 
-def _inflate(text: Any, what: str) -> bytes:
-    """The bytes packed in ``text``, at most ``unpacked_limit(text)`` of them; ValueError for
-    anything else, and for a field that expands further (it was not written by Zephon)."""
+def _inflate(text: Any, what: str, limit: int | None = None) -> bytes:
+    """The bytes packed in ``text``, at most ``limit`` of them (``unpacked_limit(text)`` when
+    None); ValueError for anything else, and for a field that expands further (it was not written
+    by Zephon)."""
     if type(text) is not str:
         raise ValueError(f"not packed {what}: {text!r:.80}")
     try:
         packed = base64.b64decode(text.encode("ascii"), validate=True)
         inflater = zlib.decompressobj()
-        limit = unpacked_limit(text)
-        raw = inflater.decompress(packed, limit)
+        bound = unpacked_limit(text) if limit is None else limit
+        raw = inflater.decompress(packed, bound)
         if not inflater.eof and inflater.decompress(inflater.unconsumed_tail, 1):
             raise ValueError(
-                f"not packed {what}: it expands past {limit} bytes, more than Zephon ever packs "
-                f"into {len(text)} characters ({MAX_EXPANSION} times, at most {MAX_UNPACKED})"
+                f"not packed {what}: it expands past {bound} bytes, more than Zephon ever packs "
+                + (
+                    f"into {len(text)} characters ({MAX_EXPANSION} times, at most {MAX_UNPACKED})"
+                    if limit is None
+                    else "into this field"
+                )
             )
         if not inflater.eof:
             raise ValueError(f"not packed {what} (the compressed data is incomplete)")
@@ -87,9 +96,11 @@ def _inflate(text: Any, what: str) -> bytes:
     return raw
 
 
-def unpack_ints(text: Any) -> np.ndarray:
-    """What ``pack_ints`` made; ValueError for anything else."""
-    raw = _inflate(text, "integers")
+def unpack_ints(text: Any, limit: int | None = None) -> np.ndarray:
+    """What ``pack_ints`` made; ValueError for anything else. ``limit`` bounds the bytes it
+    inflates to instead of ``unpacked_limit``, for a field whose own rules bound its size (and
+    whose regular content can pack far tighter than ``MAX_EXPANSION``)."""
+    raw = _inflate(text, "integers", limit)
     if len(raw) % 8:
         raise ValueError("not packed integers (a partial int64)")
     values = np.frombuffer(raw, dtype=np.int64)

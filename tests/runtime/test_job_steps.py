@@ -204,3 +204,96 @@ def test_a_one_rank_job_merged_inside_a_global_step_resumes_there() -> None:
     tail = [fingerprint_item(next(resumed)) for _ in range(3)]
     assert resumed.state_dict()["served"] == 16  # two whole global steps of 8
     assert head + tail + [fingerprint_item(x) for x in resumed] == full
+
+
+def _states_after_a_lane_ended() -> list[dict]:
+    """Two ranks at global step 11: rank 1's lane 3 has ended, so its lane 2 delivered more
+    items than lanes 0 and 1 of rank 0."""
+    loaders = [iter(uneven(rank=r, world_size=2)) for r in range(2)]
+    for loader in loaders:
+        for _ in range(2 * 11):
+            next(loader)
+    states = [json.loads(json.dumps(loader.state_dict())) for loader in loaders]
+    for loader in loaders:
+        loader.close()
+    return states
+
+
+def test_ranks_skipped_by_the_same_steps_after_a_lane_ended_still_merge() -> None:
+    skipped = [zephon.skip_steps(state, 1) for state in _states_after_a_lane_ended()]
+    assert [s["history"] for s in skipped] == [[{"event": "skip", "step": 11, "steps": 1}]] * 2
+    assert zephon.merge_states(skipped)["skip"] == 1
+
+
+def test_ranks_that_retire_the_same_samples_after_a_lane_ended_still_merge() -> None:
+    states = _states_after_a_lane_ended()
+    loaders = [
+        uneven(rank=r, world_size=2).iter(state=s, retire=[(0, 0, 105)])
+        for r, s in enumerate(states)
+    ]
+    retired = [loader.state_dict() for loader in loaders]
+    for loader in loaders:
+        loader.close()
+    assert [s["history"] for s in retired] == [[{"event": "retire", "step": 11, "ids": 1}]] * 2
+    assert zephon.merge_states(retired)["step"] == 11
+
+
+def test_a_skip_after_a_relaning_is_kept_at_the_jobs_global_step() -> None:
+    loader = iter(uneven(rank=0, world_size=1))
+    for _ in range(4 * 5):
+        next(loader)
+    state = loader.state_dict()
+    loader.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RelaneWarning)
+        relaned = uneven(lanes=2, rank=0, world_size=1).iter(state=state)
+        for _ in range(2 * 3):
+            next(relaned)
+    later = relaned.state_dict()
+    relaned.close()
+    assert zephon.skip_steps(later, 1)["history"] == [{"event": "skip", "step": 8, "steps": 1}]
+
+
+def _many_rank_states(world: int, lanes: int, items: Any) -> list[dict]:
+    """The states of ``world`` ranks of a job of ``lanes`` lanes, rank ``r`` after
+    ``items(r)`` items."""
+    states = []
+    for r in range(world):
+        pipeline = zephon.Pipeline(
+            RangeSource(lanes * 600, chunk_size=10),
+            [fetch(), batch(2)],
+            lanes=lanes,
+            rank=r,
+            world_size=world,
+        )
+        loader = iter(pipeline)
+        for _ in range(items(r)):
+            next(loader)
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        loader.close()
+    return states
+
+
+def _merge_error(states: list[dict]) -> str:
+    with pytest.raises(CheckpointError) as raised:
+        zephon.merge_states(states)
+    return str(raised.value)
+
+
+def test_merge_errors_about_hundreds_of_ranks_name_a_few_and_the_odd_one_out() -> None:
+    world = 256
+    ahead = _merge_error(_many_rank_states(world, world, lambda r: 2 + (r == 200)))
+    assert "rank 200 at step 3" in ahead
+    assert "rank 0 at step 2" in ahead and "252 more at step 2" in ahead
+    assert len(ahead) < 1000, ahead
+    inside = _merge_error(_many_rank_states(world, 2 * world, lambda r: 5))
+    assert "inside a global step" in inside and "rank 0 had handed over 1" in inside
+    assert len(inside) < 1000, inside
+    apart = _merge_error(_many_rank_states(world, world, lambda r: 2 + r))
+    assert "rank 7 at step 9" in apart and len(apart) < 1000, apart
+    mixed = _many_rank_states(world, world, lambda r: 2)
+    mixed[9] = _many_rank_states(2, world, lambda r: 2 * world // 2)[1]
+    sizes = _merge_error(mixed)
+    assert "rank 1 of 2" in sizes and "rank 1 of 256" in sizes and len(sizes) < 1000, sizes
+    twice = _merge_error(mixed[:9] + mixed[10:] + mixed[:9] + mixed[10:])
+    assert "more than once" in twice and len(twice) < 1000, twice

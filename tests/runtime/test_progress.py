@@ -3,15 +3,22 @@ ranges a checkpoint keeps say exactly which offsets were open, and a damaged fie
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import zephon
 from zephon.compact import pack_bits, pack_ints
 from zephon.errors import CheckpointCorruptError
+from zephon.ops.basic import fetch
+from zephon.ops.batching import batch
+from zephon.ops.shuffle import shuffle
 from zephon.runtime.checkpoint.layout import Run
 from zephon.runtime.checkpoint.progress import EpochProgress, after_change
+from zephon.sources.memory import RangeSource
 from zephon.types import SampleCursor
 
 SIZES = [7, 3, 9]  # offsets of lane chunks 4, 5, 6 (at positions 40, 50, 60)
@@ -82,3 +89,30 @@ def test_a_run_goes_on_by_position_unless_a_sample_was_partly_delivered() -> Non
     assert moved.screened is not None and moved.screened.next == 5
     assert after_change(Run(0, 1, 4, None, [None], cursor, 3, 77, None, split)).cursor == cursor
     assert after_change(Run(0, 1, 4, None, [None], cursor, 3, 77, None, None)).cursor == cursor
+
+
+def test_a_lane_reading_a_chunk_of_a_million_samples_resumes() -> None:
+    def make() -> zephon.Pipeline:
+        ops = [fetch(), shuffle(64, seed=1), batch(4)]
+        return zephon.Pipeline(RangeSource(2_000_000, chunk_size=1_000_000), ops, lanes=1)
+
+    full = make().iter()
+    head = [next(full) for _ in range(100)]
+    reference = [list(next(full).payload["idx"]) for _ in range(50)]
+    full.close()
+    loader = make().iter()
+    for _ in head:
+        next(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert state["lane_states"][0]["progress"] is not None  # its open offsets, as bits
+    resumed = make().iter(state=state)
+    assert [list(next(resumed).payload["idx"]) for _ in range(50)] == reference
+    resumed.close()
+
+
+def test_the_open_offsets_of_a_large_chunk_are_read_back() -> None:
+    offsets = np.arange(900_000, 1_000_000, dtype=np.int64)  # the end of the chunk still open
+    progress = EpochProgress.of_open(4, 5, np.full(len(offsets), 40), offsets, set())
+    again = EpochProgress.decode(progress.encode(), "progress", 4, 4)
+    assert np.array_equal(again.open, progress.open)

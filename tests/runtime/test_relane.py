@@ -30,6 +30,7 @@ from zephon.ops.batching import batch
 from zephon.ops.packing import pack_flat, pack_sequences
 from zephon.ops.shuffle import shuffle
 from zephon.runtime.checkpoint.format import seal
+from zephon.runtime.checkpoint.layout import Leftover
 from zephon.sources.memory import ListSource, RangeSource
 from zephon.sources.mixture import MixtureSource
 from zephon.types import SampleRecord
@@ -433,3 +434,42 @@ def test_the_warning_says_which_samples_a_stateful_operator_drops_can_differ() -
     assert "every sample of the pass" not in text and "every sample is still" not in text
     assert "every sample the pipeline delivers is delivered exactly once" in text
     assert "which samples they drop can differ" in text
+
+
+@pytest.mark.parametrize("workers", ["inline", "thread"])
+def test_a_relaned_rank_builds_its_lane_history_once_not_once_per_lane(
+    workers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def make(lanes: int) -> zephon.Pipeline:
+        ops = [fetch(), shuffle(5, seed=1), batch(2)]
+        return zephon.Pipeline(
+            RangeSource(4000, chunk_size=10), ops, lanes=lanes, epoch_chunks=2, workers=workers
+        )
+
+    built: list[int] = []
+    init = Leftover.__init__
+
+    def counted(self: Leftover, lanes: int, ends: list[int], size: int | None) -> None:
+        built.append(lanes)
+        init(self, lanes, ends, size)
+
+    monkeypatch.setattr(Leftover, "__init__", counted)
+    counts = {}
+    for lanes in (12, 48):
+        loader = make(8).iter()
+        for _ in range(8 * 3):
+            next(loader)
+        state = loader.state_dict()
+        loader.close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RelaneWarning)
+            relaned = make(lanes).iter(state=state)
+        next(relaned)
+        later = relaned.state_dict()
+        relaned.close()
+        built.clear()
+        resumed = make(lanes).iter(state=later)
+        next(resumed)
+        resumed.close()
+        counts[lanes] = len(built)
+    assert counts[48] == counts[12], counts  # one lane history for the rank, whatever its lanes

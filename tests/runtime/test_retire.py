@@ -29,6 +29,7 @@ from zephon.ops.batching import batch
 from zephon.ops.packing import pack_sequences
 from zephon.ops.shuffle import shuffle
 from zephon.runtime.checkpoint.format import seal
+from zephon.runtime.checkpoint.retired import MAX_RETIRED, RetiredIds
 from zephon.sources.memory import ListSource, RangeSource
 
 N = 600
@@ -331,3 +332,56 @@ def test_ranks_resumed_with_different_retirements_do_not_merge_and_the_error_say
     ]
     with pytest.raises(CheckpointError, match=r"retired samples.*every rank the same .*retire="):
         zephon.merge_states(later)
+
+
+def test_a_state_that_retired_a_whole_shard_resumes_and_keeps_it_retired() -> None:
+    def make() -> zephon.Pipeline:
+        return zephon.Pipeline(RangeSource(30_000, chunk_size=1000), [fetch(), batch(50)], lanes=2)
+
+    def ids(items: list[Any]) -> list[int]:
+        return [int(i) for item in items for i in item.payload["idx"]]
+
+    gone = set(range(2_000, 26_000))  # contiguous ids: they pack very tightly
+    loader = make().iter(retire=lambda sample: sample[2] in gone)
+    before = ids([next(loader) for _ in range(10)])
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    after = ids(list(make().iter(state=state)))
+    assert Counter(before + after) == Counter(i for i in range(30_000) if i not in gone)
+    job = zephon.merge_states([state])
+    assert len(list(make().iter(state=job))) == len(after) // 50
+
+
+def test_the_most_ids_a_state_keeps_are_read_back() -> None:
+    rng = np.random.default_rng(0)
+    shards = np.sort(rng.integers(0, 100, MAX_RETIRED))
+    rows = np.stack([np.zeros(MAX_RETIRED, np.int64), shards, np.arange(MAX_RETIRED)], axis=1)
+    ids = RetiredIds(rows)
+    assert np.array_equal(RetiredIds.decode(ids.encode()).rows, ids.rows)
+
+
+def test_merging_many_ranks_reads_the_retired_ids_they_share_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    states = []
+    for r in range(8):
+        loader = shuffled(lanes=8, rank=r, world_size=8).iter(retire=[(0, 0, 5), (0, 0, 9)])
+        next(loader)
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        loader.close()
+    for state in states:
+        zephon.save_rank_state(str(tmp_path), state)
+    decode = RetiredIds.decode
+    decoded: list[str] = []
+
+    def counted(value: Any, where: str = "retired") -> RetiredIds:
+        decoded.append(where)
+        return decode(value, where)
+
+    monkeypatch.setattr(RetiredIds, "decode", counted)
+    job = zephon.merge_states(states)
+    assert len(decoded) == 1  # not once or twice per rank: a job may have a thousand
+    assert zephon.load_job_state(str(tmp_path)) == job
+    assert len(decoded) <= 1 + 2
+    rest = delivered(shuffled(lanes=8).iter(state=job))
+    assert not {(0, 0, 5), (0, 0, 9)} & set(rest) and len(set(rest)) == len(rest) > N // 2

@@ -28,8 +28,8 @@ from zephon.errors import (
 from zephon.plan import Plan
 from zephon.progress import bar
 from zephon.runtime.checkpoint.format import check_identity, seal, unseal
-from zephon.runtime.checkpoint.history import RunHistory, change_event, global_step
-from zephon.runtime.checkpoint.job import job_step, rank_served, rank_turn
+from zephon.runtime.checkpoint.history import RunHistory, change_event
+from zephon.runtime.checkpoint.job import job_step, rank_served, rank_turn, state_step
 from zephon.runtime.checkpoint.layout import Layout
 from zephon.runtime.checkpoint.relane import relaned_state
 from zephon.runtime.checkpoint.retired import (
@@ -582,7 +582,7 @@ class Loader(LoaderStep):
                         geometry=self.layout.geometry,
                     )
                 )
-        step = global_step([lane.state() for lane in self.lanes])
+        step = self.served // len(self.lanes)  # the global step, the same on every rank
         self.history.add({"event": "retire", "step": step, "ids": len(taken)})
         self.retired.add(Retirement(taken, horizons))
         self._screen_retired()
@@ -687,7 +687,7 @@ class Loader(LoaderStep):
         )
         old = body["pipeline"].get("operators")
         new = self.plan.fingerprint_parts["operators"]
-        self.history.add(change_event(global_step(body["lane_states"]), changes, old, new))
+        self.history.add(change_event(state_step(body), changes, old, new))
         chain = self.plan.chain
         reordering = [op.name for op in chain if not op.traits.preserves_cursor_order]
         cause = changed_records(changes, reordering)

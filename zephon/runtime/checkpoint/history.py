@@ -20,6 +20,7 @@ from zephon.runtime.checkpoint.dataloader_state import (
     with_dataset_state,
 )
 from zephon.runtime.checkpoint.format import seal, unseal
+from zephon.runtime.checkpoint.job import state_step
 from zephon.runtime.checkpoint.schema import (
     JOB_FORMAT,
     MAX_EVENTS,
@@ -30,19 +31,6 @@ from zephon.runtime.checkpoint.schema import (
 
 MAX_CHANGES = 20  # changed operators named in one event
 _SHOWN = 200  # characters of one named change
-
-
-def global_step(lane_states: Any) -> int:
-    """The global step a state stands at: the fewest items an unfinished lane delivered (0 when
-    every lane finished or the lane states are not a list)."""
-    if type(lane_states) is not list:
-        return 0
-    counts = [
-        s["delivered"]
-        for s in lane_states
-        if type(s) is dict and not s.get("finished") and type(s.get("delivered")) is int
-    ]
-    return min(counts, default=0)
 
 
 def with_event(history: list[dict[str, Any]], event: dict[str, Any]) -> list[dict[str, Any]]:
@@ -119,6 +107,6 @@ def skip_steps(state: dict[str, Any], steps: int) -> dict[str, Any]:
         history = [*history]
         history[at] = {**history[at], "steps": history[at]["steps"] + steps}
     else:
-        event = {"event": "skip", "step": global_step(body["lane_states"]), "steps": steps}
+        event = {"event": "skip", "step": state_step(body), "steps": steps}
         history = with_event(history, event)
     return seal({**body, "history": history, "skip": pending + steps})

@@ -9,13 +9,14 @@ the same global step; the result holds all lanes, and each rank of the next run 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
 from zephon.errors import CheckpointError, CheckpointMismatchError
 from zephon.runtime.checkpoint.dataloader_state import unwrapped
 from zephon.runtime.checkpoint.format import seal, unseal
-from zephon.runtime.checkpoint.retired import merge_retired
+from zephon.runtime.checkpoint.retired import RetiredIds, merge_retired
 from zephon.runtime.checkpoint.saved_state import check_saved_state
 from zephon.runtime.checkpoint.schema import (
     COUNTERS,
@@ -29,6 +30,7 @@ from zephon.runtime.checkpoint.schema import (
 )
 
 _SHOWN = 8  # missing lanes or ranks named in an error
+_PER_VALUE = 3  # ranks named for each global step or world size when many ranks share one
 
 
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -39,7 +41,8 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     ``CheckpointError`` naming the problem when ranks or lanes are missing or duplicated, or the
     ranks were checkpointed at different global steps.
     """
-    bodies = [_rank_body(i, state) for i, state in enumerate(states)]
+    known: dict[str, RetiredIds] = {}  # the retired ids every rank holds, decoded once
+    bodies = [_rank_body(i, state, known) for i, state in enumerate(states)]
     if not bodies:
         raise CheckpointError("merge_states needs the state of every rank, got none")
     first = bodies[0]
@@ -62,16 +65,22 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             "resumed differently: give every rank the same allow_changes=, retire= and "
             "skip_steps"
         )
-    retired = merge_retired([body.get("retired") for body in bodies])
+    retired = merge_retired([body.get("retired") for body in bodies], known)
     sizes = {body.get("world_size") for body in bodies}
     if len(sizes) != 1:
-        shown = ", ".join(f"rank {b.get('rank')} of {b.get('world_size')}" for b in bodies)
+        shown = _ranks_by(
+            [(b["rank"], b["world_size"]) for b in bodies],
+            lambda r, w: f"rank {r} of {w}",
+            lambda n, w: f"and {n} more of {w}",
+        )
         raise CheckpointError(f"the states were taken under different world sizes: {shown}")
     world_size = check_int(sizes.pop(), "world_size", 1, lanes)
     ranks = Counter(body.get("rank") for body in bodies)
     duplicated = [r for r, n in ranks.items() if n > 1]
     if duplicated:
-        raise CheckpointError(f"merge_states got rank(s) {duplicated} more than once")
+        raise CheckpointError(
+            f"merge_states got rank(s) {_first(sorted(duplicated))} more than once"
+        )
     by_lane: dict[int, dict[str, Any]] = {}
     for body in bodies:
         lane_states = body.get("lane_states")
@@ -123,7 +132,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     )
 
 
-def _rank_body(i: int, state: Any) -> dict[str, Any]:
+def _rank_body(i: int, state: Any, known: dict[str, RetiredIds]) -> dict[str, Any]:
     """The ``i``-th state given to ``merge_states``, unsealed and checked; an error says which
     state it is."""
     state = unwrapped(state)  # a StatefulDataLoader's state: its dataset's
@@ -133,7 +142,7 @@ def _rank_body(i: int, state: Any) -> dict[str, Any]:
             "job state, merged already. Resume from it, or merge the states it was merged from"
         )
     try:
-        return check_saved_state(unseal(state))
+        return check_saved_state(unseal(state), known)
     except CheckpointError as exc:
         raise exc.add_context(state=i) from None
 
@@ -151,6 +160,36 @@ def _missing(lanes: int, by_lane: dict[int, Any], world_size: int, ranks: Counte
     return f"lanes {first(lanes, by_lane)} of the job's {lanes} are missing" + (
         f" (no state of rank(s) {first(world_size, ranks)})" if absent > 0 else ""
     )
+
+
+def _first(ranks: list[Any]) -> str:
+    """``ranks``, or the first few of them and how many more (a job may have thousands)."""
+    if len(ranks) <= _SHOWN:
+        return f"{ranks}"
+    return f"{ranks[: _SHOWN - 1]} and {len(ranks) - _SHOWN + 1} others"
+
+
+def _ranks_by(
+    pairs: list[tuple[Any, Any]], name: Callable[[Any, Any], str], more: Callable[[int, Any], str]
+) -> str:
+    """``name(rank, value)`` for every ``(rank, value)`` pair, in rank order; of a job of many
+    ranks only the first few ranks of each value (``more`` says how many others share it) and
+    the first few values, so the ranks that differ from the rest are named and the text stays
+    short."""
+    pairs = sorted(pairs, key=lambda pair: pair[0])
+    if len(pairs) <= _SHOWN:
+        return ", ".join(name(r, value) for r, value in pairs)
+    groups: dict[Any, list[Any]] = {}
+    for r, value in pairs:
+        groups.setdefault(value, []).append(r)
+    parts = []
+    for value, group in islice(groups.items(), _SHOWN):
+        text = ", ".join(name(r, value) for r in group[:_PER_VALUE])
+        if len(group) > _PER_VALUE:
+            text += f" {more(len(group) - _PER_VALUE, value)}"
+        parts.append(text)
+    rest = sum(len(group) for group in islice(groups.values(), _SHOWN, None))
+    return ", ".join(parts) + (f" and {rest} more ranks" if rest else "")
 
 
 def rank_served(body: dict[str, Any]) -> int:
@@ -182,15 +221,27 @@ def _job_step(bodies: list[dict[str, Any]], per_rank: int) -> int:
         "state on the same world size"
     )
     if len({step for step, _ in steps.values()}) > 1:
-        shown = ", ".join(f"rank {r} at step {s}" for r, (s, _) in sorted(steps.items()))
-        parts = ", ".join(f"rank {r} {m} items into it" for r, m in sorted(inside.items()))
+        shown = _ranks_by(
+            [(r, s) for r, (s, _) in steps.items()],
+            lambda r, s: f"rank {r} at step {s}",
+            lambda n, s: f"and {n} more at step {s}",
+        )
+        parts = _ranks_by(
+            list(inside.items()),
+            lambda r, m: f"rank {r} {m} items into it",
+            lambda n, m: f"and {n} more",
+        )
         raise CheckpointError(
             f"the ranks were checkpointed at different global steps: {shown}"
             + (f" ({parts}; a global step is {per_rank} items per rank). {advice}" if parts else "")
         )
     if inside and len(bodies) > 1:  # one rank's position inside a step resumes on its own
         step = next(iter(steps.values()))[0]
-        shown = ", ".join(f"rank {r} had handed over {m}" for r, m in sorted(inside.items()))
+        shown = _ranks_by(
+            list(inside.items()),
+            lambda r, m: f"rank {r} had handed over {m}",
+            lambda n, m: f"and {n} more",
+        )
         raise CheckpointError(
             f"the ranks were checkpointed inside a global step: global step {step} is "
             f"{per_rank} items per rank, and {shown}. {advice}"
@@ -231,6 +282,22 @@ def job_step(body: dict[str, Any]) -> int:
     return min(open_counts, default=0)
 
 
+def state_step(body: dict[str, Any]) -> int:
+    """The global step an unsealed state (a rank's or a job's) stands at: the job's ``step``, or
+    the items the rank handed over in global steps of its world size; the same on every rank of a
+    job in lockstep, whichever lanes ended or were re-laned (0 for a state too damaged to say,
+    which its load refuses)."""
+    try:
+        if body.get("format") == JOB_FORMAT:
+            return job_step(body)
+        lanes, world_size = body.get("lanes"), body.get("world_size")
+        if type(lanes) is not int or type(world_size) is not int or not 1 <= world_size <= lanes:
+            return 0
+        return rank_served(body) // (lanes // world_size)
+    except (CheckpointError, KeyError, TypeError):
+        return 0
+
+
 def rank_turn(lane_states: list[dict[str, Any]]) -> int:
     """Where a rank's round-robin over ``lane_states`` (checked, in lane order) stands: the first
     lane that has not ended and delivered fewer items than the ones before it (0 when all are
@@ -249,4 +316,5 @@ __all__ = [
     "merge_states",
     "rank_served",
     "rank_turn",
+    "state_step",
 ]

@@ -21,6 +21,7 @@ from zephon.runtime.checkpoint.format import (
     unseal,
 )
 from zephon.runtime.checkpoint.job import merge_states
+from zephon.runtime.checkpoint.retired import RetiredIds
 from zephon.runtime.checkpoint.saved_state import check_saved_state
 from zephon.runtime.checkpoint.schema import STATE_FORMAT
 from zephon.sources.locations import filesystem_and_path
@@ -94,12 +95,13 @@ def load_job_state(where: str, *, filesystem: Any = None) -> dict[str, Any]:
             "rank must call save_rank_state before the job state can be read"
         )
     states = []
+    known: dict[str, RetiredIds] = {}  # the retired ids every rank holds, checked once
     for rank in range(world):
         path = by_rank[rank]
         with fs.open_input_stream(path) as f:
             state = state_from_checkpoint_bytes(f.read(), path)
         try:
-            body = check_saved_state(unseal(state, (STATE_FORMAT,)))
+            body = check_saved_state(unseal(state, (STATE_FORMAT,)), known)
         except CheckpointError as exc:
             raise exc.add_context(file=path) from None
         if (body["rank"], body["world_size"]) != (rank, world):

@@ -38,6 +38,9 @@ from zephon.runtime.checkpoint.schema import MAX_INT, corrupt
 
 MAX_RETIRED = 1_000_000  # ids a state keeps
 MAX_SETS = 16  # retirements a run takes
+# What a retirement's ids inflate to at most (the count, then three columns): contiguous ids, a
+# whole shard retired, pack far tighter than other packed fields, so their bound is their count.
+_MAX_IDS_BYTES = 8 * (1 + 3 * MAX_RETIRED)
 Horizons = dict[tuple[int, int], int]  # (generation, lane) -> first lane-local chunk screened
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 1], dtype=np.uint64)
 _ID = np.dtype([("dataset", "<i8"), ("shard", "<i8"), ("index", "<i8")])  # sorts as a triple
@@ -104,7 +107,7 @@ class RetiredIds:
     def decode(cls, value: Any, where: str = "retired") -> RetiredIds:
         """What ``encode`` made, checked (``CheckpointCorruptError`` otherwise)."""
         try:
-            flat = unpack_ints(value)
+            flat = unpack_ints(value, _MAX_IDS_BYTES)
         except ValueError as exc:
             raise corrupt(where, str(exc)) from None
         n = int(flat[0]) if len(flat) else -1
@@ -187,10 +190,20 @@ class Retirement:
         return {"ids": self.ids.encode(), "from": pack_ints(flat)}
 
     @classmethod
-    def decode(cls, value: Any, where: str) -> Retirement:
+    def decode(
+        cls, value: Any, where: str, known: dict[str, RetiredIds] | None = None
+    ) -> Retirement:
+        """``value`` (one of a state's ``retired``), checked; ids whose packed text is in
+        ``known`` are taken from there instead of decoded again, and ``known`` keeps those
+        decoded (the ranks of a job all hold the same ids)."""
         if type(value) is not dict or set(value) != {"ids", "from"}:
             raise corrupt(where, "must be an object with the fields ids and from")
-        ids = RetiredIds.decode(value["ids"], f"{where}.ids")
+        text = value["ids"]
+        ids = known.get(text) if known is not None and type(text) is str else None
+        if ids is None:
+            ids = RetiredIds.decode(text, f"{where}.ids")
+            if known is not None:
+                known[text] = ids
         try:
             flat = unpack_ints(value["from"]).tolist()
         except ValueError as exc:
@@ -221,13 +234,14 @@ def horizons_of(runs: list[Run], *, monotone: bool, per_epoch: int, geometry: An
     return out
 
 
-def decode_retirements(value: Any) -> list[Retirement]:
-    """A state's ``retired``, checked: null, or a list of retirements."""
+def decode_retirements(value: Any, known: dict[str, RetiredIds] | None = None) -> list[Retirement]:
+    """A state's ``retired``, checked: null, or a list of retirements (``known``: see
+    ``Retirement.decode``)."""
     if value is None:
         return []
     if type(value) is not list or not 1 <= len(value) <= MAX_SETS:
         raise corrupt("retired", f"must be null or a list of 1 to {MAX_SETS} retirements")
-    return [Retirement.decode(part, f"retired[{i}]") for i, part in enumerate(value)]
+    return [Retirement.decode(part, f"retired[{i}]", known) for i, part in enumerate(value)]
 
 
 class Retirements:
@@ -255,14 +269,19 @@ class Retirements:
         self._encoded = [r.encode() for r in sets] or None
 
 
-def merge_retired(values: list[Any]) -> Any:
+def merge_retired(values: list[Any], known: dict[str, RetiredIds] | None = None) -> Any:
     """The ``retired`` of a job state from those of its ranks: the same ids, each rank's
-    horizons for its own lanes together."""
+    horizons for its own lanes together. The ids the ranks share are decoded once (``known``:
+    see ``Retirement.decode``), so merging a thousand ranks costs one decoding of them."""
     first = values[0]
-    sets = [decode_retirements(value) for value in values]
+    known = {} if known is None else known
+    sets = [decode_retirements(value, known) for value in values]
     if any(
         len(part) != len(sets[0])
-        or any(a.ids.encode() != b.ids.encode() for a, b in zip(part, sets[0]))
+        or any(
+            a.ids is not b.ids and not np.array_equal(a.ids.rows, b.ids.rows)
+            for a, b in zip(part, sets[0])
+        )
         for part in sets
     ):
         raise CheckpointError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from zephon.runtime.checkpoint.format import check_fingerprint
-from zephon.runtime.checkpoint.retired import decode_retirements
+from zephon.runtime.checkpoint.retired import RetiredIds, decode_retirements
 from zephon.runtime.checkpoint.schema import (
     check_history,
     check_int,
@@ -26,9 +26,12 @@ from zephon.runtime.checkpoint.schema import (
 )
 
 
-def check_saved_state(body: dict[str, Any]) -> dict[str, Any]:
+def check_saved_state(
+    body: dict[str, Any], known: dict[str, RetiredIds] | None = None
+) -> dict[str, Any]:
     """``body`` (``unseal``'s result), every field checked that can be without the pipeline;
-    ``CheckpointCorruptError`` naming the first that is wrong."""
+    ``CheckpointCorruptError`` naming the first that is wrong. ``known``: retired ids checked
+    already, by their packed text (the states of a job's ranks share them)."""
     job = check_keys(body)
     lanes = check_int(body["lanes"], "lanes", 1)
     check_fingerprint(body)
@@ -66,7 +69,7 @@ def check_saved_state(body: dict[str, Any]) -> dict[str, Any]:
         if key in body:
             check_int(body[key], key)
     check_history(body["history"], body["skip"])
-    decode_retirements(body["retired"])
+    decode_retirements(body["retired"], known)
     return body
 
 

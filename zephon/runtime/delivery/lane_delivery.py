@@ -321,7 +321,9 @@ class LaneDelivery(LaneOutlet):
                 self.replay = self._replay_to(cursor, expect, changed=first.changed)
         self.feed.start_at = {
             "runs": [run.for_runner() for run in runs],
-            "layout": layout.encode(),
+            # the rank's one lane history, shared by its lanes: encoded and decoded again per
+            # lane, it cost O(lanes) each, O(lanes^2) for a rank of a thousand lanes
+            "layout": layout,
             "skip_offset": skip,
         }
         return checked

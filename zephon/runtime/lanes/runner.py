@@ -135,10 +135,11 @@ class LaneRunner:
     ``carry``; see ``layout.Run.for_runner``): after a re-laning, first what lanes of an earlier
     generation had in flight, under their identity, then the lane's own chunks. Without ``runs``
     the lane runs its own chunks from local chunk ``start_local`` with ``carry``. ``layout`` is the
-    job's lane history (``Layout.encode()``); ``skip_offset`` starts the first chunk at that offset
-    (source-level skip on restore of an indexable plan); ``retired`` the samples screened out
-    at fetch (``runtime.retire``). ``overlap=False`` makes the first operator's calls in the lane's
-    thread even when it could run ahead (``overlap.NextRead``): for a read that stops early.
+    job's lane history (a ``Layout``, or ``Layout.encode()``); ``skip_offset`` starts the first
+    chunk at that offset (source-level skip on restore of an indexable plan); ``retired`` the
+    samples screened out at fetch (``runtime.retire``). ``overlap=False`` makes the first
+    operator's calls in the lane's thread even when it could run ahead (``overlap.NextRead``):
+    for a read that stops early.
     """
 
     def __init__(
@@ -150,7 +151,7 @@ class LaneRunner:
         carry: list[Any] | None = None,
         skip_offset: int = 0,
         runs: list[dict[str, Any]] | None = None,
-        layout: list[dict[str, Any]] | None = None,
+        layout: Layout | list[dict[str, Any]] | None = None,
         op_stats: list[list[Any]] | None = None,
         setup: OperatorSetup | Callable[[], OperatorSetup | None] | None = None,
         retired: list[Retirement] | None = None,
@@ -163,9 +164,12 @@ class LaneRunner:
         # lane gets the training process's, made on first use in the lane's own thread.
         self.setup = setup() if callable(setup) else setup
         total = plan.source.total_chunks()
-        self.layout = (
-            Layout.fresh(plan.lanes, total) if layout is None else Layout.decode(layout, total)
-        )
+        if layout is None:
+            self.layout = Layout.fresh(plan.lanes, total)
+        elif isinstance(layout, Layout):
+            self.layout = layout  # read only: the lanes of a rank share it
+        else:
+            self.layout = Layout.decode(layout, total)
         self.runs = runs or [
             {"gen": 0, "lane": lane_id, "start": start_local, "end": None, "carry": carry}
         ]
