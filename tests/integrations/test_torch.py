@@ -246,7 +246,9 @@ def test_a_state_with_changed_operators_resumes_when_allowed(where):
     assert all(w == 5 * i for batch in rest for i, w in zip(batch["idx"][2], batch["weight"][2]))
 
 
-def test_load_state_dict_retires_samples():
+def _resumed_retiring_the_even_samples() -> tuple[list[int], Any]:
+    """The samples of the first 3 batches, and a dataset resumed after them with the even
+    samples retired at its load."""
     pytest.importorskip("torch")
     from zephon.integrations.torch import as_torch_dataset
 
@@ -257,6 +259,11 @@ def test_load_state_dict_retires_samples():
     ds.close()
     resumed = as_torch_dataset(mapped(_tripled))
     resumed.load_state_dict(state, retire=[(0, 0, i) for i in range(0, 45, 2)])
+    return head, resumed
+
+
+def test_load_state_dict_retires_samples():
+    head, resumed = _resumed_retiring_the_even_samples()
     rest = [i for batch in resumed for i in plain(batch)["idx"][2]]
     assert sorted(head + rest) == sorted(set(head) | {i for i in range(45) if i % 2})
     assert resumed.state_dict()["retired"]  # kept in the dataset's later states
@@ -290,16 +297,9 @@ def stateful_loader(num_workers: int) -> Any:
 def test_a_state_taken_before_the_first_batch_keeps_the_samples_retired_at_the_load():
     # a checkpoint right after the resume that retired them (a preemption before the first
     # batch): resumed from it, the retired samples stay out without retire= again
-    pytest.importorskip("torch")
     from zephon.integrations.torch import as_torch_dataset
 
-    ds = as_torch_dataset(mapped(_tripled))
-    it = iter(ds)
-    head = [i for _ in range(3) for i in plain(next(it))["idx"][2]]
-    state = ds.state_dict()
-    ds.close()
-    resumed = as_torch_dataset(mapped(_tripled))
-    resumed.load_state_dict(state, retire=[(0, 0, i) for i in range(0, 45, 2)])
+    head, resumed = _resumed_retiring_the_even_samples()
     saved = resumed.state_dict()
     assert saved["retired"]
     again = as_torch_dataset(mapped(_tripled))

@@ -20,29 +20,41 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 4  # the job's lanes
 STEPS = 3  # global steps before the checkpoint
 
-RANK = textwrap.dedent("""
+# A rank of a job of {world} processes on a (dp, tp) mesh of shape {shape}: its loader, on the
+# data-parallel rank, then what the script goes on to do with it.
+MESH_RANK = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {tests!r})
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    import zephon
     from zephon.integrations.torch import job_state
     from zephon.ranks import from_device_mesh
     from integrations.test_torch_mesh import make, item
 
     url, rank = sys.argv[1], int(sys.argv[2])
-    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=4)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size={world})
+    mesh = init_device_mesh("cpu", {shape}, mesh_dim_names=("dp", "tp"))
     dp = from_device_mesh(mesh, "dp")
     loader = iter(make(rank=dp.rank, world_size=dp.world_size))
+""")
+ENDS = textwrap.dedent("""
+    loader.close()
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+RANK = (
+    MESH_RANK.format(tests=TESTS, world=4, shape=(2, 2))
+    + textwrap.dedent("""
     head = [item(next(loader)) for _ in range({steps} * ({n} // dp.world_size))]
     job = job_state(loader, group=dp.group)
     both = from_device_mesh(mesh, ("dp", "tp"))
     print(json.dumps({{"dp": [dp.rank, dp.world_size], "head": head, "job": job,
                        "both": [both.rank, both.world_size, dist.get_world_size(both.group)]}}))
-    loader.close()
-    dist.barrier()
-    dist.destroy_process_group()
-""").format(tests=TESTS, steps=STEPS, n=N)
+""").format(steps=STEPS, n=N)
+    + ENDS
+)
 
 
 def make(**kw):
@@ -111,32 +123,19 @@ def test_dp_dims_must_name_dimensions_of_the_mesh() -> None:
         dist.destroy_process_group()
 
 
-PEERS = textwrap.dedent("""
-    import json, sys
-    sys.path.insert(0, {tests!r})
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    import zephon
-    from zephon.integrations.torch import job_state
-    from zephon.ranks import from_device_mesh
-    from integrations.test_torch_mesh import make
-
-    url, rank = sys.argv[1], int(sys.argv[2])
-    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-    dp = from_device_mesh(mesh, "dp")
-    loader = iter(make(rank=dp.rank, world_size=dp.world_size))
+PEERS = (
+    MESH_RANK.format(tests=TESTS, world=2, shape=(1, 2))
+    + textwrap.dedent("""
     next(loader)
     try:
         job_state(loader)                  # over the whole job: both tensor-parallel peers
         error = ""
     except zephon.CheckpointError as exc:
         error = type(exc).__name__ + ": " + str(exc)
-    print(json.dumps({{"error": error, "own": job_state(loader, group=dp.group)["format"]}}))
-    loader.close()
-    dist.barrier()
-    dist.destroy_process_group()
-""").format(tests=TESTS)
+    print(json.dumps({"error": error, "own": job_state(loader, group=dp.group)["format"]}))
+""")
+    + ENDS
+)
 
 
 def test_job_state_over_the_whole_mesh_says_to_gather_over_the_data_parallel_group(
