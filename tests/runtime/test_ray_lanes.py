@@ -568,3 +568,72 @@ def test_a_pipeline_ray_cannot_serialize_is_refused_naming_the_operator_and_attr
     assert "cannot pickle '_thread.lock' object" in message
     assert len(message) < 600, "Ray's dump of the whole plan is left out"
     assert not our_actors()
+
+
+MAIN_SCRIPT = textwrap.dedent("""
+    import sys, warnings
+    import numpy as np
+    import ray
+    import zephon
+    from zephon.ops import batch, fetch, map_transform
+    from zephon.ops.base import Operator, OpTraits
+    from zephon.sources.memory import RangeSource
+
+
+    class Doubled(Operator):
+        # defined in the driver script: Ray carries it by value, as cloudpickle does
+        traits = OpTraits(preserves_cursor_order=True)
+
+        def __init__(self):
+            self.table = np.arange(100) * 2
+
+        def process_many(self, records):
+            out = []
+            for rec in records:
+                out.append(rec.with_payload(int(self.table[rec.payload["idx"]])))
+            return out
+
+
+    def odd_row(payload):
+        if payload == 14:
+            warnings.warn("row 14 looks odd", UserWarning)
+        return payload
+
+
+    def rows(workers):
+        ops = [fetch(), Doubled(), map_transform(odd_row), batch(4)]
+        pipeline = zephon.Pipeline(
+            RangeSource(40, chunk_size=8), ops, lanes=2, workers=workers, timeout=60.0
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pipeline.iter() as loader:
+                got = [np.asarray(b.payload).tolist() for b in loader]
+        return got, [w.category.__name__ + ": " + str(w.message) for w in caught]
+
+
+    if __name__ == "__main__":
+        ray.init(address={address!r}, log_to_driver=False)
+        inline, on_ray = rows("inline"), rows("ray")
+        print("same rows:", inline[0] == on_ray[0])
+        print("inline warned:", inline[1])
+        print("ray warned:", on_ray[1])
+""")
+
+
+def test_operators_of_the_driver_script_run_on_ray_and_their_warnings_arrive(ray_cluster, tmp_path):
+    # The actors' ``__main__`` is Ray's worker, not the script: a warning raised by an operator
+    # of the script still reaches the script's filters, as it does from process lanes.
+    script = tmp_path / "train.py"
+    script.write_text(MAIN_SCRIPT.format(address=ray_cluster))
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=2 * DEADLINE,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "same rows: True" in out.stdout
+    assert "inline warned: ['UserWarning: row 14 looks odd']" in out.stdout
+    assert "ray warned: ['UserWarning: row 14 looks odd']" in out.stdout, out.stdout

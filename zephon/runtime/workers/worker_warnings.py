@@ -83,9 +83,15 @@ def reraise(found: list[tuple[Any, ...]]) -> None:
         category = _category(module_name, qualname)
         if category is UserWarning and qualname != "UserWarning":
             text = f"{qualname}: {text}"  # a category this process does not have
+        # A worker that has no module of the file (a Ray actor, whose ``__main__`` is Ray's own,
+        # running an operator of the training script) leaves it to this process to name one.
+        module = module or _module_of(filename)
         loaded = sys.modules.get(module) if module else None
         registry = vars(loaded).setdefault("__warningregistry__", {}) if loaded else _registry
-        warnings.warn_explicit(text, category, filename, lineno, module=module, registry=registry)
+        if module is None:  # warn_explicit(module=None) shows nothing: it names one from the file
+            warnings.warn_explicit(text, category, filename, lineno, registry=registry)
+        else:
+            warnings.warn_explicit(text, category, filename, lineno, module, registry)
 
 
 def _category(module_name: str, qualname: str) -> type[Warning]:
