@@ -637,3 +637,77 @@ def test_operators_of_the_driver_script_run_on_ray_and_their_warnings_arrive(ray
     assert "same rows: True" in out.stdout
     assert "inline warned: ['UserWarning: row 14 looks odd']" in out.stdout
     assert "ray warned: ['UserWarning: row 14 looks odd']" in out.stdout, out.stdout
+
+
+RAISING_SCRIPT = textwrap.dedent("""
+    import ray
+    import zephon
+    from zephon.ops import fetch
+    from zephon.ops.base import Operator, OpTraits
+    from zephon.sources.memory import RangeSource
+
+
+    class NoShard(Exception):
+        # the training script's own error, which it catches by its class
+        pass
+
+
+    class ShardGone(Exception):
+        def __init__(self, shard, why):
+            super().__init__(f"shard {{shard}}: {{why}}")
+
+
+    class OpensShards(Operator):
+        traits = OpTraits(preserves_cursor_order=True)
+
+        def __init__(self, error):
+            self.error = error
+
+        def start_epoch(self, lane_id, epoch):
+            super().start_epoch(lane_id, epoch)
+            if lane_id == 1:
+                raise self.error(7, "gone") if self.error is ShardGone else self.error("shard 7")
+
+        def process_many(self, records):
+            return records
+
+
+    def outcome(workers, error):
+        pipeline = zephon.Pipeline(
+            RangeSource(40, chunk_size=8), [fetch(), OpensShards(error)], lanes=2,
+            workers=workers, timeout=60.0,
+        )
+        try:
+            with pipeline.iter() as loader:
+                list(loader)
+        except NoShard as exc:
+            return "caught NoShard: " + str(exc)
+        except Exception as exc:
+            return type(exc).__name__ + ": " + str(exc).splitlines()[0]
+
+
+    if __name__ == "__main__":
+        ray.init(address={address!r}, log_to_driver=False)
+        for error in (NoShard, ShardGone):
+            print(error.__name__, "inline:", outcome("inline", error))
+            print(error.__name__, "ray:", outcome("ray", error))
+""")
+
+
+def test_an_error_class_of_the_driver_script_comes_back_from_ray_as_itself(ray_cluster, tmp_path):
+    # An actor's ``__main__`` is Ray's worker: the script's error classes travel by value, and
+    # an error that cannot be rebuilt in the training process still says what it was.
+    script = tmp_path / "train.py"
+    script.write_text(RAISING_SCRIPT.format(address=ray_cluster))
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=2 * DEADLINE,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "NoShard inline: caught NoShard: shard 7" in out.stdout
+    assert "NoShard ray: caught NoShard: shard 7" in out.stdout, out.stdout
+    assert "ShardGone inline: ShardGone: shard 7: gone" in out.stdout
+    assert "ShardGone ray: ZephonError: ShardGone: shard 7: gone (" in out.stdout, out.stdout
