@@ -711,3 +711,54 @@ def test_an_error_class_of_the_driver_script_comes_back_from_ray_as_itself(ray_c
     assert "NoShard ray: caught NoShard: shard 7" in out.stdout, out.stdout
     assert "ShardGone inline: ShardGone: shard 7: gone" in out.stdout
     assert "ShardGone ray: ZephonError: ShardGone: shard 7: gone (" in out.stdout, out.stdout
+
+
+FORKED_SCRIPT = textwrap.dedent("""
+    import multiprocessing as mp
+    import os, sys
+    sys.path[:0] = [{here!r}, os.path.dirname({here!r})]
+    import ray
+    import zephon
+    from test_ray_lanes import text
+
+
+    def read(out):
+        # a torch DataLoader worker's life: forked from the training process, daemonic
+        try:
+            out.send("delivered %d" % sum(1 for _ in text(workers="ray")))
+        except Exception as exc:
+            out.send(type(exc).__name__ + ": " + str(exc))
+
+
+    if __name__ == "__main__":
+        ray.init(address={address!r}, log_to_driver=False)
+        ours, theirs = mp.Pipe()
+        child = mp.get_context("fork").Process(target=read, args=(theirs,), daemon=True)
+        child.start()
+        print("child:", ours.recv() if ours.poll(60) else "no answer", flush=True)
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+        print("parent connected:", ray.is_initialized(), flush=True)
+""")
+
+
+def test_ray_lanes_in_a_process_forked_from_a_connected_one_are_refused(ray_cluster, tmp_path):
+    # Ray's connection does not survive a fork (a torch DataLoader worker of a training process
+    # that called ray.init): using it there crashed the training process and hung the worker.
+    script = tmp_path / "train.py"
+    script.write_text(FORKED_SCRIPT.format(here=os.path.dirname(__file__), address=ray_cluster))
+    out_path = tmp_path / "out.txt"
+    with out_path.open("w") as out:  # a file, not a pipe: a hung grandchild never holds it up
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            env=script_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=2 * DEADLINE,
+        )
+    printed = out_path.read_text()
+    assert done.returncode == 0, printed[-2000:]
+    assert "child: PlanError: workers='ray' cannot run in process " in printed, printed[-2000:]
+    assert "forked from a process connected to Ray" in printed
+    assert "parent connected: True" in printed
