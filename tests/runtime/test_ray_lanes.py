@@ -568,3 +568,197 @@ def test_a_pipeline_ray_cannot_serialize_is_refused_naming_the_operator_and_attr
     assert "cannot pickle '_thread.lock' object" in message
     assert len(message) < 600, "Ray's dump of the whole plan is left out"
     assert not our_actors()
+
+
+MAIN_SCRIPT = textwrap.dedent("""
+    import sys, warnings
+    import numpy as np
+    import ray
+    import zephon
+    from zephon.ops import batch, fetch, map_transform
+    from zephon.ops.base import Operator, OpTraits
+    from zephon.sources.memory import RangeSource
+
+
+    class Doubled(Operator):
+        # defined in the driver script: Ray carries it by value, as cloudpickle does
+        traits = OpTraits(preserves_cursor_order=True)
+
+        def __init__(self):
+            self.table = np.arange(100) * 2
+
+        def process_many(self, records):
+            out = []
+            for rec in records:
+                out.append(rec.with_payload(int(self.table[rec.payload["idx"]])))
+            return out
+
+
+    def odd_row(payload):
+        if payload == 14:
+            warnings.warn("row 14 looks odd", UserWarning)
+        return payload
+
+
+    def rows(workers):
+        ops = [fetch(), Doubled(), map_transform(odd_row), batch(4)]
+        pipeline = zephon.Pipeline(
+            RangeSource(40, chunk_size=8), ops, lanes=2, workers=workers, timeout=60.0
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pipeline.iter() as loader:
+                got = [np.asarray(b.payload).tolist() for b in loader]
+        return got, [w.category.__name__ + ": " + str(w.message) for w in caught]
+
+
+    if __name__ == "__main__":
+        ray.init(address={address!r}, log_to_driver=False)
+        inline, on_ray = rows("inline"), rows("ray")
+        print("same rows:", inline[0] == on_ray[0])
+        print("inline warned:", inline[1])
+        print("ray warned:", on_ray[1])
+""")
+
+
+def test_operators_of_the_driver_script_run_on_ray_and_their_warnings_arrive(ray_cluster, tmp_path):
+    # The actors' ``__main__`` is Ray's worker, not the script: a warning raised by an operator
+    # of the script still reaches the script's filters, as it does from process lanes.
+    script = tmp_path / "train.py"
+    script.write_text(MAIN_SCRIPT.format(address=ray_cluster))
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=2 * DEADLINE,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "same rows: True" in out.stdout
+    assert "inline warned: ['UserWarning: row 14 looks odd']" in out.stdout
+    assert "ray warned: ['UserWarning: row 14 looks odd']" in out.stdout, out.stdout
+
+
+RAISING_SCRIPT = textwrap.dedent("""
+    import ray
+    import zephon
+    from zephon.ops import fetch
+    from zephon.ops.base import Operator, OpTraits
+    from zephon.sources.memory import RangeSource
+
+
+    class NoShard(Exception):
+        # the training script's own error, which it catches by its class
+        pass
+
+
+    class ShardGone(Exception):
+        def __init__(self, shard, why):
+            super().__init__(f"shard {{shard}}: {{why}}")
+
+
+    class OpensShards(Operator):
+        traits = OpTraits(preserves_cursor_order=True)
+
+        def __init__(self, error):
+            self.error = error
+
+        def start_epoch(self, lane_id, epoch):
+            super().start_epoch(lane_id, epoch)
+            if lane_id == 1:
+                raise self.error(7, "gone") if self.error is ShardGone else self.error("shard 7")
+
+        def process_many(self, records):
+            return records
+
+
+    def outcome(workers, error):
+        pipeline = zephon.Pipeline(
+            RangeSource(40, chunk_size=8), [fetch(), OpensShards(error)], lanes=2,
+            workers=workers, timeout=60.0,
+        )
+        try:
+            with pipeline.iter() as loader:
+                list(loader)
+        except NoShard as exc:
+            return "caught NoShard: " + str(exc)
+        except Exception as exc:
+            return type(exc).__name__ + ": " + str(exc).splitlines()[0]
+
+
+    if __name__ == "__main__":
+        ray.init(address={address!r}, log_to_driver=False)
+        for error in (NoShard, ShardGone):
+            print(error.__name__, "inline:", outcome("inline", error))
+            print(error.__name__, "ray:", outcome("ray", error))
+""")
+
+
+def test_an_error_class_of_the_driver_script_comes_back_from_ray_as_itself(ray_cluster, tmp_path):
+    # An actor's ``__main__`` is Ray's worker: the script's error classes travel by value, and
+    # an error that cannot be rebuilt in the training process still says what it was.
+    script = tmp_path / "train.py"
+    script.write_text(RAISING_SCRIPT.format(address=ray_cluster))
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=2 * DEADLINE,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "NoShard inline: caught NoShard: shard 7" in out.stdout
+    assert "NoShard ray: caught NoShard: shard 7" in out.stdout, out.stdout
+    assert "ShardGone inline: ShardGone: shard 7: gone" in out.stdout
+    assert "ShardGone ray: ZephonError: ShardGone: shard 7: gone (" in out.stdout, out.stdout
+
+
+FORKED_SCRIPT = textwrap.dedent("""
+    import multiprocessing as mp
+    import os, sys
+    sys.path[:0] = [{here!r}, os.path.dirname({here!r})]
+    import ray
+    import zephon
+    from test_ray_lanes import text
+
+
+    def read(out):
+        # a torch DataLoader worker's life: forked from the training process, daemonic
+        try:
+            out.send("delivered %d" % sum(1 for _ in text(workers="ray")))
+        except Exception as exc:
+            out.send(type(exc).__name__ + ": " + str(exc))
+
+
+    if __name__ == "__main__":
+        ray.init(address={address!r}, log_to_driver=False)
+        ours, theirs = mp.Pipe()
+        child = mp.get_context("fork").Process(target=read, args=(theirs,), daemon=True)
+        child.start()
+        print("child:", ours.recv() if ours.poll(60) else "no answer", flush=True)
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+        print("parent connected:", ray.is_initialized(), flush=True)
+""")
+
+
+def test_ray_lanes_in_a_process_forked_from_a_connected_one_are_refused(ray_cluster, tmp_path):
+    # Ray's connection does not survive a fork (a torch DataLoader worker of a training process
+    # that called ray.init): using it there crashed the training process and hung the worker.
+    script = tmp_path / "train.py"
+    script.write_text(FORKED_SCRIPT.format(here=os.path.dirname(__file__), address=ray_cluster))
+    out_path = tmp_path / "out.txt"
+    with out_path.open("w") as out:  # a file, not a pipe: a hung grandchild never holds it up
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            env=script_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=2 * DEADLINE,
+        )
+    printed = out_path.read_text()
+    assert done.returncode == 0, printed[-2000:]
+    assert "child: PlanError: workers='ray' cannot run in process " in printed, printed[-2000:]
+    assert "forked from a process connected to Ray" in printed
+    assert "parent connected: True" in printed

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 from collections.abc import Generator
 from typing import Any
 
@@ -28,9 +27,16 @@ Answer = tuple[str, Any, list[tuple[Any, ...]]]
 
 
 def _picklable(exc: BaseException) -> BaseException:
-    """``exc``, or a ``ZephonError`` saying what it was when it cannot travel to the loader."""
+    """``exc``, or a ``ZephonError`` saying what it was when it cannot travel to the loader.
+
+    Ray carries it with cloudpickle, as it carried the plan: an error class of the training
+    script (``__main__`` here is Ray's worker) travels by value and arrives as the script's own
+    class. It is rebuilt here first, as the loader will: an error whose ``__init__`` takes other
+    arguments than its ``args`` would fail there, naming neither itself nor the lane."""
+    from ray import cloudpickle
+
     try:
-        pickle.dumps(exc, protocol=5)
+        cloudpickle.loads(cloudpickle.dumps(exc, protocol=5))
     except Exception as why:
         return ZephonError(f"{type(exc).__name__}: {exc} (unpicklable: {why})")
     return exc

@@ -26,10 +26,32 @@ from zephon.runtime.workers.stopping import WorkerLane, closed_error, timed_out
 from zephon.runtime.workers.worker_warnings import reraise
 
 _actor_class: Any = None  # LaneActor as a Ray actor class, made once Ray is imported
+_forked_connected = False  # this process is a fork of one connected to Ray
+
+
+def _note_fork() -> None:
+    """In a forked child: whether it inherited its parent's Ray connection, which a fork
+    cannot share (using it crashes the parent's connection and hangs the child)."""
+    global _forked_connected
+    ray = sys.modules.get("ray")
+    _forked_connected = _forked_connected or (ray is not None and ray.is_initialized())
+
+
+os.register_at_fork(after_in_child=_note_fork)
 
 
 def _ray() -> Any:
     """The ``ray`` module, connected (``ray.init()`` on first use when the script did not)."""
+    if _forked_connected:
+        import multiprocessing as mp
+
+        raise PlanError(
+            f"workers='ray' cannot run in process {mp.current_process().name} (pid "
+            f"{os.getpid()}), forked from a process connected to Ray (a torch DataLoader "
+            "worker, a multiprocessing worker): Ray's connection does not survive a fork. Run "
+            "the loader in the connected process (DataLoader num_workers=0; the lanes already "
+            "parallelize), or use another workers= inside such a process"
+        )
     try:
         import ray
     except ImportError:

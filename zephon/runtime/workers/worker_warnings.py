@@ -89,6 +89,9 @@ def reraise(found: list[tuple[Any, ...]]) -> None:
             category = UserWarning
         if category is UserWarning and qualname != "UserWarning":
             text = f"{qualname}: {text}"  # a category this process does not have
+        # A worker that has no module of the file (a Ray actor, whose ``__main__`` is Ray's own,
+        # running an operator of the training script) leaves it to this process to name one.
+        module = module or _module_of(filename)
         loaded = sys.modules.get(module) if module else None
         registry = vars(loaded).setdefault("__warningregistry__", {}) if loaded else _registry
         # module=None would make warnings drop it: without a module, name none (warnings then
