@@ -42,6 +42,7 @@ from zephon.runtime.workers.pipe_messages import (
     unpicklable_part,
     write,
 )
+from zephon.runtime.workers.sent_errors import sendable
 from zephon.runtime.workers.shared_ring import MIN_RING_MESSAGE, RingWriter, ring_possible
 from zephon.runtime.workers.stopping import exit_outside_operator
 from zephon.runtime.workers.worker_warnings import forward_warnings, take_warnings
@@ -275,20 +276,9 @@ def _send_warnings(outbox: _Outbox) -> None:
 
 
 def _send_error(outbox: _Outbox, exc: BaseException) -> None:
-    """Send ``exc`` to the loader; as a ``ZephonError`` with its text and place when the loader
-    could not make it again from its pickle (a class whose ``__init__`` takes more than the
-    message pickles, but does not unpickle)."""
-    try:
-        pickle.loads(pickle.dumps(exc, protocol=5))
-        message = encode("error", exc)
-    except Exception as why:
-        placed = isinstance(exc, ZephonError)  # its text without its place, which follows
-        text = Exception.__str__(exc) if placed else str(exc)
-        error = ZephonError(f"{type(exc).__name__}: {text} (unpicklable: {why})")
-        if placed:
-            error.add_context(**exc.__dict__.get("context", {}))
-        message = encode("error", error)
-    outbox.write(message)
+    """Send ``exc`` to the loader, as ``sendable`` makes it."""
+    error = sendable(exc, lambda e: pickle.loads(pickle.dumps(e, protocol=5)))
+    outbox.write(encode("error", error))
 
 
 def process_main(

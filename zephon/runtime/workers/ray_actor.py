@@ -12,12 +12,12 @@ import os
 from collections.abc import Generator
 from typing import Any
 
-from zephon.errors import ZephonError
 from zephon.ops.base import OperatorContext
 from zephon.plan import Plan
 from zephon.runtime.lanes.operator_setup import OperatorSetup
 from zephon.runtime.lanes.runner import LaneRunner
 from zephon.runtime.workers.pipe_messages import END
+from zephon.runtime.workers.sent_errors import sendable
 from zephon.runtime.workers.stopping import exit_outside_operator
 from zephon.runtime.workers.worker_warnings import forward_warnings, take_warnings
 
@@ -27,19 +27,12 @@ Answer = tuple[str, Any, list[tuple[Any, ...]]]
 
 
 def _picklable(exc: BaseException) -> BaseException:
-    """``exc``, or a ``ZephonError`` saying what it was when it cannot travel to the loader.
-
-    Ray carries it with cloudpickle, as it carried the plan: an error class of the training
-    script (``__main__`` here is Ray's worker) travels by value and arrives as the script's own
-    class. It is rebuilt here first, as the loader will: an error whose ``__init__`` takes other
-    arguments than its ``args`` would fail there, naming neither itself nor the lane."""
+    """``exc`` as it can travel to the loader (``sendable``). Ray carries it with cloudpickle, as
+    it carried the plan: an error class of the training script (``__main__`` here is Ray's
+    worker) travels by value and arrives as the script's own class."""
     from ray import cloudpickle
 
-    try:
-        cloudpickle.loads(cloudpickle.dumps(exc, protocol=5))
-    except Exception as why:
-        return ZephonError(f"{type(exc).__name__}: {exc} (unpicklable: {why})")
-    return exc
+    return sendable(exc, lambda e: cloudpickle.loads(cloudpickle.dumps(e, protocol=5)))
 
 
 class LaneActor:
