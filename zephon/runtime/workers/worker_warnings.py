@@ -94,10 +94,10 @@ def reraise(found: list[tuple[Any, ...]]) -> None:
         module = module or _module_of(filename)
         loaded = sys.modules.get(module) if module else None
         registry = vars(loaded).setdefault("__warningregistry__", {}) if loaded else _registry
-        # module=None would make warnings drop it: without a module, name none (warnings then
-        # takes the file's name, as for a warning raised here)
-        named = {"module": module} if module else {}
-        warnings.warn_explicit(text, category, filename, lineno, registry=registry, **named)
+        if module:
+            warnings.warn_explicit(text, category, filename, lineno, module, registry)
+        else:  # module=None would make warnings drop it: name none (it takes the file's name)
+            warnings.warn_explicit(text, category, filename, lineno, registry=registry)
 
 
 def _made_from_text(category: type[Warning], text: str) -> bool:
