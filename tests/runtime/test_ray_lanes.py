@@ -463,11 +463,8 @@ SHUTDOWN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_loader_whose_process_left_ray_says_so_and_starts_no_cluster(ray_cluster, tmp_path):
-    # ray.shutdown() while a loader still runs: Ray's own get would start a new local cluster
-    # and then fail on an object of the old one, naming neither the lane nor what to do.
-    script = tmp_path / "left.py"
-    script.write_text(SHUTDOWN_SCRIPT.format(here=os.path.dirname(__file__), address=ray_cluster))
+def run_script(script: Path) -> subprocess.CompletedProcess:
+    """Run a training script that connects to the module's cluster; it must exit cleanly."""
     out = subprocess.run(
         [sys.executable, str(script)],
         env=script_env(),
@@ -476,6 +473,15 @@ def test_a_loader_whose_process_left_ray_says_so_and_starts_no_cluster(ray_clust
         timeout=2 * DEADLINE,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
+def test_a_loader_whose_process_left_ray_says_so_and_starts_no_cluster(ray_cluster, tmp_path):
+    # ray.shutdown() while a loader still runs: Ray's own get would start a new local cluster
+    # and then fail on an object of the old one, naming neither the lane nor what to do.
+    script = tmp_path / "left.py"
+    script.write_text(SHUTDOWN_SCRIPT.format(here=os.path.dirname(__file__), address=ray_cluster))
+    out = run_script(script)
     assert re.search(r"raised: lane [01] \(Ray actor \w+\) cannot go on", out.stdout)
     assert "disconnected from Ray (ray.shutdown())" in out.stdout
     assert "initialized: False" in out.stdout
@@ -626,14 +632,7 @@ def test_operators_of_the_driver_script_run_on_ray_and_their_warnings_arrive(ray
     # of the script still reaches the script's filters, as it does from process lanes.
     script = tmp_path / "train.py"
     script.write_text(MAIN_SCRIPT.format(address=ray_cluster))
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=2 * DEADLINE,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_script(script)
     assert "same rows: True" in out.stdout
     assert "inline warned: ['UserWarning: row 14 looks odd']" in out.stdout
     assert "ray warned: ['UserWarning: row 14 looks odd']" in out.stdout, out.stdout
@@ -700,14 +699,7 @@ def test_an_error_class_of_the_driver_script_comes_back_from_ray_as_itself(ray_c
     # an error that cannot be rebuilt in the training process still says what it was.
     script = tmp_path / "train.py"
     script.write_text(RAISING_SCRIPT.format(address=ray_cluster))
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=2 * DEADLINE,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_script(script)
     assert "NoShard inline: caught NoShard: shard 7" in out.stdout
     assert "NoShard ray: caught NoShard: shard 7" in out.stdout, out.stdout
     assert "ShardGone inline: ShardGone: shard 7: gone" in out.stdout
